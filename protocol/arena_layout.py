@@ -1,0 +1,238 @@
+"""Binary layout of the wheeld arena: declared here once, used everywhere.
+
+The arena is one shared-memory segment. It holds a header page (parameters,
+clock, crash-recovery intent, counters read by ``wheelctl stats``, the group
+table), then an array of 64-byte records. The first records are bucket
+sentinels; the rest are timer entries. Every link is a record index ("slot"),
+never a pointer, so the arena means the same thing in every process that maps it.
+
+Segment::
+
+    0                         HEADER_BYTES                          segment end
+    +-------------------------+----------------------------------------------+
+    | header                  | record 0 .. record (sentinels + capacity - 1)|
+    +-------------------------+----------------------------------------------+
+                              ^ RECORDS_OFFSET
+
+    record index:  0 .. FIRED_LIST-1           bucket sentinels, level by level
+                   DUE_LIST                    sentinel: timers already due
+                   FIRED_LIST                  sentinel: fired, not yet acknowledged
+                   first_entry .. end          timer entries (the "capacity")
+
+Header (little-endian, offsets in bytes)::
+
+    0    magic            u64   b"WHEELD\\x00\\x01"
+    8    layout_version   u32
+    12   record_bytes     u32   always 64
+    16   capacity         u32   timer entries
+    20   tick_ms          u32
+    24   wheel_size       u32   buckets per level
+    28   levels           u32
+    32   start_ms         i64   clock value the arena was created at
+    40   current_ms       i64   the wheel's clock: time of the last advance
+    48   free_head        i32   first free entry (singly linked through `next`)
+    52   max_groups       u32
+    56   created_wall_ms  i64
+    64   -- cache line: crash-recovery intent (see shm.wheel) --
+    64   intent_slot      i32   -1 when no update is in flight
+    68   intent_state     u32
+    72   intent_deadline  i64
+    80   intent_tag       u32
+    128  -- cache line: doorbell eventcount (the daemon's "parked" flag) --
+    128  parked           u64
+    136  wake_seq         u64
+    192  -- counters: COUNTERS u64 words, names in COUNTER_NAMES --
+    192+8*COUNTERS  -- lateness histogram: LATENESS_BUCKETS u64 --
+    GROUPS_OFFSET   -- group table: max_groups names, GROUP_NAME_BYTES each --
+
+Entry record (64 bytes)::
+
+    0       8       12      16      20      24      28   30   31   32            64
+    +-------+-------+-------+-------+-------+-------+----+----+----+-------------+
+    |deadline| prev | next  | gen   | tag   | aux   |grp |st  |kmeta| key (32 B) |
+    |  i64   | i32  | i32   | u32   | u32   | i32   |u16 |u8  |u8  |            |
+    +-------+-------+-------+-------+-------+-------+----+----+----+-------------+
+
+    deadline   ms on the arena clock (monotonic); for a sentinel: bucket expiration
+    prev/next  record indices of the neighbours in the circular list
+    gen        generation: bumped each time the entry is allocated; a handle is
+               (slot, gen), so a handle kept past its timer's life is harmless
+    tag        opaque to the wheel: the client's arming id
+    aux        opaque to the wheel: the touch reference of an idle timer, or -1
+    grp        group id (index into the group table)
+    st         bits 0-3 state (FREE, SCHEDULED, FIRED), bits 4-7 the level whose
+               bucket holds the entry (DUE_LEVEL for the due list)
+    kmeta      key type and length, see wheeld.protocol.keys
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+MAGIC = int.from_bytes(b"WHEELD\x00\x01", "little")
+LAYOUT_VERSION = 1
+
+RECORD_BYTES = 64
+KEY_BYTES = 32
+
+# ---- header field offsets (bytes) -------------------------------------------
+H_MAGIC = 0
+H_LAYOUT_VERSION = 8
+H_RECORD_BYTES = 12
+H_CAPACITY = 16
+H_TICK_MS = 20
+H_WHEEL_SIZE = 24
+H_LEVELS = 28
+H_START_MS = 32
+H_CURRENT_MS = 40
+H_FREE_HEAD = 48
+H_MAX_GROUPS = 52
+H_CREATED_WALL_MS = 56
+
+H_INTENT_SLOT = 64
+H_INTENT_STATE = 68
+H_INTENT_DEADLINE = 72
+H_INTENT_TAG = 80
+
+H_PARKED = 128
+H_WAKE_SEQ = 136
+
+H_COUNTERS = 192
+
+HEADER_FIXED = struct.Struct("<QIIIIIIqqiIq")
+assert HEADER_FIXED.size == 64, HEADER_FIXED.size
+
+# ---- counters ---------------------------------------------------------------
+# Written by the owner of the wheel (the daemon); read by anyone (wheelctl).
+COUNTER_NAMES = (
+    "pending",  # scheduled timers now
+    "fired_unacked",  # fired, awaiting acknowledgement by a client
+    "adds_total",  # new timers scheduled
+    "rearms_total",  # schedules of a key already pending
+    "cancels_total",  # cancels that removed a pending timer
+    "cancel_misses_total",  # cancels of a key that was not pending
+    "expirations_total",  # timers that came due
+    "acks_total",  # fired timers acknowledged and freed
+    "cascades_total",  # entries moved down a level
+    "idle_rearms_total",  # idle timers found touched when due and re-armed
+    "delivered_total",  # expirations sent to clients
+    "redelivered_total",  # expirations sent again after a client died
+    "late_total",  # expirations delivered after a daemon restart (marked late)
+    "ring_full_total",  # times a client found its ring full (reported by clients)
+    "rejected_total",  # commands refused (bad input, arena full)
+    "arena_full_total",  # adds refused because the arena was full
+    "clients_connected",
+    "clients_total",  # sessions accepted since start
+    "clients_refused_total",
+    "clients_dropped_total",  # disconnected for a protocol violation
+    "groups_active",
+    "ring_depth",  # commands waiting in all rings at the last drain
+    "daemon_pid",
+    "daemon_started_ms",  # arena clock when the daemon started
+    "daemon_heartbeat_ms",  # arena clock of the daemon's last loop iteration
+    "daemon_restarts_total",
+    "undelivered",  # fired timers waiting for a live group member
+    "wakeups_total",  # times the daemon woke from park
+    "loop_iterations_total",
+    "commands_total",  # ring commands applied
+    "journal_lsn",
+    "journal_durable_lsn",
+    "pending_level_0",  # pending per level (index by level); the due list is level 15
+    "pending_level_1",
+    "pending_level_2",
+    "pending_level_3",
+    "pending_level_4",
+    "pending_level_5",
+    "pending_level_6",
+    "pending_level_7",
+    "pending_level_8",
+    "pending_level_9",
+    "pending_level_10",
+    "pending_level_11",
+    "pending_level_12",
+    "pending_level_13",
+    "pending_level_14",
+    "pending_due",
+)
+COUNTERS = 64
+assert len(COUNTER_NAMES) <= COUNTERS
+COUNTER = {name: index for index, name in enumerate(COUNTER_NAMES)}
+MAX_LEVELS = 15  # levels 0..14; the state byte keeps the level in 4 bits
+DUE_LEVEL = 15
+
+# Fire lateness histogram: bucket i counts lateness in [LATENESS_BOUNDS_US[i-1], LATENESS_BOUNDS_US[i]) us,
+# the last bucket everything above. Bounds in microseconds, roughly x2 apart.
+LATENESS_BOUNDS_US = (
+    50, 100, 250, 500, 1_000, 2_000, 5_000, 10_000, 25_000, 50_000, 100_000,
+    250_000, 500_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000, 60_000_000,
+)
+LATENESS_BUCKETS = len(LATENESS_BOUNDS_US) + 1
+H_LATENESS = H_COUNTERS + 8 * COUNTERS
+H_LATENESS_SUM_US = H_LATENESS + 8 * LATENESS_BUCKETS
+GROUPS_OFFSET = 1024
+assert H_LATENESS_SUM_US + 8 <= GROUPS_OFFSET
+GROUP_NAME_BYTES = 32  # UTF-8, zero padded; an empty name marks an unused id
+DEFAULT_MAX_GROUPS = 1024
+
+
+def header_bytes(max_groups: int) -> int:
+    """Header size: fixed part plus the group table, rounded up to a page."""
+    raw = GROUPS_OFFSET + max_groups * GROUP_NAME_BYTES
+    return (raw + 4095) // 4096 * 4096
+
+
+# ---- record field offsets (bytes within a record) ---------------------------
+R_DEADLINE = 0
+R_PREV = 8
+R_NEXT = 12
+R_GEN = 16
+R_TAG = 20
+R_AUX = 24
+R_GROUP = 28
+R_STATE = 30
+R_KEY_META = 31
+R_KEY = 32
+
+RECORD = struct.Struct("<qiiIIiHBB32s")
+assert RECORD.size == RECORD_BYTES, RECORD.size
+
+RECORD_DTYPE = np.dtype(
+    {
+        "names": ["deadline", "prev", "next", "gen", "tag", "aux", "group", "state", "key_meta", "key"],
+        "formats": ["<i8", "<i4", "<i4", "<u4", "<u4", "<i4", "<u2", "u1", "u1", "V32"],
+        "offsets": [R_DEADLINE, R_PREV, R_NEXT, R_GEN, R_TAG, R_AUX, R_GROUP, R_STATE, R_KEY_META, R_KEY],
+        "itemsize": RECORD_BYTES,
+    }
+)
+assert RECORD_DTYPE.itemsize == RECORD_BYTES
+
+# Word indices inside a record, for memoryview casts of the whole arena.
+Q_DEADLINE = R_DEADLINE // 8  # in int64 words
+I_PREV = R_PREV // 4  # in int32 words
+I_NEXT = R_NEXT // 4
+I_GEN = R_GEN // 4
+I_TAG = R_TAG // 4
+I_AUX = R_AUX // 4
+H_GROUP_WORD = R_GROUP // 2  # in uint16 words
+Q_PER_RECORD = RECORD_BYTES // 8
+I_PER_RECORD = RECORD_BYTES // 4
+H_PER_RECORD = RECORD_BYTES // 2
+
+# ---- record states (low 4 bits of the state byte) ---------------------------
+FREE = 0
+SCHEDULED = 1
+FIRED = 2
+STATE_NAMES = {FREE: "free", SCHEDULED: "scheduled", FIRED: "fired"}
+STATE_MASK = 0x0F
+LEVEL_SHIFT = 4
+
+
+def sentinel_count(levels: int, wheel_size: int) -> int:
+    """Bucket sentinels of every level, plus the due list and the fired list."""
+    return levels * wheel_size + 2
+
+
+def segment_bytes(capacity: int, levels: int, wheel_size: int, max_groups: int) -> int:
+    return header_bytes(max_groups) + (sentinel_count(levels, wheel_size) + capacity) * RECORD_BYTES

@@ -1,0 +1,92 @@
+"""Create, attach and unlink the shared-memory segments wheeld lives in.
+
+Segments are POSIX shared memory (``posix_ipc`` + ``mmap``), never
+``multiprocessing.shared_memory``: the standard library's resource tracker
+unlinks a segment when any process that attached it exits (Python 3.11-3.13),
+which would delete a live arena under the daemon's feet.
+
+A segment created with ``name=None`` is private anonymous memory: the same code
+runs in-process (tests, the in-process purgatory) without touching /dev/shm.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+
+import posix_ipc
+
+from wheeld.protocol.errors import CorruptArena, InvalidRequest
+
+
+def normalize_name(name: str) -> str:
+    """POSIX shm names start with one slash and contain no other."""
+    if not name or not isinstance(name, str):
+        raise InvalidRequest("a shared-memory name must be a non-empty string")
+    name = "/" + name.lstrip("/")
+    if "/" in name[1:] or len(name) > 250:
+        raise InvalidRequest(f"invalid shared-memory name {name!r}")
+    return name
+
+
+@dataclass
+class Segment:
+    """A mapped segment: ``buf`` is the mmap, ``name`` None for private memory."""
+
+    buf: mmap.mmap
+    name: str | None
+    size: int
+    readonly: bool = False
+
+    @classmethod
+    def create(cls, name: str | None, size: int, mode: int = 0o600) -> "Segment":
+        if name is None:
+            return cls(mmap.mmap(-1, size), None, size)
+        name = normalize_name(name)
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
+        try:
+            buf = mmap.mmap(shm.fd, size)
+        except BaseException:
+            shm.close_fd()
+            posix_ipc.unlink_shared_memory(name)
+            raise
+        shm.close_fd()
+        return cls(buf, name, size)
+
+    @classmethod
+    def attach(cls, name: str, readonly: bool = False) -> "Segment":
+        name = normalize_name(name)
+        try:
+            shm = posix_ipc.SharedMemory(name, flags=0, read_only=readonly)
+        except posix_ipc.ExistentialError as exc:
+            raise FileNotFoundError(f"no shared-memory segment {name}") from exc
+        try:
+            size = os.fstat(shm.fd).st_size
+            if size == 0:
+                raise CorruptArena(f"segment {name} is empty")
+            prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+            buf = mmap.mmap(shm.fd, size, prot=prot)
+        finally:
+            shm.close_fd()
+        return cls(buf, name, size, readonly)
+
+    def close(self) -> None:
+        try:
+            self.buf.close()
+        except BufferError:
+            # Views of the buffer are still alive somewhere; the mapping goes with them.
+            pass
+
+    def unlink(self) -> None:
+        if self.name is not None:
+            unlink(self.name)
+
+
+def unlink(name: str) -> bool:
+    """Remove a segment by name; True if it existed."""
+    try:
+        posix_ipc.unlink_shared_memory(normalize_name(name))
+        return True
+    except posix_ipc.ExistentialError:
+        return False

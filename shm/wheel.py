@@ -1,0 +1,1077 @@
+"""A hierarchical timing wheel stored in a shared-memory arena.
+
+This is Kafka's purgatory timer (``TimingWheel``/``SystemTimer``, see
+../shared/seeds) laid out in fixed-size records so that it outlives the process
+that owns it. No I/O, no clock: every call takes ``now_ms`` or a deadline.
+
+Levels and buckets
+------------------
+Level 0 has ``wheel_size`` buckets, each ``tick_ms`` wide. Level *L* has the same
+number of buckets, each as wide as the whole of level *L-1*::
+
+    tick(L) = tick_ms * wheel_size ** L          interval(L) = tick(L) * wheel_size
+
+With the defaults (``tick_ms=1``, ``wheel_size=256``) the levels span 256 ms,
+65.5 s, 4.7 h, 49.7 days and 34.8 years. A bucket is a circular doubly linked
+list of records headed by a sentinel record; links are record indices, so an
+entry is unlinked in O(1) without knowing its bucket.
+
+Placing a timer (``cur`` is the wheel's clock, ``d`` the deadline)::
+
+    d <= cur                       -> the due list (comes out at the next advance)
+    level 0: v = ceil(d / tick0)   -> if v - cur//tick0 < wheel_size: bucket v % wheel_size
+    level L: v = d // tick(L)      -> if v - cur//tick(L) < wheel_size: bucket v % wheel_size
+    beyond the top level           -> the top level's farthest bucket (clamped); when that
+                                      bucket comes due the timer is placed again, so any
+                                      delay is accepted and none is lost
+
+The bucket's expiration is ``v * tick(L)``. Level 0 rounds *up*: a level-0 bucket
+only expires once every timer in it is due, so nothing fires early (Kafka rounds
+down and may fire up to a tick early). Higher levels round down: when their
+bucket expires, its timers *cascade*: each is placed again relative to the new
+clock and lands on a lower level (or is due).
+
+The clock is not ticked. Every non-empty bucket's expiration sits in a heap
+(Kafka's DelayQueue of buckets); ``advance(now)`` pops the buckets whose
+expiration is <= now, detaches them, sets ``cur = now``, then re-checks every
+detached timer: ``deadline <= now`` fires, anything else is placed again. An
+idle wheel costs nothing, and a clock jump of any size costs the buckets it
+crosses, not the ticks.
+
+Worked example (tick 1 ms, wheel 256, cur = 1000)
+--------------------------------------------------
+* ``schedule("a", 1100)``: level 0, v = 1100, 1100 - 1000 < 256 -> bucket 1100 % 256 = 76,
+  expiration 1100. ``advance(1099)`` returns nothing; ``advance(1100)`` returns "a".
+* ``schedule("b", 31_000)``: level 0 rejects (30 000 ticks away); level 1 (tick 256):
+  v = 121, cur//256 = 3 -> bucket 121 with expiration 30 976. At ``advance(30_976)``
+  the bucket cascades: "b" is placed again relative to cur = 30 976, lands in level 0
+  bucket 31 000 % 256 = 24 and fires at ``advance(31_000)``.
+* ``schedule("c", 1000 + 3_600_000)`` (an hour): level 2 (tick 65 536): v = 54,
+  expiration 3 538 944; it cascades to level 1, then level 0: three placements in all.
+* ``advance(10**9)`` after that: one heap pop per non-empty bucket, everything due is
+  returned at once, "late" by whatever the caller waited.
+
+Guarantees
+----------
+* A timer never expires before its deadline: ``advance(now)`` returns exactly the
+  timers with ``deadline <= now`` (each one re-checked before it is returned).
+* Advanced on time (at least once per tick), a timer expires no later than one
+  tick after its deadline.
+* Cancel and re-arm are exact: a cancelled timer never comes out; a re-armed timer
+  comes out once, for its new deadline.
+* The order of timers inside one tick is not guaranteed.
+
+Costs: insert O(levels) arithmetic + O(1) links; cancel O(1); advance O(buckets
+crossed + timers due + timers cascaded); each timer cascades at most ``levels`` times.
+
+Records, keys and handles
+-------------------------
+A timer is one 64-byte record (layout in ``wheeld.protocol.arena_layout``).
+Keys (str/bytes/int, at most 32 bytes encoded) are unique per group. The key
+index is an open-addressing hash table (linear probing, tombstones, rebuilt
+when tombstones pile up) that lives in the owning process, holding record
+indices only: 4 bytes of table and 12 bytes of per-slot hash/position per timer,
+instead of a Python dict's ~100 bytes. A handle is ``(slot, generation)``; the
+generation is bumped whenever a record is allocated, so an old handle is a
+harmless no-op.
+
+Record life (the only legal steps; anything else raises and changes nothing)::
+
+    FREE --schedule--> SCHEDULED --cancel--> FREE
+                       SCHEDULED --schedule (re-arm)--> SCHEDULED
+                       SCHEDULED --advance--> FREE            (caller takes the result)
+                       SCHEDULED --expire--> FIRED --release--> FREE
+                                             FIRED --rearm_fired--> SCHEDULED
+
+Crash consistency
+-----------------
+The records are the truth; links, the free list, the key index and the bucket
+heap are derived from them. Every state change has one commit point, a single
+aligned store: the state byte (allocate: fields first, then ``SCHEDULED``;
+cancel/free: ``FREE``). The one update that changes several fields of a live
+record (a re-arm: deadline, tag and level; re-arming a fired timer: also the
+state) first writes a redo *intent* into the header (fields, then the slot as
+commit word), then the record, then clears the intent. ``attach`` therefore:
+
+1. replays a committed intent (the update is finished, exactly as requested);
+2. rebuilds every list from the records' states: free records into the free
+   list, fired ones into the fired list, scheduled ones into the bucket their
+   deadline maps to relative to the stored clock (``cur`` is written after the
+   due buckets were detached and before they are re-placed, so a crash inside
+   ``advance`` leaves every timer still scheduled, due ones in the due list);
+3. rebuilds the key index and the bucket heap.
+
+A writer killed at any instruction loses no timer that was scheduled before the
+interrupted call; the interrupted call itself either happened or did not.
+
+Threading: one writer process at a time (the daemon); readers (``wheelctl``)
+may map the arena read-only and read counters and records.
+"""
+
+from __future__ import annotations
+
+import heapq
+import struct
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from wheeld.protocol import arena_layout as L
+from wheeld.protocol.errors import ArenaFull, CorruptArena, InvalidDelay, InvalidKey, InvalidRequest
+from wheeld.protocol.keys import decode_key, encode_key, valid_key_meta
+
+from .arena import Segment
+
+__all__ = ["TimerWheel", "DEFAULT_WHEEL_SIZE", "MAX_DELAY_MS"]
+
+DEFAULT_WHEEL_SIZE = 256
+DEFAULT_LEVELS_RANGE_MS = 1 << 40  # levels are added until they cover ~34.8 years
+MAX_DELAY_MS = 1 << 46  # sanity bound on deadlines (~2230 years past the clock)
+
+_FREE = L.FREE
+_SCHEDULED = L.SCHEDULED
+_FIRED = L.FIRED
+_STATE_MASK = L.STATE_MASK
+_DUE_STATE = (L.DUE_LEVEL << L.LEVEL_SHIFT) | _SCHEDULED
+_META = [bytes((m,)) for m in range(256)]
+_PAD = [b"\0" * (L.KEY_BYTES - n) for n in range(L.KEY_BYTES + 1)]
+_GROUP_MIX = 0x9E3779B97F4A7C15
+_EMPTY = -1  # key index: never used
+# word indices into the arena views (see wheeld.protocol.arena_layout)
+_CUR = L.H_CURRENT_MS // 8
+_FREE_HEAD = L.H_FREE_HEAD // 4
+_QW, _IW, _HW, _RB = L.Q_PER_RECORD, L.I_PER_RECORD, L.H_PER_RECORD, L.RECORD_BYTES
+_PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP = L.I_PREV, L.I_NEXT, L.I_GEN, L.I_TAG, L.I_AUX, L.H_GROUP_WORD
+_ST, _KM, _KEY = L.R_STATE, L.R_KEY_META, L.R_KEY
+_LEVEL_SLOTS = L.DUE_LEVEL + 1  # per-level counters: levels 0..14 and the due list
+_TOMB = -2  # key index: deleted
+
+
+def _default_levels(tick_ms: int, wheel_size: int) -> int:
+    levels, span = 1, tick_ms * wheel_size
+    while span < DEFAULT_LEVELS_RANGE_MS and levels < L.MAX_LEVELS:
+        levels += 1
+        span *= wheel_size
+    return levels
+
+
+def _signed64(value: int) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _ident(key) -> tuple[bytes, int]:
+    """(key meta byte + zero-padded key, meta): the 33 bytes at offset 31 of a record."""
+    data, meta = encode_key(key)
+    return _META[meta] + data + _PAD[len(data)], meta
+
+
+class TimerWheel:
+    """The timing wheel over an arena. See the module docstring for the algorithm."""
+
+    # ------------------------------------------------------------------ set-up
+    @classmethod
+    def create(
+        cls,
+        capacity: int,
+        tick_ms: int = 1,
+        wheel_size: int = DEFAULT_WHEEL_SIZE,
+        name: str | None = None,
+        start_ms: int = 0,
+        *,
+        levels: int | None = None,
+        max_groups: int = L.DEFAULT_MAX_GROUPS,
+        mode: int = 0o644,
+    ) -> "TimerWheel":
+        """A new, empty wheel: in shared memory ``name``, or private memory when None."""
+        for label, value, low in (("capacity", capacity, 1), ("tick_ms", tick_ms, 1), ("wheel_size", wheel_size, 2)):
+            if type(value) is not int or value < low:
+                raise InvalidRequest(f"{label} must be an integer >= {low}, not {value!r}")
+        if capacity >= (1 << 31) - 10_000:
+            raise InvalidRequest("capacity must fit a 32-bit slot index")
+        if levels is None:
+            levels = _default_levels(tick_ms, wheel_size)
+        if type(levels) is not int or not 1 <= levels <= L.MAX_LEVELS:
+            raise InvalidRequest(f"levels must be 1..{L.MAX_LEVELS}")
+        if type(start_ms) is not int:
+            raise InvalidRequest("start_ms must be an integer")
+        if not 1 <= max_groups <= 65535:
+            raise InvalidRequest("max_groups must be 1..65535")
+        size = L.segment_bytes(capacity, levels, wheel_size, max_groups)
+        seg = Segment.create(name, size, mode=mode)
+        try:
+            buf = seg.buf
+            L.HEADER_FIXED.pack_into(
+                buf, 0, L.MAGIC, L.LAYOUT_VERSION, L.RECORD_BYTES, capacity, tick_ms, wheel_size,
+                levels, start_ms, start_ms, -1, max_groups, time.time_ns() // 1_000_000,
+            )
+            struct.pack_into("<i", buf, L.H_INTENT_SLOT, -1)
+            name_bytes = b"default"
+            buf[L.GROUPS_OFFSET : L.GROUPS_OFFSET + len(name_bytes)] = name_bytes
+            wheel = cls(seg)
+            wheel._rebuild()
+            return wheel
+        except BaseException:
+            seg.close()
+            seg.unlink()
+            raise
+
+    @classmethod
+    def attach(cls, name: str) -> "TimerWheel":
+        """Map an existing arena, repair what an interrupted writer left, rebuild the rest."""
+        seg = Segment.attach(name)
+        try:
+            wheel = cls(seg)
+            wheel._replay_intent()
+            wheel._rebuild()
+            return wheel
+        except BaseException:
+            seg.close()
+            raise
+
+    def __init__(self, seg: Segment) -> None:
+        self._seg = seg
+        buf = seg.buf
+        if seg.size < L.GROUPS_OFFSET:
+            raise CorruptArena("segment too small for a wheeld arena header")
+        (magic, version, record_bytes, capacity, tick_ms, wheel_size, levels, start_ms, _cur,
+         _free, max_groups, created_wall_ms) = L.HEADER_FIXED.unpack_from(buf, 0)
+        if magic != L.MAGIC:
+            raise CorruptArena("not a wheeld arena (bad magic)")
+        if version != L.LAYOUT_VERSION:
+            raise CorruptArena(f"arena layout version {version}, this wheeld reads {L.LAYOUT_VERSION}")
+        if record_bytes != L.RECORD_BYTES or not (1 <= levels <= L.MAX_LEVELS) or wheel_size < 2 or tick_ms < 1:
+            raise CorruptArena("arena header parameters are inconsistent")
+        expected = L.segment_bytes(capacity, levels, wheel_size, max_groups)
+        if seg.size < expected:
+            raise CorruptArena(f"segment is {seg.size} bytes, header describes {expected}")
+        self.capacity = capacity
+        self.tick_ms = tick_ms
+        self.wheel_size = wheel_size
+        self.levels = levels
+        self.start_ms = start_ms
+        self.max_groups = max_groups
+        self.created_wall_ms = created_wall_ms
+        self.name = seg.name
+        self._header_bytes = L.header_bytes(max_groups)
+        self.due_list = levels * wheel_size
+        self.fired_list = self.due_list + 1
+        self.first_entry = self.due_list + 2
+        self.n_records = self.first_entry + capacity
+        self._ticks = [tick_ms * wheel_size**lvl for lvl in range(levels)]
+        self._top_base = (levels - 1) * wheel_size
+
+        mv = memoryview(buf)
+        self._hq = mv[: L.GROUPS_OFFSET].cast("q")
+        self._hi = mv[: L.GROUPS_OFFSET].cast("i")
+        rec = mv[self._header_bytes : self._header_bytes + self.n_records * L.RECORD_BYTES]
+        self._rb = rec
+        self._q = rec.cast("q")
+        self._i = rec.cast("i")
+        self._u = rec.cast("I")
+        self._h = rec.cast("H")
+        self.records = np.frombuffer(buf, dtype=L.RECORD_DTYPE, count=self.n_records, offset=self._header_bytes)
+
+        table_size = 16
+        while table_size < 2 * capacity:
+            table_size *= 2
+        self._table_np = np.full(table_size, _EMPTY, dtype=np.int32)
+        self._table = memoryview(self._table_np)
+        self._mask = table_size - 1
+        self._hash_np = np.zeros(self.n_records, dtype=np.int64)
+        self._hash = memoryview(self._hash_np)
+        self._pos_np = np.full(self.n_records, -1, dtype=np.int32)
+        self._pos = memoryview(self._pos_np)
+        self._used = 0  # live + tombstone table cells
+        self._gmix = [_signed64(g * _GROUP_MIX) for g in range(max_groups)]
+        self._heap: list[tuple[int, int]] = []
+        self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
+        self._pending_by_level = [0] * _LEVEL_SLOTS
+        self._counters = dict.fromkeys(L.COUNTER_NAMES, 0)
+        self._closed = False
+
+    def close(self) -> None:
+        """Unmap (the arena stays in shared memory)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.publish_stats()
+        for view in (self._hq, self._hi, self._q, self._i, self._u, self._h, self._rb):
+            view.release()
+        self.records = None
+        self._seg.close()
+
+    def unlink(self) -> None:
+        """Remove the shared-memory segment (the mapping stays valid until close)."""
+        self._seg.unlink()
+
+    def __enter__(self) -> "TimerWheel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ header
+    @property
+    def current_ms(self) -> int:
+        """The wheel's clock: the ``now_ms`` of the last advance."""
+        return self._hq[L.H_CURRENT_MS // 8]
+
+    def __len__(self) -> int:
+        """Pending (scheduled) timers."""
+        return self._counters["pending"]
+
+    @property
+    def free_slots(self) -> int:
+        return self.capacity - self._counters["pending"] - self._counters["fired_unacked"]
+
+    # ------------------------------------------------------------------ groups
+    def group_id(self, group_name: str, create: bool = True) -> int:
+        """The id of a group name, registering it in the arena's group table if new."""
+        raw = group_name.encode("utf-8") if isinstance(group_name, str) else None
+        if not raw or len(raw) > L.GROUP_NAME_BYTES - 1:
+            raise InvalidRequest(f"a group name is 1..{L.GROUP_NAME_BYTES - 1} UTF-8 bytes")
+        buf = self._seg.buf
+        free = -1
+        for gid in range(self.max_groups):
+            off = L.GROUPS_OFFSET + gid * L.GROUP_NAME_BYTES
+            stored = buf[off : off + L.GROUP_NAME_BYTES].rstrip(b"\0")
+            if stored == raw:
+                return gid
+            if not stored and free < 0:
+                free = gid
+        if not create:
+            raise KeyError(group_name)
+        if free < 0:
+            raise ArenaFull(f"all {self.max_groups} group ids are in use")
+        off = L.GROUPS_OFFSET + free * L.GROUP_NAME_BYTES
+        buf[off : off + len(raw)] = raw
+        return free
+
+    def group_name(self, gid: int) -> str:
+        off = L.GROUPS_OFFSET + gid * L.GROUP_NAME_BYTES
+        return self._seg.buf[off : off + L.GROUP_NAME_BYTES].rstrip(b"\0").decode("utf-8", "replace")
+
+    def groups(self) -> dict[int, str]:
+        out = {}
+        for gid in range(self.max_groups):
+            name = self.group_name(gid)
+            if name:
+                out[gid] = name
+        return out
+
+    # ------------------------------------------------------------------ key index
+    def _find(self, ident: bytes, h: int, group: int) -> int:
+        """Slot of the scheduled timer (group, ident), or -1."""
+        table, hashes, rb, mask = self._table, self._hash, self._rb, self._mask
+        p = h & mask
+        while True:
+            s = table[p]
+            if s == _EMPTY:
+                return -1
+            if s >= 0 and hashes[s] == h:
+                base = s * _RB
+                if rb[base + _KM : base + _RB] == ident and self._h[s * _HW + _GROUP] == group:
+                    return s
+            p = (p + 1) & mask
+
+    def _index_add(self, slot: int, h: int) -> None:
+        table, mask = self._table, self._mask
+        p = h & mask
+        while table[p] >= 0:
+            p = (p + 1) & mask
+        if table[p] == _EMPTY:
+            self._used += 1
+        table[p] = slot
+        self._hash[slot] = h
+        self._pos[slot] = p
+        if self._used * 4 > (mask + 1) * 3:
+            self._rebuild_index()
+
+    def _index_remove(self, slot: int) -> None:
+        self._table[self._pos[slot]] = _TOMB
+        self._pos[slot] = -1
+
+    def _rebuild_index(self) -> None:
+        """Rebuild the table from the per-slot hashes of scheduled records (drops tombstones)."""
+        table = self._table_np
+        table.fill(_EMPTY)
+        self._pos_np.fill(-1)
+        rec = self.records
+        slots = np.flatnonzero((rec["state"] & _STATE_MASK) == _SCHEDULED).astype(np.int32)
+        slots = slots[slots >= self.first_entry]
+        self._used = int(slots.size)
+        if not slots.size:
+            return
+        pos = (self._hash_np[slots] & self._mask).astype(np.int64)
+        pending = np.arange(slots.size)
+        while pending.size:
+            p = pos[pending]
+            open_cells = table[p] == _EMPTY
+            candidates = pending[open_cells]
+            cells, first = np.unique(p[open_cells], return_index=True)
+            winners = candidates[first]
+            table[cells] = slots[winners]
+            self._pos_np[slots[winners]] = cells
+            placed = np.zeros(slots.size, dtype=bool)
+            placed[winners] = True
+            pending = pending[~placed[pending]]
+            pos[pending] = (pos[pending] + 1) & self._mask
+
+    # ------------------------------------------------------------------ placement
+    def _place(self, deadline: int, cur: int) -> tuple[int, int, int]:
+        """(sentinel, bucket expiration, level) for a deadline > cur."""
+        ws = self.wheel_size
+        t = self.tick_ms
+        v = -(-deadline // t)
+        if v - cur // t < ws:
+            return v % ws, v * t, 0
+        ticks = self._ticks
+        for level in range(1, self.levels):
+            t = ticks[level]
+            v = deadline // t
+            c = cur // t
+            if v - c < ws:
+                return level * ws + v % ws, v * t, level
+        v = c + ws - 1  # clamp into the farthest bucket of the top level
+        return self._top_base + v % ws, v * t, self.levels - 1
+
+    def _link(self, slot: int, deadline: int, cur: int) -> int:
+        """Link a record into the bucket for its deadline; return the state byte to store."""
+        i = self._i
+        if deadline <= cur:
+            b = self.due_list
+            state = _DUE_STATE
+            level = L.DUE_LEVEL
+            expiration = cur
+        else:
+            b, expiration, level = self._place(deadline, cur)
+            state = (level << 4) | _SCHEDULED
+        bp = b * _IW
+        tail = i[bp + _PREV]
+        if tail == b:  # bucket was empty: (re)set its expiration and queue it
+            self._q[b * _QW] = expiration
+            if self._queued[b] != expiration:
+                self._queued[b] = expiration
+                heapq.heappush(self._heap, (expiration, b))
+        sp = slot * _IW
+        i[sp + _PREV] = tail
+        i[sp + _NEXT] = b
+        i[tail * _IW + _NEXT] = slot
+        i[bp + _PREV] = slot
+        self._pending_by_level[level] += 1
+        return state
+
+    def _unlink(self, slot: int) -> None:
+        i = self._i
+        sp = slot * _IW
+        prev = i[sp + _PREV]
+        nxt = i[sp + _NEXT]
+        i[prev * _IW + _NEXT] = nxt
+        i[nxt * _IW + _PREV] = prev
+
+    # ------------------------------------------------------------------ operations
+    def schedule(self, key, deadline_ms: int, group: int = 0, tag: int = 0, aux: int = -1) -> tuple[int, int]:
+        """Schedule ``key`` to expire at ``deadline_ms``; an existing key is re-armed.
+
+        Returns the handle ``(slot, generation)``. Raises InvalidKey, InvalidDelay,
+        InvalidRequest (bad group/tag/aux) or ArenaFull; on any error nothing changed.
+        """
+        ident, _meta = _ident(key)
+        return self.schedule_ident(ident, deadline_ms, group, tag, aux)
+
+    def schedule_ident(self, ident: bytes, deadline_ms: int, group: int = 0, tag: int = 0, aux: int = -1) -> tuple[int, int]:
+        """``schedule`` for a key already encoded as its 33-byte record form (meta + padded key)."""
+        if type(deadline_ms) is not int:
+            raise InvalidDelay(f"a deadline is an integer number of ms, not {type(deadline_ms).__name__}")
+        cur = self._hq[_CUR]
+        if deadline_ms - cur > MAX_DELAY_MS or deadline_ms < cur - MAX_DELAY_MS:
+            raise InvalidDelay(f"deadline {deadline_ms} is more than {MAX_DELAY_MS} ms from the clock ({cur})")
+        if not 0 <= group < self.max_groups:
+            raise InvalidRequest(f"group id {group} out of range")
+        if not 0 <= tag <= 0xFFFFFFFF or not -(1 << 31) <= aux < (1 << 31):
+            raise InvalidRequest("tag is u32, aux is i32")
+        h = hash(ident) ^ self._gmix[group]
+        slot = self._find(ident, h, group)
+        rb = self._rb
+        if slot >= 0:  # re-arm: a multi-field update of a live record, so go through the intent
+            base = slot * _RB
+            old_state = rb[base + _ST]
+            self._unlink(slot)
+            self._pending_by_level[old_state >> 4] -= 1
+            new_state = self._link(slot, deadline_ms, cur)
+            self._apply_with_intent(slot, new_state, deadline_ms, tag)
+            self._counters["rearms_total"] += 1
+            return slot, self._u[slot * _IW + _GEN]
+        slot = self._hi[_FREE_HEAD]
+        if slot < 0:
+            self._counters["arena_full_total"] += 1
+            raise ArenaFull(f"all {self.capacity} entry records are in use")
+        if len(ident) != 33 or not valid_key_meta(ident[0]):
+            raise InvalidKey("malformed encoded key")
+        i = self._i
+        sp = slot * _IW
+        self._hi[_FREE_HEAD] = i[sp + _NEXT]  # pop the free list
+        gen = (self._u[sp + _GEN] + 1) & 0xFFFFFFFF
+        self._u[sp + _GEN] = gen
+        self._u[sp + _TAG] = tag
+        i[sp + _AUX] = aux
+        self._h[slot * _HW + _GROUP] = group
+        self._q[slot * _QW] = deadline_ms
+        base = slot * _RB
+        rb[base + _KM : base + _RB] = ident
+        state = self._link(slot, deadline_ms, cur)
+        rb[base + _ST] = state  # commit point: the timer exists from here on
+        self._index_add(slot, h)
+        c = self._counters
+        c["pending"] += 1
+        c["adds_total"] += 1
+        return slot, gen
+
+    def _apply_with_intent(self, slot: int, state: int, deadline_ms: int, tag: int) -> None:
+        hq, hi = self._hq, self._hi
+        hi[L.H_INTENT_STATE // 4] = state
+        hq[L.H_INTENT_DEADLINE // 8] = deadline_ms
+        self._seg.buf[L.H_INTENT_TAG : L.H_INTENT_TAG + 4] = tag.to_bytes(4, "little")
+        hi[L.H_INTENT_SLOT // 4] = slot  # commit the intent
+        self._q[slot * _QW] = deadline_ms
+        self._u[slot * _IW + _TAG] = tag
+        self._rb[slot * _RB + _ST] = state
+        hi[L.H_INTENT_SLOT // 4] = -1  # done
+
+    def _replay_intent(self) -> bool:
+        slot = self._hi[L.H_INTENT_SLOT // 4]
+        if slot < 0:
+            return False
+        if not self.first_entry <= slot < self.n_records:
+            raise CorruptArena(f"intent names slot {slot}, outside the entry records")
+        self._q[slot * _QW] = self._hq[L.H_INTENT_DEADLINE // 8]
+        self._u[slot * _IW + _TAG] = int.from_bytes(self._seg.buf[L.H_INTENT_TAG : L.H_INTENT_TAG + 4], "little")
+        self._rb[slot * _RB + _ST] = self._hi[L.H_INTENT_STATE // 4]
+        self._hi[L.H_INTENT_SLOT // 4] = -1
+        return True
+
+    def cancel(self, key, group: int = 0) -> bool:
+        """Remove a pending timer; True if there was one."""
+        ident, _meta = _ident(key)
+        return self.cancel_ident(ident, group)
+
+    def cancel_ident(self, ident: bytes, group: int = 0) -> bool:
+        slot = self._find(ident, hash(ident) ^ self._gmix[group], group)
+        if slot < 0:
+            self._counters["cancel_misses_total"] += 1
+            return False
+        self._remove_scheduled(slot)
+        self._counters["cancels_total"] += 1
+        return True
+
+    def cancel_handle(self, handle: tuple[int, int]) -> bool:
+        """Cancel by handle; a stale handle (fired, cancelled, slot reused) is a no-op."""
+        slot, gen = handle
+        if not self.first_entry <= slot < self.n_records or self._u[slot * _IW + _GEN] != gen:
+            return False
+        if self._rb[slot * _RB + _ST] & _STATE_MASK != _SCHEDULED:
+            return False
+        self._remove_scheduled(slot)
+        self._counters["cancels_total"] += 1
+        return True
+
+    def _remove_scheduled(self, slot: int) -> None:
+        rb = self._rb
+        state = rb[slot * _RB + _ST]
+        self._unlink(slot)
+        rb[slot * _RB + _ST] = _FREE  # commit point
+        self._pending_by_level[state >> 4] -= 1
+        self._index_remove(slot)
+        self._free(slot)
+        self._counters["pending"] -= 1
+
+    def _free(self, slot: int) -> None:
+        hi = self._hi
+        self._i[slot * _IW + _NEXT] = hi[_FREE_HEAD]
+        hi[_FREE_HEAD] = slot
+
+    def lookup(self, key, group: int = 0) -> int | None:
+        """Deadline of the pending timer for ``key``, or None."""
+        ident, _meta = _ident(key)
+        slot = self._find(ident, hash(ident) ^ self._gmix[group], group)
+        return None if slot < 0 else self._q[slot * _QW]
+
+    def next_deadline(self) -> int | None:
+        """Expiration of the earliest non-empty bucket: when ``advance`` next has work.
+
+        This is a bucket time, not necessarily a timer's deadline: a higher-level
+        bucket comes due to cascade. None when the wheel is empty.
+        """
+        heap, queued, i = self._heap, self._queued, self._i
+        while heap:
+            expiration, b = heap[0]
+            if queued[b] == expiration and i[b * _IW + _NEXT] != b:
+                return expiration
+            heapq.heappop(heap)  # stale: the bucket was emptied by cancels or re-queued
+            if queued[b] == expiration:
+                queued[b] = -1
+        return None
+
+    def _collect(self, now_ms: int) -> list[int]:
+        """Detach every bucket due at ``now_ms``, advance the clock, return their slots."""
+        heap, queued, i = self._heap, self._queued, self._i
+        out: list[int] = []
+        while heap and heap[0][0] <= now_ms:
+            expiration, b = heapq.heappop(heap)
+            if queued[b] != expiration:
+                continue
+            queued[b] = -1
+            bp = b * _IW
+            s = i[bp + _NEXT]
+            while s != b:
+                out.append(s)
+                s = i[s * _IW + _NEXT]
+            i[bp + _PREV] = b
+            i[bp + _NEXT] = b
+        if now_ms > self._hq[_CUR]:
+            self._hq[_CUR] = now_ms  # after detaching, before re-placing (see Crash consistency)
+        return out
+
+    def _sweep(self, now_ms: int, fire) -> int:
+        """Advance to ``now_ms``; call ``fire(slot)`` for each due timer, re-place the rest."""
+        slots = self._collect(now_ms)
+        if not slots:
+            return 0
+        q, rb = self._q, self._rb
+        by_level = self._pending_by_level
+        cur = self._hq[_CUR]
+        fired = cascaded = 0
+        for s in slots:
+            deadline = q[s * _QW]
+            state = rb[s * _RB + _ST]
+            by_level[state >> 4] -= 1
+            if deadline <= now_ms:
+                fire(s)
+                fired += 1
+            else:
+                rb[s * _RB + _ST] = self._link(s, deadline, cur)
+                cascaded += 1
+        c = self._counters
+        c["expirations_total"] += fired
+        c["cascades_total"] += cascaded
+        c["pending"] -= fired
+        return fired
+
+    def advance(self, now_ms: int) -> list[tuple[object, int]]:
+        """Move the clock to ``now_ms``; return ``(key, deadline_ms)`` of every timer due.
+
+        Their records are freed: the caller owns the result. (The daemon uses
+        :meth:`expire` instead, which keeps fired timers until they are acknowledged.)
+        """
+        out: list[tuple[object, int]] = []
+        append = out.append
+        rb, q, free, index_remove = self._rb, self._q, self._free, self._index_remove
+
+        def fire(s: int) -> None:
+            base = s * _RB
+            meta = rb[base + _KM]
+            append((decode_key(bytes(rb[base + _KEY : base + _KEY + (meta & 0x3F)]), meta), q[s * _QW]))
+            rb[base + _ST] = _FREE
+            index_remove(s)
+            free(s)
+
+        self._sweep(now_ms, fire)
+        return out
+
+    def expire(self, now_ms: int) -> list[int]:
+        """Move the clock to ``now_ms``; move every due timer to the fired list.
+
+        Returns the slots, now FIRED: they keep their key, deadline, group, tag and
+        aux until :meth:`release` (delivery acknowledged) or :meth:`rearm_fired`.
+        """
+        out: list[int] = []
+        append = out.append
+        rb, i, index_remove = self._rb, self._i, self._index_remove
+        fl = self.fired_list
+        flp = fl * _IW
+
+        def fire(s: int) -> None:
+            index_remove(s)
+            tail = i[flp + _PREV]
+            i[s * _IW + _PREV] = tail
+            i[s * _IW + _NEXT] = fl
+            i[tail * _IW + _NEXT] = s
+            i[flp + _PREV] = s
+            rb[s * _RB + _ST] = _FIRED
+            append(s)
+
+        fired = self._sweep(now_ms, fire)
+        self._counters["fired_unacked"] += fired
+        return out
+
+    def fired(self, slot: int) -> tuple[object, int, int, int, int, int]:
+        """(key, deadline_ms, group, tag, aux, generation) of a FIRED record."""
+        if not self.first_entry <= slot < self.n_records or self._rb[slot * _RB + _ST] != _FIRED:
+            raise InvalidRequest(f"slot {slot} is not a fired timer")
+        return self._entry(slot)
+
+    def _entry(self, slot: int) -> tuple[object, int, int, int, int, int]:
+        rb = self._rb
+        base = slot * _RB
+        meta = rb[base + _KM]
+        key = decode_key(bytes(rb[base + _KEY : base + _KEY + (meta & 0x3F)]), meta)
+        sp = slot * _IW
+        return key, self._q[slot * _QW], self._h[slot * _HW + _GROUP], self._u[sp + _TAG], self._i[sp + _AUX], self._u[sp + _GEN]
+
+    def fired_slots(self) -> list[int]:
+        """Every FIRED record, in the order they fired (rebuilt in deadline order on attach)."""
+        out, i, fl = [], self._i, self.fired_list
+        s = i[fl * _IW + _NEXT]
+        while s != fl:
+            out.append(s)
+            s = i[s * _IW + _NEXT]
+        return out
+
+    def release(self, slot: int, generation: int) -> bool:
+        """Free a FIRED record (its delivery was acknowledged). A stale handle is a no-op."""
+        if not self.first_entry <= slot < self.n_records:
+            return False
+        rb = self._rb
+        if rb[slot * _RB + _ST] != _FIRED or self._u[slot * _IW + _GEN] != generation:
+            return False
+        self._unlink(slot)
+        rb[slot * _RB + _ST] = _FREE  # commit point
+        self._free(slot)
+        c = self._counters
+        c["fired_unacked"] -= 1
+        c["acks_total"] += 1
+        return True
+
+    def rearm_fired(self, slot: int, generation: int, deadline_ms: int) -> bool:
+        """Put a FIRED timer back on the wheel (an idle timer found touched when due).
+
+        False (and nothing changes) if the handle is stale or the key was scheduled
+        again meanwhile; the caller then releases the old record.
+        """
+        if type(deadline_ms) is not int:
+            raise InvalidDelay("a deadline is an integer number of ms")
+        if not self.first_entry <= slot < self.n_records:
+            return False
+        rb = self._rb
+        if rb[slot * _RB + _ST] != _FIRED or self._u[slot * _IW + _GEN] != generation:
+            return False
+        base = slot * _RB
+        ident = bytes(rb[base + _KM : base + _RB])
+        group = self._h[slot * _HW + _GROUP]
+        h = hash(ident) ^ self._gmix[group]
+        if self._find(ident, h, group) >= 0:
+            return False
+        self._unlink(slot)
+        state = self._link(slot, deadline_ms, self._hq[_CUR])
+        self._apply_with_intent(slot, state, deadline_ms, self._u[slot * _IW + _TAG])
+        self._index_add(slot, h)
+        c = self._counters
+        c["fired_unacked"] -= 1
+        c["pending"] += 1
+        c["idle_rearms_total"] += 1
+        return True
+
+    # ------------------------------------------------------------------ introspection
+    def pending(self, limit: int | None = None) -> Iterator[tuple[object, int, int]]:
+        """(key, deadline_ms, group) of scheduled timers, in slot order, at most ``limit``."""
+        states = self.records["state"] & _STATE_MASK
+        slots = np.flatnonzero(states == _SCHEDULED)
+        slots = slots[slots >= self.first_entry]
+        if limit is not None:
+            slots = slots[:limit]
+        for s in slots.tolist():
+            key, deadline, group, *_ = self._entry(s)
+            yield key, deadline, group
+
+    def counters(self) -> dict[str, int]:
+        c = dict(self._counters)
+        for level in range(self.levels):
+            c[f"pending_level_{level}"] = self._pending_by_level[level]
+        c["pending_due"] = self._pending_by_level[L.DUE_LEVEL]
+        return c
+
+    def publish_stats(self) -> None:
+        """Write the counters into the arena header, where wheelctl reads them."""
+        hq = self._hq
+        base = L.H_COUNTERS // 8
+        for name, value in self.counters().items():
+            hq[base + L.COUNTER[name]] = value
+
+    def set_counter(self, name: str, value: int) -> None:
+        """Set a counter kept by the daemon (not by the wheel) in the header."""
+        if name in self._counters:
+            self._counters[name] = value
+        self._hq[L.H_COUNTERS // 8 + L.COUNTER[name]] = value
+
+    def header_words(self) -> memoryview:
+        """The header's first page as int64 words (counters, parked flag, histogram)."""
+        return self._hq
+
+    # ------------------------------------------------------------------ rebuild
+    def _rebuild(self) -> None:
+        """Derive links, free list, key index, bucket heap and counters from the records."""
+        rec = self.records
+        first = self.first_entry
+        cur = int(self._hq[_CUR])
+        entries = rec[first:]
+        states = entries["state"] & _STATE_MASK
+        bad = np.flatnonzero((states > _FIRED) | ((states != _FREE) & ~self._valid_meta(entries["key_meta"])))
+        if bad.size:
+            # Not something an interrupted writer can leave: corruption. Free them, loudly.
+            self.repairs = [f"record {first + s}: invalid state/key, freed" for s in bad.tolist()]
+            entries["state"][bad] = _FREE
+            states = entries["state"] & _STATE_MASK
+        else:
+            self.repairs = []
+        # sentinels: empty circular lists
+        idx = np.arange(first, dtype=np.int32)
+        rec["prev"][:first] = idx
+        rec["next"][:first] = idx
+        rec["deadline"][:first] = -1
+        rec["state"][:first] = 0
+        slots_all = np.arange(first, self.n_records, dtype=np.int64)
+        # free list, ascending slot order
+        free_slots = slots_all[states == _FREE]
+        if free_slots.size:
+            rec["next"][free_slots[:-1]] = free_slots[1:]
+            rec["next"][free_slots[-1]] = -1
+            self._hi[_FREE_HEAD] = int(free_slots[0])
+        else:
+            self._hi[_FREE_HEAD] = -1
+        # fired list, in deadline order
+        fired = slots_all[states == _FIRED]
+        fired = fired[np.argsort(rec["deadline"][fired], kind="stable")]
+        self._chain(self.fired_list, fired)
+        # scheduled: the bucket each deadline maps to, relative to the stored clock
+        sched = slots_all[states == _SCHEDULED]
+        deadlines = rec["deadline"][sched]
+        buckets, expirations, levels = self._place_many(deadlines, cur)
+        rec["state"][sched] = ((levels << 4) | _SCHEDULED).astype(np.uint8)
+        order = np.lexsort((sched, buckets))
+        sched, buckets, expirations, levels = sched[order], buckets[order], expirations[order], levels[order]
+        self._heap = []
+        self._queued = [-1] * first
+        self._pending_by_level = [0] * _LEVEL_SLOTS
+        if sched.size:
+            starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])
+            ends = np.r_[starts[1:], sched.size]
+            for a, z in zip(starts.tolist(), ends.tolist()):
+                b = int(buckets[a])
+                self._chain(b, sched[a:z])
+                expiration = int(expirations[a]) if b != self.due_list else cur
+                rec["deadline"][b] = expiration
+                self._queued[b] = expiration
+                self._heap.append((expiration, b))
+            heapq.heapify(self._heap)
+        # key index: hashes of the scheduled records' (meta + key) bytes and group
+        if sched.size:
+            ident_view = np.ndarray(
+                shape=(self.n_records,), dtype="V33", buffer=self._seg.buf,
+                offset=self._header_bytes + _KM, strides=(L.RECORD_BYTES,),
+            )
+            idents = ident_view[sched].tolist()
+            groups = rec["group"][sched].astype(np.uint64)
+            hashes = np.fromiter(map(hash, idents), dtype=np.int64, count=len(idents))
+            mixed = (groups * np.uint64(_GROUP_MIX)).view(np.int64)
+            self._hash_np[sched] = hashes ^ mixed
+            # duplicates (never produced by a writer, but the index must stay sound)
+            key_tuples = list(zip(idents, rec["group"][sched].tolist()))
+            if len(set(key_tuples)) != len(key_tuples):
+                seen: dict = {}
+                for s, k, d in zip(sched.tolist(), key_tuples, rec["deadline"][sched].tolist()):
+                    if k in seen:
+                        self.repairs.append(f"record {s}: duplicate key of record {seen[k]}, cancelled")
+                        self._unlink(s)
+                        rec["state"][s] = _FREE
+                        self._free(s)
+                    else:
+                        seen[k] = s
+        self._rebuild_index()
+        c = self._counters
+        c["pending"] = int(np.count_nonzero((rec["state"][first:] & _STATE_MASK) == _SCHEDULED))
+        c["fired_unacked"] = int(fired.size)
+        states_now = rec["state"][first:]
+        levels_now = (states_now[(states_now & _STATE_MASK) == _SCHEDULED] >> 4).astype(np.int64)
+        self._pending_by_level = [int(x) for x in np.bincount(levels_now, minlength=_LEVEL_SLOTS)]
+        self._load_counters()
+        self.publish_stats()
+
+    def _load_counters(self) -> None:
+        """Totals survive a restart: read them back from the header."""
+        base = L.H_COUNTERS // 8
+        for name in ("adds_total", "rearms_total", "cancels_total", "cancel_misses_total", "expirations_total",
+                     "acks_total", "cascades_total", "idle_rearms_total", "arena_full_total"):
+            self._counters[name] = max(self._counters[name], self._hq[base + L.COUNTER[name]])
+
+    @staticmethod
+    def _valid_meta(meta: np.ndarray) -> np.ndarray:
+        size = meta & 0x3F
+        kind = meta >> 6
+        return (size >= 1) & (size <= L.KEY_BYTES) & (kind <= 2) & ((kind != 2) | (size == 8))
+
+    def _chain(self, sentinel: int, slots: np.ndarray) -> None:
+        rec = self.records
+        if not slots.size:
+            rec["next"][sentinel] = sentinel
+            rec["prev"][sentinel] = sentinel
+            return
+        ring = np.concatenate(([sentinel], slots))
+        rec["next"][ring] = np.roll(ring, -1)
+        rec["prev"][ring] = np.roll(ring, 1)
+
+    def _place_many(self, deadlines: np.ndarray, cur: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Vectorized :meth:`_place` (plus the due list) for the rebuild."""
+        n = deadlines.size
+        ws = self.wheel_size
+        buckets = np.full(n, -1, dtype=np.int64)
+        expirations = np.zeros(n, dtype=np.int64)
+        levels = np.full(n, -1, dtype=np.int64)
+        due = deadlines <= cur
+        buckets[due] = self.due_list
+        expirations[due] = cur
+        levels[due] = L.DUE_LEVEL
+        todo = ~due
+        t = self.tick_ms
+        v = -(-deadlines // t)
+        ok = todo & (v - cur // t < ws)
+        buckets[ok] = v[ok] % ws
+        expirations[ok] = v[ok] * t
+        levels[ok] = 0
+        todo &= ~ok
+        c = cur // t
+        for level in range(1, self.levels):
+            t = self._ticks[level]
+            v = deadlines // t
+            c = cur // t
+            ok = todo & (v - c < ws)
+            buckets[ok] = level * ws + v[ok] % ws
+            expirations[ok] = v[ok] * t
+            levels[ok] = level
+            todo &= ~ok
+        if todo.any():
+            v = c + ws - 1
+            buckets[todo] = self._top_base + v % ws
+            expirations[todo] = v * t
+            levels[todo] = self.levels - 1
+        return buckets, expirations, levels
+
+    # ------------------------------------------------------------------ invariants
+    def check(self) -> list[str]:
+        """Verify every invariant of the arena; return a list of problems (empty if sound)."""
+        problems: list[str] = []
+        rec = self.records
+        n, first, ws = self.n_records, self.first_entry, self.wheel_size
+        nxt = rec["next"].tolist()
+        prv = rec["prev"].tolist()
+        state = rec["state"].tolist()
+        deadline = rec["deadline"].tolist()
+        cur = self.current_ms
+        owner = [-1] * n
+        for b in range(first):
+            steps = 0
+            prev_node = b
+            s = nxt[b]
+            non_empty = s != b
+            while s != b:
+                if not first <= s < n:
+                    problems.append(f"list {b}: link to {s}, not an entry record")
+                    break
+                if owner[s] != -1:
+                    problems.append(f"record {s} is in list {owner[s]} and list {b}")
+                    break
+                owner[s] = b
+                if prv[s] != prev_node:
+                    problems.append(f"record {s}: prev is {prv[s]}, expected {prev_node} (list {b})")
+                st = state[s] & _STATE_MASK
+                level = state[s] >> 4
+                d = deadline[s]
+                if b == self.fired_list:
+                    if state[s] != _FIRED:
+                        problems.append(f"record {s} on the fired list has state {state[s]}")
+                elif b == self.due_list:
+                    if state[s] != _DUE_STATE:
+                        problems.append(f"record {s} on the due list has state {state[s]}")
+                    if d > cur:
+                        problems.append(f"record {s} on the due list is not due ({d} > {cur})")
+                else:
+                    blevel, j = divmod(b, ws)
+                    t = self._ticks[blevel]
+                    exp = deadline[b]
+                    v = exp // t
+                    if st != _SCHEDULED or level != blevel:
+                        problems.append(f"record {s} in level-{blevel} bucket {j} has state {st} level {level}")
+                    if exp % t or v % ws != j:
+                        problems.append(f"bucket {b}: expiration {exp} does not map to it")
+                    if blevel == 0:
+                        right = -(-d // t) == v
+                    elif blevel == self.levels - 1:
+                        right = d // t >= v
+                    else:
+                        right = d // t == v
+                    if not right:
+                        problems.append(f"record {s}: deadline {d} does not belong in level-{blevel} bucket {j} (exp {exp})")
+                    if exp <= cur:
+                        problems.append(f"bucket {b}: expiration {exp} is not after the clock {cur}")
+                prev_node = s
+                s = nxt[s]
+                steps += 1
+                if steps > n:
+                    problems.append(f"list {b} does not close")
+                    break
+            if prv[b] != prev_node:
+                problems.append(f"list {b}: sentinel prev {prv[b]}, expected {prev_node}")
+            if non_empty and b != self.fired_list:
+                exp = deadline[b]
+                if self._queued[b] != exp:
+                    problems.append(f"bucket {b} (expiration {exp}) is not in the bucket queue")
+        free_seen = 0
+        s = self._hi[_FREE_HEAD]
+        visited_free = set()
+        while s != -1:
+            if not first <= s < n or s in visited_free:
+                problems.append(f"free list: bad or repeated link {s}")
+                break
+            visited_free.add(s)
+            if state[s] != _FREE:
+                problems.append(f"free list: record {s} has state {state[s]}")
+            free_seen += 1
+            s = nxt[s]
+        n_free = n_sched = n_fired = 0
+        per_level = [0] * _LEVEL_SLOTS
+        for s in range(first, n):
+            st = state[s] & _STATE_MASK
+            if st == _FREE:
+                n_free += 1
+            elif st == _SCHEDULED:
+                n_sched += 1
+                per_level[state[s] >> 4] += 1
+                if owner[s] == -1 or owner[s] >= self.fired_list:
+                    problems.append(f"scheduled record {s} is in no bucket")
+                elif self._find(bytes(self._rb[s * _RB + _KM : s * _RB + _RB]), self._hash[s], self._h[s * _HW + _GROUP]) != s:
+                    problems.append(f"scheduled record {s} is not found by its key")
+            elif st == _FIRED:
+                n_fired += 1
+                if owner[s] != self.fired_list:
+                    problems.append(f"fired record {s} is not on the fired list")
+            else:
+                problems.append(f"record {s}: unknown state {state[s]}")
+        if free_seen != n_free:
+            problems.append(f"free list holds {free_seen} records, {n_free} are free")
+        table = self._table_np
+        live = table[table >= 0]
+        if live.size != n_sched:
+            problems.append(f"key index holds {live.size} entries, {n_sched} timers are scheduled")
+        elif live.size and np.any((rec["state"][live] & _STATE_MASK) != _SCHEDULED):
+            problems.append("key index points at records that are not scheduled")
+        c = self.counters()
+        if c["pending"] != n_sched:
+            problems.append(f"counter pending={c['pending']}, {n_sched} are scheduled")
+        if c["fired_unacked"] != n_fired:
+            problems.append(f"counter fired_unacked={c['fired_unacked']}, {n_fired} are fired")
+        if per_level != self._pending_by_level:
+            problems.append(f"per-level counters {self._pending_by_level}, actual {per_level}")
+        if self._hi[L.H_INTENT_SLOT // 4] != -1:
+            problems.append("an update intent is still open")
+        return problems
