@@ -1,0 +1,461 @@
+"""A client's segment: a lock-free single-producer/single-consumer command ring and a touch table.
+
+The daemon creates one POSIX shared-memory segment per client session
+(:meth:`ClientSegment.create`); the client maps it (:meth:`ClientSegment.attach`)
+and appends 64-byte command records (:mod:`wheeld.protocol.commands`) to the
+ring; the daemon copies them out in batches (:meth:`ClientSegment.drain`). The
+byte layout is declared in :mod:`wheeld.protocol.ring_layout`.
+
+Supported platform: x86-64 (Linux) with CPython. The argument below relies on the
+x86-64 memory model and on how CPython stores through a memoryview; on another
+architecture the ring needs real fences and this module warns at import.
+
+Memory ordering
+===============
+
+Who writes what:
+
+============================  ============================  =======================
+word                          written by                    read by
+============================  ============================  =======================
+ring records                  producer (client) only        consumer (daemon)
+tail (own cache line)         producer only                 consumer
+head (own cache line)         consumer only                 producer
+closed (head's line)          consumer only                 producer
+producer_pid (tail's line)    producer, once at attach      consumer (diagnostics)
+touch table                   producer only                 consumer
+============================  ============================  =======================
+
+``tail`` and ``head`` are free-running record counters; slot = counter & mask.
+
+Producer (push)::
+
+    1. if tail - head_cache == capacity: head_cache = load(head); still full -> return False
+    2. write the whole 64-byte record into slot tail & mask (pack_into)
+    3. store(tail, tail + 1)                    # publish
+
+Consumer (drain)::
+
+    1. t = load(tail)                           # everything before t is complete
+    2. check 0 <= t - head <= capacity, else ProtocolError (the segment is untrusted)
+    3. copy records head .. t-1 out of the ring (one numpy copy)
+    4. store(head, head + n)                    # hand the slots back
+
+Why it is safe:
+
+* Each hot word is an aligned 8-byte word written by ``memoryview.cast('Q')``
+  item assignment. CPython implements that as a ``memcpy`` of a fixed 8 bytes,
+  which the compiler emits as one ``mov``; an aligned 8-byte ``mov`` is atomic
+  on x86-64. A reader sees the old or the new counter, never a mix.
+* x86-64 (TSO) does not reorder a store with earlier stores: when the consumer
+  observes the new tail, the record stores of step 2 are visible too. Loads are
+  not reordered with earlier loads: the record loads of consumer step 3 happen
+  after the tail load of step 1.
+* x86-64 does not reorder a store with earlier loads: the head store of step 4
+  becomes visible only after the copy of step 3 read the slots, so the producer
+  never overwrites a slot the consumer is still copying.
+* The compiler cannot move these accesses across each other either: every
+  step is a separate bytecode, i.e. separate opaque C calls.
+* The producer keeps a private copy of ``tail`` and a cached ``head`` (reloaded
+  only when the ring looks full), so a push touches the shared head line rarely.
+  The consumer keeps a private ``head`` and never reads it back from the segment.
+
+What the ring does not give: a store-then-load fence. x86-64 may reorder a store
+with a later load of another address, so a "set parked, then re-check the rings"
+eventcount built on plain stores can miss a wake-up; its users need a locked
+instruction between the two (e.g. acquiring and releasing an uncontended
+``threading.Lock``) or a bounded sleep.
+
+Dead producer
+=============
+
+A client killed in the middle of step 2 never reached step 3: the half-written
+record lies beyond the published tail and the consumer never looks at it. The
+consumer sees an intact prefix of what the client pushed. Nothing has to be
+repaired; the daemon notices the death on the socket and unlinks the segment.
+``tests/test_ring_multiprocess.py`` kills producers with SIGKILL mid-stream.
+
+Hostile client
+==============
+
+The client can write anything anywhere in its segment, including ``head`` and
+``tail``. The consumer therefore trusts nothing it reads from the segment: it
+uses the capacities it chose at :meth:`create`, keeps ``head`` privately, checks
+``0 <= tail - head <= capacity`` before copying (else :class:`ProtocolError`),
+bound-checks touch indices, and the records it returns still have to pass
+:func:`wheeld.protocol.commands.validate_records`. A client scribbling on its own
+segment can only break its own timers. One thing this module cannot stop: a
+process with write access to a POSIX shm object can ``ftruncate`` it, and the
+daemon would then take SIGBUS touching the missing pages. Sealed memfds
+(``F_SEAL_SHRINK``) passed over the socket would close that hole.
+
+Costs (``python bench/ring.py``): a push is one 56-byte ``struct`` pack, one
+``crc32``, one ``pack_into`` and one 8-byte store (~0.35 us); a touch is one 8-byte
+store; a drain is one numpy copy per contiguous run of slots.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import struct
+import warnings
+import zlib
+
+import numpy as np
+import posix_ipc
+
+from wheeld.protocol import ring_layout as layout
+from wheeld.protocol.commands import (
+    ADD,
+    ADD_CHECKED,
+    ADD_RECORD,
+    CHECKED,
+    RECORD,
+    RECORD_DTYPE,
+    RECORD_SHIFT,
+)
+from wheeld.protocol.errors import BrokenPeer, Closed, InvalidRequest, ProtocolError
+
+SUPPORTED_MACHINES = ("x86_64", "AMD64")
+if platform.machine() not in SUPPORTED_MACHINES:  # pragma: no cover - CI is x86-64
+    warnings.warn(
+        f"wheeld.shm.ring relies on x86-64 store ordering; {platform.machine()} is not supported",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+DEFAULT_MODE = 0o600
+
+_crc32 = zlib.crc32
+_pack_checked = CHECKED.pack
+_pack_record_into = RECORD.pack_into
+_pack_add_checked = ADD_CHECKED.pack
+_pack_add_into = ADD_RECORD.pack_into
+_TAIL_WORD = layout.TAIL_WORD
+_HEAD_WORD = layout.HEAD_WORD
+_EMPTY = np.zeros(0, dtype=RECORD_DTYPE)
+
+
+class ClientSegment:
+    """One client's ring + touch table, seen from the daemon (consumer) or the client (producer).
+
+    Build it with :meth:`create` (daemon) or :meth:`attach` (client), not directly.
+    A segment object is used by one thread; one process is the producer, one the
+    consumer.
+    """
+
+    def __init__(self, name: str, segment: mmap.mmap, ring_capacity: int, touch_capacity: int, consumer: bool):
+        self.name = name
+        self.ring_capacity = ring_capacity
+        self.touch_capacity = touch_capacity
+        self.is_consumer = consumer
+        self._closed = False
+        self._mm = segment
+        self._capacity = ring_capacity
+        self._mask = ring_capacity - 1
+        self._ring_offset = layout.RING_OFFSET
+        view = memoryview(segment)
+        self._view = view
+        # the hot header words; 8-byte aligned, one store each (see the module docstring)
+        self._words = view[: layout.HEADER_SIZE].cast("Q")
+        touch_at = layout.touch_offset(ring_capacity)
+        idle_at = layout.idle_offset(ring_capacity, touch_capacity)
+        table_bytes = touch_capacity * layout.TOUCH_ENTRY_SIZE
+        self._last_touch = view[touch_at : touch_at + table_bytes].cast("q")
+        self._idle = view[idle_at : idle_at + table_bytes].cast("q")
+        self._ring = np.frombuffer(segment, dtype=RECORD_DTYPE, count=ring_capacity, offset=layout.RING_OFFSET)
+        # producer state: private tail, cached head
+        self._tail = self._words[_TAIL_WORD]
+        self._head_cache = self._words[_HEAD_WORD]
+        # consumer state: private head (never read back from the untrusted segment)
+        self._head = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        ring_capacity: int,
+        touch_capacity: int,
+        mode: int = DEFAULT_MODE,
+        owner_uid: int | None = None,
+        owner_gid: int | None = None,
+    ) -> ClientSegment:
+        """Create and map a new segment (daemon side); fails if ``name`` exists.
+
+        ``mode`` is applied exactly (``fchmod``, not filtered by the umask);
+        ``owner_uid``/``owner_gid`` hand the segment to the client's user when the
+        daemon runs as another one (needs the privilege to chown).
+        """
+        layout.check_capacities(ring_capacity, touch_capacity)
+        size = layout.segment_size(ring_capacity, touch_capacity)
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
+        try:
+            try:
+                os.fchmod(shm.fd, mode)
+                if owner_uid is not None or owner_gid is not None:
+                    os.fchown(shm.fd, -1 if owner_uid is None else owner_uid, -1 if owner_gid is None else owner_gid)
+                segment = mmap.mmap(shm.fd, size)
+            finally:
+                shm.close_fd()
+        except BaseException:
+            _unlink_quietly(name)
+            raise
+        # the segment is zero-filled by ftruncate; magic goes last so a half-built header never validates
+        layout.STATIC_HEADER.pack_into(segment, 0, 0, layout.LAYOUT_VERSION, ring_capacity, touch_capacity, RECORD.size)
+        struct.pack_into("<Q", segment, layout.MAGIC_OFFSET, layout.MAGIC)
+        return cls(name, segment, ring_capacity, touch_capacity, consumer=True)
+
+    @classmethod
+    def attach(cls, name: str, producer_pid: int | None = None) -> ClientSegment:
+        """Map an existing segment as its producer (client side) and record our pid in it.
+
+        Raises BrokenPeer if the segment does not exist and ProtocolError if it is
+        not a wheeld ring segment of this layout version.
+        """
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise BrokenPeer(f"ring segment {name!r} does not exist") from None
+        try:
+            size = shm.size
+            if size < layout.HEADER_SIZE:
+                raise ProtocolError(f"segment {name!r} is {size} bytes, smaller than a ring header")
+            segment = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        try:
+            magic, version, ring_capacity, touch_capacity, record_size = layout.STATIC_HEADER.unpack_from(segment, 0)
+            if magic != layout.MAGIC:
+                raise ProtocolError(f"segment {name!r} is not a wheeld ring (magic {magic:#x})")
+            if version != layout.LAYOUT_VERSION or record_size != RECORD.size:
+                raise ProtocolError(f"segment {name!r} has layout version {version}, record size {record_size}")
+            try:
+                layout.check_capacities(ring_capacity, touch_capacity)
+            except InvalidRequest as exc:
+                raise ProtocolError(f"segment {name!r} header: {exc}") from None
+            if size < layout.segment_size(ring_capacity, touch_capacity):
+                raise ProtocolError(f"segment {name!r} is {size} bytes, too small for its header")
+            self = cls(name, segment, ring_capacity, touch_capacity, consumer=False)
+        except BaseException:
+            segment.close()
+            raise
+        self._words[layout.PRODUCER_PID_WORD] = os.getpid() if producer_pid is None else producer_pid
+        return self
+
+    def unlink(self) -> None:
+        """Remove the segment's name (idempotent). Existing mappings stay valid."""
+        _unlink_quietly(self.name)
+
+    def close(self) -> None:
+        """Unmap the segment (idempotent). Records returned by drain() stay valid: they are copies."""
+        if self._closed:
+            return
+        self._closed = True
+        self._ring = None
+        for view in (self._words, self._last_touch, self._idle, self._view):
+            view.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # someone still holds a view; the mapping goes when the last one does
+        self._mm = None
+
+    def __enter__(self) -> ClientSegment:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once the daemon marked the session closed (see :meth:`mark_closed`)."""
+        self._check_open()
+        return self._words[layout.CLOSED_WORD] != 0
+
+    @property
+    def producer_pid(self) -> int:
+        self._check_open()
+        return self._words[layout.PRODUCER_PID_WORD]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed(f"segment {self.name!r} is closed")
+
+    # ------------------------------------------------------------------ producer (client)
+
+    def push_add(self, key_bytes: bytes, key_meta: int, deadline_ms: int, seq: int) -> bool:
+        """Append an ADD; False if the ring is full. The fast path of :meth:`try_push`.
+
+        ``(key_bytes, key_meta)`` must come from :func:`wheeld.protocol.keys.encode_key`.
+        """
+        tail = self._tail
+        if tail - self._head_cache >= self._capacity and not self._has_room(tail):
+            return False
+        try:
+            check = _crc32(_pack_add_checked(ADD, key_meta, seq, deadline_ms, key_bytes))
+            _pack_add_into(
+                self._mm, self._ring_offset + ((tail & self._mask) << RECORD_SHIFT),
+                ADD, key_meta, seq, deadline_ms, check, key_bytes,
+            )  # fmt: skip
+        except (struct.error, TypeError) as exc:
+            self._raise_push_error(exc)
+        tail += 1
+        self._tail = tail
+        self._words[_TAIL_WORD] = tail  # publish: the record stores above are visible first
+        return True
+
+    def try_push(
+        self,
+        op: int,
+        key_bytes: bytes = b"",
+        key_meta: int = 0,
+        deadline_ms: int = 0,
+        seq: int = 0,
+        aux0: int = 0,
+        aux1: int = 0,
+    ) -> bool:
+        """Append one command record; False if the ring is full.
+
+        Fields are as in :mod:`wheeld.protocol.commands`; a field out of its width
+        raises InvalidRequest; a ring the daemon has closed raises BrokenPeer
+        (noticed when the ring looks full).
+        """
+        tail = self._tail
+        if tail - self._head_cache >= self._capacity and not self._has_room(tail):
+            return False
+        try:
+            check = _crc32(_pack_checked(op, key_meta, seq, deadline_ms, aux0, aux1, key_bytes))
+            _pack_record_into(
+                self._mm, self._ring_offset + ((tail & self._mask) << RECORD_SHIFT),
+                op, key_meta, seq, deadline_ms, aux0, aux1, check, key_bytes,
+            )  # fmt: skip
+        except (struct.error, TypeError) as exc:
+            self._raise_push_error(exc)
+        tail += 1
+        self._tail = tail
+        self._words[_TAIL_WORD] = tail  # publish: the record stores above are visible first
+        return True
+
+    def _has_room(self, tail: int) -> bool:
+        """Slow path of a push that found the cached head too old: reload head."""
+        self._check_open()
+        words = self._words
+        if words[layout.CLOSED_WORD]:
+            raise BrokenPeer(f"the daemon closed the session of segment {self.name!r}")
+        self._head_cache = words[_HEAD_WORD]
+        return tail - self._head_cache < self._capacity
+
+    def _raise_push_error(self, exc: Exception):
+        self._check_open()
+        raise InvalidRequest(f"command field out of range: {exc}") from None
+
+    def free_slots(self) -> int:
+        """Producer side: how many records can be pushed right now."""
+        self._check_open()
+        self._head_cache = self._words[_HEAD_WORD]
+        return self._capacity - (self._tail - self._head_cache)
+
+    def touch(self, index: int, now_ms: int) -> None:
+        """Record that the idle key at touch ``index`` was active at ``now_ms``: one 8-byte store."""
+        if index < 0:
+            raise InvalidRequest(f"touch index {index} is negative")
+        try:
+            self._last_touch[index] = now_ms
+        except IndexError:
+            raise InvalidRequest(f"touch index {index} is outside the table of {self.touch_capacity}") from None
+        except (TypeError, ValueError) as exc:
+            self._check_open()
+            raise InvalidRequest(f"bad touch: {exc}") from None
+
+    def set_idle(self, index: int, idle_ms: int) -> None:
+        """Store the idle timeout of the key at touch ``index`` (client, at add_idle time)."""
+        if index < 0 or index >= self.touch_capacity:
+            raise InvalidRequest(f"touch index {index} is outside the table of {self.touch_capacity}")
+        self._check_open()
+        self._idle[index] = idle_ms
+
+    # ------------------------------------------------------------------ consumer (daemon)
+
+    def depth(self) -> int:
+        """Records waiting in the ring. Raises ProtocolError if the client corrupted the counters."""
+        self._check_open()
+        if self.is_consumer:
+            depth = self._words[_TAIL_WORD] - self._head
+        else:
+            depth = self._tail - self._words[_HEAD_WORD]
+        if not 0 <= depth <= self._capacity:
+            raise ProtocolError(f"segment {self.name!r}: tail - head = {depth} outside [0, {self._capacity}]")
+        return depth
+
+    def drain(self, max_records: int | None = None) -> np.ndarray:
+        """Copy up to ``max_records`` waiting records out (oldest first) and free their slots.
+
+        Returns a new array of :data:`~wheeld.protocol.commands.RECORD_DTYPE` (a copy,
+        independent of the segment). The records are not validated: pass them to
+        :func:`~wheeld.protocol.commands.validate_records`. Raises ProtocolError if
+        the tail the client published is impossible.
+        """
+        self._check_open()
+        head = self._head
+        tail = self._words[_TAIL_WORD]  # every record before this tail is completely written
+        available = tail - head
+        capacity = self._capacity
+        if not 0 <= available <= capacity:
+            raise ProtocolError(f"segment {self.name!r}: tail - head = {available} outside [0, {capacity}]")
+        count = available if max_records is None or max_records >= available else max(max_records, 0)
+        if count == 0:
+            return _EMPTY.copy()
+        start = head & self._mask
+        end = start + count
+        ring = self._ring
+        if end <= capacity:
+            records = ring[start:end].copy()
+        else:
+            records = np.concatenate((ring[start:], ring[: end - capacity]))
+        head += count
+        self._head = head
+        self._words[_HEAD_WORD] = head  # hand the slots back only after the copy above read them
+        return records
+
+    def read_touch(self, index: int) -> int:
+        """The last-touch monotonic ms the client stored at ``index``; ProtocolError if out of range."""
+        if not 0 <= index < self.touch_capacity:
+            raise ProtocolError(f"touch index {index} is outside the table of {self.touch_capacity}")
+        self._check_open()
+        return self._last_touch[index]
+
+    def read_idle(self, index: int) -> int:
+        """The idle_ms the client stored at ``index``; ProtocolError if out of range."""
+        if not 0 <= index < self.touch_capacity:
+            raise ProtocolError(f"touch index {index} is outside the table of {self.touch_capacity}")
+        self._check_open()
+        return self._idle[index]
+
+    def read_touches(self, indices) -> np.ndarray:
+        """Vectorised :meth:`read_touch`: an int64 array of last-touch ms for ``indices``."""
+        self._check_open()
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (indices.min() < 0 or indices.max() >= self.touch_capacity):
+            raise ProtocolError(f"touch index outside the table of {self.touch_capacity}")
+        return np.asarray(self._last_touch, dtype=np.int64)[indices]
+
+    def mark_closed(self) -> None:
+        """Consumer: tell the producer this session is over (its next full-ring push raises BrokenPeer)."""
+        self._check_open()
+        self._words[layout.CLOSED_WORD] = 1
+
+    def __repr__(self) -> str:
+        role = "consumer" if self.is_consumer else "producer"
+        state = "closed" if self._closed else f"ring_capacity={self.ring_capacity}"
+        return f"<ClientSegment {self.name!r} {role} {state}>"
+
+
+def _unlink_quietly(name: str) -> None:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
