@@ -1,0 +1,286 @@
+"""Socket messages between a client and the daemon: small typed msgspec values.
+
+Commands that carry timers travel through the shared-memory ring
+(:mod:`wheeld.protocol.commands`); the Unix socket carries only the session
+handshake, the doorbell and what comes back: expirations, flush answers,
+rejections. Every message is a frozen, tagged, ``array_like`` msgspec Struct
+(encoded as a msgpack array whose first element is the tag), in one union per
+direction, inside a length-prefixed frame (:mod:`wheeld.protocol.framing`)::
+
+    client -> daemon   Hello | Doorbell | Bye
+    daemon -> client   Welcome | Refused | Expirations | Applied | Rejected | Goodbye
+
+A session::
+
+    client                                   daemon
+    Hello(version, group, pid, name)  --->
+                                      <---   Welcome(version, client_id, segment_name, ...)
+                                             (or Refused(reason) and close)
+    ...pushes commands into the ring; Doorbell() only when the daemon is parked...
+                                      <---   Expirations([Expiry, ...])
+                                      <---   Applied(seq)                after FLUSH(seq)
+                                      <---   Rejected(seq, key, reason, code)
+    Bye()                             --->   (or the daemon's Goodbye(reason))
+
+Keys. A timer key is ``str``, ``bytes`` or ``int``; msgspec cannot decode a union
+holding both ``str`` and ``bytes`` (both are "str-like" to it), so messages carry
+the key the way the ring does: ``key_bytes`` plus the ``key_meta`` byte of
+:mod:`wheeld.protocol.keys`, and a ``key`` property decodes it. The decoder checks
+that the two agree (and that a ``str`` key is UTF-8), so a message that decodes is
+a message the rest of wheeld can use.
+
+Encoding and decoding: one module-level Encoder and one typed Decoder per
+direction, reused (msgspec's fastest path). ``decode_*`` raise
+:class:`~wheeld.protocol.errors.ProtocolError` on any invalid input and nothing
+else; ``encode_*`` raise :class:`~wheeld.protocol.errors.InvalidRequest` when
+handed something that is not a message of that direction (the caller's bug).
+Constraints (``msgspec.Meta``) are checked when decoding, not when constructing.
+
+Size: an Expiry with a 10-byte key is about 33 bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Union
+
+import msgspec
+
+from . import framing
+from .errors import InvalidKey, InvalidRequest, ProtocolError
+from .keys import KEY_BYTES, TYPE_STR, Key, decode_key, encode_key, valid_key_meta
+from .ring_layout import MAX_RING_CAPACITY, MAX_TOUCH_CAPACITY, MIN_RING_CAPACITY
+
+PROTOCOL_VERSION = 1
+
+U8 = Annotated[int, msgspec.Meta(ge=0, le=0xFF)]
+U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+I32 = Annotated[int, msgspec.Meta(ge=-(1 << 31), le=(1 << 31) - 1)]
+I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+NonNegativeI32 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
+NonNegativeI64 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Name = Annotated[str, msgspec.Meta(max_length=255)]
+NonEmptyName = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+Reason = Annotated[str, msgspec.Meta(max_length=4096)]
+Code = Annotated[str, msgspec.Meta(max_length=64)]
+KeyBytes = Annotated[bytes, msgspec.Meta(max_length=KEY_BYTES)]
+
+#: key meta -> the key length it announces, or -1 if no key can have that meta
+_KEY_LENGTH_FOR_META = tuple((meta & 0x3F) if valid_key_meta(meta) else -1 for meta in range(256))
+_STR_META_LOW = TYPE_STR << 6
+_STR_META_HIGH = (TYPE_STR + 1) << 6
+
+
+def _check_key(key_bytes: bytes, key_meta: int, optional: bool) -> None:
+    """Raise InvalidKey unless (key_bytes, key_meta) is a key encode_key could produce.
+
+    Raised inside ``__post_init__``, a ValueError becomes msgspec's ValidationError
+    when decoding (hence ProtocolError) and stays InvalidKey when constructing.
+    """
+    if optional and key_meta == 0 and not key_bytes:
+        return
+    if _KEY_LENGTH_FOR_META[key_meta] != len(key_bytes):
+        raise InvalidKey(f"key_bytes of length {len(key_bytes)} do not match key_meta {key_meta:#x}")
+    if _STR_META_LOW <= key_meta < _STR_META_HIGH:
+        try:
+            key_bytes.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidKey("a str key must be UTF-8") from None
+
+
+class _Message(msgspec.Struct, frozen=True, array_like=True):
+    pass
+
+
+# --------------------------------------------------------------------------- client -> daemon
+
+
+class Hello(_Message, tag="hello"):
+    """First message of a session: who the client is and which key group it uses."""
+
+    protocol_version: U32
+    group: NonEmptyName
+    pid: NonNegativeI32
+    client_name: Name
+
+
+class Doorbell(_Message, tag="doorbell"):
+    """'My ring has records': sent only when the daemon has said it is parked."""
+
+
+class Bye(_Message, tag="bye"):
+    """The client ends its session; the daemon drains the ring, then closes."""
+
+
+ClientMessage = Union[Hello, Doorbell, Bye]
+
+
+# --------------------------------------------------------------------------- daemon -> client
+
+
+class Welcome(_Message, tag="welcome"):
+    """The session is open: attach ``segment_name`` and push commands."""
+
+    protocol_version: U32
+    client_id: NonNegativeI64
+    segment_name: NonEmptyName
+    ring_capacity: Annotated[int, msgspec.Meta(ge=MIN_RING_CAPACITY, le=MAX_RING_CAPACITY)]
+    touch_capacity: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOUCH_CAPACITY)]
+    arena_name: Name
+    tick_ms: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
+    max_delay_ms: NonNegativeI64
+
+    def __post_init__(self) -> None:
+        if self.ring_capacity & (self.ring_capacity - 1):
+            raise InvalidRequest(f"ring_capacity {self.ring_capacity} is not a power of two")
+
+
+class Refused(_Message, tag="refused"):
+    """The daemon will not open a session (wrong version, too many clients...); it closes next."""
+
+    reason: Reason
+
+
+class Expiry(msgspec.Struct, frozen=True, array_like=True):
+    """One timer that fired. ``late`` is True when it fired later than the daemon's promise."""
+
+    key_bytes: KeyBytes
+    key_meta: U8
+    deadline_ms: I64
+    fired_ms: I64
+    seq: U32
+    slot: NonNegativeI32
+    generation: I32
+    late: bool
+
+    def __post_init__(self) -> None:
+        _check_key(self.key_bytes, self.key_meta, optional=False)
+
+    @property
+    def key(self) -> Key:
+        return decode_key(self.key_bytes, self.key_meta)
+
+    @classmethod
+    def for_key(
+        cls, key: Key, deadline_ms: int, fired_ms: int, seq: int, slot: int, generation: int, late: bool = False
+    ) -> Expiry:
+        key_bytes, key_meta = encode_key(key)
+        return cls(key_bytes, key_meta, deadline_ms, fired_ms, seq, slot, generation, late)
+
+
+class Expirations(_Message, tag="expirations"):
+    """A batch of fired timers, oldest deadline first within one tick's batch."""
+
+    items: list[Expiry]
+
+
+class Applied(_Message, tag="applied"):
+    """Every command before ``FLUSH(seq)`` in the ring has been applied."""
+
+    seq: U32
+
+
+class Rejected(_Message, tag="rejected"):
+    """A command was not applied. ``code`` is machine-readable (see REJECT_CODES).
+
+    ``key_bytes``/``key_meta`` are empty/0 when the command had no key.
+    """
+
+    seq: U32
+    key_bytes: KeyBytes
+    key_meta: U8
+    reason: Reason
+    code: Code
+
+    ARENA_FULL: ClassVar[str] = "arena_full"
+    INVALID_DEADLINE: ClassVar[str] = "invalid_deadline"
+    INVALID_TOUCH_INDEX: ClassVar[str] = "invalid_touch_index"
+    UNKNOWN_KEY: ClassVar[str] = "unknown_key"
+
+    def __post_init__(self) -> None:
+        _check_key(self.key_bytes, self.key_meta, optional=True)
+
+    @property
+    def key(self) -> Key | None:
+        if self.key_meta == 0:
+            return None
+        return decode_key(self.key_bytes, self.key_meta)
+
+    @classmethod
+    def for_key(cls, seq: int, key: Key | None, reason: str, code: str) -> Rejected:
+        key_bytes, key_meta = encode_key(key) if key is not None else (b"", 0)
+        return cls(seq, key_bytes, key_meta, reason, code)
+
+
+REJECT_CODES = frozenset(
+    {Rejected.ARENA_FULL, Rejected.INVALID_DEADLINE, Rejected.INVALID_TOUCH_INDEX, Rejected.UNKNOWN_KEY}
+)
+
+
+class Goodbye(_Message, tag="goodbye"):
+    """The daemon ends the session (shutdown, garbage in the ring...); it closes next."""
+
+    reason: Reason
+
+
+DaemonMessage = Union[Welcome, Refused, Expirations, Applied, Rejected, Goodbye]
+
+_CLIENT_TYPES = frozenset(ClientMessage.__args__)
+_DAEMON_TYPES = frozenset(DaemonMessage.__args__)
+
+# --------------------------------------------------------------------------- codecs
+
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_daemon_decoder = msgspec.msgpack.Decoder(DaemonMessage)
+_DECODE_ERRORS = (msgspec.MsgspecError, ValueError)
+
+
+def encode_client_message(message: ClientMessage) -> bytes:
+    """The msgpack body of a client -> daemon message (no frame header)."""
+    if type(message) not in _CLIENT_TYPES:
+        raise InvalidRequest(f"{type(message).__name__} is not a client -> daemon message")
+    return _encoder.encode(message)
+
+
+def encode_daemon_message(message: DaemonMessage) -> bytes:
+    """The msgpack body of a daemon -> client message (no frame header)."""
+    if type(message) not in _DAEMON_TYPES:
+        raise InvalidRequest(f"{type(message).__name__} is not a daemon -> client message")
+    return _encoder.encode(message)
+
+
+def decode_client_message(body) -> ClientMessage:
+    """Decode a frame body sent by a client; ProtocolError if it is not a valid message."""
+    try:
+        return _client_decoder.decode(body)
+    except _DECODE_ERRORS as exc:
+        raise ProtocolError(f"invalid client message: {exc}") from None
+
+
+def decode_daemon_message(body) -> DaemonMessage:
+    """Decode a frame body sent by the daemon; ProtocolError if it is not a valid message."""
+    try:
+        return _daemon_decoder.decode(body)
+    except _DECODE_ERRORS as exc:
+        raise ProtocolError(f"invalid daemon message: {exc}") from None
+
+
+def _encode_frame(message) -> bytes:
+    buffer = bytearray(framing.HEADER_SIZE)
+    _encoder.encode_into(message, buffer, framing.HEADER_SIZE)
+    framing.write_header(buffer, len(buffer) - framing.HEADER_SIZE)
+    return bytes(buffer)
+
+
+def encode_client_frame(message: ClientMessage) -> bytes:
+    """Length prefix + body of a client -> daemon message, ready for ``sendall``."""
+    if type(message) not in _CLIENT_TYPES:
+        raise InvalidRequest(f"{type(message).__name__} is not a client -> daemon message")
+    return _encode_frame(message)
+
+
+def encode_daemon_frame(message: DaemonMessage) -> bytes:
+    """Length prefix + body of a daemon -> client message, ready for a transport's ``write``."""
+    if type(message) not in _DAEMON_TYPES:
+        raise InvalidRequest(f"{type(message).__name__} is not a daemon -> client message")
+    return _encode_frame(message)
