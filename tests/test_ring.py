@@ -1,0 +1,433 @@
+"""The client segment in one process: ring order, wrap-around, full ring, touch table, hostile segments."""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import stat
+import struct
+import uuid
+
+import numpy as np
+import posix_ipc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wheeld.protocol import commands, ring_layout
+from wheeld.protocol.commands import ADD, ADD_IDLE, CANCEL, FLUSH, command_at, validate_records
+from wheeld.protocol.errors import BrokenPeer, Closed, InvalidRequest, ProtocolError
+from wheeld.protocol.keys import encode_key
+from wheeld.shm.ring import ClientSegment
+
+
+def segment_name() -> str:
+    return f"/wheeld-test-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+
+
+@pytest.fixture
+def make_segments():
+    """Factory: (consumer, producer) over a fresh segment; everything closed and unlinked afterwards."""
+    created = []
+
+    def make(ring_capacity=8, touch_capacity=4, **kwargs):
+        name = segment_name()
+        consumer = ClientSegment.create(name, ring_capacity, touch_capacity, **kwargs)
+        created.append(consumer)
+        producer = ClientSegment.attach(name)
+        created.append(producer)
+        return consumer, producer
+
+    try:
+        yield make
+    finally:
+        for segment in created:
+            segment.close()
+            segment.unlink()
+
+
+def add(producer, seq, key=None, deadline_ms=None):
+    key_bytes, key_meta = encode_key(f"key-{seq}" if key is None else key)
+    return producer.push_add(key_bytes, key_meta, seq * 10 if deadline_ms is None else deadline_ms, seq)
+
+
+def seqs(records):
+    return records["seq"].tolist()
+
+
+def test_push_then_drain_returns_records_in_order(make_segments):
+    consumer, producer = make_segments(ring_capacity=16)
+    for seq in range(10):
+        assert add(producer, seq)
+    assert consumer.depth() == 10
+    records = consumer.drain()
+    assert seqs(records) == list(range(10))
+    assert validate_records(records).all()
+    assert [command_at(records, i).key for i in range(10)] == [f"key-{i}" for i in range(10)]
+    assert records["deadline_ms"].tolist() == [seq * 10 for seq in range(10)]
+    assert consumer.depth() == 0
+    assert len(consumer.drain()) == 0
+
+
+def test_try_push_carries_every_field(make_segments):
+    consumer, producer = make_segments(ring_capacity=8, touch_capacity=16)
+    key_bytes, key_meta = encode_key(b"\x00raw\xff")
+    assert producer.try_push(ADD_IDLE, key_bytes, key_meta, deadline_ms=-5, seq=2**32 - 1, aux0=30_000, aux1=15)
+    assert producer.try_push(CANCEL, *encode_key(-(2**63)), seq=7)
+    assert producer.try_push(FLUSH, seq=8)
+    records = consumer.drain()
+    assert validate_records(records, touch_capacity=16).all()
+    first, second, third = (command_at(records, i) for i in range(3))
+    assert first == (commands.Op.ADD_IDLE, b"\x00raw\xff", -5, 2**32 - 1, 30_000, 15)
+    assert second.key == -(2**63) and second.op == commands.Op.CANCEL and second.seq == 7
+    assert third.op == commands.Op.FLUSH and third.key is None and third.seq == 8
+
+
+def test_push_add_writes_the_same_bytes_as_the_encoder(make_segments):
+    consumer, producer = make_segments()
+    key_bytes, key_meta = encode_key("same")
+    producer.push_add(key_bytes, key_meta, 123, 4)
+    producer.try_push(ADD, key_bytes, key_meta, 123, 4)
+    records = consumer.drain()
+    expected = commands.encode_add(key_bytes, key_meta, 123, 4)
+    assert records[0].tobytes() == expected == records[1].tobytes()
+
+
+def test_full_ring_refuses_until_drained(make_segments):
+    consumer, producer = make_segments(ring_capacity=4)
+    assert [add(producer, seq) for seq in range(4)] == [True] * 4
+    assert add(producer, 4) is False
+    assert producer.try_push(FLUSH, seq=4) is False
+    assert producer.free_slots() == 0
+    assert seqs(consumer.drain(max_records=1)) == [0]
+    assert producer.free_slots() == 1
+    assert add(producer, 4)
+    assert add(producer, 5) is False
+    assert seqs(consumer.drain()) == [1, 2, 3, 4]
+
+
+def test_wrap_around_keeps_order_across_many_laps(make_segments):
+    consumer, producer = make_segments(ring_capacity=8)
+    next_seq = 0
+    received = []
+    for lap in range(50):
+        for _ in range(lap % 7 + 1):  # 1..7 records, so the slots shift every lap
+            assert add(producer, next_seq)
+            next_seq += 1
+        batch = consumer.drain(max_records=6)  # leaves at most one behind: the ring never fills
+        received += seqs(batch)
+        assert validate_records(batch).all()
+    received += seqs(consumer.drain())
+    assert received == list(range(next_seq))
+
+
+def test_drain_across_the_wrap_point_is_one_contiguous_batch(make_segments):
+    consumer, producer = make_segments(ring_capacity=8)
+    for seq in range(6):
+        add(producer, seq)
+    assert seqs(consumer.drain()) == list(range(6))
+    for seq in range(6, 14):  # slots 6, 7, 0, 1, ..., 5
+        assert add(producer, seq)
+    batch = consumer.drain()
+    assert seqs(batch) == list(range(6, 14))
+    assert validate_records(batch).all()
+
+
+def test_drain_with_zero_or_negative_max_returns_nothing(make_segments):
+    consumer, producer = make_segments()
+    add(producer, 1)
+    assert len(consumer.drain(max_records=0)) == 0
+    assert len(consumer.drain(max_records=-3)) == 0
+    assert consumer.depth() == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.tuples(st.booleans(), st.integers(0, 20)), max_size=60))
+def test_ring_matches_a_fifo_model(steps):
+    name = segment_name()
+    consumer = ClientSegment.create(name, 16, 0)
+    producer = ClientSegment.attach(name)
+    try:
+        model = collections.deque()
+        next_seq = 0
+        for is_push, amount in steps:
+            if is_push:
+                for _ in range(amount):
+                    pushed = add(producer, next_seq)
+                    assert pushed == (len(model) < 16)
+                    if pushed:
+                        model.append(next_seq)
+                    next_seq += 1
+            else:
+                got = seqs(consumer.drain(max_records=amount))
+                assert got == [model.popleft() for _ in range(min(amount, len(got)))]
+                assert len(got) == min(amount, len(got) + len(model))
+            assert consumer.depth() == len(model) == producer.depth()
+    finally:
+        producer.close()
+        consumer.close()
+        consumer.unlink()
+
+
+def test_drained_records_are_copies(make_segments):
+    consumer, producer = make_segments(ring_capacity=4)
+    add(producer, 1, key="first")
+    records = consumer.drain()
+    for seq in range(2, 6):  # overwrite the slot the first record lived in
+        add(producer, seq)
+    assert command_at(records, 0).key == "first"
+    consumer.close()
+    assert command_at(records, 0).seq == 1
+
+
+# ---------------------------------------------------------------- touch table
+
+
+def test_touch_is_visible_to_the_daemon(make_segments):
+    consumer, producer = make_segments(touch_capacity=8)
+    assert consumer.read_touch(3) == 0
+    producer.touch(3, 1_000_123)
+    producer.touch(7, -1)
+    producer.set_idle(3, 30_000)
+    assert consumer.read_touch(3) == 1_000_123
+    assert consumer.read_touch(7) == -1
+    assert consumer.read_idle(3) == 30_000
+    assert consumer.read_touches([3, 7, 0]).tolist() == [1_000_123, -1, 0]
+
+
+@pytest.mark.parametrize("index", [-1, 8, 1 << 40])
+def test_touch_index_out_of_range(make_segments, index):
+    consumer, producer = make_segments(touch_capacity=8)
+    with pytest.raises(InvalidRequest):
+        producer.touch(index, 5)
+    with pytest.raises(InvalidRequest):
+        producer.set_idle(index, 5)
+    with pytest.raises(ProtocolError):  # an index from a client record is untrusted input to the daemon
+        consumer.read_touch(index)
+    with pytest.raises(ProtocolError):
+        consumer.read_idle(index)
+    with pytest.raises(ProtocolError):
+        consumer.read_touches([0, index])
+
+
+def test_touch_table_does_not_overlap_the_ring(make_segments):
+    consumer, producer = make_segments(ring_capacity=4, touch_capacity=4)
+    for index in range(4):
+        producer.touch(index, -1)
+        producer.set_idle(index, -1)
+    for seq in range(4):
+        add(producer, seq)
+    batch = consumer.drain()
+    assert validate_records(batch).all() and seqs(batch) == [0, 1, 2, 3]
+    assert [consumer.read_touch(i) for i in range(4)] == [-1] * 4
+
+
+def test_segment_without_touch_table(make_segments):
+    consumer, producer = make_segments(touch_capacity=0)
+    with pytest.raises(InvalidRequest):
+        producer.touch(0, 1)
+    assert add(producer, 1)
+    assert seqs(consumer.drain()) == [1]
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+def test_segment_permissions_default_and_explicit(make_segments):
+    consumer, _ = make_segments()
+    assert stat.S_IMODE(os.stat(f"/dev/shm{consumer.name}").st_mode) == 0o600
+    other, _ = make_segments(mode=0o640)
+    assert stat.S_IMODE(os.stat(f"/dev/shm{other.name}").st_mode) == 0o640
+
+
+def test_create_refuses_an_existing_name(make_segments):
+    consumer, _ = make_segments()
+    with pytest.raises(posix_ipc.ExistentialError):
+        ClientSegment.create(consumer.name, 8, 4)
+
+
+@pytest.mark.parametrize("ring_capacity", [0, 1, 3, 12, ring_layout.MAX_RING_CAPACITY * 2])
+def test_create_rejects_bad_capacities(ring_capacity):
+    name = segment_name()
+    with pytest.raises(InvalidRequest):
+        ClientSegment.create(name, ring_capacity, 4)
+    with pytest.raises(posix_ipc.ExistentialError):  # nothing was left behind
+        posix_ipc.unlink_shared_memory(name)
+
+
+def test_attach_to_missing_segment_is_broken_peer():
+    with pytest.raises(BrokenPeer):
+        ClientSegment.attach(segment_name())
+
+
+def test_attach_records_the_producer_pid(make_segments):
+    consumer, producer = make_segments()
+    assert consumer.producer_pid == os.getpid() == producer.producer_pid
+    assert producer.ring_capacity == consumer.ring_capacity and producer.touch_capacity == consumer.touch_capacity
+
+
+def _raw_segment(name, size):
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+    try:
+        return mmap.mmap(shm.fd, size)
+    finally:
+        shm.close_fd()
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda raw: None,  # all zeros: no magic
+        lambda raw: struct.pack_into("<QIIII", raw, 0, ring_layout.MAGIC, 99, 8, 4, 64),  # other version
+        lambda raw: struct.pack_into("<QIIII", raw, 0, ring_layout.MAGIC, 1, 12, 4, 64),  # not a power of two
+        lambda raw: struct.pack_into("<QIIII", raw, 0, ring_layout.MAGIC, 1, 1 << 20, 4, 64),  # larger than the file
+        lambda raw: struct.pack_into("<QIIII", raw, 0, ring_layout.MAGIC, 1, 8, 4, 32),  # other record size
+    ],
+)
+def test_attach_rejects_segments_that_are_not_rings(corrupt):
+    name = segment_name()
+    raw = _raw_segment(name, ring_layout.segment_size(8, 4))
+    try:
+        corrupt(raw)
+        with pytest.raises(ProtocolError):
+            ClientSegment.attach(name)
+    finally:
+        raw.close()
+        posix_ipc.unlink_shared_memory(name)
+
+
+def test_attach_rejects_a_tiny_segment():
+    name = segment_name()
+    raw = _raw_segment(name, 16)
+    try:
+        with pytest.raises(ProtocolError):
+            ClientSegment.attach(name)
+    finally:
+        raw.close()
+        posix_ipc.unlink_shared_memory(name)
+
+
+def test_closed_session_is_reported_to_a_producer_with_a_full_ring(make_segments):
+    consumer, producer = make_segments(ring_capacity=2)
+    assert not producer.closed
+    add(producer, 0)
+    consumer.mark_closed()
+    assert producer.closed
+    add(producer, 1)  # still room: the cached head says so, no shared read needed
+    with pytest.raises(BrokenPeer):
+        add(producer, 2)
+
+
+def test_use_after_close_raises_closed(make_segments):
+    consumer, producer = make_segments()
+    producer.close()
+    producer.close()  # idempotent
+    with pytest.raises(Closed):
+        add(producer, 1)
+    with pytest.raises(Closed):
+        producer.try_push(FLUSH, seq=1)
+    with pytest.raises(Closed):
+        producer.touch(0, 1)
+    consumer.close()
+    with pytest.raises(Closed):
+        consumer.drain()
+    with pytest.raises(Closed):
+        consumer.depth()
+
+
+def test_unlink_keeps_existing_mappings_and_is_idempotent(make_segments):
+    consumer, producer = make_segments()
+    consumer.unlink()
+    consumer.unlink()
+    add(producer, 1)
+    assert seqs(consumer.drain()) == [1]
+    with pytest.raises(BrokenPeer):
+        ClientSegment.attach(consumer.name)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(seq=2**32),
+        dict(seq=-1),
+        dict(deadline_ms=2**63),
+        dict(aux0=2**31),
+        dict(key_meta=256),
+        dict(key_bytes="not bytes"),
+    ],
+)
+def test_out_of_range_fields_are_the_callers_mistake(make_segments, fields):
+    consumer, producer = make_segments()
+    arguments = dict(op=ADD, key_bytes=b"k", key_meta=1, deadline_ms=1, seq=1, aux0=0, aux1=0) | fields
+    with pytest.raises(InvalidRequest):
+        producer.try_push(**arguments)
+    if "aux0" not in fields:
+        with pytest.raises(InvalidRequest):
+            producer.push_add(arguments["key_bytes"], arguments["key_meta"], arguments["deadline_ms"], arguments["seq"])
+    assert consumer.depth() == 0  # nothing was published
+
+
+# ---------------------------------------------------------------- hostile client
+
+
+def _write_word(producer, word, value):
+    producer._words[word] = value  # what a hostile client can do with its own mapping
+
+
+@pytest.mark.parametrize("tail_minus_head", [-1, 9, 2**40, -(2**40)])
+def test_impossible_tail_is_a_protocol_error_not_a_crash(make_segments, tail_minus_head):
+    consumer, producer = make_segments(ring_capacity=8)
+    for seq in range(3):
+        add(producer, seq)
+    assert seqs(consumer.drain()) == [0, 1, 2]
+    _write_word(producer, ring_layout.TAIL_WORD, (3 + tail_minus_head) % 2**64)
+    with pytest.raises(ProtocolError):
+        consumer.drain()
+    with pytest.raises(ProtocolError):
+        consumer.depth()
+
+
+@settings(max_examples=40, deadline=None)
+@given(head=st.integers(0, 2**64 - 1), tail=st.integers(0, 2**64 - 1), garbage=st.binary(min_size=64, max_size=64))
+def test_random_counters_and_records_never_crash_the_consumer(head, tail, garbage):
+    name = segment_name()
+    consumer = ClientSegment.create(name, 8, 4)
+    producer = ClientSegment.attach(name)
+    try:
+        _write_word(producer, ring_layout.HEAD_WORD, head)
+        _write_word(producer, ring_layout.TAIL_WORD, tail)
+        producer._mm[ring_layout.RING_OFFSET : ring_layout.RING_OFFSET + 64] = garbage
+        try:
+            records = consumer.drain()
+        except ProtocolError:
+            assert not 0 <= tail <= 8  # the consumer's own head is 0 whatever the client wrote
+        else:
+            assert 0 <= tail <= 8 and len(records) == tail
+            valid = validate_records(records, touch_capacity=4)
+            assert valid.dtype == bool and valid.shape == (tail,)
+            assert not valid[1:].any()  # zero records are not commands
+    finally:
+        producer.close()
+        consumer.close()
+        consumer.unlink()
+
+
+def test_client_overwriting_head_cannot_move_the_consumer(make_segments):
+    consumer, producer = make_segments(ring_capacity=8)
+    for seq in range(4):
+        add(producer, seq)
+    _write_word(producer, ring_layout.HEAD_WORD, 3)  # pretend three were consumed
+    assert seqs(consumer.drain()) == [0, 1, 2, 3]
+    assert consumer._words[ring_layout.HEAD_WORD] == 4
+
+
+def test_scribbled_records_are_flagged_invalid(make_segments):
+    consumer, producer = make_segments(ring_capacity=8)
+    for seq in range(4):
+        add(producer, seq)
+    slot_2 = ring_layout.RING_OFFSET + 2 * commands.RECORD_SIZE + commands.DEADLINE_OFFSET
+    producer._mm[slot_2] ^= 0x01  # one bit of the deadline of seq 2
+    records = consumer.drain()
+    assert validate_records(records).tolist() == [True, True, False, True]
+    assert np.array_equal(records["seq"], [0, 1, 2, 3])
