@@ -19,13 +19,17 @@ entry is unlinked in O(1) without knowing its bucket.
 Placing a timer (``cur`` is the wheel's clock, ``d`` the deadline)::
 
     d <= cur                       -> the due list (comes out at the next advance)
-    level 0: v = ceil(d / tick0)   -> if v - cur//tick0 < wheel_size: bucket v % wheel_size
+    level 0: v = ceil(d / tick0)   -> if v - cur//tick0 <= wheel_size: bucket v % wheel_size
     level L: v = d // tick(L)      -> if v - cur//tick(L) < wheel_size: bucket v % wheel_size
     beyond the top level           -> the top level's farthest bucket (clamped); when that
                                       bucket comes due the timer is placed again, so any
                                       delay is accepted and none is lost
 
-The bucket's expiration is ``v * tick(L)``. Level 0 rounds *up*: a level-0 bucket
+The bucket's expiration is ``v * tick(L)``, always after ``cur``. Level 0 accepts
+``v - cur//tick0 == wheel_size`` too: the values ``cur//tick0 + 1 .. + wheel_size``
+are ``wheel_size`` distinct buckets (``v == cur//tick0`` would be due), and without
+it a deadline in the last level-0 tick of the current level-1 tick (tick_ms > 1)
+would land in a level-1 bucket that has already expired. Level 0 rounds *up*: a level-0 bucket
 only expires once every timer in it is due, so nothing fires early (Kafka rounds
 down and may fire up to a tick early). Higher levels round down: when their
 bucket expires, its timers *cascade*: each is placed again relative to the new
@@ -425,7 +429,7 @@ class TimerWheel:
         ws = self.wheel_size
         t = self.tick_ms
         v = -(-deadline // t)
-        if v - cur // t < ws:
+        if v - cur // t <= ws:  # <=: level 0 rounds up, see "Placing a timer"
             return v % ws, v * t, 0
         ticks = self._ticks
         for level in range(1, self.levels):
@@ -935,7 +939,7 @@ class TimerWheel:
         todo = ~due
         t = self.tick_ms
         v = -(-deadlines // t)
-        ok = todo & (v - cur // t < ws)
+        ok = todo & (v - cur // t <= ws)
         buckets[ok] = v[ok] % ws
         expirations[ok] = v[ok] * t
         levels[ok] = 0

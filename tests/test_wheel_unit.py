@@ -1,0 +1,472 @@
+"""Fake-clock unit tests of the timing wheel (shm/wheel.py).
+
+The wheel never reads a clock: these tests drive it with ``advance(now_ms)``
+millisecond by millisecond (or in jumps) and check the exact tick each timer
+fires on, the level it sits in between, and that refused input changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+
+import posix_ipc
+import pytest
+
+from wheeld.protocol.errors import ArenaFull, CorruptArena, InvalidDelay, InvalidKey, InvalidRequest
+from wheeld.shm import MAX_DELAY_MS, TimerWheel
+from wheeld.shm.arena import unlink
+
+
+def segment_name() -> str:
+    return f"/wheeld-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def shm_name():
+    name = segment_name()
+    try:
+        yield name
+    finally:
+        unlink(name)
+
+
+def fire_times(wheel: TimerWheel, until_ms: int, step_ms: int = 1) -> dict[object, int]:
+    """Advance from the wheel's clock to ``until_ms``; key -> the now_ms it came out at."""
+    out: dict[object, int] = {}
+    now = wheel.current_ms
+    while now < until_ms:
+        now = min(now + step_ms, until_ms)
+        for key, deadline in wheel.advance(now):
+            assert key not in out, f"{key!r} fired twice"
+            assert deadline <= now, f"{key!r} fired early: deadline {deadline} at {now}"
+            out[key] = now
+        assert wheel.check() == []
+    return out
+
+
+def pending_set(wheel: TimerWheel) -> set:
+    return set(wheel.pending())
+
+
+# ----------------------------------------------------------------------------- exact ticks
+def test_tick_1_fires_exactly_at_the_deadline():
+    wheel = TimerWheel.create(1000, tick_ms=1, wheel_size=8, levels=4)
+    deadlines = {f"t{d}": d for d in (1, 2, 7, 8, 9, 63, 64, 65, 100, 511, 512, 513, 1000, 4095)}
+    for key, d in deadlines.items():
+        wheel.schedule(key, d)
+    assert wheel.check() == []
+    assert fire_times(wheel, 5000) == deadlines
+    assert len(wheel) == 0
+
+
+def test_tick_10_fires_on_the_first_tick_at_or_after_the_deadline():
+    wheel = TimerWheel.create(1000, tick_ms=10, wheel_size=4, levels=3, start_ms=3)
+    deadlines = {f"t{d}": d for d in range(4, 900, 7)}
+    for key, d in deadlines.items():
+        wheel.schedule(key, d)
+    fired = fire_times(wheel, 1000)
+    assert fired == {key: math.ceil(d / 10) * 10 for key, d in deadlines.items()}
+    for key, d in deadlines.items():
+        assert d <= fired[key] < d + 10  # never early, at most one tick late
+
+
+def test_tick_10_deadline_in_the_last_tick_of_a_level_1_tick():
+    """Regression: level 0 rejected ceil(d/tick) - cur//tick == wheel_size, level 1
+    then put the timer in a bucket whose expiration had already passed."""
+    wheel = TimerWheel.create(10, tick_ms=10, wheel_size=4, levels=3)
+    wheel.schedule("a", 35)
+    assert wheel.check() == []
+    assert wheel.next_deadline() == 40
+    assert wheel.advance(39) == []
+    assert wheel.advance(40) == [("a", 35)]
+
+
+def test_cascade_through_three_levels():
+    # tick 1, wheel 4: levels span 4, 16, 64 and 256 ms.
+    wheel = TimerWheel.create(10, tick_ms=1, wheel_size=4, levels=4)
+    wheel.schedule("x", 191)
+    # level 3 (tick 64): bucket 191 // 64 = 2, expiration 128
+    # at 128: level 2 (tick 16): 191 // 16 = 11, expiration 176
+    # at 176: level 1 (tick 4): 191 // 4 = 47, expiration 188
+    # at 188: level 0: expiration 191
+    expected_level = [(0, 3), (128, 2), (176, 1), (188, 0)]
+    levels_seen = []
+    fired_at = None
+    for now in range(1, 200):
+        counters = wheel.counters()
+        level = next((lv for lv in range(4) if counters[f"pending_level_{lv}"]), None)
+        if level is not None and (not levels_seen or levels_seen[-1][1] != level):
+            levels_seen.append((now - 1, level))
+        out = wheel.advance(now)
+        assert wheel.check() == []
+        if out:
+            assert out == [("x", 191)]
+            fired_at = now
+    assert levels_seen == expected_level
+    assert fired_at == 191
+    counters = wheel.counters()
+    assert counters["cascades_total"] == 3
+    assert counters["expirations_total"] == 1
+    assert counters["pending"] == 0
+
+
+def test_cascade_with_one_jump_lands_on_the_right_level():
+    wheel = TimerWheel.create(10, tick_ms=1, wheel_size=4, levels=4)
+    wheel.schedule("x", 191)
+    assert wheel.counters()["pending_level_3"] == 1
+    assert wheel.advance(180) == []  # bucket 128 cascades straight to level 1 (176..191 relative to 180)
+    c = wheel.counters()
+    assert c["pending_level_0"] + c["pending_level_1"] == 1 and c["cascades_total"] == 1
+    assert wheel.next_deadline() <= 191
+    assert wheel.advance(190) == []
+    assert wheel.advance(191) == [("x", 191)]
+
+
+# ----------------------------------------------------------------------------- clamp
+def test_deadline_beyond_the_top_level_is_clamped_and_fires_exactly():
+    wheel = TimerWheel.create(10, tick_ms=1, wheel_size=4, levels=2)  # range: 16 ms
+    wheel.schedule("far", 1000)
+    wheel.schedule("farther", 123_457)
+    assert wheel.counters()["pending_level_1"] == 2
+    fired = fire_times(wheel, 1100)
+    assert fired == {"far": 1000}
+    assert wheel.lookup("farther") == 123_457
+
+
+def test_clamped_deadline_with_big_jumps():
+    wheel = TimerWheel.create(10, tick_ms=1, wheel_size=4, levels=2)
+    wheel.schedule("far", 1000)
+    for now in (1, 17, 500, 990, 999):
+        assert wheel.advance(now) == []
+        assert wheel.check() == []
+        assert wheel.next_deadline() <= 1000
+    assert wheel.advance(1000) == [("far", 1000)]
+    wheel.schedule("huge", 10**12)
+    assert wheel.advance(10**12 - 1) == []
+    assert wheel.advance(10**12 + 5) == [("huge", 10**12)]
+    assert wheel.check() == []
+
+
+# ----------------------------------------------------------------------------- next_deadline
+def test_next_deadline():
+    wheel = TimerWheel.create(10, tick_ms=1, wheel_size=256)
+    assert wheel.next_deadline() is None
+    wheel.schedule("a", 100)
+    assert wheel.next_deadline() == 100
+    wheel.schedule("b", 50)
+    assert wheel.next_deadline() == 50
+    wheel.cancel("b")
+    assert wheel.next_deadline() == 100  # the emptied bucket is skipped
+    wheel.schedule("c", 100_000)  # level 1 bucket: its expiration, at or before the deadline
+    wheel.cancel("a")
+    nd = wheel.next_deadline()
+    assert nd is not None and 0 < nd <= 100_000
+    assert wheel.advance(nd - 1) == []
+    while (nd := wheel.next_deadline()) is not None:
+        out = wheel.advance(nd)
+    assert out == [("c", 100_000)]
+    assert wheel.next_deadline() is None
+
+
+def test_next_deadline_of_a_past_deadline_is_the_clock():
+    wheel = TimerWheel.create(10, start_ms=500)
+    wheel.schedule("late", 400)
+    assert wheel.next_deadline() == 500
+    assert wheel.advance(500) == [("late", 400)]
+
+
+# ----------------------------------------------------------------------------- re-arm, cancel
+def test_rearm_earlier_and_later():
+    wheel = TimerWheel.create(10, tick_ms=1, wheel_size=8, levels=3)
+    h1 = wheel.schedule("early", 100)
+    h2 = wheel.schedule("early", 40)
+    assert h1 == h2  # re-armed in place: same record, same handle
+    wheel.schedule("later", 30)
+    wheel.schedule("later", 300)
+    assert len(wheel) == 2
+    assert wheel.counters()["rearms_total"] == 2
+    assert fire_times(wheel, 400) == {"early": 40, "later": 300}
+
+
+def test_cancel_is_exact():
+    wheel = TimerWheel.create(10, tick_ms=1, wheel_size=8, levels=3)
+    wheel.schedule("a", 10)
+    wheel.schedule("b", 10)
+    wheel.schedule("c", 500)
+    assert wheel.cancel("a") is True
+    assert wheel.cancel("a") is False
+    assert wheel.cancel("c") is True
+    assert wheel.cancel("never") is False
+    c = wheel.counters()
+    assert c["cancels_total"] == 2 and c["cancel_misses_total"] == 2 and c["pending"] == 1
+    assert fire_times(wheel, 1000) == {"b": 10}
+    assert wheel.check() == []
+
+
+def test_stale_handles_are_no_ops():
+    wheel = TimerWheel.create(2)
+    old = wheel.schedule("a", 10)
+    assert wheel.cancel_handle(old) is True
+    assert wheel.cancel_handle(old) is False
+    new = wheel.schedule("b", 20)  # reuses the slot with a new generation
+    assert new[0] == old[0] and new[1] != old[1]
+    assert wheel.cancel_handle(old) is False
+    assert wheel.lookup("b") == 20
+    assert wheel.release(*old) is False
+    assert wheel.rearm_fired(old[0], old[1], 50) is False
+    assert wheel.cancel_handle((0, 0)) is False  # a sentinel, not an entry
+    assert wheel.cancel_handle((10**6, 1)) is False
+    slots = wheel.expire(20)
+    assert slots == [new[0]]
+    assert wheel.cancel_handle(new) is False  # fired: not cancellable by handle
+    assert wheel.release(new[0], new[1] + 1) is False
+    assert wheel.release(*new) is True
+    assert wheel.release(*new) is False
+    assert wheel.check() == []
+
+
+# ----------------------------------------------------------------------------- expire path
+def test_expire_fired_release_rearm_fired():
+    wheel = TimerWheel.create(10, tick_ms=1, wheel_size=8, levels=3)
+    g = wheel.group_id("workers")
+    ha = wheel.schedule("a", 10, group=g, tag=7, aux=3)
+    hb = wheel.schedule(b"b", 12, tag=8)
+    wheel.schedule(3, 100)
+    assert wheel.expire(9) == []
+    assert set(wheel.expire(12)) == {ha[0], hb[0]}
+    assert set(wheel.fired_slots()) == {ha[0], hb[0]}
+    assert wheel.fired(ha[0]) == ("a", 10, g, 7, 3, ha[1])
+    assert wheel.fired(hb[0]) == (b"b", 12, 0, 8, -1, hb[1])
+    c = wheel.counters()
+    assert c["fired_unacked"] == 2 and c["pending"] == 1 and c["expirations_total"] == 2
+    assert wheel.lookup("a", group=g) is None  # a fired key is no longer scheduled
+    with pytest.raises(InvalidRequest):
+        wheel.fired(wheel.first_entry + 9)  # never used
+    assert wheel.release(*hb) is True
+    assert wheel.rearm_fired(ha[0], ha[1], 50) is True
+    assert wheel.lookup("a", group=g) == 50
+    assert wheel.fired_slots() == []
+    c = wheel.counters()
+    assert c["fired_unacked"] == 0 and c["pending"] == 2 and c["acks_total"] == 1 and c["idle_rearms_total"] == 1
+    assert wheel.check() == []
+    assert wheel.expire(50) == [ha[0]]
+    assert wheel.fired(ha[0])[:2] == ("a", 50)
+    # the key was scheduled again meanwhile: rearm_fired refuses, the old record is released
+    wheel.schedule("a", 70, group=g)
+    assert wheel.rearm_fired(ha[0], ha[1], 60) is False
+    assert wheel.release(*ha) is True
+    assert wheel.lookup("a", group=g) == 70
+    assert wheel.check() == []
+
+
+# ----------------------------------------------------------------------------- keys, groups
+def test_same_key_in_two_groups_is_two_timers():
+    wheel = TimerWheel.create(10)
+    g1 = wheel.group_id("one")
+    g2 = wheel.group_id("two")
+    assert g1 != g2 and wheel.group_id("one") == g1
+    assert wheel.groups() == {0: "default", g1: "one", g2: "two"}
+    assert wheel.group_name(g2) == "two"
+    wheel.schedule("k", 10, group=g1)
+    wheel.schedule("k", 20, group=g2)
+    assert len(wheel) == 2
+    assert wheel.lookup("k", group=g1) == 10 and wheel.lookup("k", group=g2) == 20
+    assert wheel.lookup("k") is None
+    assert wheel.cancel("k", group=g2) is True
+    assert wheel.lookup("k", group=g1) == 10
+    assert wheel.check() == []
+
+
+def test_str_bytes_and_int_keys_are_distinct():
+    wheel = TimerWheel.create(10)
+    wheel.schedule("17", 5)
+    wheel.schedule(b"17", 6)
+    wheel.schedule(17, 7)
+    wheel.schedule(-1, 8)
+    wheel.schedule("k" * 32, 9)  # the longest key
+    assert len(wheel) == 5
+    assert sorted(wheel.advance(10), key=lambda kd: kd[1]) == [("17", 5), (b"17", 6), (17, 7), (-1, 8), ("k" * 32, 9)]
+
+
+# ----------------------------------------------------------------------------- bad input
+def snapshot(wheel: TimerWheel) -> tuple[bytes, set]:
+    return bytes(wheel._seg.buf), pending_set(wheel)
+
+
+@pytest.mark.parametrize(
+    "call, exc",
+    [
+        (lambda w: w.schedule("k", 1.5), InvalidDelay),
+        (lambda w: w.schedule("k", "10"), InvalidDelay),
+        (lambda w: w.schedule("k", None), InvalidDelay),
+        (lambda w: w.schedule("k", True), InvalidDelay),
+        (lambda w: w.schedule("k", MAX_DELAY_MS + 1000), InvalidDelay),
+        (lambda w: w.schedule("k", -(1 << 62)), InvalidDelay),
+        (lambda w: w.schedule("a", 1.5), InvalidDelay),  # a re-arm of an existing key
+        (lambda w: w.schedule("", 10), InvalidKey),
+        (lambda w: w.schedule(b"", 10), InvalidKey),
+        (lambda w: w.schedule("x" * 33, 10), InvalidKey),
+        (lambda w: w.schedule("é" * 17, 10), InvalidKey),  # 34 bytes encoded
+        (lambda w: w.schedule(1 << 64, 10), InvalidKey),
+        (lambda w: w.schedule(1.5, 10), InvalidKey),
+        (lambda w: w.schedule(None, 10), InvalidKey),
+        (lambda w: w.schedule(("a",), 10), InvalidKey),
+        (lambda w: w.schedule("k", 10, group=5000), InvalidRequest),
+        (lambda w: w.schedule("k", 10, tag=-1), InvalidRequest),
+        (lambda w: w.schedule("k", 10, aux=1 << 40), InvalidRequest),
+        (lambda w: w.cancel(""), InvalidKey),
+        (lambda w: w.rearm_fired(w.first_entry, 1, 2.5), InvalidDelay),
+    ],
+)
+def test_bad_input_raises_and_changes_nothing(call, exc):
+    wheel = TimerWheel.create(10, tick_ms=1, wheel_size=4, levels=3)
+    wheel.schedule("a", 5)
+    wheel.schedule("b", 500)
+    before = snapshot(wheel)
+    with pytest.raises(exc):
+        call(wheel)
+    assert wheel.check() == []
+    assert snapshot(wheel) == before
+
+
+def test_full_arena_raises_and_changes_nothing():
+    wheel = TimerWheel.create(3, tick_ms=1, wheel_size=4, levels=3)
+    for key in "abc":
+        wheel.schedule(key, 100)
+    before = snapshot(wheel)
+    with pytest.raises(ArenaFull):
+        wheel.schedule("d", 100)
+    assert wheel.check() == []
+    assert snapshot(wheel) == before
+    assert wheel.counters()["arena_full_total"] == 1
+    wheel.schedule("a", 50)  # a re-arm needs no record: allowed when full
+    assert wheel.cancel("b")
+    wheel.schedule("d", 60)
+    assert wheel.check() == []
+    assert fire_times(wheel, 200) == {"a": 50, "d": 60, "c": 100}
+
+
+def test_fired_records_count_against_capacity():
+    wheel = TimerWheel.create(2)
+    wheel.schedule("a", 1)
+    wheel.schedule("b", 1)
+    fired = wheel.expire(1)
+    with pytest.raises(ArenaFull):
+        wheel.schedule("c", 5)
+    wheel.release(fired[0], wheel.fired(fired[0])[5])
+    wheel.schedule("c", 5)
+    assert wheel.check() == []
+
+
+def test_create_rejects_bad_parameters():
+    for kwargs in ({"capacity": 0}, {"capacity": 10, "tick_ms": 0}, {"capacity": 10, "wheel_size": 1},
+                   {"capacity": 10, "levels": 0}, {"capacity": 10, "levels": 16}, {"capacity": 10, "tick_ms": 1.5}):
+        with pytest.raises(InvalidRequest):
+            TimerWheel.create(**kwargs)
+
+
+# ----------------------------------------------------------------------------- named arenas
+def test_named_arena_survives_close_and_attach(shm_name):
+    wheel = TimerWheel.create(100, tick_ms=1, wheel_size=4, levels=3, name=shm_name, start_ms=1000)
+    g = wheel.group_id("g")
+    for i in range(30):
+        wheel.schedule(f"k{i}", 1000 + 7 * i, group=i % 2 and g, tag=i)
+    wheel.cancel("k3")
+    wheel.schedule("k4", 5000)
+    fired = wheel.expire(1030)
+    before_pending = pending_set(wheel)
+    before_fired = {s: wheel.fired(s) for s in fired}
+    before_counters = wheel.counters()
+    wheel.close()
+    wheel.close()  # idempotent
+
+    again = TimerWheel.attach(shm_name)
+    try:
+        assert again.repairs == []
+        assert again.check() == []
+        assert again.current_ms == 1030
+        assert (again.capacity, again.tick_ms, again.wheel_size, again.levels) == (100, 1, 4, 3)
+        assert pending_set(again) == before_pending
+        assert {s: again.fired(s) for s in again.fired_slots()} == before_fired
+        assert again.group_id("g", create=False) == g
+        c = again.counters()
+        for name in ("pending", "fired_unacked", "adds_total", "rearms_total", "cancels_total", "expirations_total"):
+            assert c[name] == before_counters[name], name
+        out = fire_times(again, 6000)
+        assert out == {key: d for key, d, _g in before_pending}
+    finally:
+        again.close()
+
+
+def test_attach_of_something_that_is_not_an_arena_raises_corrupt(shm_name):
+    shm = posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, size=8192)
+    try:
+        os.write(shm.fd, os.urandom(8192))
+    finally:
+        shm.close_fd()
+    with pytest.raises(CorruptArena):
+        TimerWheel.attach(shm_name)
+
+
+def test_attach_of_an_empty_or_short_segment_raises_corrupt(shm_name):
+    shm = posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, size=0)
+    shm.close_fd()
+    with pytest.raises(CorruptArena):
+        TimerWheel.attach(shm_name)
+
+
+def test_attach_of_a_truncated_arena_raises_corrupt(shm_name):
+    wheel = TimerWheel.create(1000, name=shm_name)
+    head = bytes(wheel._seg.buf[:4096])
+    wheel.close()
+    unlink(shm_name)
+    shm = posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, size=4096)
+    try:
+        os.write(shm.fd, head)
+    finally:
+        shm.close_fd()
+    with pytest.raises(CorruptArena):
+        TimerWheel.attach(shm_name)
+
+
+def test_attach_of_a_missing_segment():
+    with pytest.raises(FileNotFoundError):
+        TimerWheel.attach(segment_name())
+
+
+# ----------------------------------------------------------------------------- key index
+def test_key_index_tombstones_are_rebuilt():
+    wheel = TimerWheel.create(8, tick_ms=1, wheel_size=4, levels=2)
+    table_cells = len(wheel._table_np)
+    live: dict[str, int] = {}
+    for i in range(5000):
+        key = f"key-{i}"
+        wheel.schedule(key, 10 + i % 50)
+        live[key] = 10 + i % 50
+        if len(live) == 8:
+            victim = next(iter(live))
+            assert wheel.cancel(victim)
+            del live[victim]
+        assert wheel._used <= table_cells
+        if i % 500 == 0:
+            assert wheel.check() == []
+    assert len(wheel._table_np) == table_cells  # the table never grows; tombstones are swept
+    assert wheel.check() == []
+    for key, d in live.items():
+        assert wheel.lookup(key) == d
+    assert wheel.lookup("key-0") is None
+    assert len(wheel) == len(live)
+
+
+def test_key_index_under_collisions_of_many_keys():
+    wheel = TimerWheel.create(2000, tick_ms=1, wheel_size=16, levels=3)
+    keys = [i for i in range(1500)] + [str(i) for i in range(250)] + [str(i).encode() for i in range(250)]
+    for n, key in enumerate(keys):
+        wheel.schedule(key, 1 + n)
+    for key in keys[::3]:
+        assert wheel.cancel(key)
+    assert wheel.check() == []
+    for n, key in enumerate(keys):
+        assert wheel.lookup(key) == (None if n % 3 == 0 else 1 + n)
