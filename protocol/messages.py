@@ -35,6 +35,8 @@ direction, reused (msgspec's fastest path). ``decode_*`` raise
 else; ``encode_*`` raise :class:`~wheeld.protocol.errors.InvalidRequest` when
 handed something that is not a message of that direction (the caller's bug).
 Constraints (``msgspec.Meta``) are checked when decoding, not when constructing.
+Extra trailing fields are ignored (msgspec's default for ``array_like``), which
+leaves room to append optional fields without a new protocol version.
 
 Size: an Expiry with a 10-byte key is about 33 bytes.
 """
