@@ -1,0 +1,238 @@
+"""The timing wheel against a reference model (hypothesis stateful tests).
+
+The model is what a user expects from a timer service, written the obvious
+way: a dict (group, key) -> deadline and a heap of deadlines. Every rule applies
+the same step to the wheel and to the model; after every step ``check()`` must
+find no broken invariant and the pending timers must be the model's.
+
+What an advance may return, for ``F(d) = ceil(d / tick_ms) * tick_ms`` (the end
+of the tick the deadline falls in):
+
+* nothing with ``d > now`` (never early);
+* everything with ``F(d) <= now`` (at most one tick late when advanced on time;
+  with ``tick_ms = 1`` this makes the expired set exactly the model's due set);
+* a timer with ``d <= now < F(d)`` may come out now or at the next advance.
+
+Shapes: several (tick_ms, wheel_size, levels), small enough that cascades and
+the clamp beyond the top level happen within a few steps. ``WHEELD_LONG=1``
+runs many more examples.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import uuid
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from wheeld.protocol.errors import ArenaFull
+from wheeld.shm import TimerWheel
+from wheeld.shm.arena import unlink
+
+LONG = os.environ.get("WHEELD_LONG") == "1"
+CAPACITY = 8
+
+KEYS = st.sampled_from(["a", "b", b"a", 1, -7, "long" * 8, "é"])
+DELTAS = st.one_of(
+    st.integers(-3, 3),
+    st.integers(0, 40),
+    st.integers(0, 5_000),
+    st.integers(0, 10**7),
+    st.just(10**12),
+)
+JUMPS = st.one_of(
+    st.just(0),
+    st.just(1),
+    st.integers(1, 10),
+    st.integers(0, 300),
+    st.integers(0, 100_000),
+    st.just(10**12),
+)
+
+
+class WheelMachine(RuleBasedStateMachine):
+    tick_ms = 1
+    wheel_size = 4
+    levels: int | None = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = f"/wheeld-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.wheel: TimerWheel | None = None
+
+    @initialize(start=st.integers(0, 10**6))
+    def create(self, start):
+        self.wheel = TimerWheel.create(
+            CAPACITY, tick_ms=self.tick_ms, wheel_size=self.wheel_size, levels=self.levels,
+            name=self.name, start_ms=start,
+        )
+        self.group = self.wheel.group_id("other")
+        self.now = start
+        self.scheduled: dict[tuple[int, object], tuple[int, int]] = {}  # (group, key) -> (deadline, tag)
+        self.handles: dict[tuple[int, object], tuple[int, int]] = {}  # live handle per scheduled key
+        self.fired: dict[int, tuple[object, int, int, int, int]] = {}  # slot -> key, deadline, group, tag, gen
+        self.old_handles: list[tuple[int, int]] = []
+
+    def teardown(self) -> None:
+        try:
+            if self.wheel is not None:
+                self.wheel.close()
+        finally:
+            unlink(self.name)
+
+    def last_tick(self, deadline: int) -> int:
+        return -(-deadline // self.tick_ms) * self.tick_ms
+
+    def used(self) -> int:
+        return len(self.scheduled) + len(self.fired)
+
+    # ------------------------------------------------------------------ rules
+    @rule(key=KEYS, other_group=st.booleans(), delta=DELTAS, tag=st.integers(0, 2**32 - 1))
+    def schedule(self, key, other_group, delta, tag):
+        group = self.group if other_group else 0
+        gk = (group, key)
+        deadline = self.now + delta
+        if gk not in self.scheduled and self.used() == CAPACITY:
+            with pytest.raises(ArenaFull):
+                self.wheel.schedule(key, deadline, group=group, tag=tag)
+            return
+        handle = self.wheel.schedule(key, deadline, group=group, tag=tag)
+        if gk in self.handles:
+            assert handle == self.handles[gk]  # a re-arm keeps its record
+        self.handles[gk] = handle
+        self.old_handles.append(handle)
+        self.scheduled[gk] = (deadline, tag)
+
+    @rule(key=KEYS, other_group=st.booleans())
+    def cancel(self, key, other_group):
+        gk = (self.group if other_group else 0, key)
+        assert self.wheel.cancel(key, group=gk[0]) is (gk in self.scheduled)
+        self.scheduled.pop(gk, None)
+        self.handles.pop(gk, None)
+
+    @precondition(lambda self: self.old_handles)
+    @rule(data=st.data())
+    def cancel_handle(self, data):
+        handle = data.draw(st.sampled_from(self.old_handles))
+        live = [gk for gk, h in self.handles.items() if h == handle]
+        assert self.wheel.cancel_handle(handle) is bool(live)
+        for gk in live:
+            del self.scheduled[gk]
+            del self.handles[gk]
+
+    @rule(jump=JUMPS, use_expire=st.booleans())
+    def advance(self, jump, use_expire):
+        self.now += jump
+        now = self.now
+        certain = Counter(k for (g, k), (d, _t) in self.scheduled.items() if self.last_tick(d) <= now)
+        maybe = Counter(k for (g, k), (d, _t) in self.scheduled.items() if d <= now)
+        if use_expire:
+            slots = self.wheel.expire(now)
+            records = {s: self.wheel.fired(s) for s in slots}
+            assert len(records) == len(slots)
+            out = Counter()
+            for s, (key, deadline, group, tag, _aux, gen) in records.items():
+                assert s not in self.fired
+                assert self.scheduled.pop((group, key)) == (deadline, tag)
+                del self.handles[(group, key)]
+                self.fired[s] = (key, deadline, group, tag, gen)
+                out[key] += 1
+        else:
+            result = self.wheel.advance(now)
+            out = Counter(k for k, _d in result)
+            for key, deadline in result:
+                gk = next(gk for gk, (d, _t) in self.scheduled.items() if gk[1] == key and d == deadline)
+                del self.scheduled[gk]
+                del self.handles[gk]
+        assert out & certain == certain, f"late: {certain - out} at {now}"
+        assert out & maybe == out, f"early: {out - maybe} at {now}"
+        assert self.wheel.current_ms == now
+
+    @precondition(lambda self: self.fired)
+    @rule(data=st.data())
+    def release(self, data):
+        slot = data.draw(st.sampled_from(sorted(self.fired)))
+        gen = self.fired[slot][4]
+        assert self.wheel.release(slot, gen + 1) is False  # wrong generation: no-op
+        assert self.wheel.release(slot, gen) is True
+        del self.fired[slot]
+
+    @precondition(lambda self: self.fired)
+    @rule(data=st.data(), delta=DELTAS)
+    def rearm_fired(self, data, delta):
+        slot = data.draw(st.sampled_from(sorted(self.fired)))
+        key, _deadline, group, tag, gen = self.fired[slot]
+        taken = (group, key) in self.scheduled
+        assert self.wheel.rearm_fired(slot, gen, self.now + delta) is (not taken)
+        if not taken:
+            del self.fired[slot]
+            self.scheduled[(group, key)] = (self.now + delta, tag)
+            self.handles[(group, key)] = (slot, gen)
+
+    @rule()
+    def reattach(self):
+        """The daemon restarts: unmap, map again, rebuild everything from the records."""
+        self.wheel.close()
+        self.wheel = None
+        self.wheel = TimerWheel.attach(self.name)
+        assert self.wheel.repairs == []
+        assert self.wheel.current_ms == self.now
+
+    @rule()
+    def next_deadline(self):
+        nd = self.wheel.next_deadline()
+        if not self.scheduled:
+            assert nd is None
+            return
+        assert nd is not None
+        earliest = min(self.last_tick(d) for d, _t in self.scheduled.values())
+        assert nd <= max(earliest, self.now)  # a bucket comes due no later than its earliest timer
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def sound(self):
+        if self.wheel is None:
+            return
+        assert self.wheel.check() == []
+        assert len(self.wheel) == len(self.scheduled)
+        pending = Counter((k, d, g) for k, d, g in self.wheel.pending())
+        assert pending == Counter((k, d, g) for (g, k), (d, _t) in self.scheduled.items())
+        assert set(self.wheel.fired_slots()) == set(self.fired)
+        c = self.wheel.counters()
+        assert c["pending"] == len(self.scheduled) and c["fired_unacked"] == len(self.fired)
+
+
+SHAPES = [  # tick_ms, wheel_size, levels (None: enough levels for ~35 years)
+    (1, 2, 3),
+    (1, 3, 2),
+    (1, 4, 3),
+    (1, 256, None),
+    (7, 2, 4),
+    (7, 3, 2),
+    (7, 4, 3),
+    (7, 256, 2),
+]
+
+SETTINGS = settings(
+    max_examples=1000 if LONG else 75,
+    stateful_step_count=100 if LONG else 40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def _machine(tick_ms: int, wheel_size: int, levels: int | None):
+    cls = type(f"Wheel_t{tick_ms}_w{wheel_size}_l{levels}", (WheelMachine,),
+               {"tick_ms": tick_ms, "wheel_size": wheel_size, "levels": levels})
+    cls.TestCase.settings = SETTINGS
+    return cls
+
+
+for _shape in SHAPES:
+    _cls = _machine(*_shape)
+    globals()[f"Test{_cls.__name__}"] = _cls.TestCase
