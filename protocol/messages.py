@@ -103,6 +103,9 @@ class Hello(_Message, tag="hello"):
     group: NonEmptyName
     pid: NonNegativeI32
     client_name: Name
+    #: after a daemon restart: the segment this client had, and the token that proves it
+    resume_segment: Name = ""
+    resume_token: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0
 
 
 class Doorbell(_Message, tag="doorbell"):
@@ -130,6 +133,8 @@ class Welcome(_Message, tag="welcome"):
     arena_name: Name
     tick_ms: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
     max_delay_ms: NonNegativeI64
+    #: secret for resuming this segment after a daemon restart
+    token: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0
 
     def __post_init__(self) -> None:
         if self.ring_capacity & (self.ring_capacity - 1):

@@ -216,6 +216,24 @@ class ClientSegment:
         Raises BrokenPeer if the segment does not exist and ProtocolError if it is
         not a wheeld ring segment of this layout version.
         """
+        self = cls._map_existing(name, consumer=False)
+        self._words[layout.PRODUCER_PID_WORD] = os.getpid() if producer_pid is None else producer_pid
+        return self
+
+    @classmethod
+    def reopen(cls, name: str) -> ClientSegment:
+        """Map an existing segment as its consumer again (a daemon restarted after a crash).
+
+        The consumer position is read back from the segment's head word: it is the
+        last head the previous daemon published, i.e. everything it had applied.
+        """
+        self = cls._map_existing(name, consumer=True)
+        self._head = self._words[_HEAD_WORD]
+        self.depth()  # raises ProtocolError if the client left impossible counters
+        return self
+
+    @classmethod
+    def _map_existing(cls, name: str, consumer: bool) -> ClientSegment:
         try:
             shm = posix_ipc.SharedMemory(name)
         except posix_ipc.ExistentialError:
@@ -239,12 +257,10 @@ class ClientSegment:
                 raise ProtocolError(f"segment {name!r} header: {exc}") from None
             if size < layout.segment_size(ring_capacity, touch_capacity):
                 raise ProtocolError(f"segment {name!r} is {size} bytes, too small for its header")
-            self = cls(name, segment, ring_capacity, touch_capacity, consumer=False)
+            return cls(name, segment, ring_capacity, touch_capacity, consumer=consumer)
         except BaseException:
             segment.close()
             raise
-        self._words[layout.PRODUCER_PID_WORD] = os.getpid() if producer_pid is None else producer_pid
-        return self
 
     def unlink(self) -> None:
         """Remove the segment's name (idempotent). Existing mappings stay valid."""
@@ -420,6 +436,38 @@ class ClientSegment:
         self._head = head
         self._words[_HEAD_WORD] = head  # hand the slots back only after the copy above read them
         return records
+
+    def peek(self, max_records: int | None = None) -> np.ndarray:
+        """Like :meth:`drain`, but the slots are handed back only by :meth:`commit`.
+
+        The daemon applies a batch and then commits it, so a daemon killed in
+        between re-reads (and re-applies: every command is idempotent) the batch.
+        """
+        self._check_open()
+        head = self._head
+        available = self._words[_TAIL_WORD] - head
+        capacity = self._capacity
+        if not 0 <= available <= capacity:
+            raise ProtocolError(f"segment {self.name!r}: tail - head = {available} outside [0, {capacity}]")
+        count = available if max_records is None or max_records >= available else max(max_records, 0)
+        self._peeked = count
+        if count == 0:
+            return _EMPTY.copy()
+        start = head & self._mask
+        end = start + count
+        ring = self._ring
+        if end <= capacity:
+            return ring[start:end].copy()
+        return np.concatenate((ring[start:], ring[: end - capacity]))
+
+    def commit(self, count: int) -> None:
+        """Hand back the first ``count`` records of the last :meth:`peek`."""
+        if not 0 <= count <= getattr(self, "_peeked", 0):
+            raise InvalidRequest(f"commit({count}) after a peek of {getattr(self, '_peeked', 0)}")
+        self._peeked = 0
+        if count:
+            self._head += count
+            self._words[_HEAD_WORD] = self._head  # after the records were read and applied
 
     def read_touch(self, index: int) -> int:
         """The last-touch monotonic ms the client stored at ``index``; ProtocolError if out of range."""
