@@ -38,8 +38,11 @@ Consumer (drain)::
 
     1. t = load(tail)                           # everything before t is complete
     2. check 0 <= t - head <= capacity, else ProtocolError (the segment is untrusted)
-    3. copy records head .. t-1 out of the ring (one numpy copy)
-    4. store(head, head + n)                    # hand the slots back
+    3. copy records head .. t-1 out of the ring (one numpy copy)     peek()
+    4. store(head, head + n)                    # hand the slots back  commit(n)
+
+(``drain`` is both; the daemon peeks, applies the batch, then commits, so a
+daemon killed in between finds the batch again after :meth:`reopen`.)
 
 Why it is safe:
 
@@ -58,7 +61,8 @@ Why it is safe:
   step is a separate bytecode, i.e. separate opaque C calls.
 * The producer keeps a private copy of ``tail`` and a cached ``head`` (reloaded
   only when the ring looks full), so a push touches the shared head line rarely.
-  The consumer keeps a private ``head`` and never reads it back from the segment.
+  The consumer keeps a private ``head`` and does not read it back from the
+  segment (except once, in :meth:`reopen`).
 
 What the ring does not give: a store-then-load fence. x86-64 may reorder a store
 with a later load of another address, so a "set parked, then re-check the rings"
@@ -80,7 +84,8 @@ Hostile client
 
 The client can write anything anywhere in its segment, including ``head`` and
 ``tail``. The consumer therefore trusts nothing it reads from the segment: it
-uses the capacities it chose at :meth:`create`, keeps ``head`` privately, checks
+uses the capacities it chose at :meth:`create`, keeps ``head`` privately (only
+:meth:`reopen`, after a daemon restart, reads it back), checks
 ``0 <= tail - head <= capacity`` before copying (else :class:`ProtocolError`),
 bound-checks touch indices, and the records it returns still have to pass
 :func:`wheeld.protocol.commands.validate_records`. A client scribbling on its own
@@ -169,8 +174,9 @@ class ClientSegment:
         # producer state: private tail, cached head
         self._tail = self._words[_TAIL_WORD]
         self._head_cache = self._words[_HEAD_WORD]
-        # consumer state: private head (never read back from the untrusted segment)
+        # consumer state: private head (never read back from the untrusted segment, except by reopen)
         self._head = 0
+        self._peeked = 0  # records returned by the last peek and not yet committed
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -226,10 +232,17 @@ class ClientSegment:
 
         The consumer position is read back from the segment's head word: it is the
         last head the previous daemon published, i.e. everything it had applied.
+        This is the one place the consumer believes a word of the segment: a client
+        that rewrote its head while no daemon ran can only make its own commands be
+        skipped or applied twice, and counters that are impossible raise ProtocolError.
         """
         self = cls._map_existing(name, consumer=True)
-        self._head = self._words[_HEAD_WORD]
-        self.depth()  # raises ProtocolError if the client left impossible counters
+        try:
+            self._head = self._words[_HEAD_WORD]
+            self.depth()  # raises ProtocolError if the client left impossible counters
+        except BaseException:
+            self.close()
+            raise
         return self
 
     @classmethod
@@ -413,28 +426,11 @@ class ClientSegment:
         Returns a new array of :data:`~wheeld.protocol.commands.RECORD_DTYPE` (a copy,
         independent of the segment). The records are not validated: pass them to
         :func:`~wheeld.protocol.commands.validate_records`. Raises ProtocolError if
-        the tail the client published is impossible.
+        the tail the client published is impossible. ``drain`` is ``peek`` + ``commit``
+        of the whole batch.
         """
-        self._check_open()
-        head = self._head
-        tail = self._words[_TAIL_WORD]  # every record before this tail is completely written
-        available = tail - head
-        capacity = self._capacity
-        if not 0 <= available <= capacity:
-            raise ProtocolError(f"segment {self.name!r}: tail - head = {available} outside [0, {capacity}]")
-        count = available if max_records is None or max_records >= available else max(max_records, 0)
-        if count == 0:
-            return _EMPTY.copy()
-        start = head & self._mask
-        end = start + count
-        ring = self._ring
-        if end <= capacity:
-            records = ring[start:end].copy()
-        else:
-            records = np.concatenate((ring[start:], ring[: end - capacity]))
-        head += count
-        self._head = head
-        self._words[_HEAD_WORD] = head  # hand the slots back only after the copy above read them
+        records = self.peek(max_records)
+        self.commit(len(records))
         return records
 
     def peek(self, max_records: int | None = None) -> np.ndarray:
@@ -442,10 +438,13 @@ class ClientSegment:
 
         The daemon applies a batch and then commits it, so a daemon killed in
         between re-reads (and re-applies: every command is idempotent) the batch.
+        A second peek without a commit returns the same records again (and more,
+        if more arrived).
         """
         self._check_open()
         head = self._head
-        available = self._words[_TAIL_WORD] - head
+        tail = self._words[_TAIL_WORD]  # every record before this tail is completely written
+        available = tail - head
         capacity = self._capacity
         if not 0 <= available <= capacity:
             raise ProtocolError(f"segment {self.name!r}: tail - head = {available} outside [0, {capacity}]")
@@ -461,13 +460,13 @@ class ClientSegment:
         return np.concatenate((ring[start:], ring[: end - capacity]))
 
     def commit(self, count: int) -> None:
-        """Hand back the first ``count`` records of the last :meth:`peek`."""
-        if not 0 <= count <= getattr(self, "_peeked", 0):
-            raise InvalidRequest(f"commit({count}) after a peek of {getattr(self, '_peeked', 0)}")
+        """Hand back the slots of the first ``count`` records of the last :meth:`peek`."""
+        if not 0 <= count <= self._peeked:
+            raise InvalidRequest(f"commit({count}) after a peek of {self._peeked}")
         self._peeked = 0
         if count:
             self._head += count
-            self._words[_HEAD_WORD] = self._head  # after the records were read and applied
+            self._words[_HEAD_WORD] = self._head  # only after the records were copied (and applied)
 
     def read_touch(self, index: int) -> int:
         """The last-touch monotonic ms the client stored at ``index``; ProtocolError if out of range."""

@@ -431,3 +431,56 @@ def test_scribbled_records_are_flagged_invalid(make_segments):
     records = consumer.drain()
     assert validate_records(records).tolist() == [True, True, False, True]
     assert np.array_equal(records["seq"], [0, 1, 2, 3])
+
+
+# ---------------------------------------------------------------- peek / commit / reopen
+
+
+def test_peek_without_commit_returns_the_same_records_again(make_segments):
+    consumer, producer = make_segments(ring_capacity=4)
+    for seq in range(3):
+        add(producer, seq)
+    assert seqs(consumer.peek()) == [0, 1, 2]
+    assert seqs(consumer.peek(max_records=2)) == [0, 1]
+    consumer.commit(1)
+    assert seqs(consumer.peek()) == [1, 2]
+    assert add(producer, 3) and add(producer, 4)
+    assert add(producer, 5) is False  # slots 1, 2 are still not handed back
+    consumer.commit(2)
+    assert seqs(consumer.drain()) == [3, 4]
+
+
+def test_commit_more_than_peeked_is_the_callers_mistake(make_segments):
+    consumer, producer = make_segments()
+    add(producer, 0)
+    with pytest.raises(InvalidRequest):
+        consumer.commit(1)  # nothing peeked
+    consumer.peek()
+    with pytest.raises(InvalidRequest):
+        consumer.commit(2)
+    consumer.commit(1)
+    with pytest.raises(InvalidRequest):
+        consumer.commit(1)  # the peek was used up
+    assert consumer.depth() == 0
+
+
+def test_reopen_resumes_after_the_last_committed_record(make_segments):
+    consumer, producer = make_segments(ring_capacity=8)
+    for seq in range(5):
+        add(producer, seq)
+    consumer.peek(max_records=4)
+    consumer.commit(2)  # the daemon applied two, then died
+    consumer.close()
+    restarted = ClientSegment.reopen(producer.name)
+    try:
+        assert restarted.is_consumer and restarted.depth() == 3
+        assert seqs(restarted.drain()) == [2, 3, 4]
+    finally:
+        restarted.close()
+
+
+def test_reopen_refuses_impossible_counters(make_segments):
+    consumer, producer = make_segments(ring_capacity=8)
+    _write_word(producer, ring_layout.HEAD_WORD, 100)  # head ahead of tail
+    with pytest.raises(ProtocolError):
+        ClientSegment.reopen(producer.name)
