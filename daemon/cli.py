@@ -1,0 +1,52 @@
+"""``wheeld``: run the daemon in the foreground (a thin click shell over ``server.run``)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from wheeld.protocol.errors import WheeldError
+
+from .config import Config, default_name, default_socket_path
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--socket", "socket_path", envvar="WHEELD_SOCKET", default=None,
+              help="Unix socket to listen on [env WHEELD_SOCKET; default /run/wheeld/NAME.sock if writable, "
+                   "else $XDG_RUNTIME_DIR/wheeld-NAME.sock, else ~/.cache/wheeld/NAME.sock]")
+@click.option("--name", envvar="WHEELD_NAME", default=None,
+              help="Instance name; shared-memory segments are /wheeld-NAME-* [env WHEELD_NAME; default 'default']")
+@click.option("--tick-ms", type=click.IntRange(1, 60_000), default=1, show_default=True, help="Width of a level-0 bucket.")
+@click.option("--wheel-size", type=click.IntRange(2, 1 << 16), default=256, show_default=True, help="Buckets per level.")
+@click.option("--capacity", type=click.IntRange(1, (1 << 31) - 100_000), default=1_000_000, show_default=True,
+              help="Timer records in the arena (64 bytes each).")
+@click.option("--ring-capacity", type=int, default=1 << 14, show_default=True, help="Commands per client ring (power of two).")
+@click.option("--touch-capacity", type=int, default=1 << 17, show_default=True, help="Idle-timer touch slots per client.")
+@click.option("--metrics", default=None, metavar="ADDR:PORT", help="Serve Prometheus metrics over HTTP (off by default).")
+@click.option("--journal", "journal_dir", default=None, metavar="DIR", help="Write-ahead journal directory (off by default).")
+@click.option("--fsync", default="interval=10", show_default=True, metavar="POLICY", help="always | interval=N (ms) | off")
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_capacity, metrics, journal_dir, fsync, log_level):
+    """Run the wheeld timer daemon in the foreground."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s wheeld[%(process)d] %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    name = name or default_name()
+    config = Config(
+        socket_path=socket_path or default_socket_path(name), name=name, tick_ms=tick_ms, wheel_size=wheel_size,
+        capacity=capacity, ring_capacity=ring_capacity, touch_capacity=touch_capacity, metrics=metrics,
+        journal_dir=journal_dir, fsync=fsync, log_level=log_level,
+    )
+    from .server import run
+
+    try:
+        sys.exit(run(config))
+    except WheeldError as exc:
+        click.echo(f"wheeld: {exc}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,773 @@
+"""The wheeld daemon: drains client rings, drives the wheel, delivers expirations.
+
+One process, one thread, one uvloop event loop. The loop does three things:
+
+* **Sessions.** A client connects to the Unix socket and sends ``Hello`` (protocol
+  version, group). The daemon records its SO_PEERCRED, gives it a client slot
+  and a ring segment (``/wheeld-<name>-c<slot>-<random>``) and answers
+  ``Welcome`` with a random *token*. The socket then carries ``Doorbell`` frames
+  one way and ``Expirations``/``Applied``/``Rejected`` frames the other.
+* **The driver** (:meth:`Daemon._drive`): drain every ring (commands are applied
+  in ring order; the ring head is published only after the batch is applied, so
+  a daemon killed mid-batch re-applies it, and every command is idempotent),
+  ``expire(now)``, re-arm idle timers that were touched, hand the rest to the
+  group's delivery queue, send them, publish counters, then *park*.
+* **Parking** is an eventcount: set the arena's ``parked`` word, re-check every
+  ring, and only then sleep until the next bucket deadline. A client that pushes
+  a command and sees ``parked`` rings the doorbell (one small frame); a client
+  that sees the daemon awake rings nothing. A full fence sits between the store
+  of ``parked`` and the re-check; a missed wake-up is still bounded by
+  ``max_park_ms``.
+
+Delivery: a fired timer stays in the arena (state FIRED) until the client it was
+sent to acknowledges it through its ring (``ACK slot generation``), after the
+client library handed it to the application. If that client dies first, its
+unacknowledged expirations go back to the group's queue and reach another
+member; with no member connected they wait. After a daemon restart every FIRED
+record is sent again (the client library drops duplicates it already handed
+over); a timer whose deadline passed while the daemon was down is marked late.
+
+Never early: ``expire(now)`` returns only timers with ``deadline <= now``; the
+sleep is computed from the bucket heap and a wake-up that comes early (uvloop's
+timers may fire up to ~0.5 ms early) simply finds nothing due and sleeps again.
+
+Choices made where the issue is silent: a client's segment survives its death
+until its ring is drained and no idle timer refers to its touch table (so a
+touch made before the crash still counts); clients reconnecting after a daemon
+restart resume their segment by presenting the token; a client whose ring holds
+garbage is disconnected and its ring is no longer read (its group's timers stay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import errno
+import mmap
+import logging
+import os
+import secrets
+import signal
+import socket
+import stat
+import struct
+import threading
+import time
+
+import numpy as np
+import posix_ipc
+
+from wheeld.protocol import arena_layout as AL
+from wheeld.protocol import clients_layout as CL
+from wheeld.protocol import commands as C
+from wheeld.protocol import messages as M
+from wheeld.protocol.errors import ArenaFull, CorruptArena, InvalidRequest, ProtocolError, WheeldError
+from wheeld.protocol.framing import FrameReader
+from wheeld.protocol.keys import encode_key
+from wheeld.shm.ring import ClientSegment
+from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
+
+from .activation import listen_fds, unix_stream_listener
+from .config import Config, arena_name, clients_name, segment_prefix
+from .sdnotify import Notifier
+
+log = logging.getLogger("wheeld")
+
+_META = [bytes((m,)) for m in range(256)]
+_PEERCRED = struct.Struct("3i")
+_HIGH_WATER = 8 << 20  # bytes queued to one client before we stop sending to it
+_DRAIN_BATCH = 8192
+_GC_INTERVAL_MS = 2000
+
+
+def mono_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+def _full_fence(lock=threading.Lock()) -> None:
+    """A locked instruction (x86-64): orders the parked store before the ring loads."""
+    lock.acquire()
+    lock.release()
+
+
+class ClientSlot:
+    """A client's ring segment, drained whether or not its client is connected."""
+
+    __slots__ = ("slot", "segment", "token", "group", "group_name", "session", "unacked", "poisoned", "pid", "orphan_since")
+
+    def __init__(self, slot: int, segment: ClientSegment, token: int, group: int, group_name: str, pid: int):
+        self.slot = slot
+        self.segment = segment
+        self.token = token
+        self.group = group
+        self.group_name = group_name
+        self.session: Session | None = None
+        self.unacked: dict[int, int] = {}  # fired slot -> generation, sent to this client
+        self.poisoned = False
+        self.pid = pid
+        self.orphan_since = 0
+
+
+class Session:
+    """One connected socket."""
+
+    def __init__(self, daemon: "Daemon", sock: socket.socket, pid: int, uid: int, gid: int):
+        self.daemon = daemon
+        self.sock = sock
+        self.pid, self.uid, self.gid = pid, uid, gid
+        self.reader = FrameReader()
+        self.out = bytearray()
+        self.writing = False
+        self.closed = False
+        self.client: ClientSlot | None = None
+
+    @property
+    def congested(self) -> bool:
+        return len(self.out) > _HIGH_WATER
+
+    def send(self, frame: bytes) -> None:
+        if self.closed:
+            return
+        if self.out:
+            self.out += frame
+            return
+        try:
+            sent = self.sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self.daemon.close_session(self, f"send failed: {exc}")
+            return
+        if sent < len(frame):
+            self.out += frame[sent:]
+            if not self.writing:
+                self.writing = True
+                self.daemon.loop.add_writer(self.sock.fileno(), self._on_writable)
+
+    def _on_writable(self) -> None:
+        try:
+            sent = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.daemon.close_session(self, f"send failed: {exc}")
+            return
+        del self.out[:sent]
+        if not self.out:
+            self.writing = False
+            self.daemon.loop.remove_writer(self.sock.fileno())
+            self.daemon.wake()  # it may take more expirations now
+
+    def on_readable(self) -> None:
+        try:
+            data = self.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.daemon.close_session(self, f"recv failed: {exc}")
+            return
+        if not data:
+            self.daemon.close_session(self, "peer closed the connection")
+            return
+        try:
+            frames = self.reader.feed(data)
+            for body in frames:
+                self.daemon.on_message(self, M.decode_client_message(body))
+                if self.closed:
+                    return
+        except ProtocolError as exc:
+            self.daemon.close_session(self, f"protocol error: {exc}", goodbye=True)
+
+
+class Daemon:
+    def __init__(self, config: Config):
+        self.config = config
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.wheel: TimerWheel | None = None
+        self.clients: dict[int, ClientSlot] = {}  # client slot -> ClientSlot
+        self.sessions: set[Session] = set()
+        self.queues: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self.members: dict[int, list[Session]] = collections.defaultdict(list)
+        self._rr = 0
+        self._stopping = False
+        self._wake_future: asyncio.Future | None = None
+        self._listener: socket.socket | None = None
+        self._owns_socket_path = False
+        self.notifier = Notifier()
+        self.started_ms = 0
+        self.totals: dict[str, int] = dict.fromkeys(_DAEMON_TOTALS, 0)
+        self._last_gc = 0
+        self._clients_buf = None
+        self._lateness_counts = [0] * AL.LATENESS_BUCKETS
+        self._lateness_sum_us = 0
+        self._stats_pending = 0
+        self._last_watchdog = 0.0
+        self.ready = False
+
+    # ------------------------------------------------------------------ start-up
+    def open_arena(self) -> None:
+        cfg = self.config
+        name = arena_name(cfg.name)
+        now = mono_ms()
+        try:
+            self.wheel = TimerWheel.attach(name)
+            w = self.wheel
+            log.info(
+                "attached existing arena %s: %d pending, %d fired awaiting delivery (tick %d ms, wheel %d, capacity %d)",
+                name, len(w), w.counters()["fired_unacked"], w.tick_ms, w.wheel_size, w.capacity,
+            )
+            for problem in w.repairs:
+                log.warning("arena repair: %s", problem)
+            if (w.tick_ms, w.wheel_size, w.capacity) != (cfg.tick_ms, cfg.wheel_size, cfg.capacity):
+                log.warning("arena parameters differ from the command line; the arena's are used")
+            hq = w.header_words()
+            for name in _DAEMON_TOTALS:  # totals carry on across restarts
+                self.totals[name] = hq[AL.H_COUNTERS // 8 + AL.COUNTER[name]]
+            self.totals["daemon_restarts_total"] += 1
+        except FileNotFoundError:
+            self.wheel = TimerWheel.create(
+                cfg.capacity, tick_ms=cfg.tick_ms, wheel_size=cfg.wheel_size, name=name, start_ms=now,
+                mode=cfg.arena_mode,
+            )
+            log.info("created arena %s (capacity %d, tick %d ms, wheel %d, %d levels)",
+                     name, cfg.capacity, cfg.tick_ms, cfg.wheel_size, self.wheel.levels)
+        self.started_ms = now
+        self.totals["daemon_pid"] = os.getpid()
+        self.totals["daemon_started_ms"] = now
+        # every fired-but-unacknowledged timer is delivered again
+        for s in self.wheel.fired_slots():
+            key, deadline, group, tag, aux, gen = self.wheel.fired(s)
+            self.queues[group].append((s, gen, now, deadline < now))
+        self._open_client_table()
+
+    def _open_client_table(self) -> None:
+        name = clients_name(self.config.name)
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT, mode=0o600, size=CL.SEGMENT_BYTES)
+        except posix_ipc.ExistentialError as exc:  # pragma: no cover - raced with an unlink
+            raise CorruptArena(f"cannot open {name}: {exc}") from exc
+        try:
+            if os.fstat(shm.fd).st_size < CL.SEGMENT_BYTES:
+                os.ftruncate(shm.fd, CL.SEGMENT_BYTES)
+            self._clients_buf = mmap.mmap(shm.fd, CL.SEGMENT_BYTES)
+        finally:
+            shm.close_fd()
+        buf = self._clients_buf
+        magic = struct.unpack_from("<Q", buf, 0)[0]
+        if magic != CL.MAGIC:
+            buf[: CL.SEGMENT_BYTES] = bytes(CL.SEGMENT_BYTES)
+            struct.pack_into("<Q", buf, 0, CL.MAGIC)
+            return
+        for slot in range(CL.MAX_CLIENTS):
+            in_use, group, pid, token, raw = CL.ENTRY.unpack_from(buf, CL.entry_offset(slot))
+            if not in_use:
+                continue
+            seg_name = raw.rstrip(b"\0").decode("utf-8", "replace")
+            try:
+                segment = ClientSegment.reopen(seg_name)
+            except WheeldError as exc:
+                log.warning("client slot %d: segment %s is gone (%s); forgetting it", slot, seg_name, exc)
+                self._write_client_entry(slot, None)
+                continue
+            cs = ClientSlot(slot, segment, token, group, self.wheel.group_name(group), pid)
+            cs.orphan_since = mono_ms()
+            self.clients[slot] = cs
+            log.info("client slot %d (pid %d, group %s): segment %s re-opened, waiting for its client",
+                     slot, pid, cs.group_name, seg_name)
+
+    def _write_client_entry(self, slot: int, cs: ClientSlot | None) -> None:
+        if cs is None:
+            CL.ENTRY.pack_into(self._clients_buf, CL.entry_offset(slot), 0, 0, 0, 0, b"")
+        else:
+            CL.ENTRY.pack_into(self._clients_buf, CL.entry_offset(slot), 1, cs.group, cs.pid, cs.token,
+                               cs.segment.name.encode("utf-8"))
+
+    def open_socket(self) -> None:
+        cfg = self.config
+        inherited = listen_fds()
+        if inherited:
+            self._listener = unix_stream_listener(inherited)
+            log.info("using the socket passed by systemd (fd %d)", self._listener.fileno())
+        else:
+            path = cfg.socket_path
+            os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+            if os.path.exists(path):
+                if not stat.S_ISSOCK(os.stat(path).st_mode):
+                    raise InvalidRequest(f"{path} exists and is not a socket")
+                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    probe.connect(path)
+                    raise InvalidRequest(f"another wheeld is listening on {path}")
+                except (ConnectionRefusedError, FileNotFoundError):
+                    os.unlink(path)  # stale socket of a dead daemon
+                finally:
+                    probe.close()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(path)
+            os.chmod(path, cfg.socket_mode)
+            sock.listen(256)
+            self._listener = sock
+            self._owns_socket_path = True
+        self._listener.setblocking(False)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> int:
+        import uvloop
+
+        return uvloop.run(self.main())
+
+    async def main(self) -> int:
+        self.loop = asyncio.get_running_loop()
+        self.open_arena()
+        self.open_socket()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self.stop)
+        self.loop.add_reader(self._listener.fileno(), self._on_accept)
+        self.ready = True
+        self.notifier.ready(status=self._status_line())
+        log.info("wheeld %s ready on %s (pid %d)", self.config.name, self.config.socket_path, os.getpid())
+        metrics_server = None
+        if self.config.metrics:
+            from .metrics import start_metrics_server
+
+            metrics_server = await start_metrics_server(self, self.config.metrics)
+        try:
+            await self._drive()
+        finally:
+            self.notifier.stopping()
+            if metrics_server is not None:
+                metrics_server.close()
+            self._shutdown()
+        return 0
+
+    def stop(self) -> None:
+        log.info("stopping")
+        self._stopping = True
+        self.wake()
+
+    def wake(self) -> None:
+        fut = self._wake_future
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _shutdown(self) -> None:
+        self.loop.remove_reader(self._listener.fileno())
+        for session in list(self.sessions):
+            self.close_session(session, "daemon shutting down", goodbye=True)
+        self._drain_rings()  # apply what is left (acks included) before the arena is closed
+        self._publish(mono_ms())
+        self._listener.close()
+        if self._owns_socket_path:
+            try:
+                os.unlink(self.config.socket_path)
+            except FileNotFoundError:
+                pass
+        self.wheel.close()
+        log.info("stopped; %d timers pending in the arena", self._stats_pending)
+
+    # ------------------------------------------------------------------ driver
+    async def _drive(self) -> None:
+        loop = self.loop
+        wheel = self.wheel
+        hq = wheel.header_words()
+        parked_word = AL.H_PARKED // 8
+        max_park = self.config.max_park_ms
+        watchdog_s = self.notifier.watchdog_interval_s()
+        while not self._stopping:
+            now = mono_ms()
+            commands = self._drain_rings()
+            self._expire(now)
+            self._dispatch()
+            self._publish(now)
+            if watchdog_s and time.monotonic() - self._last_watchdog >= watchdog_s:
+                self._last_watchdog = time.monotonic()
+                self.notifier.watchdog()
+                self.notifier.status(self._status_line())
+            if now - self._last_gc >= _GC_INTERVAL_MS:
+                self._last_gc = now
+                self._collect_orphans(now)
+            if commands:
+                await asyncio.sleep(0)  # let sockets in, then drain again
+                continue
+            hq[parked_word] = 1
+            _full_fence()
+            if self._rings_pending():
+                hq[parked_word] = 0
+                continue
+            next_deadline = wheel.next_deadline()
+            now = mono_ms()
+            timeout_ms = max_park if next_deadline is None else min(max_park, next_deadline - now)
+            if watchdog_s:
+                timeout_ms = min(timeout_ms, int(watchdog_s * 1000))
+            if timeout_ms > 0 and not self._stopping:
+                fut = self._wake_future = loop.create_future()
+                handle = loop.call_later(timeout_ms / 1000.0, _resolve, fut)
+                await fut
+                handle.cancel()
+                self._wake_future = None
+                self.totals["wakeups_total"] += 1
+            hq[parked_word] = 0
+
+    def _rings_pending(self) -> bool:
+        for cs in self.clients.values():
+            if not cs.poisoned:
+                try:
+                    if cs.segment.depth():
+                        return True
+                except ProtocolError:
+                    return True  # let the drain report it
+        return False
+
+    def _drain_rings(self) -> int:
+        total = 0
+        for cs in list(self.clients.values()):
+            if not cs.poisoned:
+                total += self._apply(cs)
+        return total
+
+    def _apply(self, cs: ClientSlot) -> int:
+        """Apply up to one batch of this client's commands; return how many."""
+        segment = cs.segment
+        try:
+            records = segment.peek(_DRAIN_BATCH)
+        except ProtocolError as exc:
+            self._poison(cs, str(exc))
+            return 0
+        n = len(records)
+        if not n:
+            return 0
+        valid = C.validate_records(records, segment.touch_capacity)
+        good = n if valid.all() else int(np.argmin(valid))
+        wheel = self.wheel
+        gid = cs.group
+        ops = records["op"].tolist()
+        metas = records["key_meta"].tolist()
+        keys = np.ascontiguousarray(records["key"]).view("V32").ravel().tolist()
+        deadlines = records["deadline_ms"].tolist()
+        seqs = records["seq"].tolist()
+        aux0 = records["aux0"].tolist()
+        aux1 = records["aux1"].tolist()
+        flushes = []
+        rejects = []
+        touch_base = cs.slot << CL.TOUCH_INDEX_BITS
+        schedule, cancel, release = wheel.schedule_ident, wheel.cancel_ident, wheel.release
+        for i in range(good):
+            op = ops[i]
+            try:
+                if op == C.ADD:
+                    schedule(_META[metas[i]] + keys[i], deadlines[i], gid, seqs[i])
+                elif op == C.CANCEL:
+                    cancel(_META[metas[i]] + keys[i], gid)
+                elif op == C.ACK:
+                    slot = aux0[i]
+                    if cs.unacked.get(slot) == aux1[i]:
+                        del cs.unacked[slot]
+                        release(slot, aux1[i])
+                elif op == C.ADD_IDLE:
+                    schedule(_META[metas[i]] + keys[i], deadlines[i], gid, seqs[i], touch_base | aux1[i])
+                elif op == C.FLUSH:
+                    flushes.append(seqs[i])
+            except ArenaFull as exc:
+                rejects.append(M.Rejected(seqs[i], bytes(keys[i][: metas[i] & 0x3F]), metas[i], str(exc), M.Rejected.ARENA_FULL))
+            except InvalidRequest as exc:
+                rejects.append(M.Rejected(seqs[i], bytes(keys[i][: metas[i] & 0x3F]), metas[i], str(exc), M.Rejected.INVALID_DEADLINE))
+        segment.commit(good)  # only now may the client reuse the slots: a crash above re-applies the batch
+        self.totals["commands_total"] += good
+        self.totals["rejected_total"] += len(rejects)
+        session = cs.session
+        if session is not None and not session.closed:
+            for reject in rejects:
+                session.send(M.encode_daemon_frame(reject))
+            for seq in flushes:
+                session.send(M.encode_daemon_frame(M.Applied(seq)))
+        if good < n:
+            op = ops[good]
+            self._poison(cs, f"invalid command record (op {op}) at ring position {good}")
+        return good
+
+    def _poison(self, cs: ClientSlot, reason: str) -> None:
+        log.warning("client slot %d (pid %d): %s; disconnecting it, its group's timers stay", cs.slot, cs.pid, reason)
+        cs.poisoned = True
+        self.totals["clients_dropped_total"] += 1
+        if cs.session is not None:
+            self.close_session(cs.session, reason, goodbye=True)
+
+    def _expire(self, now: int) -> None:
+        wheel = self.wheel
+        slots = wheel.expire(now)
+        if not slots:
+            return
+        lateness = self._lateness_counts
+        bounds = AL.LATENESS_BOUNDS_US
+        clients = self.clients
+        queues = self.queues
+        started = self.started_ms
+        late_sum = 0
+        for s in slots:
+            key, deadline, group, tag, aux, gen = wheel.fired(s)
+            if aux >= 0:  # an idle timer: was it touched since it was armed?
+                cs = clients.get(aux >> CL.TOUCH_INDEX_BITS)
+                if cs is not None:
+                    index = aux & CL.TOUCH_INDEX_MASK
+                    try:
+                        touched = cs.segment.read_touch(index)
+                        idle_ms = cs.segment.read_idle(index)
+                    except ProtocolError:
+                        touched = idle_ms = 0
+                    if touched > 0 and idle_ms > 0 and touched + idle_ms > now:
+                        if not wheel.rearm_fired(s, gen, touched + idle_ms):
+                            wheel.release(s, gen)  # the key was armed again meanwhile
+                        continue
+            late_us = (now - deadline) * 1000
+            late_sum += late_us
+            lateness[bisect.bisect_right(bounds, late_us)] += 1
+            queues[group].append((s, gen, now, deadline < started))
+        self._lateness_sum_us += late_sum
+
+    def _dispatch(self) -> None:
+        wheel = self.wheel
+        batch = self.config.delivery_batch
+        for gid, queue in self.queues.items():
+            if not queue:
+                continue
+            members = [m for m in self.members.get(gid, ()) if not m.congested and not m.closed]
+            if not members:
+                continue
+            while queue and members:
+                self._rr += 1
+                member = members[self._rr % len(members)]
+                cs = member.client
+                items = []
+                for _ in range(min(batch, len(queue))):
+                    s, gen, fired_ms, late = queue.popleft()
+                    try:
+                        key, deadline, group, tag, aux, cur_gen = wheel.fired(s)
+                    except InvalidRequest:
+                        continue  # acknowledged or freed meanwhile
+                    if cur_gen != gen:
+                        continue
+                    kb, meta = _key_parts(key)
+                    items.append(M.Expiry(kb, meta, deadline, fired_ms, tag, s, gen, late))
+                    cs.unacked[s] = gen
+                if items:
+                    member.send(M.encode_daemon_frame(M.Expirations(items)))
+                    self.totals["delivered_total"] += len(items)
+                members = [m for m in members if not m.congested and not m.closed]
+
+    # ------------------------------------------------------------------ stats
+
+    def _publish(self, now: int) -> None:
+        """Counters into the arena header: the wheel's own, then the daemon's."""
+        wheel = self.wheel
+        totals = self.totals
+        totals["daemon_heartbeat_ms"] = now
+        totals["clients_connected"] = sum(1 for s in self.sessions if s.client is not None)
+        totals["groups_active"] = sum(1 for members in self.members.values() if members)
+        totals["undelivered"] = sum(len(q) for q in self.queues.values())
+        wheel.publish_stats()
+        hq = wheel.header_words()
+        base = AL.H_COUNTERS // 8
+        for name, value in totals.items():
+            hq[base + AL.COUNTER[name]] = value
+        lat_base = AL.H_LATENESS // 8
+        counts = self._lateness_counts
+        for i, count in enumerate(counts):
+            if count:
+                hq[lat_base + i] += count
+                counts[i] = 0
+        if self._lateness_sum_us:
+            hq[AL.H_LATENESS_SUM_US // 8] += self._lateness_sum_us
+            self._lateness_sum_us = 0
+        self._stats_pending = len(wheel)
+
+    def _status_line(self) -> str:
+        w = self.wheel
+        return f"{len(w)} pending, {len(self.sessions)} clients, {w.counters()['fired_unacked']} awaiting ack"
+
+    # ------------------------------------------------------------------ sessions
+    def _on_accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, _addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    log.error("accept: %s", exc)
+                    return
+                raise
+            sock.setblocking(False)
+            try:
+                pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            except OSError:
+                pid = uid = gid = -1
+            session = Session(self, sock, pid, uid, gid)
+            self.sessions.add(session)
+            self.loop.add_reader(sock.fileno(), session.on_readable)
+            self.loop.call_later(self.config.handshake_timeout_s, self._handshake_deadline, session)
+
+    def _handshake_deadline(self, session: Session) -> None:
+        if not session.closed and session.client is None:
+            self.close_session(session, "no Hello within the handshake timeout", goodbye=True)
+
+    def _refuse(self, session: Session, reason: str) -> None:
+        log.warning("refusing client pid %d uid %d: %s", session.pid, session.uid, reason)
+        self.totals["clients_refused_total"] += 1
+        session.send(M.encode_daemon_frame(M.Refused(reason)))
+        self.close_session(session, reason)
+
+    def on_message(self, session: Session, message) -> None:
+        if type(message) is M.Doorbell:
+            self.wake()
+            return
+        if type(message) is M.Hello:
+            if session.client is not None:
+                raise ProtocolError("Hello sent twice")
+            self._hello(session, message)
+            return
+        if type(message) is M.Bye:
+            self.close_session(session, "client said bye")
+            return
+        raise ProtocolError(f"unexpected {type(message).__name__}")
+
+    def _allowed(self, session: Session) -> bool:
+        cfg = self.config
+        if session.uid == 0 or session.uid == os.getuid():
+            return True
+        if cfg.allowed_uids is None and cfg.allowed_gids is None:
+            return True
+        return (cfg.allowed_uids is not None and session.uid in cfg.allowed_uids) or (
+            cfg.allowed_gids is not None and session.gid in cfg.allowed_gids
+        )
+
+    def _hello(self, session: Session, hello: M.Hello) -> None:
+        cfg = self.config
+        if hello.protocol_version != M.PROTOCOL_VERSION:
+            self._refuse(session, f"protocol version {hello.protocol_version} not supported (daemon speaks {M.PROTOCOL_VERSION})")
+            return
+        if not self._allowed(session):
+            self._refuse(session, f"uid {session.uid} gid {session.gid} is not allowed to use this wheeld")
+            return
+        try:
+            group = self.wheel.group_id(hello.group)
+        except (InvalidRequest, ArenaFull) as exc:
+            self._refuse(session, str(exc))
+            return
+        cs = None
+        if hello.resume_segment:
+            cs = next((c for c in self.clients.values() if c.segment.name == hello.resume_segment), None)
+            if cs is None or cs.token != hello.resume_token or cs.session is not None or cs.poisoned or cs.group != group:
+                log.info("client pid %d could not resume %s; it gets a new segment", session.pid, hello.resume_segment)
+                cs = None
+        if cs is None:
+            slot = next((s for s in range(min(cfg.max_clients, CL.MAX_CLIENTS)) if s not in self.clients), None)
+            if slot is None:
+                self._refuse(session, "too many clients")
+                return
+            seg_name = f"{segment_prefix(cfg.name)}{slot}-{secrets.token_hex(4)}"
+            # The ring is the client's alone: its uid owns it (a root daemon hands it over) and
+            # nobody else may open it. A non-root daemon serving another uid can only share it
+            # through the group (the systemd unit's wheeld-clients, with UMask=0007).
+            owner_uid = session.uid if os.getuid() == 0 and session.uid > 0 else None
+            same_user = owner_uid is not None or session.uid == os.getuid()
+            segment = ClientSegment.create(seg_name, cfg.ring_capacity, cfg.touch_capacity,
+                                           mode=0o600 if same_user else 0o660, owner_uid=owner_uid)
+            cs = ClientSlot(slot, segment, secrets.randbits(63), group, hello.group, session.pid)
+            self.clients[slot] = cs
+        cs.pid = session.pid
+        cs.session = session
+        session.client = cs
+        self._write_client_entry(cs.slot, cs)
+        self.members[group].append(session)
+        self.totals["clients_total"] += 1
+        session.send(M.encode_daemon_frame(M.Welcome(
+            M.PROTOCOL_VERSION, cs.slot, cs.segment.name, cs.segment.ring_capacity, cs.segment.touch_capacity,
+            self.wheel.name or "", self.wheel.tick_ms, MAX_DELAY_MS, cs.token,
+        )))
+        log.info("client pid %d uid %d joined group %r (slot %d, segment %s)",
+                 session.pid, session.uid, hello.group, cs.slot, cs.segment.name)
+        self.wake()
+
+    def close_session(self, session: Session, reason: str, goodbye: bool = False) -> None:
+        if session.closed:
+            return
+        if goodbye:
+            try:
+                session.sock.send(M.encode_daemon_frame(M.Goodbye(reason[:200] or "closed")))
+            except OSError:
+                pass
+        session.closed = True
+        self.sessions.discard(session)
+        fd = session.sock.fileno()
+        if fd >= 0:
+            self.loop.remove_reader(fd)
+            if session.writing:
+                self.loop.remove_writer(fd)
+        session.sock.close()
+        cs = session.client
+        if cs is None:
+            log.info("connection from pid %d closed before the handshake: %s", session.pid, reason)
+            return
+        log.info("client pid %d (slot %d, group %s) left: %s", session.pid, cs.slot, cs.group_name, reason)
+        members = self.members.get(cs.group)
+        if members and session in members:
+            members.remove(session)
+        cs.session = None
+        cs.orphan_since = mono_ms()
+        if not cs.poisoned:
+            self._apply(cs)  # acks it pushed before it went are applied before we redeliver
+        if cs.unacked:
+            queue = self.queues[cs.group]
+            now = mono_ms()
+            for s, gen in cs.unacked.items():
+                queue.appendleft((s, gen, now, False))
+            self.totals["redelivered_total"] += len(cs.unacked)
+            cs.unacked.clear()
+        self.wake()
+
+    def _collect_orphans(self, now: int) -> None:
+        """Forget client segments whose client is gone, whose ring is empty and which
+        no idle timer refers to any more."""
+        orphans = [cs for cs in self.clients.values() if cs.session is None and now - cs.orphan_since > _GC_INTERVAL_MS]
+        if not orphans:
+            return
+        rec = self.wheel.records
+        first = self.wheel.first_entry
+        aux = rec["aux"][first:]
+        state = rec["state"][first:] & AL.STATE_MASK
+        live_aux = aux[(state != AL.FREE) & (aux >= 0)] >> CL.TOUCH_INDEX_BITS
+        referenced = set(np.unique(live_aux).tolist())
+        for cs in orphans:
+            try:
+                if not cs.poisoned and cs.segment.depth():
+                    continue
+            except ProtocolError:
+                pass
+            if cs.slot in referenced and not cs.poisoned:
+                continue
+            log.info("client slot %d (pid %d) released: segment %s unlinked", cs.slot, cs.pid, cs.segment.name)
+            cs.segment.unlink()
+            cs.segment.close()
+            del self.clients[cs.slot]
+            self._write_client_entry(cs.slot, None)
+
+
+_DAEMON_TOTALS = (
+    "commands_total", "rejected_total", "clients_total", "clients_refused_total", "clients_dropped_total",
+    "delivered_total", "redelivered_total", "wakeups_total", "daemon_restarts_total", "daemon_pid",
+    "daemon_started_ms", "daemon_heartbeat_ms", "clients_connected", "groups_active", "undelivered",
+)
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _key_parts(key) -> tuple[bytes, int]:
+    return encode_key(key)
+
+
+def run(config: Config) -> int:
+    return Daemon(config).run()
