@@ -110,7 +110,6 @@ import zlib
 
 import numpy as np
 import posix_ipc
-
 from wheeld.protocol import ring_layout as layout
 from wheeld.protocol.commands import (
     ADD,

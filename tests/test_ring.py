@@ -14,7 +14,6 @@ import posix_ipc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from wheeld.protocol import commands, ring_layout
 from wheeld.protocol.commands import ADD, ADD_IDLE, CANCEL, FLUSH, command_at, validate_records
 from wheeld.protocol.errors import BrokenPeer, Closed, InvalidRequest, ProtocolError

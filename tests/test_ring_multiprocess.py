@@ -20,7 +20,6 @@ import time
 import uuid
 
 import numpy as np
-
 from wheeld.protocol.commands import ADD, ADD_IDLE, command_at, validate_records
 from wheeld.protocol.keys import encode_key
 from wheeld.shm.ring import ClientSegment
