@@ -1,0 +1,288 @@
+"""End to end: a real wheeld process, real client processes, real shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import wheeld
+from wheeld.protocol import commands as C
+from wheeld.protocol import messages as M
+from wheeld.shm.ring import ClientSegment
+
+WORKER = os.path.join(os.path.dirname(__file__), "e2e_worker.py")
+
+
+def mono_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+def run_workers(tmp_path, specs):
+    procs = []
+    for i, (mode, args) in enumerate(specs):
+        out = tmp_path / f"worker-{i}.json"
+        procs.append((subprocess.Popen([sys.executable, WORKER, mode, json.dumps(args), str(out)]), out))
+    results = []
+    for proc, out in procs:
+        try:
+            proc.wait(120)
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+        results.append((proc.returncode, json.loads(out.read_text()) if out.exists() else None))
+    return results
+
+
+def collect(client, want: int, timeout_s: float = 10.0) -> list[wheeld.Expired]:
+    got: list[wheeld.Expired] = []
+    end = time.monotonic() + timeout_s
+    while len(got) < want and time.monotonic() < end:
+        got.extend(client.poll(0.1))
+    return got
+
+
+def test_many_processes_exactly_once_never_early(daemon, tmp_path):
+    specs = [("load", {"socket": daemon.socket_path, "group": f"g{i}", "prefix": f"p{i}", "n": 8000,
+                       "seed": i, "delay_ms": [0, 1500]}) for i in range(4)]
+    results = run_workers(tmp_path, specs)
+    total = 0
+    for code, result in results:
+        assert code == 0 and result is not None, daemon.log()
+        expected = result["expected"]
+        received = result["received"]
+        counts = collections.Counter(r[0] for r in received)
+        assert not [k for k, c in counts.items() if c > 1], "an expiration was delivered twice"
+        assert set(counts) == set(expected), "missing or unexpected expirations"
+        assert not set(result["cancelled"]) & set(counts), "a cancelled timer was delivered"
+        for key, deadline, fired, received_ms in received:
+            assert fired >= deadline, f"{key} fired early"
+            assert received_ms >= expected[key], f"{key} reached the application before its deadline"
+        total += len(received)
+    assert total > 25_000
+
+
+def test_cancel_races_with_expiry(daemon):
+    rng = random.Random(7)
+    delivered = collections.Counter()
+    cancelled_true = set()
+    with wheeld.connect(daemon.socket_path, group="race") as w:
+        for i in range(3000):
+            key = f"r{i}"
+            w.add(key, rng.randint(0, 3))
+            if rng.random() < 0.5:
+                time.sleep(rng.random() * 0.002)
+                for e in w.poll(0):
+                    delivered[e.key] += 1
+            if w.cancel(key):
+                cancelled_true.add(key)
+        w.flush()
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            for e in w.poll(0.05):
+                delivered[e.key] += 1
+    assert max(delivered.values()) == 1
+    assert not cancelled_true & set(delivered), "cancel returned True but the timer was delivered"
+    # every arming either was cancelled (True) or had already been delivered (False)
+    assert cancelled_true | set(delivered) == {f"r{i}" for i in range(3000)}
+    assert cancelled_true and delivered, "the race did not happen both ways"
+
+
+def test_rearm_delivers_once_for_the_new_deadline(daemon):
+    with wheeld.connect(daemon.socket_path, group="rearm") as w:
+        start = mono_ms()
+        w.add("k", 100)
+        w.add("k", 400)  # moved later
+        w.add(b"k", 50)  # a different key (bytes)
+        w.add(5, 60)  # int key
+        got = collect(w, 3, 2.0)
+        got += w.poll(0.2)
+    keys = [e.key for e in got]
+    assert sorted(map(repr, keys)) == sorted(map(repr, ["k", b"k", 5]))
+    k = next(e for e in got if e.key == "k")
+    assert k.deadline_ms >= start + 400 and k.fired_ms >= k.deadline_ms
+
+
+def test_idle_timers_touched_and_untouched(daemon):
+    with wheeld.connect(daemon.socket_path, group="idle") as w:
+        armed = mono_ms()
+        for i in range(10):
+            w.add_idle(f"conn{i}", 300)
+        w.flush()
+        fired: dict[str, int] = {}
+        last_touch = {}
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:  # keep the even connections busy for a second
+            for i in range(0, 10, 2):
+                w.touch(f"conn{i}")
+                last_touch[f"conn{i}"] = mono_ms()
+            for e in w.poll(0.05):
+                fired[e.key] = mono_ms()
+        assert set(fired) == {f"conn{i}" for i in range(1, 10, 2)}, "only untouched connections may time out"
+        assert all(t >= armed + 300 for t in fired.values()), "an idle timer fired early"
+        stop = mono_ms()
+        for e in collect(w, 5, 2.0):
+            fired[e.key] = mono_ms()
+            assert fired[e.key] >= last_touch[e.key] + 300, "fired less than idle_ms after the last touch"
+        assert len(fired) == 10
+        assert max(fired.values()) >= stop + 200
+
+
+def test_killed_client_hands_its_timers_to_the_group(daemon, tmp_path):
+    survivor = wheeld.connect(daemon.socket_path, group="shared")
+    try:
+        # the doomed worker adds 400 timers, receives a first batch, dies without acknowledging
+        results = run_workers(tmp_path, [("add_and_die", {"socket": daemon.socket_path, "group": "shared",
+                                                            "prefix": "d", "n": 400, "delay_ms": 300})])
+        code, result = results[0]
+        assert code == -signal.SIGKILL and result["received"], daemon.log()
+        got = collect(survivor, 400, 10.0)
+        got += survivor.poll(0.3)
+    finally:
+        survivor.close()
+    counts = collections.Counter(e.key for e in got)
+    assert set(counts) == {f"d-{i}" for i in range(400)}, "timers of the dead client were lost"
+    assert max(counts.values()) == 1
+
+
+def test_daemon_sigkill_under_load_loses_nothing(daemon):
+    w = wheeld.connect(daemon.socket_path, group="crash", reconnect_timeout_s=20)
+    try:
+        deadlines = {}
+        for i in range(20_000):
+            delay = 200 + (i * 7919) % 1800
+            deadlines[f"c{i}"] = mono_ms() + delay
+            w.add(f"c{i}", delay)
+        w.flush()
+        got = collect(w, 3000, 5.0)  # part of them arrive before the crash
+        daemon.kill()
+        for i in range(20_000, 21_000):  # added while no daemon runs: they wait in the ring
+            deadlines[f"c{i}"] = mono_ms() + 100
+            w.add(f"c{i}", 100)
+        time.sleep(0.3)
+        daemon.start()
+        got += collect(w, 21_000 - len(got), 20.0)
+        got += w.poll(0.5)
+    finally:
+        w.close()
+    counts = collections.Counter(e.key for e in got)
+    assert set(counts) == set(deadlines), f"lost {len(set(deadlines) - set(counts))} timers\n{daemon.log()[-3000:]}"
+    assert max(counts.values()) == 1, "a timer reached the application twice"
+    assert all(e.fired_ms >= e.deadline_ms >= deadlines[e.key] for e in got)
+    assert "attached existing arena" in daemon.log()
+
+
+def test_garbage_in_a_ring_disconnects_only_that_client(daemon):
+    good = wheeld.connect(daemon.socket_path, group="good")
+    bad = wheeld.connect(daemon.socket_path, group="bad")
+    try:
+        bad.add("kept", 300)  # the bad client's group keeps its timers
+        bad.flush()
+        # write random bytes straight into the bad client's ring and publish them
+        seg: ClientSegment = bad._segment
+        raw = np.frombuffer(np.random.default_rng(1).bytes(64 * 4), dtype=C.RECORD_DTYPE)
+        view = seg._ring
+        for record in raw:
+            view[seg._tail & seg._mask] = record
+            seg._tail += 1
+        seg._words[_tail_word()] = seg._tail
+        bad._ring_doorbell()
+        good.add("still-served", 50)
+        got = collect(good, 1, 3.0)
+        assert [e.key for e in got] == ["still-served"]
+        time.sleep(0.2)
+        assert "invalid command record" in daemon.log()
+        # the bad group's timer survives; a new member of that group gets it
+        other = wheeld.connect(daemon.socket_path, group="bad")
+        try:
+            assert [e.key for e in collect(other, 1, 3.0)] == ["kept"]
+        finally:
+            other.close()
+    finally:
+        good.close()
+        bad._closed = True
+        bad._sock.close()
+
+
+def _tail_word() -> int:
+    from wheeld.protocol import ring_layout
+
+    return ring_layout.TAIL_OFFSET // 8
+
+
+def test_garbage_and_wrong_version_on_the_socket(daemon):
+    with wheeld.connect(daemon.socket_path, group="victim") as w:
+        rng = random.Random(3)
+        for i in range(20):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(daemon.socket_path)
+            s.sendall(bytes(rng.randrange(256) for _ in range(rng.randint(1, 300))))
+            s.close()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(daemon.socket_path)
+        s.sendall(M.encode_client_frame(M.Hello(99, "g", os.getpid(), "")))
+        s.settimeout(5)
+        reply = s.recv(4096)
+        s.close()
+        assert isinstance(M.decode_daemon_message(reply[4:]), M.Refused)
+        w.add("after-garbage", 20)
+        assert [e.key for e in collect(w, 1, 3.0)] == ["after-garbage"]
+    assert "protocol" in daemon.log()
+
+
+def test_bad_input_raises_in_the_client_and_sends_nothing(daemon):
+    with wheeld.connect(daemon.socket_path, group="bad-input") as w:
+        seg = w._segment
+        before = seg._tail
+        for key in ["", b"", "x" * 33, 3.5, None, ("t",), 1 << 70]:
+            with pytest.raises(wheeld.InvalidKey):
+                w.add(key, 10)
+        for delay in [-1, 1.5, "10", None, 1 << 60]:
+            with pytest.raises(wheeld.InvalidDelay):
+                w.add("k", delay)
+        with pytest.raises(wheeld.InvalidKey):
+            w.touch("never-armed")
+        assert seg._tail == before
+        w.add("fine", 10)
+        assert [e.key for e in collect(w, 1, 3.0)] == ["fine"]
+
+
+def test_full_arena_is_reported_to_that_client_only(daemon_factory):
+    d = daemon_factory(capacity=100).start()
+    with wheeld.connect(d.socket_path, group="hog") as hog:
+        with pytest.raises(wheeld.ArenaFull):
+            for i in range(150):
+                hog.add(f"h{i}", 60_000)
+            hog.flush()
+        hog.flush()  # the rejections were reported once
+    with wheeld.connect(d.socket_path, group="other") as other:
+        other.cancel("nothing")
+        other.flush()
+
+
+def test_asyncio_client(daemon):
+    async def main():
+        async with await wheeld.connect_async(daemon.socket_path, group="aio") as w:
+            for i in range(100):
+                w.add(i, 20 + i)
+            assert w.cancel(99)
+            await w.flush()
+            got = []
+            while len(got) < 99:
+                got += await w.poll(2.0)
+            return got
+
+    got = asyncio.run(main())
+    assert sorted(e.key for e in got) == list(range(99))
+    assert all(e.fired_ms >= e.deadline_ms for e in got)
