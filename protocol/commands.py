@@ -62,7 +62,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import InvalidRequest, ProtocolError
+from .errors import InvalidKey, InvalidRequest, ProtocolError
 from .keys import KEY_BYTES, TYPE_STR, Key, decode_key, valid_key_meta
 
 # --------------------------------------------------------------------------- layout
@@ -181,6 +181,8 @@ def pack_command_into(
     not validated here; get ``(key_bytes, key_meta)`` from
     :func:`wheeld.protocol.keys.encode_key`.
     """
+    if len(key_bytes) > KEY_FIELD_SIZE:  # struct would truncate it silently
+        raise InvalidKey(f"key is {len(key_bytes)} bytes; the record holds {KEY_FIELD_SIZE}")
     try:
         check = _crc32(_pack_checked(op, key_meta, seq, deadline_ms, aux0, aux1, key_bytes))
         _pack_record_into(buffer, offset, op, key_meta, seq, deadline_ms, aux0, aux1, check, key_bytes)

@@ -236,6 +236,8 @@ def test_encoder_rejects_out_of_range_fields():
         encode_command(ADD, b"k", 1, seq=2**32)
     with pytest.raises(InvalidRequest):
         commands.encode_ack(slot=2**31, generation=0)
+    with pytest.raises(InvalidKey):  # never truncated
+        encode_command(ADD, bytes(33), 33)
 
 
 # ---------------------------------------------------------------- socket messages
