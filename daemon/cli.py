@@ -27,9 +27,14 @@ from .config import Config, default_name, default_socket_path
 @click.option("--metrics", default=None, metavar="ADDR:PORT", help="Serve Prometheus metrics over HTTP (off by default).")
 @click.option("--journal", "journal_dir", default=None, metavar="DIR", help="Write-ahead journal directory (off by default).")
 @click.option("--fsync", default="interval=10", show_default=True, metavar="POLICY", help="always | interval=N (ms) | off")
+@click.option("--allow-uid", "allow_uids", multiple=True, metavar="USER",
+              help="Allow this user (name or uid) to connect; repeatable. Without any --allow-*, anyone who can "
+                   "open the socket may (the socket's mode and group decide). The daemon's own uid and root always may.")
+@click.option("--allow-group", "allow_groups", multiple=True, metavar="GROUP",
+              help="Allow members of this group (name or gid; primary group of the peer) to connect; repeatable.")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
-def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_capacity, metrics, journal_dir, fsync, log_level):
+def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_capacity, metrics, journal_dir, fsync, allow_uids, allow_groups, log_level):
     """Run the wheeld timer daemon in the foreground."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s wheeld[%(process)d] %(levelname)s %(message)s",
                         stream=sys.stderr)
@@ -38,6 +43,8 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
         socket_path=socket_path or default_socket_path(name), name=name, tick_ms=tick_ms, wheel_size=wheel_size,
         capacity=capacity, ring_capacity=ring_capacity, touch_capacity=touch_capacity, metrics=metrics,
         journal_dir=journal_dir, fsync=fsync, log_level=log_level,
+        allowed_uids=_ids(allow_uids, _uid) if allow_uids or allow_groups else None,
+        allowed_gids=_ids(allow_groups, _gid) if allow_uids or allow_groups else None,
     )
     from .server import run
 
@@ -46,6 +53,25 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
     except WheeldError as exc:
         click.echo(f"wheeld: {exc}", err=True)
         sys.exit(2)
+
+
+def _uid(name: str) -> int:
+    import pwd
+
+    return int(name) if name.isdigit() else pwd.getpwnam(name).pw_uid
+
+
+def _gid(name: str) -> int:
+    import grp
+
+    return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+
+
+def _ids(names, resolve) -> frozenset[int]:
+    try:
+        return frozenset(resolve(n) for n in names)
+    except KeyError as exc:
+        raise click.BadParameter(f"unknown user or group {exc}") from None
 
 
 if __name__ == "__main__":

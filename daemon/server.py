@@ -627,7 +627,11 @@ class Daemon:
             self._hello(session, message)
             return
         if type(message) is M.Bye:
+            cs = session.client
             self.close_session(session, "client said bye")
+            if cs is not None:
+                cs.orphan_since = -_GC_INTERVAL_MS  # a clean goodbye: release its ring at the next check
+                self._last_gc = 0
             return
         raise ProtocolError(f"unexpected {type(message).__name__}")
 
@@ -729,7 +733,7 @@ class Daemon:
     def _collect_orphans(self, now: int) -> None:
         """Forget client segments whose client is gone, whose ring is empty and which
         no idle timer refers to any more."""
-        orphans = [cs for cs in self.clients.values() if cs.session is None and now - cs.orphan_since > _GC_INTERVAL_MS]
+        orphans = [cs for cs in self.clients.values() if cs.session is None and now - cs.orphan_since >= _GC_INTERVAL_MS]
         if not orphans:
             return
         rec = self.wheel.records

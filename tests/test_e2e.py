@@ -286,3 +286,46 @@ def test_asyncio_client(daemon):
     got = asyncio.run(main())
     assert sorted(e.key for e in got) == list(range(99))
     assert all(e.fired_ms >= e.deadline_ms for e in got)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
+def test_disallowed_uid_is_refused_with_a_reason(daemon_factory):
+    import shutil
+    import tempfile
+
+    base = tempfile.mkdtemp(prefix="wheeld-test-")  # pytest's tmp dirs are private to root
+    os.chmod(base, 0o777)
+    d = daemon_factory(extra=["--allow-uid", "4242"])
+    d.socket_path = os.path.join(base, "w.sock")
+    try:
+        d.start()
+        _refused_as_nobody(d)
+    finally:
+        d.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _refused_as_nobody(d):
+    os.chmod(d.socket_path, 0o666)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: become nobody and try to connect
+        os.close(read_end)
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            wheeld.connect(d.socket_path, group="x", connect_timeout_s=3)
+            msg = b"connected"
+        except wheeld.BrokenPeer as exc:
+            msg = str(exc).encode()
+        except BaseException as exc:  # noqa: BLE001 - report anything to the parent
+            msg = repr(exc).encode()
+        os.write(write_end, msg)
+        os._exit(0)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    answer = os.read(read_end, 4096).decode()
+    os.close(read_end)
+    assert "refused" in answer and "not allowed" in answer, answer
+    with wheeld.connect(d.socket_path, group="root-is-fine") as w:  # the daemon's own uid may
+        w.flush()
