@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ from wheeld.shm.arena import Segment
 from wheeld.shm.ring import ClientSegment
 
 _META = [bytes((m,)) for m in range(256)]
+_fence = threading.Lock()
 _SEQ_BITS = 21
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 _RECENT = 1 << 16  # (slot, generation) pairs remembered to drop re-sent expirations
@@ -167,6 +169,12 @@ class ClientCore:
         return used >= parked[AL.H_CAPACITY // 8] & 0xFFFFFFFF
 
     def _after_push(self) -> None:
+        # Eventcount, client half: tail published (in _push), full fence, then read
+        # `parked`. x86-64 may let a load pass an earlier store; the locked
+        # instruction inside an uncontended lock's acquire/release forbids it, so
+        # either we see parked=1 and ring, or the daemon's re-check sees our tail.
+        _fence.acquire()
+        _fence.release()
         parked = self._parked
         if parked is None or parked[AL.H_PARKED // 8]:
             self._ring_doorbell()
