@@ -562,25 +562,24 @@ def scan_segment(data: bytes, path: str = "<bytes>") -> tuple[list[Event], int, 
     lines = data.split(b"\n")
     # a file ending in "\n" splits into [..., b""]; anything else is a torn tail
     tail = lines.pop()
-    crc32 = zlib.crc32
-    offset = 0
     bad_index = -1
     reason = detail = ""
-    for index, line in enumerate(lines):
-        cut = line.rfind(_CRC_SEP)
-        digits = line[cut + _CRC_SEP_LEN : -1]
-        if (
-            cut < 0
-            or not line.endswith(b"}")
-            or not digits.isdigit()
-            or len(digits) > 10
-            or crc32(b"}", crc32(line[:cut])) != int(digits)
-        ):
-            bad_index = index
-            reason, detail = CHECKSUM, f"line does not match its crc: {line[:60]!r}"
-            break
-        offset += len(line) + 1
-    good_end = offset
+    # Check every line in bulk (list comprehensions and map run in C loops):
+    # the body is the line up to its last ',"crc":' plus '}', and the line must
+    # end with exactly the suffix the writer would have produced for that body.
+    # A line with no ',"crc":' gets a body whose suffix it cannot end with.
+    sep = _CRC_SEP
+    bodies = [line[: line.rfind(sep)] + b"}" for line in lines]
+    expected = [b',"crc":%d}' % crc for crc in map(zlib.crc32, bodies)]
+    verdicts = list(map(bytes.endswith, lines, expected))
+    del bodies, expected
+    try:
+        bad_index = verdicts.index(False)
+    except ValueError:
+        good_end = len(data) - len(tail)
+    else:
+        reason, detail = CHECKSUM, f"line does not match its crc: {lines[bad_index][:60]!r}"
+        good_end = sum(map(len, lines[:bad_index])) + bad_index
     good_count = len(lines) if bad_index < 0 else bad_index
     defect_line = good_count
     if bad_index < 0 and tail:
