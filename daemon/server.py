@@ -64,7 +64,7 @@ from wheeld.protocol import commands as C
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ArenaFull, CorruptArena, InvalidRequest, ProtocolError, WheeldError
 from wheeld.protocol.framing import FrameReader
-from wheeld.protocol.keys import encode_key
+from wheeld.protocol.keys import decode_key, encode_key
 from wheeld.shm.ring import ClientSegment
 from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
 
@@ -202,6 +202,7 @@ class Daemon:
         self._lateness_counts = [0] * AL.LATENESS_BUCKETS
         self._lateness_sum_us = 0
         self._stats_pending = 0
+        self.recorder = None  # the journal, when --journal is given
         self._last_watchdog = 0.0
         self.ready = False
 
@@ -232,6 +233,17 @@ class Daemon:
             )
             log.info("created arena %s (capacity %d, tick %d ms, wheel %d, %d levels)",
                      name, cfg.capacity, cfg.tick_ms, cfg.wheel_size, self.wheel.levels)
+            fresh = True
+        else:
+            fresh = False
+        if cfg.journal_dir:
+            from .journal import Journal
+            from .journaling import Recorder, recover_into
+
+            next_lsn = recover_into(self.wheel, cfg.journal_dir) if fresh else None
+            journal = Journal(cfg.journal_dir, fsync=cfg.fsync, name=cfg.name, next_lsn=next_lsn)
+            self.recorder = Recorder(journal, self.wheel)
+            log.info("journal %s (fsync %s) continues at lsn %d", cfg.journal_dir, cfg.fsync, journal.last_lsn + 1)
         self.started_ms = now
         self.totals["daemon_pid"] = os.getpid()
         self.totals["daemon_started_ms"] = now
@@ -363,6 +375,8 @@ class Daemon:
                 os.unlink(self.config.socket_path)
             except FileNotFoundError:
                 pass
+        if self.recorder is not None:
+            self.recorder.close()
         self.wheel.close()
         log.info("stopped; %d timers pending in the arena", self._stats_pending)
 
@@ -384,6 +398,8 @@ class Daemon:
                 self._last_watchdog = time.monotonic()
                 self.notifier.watchdog()
                 self.notifier.status(self._status_line())
+            if self.recorder is not None:
+                self.recorder.tick(now)
             if now - self._last_gc >= _GC_INTERVAL_MS:
                 self._last_gc = now
                 self._collect_orphans(now)
@@ -400,6 +416,8 @@ class Daemon:
             timeout_ms = max_park if next_deadline is None else min(max_park, next_deadline - now)
             if watchdog_s:
                 timeout_ms = min(timeout_ms, int(watchdog_s * 1000))
+            if self.recorder is not None and self.recorder.sync_due_ms() is not None:
+                timeout_ms = min(timeout_ms, self.recorder.sync_due_ms() - now)
             if timeout_ms > 0 and not self._stopping:
                 fut = self._wake_future = loop.create_future()
                 handle = loop.call_later(timeout_ms / 1000.0, _resolve, fut)
@@ -452,10 +470,15 @@ class Daemon:
         rejects = []
         touch_base = cs.slot << CL.TOUCH_INDEX_BITS
         schedule, cancel, release = wheel.schedule_ident, wheel.cancel_ident, wheel.release
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.begin()
         for i in range(good):
             op = ops[i]
             try:
-                if op == C.ADD:
+                if recorder is not None and op != C.FLUSH:
+                    self._record_command(op, metas[i], keys[i], deadlines[i], seqs[i], aux0[i], aux1[i], cs)
+                elif op == C.ADD:
                     schedule(_META[metas[i]] + keys[i], deadlines[i], gid, seqs[i])
                 elif op == C.CANCEL:
                     cancel(_META[metas[i]] + keys[i], gid)
@@ -472,6 +495,8 @@ class Daemon:
                 rejects.append(M.Rejected(seqs[i], bytes(keys[i][: metas[i] & 0x3F]), metas[i], str(exc), M.Rejected.ARENA_FULL))
             except InvalidRequest as exc:
                 rejects.append(M.Rejected(seqs[i], bytes(keys[i][: metas[i] & 0x3F]), metas[i], str(exc), M.Rejected.INVALID_DEADLINE))
+        if recorder is not None:
+            recorder.commit(mono_ms())  # on disk before the head moves and before Applied (fsync=always)
         segment.commit(good)  # only now may the client reuse the slots: a crash above re-applies the batch
         self.totals["commands_total"] += good
         self.totals["rejected_total"] += len(rejects)
@@ -485,6 +510,27 @@ class Daemon:
             op = ops[good]
             self._poison(cs, f"invalid command record (op {op}) at ring position {good}")
         return good
+
+    def _record_command(self, op, meta, raw_key, deadline, seq, aux0, aux1, cs: ClientSlot) -> None:
+        """Apply one command and journal what it did (the slower path used with --journal)."""
+        wheel, recorder, gid = self.wheel, self.recorder, cs.group
+        if op == C.ACK:
+            if cs.unacked.get(aux0) == aux1:
+                del cs.unacked[aux0]
+                key, _deadline, group, tag, _aux, _gen = wheel.fired(aux0)
+                if wheel.release(aux0, aux1):
+                    recorder.acked(group, key, tag)
+            return
+        key = decode_key(raw_key, meta)
+        previous = wheel.lookup(key, gid)
+        if op == C.CANCEL:
+            wheel.cancel_ident(_META[meta] + raw_key, gid)
+            recorder.cancelled(gid, key, seq, previous)
+            return
+        idle = aux0 if op == C.ADD_IDLE else None
+        aux = (cs.slot << CL.TOUCH_INDEX_BITS) | aux1 if op == C.ADD_IDLE else -1
+        wheel.schedule_ident(_META[meta] + raw_key, deadline, gid, seq, aux)
+        recorder.armed(gid, key, deadline, seq, previous, idle)
 
     def _poison(self, cs: ClientSlot, reason: str) -> None:
         log.warning("client slot %d (pid %d): %s; disconnecting it, its group's timers stay", cs.slot, cs.pid, reason)
@@ -503,6 +549,9 @@ class Daemon:
         clients = self.clients
         queues = self.queues
         started = self.started_ms
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.begin()
         late_sum = 0
         for s in slots:
             key, deadline, group, tag, aux, gen = wheel.fired(s)
@@ -516,14 +565,22 @@ class Daemon:
                     except ProtocolError:
                         touched = idle_ms = 0
                     if touched > 0 and idle_ms > 0 and touched + idle_ms > now:
-                        if not wheel.rearm_fired(s, gen, touched + idle_ms):
+                        if wheel.rearm_fired(s, gen, touched + idle_ms):
+                            if recorder is not None:
+                                recorder.idle_rearmed(group, key, deadline, touched + idle_ms, tag, idle_ms)
+                        else:
                             wheel.release(s, gen)  # the key was armed again meanwhile
                         continue
             late_us = (now - deadline) * 1000
             late_sum += late_us
             lateness[bisect.bisect_right(bounds, late_us)] += 1
-            queues[group].append((s, gen, now, deadline < started))
+            late = deadline < started
+            queues[group].append((s, gen, now, late))
+            if recorder is not None:
+                recorder.fired(group, key, deadline, tag, now, late, None)
         self._lateness_sum_us += late_sum
+        if recorder is not None:
+            recorder.commit(now)
 
     def _dispatch(self) -> None:
         wheel = self.wheel
