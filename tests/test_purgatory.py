@@ -1,0 +1,373 @@
+"""wheeld.purgatory: exactly-once completion, O(1) timer removal, bounded watch lists.
+
+Layers: single-threaded behaviour (condition, timeout, cancel, callbacks order,
+never early); races (threads hammering check_and_complete while timeouts fire and
+a canceller force-completes); the watch lists and the timer hold only pending
+operations after 100k early completions; the same API on a real daemon and on
+asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import threading
+import time
+
+import pytest
+
+import wheeld
+from wheeld.protocol.errors import InvalidRequest
+from wheeld.purgatory import AsyncPurgatory, DelayedOperation, Purgatory
+
+
+def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.005) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+class Op(DelayedOperation):
+    """An operation whose condition is a flag; it records every callback and which path won."""
+
+    def __init__(self, delay_ms: int, ready: bool = False) -> None:
+        super().__init__(delay_ms)
+        self.ready = ready
+        self.watched_ns = 0
+        self.completions: list[bool] = []  # self.expired as seen by on_complete
+        self.expirations = 0
+        self.completed_ns = 0
+        self.won_by_condition = 0
+        self.won_by_cancel = 0
+        self.order: list[str] = []
+
+    def try_complete(self) -> bool:
+        if self.ready and self.force_complete():
+            self.won_by_condition += 1
+            return True
+        return False
+
+    def cancel(self) -> bool:
+        if self.force_complete():
+            self.won_by_cancel += 1
+            return True
+        return False
+
+    def on_complete(self) -> None:
+        self.completed_ns = time.monotonic_ns()
+        self.completions.append(self.expired)
+        self.order.append("complete")
+
+    def on_expiration(self) -> None:
+        self.expirations += 1
+        self.order.append("expiration")
+
+
+@pytest.fixture
+def purgatory():
+    p = Purgatory()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+# --------------------------------------------------------------------------- one thread
+
+
+def test_completes_at_once_when_the_condition_already_holds(purgatory):
+    op = Op(1000, ready=True)
+    assert purgatory.try_complete_else_watch(op, ["a", "b"]) is True
+    assert op.completions == [False] and op.won_by_condition == 1
+    assert purgatory.watched() == 0 and len(purgatory) == 0
+
+
+def test_condition_completes_and_leaves_no_trace(purgatory):
+    op = Op(5000)
+    assert purgatory.try_complete_else_watch(op, ["a", "b", "c"]) is False
+    assert purgatory.watched() == 3 and len(purgatory) == 1 and len(purgatory._clock.wheel) == 1
+    assert purgatory.check_and_complete("b") == 0  # not ready yet
+    op.ready = True
+    assert purgatory.check_and_complete("zzz") == 0  # a key nobody watches
+    assert purgatory.check_and_complete("b") == 1
+    assert purgatory.check_and_complete("a") == 0  # already gone from every list
+    assert op.completions == [False] and op.expirations == 0
+    assert purgatory.watched() == 0 and purgatory.watch_keys() == 0
+    assert len(purgatory) == 0 and len(purgatory._clock.wheel) == 0  # removed from the timer at once
+    assert op.force_complete() is False
+
+
+def test_timeout_completes_then_expires_never_early(purgatory):
+    ops = [Op(delay) for delay in (5, 20, 60, 60, 150)]
+    for op in ops:
+        op.watched_ns = time.monotonic_ns()
+        assert purgatory.try_complete_else_watch(op, ["k"]) is False
+    assert wait_until(lambda: all(op.is_completed for op in ops))
+    for op in ops:
+        assert op.completions == [True] and op.expirations == 1
+        assert op.order == ["complete", "expiration"]  # Kafka's order: onComplete, then onExpiration
+        assert op.expired
+        assert op.completed_ns - op.watched_ns >= op.delay_ms * 1_000_000, "expired early"
+    assert purgatory.watched() == 0 and len(purgatory) == 0
+    assert purgatory.expired_total == 5 and purgatory.completed_total == 0
+
+
+def test_cancel_is_the_third_path(purgatory):
+    op = Op(100)
+    purgatory.try_complete_else_watch(op, ["k"])
+    assert op.cancel() is True
+    time.sleep(0.2)
+    assert op.completions == [False] and op.expirations == 0 and op.won_by_cancel == 1
+    assert purgatory.watched() == 0 and len(purgatory) == 0
+
+
+def test_an_earlier_deadline_wakes_a_clock_sleeping_for_a_later_one(purgatory):
+    late, early = Op(60_000), Op(30)
+    purgatory.try_complete_else_watch(late, ["k"])
+    time.sleep(0.05)  # the clock thread is now asleep until the 60 s bucket
+    early.watched_ns = time.monotonic_ns()
+    purgatory.try_complete_else_watch(early, ["k"])
+    assert wait_until(lambda: early.is_completed, timeout_s=5.0)
+    assert early.expired and not late.is_completed
+
+
+def test_duplicate_keys_and_misuse(purgatory):
+    op = Op(1000)
+    purgatory.try_complete_else_watch(op, ["a", "a", "b"])
+    assert purgatory.watched() == 2
+    with pytest.raises(InvalidRequest):
+        purgatory.try_complete_else_watch(op, ["c"])  # already in a purgatory
+    with pytest.raises(InvalidRequest):
+        purgatory.try_complete_else_watch(Op(10), [])
+    with pytest.raises(InvalidRequest):
+        Op(-1)
+    op.cancel()
+
+
+def test_the_wheel_grows_when_full():
+    with Purgatory(capacity=8) as p:
+        ops = [Op(random.randint(20, 80)) for _ in range(100)]
+        for op in ops:
+            p.try_complete_else_watch(op, [op.delay_ms % 7])
+        assert p._clock.wheel.capacity >= 100
+        for op in ops[::2]:
+            op.cancel()
+        assert wait_until(lambda: all(op.is_completed for op in ops))
+        assert all(op.expirations == 1 for op in ops[1::2]) and all(op.expirations == 0 for op in ops[::2])
+        assert p.watched() == 0 and len(p) == 0 and len(p._clock.wheel) == 0
+
+
+def test_completed_by_another_thread_while_being_watched_leaks_nothing(purgatory):
+    class Sneaky(Op):
+        calls = 0
+
+        def try_complete(self):
+            self.calls += 1
+            if self.calls == 2:  # the re-check after watching: another thread completes it first
+                t = threading.Thread(target=self.cancel)
+                t.start()
+                t.join()
+            return False
+
+    op = Sneaky(10_000)
+    assert purgatory.try_complete_else_watch(op, ["a", "b"]) is False
+    assert op.completions == [False] and op.won_by_cancel == 1
+    assert purgatory.watched() == 0 and len(purgatory) == 0 and len(purgatory._clock.wheel) == 0
+
+
+def test_close_stops_the_clock():
+    p = Purgatory()
+    op = Op(50)
+    p.try_complete_else_watch(op, ["k"])
+    p.close()
+    time.sleep(0.15)
+    assert not op.is_completed  # documented: pending operations are left to the application
+    assert not p._clock._thread.is_alive()
+    with pytest.raises(wheeld.Closed):
+        p.try_complete_else_watch(Op(10), ["k"])
+
+
+# --------------------------------------------------------------------------- races
+
+
+def test_exactly_once_under_concurrent_completion_timeout_and_cancel(purgatory):
+    """Four checker threads and a canceller race the clock thread; every operation ends once."""
+    n_ops, keys = 6000, [f"key-{i}" for i in range(8)]
+    rng = random.Random(5)
+    ops = [Op(rng.randint(0, 25)) for _ in range(n_ops)]
+    produced = threading.Event()
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # interleave the threads as finely as CPython allows
+    watched_upto = 0
+    try:
+        def checker(seed: int) -> None:
+            r = random.Random(seed)
+            while not produced.is_set() or purgatory.watched():
+                if watched_upto:
+                    for _ in range(3):  # the condition becomes true at a random moment
+                        ops[r.randrange(watched_upto)].ready = True
+                purgatory.check_and_complete(r.choice(keys))
+                time.sleep(0.0002)
+
+        def canceller() -> None:
+            r = random.Random(99)
+            while not produced.is_set():
+                if watched_upto:
+                    ops[r.randrange(watched_upto)].cancel()
+                time.sleep(0.0005)
+
+        threads = [threading.Thread(target=checker, args=(s,)) for s in range(4)]
+        threads.append(threading.Thread(target=canceller))
+        for t in threads:
+            t.start()
+        completed_at_once = 0
+        for i, op in enumerate(ops):
+            completed_at_once += purgatory.try_complete_else_watch(op, rng.sample(keys, 3))
+            watched_upto = i + 1
+            if i % 200 == 0:
+                time.sleep(0.002)
+        produced.set()
+        assert wait_until(lambda: all(op.is_completed for op in ops), timeout_s=30.0)
+        for t in threads:
+            t.join(30)
+    finally:
+        sys.setswitchinterval(old_interval)
+
+    for op in ops:
+        assert len(op.completions) == 1, "on_complete must run exactly once"
+        paths = op.won_by_condition + op.won_by_cancel + op.expirations
+        assert paths == 1, f"completed by {paths} paths"
+        assert op.expirations == (1 if op.expired else 0)
+        assert op.completions == [op.expired]
+    expired = sum(op.expirations for op in ops)
+    by_condition = sum(op.won_by_condition for op in ops)
+    cancelled = sum(op.won_by_cancel for op in ops)
+    assert expired and by_condition and cancelled, (expired, by_condition, cancelled)  # all three paths raced
+    assert completed_at_once <= by_condition
+    assert purgatory.watched() == 0 and len(purgatory) == 0 and len(purgatory._clock.wheel) == 0
+    assert purgatory.expired_total == expired and purgatory.completed_total == n_ops - expired
+
+
+# --------------------------------------------------------------------------- bounded watch lists
+
+
+def test_watch_lists_and_timer_stay_small_after_100k_early_completions(purgatory):
+    """Kafka's benchmark shape: 3 keys per operation, most complete early without check_and_complete.
+
+    A purgatory that leaves completed operations in its watch lists (no purge, no
+    removal) would hold 300 000 entries here; one that does not remove them from
+    the timer would hold 100 000 timers.
+    """
+    keys = ["fakeKey0", "fakeKey1", "fakeKey2"]
+    live: list[Op] = []
+    peak_watched = 0
+    for i in range(100_000):
+        op = Op(60_000)
+        purgatory.try_complete_else_watch(op, keys)
+        live.append(op)
+        if len(live) >= 100:  # complete all but a few, like requests answered early
+            for old in live[:-10]:
+                old.cancel()
+            del live[:-10]
+        if i % 997 == 0:
+            peak_watched = max(peak_watched, purgatory.watched())
+            assert len(purgatory._clock.wheel) <= 100
+    assert peak_watched <= 3 * 100
+    assert purgatory.watched() == 3 * len(live) and len(purgatory) == len(live)
+    for op in live:
+        op.cancel()
+    assert purgatory.watched() == 0 and purgatory.watch_keys() == 0 and len(purgatory._clock.wheel) == 0
+
+
+def test_completion_through_one_key_clears_the_others(purgatory):
+    ops = [Op(60_000) for _ in range(2000)]
+    for i, op in enumerate(ops):
+        purgatory.try_complete_else_watch(op, [f"own-{i}", "shared-a", "shared-b"])
+    for op in ops:
+        op.ready = True
+    assert purgatory.check_and_complete("shared-a") == 2000
+    assert purgatory.watched() == 0 and purgatory.watch_keys() == 0 and len(purgatory) == 0
+
+
+# --------------------------------------------------------------------------- asyncio and the daemon
+
+
+def test_async_purgatory_in_process():
+    async def main():
+        async with AsyncPurgatory() as p:
+            waiting, quick, cancelled = Op(5000), Op(40), Op(30)
+            quick.watched_ns = time.monotonic_ns()
+            for op in (waiting, quick, cancelled):
+                assert p.try_complete_else_watch(op, ["k"]) is False
+            cancelled.cancel()
+            waiting.ready = True
+            assert p.check_and_complete("k") == 1
+            for _ in range(200):
+                if quick.is_completed:
+                    break
+                await asyncio.sleep(0.01)
+            assert quick.expired and quick.completed_ns - quick.watched_ns >= 40_000_000
+            assert waiting.completions == [False] and cancelled.completions == [False]
+            assert cancelled.expirations == 0
+            # a condition checked from another thread
+            other = Op(5000)
+            p.try_complete_else_watch(other, ["t"])
+            other.ready = True
+            done = await asyncio.to_thread(p.check_and_complete, "t")
+            assert done == 1 and p.watched() == 0 and len(p) == 0
+
+    asyncio.run(main())
+
+
+def test_purgatory_on_a_real_daemon(daemon):
+    client = wheeld.connect(daemon.socket_path, group="purgatory-test")
+    p = Purgatory(client=client)
+    try:
+        timing_out = [Op(60) for _ in range(50)]
+        early = [Op(80) for _ in range(50)]
+        for op in timing_out + early:
+            op.watched_ns = time.monotonic_ns()
+            assert p.try_complete_else_watch(op, ["topic-0", "topic-1"]) is False
+        for op in early:
+            op.ready = True
+        assert p.check_and_complete("topic-1") == 50  # checks all 100, completes the 50 ready ones
+        assert all(op.is_completed and not op.expired for op in early)
+        assert wait_until(lambda: all(op.is_completed for op in timing_out))
+        time.sleep(0.2)  # past the early ones' deadlines: their daemon timers were cancelled
+        for op in timing_out:
+            assert op.completions == [True] and op.expirations == 1
+            assert op.completed_ns - op.watched_ns >= 59_000_000  # the daemon's clock is in whole ms
+        for op in early:
+            assert op.completions == [False] and op.expirations == 0
+        assert p.watched() == 0 and len(p) == 0
+        assert p.expired_total == 50
+    finally:
+        p.close()
+        client.close()
+
+
+def test_async_purgatory_on_a_real_daemon(daemon):
+    async def main():
+        client = await wheeld.connect_async(daemon.socket_path, group="purgatory-async")
+        try:
+            async with AsyncPurgatory(client=client) as p:
+                fast, slow = Op(50), Op(3000)
+                p.try_complete_else_watch(fast, ["k"])
+                p.try_complete_else_watch(slow, ["k"])
+                slow.ready = True
+                assert p.check_and_complete("k") == 1
+                for _ in range(500):
+                    if fast.is_completed:
+                        break
+                    await asyncio.sleep(0.01)
+                assert fast.expired and fast.expirations == 1
+                assert slow.completions == [False] and slow.expirations == 0
+                assert p.watched() == 0 and len(p) == 0
+        finally:
+            await client.close()
+
+    asyncio.run(main())
