@@ -77,11 +77,14 @@ Redis baseline; steady-phase lateness p99 <= 2 ms with ~100k pending (recv
 figure); ``w.touch`` <= 0.5 us. The table marks each met / NOT met from the best
 of the repeats, and shows the spread.
 
-Profiling (``--profile DIR``): the daemon runs under ``python -m cProfile``
-(stats written at its graceful SIGTERM stop), each client profiles its burst
-phase with cProfile, and ``py-spy record --format raw`` samples the daemon and
-client 0 during the burst (needs ``pip install py-spy``). Profiling slows things
-down: do not compare its throughput with an unprofiled run.
+Profiling (``--profile DIR``, first repeat only): ``py-spy record --format raw
+--idle`` samples the daemon and both clients during the burst phase and, in a
+second recording, the daemon during the steady phase (needs ``pip install
+py-spy``; about 5-10% slower). ``--cprofile`` adds deterministic profiles: the
+daemon runs under ``python -m cProfile`` (stats written at its graceful SIGTERM
+stop) and each client profiles its burst phase; that is 2-4x slower, use it for
+call counts, not for time shares. ``python -m bench.e2e --summarize DIR`` prints
+the inclusive and self shares of every py-spy recording in DIR.
 """
 
 from __future__ import annotations
@@ -647,13 +650,14 @@ def unique_name(prefix: str) -> str:
     return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir: str | None = None) -> dict:
+def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir: str | None = None,
+               cprofile: bool = False) -> dict:
     ctx = multiprocessing.get_context("fork")
     names = ["preload", "burst", "steady", "touch"]
     workdir = Path(tempfile.mkdtemp(prefix="wheeld-e2e-"))
     name = unique_name(name_prefix)
     daemon = Daemon(workdir, name, sizes.capacity,
-                    cprofile_path=os.path.join(profile_dir, "daemon.prof") if profile_dir else None)
+                    cprofile_path=os.path.join(profile_dir, "daemon.prof") if profile_dir and cprofile else None)
     procs = []
     sampler = None
     close_arena = None
@@ -664,7 +668,8 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
 
         daemon_ps = psutil.Process(daemon.proc.pid)
         phases = Phases(ctx, names)
-        procs = [ctx.Process(target=wheeld_client, args=(c, daemon.socket_path, sizes, seed, phases, profile_dir),
+        client_profile = profile_dir if cprofile else None
+        procs = [ctx.Process(target=wheeld_client, args=(c, daemon.socket_path, sizes, seed, phases, client_profile),
                              daemon=True) for c in range(sizes.clients)]
         for p in procs:
             p.start()
@@ -679,7 +684,8 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
 
         infos = phases.wait(procs, "arrive", "burst", timeout)
         if profile_dir:
-            spies = start_pyspy(profile_dir, {"daemon": daemon.proc.pid, "client0": infos[0]["pid"]})
+            spies = start_pyspy(profile_dir, "burst", {"daemon": daemon.proc.pid,
+                                                       **{f"client{c}": infos[c]["pid"] for c in infos}})
         cpu_before = daemon_ps.cpu_times()
         commands_before = counter("commands_total")
         sampler.phase = "burst"
@@ -690,12 +696,16 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
         commands_after = counter("commands_total")
         stop_pyspy(spies)
         spies = []
+        if profile_dir:
+            spies = start_pyspy(profile_dir, "steady", {"daemon": daemon.proc.pid})
         sampler.phase = "steady"
         steady_ns = phases.release("steady")
         steady_cpu0 = daemon_ps.cpu_times()
 
         phases.wait(procs, "arrive", "touch", timeout + sizes.steady_s)
         steady_cpu1 = daemon_ps.cpu_times()
+        stop_pyspy(spies)
+        spies = []
         sampler.phase = "touch"
         phases.release("touch")
 
@@ -752,18 +762,49 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
     return out
 
 
-def start_pyspy(profile_dir: str, pids: dict[str, int]) -> list:
+def start_pyspy(profile_dir: str, phase: str, pids: dict[str, int]) -> list:
     exe = shutil.which("py-spy")
     if exe is None:
+        print("py-spy not found (pip install py-spy): no sampling profile", file=sys.stderr)
         return []
     spies = []
     for label, pid in pids.items():
-        path = os.path.join(profile_dir, f"pyspy-{label}-burst.txt")
-        spies.append(subprocess.Popen([exe, "record", "--pid", str(pid), "--format", "raw", "--rate", "1000",
-                                       "--nonblocking", "-o", path], stdout=subprocess.DEVNULL,
+        path = os.path.join(profile_dir, f"pyspy-{label}-{phase}.txt")
+        spies.append(subprocess.Popen([exe, "record", "--pid", str(pid), "--format", "raw", "--rate", "500",
+                                       "--idle", "--nonblocking", "-o", path], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL))
     time.sleep(1.0)  # py-spy needs a moment to attach
     return spies
+
+
+def _frame_name(frame: str) -> str:
+    """``func (path/file.py:123)`` -> ``func (file.py)``."""
+    name, _, where = frame.partition(" (")
+    return f"{name} ({where.rstrip(')').split(':')[0].split('/')[-1]})"
+
+
+def summarize_pyspy(path: str, top: int = 30) -> str:
+    """Inclusive and self shares of a ``py-spy record --format raw`` file (idle samples included)."""
+    import collections
+
+    inclusive: collections.Counter = collections.Counter()
+    self_time: collections.Counter = collections.Counter()
+    total = 0
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip().rpartition(" ")
+            if not stack:
+                continue
+            n = int(count)
+            total += n
+            frames = [_frame_name(fr) for fr in stack.split(";")]
+            for name in set(frames):
+                inclusive[name] += n
+            self_time[frames[-1]] += n
+    lines = [f"{path}: {total} samples"]
+    lines += ["  inclusive:"] + [f"  {100 * v / total:6.1f}%  {k}" for k, v in inclusive.most_common(top)]
+    lines += ["  self:"] + [f"  {100 * v / total:6.1f}%  {k}" for k, v in self_time.most_common(top)]
+    return "\n".join(lines)
 
 
 def stop_pyspy(spies: list) -> None:
@@ -1075,7 +1116,9 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--name-prefix", default="bench",
                         help="daemon instance name prefix (segments /wheeld-PREFIX-PID-UUID-*)")
-    parser.add_argument("--profile", default=None, metavar="DIR", help="cProfile + py-spy output directory")
+    parser.add_argument("--profile", default=None, metavar="DIR", help="py-spy recordings of the first repeat")
+    parser.add_argument("--cprofile", action="store_true", help="with --profile: cProfile the daemon and clients too")
+    parser.add_argument("--summarize", default=None, metavar="DIR", help="print the shares of DIR's py-spy files")
     for field in dataclasses.fields(Sizes):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=float if field.type in (float, "float") else int,
                             default=None, help=argparse.SUPPRESS)
@@ -1094,6 +1137,10 @@ def build_sizes(args) -> Sizes:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.summarize:
+        for path in sorted(Path(args.summarize).glob("pyspy-*.txt")):
+            print(summarize_pyspy(str(path)))
+        return 0
     sizes = build_sizes(args)
     repeat = args.repeat or (1 if args.quick else 3)
     systems = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -1129,7 +1176,7 @@ def main(argv=None) -> int:
         seed = args.seed + i
         if "wheeld" in systems:
             run["wheeld"] = run_wheeld(sizes, seed, args.name_prefix,
-                                       profile_dir=args.profile if i == 0 else None)
+                                       profile_dir=args.profile if i == 0 else None, cprofile=args.cprofile)
             print(f"  run {i + 1}: wheeld {run['wheeld']['ops_per_s']:,} ops/s", flush=True)
         if "redis" in systems:
             from bench.redis_baseline import run_redis
