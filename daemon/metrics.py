@@ -1,0 +1,287 @@
+"""Prometheus metrics: the text exposition, written by hand, and the daemon's HTTP endpoint.
+
+``wheeld --metrics ADDR:PORT`` serves ``GET /metrics`` from the daemon's own
+event loop (``asyncio.start_server``); ``wheelctl stats --prometheus`` prints
+the same text from the arena (for node_exporter's textfile collector, or when
+the daemon is stuck). Both render a :class:`wheeld.daemon.stats.Snapshot` with
+:func:`render`, so the two never disagree on names.
+
+No ``prometheus_client`` in the daemon: the format (text exposition 0.0.4) is
+a few ``# HELP`` / ``# TYPE`` lines and ``name{labels} value`` samples, and
+rendering it from the header costs microseconds. The tests parse it with
+``prometheus_client``'s parser.
+
+Names follow the Prometheus conventions: prefix ``wheeld_``, base units
+(seconds, bytes), ``_total`` on counters; no label carries a timer key, a pid
+or a client slot (unbounded cardinality). The only labels are ``level`` on
+pending timers (at most 15 levels plus ``due``) and ``le`` on the histogram.
+
+=====================================  =========  ======================================
+metric                                 type       arena counter
+=====================================  =========  ======================================
+wheeld_timers_pending                  gauge      pending
+wheeld_timers_pending_by_level{level}  gauge      pending_level_N, pending_due ("due")
+wheeld_timers_added_total              counter    adds_total
+wheeld_timers_rearmed_total            counter    rearms_total
+wheeld_timers_cancelled_total          counter    cancels_total
+wheeld_cancel_misses_total             counter    cancel_misses_total
+wheeld_timers_expired_total            counter    expirations_total
+wheeld_timers_idle_rearmed_total       counter    idle_rearms_total
+wheeld_timers_cascaded_total           counter    cascades_total
+wheeld_expirations_delivered_total     counter    delivered_total
+wheeld_expirations_redelivered_total   counter    redelivered_total
+wheeld_expirations_late_total          counter    late_total
+wheeld_expirations_acknowledged_total  counter    acks_total
+wheeld_expirations_undelivered         gauge      undelivered
+wheeld_expirations_unacknowledged      gauge      fired_unacked - undelivered
+wheeld_fire_lateness_seconds           histogram  lateness buckets and sum
+wheeld_commands_total                  counter    commands_total
+wheeld_commands_rejected_total         counter    rejected_total
+wheeld_arena_full_total                counter    arena_full_total
+wheeld_ring_full_total                 counter    ring_full_total
+wheeld_ring_depth                      gauge      rings' tail - head, summed
+wheeld_rings                           gauge      client slots in use
+wheeld_clients_connected               gauge      clients_connected
+wheeld_clients_accepted_total          counter    clients_total
+wheeld_clients_refused_total           counter    clients_refused_total
+wheeld_clients_dropped_total           counter    clients_dropped_total
+wheeld_groups_active                   gauge      groups_active
+wheeld_groups_registered               gauge      group table entries
+wheeld_arena_capacity_timers           gauge      header capacity
+wheeld_arena_used_timers               gauge      pending + fired_unacked
+wheeld_arena_bytes                     gauge      segment size
+wheeld_tick_seconds                    gauge      header tick_ms
+wheeld_wakeups_total                   counter    wakeups_total
+wheeld_daemon_restarts_total           counter    daemon_restarts_total
+wheeld_daemon_up                       gauge      1 if the daemon process exists
+wheeld_daemon_heartbeat_age_seconds    gauge      now - daemon_heartbeat_ms
+wheeld_daemon_uptime_seconds           gauge      now - daemon_started_ms
+=====================================  =========  ======================================
+
+Histogram buckets: ``le`` is each bound of
+:data:`~wheeld.protocol.arena_layout.LATENESS_BOUNDS_US` in seconds, the counts
+cumulative, ``+Inf`` equal to ``_count``. The arena counts bucket *i* as
+``[bound[i-1], bound[i])``, so a lateness exactly on a bound is counted one
+bucket up: the ``le`` buckets never overstate how many timers were on time.
+
+The HTTP endpoint: ``GET`` (or ``HEAD``) ``/metrics`` answers 200 with
+``text/plain; version=0.0.4``; any other path 404, any other method 405; a
+request head over :data:`MAX_REQUEST_BYTES` or not complete within
+:data:`REQUEST_TIMEOUT_S` is answered 400/408 and closed; at most
+:data:`MAX_CONNECTIONS` connections at once (more are closed at once). One
+response per connection (``Connection: close``). Rendering reads the wheel's
+header from memory: a scrape never blocks the wheel loop for longer than that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import math
+
+from wheeld.protocol import arena_layout as L
+from wheeld.protocol.errors import InvalidRequest
+
+from .stats import RingStat, Snapshot, build_snapshot
+
+log = logging.getLogger("wheeld.metrics")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MAX_REQUEST_BYTES = 8192
+REQUEST_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 16
+
+# (metric name, type, help, counter name in the arena)
+_COUNTERS = (
+    ("wheeld_timers_added_total", "New timers scheduled.", "adds_total"),
+    ("wheeld_timers_rearmed_total", "Schedules of a key that was already pending (re-arms).", "rearms_total"),
+    ("wheeld_timers_cancelled_total", "Cancels that removed a pending timer.", "cancels_total"),
+    ("wheeld_cancel_misses_total", "Cancels of a key that was not pending.", "cancel_misses_total"),
+    ("wheeld_timers_expired_total", "Timers that came due.", "expirations_total"),
+    ("wheeld_timers_idle_rearmed_total", "Idle timers found touched when due and re-armed.", "idle_rearms_total"),
+    ("wheeld_timers_cascaded_total", "Timers moved down a wheel level.", "cascades_total"),
+    ("wheeld_expirations_delivered_total", "Expirations sent to clients.", "delivered_total"),
+    ("wheeld_expirations_redelivered_total", "Expirations sent again after their client died.", "redelivered_total"),
+    ("wheeld_expirations_late_total", "Expirations delivered late because the daemon was down.", "late_total"),
+    ("wheeld_expirations_acknowledged_total", "Expirations acknowledged by clients.", "acks_total"),
+    ("wheeld_commands_total", "Ring commands applied.", "commands_total"),
+    ("wheeld_commands_rejected_total", "Commands refused (bad input, arena full).", "rejected_total"),
+    ("wheeld_arena_full_total", "Adds refused because the arena was full.", "arena_full_total"),
+    ("wheeld_ring_full_total", "Times a client ring was found full.", "ring_full_total"),
+    ("wheeld_clients_accepted_total", "Client sessions accepted.", "clients_total"),
+    ("wheeld_clients_refused_total", "Client sessions refused (not allowed, bad version, too many).",
+     "clients_refused_total"),
+    ("wheeld_clients_dropped_total", "Clients disconnected for a protocol violation.", "clients_dropped_total"),
+    ("wheeld_wakeups_total", "Times the wheel loop woke from parking.", "wakeups_total"),
+    ("wheeld_daemon_restarts_total", "Daemon starts that re-attached an existing arena.", "daemon_restarts_total"),
+)
+
+
+def _value(value: float | int) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "+Inf" if value > 0 else "-Inf"
+        return repr(value)
+    return str(int(value))
+
+
+def render(snap: Snapshot) -> str:
+    """The text exposition (format 0.0.4) of one snapshot."""
+    out: list[str] = []
+
+    def metric(name: str, kind: str, text: str, samples) -> None:
+        out.append(f"# HELP {name} {text}")
+        out.append(f"# TYPE {name} {kind}")
+        for suffix, labels, value in samples:
+            label_text = "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else ""
+            out.append(f"{name}{suffix}{label_text} {_value(value)}")
+
+    c = snap.counters
+    metric("wheeld_timers_pending", "gauge", "Timers scheduled and not yet due.", [("", (), c["pending"])])
+    metric("wheeld_timers_pending_by_level", "gauge",
+           "Pending timers per wheel level (level 0 is the finest; due: waiting for the next advance).",
+           [("", (("level", level),), count) for level, count in snap.pending_by_level.items()])
+    for name, text, counter in _COUNTERS:
+        metric(name, "counter", text, [("", (), c[counter])])
+    metric("wheeld_expirations_undelivered", "gauge", "Fired timers waiting for a live member of their group.",
+           [("", (), snap.undelivered)])
+    metric("wheeld_expirations_unacknowledged", "gauge", "Expirations sent to a client and not acknowledged yet.",
+           [("", (), snap.unacknowledged)])
+    cumulative = 0
+    buckets = []
+    for bound_us, count in zip(L.LATENESS_BOUNDS_US, snap.lateness_counts):
+        cumulative += count
+        buckets.append(("_bucket", (("le", _value(bound_us / 1e6)),), cumulative))
+    total = sum(snap.lateness_counts)
+    buckets.append(("_bucket", (("le", "+Inf"),), total))
+    buckets.append(("_sum", (), snap.lateness_sum_us / 1e6))
+    buckets.append(("_count", (), total))
+    metric("wheeld_fire_lateness_seconds", "histogram",
+           "Time from a timer's deadline to its expiration being handed to delivery.", buckets)
+    depth = snap.ring_depth
+    metric("wheeld_ring_depth", "gauge", "Commands waiting in client rings.",
+           [("", (), c["ring_depth"] if depth is None else depth)])
+    if snap.rings is not None:
+        metric("wheeld_rings", "gauge", "Client ring segments in use.", [("", (), len(snap.rings))])
+    metric("wheeld_clients_connected", "gauge", "Clients connected now.", [("", (), c["clients_connected"])])
+    metric("wheeld_groups_active", "gauge", "Groups with at least one connected member.",
+           [("", (), c["groups_active"])])
+    metric("wheeld_groups_registered", "gauge", "Groups in the arena's group table.", [("", (), len(snap.groups))])
+    metric("wheeld_arena_capacity_timers", "gauge", "Timer records in the arena.", [("", (), snap.capacity)])
+    metric("wheeld_arena_used_timers", "gauge", "Timer records in use (pending or fired, not acknowledged).",
+           [("", (), snap.used)])
+    metric("wheeld_arena_bytes", "gauge", "Size of the arena segment.", [("", (), snap.arena_bytes)])
+    metric("wheeld_tick_seconds", "gauge", "Width of a level-0 bucket.", [("", (), snap.tick_ms / 1000)])
+    metric("wheeld_daemon_up", "gauge", "1 if the daemon process that last wrote the arena exists.",
+           [("", (), 1 if snap.daemon_alive else 0)])
+    age = snap.heartbeat_age_ms
+    if age is not None:
+        metric("wheeld_daemon_heartbeat_age_seconds", "gauge", "Time since the wheel loop last published.",
+               [("", (), max(0, age) / 1000)])
+    uptime = snap.uptime_ms
+    if uptime is not None:
+        metric("wheeld_daemon_uptime_seconds", "gauge", "Time since the daemon started.",
+               [("", (), uptime / 1000)])
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------- the daemon's endpoint
+def parse_address(addr: str) -> tuple[str | None, int]:
+    """``ADDR:PORT`` -> (host, port). ``[v6]:PORT`` for IPv6; an empty ADDR (``:9464``) is every interface."""
+    host, sep, port_text = addr.rpartition(":")
+    if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise InvalidRequest(f"--metrics wants ADDR:PORT (e.g. 127.0.0.1:9464), not {addr!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise InvalidRequest(f"--metrics: {host!r} is not an IPv6 address") from None
+    elif ":" in host:
+        raise InvalidRequest(f"--metrics: write an IPv6 address in brackets, e.g. [::1]:9464, not {addr!r}")
+    return (host or None), int(port_text)
+
+
+def snapshot_from_daemon(daemon) -> Snapshot:
+    """A snapshot from the running daemon's own mapping of its arena (no copy of the records)."""
+    wheel = daemon.wheel
+    rings = []
+    for cs in list(daemon.clients.values()):
+        try:
+            depth = cs.segment.depth()
+        except Exception:  # noqa: BLE001 - a client that scribbled on its counters: depth unknown
+            depth = None
+        rings.append(RingStat(cs.slot, cs.group_name, cs.pid, depth, cs.segment.ring_capacity, cs.session is not None))
+    header = wheel.header_words().tobytes()
+    return build_snapshot(daemon.config.name, wheel.name or "", header, wheel.groups(), rings, daemon_alive=True)
+
+
+def _response(status: str, body: bytes, content_type: str = "text/plain; charset=utf-8",
+              extra: str = "", head_only: bool = False) -> bytes:
+    head = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n{extra}\r\n").encode("latin-1")
+    return head if head_only else head + body
+
+
+async def start_metrics_server(daemon, addr: str) -> asyncio.AbstractServer:
+    """Serve ``GET /metrics`` on ``addr`` (``ADDR:PORT``) from the running loop; returns the server.
+
+    Raises InvalidRequest for a malformed address or one that cannot be bound.
+    """
+    host, port = parse_address(addr)
+    active = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal active
+        active += 1
+        try:
+            if active > MAX_CONNECTIONS:
+                return
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                writer.write(_response("408 Request Timeout", b"request timeout\n"))
+                return
+            except (asyncio.LimitOverrunError, ValueError):
+                writer.write(_response("400 Bad Request", b"request head too large\n"))
+                return
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            request_line = head.split(b"\r\n", 1)[0].decode("latin-1", "replace")
+            parts = request_line.split()
+            if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+                writer.write(_response("400 Bad Request", b"bad request line\n"))
+                return
+            method, target = parts[0], parts[1]
+            path = target.split("?", 1)[0]
+            if method not in ("GET", "HEAD"):
+                writer.write(_response("405 Method Not Allowed", b"GET only\n", extra="Allow: GET, HEAD\r\n"))
+            elif path != "/metrics":
+                writer.write(_response("404 Not Found", b"not found: try /metrics\n", head_only=method == "HEAD"))
+            else:
+                body = render(snapshot_from_daemon(daemon)).encode("utf-8")
+                writer.write(_response("200 OK", body, CONTENT_TYPE, head_only=method == "HEAD"))
+            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
+        except (ConnectionError, asyncio.TimeoutError):
+            pass
+        except Exception:  # noqa: BLE001 - a scrape must never take the daemon down
+            log.exception("metrics request failed")
+        finally:
+            active -= 1
+            writer.close()
+
+    try:
+        server = await asyncio.start_server(handle, host, port, limit=MAX_REQUEST_BYTES, reuse_address=True)
+    except OSError as exc:
+        raise InvalidRequest(f"cannot serve metrics on {addr}: {exc}") from exc
+    bound = ", ".join(_sockname(s.getsockname()) for s in server.sockets)
+    log.info("metrics on http://%s/metrics", bound)
+    return server
+
+
+def _sockname(name) -> str:
+    host, port = name[0], name[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
