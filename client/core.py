@@ -44,6 +44,10 @@ from wheeld.shm.ring import ClientSegment
 
 _META = [bytes((m,)) for m in range(256)]
 _fence = threading.Lock()
+_PARKED = AL.H_PARKED // 8
+_PENDING = AL.H_COUNTERS // 8 + AL.COUNTER["pending"]
+_FIRED_UNACKED = AL.H_COUNTERS // 8 + AL.COUNTER["fired_unacked"]
+_CAPACITY_WORD = AL.H_CAPACITY // 8
 _SEQ_BITS = 21
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 _RECENT = 1 << 16  # (slot, generation) pairs remembered to drop re-sent expirations
@@ -79,11 +83,14 @@ class ClientCore:
         self._segment: ClientSegment | None = None
         self._arena: Segment | None = None
         self._parked = None
+        self._rang_epoch = 0
         self._welcome: M.Welcome | None = None
         self._seq = 0
         self._tag_base = 0
         self._latest: dict[bytes, int] = {}  # ident -> tag of our live arming, or ~tag once cancelled
-        self._touch_index: dict[bytes, int] = {}
+        self._touch_index: dict[bytes, int] = {}  # ident -> touch index
+        self._touch_by_key: dict = {}  # the user's key object -> touch index (touch's fast path)
+        self._touch_table = None
         self._free_touch: list[int] = []
         self._next_touch = 0
         self._recent: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
@@ -109,9 +116,12 @@ class ClientCore:
             if self._segment is not None:  # the daemon could not resume our old ring
                 self._segment.close()
                 self._touch_index.clear()
+                self._touch_by_key.clear()
                 self._free_touch.clear()
                 self._next_touch = 0
             self._segment = ClientSegment.attach(welcome.segment_name)
+            # touch() stores straight into the touch table: one 8-byte store (see shm.ring)
+            self._touch_table = self._segment._last_touch
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -161,12 +171,10 @@ class ClientCore:
             time.sleep(0.0002)
 
     def _arena_full(self) -> bool:
-        parked = self._parked
-        if parked is None:
+        header = self._parked
+        if header is None:
             return False
-        base = AL.H_COUNTERS // 8
-        used = parked[base + AL.COUNTER["pending"]] + parked[base + AL.COUNTER["fired_unacked"]]
-        return used >= parked[AL.H_CAPACITY // 8] & 0xFFFFFFFF
+        return header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD] & 0xFFFFFFFF
 
     def _after_push(self) -> None:
         # Eventcount, client half: tail published (in _push), full fence, then read
@@ -176,23 +184,32 @@ class ClientCore:
         _fence.acquire()
         _fence.release()
         parked = self._parked
-        if parked is None or parked[AL.H_PARKED // 8]:
+        if parked is None:
+            self._ring_doorbell()
+            return
+        epoch = parked[_PARKED]
+        if epoch and epoch != self._rang_epoch:
+            self._rang_epoch = epoch
             self._ring_doorbell()
 
     def add(self, key, delay_ms: int) -> None:
         """Schedule ``key`` to expire ``delay_ms`` from now; an armed key is re-armed."""
-        self._check_open()
+        if self._closed:
+            raise Closed("this wheeld client is closed")
         kb, meta = encode_key(key)
-        deadline = self._deadline(delay_ms)
+        if type(delay_ms) is not int or not 0 <= delay_ms <= self.max_delay_ms:
+            self._deadline(delay_ms)  # raises the precise InvalidDelay
         if self._arena_full():
             raise ArenaFull("the daemon's arena is full")
         ident = _META[meta] + kb
-        tag = self._next_tag()
-        self._push(C.ADD, kb, meta, deadline, tag)
+        self._seq = seq = (self._seq + 1) & _SEQ_MASK
+        tag = self._tag_base | seq
+        if not self._segment.push_add(kb, meta, time.monotonic_ns() // 1_000_000 + delay_ms, tag):
+            self._wait_for_room()
+            self._push(C.ADD, kb, meta, time.monotonic_ns() // 1_000_000 + delay_ms, tag)
         self._latest[ident] = tag
-        index = self._touch_index.pop(ident, None)
-        if index is not None:
-            self._free_touch.append(index)
+        if self._touch_index:
+            self._release_touch(ident, key)
         self._after_push()
 
     def add_idle(self, key, idle_ms: int) -> None:
@@ -224,16 +241,26 @@ class ClientCore:
         tag = self._next_tag()
         self._push(C.ADD_IDLE, kb, meta, deadline, tag, idle_ms, index)
         self._touch_index[ident] = index
+        self._touch_by_key[key] = index
         self._latest[ident] = tag
         self._after_push()
 
+    def _release_touch(self, ident: bytes, key) -> None:
+        index = self._touch_index.pop(ident, None)
+        if index is not None:
+            self._touch_by_key.pop(key, None)
+            self._free_touch.append(index)
+
     def touch(self, key) -> None:
-        """Record activity on an idle timer's key: one store, no message."""
-        kb, meta = encode_key(key)
-        index = self._touch_index.get(_META[meta] + kb)
-        if index is None:
-            raise InvalidKey(f"{key!r} is not an idle timer of this client (add_idle it first)")
-        self._segment.touch(index, time.monotonic_ns() // 1_000_000)
+        """Record activity on an idle timer's key: one 8-byte store, no message."""
+        kind = type(key)
+        try:
+            if kind is not str and kind is not bytes and kind is not int:
+                raise TypeError
+            index = self._touch_by_key[key]
+        except (KeyError, TypeError):
+            raise InvalidKey(f"{key!r} is not an idle timer of this client (add_idle it first)") from None
+        self._touch_table[index] = time.monotonic_ns() // 1_000_000
 
     def cancel(self, key) -> bool:
         """Cancel ``key``; True if this client's arming of it will not be delivered."""
@@ -241,9 +268,7 @@ class ClientCore:
         kb, meta = encode_key(key)
         ident = _META[meta] + kb
         self._push(C.CANCEL, kb, meta, 0, self._next_tag())
-        index = self._touch_index.pop(ident, None)
-        if index is not None:
-            self._free_touch.append(index)
+        self._release_touch(ident, key)
         tag = self._latest.get(ident)
         hit = tag is not None and tag >= 0
         if hit:
@@ -322,9 +347,8 @@ class ClientCore:
                     continue
                 if tag is not None:
                     del latest[ident]
-                index = self._touch_index.pop(ident, None)
-                if index is not None:
-                    self._free_touch.append(index)
+                if self._touch_index:
+                    self._release_touch(ident, e.key)
             recent[handle] = None
             if len(recent) > _RECENT:
                 recent.popitem(last=False)

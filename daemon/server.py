@@ -12,12 +12,14 @@ One process, one thread, one uvloop event loop. The loop does three things:
   a daemon killed mid-batch re-applies it, and every command is idempotent),
   ``expire(now)``, re-arm idle timers that were touched, hand the rest to the
   group's delivery queue, send them, publish counters, then *park*.
-* **Parking** is an eventcount: set the arena's ``parked`` word, re-check every
-  ring, and only then sleep until the next bucket deadline. A client that pushes
-  a command and sees ``parked`` rings the doorbell (one small frame); a client
-  that sees the daemon awake rings nothing. A full fence sits between the store
-  of ``parked`` and the re-check; a missed wake-up is still bounded by
-  ``max_park_ms``.
+* **Parking** is an eventcount: store a new park epoch in the arena's ``parked``
+  word, re-check every ring, and only then sleep until the next bucket deadline.
+  A client that pushes a command and sees a park epoch it has not rung for rings
+  the doorbell (one small frame); a client that sees the daemon awake (0), or an
+  epoch it already rang, rings nothing, so a burst of commands costs one
+  doorbell. A full fence sits between the store of ``parked`` and the re-check
+  (and, in the client, between publishing the tail and reading ``parked``); a
+  missed wake-up is still bounded by ``max_park_ms``.
 
 Delivery: a fired timer stays in the arena (state FIRED) until the client it was
 sent to acknowledges it through its ring (``ACK slot generation``), after the
@@ -386,6 +388,7 @@ class Daemon:
         wheel = self.wheel
         hq = wheel.header_words()
         parked_word = AL.H_PARKED // 8
+        park_epoch = hq[AL.H_WAKE_SEQ // 8]
         max_park = self.config.max_park_ms
         watchdog_s = self.notifier.watchdog_interval_s()
         while not self._stopping:
@@ -406,7 +409,9 @@ class Daemon:
             if commands:
                 await asyncio.sleep(0)  # let sockets in, then drain again
                 continue
-            hq[parked_word] = 1
+            park_epoch += 1  # a new epoch: each client rings at most once per park
+            hq[AL.H_WAKE_SEQ // 8] = park_epoch
+            hq[parked_word] = park_epoch
             _full_fence()
             if self._rings_pending():
                 hq[parked_word] = 0
