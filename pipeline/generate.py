@@ -1,0 +1,651 @@
+"""Realistic fleet journals for the pipeline's tests and benchmarks.
+
+::
+
+    python -m wheeld.pipeline.generate OUT --hosts 20 --events 10000000 --seed 1
+
+writes ``OUT/host-000/journal-0000000000000001.jsonl``, ... one folder per
+host, in exactly the format the daemon writes: the events are the structs of
+:mod:`wheeld.protocol.journal` and the files are written by the daemon's own
+:class:`wheeld.daemon.journal.Journal` (lsns, segment headers, rotation), with
+``fsync="off"`` and simulated clocks.
+
+What a host does over its simulated day
+=======================================
+
+Operations arrive with a diurnal rate, ``rate(t) ~ 1 + 0.6 sin(2 pi (t/day -
+0.375))`` (quiet at night, a peak in the afternoon, each host slightly shifted),
+drawn by inverting the rate's cumulative integral. Each operation belongs to
+one of four groups that behave differently:
+
+============  ===============================================================
+``conns``     idle-connection timers (``add`` with ``i`` = 10/30/60 s, str
+              keys ``conn-<n>``). The connection stays active for a lognormal
+              time (median 90 s) and is touched all along: each time its
+              deadline comes the daemon finds it touched and moves it
+              (``idle_rearm``, last touch + idle). 55 % are closed by the
+              client (``cancel`` hit), the rest go idle and time out
+              (``fire`` then ``ack``); 5 % are never touched at all.
+``purgatory`` request purgatory (str keys ``req-<n>``): a timeout of
+              200/500/1000/5000 ms; the operation completes after a lognormal
+              time (median 15 ms), which cancels the timer early (``cancel``
+              hit) -- or it times out (``fire``, ``ack``) and a late
+              completion may still try to cancel it (``cancel`` miss).
+``jobs``      delayed jobs (int keys): delays lognormal around 5 min; 10 %
+              are rescheduled once (``rearm``), 5 % cancelled, the rest fire.
+``leases``    leases with bytes keys (``b64:``): a 10 s lease renewed every
+              ~3 s (``rearm``) a geometric number of times, then released
+              (``cancel`` hit, 85 %) or left to expire (``fire``).
+============  ===============================================================
+
+Fire lateness (``lat = f - d``) grows with the load of the moment. On a normal
+host it is about 1 ms with rare pauses of 20-250 ms; on a *slow* host about
+15 ms with pauses up to 2 s. Every fire is acknowledged 0-3 ms later.
+
+Some hosts (``restart_fraction``) go down once for 2-20 minutes: no operation
+arrives meanwhile, the daemon restarts with a new segment (its monotonic clock
+starts again near zero, the lsns continue), timers whose deadline passed
+while it was down fire at once with ``late: true`` and their lateness, and
+operations caught in the outage end there (their timer fires at its deadline
+or late at the restart, then is acknowledged).
+
+Each host gets exactly ``events_per_host`` events: the simulation is sized
+from a small pilot run and the day's events are cut in time order at that
+count (timers armed near the end are simply still pending, as in a real
+journal). Everything is decided in numpy arrays; only the last step, one
+struct per event and the bulk encoder, runs per event in Python (about
+1.5-2 us/event here, so 10M events take a few minutes on one core;
+``--workers`` spreads hosts over processes).
+
+The generator returns no ground truth on purpose: the pipeline's tests
+compute the figures from the files, independently of how they were made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from wheeld.daemon.journal import DEFAULT_SEGMENT_BYTES, Journal
+from wheeld.protocol.journal import Ack, Add, Cancel, Fire, IdleRearm, Rearm, key_to_json
+
+__all__ = ["FleetInfo", "generate_fleet", "generate_host", "main"]
+
+DAY_MS = 86_400_000
+#: 2024-01-01T00:00:00Z: a fixed default so the same seed gives the same bytes.
+DEFAULT_START_WALL_MS = 1_704_067_200_000
+DAEMON_NAME = "default"
+BATCH_EVENTS = 256  # events per Journal.append, like one drained ring batch
+
+GROUPS = ("conns", "purgatory", "jobs", "leases")
+CONNS, PURGATORY, JOBS, LEASES = range(4)
+#: share of *operations* per group (conns and leases make many events each)
+GROUP_MIX = (0.08, 0.70, 0.12, 0.10)
+
+# event kinds, in the order they may happen within one millisecond of one op
+ADD, REARM, IDLE_REARM, CANCEL, FIRE, ACK, CANCEL_MISS = range(7)
+
+
+@dataclass
+class FleetInfo:
+    """What was written: folders, host names, which hosts are slow or restarted."""
+
+    out_dir: Path
+    hosts: list[str]
+    slow_hosts: list[str]
+    restarted_hosts: list[str]
+    events_per_host: int
+    seed: int
+    start_wall_ms: int
+    seconds: float = 0.0
+    bytes_written: int = 0
+    segments: int = 0
+    per_host: dict[str, dict] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- #
+# Simulation (numpy)
+# --------------------------------------------------------------------------- #
+
+
+class _Events:
+    """Column arrays of one host's events; ``op`` ties an event to its operation."""
+
+    COLUMNS = ("op", "t", "kind", "d", "pd", "lat", "late")
+
+    def __init__(self) -> None:
+        self.parts: list[dict[str, np.ndarray]] = []
+
+    def add(self, op, t, kind, d, pd=None, lat=None, late=None) -> None:
+        size = len(op)
+        if size == 0:
+            return
+        zeros = np.zeros(size, dtype=np.int64)
+        self.parts.append(
+            {
+                "op": np.asarray(op, dtype=np.int64),
+                "t": np.asarray(t, dtype=np.int64),
+                "kind": np.full(size, kind, dtype=np.int8) if np.isscalar(kind) else np.asarray(kind, np.int8),
+                "d": np.asarray(d, dtype=np.int64),
+                "pd": zeros if pd is None else np.asarray(pd, dtype=np.int64),
+                "lat": zeros if lat is None else np.asarray(lat, dtype=np.int64),
+                "late": np.zeros(size, dtype=bool) if late is None else np.asarray(late, dtype=bool),
+            }
+        )
+
+    def columns(self) -> dict[str, np.ndarray]:
+        return {name: np.concatenate([part[name] for part in self.parts]) for name in self.COLUMNS}
+
+
+def _arrivals(rng: np.random.Generator, count: int, start_ms: int, duration_ms: int, phase: float) -> np.ndarray:
+    """``count`` sorted arrival times with a diurnal (sinusoidal) rate."""
+    grid = np.linspace(0.0, 1.0, 4097)
+    rate = 1.0 + 0.6 * np.sin(2 * np.pi * (grid - 0.375 + phase))
+    cumulative = np.concatenate(([0.0], np.cumsum((rate[1:] + rate[:-1]) / 2)))
+    cumulative /= cumulative[-1]
+    fraction = np.interp(np.sort(rng.random(count)), cumulative, grid)
+    return start_ms + (fraction * duration_ms).astype(np.int64)
+
+
+def _load(t: np.ndarray, start_ms: int, duration_ms: int, phase: float) -> np.ndarray:
+    """The relative load (rate / mean rate) at times ``t``."""
+    fraction = (t - start_ms) / duration_ms
+    return 1.0 + 0.6 * np.sin(2 * np.pi * (fraction - 0.375 + phase))
+
+
+def _lateness(rng, t, slow: bool, start_ms, duration_ms, phase) -> np.ndarray:
+    """How late each fire is (ms, >= 0): grows with load; slow hosts much more."""
+    size = len(t)
+    load = _load(t, start_ms, duration_ms, phase)
+    if slow:
+        base = rng.exponential(15.0, size) * load**2
+        pause = rng.random(size) < 0.01
+        spikes = rng.uniform(100, 2000, size)
+    else:
+        base = rng.exponential(1.2, size) * load
+        pause = rng.random(size) < 0.002
+        spikes = rng.uniform(20, 250, size)
+    return np.floor(base + np.where(pause, spikes, 0.0)).astype(np.int64)
+
+
+def _ack_delay(rng, size) -> np.ndarray:
+    return rng.integers(0, 4, size)
+
+
+def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For per-item ``counts``: (item index, 0-based rank within the item) of every repeat."""
+    counts = counts.astype(np.int64)
+    owner = np.repeat(np.arange(len(counts)), counts)
+    starts = np.cumsum(counts) - counts
+    rank = np.arange(counts.sum()) - np.repeat(starts, counts)
+    return owner, rank
+
+
+def _fires(events: _Events, rng, op, deadline, slow, start_ms, duration_ms, phase) -> None:
+    lat = _lateness(rng, deadline, slow, start_ms, duration_ms, phase)
+    fired = deadline + lat
+    events.add(op, fired, FIRE, deadline, lat=lat)
+    events.add(op, fired + _ack_delay(rng, len(op)), ACK, deadline)
+
+
+def _simulate_conns(events, rng, op, t0, slow, start_ms, duration_ms, phase) -> None:
+    size = len(op)
+    idle = rng.choice(np.array([10_000, 30_000, 60_000]), size, p=[0.2, 0.6, 0.2])
+    life = np.clip(rng.lognormal(math.log(90_000), 1.2, size), 1_000, 6 * 3_600_000).astype(np.int64)
+    life[rng.random(size) < 0.05] = 0  # never touched
+    last_activity = t0 + life
+    lag = rng.integers(0, 2_000, size)  # how long before each due time the last touch was
+    step = idle - lag
+    closes = (rng.random(size) < 0.55) & (life > 0)
+    events.add(op, t0, ADD, t0 + idle)
+    # idle_rearms on the regular grid D_j = t0 + idle + j*step: the daemon finds a
+    # touch (lag ms old) each time the deadline comes while the client is active
+    first_due = t0 + idle
+    grid_count = np.where(
+        closes,
+        np.maximum(0, np.ceil((last_activity - first_due) / step)),  # D_j < close time
+        np.maximum(0, np.floor((last_activity + lag - first_due) / step) + 1),  # D_j - lag <= last activity
+    ).astype(np.int64)
+    grid_count[life == 0] = 0
+    owner, rank = _expand(grid_count)
+    due = first_due[owner] + rank * step[owner]
+    moved_to = due - lag[owner] + idle[owner]
+    events.add(op[owner], due, IDLE_REARM, moved_to, pd=due)
+    current = first_due + grid_count * step  # the deadline pending after the grid rearms
+    # clean close: the client cancels at its last activity
+    events.add(op[closes], last_activity[closes], CANCEL, current[closes], pd=current[closes])
+    # idle: one last move to last activity + idle (if touched since), then it fires
+    idle_out = ~closes
+    touched_since = idle_out & (life > 0) & (last_activity > current - idle)
+    final_deadline = np.where(touched_since, last_activity + idle, current)
+    events.add(op[touched_since], current[touched_since], IDLE_REARM, final_deadline[touched_since], pd=current[touched_since])
+    _fires(events, rng, op[idle_out], final_deadline[idle_out], slow, start_ms, duration_ms, phase)
+    return idle
+
+
+def _simulate_purgatory(events, rng, op, t0, slow, start_ms, duration_ms, phase) -> None:
+    size = len(op)
+    timeout = rng.choice(np.array([200, 500, 1_000, 5_000]), size, p=[0.3, 0.4, 0.2, 0.1])
+    deadline = t0 + timeout
+    completion = np.maximum(1, rng.lognormal(math.log(15), 1.5, size)).astype(np.int64)
+    events.add(op, t0, ADD, deadline)
+    early = completion < timeout
+    events.add(op[early], t0[early] + completion[early], CANCEL, deadline[early], pd=deadline[early])
+    late_ops = ~early
+    lat = _lateness(rng, deadline[late_ops], slow, start_ms, duration_ms, phase)
+    fired = deadline[late_ops] + lat
+    events.add(op[late_ops], fired, FIRE, deadline[late_ops], lat=lat)
+    events.add(op[late_ops], fired + _ack_delay(rng, len(fired)), ACK, deadline[late_ops])
+    # a completion that lost the race still tries to cancel: a miss
+    raced = rng.random(len(fired)) < 0.2
+    events.add(op[late_ops][raced], fired[raced] + rng.integers(1, 50, raced.sum()), CANCEL_MISS, deadline[late_ops][raced])
+
+
+def _simulate_jobs(events, rng, op, t0, slow, start_ms, duration_ms, phase) -> None:
+    size = len(op)
+    delay = np.clip(rng.lognormal(math.log(300_000), 1.5, size), 1_000, 12 * 3_600_000).astype(np.int64)
+    deadline = t0 + delay
+    events.add(op, t0, ADD, deadline)
+    choice = rng.random(size)
+    rescheduled = choice < 0.10
+    cancelled = (choice >= 0.10) & (choice < 0.15)
+    moved_at = t0 + (delay * rng.uniform(0.1, 0.9, size)).astype(np.int64)
+    new_deadline = moved_at + np.clip(rng.lognormal(math.log(300_000), 1.0, size), 1_000, 12 * 3_600_000).astype(np.int64)
+    events.add(op[rescheduled], moved_at[rescheduled], REARM, new_deadline[rescheduled], pd=deadline[rescheduled])
+    final = np.where(rescheduled, new_deadline, deadline)
+    events.add(op[cancelled], moved_at[cancelled], CANCEL, deadline[cancelled], pd=deadline[cancelled])
+    fires = ~cancelled
+    _fires(events, rng, op[fires], final[fires], slow, start_ms, duration_ms, phase)
+
+
+def _simulate_leases(events, rng, op, t0, slow, start_ms, duration_ms, phase) -> None:
+    size = len(op)
+    ttl = 10_000
+    renewals = rng.geometric(1 / 10, size) - 1
+    period = rng.integers(2_500, 3_500, size)
+    events.add(op, t0, ADD, t0 + ttl)
+    owner, rank = _expand(renewals)
+    renew_at = t0[owner] + (rank + 1) * period[owner]
+    events.add(op[owner], renew_at, REARM, renew_at + ttl, pd=renew_at - period[owner] + ttl)
+    last_arm = t0 + renewals * period
+    current = last_arm + ttl
+    released = rng.random(size) < 0.85
+    release_at = last_arm + rng.integers(1, 3_000, size)
+    events.add(op[released], release_at[released], CANCEL, current[released], pd=current[released])
+    expired = ~released
+    _fires(events, rng, op[expired], current[expired], slow, start_ms, duration_ms, phase)
+
+
+def _simulate(rng, ops: int, start_ms: int, duration_ms: int, phase: float, slow: bool):
+    t0 = _arrivals(rng, ops, start_ms, duration_ms, phase)
+    group = rng.choice(len(GROUPS), ops, p=GROUP_MIX).astype(np.int8)
+    idle_of_op = np.zeros(ops, dtype=np.int64)
+    events = _Events()
+    for index, simulate in ((CONNS, _simulate_conns), (PURGATORY, _simulate_purgatory), (JOBS, _simulate_jobs), (LEASES, _simulate_leases)):
+        op = np.flatnonzero(group == index)
+        idle = simulate(events, rng, op, t0[op], slow, start_ms, duration_ms, phase)
+        if idle is not None:
+            idle_of_op[op] = idle
+    return t0, group, idle_of_op, events.columns()
+
+
+def _apply_outage(rng, columns, t0, down_ms: int, up_ms: int) -> dict[str, np.ndarray]:
+    """Rewrite the events caught by an outage [down_ms, up_ms) (see module docstring)."""
+    t = columns["t"]
+    op = columns["op"]
+    alive = (t0[op] < down_ms) | (t0[op] >= up_ms)  # ops that would arrive during the outage never happen
+    order = np.lexsort((columns["kind"], t, op))
+    keep = np.ones(len(t), dtype=bool)
+    keep[~alive] = False
+    in_window = alive & (t >= down_ms) & (t < up_ms)
+    affected_ops = np.unique(op[in_window])
+    # position of the first in-window event of each affected op, in (op, t) order
+    sorted_op = op[order]
+    sorted_in_window = in_window[order]
+    new_rows = []
+    for op_id in affected_ops.tolist():
+        lo = np.searchsorted(sorted_op, op_id, "left")
+        hi = np.searchsorted(sorted_op, op_id, "right")
+        rows = order[lo:hi]
+        first = rows[np.argmax(sorted_in_window[lo:hi])]
+        kind = columns["kind"][first]
+        later = rows[columns["t"][rows] >= columns["t"][first]]
+        if kind in (ACK, CANCEL_MISS):
+            # the timer had fired: delivery (or the vain cancel) happens after the restart
+            for offset, row in enumerate(later):
+                columns["t"][row] = max(columns["t"][row], up_ms + 1 + offset)
+            continue
+        # the timer was pending when the daemon went down
+        pending_deadline = columns["d"][first] if kind == FIRE else columns["pd"][first]
+        keep[later] = False
+        if pending_deadline < up_ms:
+            fired = up_ms + int(rng.integers(50, 500))
+            late = True
+        else:
+            fired = pending_deadline + int(rng.integers(0, 3))
+            late = False
+        new_rows.append((op_id, fired, FIRE, pending_deadline, 0, fired - pending_deadline, late))
+        new_rows.append((op_id, fired + 1 + int(rng.integers(0, 3)), ACK, pending_deadline, 0, 0, False))
+    result = {name: values[keep] for name, values in columns.items()}
+    if new_rows:
+        extra = np.array(new_rows, dtype=np.int64)
+        for index, name in enumerate(_Events.COLUMNS):
+            values = extra[:, index]
+            result[name] = np.concatenate((result[name], values.astype(result[name].dtype)))
+    return result
+
+
+def _order_and_seq(columns, count: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Sort events by time and assign the arming seqs; keep the first ``count``."""
+    order = np.lexsort((columns["op"], columns["kind"], columns["t"]))[:count]
+    columns = {name: values[order] for name, values in columns.items()}
+    kind = columns["kind"]
+    op = columns["op"]
+    new_seq = (kind == ADD) | (kind == REARM) | (kind == CANCEL) | (kind == CANCEL_MISS)
+    counter = np.cumsum(new_seq)
+    # fire/ack/idle_rearm carry the seq of the latest add/rearm of their op
+    arming = (kind == ADD) | (kind == REARM)
+    by_op = np.lexsort((np.arange(len(op)), op))
+    big = np.int64(1) << 32
+    tagged = np.where(arming, op * big + counter, 0)[by_op]
+    filled = np.maximum.accumulate(tagged) - op[by_op] * big
+    armed_seq = np.empty_like(filled)
+    armed_seq[by_op] = filled
+    seq = np.where(new_seq, counter, armed_seq)
+    return columns, seq
+
+
+# --------------------------------------------------------------------------- #
+# Writing (the daemon's own writer and encoder)
+# --------------------------------------------------------------------------- #
+
+
+class _SimClock:
+    def __init__(self, wall_ms: int, mono_ms: int) -> None:
+        self.wall = wall_ms
+        self.mono_offset = mono_ms - wall_ms
+
+    def wall_ms(self) -> int:
+        return self.wall
+
+    def mono_ms(self) -> int:
+        return self.wall + self.mono_offset
+
+
+def _keys(group: np.ndarray, host_index: int) -> list:
+    """The journal form of every operation's key."""
+    keys: list = [None] * len(group)
+    for op_id, group_index in enumerate(group.tolist()):
+        if group_index == CONNS:
+            keys[op_id] = f"conn-{op_id}"
+        elif group_index == PURGATORY:
+            keys[op_id] = f"req-{op_id}"
+        elif group_index == JOBS:
+            keys[op_id] = host_index * 1_000_000_000 + op_id
+        else:
+            keys[op_id] = key_to_json(b"L" + op_id.to_bytes(5, "big"))
+    return keys
+
+
+def _write(directory: Path, host: str, columns, seq, group, idle_of_op, keys, outage, rng, segment_bytes, start_ms) -> None:
+    ops = columns["op"].tolist()
+    times = columns["t"].tolist()
+    kinds = columns["kind"].tolist()
+    deadlines = columns["d"].tolist()
+    previous = columns["pd"].tolist()
+    lateness = columns["lat"].tolist()
+    lates = columns["late"].tolist()
+    seqs = seq.tolist()
+    group_names = [GROUPS[index] for index in group.tolist()]
+    idle_values = idle_of_op.tolist()
+    clock = _SimClock(start_ms, int(rng.integers(3_600_000, 90 * 86_400_000)))
+    journal = Journal(directory, fsync="off", segment_bytes=segment_bytes, host=host, name=DAEMON_NAME,
+                      next_lsn=1, wall_ms=clock.wall_ms, mono_ms=clock.mono_ms)
+    restart_at = outage[1] if outage else None
+    batch: list = []
+    append = batch.append
+    for index in range(len(ops)):
+        t = times[index]
+        if restart_at is not None and t >= restart_at:
+            # the daemon restarts: new process, new segment, the monotonic clock starts near zero
+            if batch:
+                journal.append(batch)
+                batch.clear()
+            next_lsn = journal.last_lsn + 1
+            journal.close()
+            clock = _SimClock(restart_at, int(rng.integers(20_000, 60_000)))
+            journal = Journal(directory, fsync="off", segment_bytes=segment_bytes, host=host, name=DAEMON_NAME,
+                              next_lsn=next_lsn, wall_ms=clock.wall_ms, mono_ms=clock.mono_ms)
+            restart_at = None
+        op = ops[index]
+        kind = kinds[index]
+        g = group_names[op]
+        k = keys[op]
+        if kind == ADD:
+            idle = idle_values[op]
+            if idle:
+                append(Add(t=t, g=g, k=k, d=deadlines[index], s=seqs[index], i=idle))
+            else:
+                append(Add(t=t, g=g, k=k, d=deadlines[index], s=seqs[index]))
+        elif kind == CANCEL:
+            append(Cancel(t=t, g=g, k=k, s=seqs[index], hit=True, pd=previous[index]))
+        elif kind == FIRE:
+            idle = idle_values[op]
+            if idle:
+                append(Fire(t=t, g=g, k=k, d=deadlines[index], s=seqs[index], f=t, late=lates[index], lat=lateness[index], i=idle))
+            else:
+                append(Fire(t=t, g=g, k=k, d=deadlines[index], s=seqs[index], f=t, late=lates[index], lat=lateness[index]))
+        elif kind == ACK:
+            append(Ack(t=t, g=g, k=k, s=seqs[index]))
+        elif kind == IDLE_REARM:
+            append(IdleRearm(t=t, g=g, k=k, d=deadlines[index], pd=previous[index], s=seqs[index], i=idle_values[op]))
+        elif kind == REARM:
+            append(Rearm(t=t, g=g, k=k, d=deadlines[index], pd=previous[index], s=seqs[index]))
+        else:  # CANCEL_MISS
+            append(Cancel(t=t, g=g, k=k, s=seqs[index], hit=False))
+        if len(batch) >= BATCH_EVENTS:
+            clock.wall = batch[0].t  # a new segment's header carries the time it opened
+            journal.append(batch)
+            batch.clear()
+    if batch:
+        clock.wall = batch[0].t
+        journal.append(batch)
+    journal.close()
+
+
+def _events_per_op(rng_seed: int, start_ms: int, duration_ms: int) -> float:
+    """Average events per operation, from a pilot simulation."""
+    rng = np.random.default_rng(rng_seed)
+    pilot_ops = 20_000
+    _, _, _, columns = _simulate(rng, pilot_ops, start_ms, duration_ms, 0.0, False)
+    inside = columns["t"] < start_ms + duration_ms
+    return inside.sum() / pilot_ops
+
+
+def generate_host(
+    directory: str | os.PathLike[str],
+    host: str,
+    events: int,
+    seed: int | np.random.SeedSequence,
+    slow: bool = False,
+    restart: bool = False,
+    start_wall_ms: int = DEFAULT_START_WALL_MS,
+    duration_ms: int = DAY_MS,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    host_index: int = 0,
+    torn_tail: bool = False,
+) -> dict:
+    """Write one host's journal (exactly ``events`` events) into ``directory``."""
+    rng = np.random.default_rng(seed)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    phase = float(rng.uniform(-0.03, 0.03))
+    per_op = _events_per_op(int(rng.integers(2**31)), start_ms=start_wall_ms, duration_ms=duration_ms)
+    outage = None
+    if restart:
+        down = start_wall_ms + int(rng.uniform(0.15, 0.85) * duration_ms)
+        outage = (down, down + int(rng.integers(2 * 60_000, 20 * 60_000)))
+    columns = None
+    ops = max(16, int(events / per_op * 1.05) + 16)
+    for _ in range(6):  # grow until the day holds enough events (rarely needed)
+        t0, group, idle_of_op, columns = _simulate(rng, ops, start_wall_ms, duration_ms, phase, slow)
+        if outage:
+            columns = _apply_outage(rng, columns, t0, *outage)
+        if len(columns["t"]) >= events:
+            break
+        ops = int(ops * 1.3) + 16
+    columns, seq = _order_and_seq(columns, events)
+    keys = _keys(group, host_index)
+    _write(directory, host, columns, seq, group, idle_of_op, keys, outage, rng, segment_bytes, start_wall_ms)
+    if torn_tail:
+        # a copy taken while the daemon was writing: the last line is cut short
+        last = sorted(directory.glob("journal-*.jsonl"))[-1]
+        size = last.stat().st_size
+        with open(last, "r+b") as file:
+            file.truncate(size - int(rng.integers(2, 40)))
+    return {
+        "events": int(len(columns["t"])),
+        "slow": slow,
+        "outage_ms": list(outage) if outage else None,
+        "first_t": int(columns["t"][0]) if len(columns["t"]) else None,
+        "last_t": int(columns["t"][-1]) if len(columns["t"]) else None,
+    }
+
+
+def _generate_host_job(arguments: dict) -> tuple[str, dict]:
+    return arguments["host"], generate_host(**arguments)
+
+
+def generate_fleet(
+    out_dir: str | os.PathLike[str],
+    hosts: int = 8,
+    events_per_host: int = 100_000,
+    seed: int = 0,
+    slow_hosts: int = 1,
+    start_wall_ms: int = DEFAULT_START_WALL_MS,
+    restart_fraction: float = 0.25,
+    duration_ms: int = DAY_MS,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    torn_tail_hosts: int = 0,
+    workers: int = 1,
+    progress: bool = False,
+) -> FleetInfo:
+    """Write ``hosts`` folders ``host-000``... under ``out_dir``, each one host's journal.
+
+    ``slow_hosts`` hosts (chosen by the seed) fire later; about
+    ``restart_fraction`` of the hosts have one outage; ``torn_tail_hosts``
+    hosts end with a cut-off last line (a copy taken mid-write). The same
+    arguments always give the same bytes.
+    """
+    if hosts < 1 or events_per_host < 1 or not 0 <= slow_hosts <= hosts:
+        raise ValueError("need hosts >= 1, events_per_host >= 1 and 0 <= slow_hosts <= hosts")
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    root = np.random.default_rng(seed)
+    names = [f"host-{index:03d}" for index in range(hosts)]
+    slow = set(root.choice(hosts, slow_hosts, replace=False).tolist()) if slow_hosts else set()
+    restarted = set(np.flatnonzero(root.random(hosts) < restart_fraction).tolist())
+    torn = set(root.choice(hosts, min(torn_tail_hosts, hosts), replace=False).tolist()) if torn_tail_hosts else set()
+    seeds = np.random.SeedSequence(seed).spawn(hosts)
+    jobs = [
+        {
+            "directory": out_dir / name,
+            "host": name,
+            "events": events_per_host,
+            "seed": seeds[index],
+            "slow": index in slow,
+            "restart": index in restarted,
+            "start_wall_ms": start_wall_ms,
+            "duration_ms": duration_ms,
+            "segment_bytes": segment_bytes,
+            "host_index": index,
+            "torn_tail": index in torn,
+        }
+        for index, name in enumerate(names)
+    ]
+    info = FleetInfo(
+        out_dir=out_dir,
+        hosts=names,
+        slow_hosts=[names[index] for index in sorted(slow)],
+        restarted_hosts=[names[index] for index in sorted(restarted)],
+        events_per_host=events_per_host,
+        seed=seed,
+        start_wall_ms=start_wall_ms,
+    )
+
+    def report(done: int, name: str) -> None:
+        if progress:
+            elapsed = time.perf_counter() - started
+            rate = done * events_per_host / elapsed if elapsed else 0
+            print(f"  {done}/{hosts} hosts ({name}), {rate / 1e3:.0f}k events/s", file=sys.stderr, flush=True)
+
+    if workers > 1:
+        with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+            for done, (name, summary) in enumerate(pool.map(_generate_host_job, jobs), 1):
+                info.per_host[name] = summary
+                report(done, name)
+    else:
+        for done, job in enumerate(jobs, 1):
+            name, summary = _generate_host_job(job)
+            info.per_host[name] = summary
+            report(done, name)
+    for name in names:
+        for path in (out_dir / name).glob("journal-*.jsonl"):
+            info.bytes_written += path.stat().st_size
+            info.segments += 1
+    info.seconds = time.perf_counter() - started
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m wheeld.pipeline.generate", description="Write realistic wheeld fleet journals."
+    )
+    parser.add_argument("out", help="output directory (one folder per host is created in it)")
+    parser.add_argument("--hosts", type=int, default=8)
+    parser.add_argument("--events", type=int, default=1_000_000, help="events in the whole fleet (split evenly)")
+    parser.add_argument("--events-per-host", type=int, default=None, help="overrides --events")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slow-hosts", type=int, default=None, help="default: about one host in eight")
+    parser.add_argument("--restart-fraction", type=float, default=0.25)
+    parser.add_argument("--torn-tail-hosts", type=int, default=0)
+    parser.add_argument("--start-wall-ms", type=int, default=DEFAULT_START_WALL_MS)
+    parser.add_argument("--segment-mib", type=float, default=DEFAULT_SEGMENT_BYTES / (1 << 20))
+    parser.add_argument("--workers", type=int, default=1, help="processes (one host each at a time)")
+    args = parser.parse_args(argv)
+    per_host = args.events_per_host or max(1, args.events // args.hosts)
+    slow_hosts = args.slow_hosts if args.slow_hosts is not None else max(1, args.hosts // 8)
+    info = generate_fleet(
+        args.out,
+        hosts=args.hosts,
+        events_per_host=per_host,
+        seed=args.seed,
+        slow_hosts=min(slow_hosts, args.hosts),
+        start_wall_ms=args.start_wall_ms,
+        restart_fraction=args.restart_fraction,
+        segment_bytes=int(args.segment_mib * (1 << 20)),
+        torn_tail_hosts=args.torn_tail_hosts,
+        workers=args.workers,
+        progress=True,
+    )
+    total = per_host * args.hosts
+    print(
+        f"wrote {total:,} events for {args.hosts} hosts in {info.segments} segments, "
+        f"{info.bytes_written / 1e6:.1f} MB ({info.bytes_written / total:.0f} B/event), "
+        f"{info.seconds:.1f} s ({total / info.seconds / 1e3:.0f}k events/s) to {info.out_dir}; "
+        f"slow: {', '.join(info.slow_hosts) or '-'}; restarted: {', '.join(info.restarted_hosts) or '-'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
