@@ -211,6 +211,28 @@ def test_bit_flips_in_a_valid_batch_are_caught(seed, count, flips):
         assert not valid[~untouched].any()
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    picks=st.lists(st.integers(0, 4), min_size=1, max_size=40),
+    mutations=st.lists(st.tuples(st.integers(0, 40 * 64 - 1), st.integers(0, 255), st.booleans()), max_size=6),
+    random_records=st.lists(st.binary(min_size=64, max_size=64), max_size=3),
+    touch_capacity=st.one_of(st.none(), st.integers(0, 8)),
+)
+def test_small_and_large_batch_validators_agree(picks, mutations, random_records, touch_capacity):
+    """The per-record path (small batches) and the numpy path (large ones) apply the same rules."""
+    valid_batch = bytes(_valid_batch())
+    buffer = bytearray(b"".join(valid_batch[pick * RECORD_SIZE : (pick + 1) * RECORD_SIZE] for pick in picks))
+    for position, value, fix_check in mutations:
+        position %= len(buffer)
+        buffer[position] = value
+        if fix_check:  # so that the field rules, not just the crc, get exercised
+            _recheck(buffer, position // RECORD_SIZE)
+    records = records_from_buffer(bytes(buffer) + b"".join(random_records))
+    small = commands._validate_each(records, touch_capacity)
+    large = commands._validate_vectorised(records, touch_capacity)
+    assert small.tolist() == large.tolist()
+
+
 @settings(max_examples=50, deadline=None)
 @given(rows=st.lists(st.binary(min_size=56, max_size=56), min_size=0, max_size=400))
 def test_vectorised_crc_matches_zlib(rows):
