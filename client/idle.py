@@ -1,0 +1,288 @@
+"""Idle-connection detection for asyncio servers.
+
+The problem (seed 004): 100 000 connections, close the ones that received
+nothing for 30 s. The usual answers cost something on every packet: re-arm a
+loop timer per connection (``handle.cancel()`` + ``loop.call_later``: a new
+TimerHandle and a heap push, ~3 us), or nothing per packet but an O(N) scan of a
+dict of last-activity times every second. A timing wheel with *lazy re-arm*
+costs one store per packet and O(1) per idle period:
+
+* ``add(key)`` arms one timer at ``now + idle_ms``;
+* ``touch(key)`` only records the time of the activity; the timer is not moved;
+* when the timer comes due, the last activity is read: if the key was active
+  since, the timer is armed again at ``last_activity + idle_ms`` (once per idle
+  period, however many packets arrived); otherwise the key is idle.
+
+So an active connection costs one wheel operation per ``idle_ms`` and one store
+per packet, and an idle one is reported between ``idle_ms`` and
+``idle_ms + tick`` after its last activity, never before.
+
+Two backends, one API::
+
+    tracker = IdleTracker(30_000, on_idle=close_connection)        # in-process wheel
+    tracker = IdleTracker(30_000, on_idle=..., client=await wheeld.connect_async(group=...))
+
+    tracker.add(conn_id)      # a new connection (keys: str, bytes or int, as for wheeld)
+    tracker.touch(conn_id)    # on every read; unknown or already-idle keys are ignored
+    tracker.remove(conn_id)   # the connection closed by itself
+    async for conn_id in tracker: ...   # instead of on_idle
+
+* **In-process** (``client=None``): wheeld's timing wheel on private memory,
+  driven by one loop timer set to the wheel's next bucket (an idle server has no
+  wake-ups). ``touch`` is a dict store of ``time.monotonic_ns()``; activity is
+  rounded *up* to the ms, so a deadline computed from it is never early.
+* **Daemon** (``client`` an AsyncClient): ``add_idle``/``touch``/``cancel`` of the
+  client library. ``touch`` is its one 8-byte store into the client's shared
+  touch table; the daemon does the lazy re-arm when the timer comes due, and a
+  task reads the expirations. The timers outlive this process (the daemon hands
+  them to another member of the group if it dies); give the tracker a client of
+  a group that only idle tracking uses. The daemon's clock is in whole ms, so
+  an idle report can come up to 1 ms before ``last activity + idle_ms`` measured
+  in ns (the client stores the touch time rounded down).
+
+A key is reported once (``on_idle(key)`` or one item of the async iterator) and
+is then no longer tracked; ``add`` it again to track it again. ``on_idle`` runs
+on the event loop; if it returns an awaitable, it is scheduled as a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable
+
+from wheeld.protocol.errors import ArenaFull, Closed, InvalidKey, InvalidRequest
+from wheeld.protocol.keys import encode_key
+from wheeld.shm.wheel import TimerWheel
+
+__all__ = ["IdleTracker"]
+
+log = logging.getLogger("wheeld.idle")
+
+DEFAULT_CAPACITY = 1 << 14
+
+
+def _ceil_ms_of(ns: int) -> int:
+    return -(-ns // 1_000_000)
+
+
+class IdleTracker:
+    """Report keys that had no ``touch`` for ``idle_ms``. Construct it inside the running loop."""
+
+    def __init__(self, idle_ms: int, on_idle: Callable[[object], object] | None = None, *, client=None,
+                 tick_ms: int = 1, capacity: int = DEFAULT_CAPACITY) -> None:
+        if type(idle_ms) is not int or idle_ms <= 0:
+            raise InvalidRequest(f"idle_ms must be a positive int, not {idle_ms!r}")
+        self.idle_ms = idle_ms
+        self._loop = asyncio.get_running_loop()
+        self._on_idle = on_idle
+        self._queue: asyncio.Queue | None = None if on_idle is not None else asyncio.Queue()
+        self._closed = False
+        self.client = client
+        self.idle_total = 0
+        if client is None:
+            self._wheel = TimerWheel.create(capacity, tick_ms=tick_ms, start_ms=time.monotonic_ns() // 1_000_000)
+            self._last_ns: dict[object, int] = {}  # key -> last activity, monotonic ns
+            self._timer: asyncio.TimerHandle | None = None
+            self._armed_ms = None
+            self.touch = self._make_local_touch()
+            self._task = None
+        else:
+            if not inspect.iscoroutinefunction(getattr(client, "poll", None)):
+                raise InvalidRequest("IdleTracker needs an asyncio client (await wheeld.connect_async(...))")
+            self._wheel = None
+            self._keys: set = set()
+            self.touch = self._make_daemon_touch(client)
+            self._task = self._loop.create_task(self._read_expirations(), name="wheeld-idle-expirations")
+
+    # ------------------------------------------------------------------ touch (bound per backend)
+    def _make_local_touch(self):
+        last, now_ns = self._last_ns, time.monotonic_ns
+
+        def touch(key) -> None:
+            """Record activity on ``key`` (ignored if it is not tracked)."""
+            if key in last:
+                last[key] = now_ns()
+
+        return touch
+
+    def _make_daemon_touch(self, client):
+        client_touch = client.touch
+
+        def touch(key) -> None:
+            """Record activity on ``key`` (ignored if it is not tracked)."""
+            try:
+                client_touch(key)
+            except InvalidKey:
+                pass  # not an idle timer of ours (never added, removed, or already reported)
+
+        return touch
+
+    # ------------------------------------------------------------------ the API
+    def add(self, key) -> None:
+        """Track ``key`` from now; adding a tracked key counts as activity."""
+        if self._closed:
+            raise Closed("this idle tracker is closed")
+        if self._wheel is None:
+            self.client.add_idle(key, self.idle_ms)
+            self._keys.add(key)
+            return
+        encode_key(key)  # the wheel's key rules, checked before anything changes
+        now_ns = time.monotonic_ns()
+        if key in self._last_ns:
+            self._last_ns[key] = now_ns
+            return
+        deadline = _ceil_ms_of(now_ns) + self.idle_ms
+        self._schedule(key, deadline)
+        self._last_ns[key] = now_ns
+
+    def remove(self, key) -> bool:
+        """Stop tracking ``key``; True if it was tracked."""
+        if self._wheel is None:
+            if key not in self._keys:
+                return False
+            self._keys.discard(key)
+            if not self._closed:
+                self.client.cancel(key)
+            return True
+        if self._last_ns.pop(key, None) is None:
+            return False
+        if not self._closed:
+            self._wheel.cancel(key)
+        return True
+
+    def __contains__(self, key) -> bool:
+        return key in (self._keys if self._wheel is None else self._last_ns)
+
+    def __len__(self) -> int:
+        return len(self._keys if self._wheel is None else self._last_ns)
+
+    def __aiter__(self):
+        if self._queue is None:
+            raise InvalidRequest("this tracker reports through on_idle; create it without one to iterate")
+        return self
+
+    async def __anext__(self):
+        if self._closed and self._queue.empty():
+            raise StopAsyncIteration
+        key = await self._queue.get()
+        if key is _CLOSED:
+            raise StopAsyncIteration
+        return key
+
+    async def aclose(self) -> None:
+        """Stop reporting. Daemon timers of keys still tracked are cancelled (the client stays open)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._wheel is not None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._wheel.close()
+        else:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            for key in self._keys:
+                self.client.cancel(key)
+            try:
+                await self.client.flush()
+            except Exception:
+                log.debug("idle: flush on close failed", exc_info=True)
+        if self._queue is not None:
+            self._queue.put_nowait(_CLOSED)
+
+    async def __aenter__(self) -> "IdleTracker":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ delivery
+    def _report(self, key) -> None:
+        self.idle_total += 1
+        if self._queue is not None:
+            self._queue.put_nowait(key)
+            return
+        try:
+            result = self._on_idle(key)
+            if inspect.isawaitable(result):
+                self._loop.create_task(result)
+        except Exception:
+            log.exception("idle: on_idle(%r) raised", key)
+
+    # ------------------------------------------------------------------ in-process wheel
+    def _schedule(self, key, deadline_ms: int) -> None:
+        try:
+            self._wheel.schedule(key, deadline_ms)
+        except ArenaFull:
+            self._grow()
+            self._wheel.schedule(key, deadline_ms)
+        if self._armed_ms is None or deadline_ms < self._armed_ms:
+            self._arm(deadline_ms)
+
+    def _grow(self) -> None:
+        old = self._wheel
+        new = TimerWheel.create(old.capacity * 2, tick_ms=old.tick_ms, wheel_size=old.wheel_size,
+                                start_ms=old.current_ms)
+        for key, deadline, _group in old.pending():
+            new.schedule(key, deadline)
+        self._wheel = new
+        old.close()
+
+    def _arm(self, deadline_ms: int | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._armed_ms = deadline_ms
+        if deadline_ms is not None:
+            delay_s = max(0.0, (deadline_ms * 1_000_000 - time.monotonic_ns()) / 1e9)
+            self._timer = self._loop.call_later(delay_s, self._fire)
+
+    def _fire(self) -> None:
+        """The loop timer: advance the wheel; re-arm touched keys, report the idle ones."""
+        self._timer = None
+        if self._closed:
+            return
+        wheel, last = self._wheel, self._last_ns
+        now_ms = time.monotonic_ns() // 1_000_000
+        idle = []
+        for key, _deadline in wheel.advance(now_ms):
+            touched_ns = last.get(key)
+            if touched_ns is None:
+                continue  # removed meanwhile
+            deadline = _ceil_ms_of(touched_ns) + self.idle_ms
+            if deadline > now_ms:
+                wheel.schedule(key, deadline)  # active since it was armed: lazy re-arm
+            else:
+                del last[key]
+                idle.append(key)
+        self._arm(wheel.next_deadline())  # a loop timer may fire early: then nothing was due
+        for key in idle:
+            self._report(key)
+
+    # ------------------------------------------------------------------ daemon
+    async def _read_expirations(self) -> None:
+        client = self.client
+        while True:
+            try:
+                expired = await client.poll(None)
+            except asyncio.CancelledError:
+                raise
+            except Closed:
+                return
+            except Exception:
+                log.exception("idle: reading expirations failed")
+                await asyncio.sleep(0.05)
+                continue
+            for e in expired:
+                if e.key in self._keys:
+                    self._keys.discard(e.key)
+                    self._report(e.key)
+
+
+_CLOSED = object()
