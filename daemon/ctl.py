@@ -45,6 +45,7 @@ import click
 
 from wheeld.protocol import arena_layout as AL
 from wheeld.protocol.errors import ArenaFull, BrokenPeer, CorruptArena, InvalidRequest, WheeldError
+from wheeld.protocol.keys import encode_key
 
 from . import stats as S
 from .config import arena_name, default_name, default_socket_path
@@ -183,17 +184,24 @@ def _leave(client) -> None:
 
 
 def _parse_key(key: str, key_type: str):
+    """The user's key as the type asked for; a key wheeld cannot store is a usage error (exit 2)."""
     if key_type == "int":
         try:
-            return int(key, 0)
+            value = int(key, 0)
         except ValueError:
             raise click.BadParameter(f"{key!r} is not an integer", param_hint="KEY") from None
-    if key_type == "bytes":
+    elif key_type == "bytes":
         try:
-            return bytes.fromhex(key)
+            value = bytes.fromhex(key)
         except ValueError:
             raise click.BadParameter(f"{key!r} is not hex (bytes keys are given in hex)", param_hint="KEY") from None
-    return key
+    else:
+        value = key
+    try:
+        encode_key(value)
+    except InvalidRequest as exc:
+        raise click.BadParameter(str(exc), param_hint="KEY") from None
+    return value
 
 
 def _show_key(key) -> str:

@@ -1,0 +1,520 @@
+"""wheelctl against a real daemon: every subcommand, the exit codes, figures that agree with what we did.
+
+The readers (stats, dump, groups, check) are run in-process through click's
+CliRunner (fast); ``tail`` and one ``stats`` run as real ``wheelctl`` processes.
+The daemon is the ``daemon`` fixture (a real wheeld process, segments unlinked
+afterwards); arena copies made here get their own ``/wheeld-test-...`` names
+and are unlinked in ``finally``.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import posix_ipc
+import pytest
+from click.testing import CliRunner
+from daemon_harness import unique_name, unlink_segments
+from prometheus_client.parser import text_string_to_metric_families
+
+import wheeld
+from wheeld.daemon import stats as S
+from wheeld.daemon.ctl import main
+from wheeld.protocol import arena_layout as L
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def wheelctl(daemon, *args, name=None, socket_path=None):
+    """Run wheelctl in-process; returns click's Result (exit_code, stdout, stderr)."""
+    runner = CliRunner()
+    argv = ["--socket", socket_path or daemon.socket_path, "--name", name or daemon.name, *args]
+    return runner.invoke(main, argv, catch_exceptions=False)
+
+
+def settle(name: str, timeout_s: float = 5.0) -> S.Snapshot:
+    """A snapshot published by a daemon iteration that began after this call.
+
+    The daemon answers a flush before it publishes the counters of that
+    iteration, so a test waits for the next heartbeat before it compares.
+    """
+    after = S.mono_ms()
+    end = time.monotonic() + timeout_s
+    while True:
+        with S.ArenaReader(name) as reader:
+            snap = reader.snapshot()
+        if snap.counters["daemon_heartbeat_ms"] > after:
+            return snap
+        assert time.monotonic() < end, "the daemon published nothing new"
+        time.sleep(0.01)
+
+
+def collect(client, want: int, timeout_s: float = 10.0):
+    got = []
+    end = time.monotonic() + timeout_s
+    while len(got) < want and time.monotonic() < end:
+        got.extend(client.poll(0.1))
+    return got
+
+
+def _process_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def stop_while_parked(daemon, timeout_s: float = 10.0) -> None:
+    """SIGSTOP the daemon at a moment it is parked (asleep between iterations, writing nothing).
+
+    Parked before and after the stop, with the same park epoch and wake-up count,
+    means it did not leave the park in between.
+    """
+    words = ("daemon_heartbeat_ms", "wakeups_total")
+    end = time.monotonic() + timeout_s
+    with S.ArenaReader(daemon.name) as reader:
+        def state():
+            counters = reader.counters()
+            return (struct.unpack_from("<qq", reader.buf, L.H_PARKED), tuple(counters[w] for w in words))
+
+        while time.monotonic() < end:
+            before = state()
+            if not before[0][0]:
+                time.sleep(0.002)
+                continue
+            os.kill(daemon.pid, signal.SIGSTOP)
+            while _process_state(daemon.pid) != "T":
+                time.sleep(0.001)
+            if state() == before:
+                return
+            os.kill(daemon.pid, signal.SIGCONT)
+            time.sleep(0.01)
+    raise AssertionError("could not stop the daemon while it was parked")
+
+
+def copy_arena(source_name: str) -> tuple[str, mmap.mmap]:
+    """Copy a live arena into a new segment of a fresh instance name; returns (name, writable mapping)."""
+    copy_name = unique_name()
+    with S.ArenaReader(source_name) as reader:
+        size = reader.info["bytes"]
+        data = bytes(reader.buf[:size])
+    shm = posix_ipc.SharedMemory(f"/wheeld-{copy_name}-arena", posix_ipc.O_CREX, mode=0o600, size=size)
+    try:
+        buf = mmap.mmap(shm.fd, size)
+    finally:
+        shm.close_fd()
+    buf[:size] = data
+    return copy_name, buf
+
+
+# ---------------------------------------------------------------------------- stats
+def test_stats_figures_agree_with_what_the_test_did(daemon):
+    with wheeld.connect(daemon.socket_path, group="work") as w:
+        for i in range(10):
+            w.add(f"short-{i}", 50)
+        for i in range(6):
+            w.add(f"long-{i}", 60_000)
+        for i in range(2):
+            w.add(f"long-{i}", 90_000)  # re-arms
+        for i in range(3, 6):
+            w.cancel(f"long-{i}")
+        w.cancel("never-armed")  # a miss
+        w.flush()
+        assert len(collect(w, 10)) == 10
+        w.poll(0.01)  # acknowledges the ten
+        w.flush()
+        settle(daemon.name)
+        result = wheelctl(daemon, "stats", "--json", "--interval", "0")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    totals = doc["totals"]
+    assert totals["adds_total"] == 16
+    assert totals["rearms_total"] == 2
+    assert totals["cancels_total"] == 3
+    assert totals["cancel_misses_total"] == 1
+    assert totals["expirations_total"] == 10
+    assert totals["acks_total"] == 10
+    assert totals["delivered_total"] == 10
+    assert doc["timers"]["pending"] == 3
+    assert sum(doc["timers"]["pending_by_level"].values()) == 3
+    # 60 s lies inside level 1 (256 ms buckets, 65.5 s span), 90 s in level 2
+    assert {k: v for k, v in doc["timers"]["pending_by_level"].items() if v} == {"1": 1, "2": 2}
+    assert doc["timers"]["undelivered"] == 0 and doc["timers"]["unacknowledged"] == 0
+    assert doc["lateness"]["count"] == 10
+    assert doc["lateness"]["p50_us"] is not None and doc["lateness"]["max_us"] >= doc["lateness"]["p50_us"]
+    assert doc["arena"]["capacity"] == daemon.capacity and doc["arena"]["used"] == 3
+    assert doc["daemon"] == {**doc["daemon"], "pid": daemon.pid, "alive": True, "responding": True}
+    assert doc["health"] == "ok" and doc["rates_per_s"] is None
+    assert doc["clients"]["connected"] == 1  # the test's own client
+    work = [g for g in doc["groups"]["groups"] if g["name"] == "work"]
+    assert work and work[0]["pending"] == 3
+
+
+def test_stats_rates_and_table(daemon):
+    with S.ArenaReader(daemon.name) as reader:
+        before = reader.snapshot()
+    with wheeld.connect(daemon.socket_path, group="rates") as w:
+        for i in range(200):
+            w.add(i, 600_000)
+        w.flush()
+        after = settle(daemon.name)
+        rates = S.rates(before, after)
+        elapsed_s = (after.taken_ms - before.taken_ms) / 1000
+        assert rates["adds_total"] == pytest.approx(200 / elapsed_s)
+        assert rates["cancels_total"] == 0
+        table = wheelctl(daemon, "stats", "--interval", "0.2")
+        assert table.exit_code == 0, table.output
+        assert f"pid {daemon.pid} alive" in table.stdout and ": ok" in table.stdout
+        assert "adds_total" in table.stdout and "200" in table.stdout and "/s" in table.stdout
+        assert "1 connected" in table.stdout  # this client
+        as_json = json.loads(wheelctl(daemon, "stats", "--json", "--interval", "0.2").stdout)
+        assert set(as_json["rates_per_s"]) == set(S.RATE_COUNTERS)
+        assert as_json["rings"]["count"] == 1 and as_json["rings"]["depth"] == 0
+        assert as_json["rings"]["rings"][0]["group"] == "rates" and as_json["rings"]["rings"][0]["client_alive"]
+
+
+def test_stats_prometheus_parses(daemon):
+    with wheeld.connect(daemon.socket_path, group="prom") as w:
+        for i in range(5):
+            w.add(f"p{i}", 20)
+        w.add("later", 600_000)
+        w.flush()
+        assert len(collect(w, 5)) == 5
+        w.poll(0.01)
+        w.flush()
+        settle(daemon.name)
+        result = wheelctl(daemon, "stats", "--prometheus", "--interval", "0")
+    assert result.exit_code == 0
+    families = {f.name: f for f in text_string_to_metric_families(result.stdout)}
+    value = {f.name: f.samples[0].value for f in families.values() if len(f.samples) == 1}
+    assert families["wheeld_timers_added"].type == "counter"
+    assert value["wheeld_timers_added"] == 6
+    assert value["wheeld_timers_expired"] == 5
+    assert value["wheeld_timers_pending"] == 1
+    assert value["wheeld_expirations_acknowledged"] == 5
+    hist = families["wheeld_fire_lateness_seconds"]
+    assert hist.type == "histogram"
+    buckets = [(s.labels["le"], s.value) for s in hist.samples if s.name.endswith("_bucket")]
+    counts = [v for _le, v in buckets]
+    assert counts == sorted(counts), "buckets are cumulative"
+    assert buckets[-1] == ("+Inf", 5)
+    assert [s.value for s in hist.samples if s.name.endswith("_count")] == [5]
+    for family in families.values():
+        assert family.name.startswith("wheeld_")
+        for sample in family.samples:
+            assert set(sample.labels) <= {"le", "level"}, sample
+
+
+def test_stats_answers_while_the_daemon_is_stopped(daemon):
+    with wheeld.connect(daemon.socket_path, group="g") as w:
+        for i in range(7):
+            w.add(i, 600_000)
+        w.flush()
+    settle(daemon.name)
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.6)
+        result = wheelctl(daemon, "stats", "--json", "--interval", "0", "--stale-after", "0.3")
+        assert result.exit_code == 4, result.output
+        doc = json.loads(result.stdout)
+        assert doc["health"] == "stuck" and doc["daemon"]["alive"] and not doc["daemon"]["responding"]
+        assert doc["timers"]["pending"] == 7 and doc["totals"]["adds_total"] == 7
+        assert "does not respond" in result.stderr
+        # clients get exit 4 too: the socket accepts into its backlog, nobody answers
+        added = wheelctl(daemon, "--timeout", "0.5", "add", "x", "10")
+        assert added.exit_code == 4 and "does not respond" in added.stderr
+        # a real wheelctl process, to cover the script's entry point
+        proc = subprocess.run([sys.executable, "-m", "wheeld.daemon.ctl", "--socket", daemon.socket_path,
+                               "--name", daemon.name, "stats", "--interval", "0", "--stale-after", "0.3"],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 4 and "NOT RESPONDING" in proc.stdout
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    daemon.kill()  # SIGKILL: the arena stays, with the dead daemon's pid in it
+    result = wheelctl(daemon, "stats", "--json", "--interval", "0")
+    assert result.exit_code == 3
+    doc = json.loads(result.stdout)
+    assert doc["health"] == "down" and not doc["daemon"]["alive"] and doc["timers"]["pending"] == 7
+    assert f"wheeld (pid {daemon.pid}) is not running" in result.stderr
+
+
+def test_nothing_running_gives_exit_3_and_says_why(tmp_path):
+    name = unique_name()
+    missing = str(tmp_path / "none.sock")
+    for args in (["stats"], ["stats", "--json"], ["dump"], ["groups"], ["check"]):
+        result = wheelctl(None, *args, name=name, socket_path=missing)
+        assert result.exit_code == 3, (args, result.output)
+        assert f"no wheeld arena named {name!r}" in result.stderr
+        assert f"is wheeld running with --name {name}?" in result.stderr
+    for args in (["add", "k", "10"], ["cancel", "k"], ["tail"]):
+        result = wheelctl(None, *args, name=name, socket_path=missing)
+        assert result.exit_code == 3, (args, result.output)
+        assert f"no wheeld socket at {missing}" in result.stderr
+    stale = tmp_path / "stale.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(stale))  # bound, never listening: what a killed daemon leaves
+    try:
+        result = wheelctl(None, "add", "k", "10", name=name, socket_path=str(stale))
+        assert result.exit_code == 3 and "nothing listens" in result.stderr
+    finally:
+        sock.close()
+    help_text = CliRunner().invoke(main, ["--help"]).stdout
+    for line in ("0  ok", "2  usage error", "3  no daemon or no arena", "4  the daemon does not respond"):
+        assert line in help_text
+
+
+def test_usage_errors_exit_2(daemon):
+    assert wheelctl(daemon, "add", "k", "-5").exit_code == 2
+    assert wheelctl(daemon, "add", "--key-type", "int", "nan", "5").exit_code == 2
+    assert wheelctl(daemon, "stats", "--json", "--prometheus").exit_code == 2
+    assert wheelctl(daemon, "frobnicate").exit_code == 2
+
+
+# ---------------------------------------------------------------------------- add / cancel
+def test_add_and_cancel(daemon):
+    added = wheelctl(daemon, "add", "job-1", "60000", "--group", "ops")
+    assert added.exit_code == 0 and added.stdout.startswith("added 'job-1' in group 'ops'")
+    rearmed = wheelctl(daemon, "add", "job-1", "120000", "--group", "ops")
+    assert rearmed.exit_code == 0 and rearmed.stdout.startswith("re-armed 'job-1'")
+    assert wheelctl(daemon, "add", "--key-type", "int", "42", "60000", "-g", "ops").exit_code == 0
+    snap = settle(daemon.name)
+    assert snap.counters["adds_total"] == 2 and snap.counters["rearms_total"] == 1
+    with S.ArenaReader(daemon.name) as reader:
+        assert reader.lookup("job-1", "ops").deadline_ms > S.mono_ms() + 100_000
+        assert reader.lookup(42, "ops") is not None and reader.lookup("42", "ops") is None
+
+    cancelled = wheelctl(daemon, "cancel", "job-1", "--group", "ops")
+    assert cancelled.exit_code == 0 and cancelled.stdout.startswith("cancelled 'job-1'")
+    again = wheelctl(daemon, "cancel", "job-1", "--group", "ops")
+    assert again.exit_code == 1 and "no pending timer 'job-1'" in again.stderr
+    wrong_group = wheelctl(daemon, "cancel", "--key-type", "int", "42")
+    assert wrong_group.exit_code == 1  # keys are scoped by group: 42 is pending in "ops" only
+    assert wheelctl(daemon, "cancel", "--key-type", "int", "42", "-g", "ops").exit_code == 0
+    snap = settle(daemon.name)
+    assert snap.counters["cancels_total"] == 2 and snap.pending == 0
+
+    # a timer that fired before the cancel: nothing to cancel (exit 1), and it was delivered
+    with wheeld.connect(daemon.socket_path, group="fast") as w:
+        assert wheelctl(daemon, "add", "soon", "30", "-g", "fast").exit_code == 0
+        got = collect(w, 1)
+        assert [e.key for e in got] == ["soon"]
+        assert wheelctl(daemon, "cancel", "soon", "-g", "fast").exit_code == 1
+
+
+def test_a_key_wheeld_cannot_store_is_a_usage_error(daemon):
+    result = wheelctl(daemon, "add", "k" * 40, "10")
+    assert result.exit_code == 2 and "at most 32" in result.stderr
+    assert wheelctl(daemon, "cancel", "--key-type", "bytes", "").exit_code == 2
+    assert settle(daemon.name).counters["commands_total"] == 0  # nothing reached the daemon
+
+
+# ---------------------------------------------------------------------------- dump / groups
+def test_dump_lists_pending_timers_by_deadline(daemon):
+    with wheeld.connect(daemon.socket_path, group="d") as w:
+        for i in range(30):
+            w.add(f"t{i:02d}", 100_000 + 1000 * (29 - i))  # t29 first
+        w.add(b"\x01\x02", 200_000)
+        w.flush()
+    with wheeld.connect(daemon.socket_path, group="other") as w:
+        for i in range(5):
+            w.add(i, 50_000)
+        w.flush()
+    result = wheelctl(daemon, "dump", "--json", "--limit", "10", "--group", "d")
+    assert result.exit_code == 0
+    doc = json.loads(result.stdout)
+    assert doc["total"] == 31 and doc["shown"] == 10
+    assert [t["key"] for t in doc["timers"]] == [f"t{i:02d}" for i in range(29, 19, -1)]
+    deadlines = [t["deadline_ms"] for t in doc["timers"]]
+    assert deadlines == sorted(deadlines)
+    assert all(t["group"] == "d" and t["state"] == "scheduled" and 90_000 < t["due_in_ms"] <= 129_000
+               for t in doc["timers"])
+    everything = json.loads(wheelctl(daemon, "dump", "--json", "--limit", "1000").stdout)
+    assert everything["total"] == 36
+    assert {"key": "0102", "key_type": "bytes"}.items() <= everything["timers"][-1].items()
+    assert [t["key"] for t in everything["timers"][:5]] == [0, 1, 2, 3, 4]
+    table = wheelctl(daemon, "dump", "--limit", "3")
+    assert table.exit_code == 0
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["KEY", "GROUP", "DEADLINE_MS", "DUE", "IN", "STATE"]
+    assert len(lines) == 5 and lines[-1].startswith("3 of 36 pending")
+    missing = wheelctl(daemon, "dump", "--group", "nope")
+    assert missing.exit_code == 1 and "no group 'nope'" in missing.stderr
+
+
+def test_groups(daemon):
+    with wheeld.connect(daemon.socket_path, group="alpha") as a, wheeld.connect(daemon.socket_path, group="beta"):
+        for i in range(4):
+            a.add(i, 600_000)
+        a.flush()
+        settle(daemon.name)
+        result = wheelctl(daemon, "groups", "--json")
+        assert result.exit_code == 0
+        doc = json.loads(result.stdout)
+        by_name = {g["name"]: g for g in doc["groups"]}
+        assert by_name["alpha"]["pending"] == 4 and by_name["alpha"]["clients"] == 1
+        assert by_name["beta"]["pending"] == 0 and by_name["beta"]["clients"] == 1
+        assert doc["active"] == 2
+        table = wheelctl(daemon, "groups").stdout
+        assert "alpha" in table and "beta" in table
+
+
+# ---------------------------------------------------------------------------- tail
+def test_tail_prints_the_groups_expirations(daemon):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wheeld.daemon.ctl", "--socket", daemon.socket_path, "--name", daemon.name,
+         "tail", "--group", "watched", "--count", "3", "--duration", "30"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert "tailing group 'watched'" in proc.stderr.readline()
+        with wheeld.connect(daemon.socket_path, group="feeder") as feeder:
+            feeder.add("not-watched", 10)  # another group: tail must not see it
+            feeder.flush()
+        for key in ("a", "b"):
+            assert wheelctl(daemon, "add", key, "100", "-g", "watched").exit_code == 0
+        assert wheelctl(daemon, "add", "--key-type", "int", "7", "150", "-g", "watched").exit_code == 0
+        out, _err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert sorted(str(x["key"]) for x in lines) == ["7", "a", "b"]
+    for line in lines:
+        assert line["group"] == "watched" and line["fired_ms"] >= line["deadline_ms"]
+        assert line["late_ms"] == line["fired_ms"] - line["deadline_ms"] and line["late"] is False
+    assert [x["key_type"] for x in lines if x["key"] == 7] == ["int"]
+    snap = settle(daemon.name)
+    assert snap.counters["acks_total"] >= 3  # tail acknowledged what it printed
+
+
+# ---------------------------------------------------------------------------- check
+def test_check_passes_on_the_live_arena_and_never_writes_it(daemon):
+    with wheeld.connect(daemon.socket_path, group="c") as w:
+        for i in range(300):
+            w.add(i, 1000 + 700 * i)  # levels 0, 1 and 2
+        w.add("due-now", 0)
+        w.flush()
+        collect(w, 1)
+    settle(daemon.name)
+    result = wheelctl(daemon, "check")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("ok:")
+    stop_while_parked(daemon)
+    try:
+        with S.ArenaReader(daemon.name) as reader:
+            size = reader.info["bytes"]
+            before = bytes(reader.buf[:size])
+            result = wheelctl(daemon, "check", "--json")
+            after = bytes(reader.buf[:size])
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    assert result.exit_code == 0 and json.loads(result.stdout)["ok"]
+    assert before == after, "check wrote into the live arena"
+
+
+def _scheduled_slots(buf, info):
+    first = info["levels"] * info["wheel_size"] + 2
+    rec = np.frombuffer(buf, dtype=L.RECORD_DTYPE, count=first + info["capacity"], offset=info["header_bytes"])
+    slots = np.flatnonzero((rec["state"] & L.STATE_MASK) == L.SCHEDULED)
+    return [int(s) for s in slots if s >= first]
+
+
+@pytest.mark.parametrize("damage", ["link", "counter", "duplicate", "magic"])
+def test_check_catches_a_corrupted_arena_copy(daemon, damage):
+    with wheeld.connect(daemon.socket_path, group="victim") as w:
+        for i in range(50):
+            w.add(f"v{i}", 300_000 + i)
+        w.flush()
+    settle(daemon.name)
+    copy_name, buf = copy_arena(daemon.name)
+    try:
+        info = S._parse_header(buf, len(buf), "copy")
+        struct.pack_into("<q", buf, L.H_COUNTERS + 8 * L.COUNTER["daemon_pid"], 0)  # no live writer
+        assert wheelctl(daemon, "check", name=copy_name).exit_code == 0  # the copy itself is sound
+        slots = _scheduled_slots(buf, info)
+        victim = slots[len(slots) // 2]
+        base = info["header_bytes"] + victim * L.RECORD_BYTES
+        if damage == "link":
+            struct.pack_into("<i", buf, base + L.R_NEXT, victim)  # points at itself
+            expected = f"record {victim}"
+        elif damage == "counter":
+            struct.pack_into("<q", buf, L.H_COUNTERS + 8 * L.COUNTER["pending"], len(slots) + 5)
+            expected = f"counter pending={len(slots) + 5}, but {len(slots)} records are scheduled"
+        elif damage == "duplicate":
+            other = slots[0]
+            other_base = info["header_bytes"] + other * L.RECORD_BYTES
+            buf[base + L.R_KEY_META : base + L.RECORD_BYTES] = buf[other_base + L.R_KEY_META : other_base + L.RECORD_BYTES]
+            expected = "shares its (group, key)"
+        else:
+            buf[0:8] = b"NOTWHEEL"
+            expected = "not a wheeld arena"
+        result = wheelctl(daemon, "check", name=copy_name)
+        assert result.exit_code == 1, result.output
+        assert expected in result.output
+        if damage != "magic":
+            assert result.stdout.startswith("BROKEN")
+            as_json = json.loads(wheelctl(daemon, "check", "--json", name=copy_name).stdout)
+            assert not as_json["ok"] and any(expected in p for p in as_json["problems"])
+        if damage == "duplicate":
+            assert "a daemon restart would repair" in result.stdout
+        # the live arena is untouched by all this
+        assert wheelctl(daemon, "check").exit_code == 0
+    finally:
+        buf.close()
+        unlink_segments(copy_name)
+
+
+def test_check_with_a_live_pid_needs_the_problem_in_every_copy(daemon):
+    with wheeld.connect(daemon.socket_path, group="v") as w:
+        for i in range(20):
+            w.add(i, 300_000)
+        w.flush()
+    settle(daemon.name)
+    copy_name, buf = copy_arena(daemon.name)
+    try:
+        struct.pack_into("<q", buf, L.H_PARKED, 0)  # looks busy: never a quiet copy
+        struct.pack_into("<q", buf, L.H_COUNTERS + 8 * L.COUNTER["pending_level_0"], 999)
+        report = S.check(copy_name, attempts=3, interval_s=0.01)
+        assert report.daemon_alive and not report.quiet and report.copies == 3
+        assert report.problems == [next(p for p in report.problems if "pending_level_0=999" in p)]
+        assert not report.ok and not report.inconclusive
+    finally:
+        buf.close()
+        unlink_segments(copy_name)
+
+
+# ---------------------------------------------------------------------------- watch
+def test_stats_watch_redraws_until_interrupted(daemon):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wheeld.daemon.ctl", "--socket", daemon.socket_path, "--name", daemon.name,
+         "stats", "--watch", "0.2", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        first = json.loads(proc.stdout.readline())
+        with wheeld.connect(daemon.socket_path, group="w") as w:
+            w.add("k", 600_000)
+            w.flush()
+        end = time.monotonic() + 10
+        while True:
+            doc = json.loads(proc.stdout.readline())
+            if doc["totals"]["adds_total"] == 1 or time.monotonic() > end:
+                break
+        assert doc["totals"]["adds_total"] == 1 and first["totals"]["adds_total"] == 0
+        assert doc["rates_per_s"] is not None  # from the previous redraw
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0
