@@ -95,6 +95,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from msgspec import UNSET
@@ -113,6 +114,7 @@ from wheeld.protocol.journal import (
     SnapshotHeader,
     SnapshotPending,
     SnapshotUnacked,
+    LSN_GAP,
     TORN,
     encode_event,
     encode_events,
@@ -144,6 +146,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("wheeld.journal")
+
+_ESCAPED_KEYS = ("b64:", "str:")  # journal key forms that differ from the user's key
 
 DEFAULT_SEGMENT_BYTES = 64 << 20
 SNAPSHOTS_KEPT = 2
@@ -191,21 +195,46 @@ def parse_fsync_policy(text: str | FsyncPolicy) -> FsyncPolicy:
 # --------------------------------------------------------------------------- #
 
 
-class PendingTimer(msgspec.Struct, gc=False):
-    """A timer waiting to fire; ``deadline_ms`` is wall-clock ms."""
+class PendingTimer(
+    msgspec.Struct,
+    tag_field="ev",
+    tag="pending",
+    rename={"group": "g", "key": "k", "deadline_ms": "d", "seq": "s", "idle_ms": "i"},
+    gc=False,
+):
+    """A timer waiting to fire; ``deadline_ms`` is wall-clock ms.
+
+    ``key`` is the user's key (str, bytes or int). The struct is also the
+    decoding target of a snapshot's ``pending`` lines (tag and short names),
+    so recovery builds no intermediate object per timer.
+    """
 
     group: str
-    key: Key
+    key: Any  # str | bytes | int; decoded in its journal form, converted by recover()
     deadline_ms: int
     seq: int
     idle_ms: int | None = None
 
 
-class FiredTimer(msgspec.Struct, gc=False):
+class FiredTimer(
+    msgspec.Struct,
+    tag_field="ev",
+    tag="unacked",
+    rename={
+        "group": "g",
+        "key": "k",
+        "deadline_ms": "d",
+        "seq": "s",
+        "fired_ms": "f",
+        "lateness_ms": "lat",
+        "idle_ms": "i",
+    },
+    gc=False,
+):
     """A timer that fired but whose delivery was not acknowledged: deliver it again."""
 
     group: str
-    key: Key
+    key: Any  # str | bytes | int
     deadline_ms: int
     seq: int
     fired_ms: int
@@ -319,10 +348,22 @@ def _cut_segment(path: Path, defect: Defect, data: bytes) -> str:
     return f"truncated to {defect.offset} bytes{kept}"
 
 
-def _read_segment(path: Path) -> tuple[list, Defect | None, bytes]:
+def _read_segment(path: Path, wanted_lsn: int | None = None) -> tuple[list, Defect | None, bytes]:
+    """Scan a segment; with ``wanted_lsn``, skip (unchecked) the events before it."""
     with open(path, "rb") as file:
         data = file.read()
-    events, _, defect = scan_segment(data, str(path))
+    first_lsn = parse_segment_name(path.name)
+    skip = 0 if wanted_lsn is None or first_lsn is None else max(0, wanted_lsn - first_lsn)
+    events, _, defect = scan_segment(data, str(path), skip)
+    if skip and len(events) > 1 and events[1].n != wanted_lsn:
+        # the line count is off (a damaged newline in the skipped part):
+        # find the wanted event's line by its lsn and skip exactly up to it
+        position = data.find(b',"v":1,"n":%d,' % wanted_lsn)
+        if position >= 0:
+            line_start = data.rfind(b"\n", 0, position) + 1
+            events, _, defect = scan_segment(data, str(path), data.count(b"\n", 0, line_start) - 1)
+        if len(events) > 1 and events[1].n != wanted_lsn:
+            events, _, defect = scan_segment(data, str(path))
     return events, defect, data
 
 
@@ -628,7 +669,7 @@ def _load_snapshot(directory: Path, problems: list[Problem], repair: bool):
         try:
             with open(path, "rb") as file:
                 data = file.read()
-            header, pending, unacked = parse_snapshot(data)
+            header, pending, unacked = parse_snapshot(data, PendingTimer, FiredTimer)
             if header.lsn != lsn:
                 raise CorruptJournal(f"snapshot names lsn {header.lsn} but the file name says {lsn}")
             return header, pending, unacked
@@ -664,18 +705,17 @@ def recover(directory: str | os.PathLike[str], repair: bool = True) -> Recovered
             if entry.name.endswith(".jsonl.tmp"):
                 os.unlink(entry.path)
 
-    # state during replay uses the journal's key form (str or int): cheap to hash
-    pending: dict[tuple[str, object], tuple] = {}
-    unacked: dict[tuple[str, object, int], tuple] = {}
+    # during replay keys stay in their journal form (str or int: cheap to hash);
+    # the few escaped ones ("b64:", "str:") are converted at the end
+    pending: dict[tuple[str, Any], PendingTimer] = {}
+    unacked: dict[tuple[str, Any, int], FiredTimer] = {}
     snapshot_lsn = 0
     loaded = _load_snapshot(directory, problems, repair)
     if loaded is not None:
         header, snapshot_pending, snapshot_unacked = loaded
         snapshot_lsn = header.lsn
-        pending = {(line.g, line.k): (line.d, line.s, line.i) for line in snapshot_pending}
-        unacked = {
-            (line.g, line.k, line.s): (line.d, line.f, line.late, line.lat, line.i) for line in snapshot_unacked
-        }
+        pending = {(timer.group, timer.key): timer for timer in snapshot_pending}
+        unacked = {(timer.group, timer.key, timer.seq): timer for timer in snapshot_unacked}
         del snapshot_pending, snapshot_unacked
 
     last_lsn = snapshot_lsn
@@ -689,7 +729,7 @@ def recover(directory: str | os.PathLike[str], repair: bool = True) -> Recovered
     events_replayed = 0
     for index in range(start, len(segments)):
         first_lsn, path = segments[index]
-        events, defect, data = _read_segment(path)
+        events, defect, data = _read_segment(path, last_lsn + 1)
         segments_read += 1
         if defect is not None:
             newest = index == len(segments) - 1
@@ -710,7 +750,7 @@ def recover(directory: str | os.PathLike[str], repair: bool = True) -> Recovered
             problem = Problem(
                 str(path),
                 0,
-                "lsn-gap",
+                LSN_GAP,
                 f"events {last_lsn + 1}..{first_n - 1} are missing",
                 "replayed what exists; timers changed by the missing events may be wrong",
             )
@@ -721,21 +761,20 @@ def recover(directory: str | os.PathLike[str], repair: bool = True) -> Recovered
         events_replayed += applied
         if applied:
             last_lsn = events[-1].n
+        del events
 
-    unset = UNSET
-    state_pending = {}
-    for (group, json_key), (deadline, seq, idle) in pending.items():
-        key = key_from_json(json_key)
-        state_pending[(group, key)] = PendingTimer(group, key, deadline, seq, None if idle is unset else idle)
-    state_unacked = [
-        FiredTimer(group, key_from_json(json_key), d, seq, f, late, lat, None if idle is unset else idle)
-        for (group, json_key, seq), (d, f, late, lat, idle) in unacked.items()
-    ]
+    escaped = [entry for entry in pending if type(entry[1]) is str and entry[1].startswith(_ESCAPED_KEYS)]
+    for entry in escaped:
+        timer = pending.pop(entry)
+        timer.key = key_from_json(entry[1])
+        pending[(entry[0], timer.key)] = timer
+    for timer in unacked.values():
+        timer.key = key_from_json(timer.key)
     elapsed_ms = (time.perf_counter() - started) * 1000
     log.info(
         "journal: recovered %d pending and %d unacked timers (snapshot lsn %d + %d events in %d segments, last lsn %d) in %.0f ms",
-        len(state_pending),
-        len(state_unacked),
+        len(pending),
+        len(unacked),
         snapshot_lsn,
         events_replayed,
         segments_read,
@@ -743,7 +782,7 @@ def recover(directory: str | os.PathLike[str], repair: bool = True) -> Recovered
         elapsed_ms,
     )
     return RecoveredState(
-        state_pending, state_unacked, last_lsn, snapshot_lsn, problems, segments_read, events_replayed, elapsed_ms
+        pending, list(unacked.values()), last_lsn, snapshot_lsn, problems, segments_read, events_replayed, elapsed_ms
     )
 
 
@@ -751,22 +790,27 @@ def _apply(events: list, start: int, pending: dict, unacked: dict) -> int:
     """Apply ``events[start:]`` to the replay state; return how many were applied."""
     pop_pending = pending.pop
     pop_unacked = unacked.pop
+    unset = UNSET
     for index in range(start, len(events)):
         event = events[index]
         kind = type(event)
         if kind is Add or kind is Rearm:
-            pending[(event.g, event.k)] = (event.d, event.s, event.i)
+            idle = event.i
+            pending[(event.g, event.k)] = PendingTimer(event.g, event.k, event.d, event.s, None if idle is unset else idle)
         elif kind is Cancel:
             pop_pending((event.g, event.k), None)
         elif kind is Fire:
             pop_pending((event.g, event.k), None)
-            unacked[(event.g, event.k, event.s)] = (event.d, event.f, event.late, event.lat, event.i)
+            idle = event.i
+            unacked[(event.g, event.k, event.s)] = FiredTimer(
+                event.g, event.k, event.d, event.s, event.f, event.late, event.lat, None if idle is unset else idle
+            )
         elif kind is Ack:
             pop_unacked((event.g, event.k, event.s), None)
         elif kind is IdleRearm:
             current = pending.get((event.g, event.k))
             if current is None:
-                pending[(event.g, event.k)] = (event.d, event.s, event.i)
+                pending[(event.g, event.k)] = PendingTimer(event.g, event.k, event.d, event.s, event.i)
             else:
-                pending[(event.g, event.k)] = (event.d, current[1], current[2])
+                current.deadline_ms = event.d
     return max(0, len(events) - start)

@@ -540,7 +540,9 @@ def _classify_decode_failure(body: bytes) -> tuple[str, str]:
     return BAD_JSON, "undecodable"  # pragma: no cover - decode succeeded alone
 
 
-def scan_segment(data: bytes, path: str = "<bytes>") -> tuple[list[Event], int, Defect | None]:
+def scan_segment(
+    data: bytes, path: str = "<bytes>", skip_events: int = 0
+) -> tuple[list[Event], int, Defect | None]:
     """Verify and decode a segment's bytes: ``(events, good_length, defect)``.
 
     ``events[0]`` is the :class:`SegmentHeader` (if the header is good), then
@@ -556,12 +558,34 @@ def scan_segment(data: bytes, path: str = "<bytes>") -> tuple[list[Event], int, 
     - ``bad-header``: the first line is not a segment header;
     - ``lsn-gap``: an event's ``n`` does not follow the previous one.
 
-    Checksums are checked line by line (one ``zlib.crc32`` each); the good
-    prefix is then decoded in one ``msgspec`` call (``decode_lines``).
+    ``skip_events`` lines after the header are neither checked nor decoded
+    (recovery skips the events a snapshot already covers). The lsns are then
+    checked to be consecutive from the first line read, and the caller must
+    check that this first lsn is the one it wanted (if a newline was damaged
+    in the skipped part, the count of lines is off). Offsets and line numbers
+    are the whole file's.
+
+    Checksums are checked in bulk (one ``zlib.crc32`` per line in C-level
+    loops); the good lines are then decoded in one ``msgspec`` call
+    (``decode_lines``).
     """
     lines = data.split(b"\n")
     # a file ending in "\n" splits into [..., b""]; anything else is a torn tail
     tail = lines.pop()
+    skip = max(0, min(skip_events, len(lines) - 1))
+    if skip:
+        skipped_bytes = sum(map(len, lines[1 : 1 + skip])) + skip
+        checked = lines[:1] + lines[1 + skip :]
+    else:
+        skipped_bytes = 0
+        checked = lines
+
+    def real_index(index: int) -> int:  # index in ``checked`` -> line index in the file
+        return index + skip if index >= 1 else index
+
+    def offset_of(index: int) -> int:  # byte offset of checked[index] in the file
+        return sum(map(len, checked[:index])) + index + (skipped_bytes if index >= 1 else 0)
+
     bad_index = -1
     reason = detail = ""
     # Check every line in bulk (list comprehensions and map run in C loops):
@@ -569,69 +593,71 @@ def scan_segment(data: bytes, path: str = "<bytes>") -> tuple[list[Event], int, 
     # end with exactly the suffix the writer would have produced for that body.
     # A line with no ',"crc":' gets a body whose suffix it cannot end with.
     sep = _CRC_SEP
-    bodies = [line[: line.rfind(sep)] + b"}" for line in lines]
+    bodies = [line[: line.rfind(sep)] + b"}" for line in checked]
     expected = [b',"crc":%d}' % crc for crc in map(zlib.crc32, bodies)]
-    verdicts = list(map(bytes.endswith, lines, expected))
+    verdicts = list(map(bytes.endswith, checked, expected))
     del bodies, expected
     try:
         bad_index = verdicts.index(False)
     except ValueError:
         good_end = len(data) - len(tail)
     else:
-        reason, detail = CHECKSUM, f"line does not match its crc: {lines[bad_index][:60]!r}"
-        good_end = sum(map(len, lines[:bad_index])) + bad_index
-    good_count = len(lines) if bad_index < 0 else bad_index
-    defect_line = good_count
+        reason, detail = CHECKSUM, f"line does not match its crc: {checked[bad_index][:60]!r}"
+        good_end = offset_of(bad_index)
+    good_count = len(checked) if bad_index < 0 else bad_index
+    defect_index = good_count
     if bad_index < 0 and tail:
-        bad_index = len(lines)
+        bad_index = len(checked)
         reason, detail = TORN, f"last line has no newline ({len(tail)} bytes)"
     elif bad_index >= 0 and not data[good_end:].strip(b"\x00"):
         reason, detail = TORN, f"{len(data) - good_end} NUL bytes at the end"
 
     events: list[Event] = []
     if good_count:
+        rest_start = len(checked[0]) + 1 + skipped_bytes
         try:
-            events = _event_decoder.decode_lines(data[:good_end])
+            events = [_event_decoder.decode(checked[0][: checked[0].rfind(sep)] + b"}")]
+            if good_count > 1:
+                events += _event_decoder.decode_lines(memoryview(data)[rest_start:good_end])
         except msgspec.DecodeError:
             # find the first crc-valid line that is not a version-1 event
             events = []
-            pos = 0
             for index in range(good_count):
-                line = lines[index]
-                body = line[: line.rfind(_CRC_SEP)] + b"}"
+                line = checked[index]
+                body = line[: line.rfind(sep)] + b"}"
                 try:
                     events.append(_event_decoder.decode(body))
                 except msgspec.DecodeError:
-                    bad_index, defect_line = index, index
+                    bad_index = defect_index = index
                     reason, detail = _classify_decode_failure(body)
-                    good_end = pos
+                    good_end = offset_of(index)
                     break
-                pos += len(line) + 1
 
     # structure: a header, then consecutive lsns
     if events:
         header = events[0]
         if type(header) is not SegmentHeader:
-            bad_index = defect_line = 0
+            bad_index = defect_index = 0
             reason, detail = BAD_HEADER, f"first line is {type(header).__name__}, not a segment header"
             events, good_end = [], 0
         else:
-            expect = header.lsn
+            expect = header.lsn if not skip or len(events) < 2 else getattr(events[1], "n", -1)
             for index in range(1, len(events)):
                 event = events[index]
                 if type(event) is SegmentHeader or event.n != expect:
                     got = "a second header" if type(event) is SegmentHeader else f"lsn {event.n}"
-                    bad_index = defect_line = index
+                    bad_index = defect_index = index
                     reason, detail = LSN_GAP, f"expected lsn {expect}, found {got}"
-                    good_end = sum(len(line) + 1 for line in lines[:index])
+                    good_end = offset_of(index)
                     del events[index:]
                     break
                 expect += 1
 
     if bad_index < 0:
         return events, good_end, None
-    lines_after = max(0, len(lines) - defect_line - 1)
-    return events, good_end, Defect(path, good_end, defect_line + 1, reason, detail, lines_after)
+    line_index = real_index(defect_index)
+    lines_after = max(0, len(lines) - line_index - 1)
+    return events, good_end, Defect(path, good_end, line_index + 1, reason, detail, lines_after)
 
 
 def iter_segment(path: str | os.PathLike[str]) -> tuple[list[Event], Defect | None]:
@@ -668,12 +694,27 @@ def encode_snapshot(
     return b"".join((head, pending_bytes, unacked_bytes, end))
 
 
-def parse_snapshot(data: bytes) -> tuple[SnapshotHeader, list[SnapshotPending], list[SnapshotUnacked]]:
+_snapshot_decoders: dict[tuple[type, type], msgspec.json.Decoder] = {}
+
+
+def parse_snapshot(
+    data: bytes,
+    pending_type: type = SnapshotPending,
+    unacked_type: type = SnapshotUnacked,
+) -> tuple[SnapshotHeader, list, list]:
     """Check and decode a snapshot file; raise CorruptJournal if any check fails.
 
     Checks: the ``end`` line's own crc, ``fcrc`` over everything before it,
-    header and trailer agreeing on lsn and counts, and the line count.
+    header and end line agreeing on lsn and counts, and the line count.
+    ``pending_type``/``unacked_type`` let a reader decode the ``pending`` and
+    ``unacked`` lines straight into its own structs (tagged ``"pending"`` /
+    ``"unacked"`` on ``"ev"``, with ``rename`` mapping to the short names),
+    saving a copy per timer: the daemon's recovery does this.
     """
+    decoder = _snapshot_decoders.get((pending_type, unacked_type))
+    if decoder is None:
+        decoder = msgspec.json.Decoder(Union[SnapshotHeader, pending_type, unacked_type, SnapshotEnd])
+        _snapshot_decoders[(pending_type, unacked_type)] = decoder
     if not data.endswith(b"\n"):
         raise CorruptJournal("snapshot does not end with a newline (torn)")
     cut = data.rfind(b"\n", 0, len(data) - 1) + 1
@@ -689,7 +730,7 @@ def parse_snapshot(data: bytes) -> tuple[SnapshotHeader, list[SnapshotPending], 
     if zlib.crc32(memoryview(data)[:cut]) != end.fcrc:
         raise CorruptJournal("snapshot content does not match its fcrc")
     try:
-        lines = _snapshot_decoder.decode_lines(memoryview(data)[:cut])
+        lines = decoder.decode_lines(memoryview(data)[:cut])
     except msgspec.DecodeError as exc:
         raise CorruptJournal(f"snapshot line does not decode: {exc}") from exc
     if not lines or type(lines[0]) is not SnapshotHeader:
@@ -701,8 +742,9 @@ def parse_snapshot(data: bytes) -> tuple[SnapshotHeader, list[SnapshotPending], 
         raise CorruptJournal("snapshot line count differs from its header")
     pending = lines[1 : 1 + header.count]
     unacked = lines[1 + header.count :]
-    if any(type(item) is not SnapshotPending for item in pending) or any(
-        type(item) is not SnapshotUnacked for item in unacked
+    del lines
+    if any(type(item) is not pending_type for item in pending) or any(
+        type(item) is not unacked_type for item in unacked
     ):
         raise CorruptJournal("snapshot lines are out of order")
     return header, pending, unacked

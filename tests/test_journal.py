@@ -957,3 +957,49 @@ def test_generator_cli(tmp_path, capsys):
     assert "wrote 1,000 events for 2 hosts" in capsys.readouterr().out
     for name in ("host-000", "host-001"):
         assert recover(tmp_path / "out" / name, repair=False).last_lsn == 500
+
+
+def test_scan_with_skip_matches_full_scan():
+    data, lines = _segment_bytes(count=11)
+    full, full_end, full_defect = pj.scan_segment(data)
+    assert full_defect is None
+    for skip in range(0, 12):
+        events, good_end, defect = pj.scan_segment(data, skip_events=skip)
+        assert defect is None and good_end == len(data)
+        assert events == [full[0]] + full[1 + skip :]
+    # a defect after the skipped part is reported at its real place
+    torn = data[:-7]
+    events, good_end, defect = pj.scan_segment(torn, skip_events=4)
+    assert defect.reason == pj.TORN and defect.offset == len(data) - len(lines[-1])
+    assert defect.line_no == len(lines) and events == [full[0]] + full[5:-1]
+    # a defect inside the skipped part goes unseen: those events are not read at all
+    broken = bytearray(data)
+    broken[len(lines[0]) + 20] ^= 0x01
+    events, _, defect = pj.scan_segment(bytes(broken), skip_events=3)
+    assert defect is None and events[1:] == full[4:]
+
+
+def test_recovery_skips_covered_events_even_after_a_damaged_newline(tmp_path):
+    model, batches = _random_history(seed=21, steps=300)
+    journal = make_journal(tmp_path, fsync="off")
+    half = len(batches) // 2
+    for batch in batches[:half]:
+        journal.append(batch)
+    # snapshot the model state at this point (replayed from the journal so far)
+    state_at_snapshot = recover(tmp_path, repair=False)
+    snapshot_lsn = journal.last_lsn
+    journal.write_snapshot(snapshot_lsn, state_at_snapshot.pending.values(), state_at_snapshot.unacked)
+    for batch in batches[half:]:
+        journal.append(batch)
+    path = journal.segment_path
+    journal.close()
+    assert_state_equals_model(recover(tmp_path, repair=False), model)
+    # damage a newline in the part the snapshot covers: two lines merge, the line count is off by one
+    data = bytearray(path.read_bytes())
+    newline = [index for index, byte in enumerate(data) if byte == 0x0A][3]
+    data[newline] = ord(" ")
+    path.write_bytes(bytes(data))
+    state = recover(tmp_path, repair=False)
+    assert state.problems == [] and state.snapshot_lsn == snapshot_lsn
+    assert state.events_replayed == state.last_lsn - snapshot_lsn
+    assert_state_equals_model(state, model)
