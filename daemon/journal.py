@@ -81,10 +81,46 @@ on the monotonic clock: :func:`wall_to_monotonic` converts, and a timer whose
 deadline passed while the host was down fires at once with ``late=True`` and
 its lateness (as systemd's ``Persistent=``); the daemon does that.
 
-Speed: checksums are checked in C-level loops over all lines, lines are
-decoded with one ``msgspec`` call per file, and snapshots are checked with a
-single crc over the file; 1M pending timers recover in about 2-3 s here
-(``python -m wheeld.bench.journal`` or ``python bench/journal.py``).
+Using it from the daemon
+========================
+
+::
+
+    state = recover(journal_dir)                  # only when the arena is missing
+    journal = Journal(journal_dir, fsync="interval=10", name=daemon_name,
+                      next_lsn=state.last_lsn + 1)
+    now_wall, now_mono = wall_ms(), mono_ms()
+    for timer in state.pending.values():          # overdue ones fire at once, late=True
+        arena.insert(timer.group, timer.key,
+                     wall_to_monotonic(timer.deadline_ms, now_wall, now_mono), ...)
+    for fired in state.unacked: deliver_again(fired)
+
+    # each loop turn, after draining the rings:
+    lsn = journal.append(events_of_this_batch)    # Add/Rearm/Cancel/Fire/Ack/IdleRearm
+    # answer Applied(seq) for a FLUSH in this batch once journal.durable_lsn >= lsn
+    # (at once with "always"; after maybe_sync with "interval"; with "off", at once:
+    # that policy promises nothing about the disk)
+    # schedule the loop's next wake-up no later than journal.sync_due_ms
+
+    # every few minutes or N events, with the wall-clock deadlines of the arena:
+    journal.write_snapshot(journal.last_lsn, pending_timers(), unacked_timers())
+
+A snapshot of 1M pending timers takes ~1.5 s to encode and write here
+(``bench/journal.py``) and blocks the caller meanwhile (the encoding holds
+the GIL, so a thread would not help much): take it at a quiet moment, and
+space snapshots by journal volume (replaying 1M events costs about as much as
+loading a 1M-timer snapshot).
+
+Speed: a snapshot is checked with one crc over the whole file and its lines
+are decoded by one ``msgspec`` call straight into :class:`PendingTimer`
+structs; the events of the segment that the snapshot already covers are
+skipped without being checked (they are found by counting lines, and by their
+lsn if a damaged newline makes the count wrong); the rest are crc-checked in
+C-level loops and decoded with one call per file. Keys stay in their journal
+form during replay and only the escaped ones are converted at the end.
+Measured here (``python bench/journal.py``): 1M pending timers from a
+snapshot plus 100k journal events in 1.6-1.9 s, from a journal of 1M adds
+without a snapshot in 1.7-1.9 s (target: under 5 s).
 """
 
 from __future__ import annotations
