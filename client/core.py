@@ -50,7 +50,7 @@ _FIRED_UNACKED = AL.H_COUNTERS // 8 + AL.COUNTER["fired_unacked"]
 _CAPACITY_WORD = AL.H_CAPACITY // 8
 _SEQ_BITS = 21
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
-_RECENT = 1 << 16  # (slot, generation) pairs remembered to drop re-sent expirations
+_RECENT = 1 << 17  # expirations remembered to drop re-sent ones
 _CANCEL_MARK_EVERY = 1024  # cancels between internal flushes that let us forget cancelled armings
 
 
@@ -93,7 +93,9 @@ class ClientCore:
         self._touch_table = None
         self._free_touch: list[int] = []
         self._next_touch = 0
-        self._recent: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
+        # expirations already handed over, by (key, arming tag): survives a daemon
+        # restart (same records) and a reboot recovery (new records, same journaled arming)
+        self._recent: collections.OrderedDict[tuple[bytes, int], None] = collections.OrderedDict()
         self._ready: collections.deque[Expired] = collections.deque()
         self._to_ack: list[tuple[int, int]] = []  # handed to the application, ack at the next poll
         self._acks_pending: list[tuple[int, int]] = []  # could not be pushed yet (ring full)
@@ -336,10 +338,11 @@ class ClientCore:
         latest = self._latest
         for e in items:
             handle = (e.slot, e.generation)
-            if handle in recent:
+            ident = _META[e.key_meta] + e.key_bytes
+            seen = (ident, e.seq)
+            if seen in recent:
                 self._acks_pending.append(handle)  # already handed over before a daemon restart
                 continue
-            ident = _META[e.key_meta] + e.key_bytes
             if e.seq >> _SEQ_BITS == my_slot:
                 tag = latest.get(ident)
                 if tag is not None and tag != e.seq:
@@ -349,7 +352,7 @@ class ClientCore:
                     del latest[ident]
                 if self._touch_index:
                     self._release_touch(ident, e.key)
-            recent[handle] = None
+            recent[seen] = None
             if len(recent) > _RECENT:
                 recent.popitem(last=False)
             self._to_ack.append(handle)
