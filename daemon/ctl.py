@@ -290,7 +290,8 @@ def render_table(snap: S.Snapshot, rate: dict[str, float] | None) -> str:
     for name in S.RATE_COUNTERS:
         value = rate.get(name) if rate else None
         lines.append(f"{'  ' + name:<{width}}{_fmt_int(c[name]):>14}  {_fmt_rate(value):>12}")
-    lines.append(f"{'  undelivered':<{width}}{_fmt_int(snap.undelivered):>14}  (fired, waiting for a live group member)")
+    lines.append(f"{'  undelivered':<{width}}{_fmt_int(snap.undelivered):>14}  "
+                 "(fired, waiting for a live group member)")
     lines.append(f"{'  unacknowledged':<{width}}{_fmt_int(snap.unacknowledged):>14}  (sent, not acknowledged yet)")
     lines.append("")
     n = snap.lateness_count
@@ -314,7 +315,8 @@ def render_table(snap: S.Snapshot, rate: dict[str, float] | None) -> str:
     if snap.rings is None:
         lines.append(f"rings    ? (the client table is not readable), full events {c['ring_full_total']}")
     else:
-        lines.append(f"rings    {len(snap.rings)}, depth {_fmt_int(snap.ring_depth)}, full events {c['ring_full_total']}")
+        lines.append(f"rings    {len(snap.rings)}, depth {_fmt_int(snap.ring_depth)}, "
+                     f"full events {c['ring_full_total']}")
         if snap.rings:
             lines.append(f"  {'slot':>5}  {'group':<20} {'pid':>8}  {'depth':>15}  client")
             for r in snap.rings:
@@ -609,7 +611,8 @@ def check(ctl: Ctl, as_json: bool, attempts: int) -> None:
     else:
         segment = arena_name(ctl.name)
         if report.ok:
-            click.echo(f"ok: {segment}: every invariant holds ({report.copies} cop{'y' if report.copies == 1 else 'ies'}"
+            copies = f"{report.copies} cop{'y' if report.copies == 1 else 'ies'}"
+            click.echo(f"ok: {segment}: every invariant holds ({copies}"
                        f"{'' if report.quiet else ', taken while the daemon was writing'})")
         elif report.inconclusive:
             click.echo(f"inconclusive: {segment} changed during each of {report.copies} copies and no problem "

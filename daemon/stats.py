@@ -788,7 +788,8 @@ def check_arena(buf, size: int | None = None, label: str = "arena") -> list[str]
         p.add(f"free list starts at {head}, which is not a free record")
     else:
         targets = nxt[free_slots]
-        outside = free_slots[(targets != -1) & ~(((targets >= first) & (targets < n)) & free[np.clip(targets, 0, n - 1)])]
+        to_free = (targets >= first) & (targets < n) & free[np.clip(targets, 0, n - 1)]
+        outside = free_slots[(targets != -1) & ~to_free]
         p.many("free list", outside, lambda s: f"free record {s} links to {nxt[s]}, which is not free")
         ends = int(np.count_nonzero(targets == -1))
         inner = targets[targets >= 0]

@@ -452,7 +452,8 @@ def test_check_catches_a_corrupted_arena_copy(daemon, damage):
         elif damage == "duplicate":
             other = slots[0]
             other_base = info["header_bytes"] + other * L.RECORD_BYTES
-            buf[base + L.R_KEY_META : base + L.RECORD_BYTES] = buf[other_base + L.R_KEY_META : other_base + L.RECORD_BYTES]
+            ident = buf[other_base + L.R_KEY_META : other_base + L.RECORD_BYTES]
+            buf[base + L.R_KEY_META : base + L.RECORD_BYTES] = ident
             expected = "shares its (group, key)"
         else:
             buf[0:8] = b"NOTWHEEL"
@@ -518,3 +519,70 @@ def test_stats_watch_redraws_until_interrupted(daemon):
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0
+
+
+# ---------------------------------------------------------------------------- the checker alone
+def _exercised_wheel(seed: int):
+    """A private-memory wheel after a random mix of every operation, counters published."""
+    from wheeld.shm.wheel import TimerWheel
+
+    rng = np.random.default_rng(seed)
+    wheel = TimerWheel.create(3000, tick_ms=int(rng.choice([1, 2, 10])), wheel_size=int(rng.choice([4, 16, 256])),
+                              start_ms=1000)
+    now = 1000
+    for step in range(4000):
+        op = rng.random()
+        key = int(rng.integers(0, 2500))
+        if op < 0.55:
+            wheel.schedule(key, now + int(rng.integers(-5, 200_000)), group=key % 3)
+        elif op < 0.7:
+            wheel.cancel(key, group=key % 3)
+        elif op < 0.85:
+            now += int(rng.integers(0, 5000))
+            wheel.expire(now)
+        else:
+            for slot in wheel.fired_slots()[: int(rng.integers(0, 20))]:
+                *_, generation = wheel.fired(slot)
+                if rng.random() < 0.2:
+                    wheel.rearm_fired(slot, generation, now + 100) or wheel.release(slot, generation)
+                else:
+                    wheel.release(slot, generation)
+    wheel.publish_stats()
+    return wheel
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_checker_finds_nothing_in_a_sound_wheel_and_catches_each_broken_link(seed):
+    wheel = _exercised_wheel(seed)
+    try:
+        buf = wheel._seg.buf
+        assert S.check_arena(buf) == [] and wheel.check() == []
+        info = S._parse_header(buf, len(buf), "w")
+        first = wheel.first_entry
+        rec = np.frombuffer(buf, dtype=L.RECORD_DTYPE, count=wheel.n_records, offset=info["header_bytes"])
+        live = np.flatnonzero((rec["state"][first:] & L.STATE_MASK) != L.FREE) + first
+        assert live.size
+        rng = np.random.default_rng(seed)
+        for slot in rng.choice(live, size=min(30, live.size), replace=False).tolist():
+            base = info["header_bytes"] + slot * L.RECORD_BYTES
+            for field, fmt in ((L.R_NEXT, "<i"), (L.R_PREV, "<i"), (L.R_STATE, "<B")):
+                (saved,) = struct.unpack_from(fmt, buf, base + field)
+                bad = int(rng.integers(0, wheel.n_records)) if fmt == "<i" else int(rng.choice([0, 0x21, 0x0F]))
+                if bad == saved:
+                    continue
+                struct.pack_into(fmt, buf, base + field, bad)
+                assert S.check_arena(buf), f"record {slot}: field at {field} = {bad} went unnoticed"
+                struct.pack_into(fmt, buf, base + field, saved)
+        assert S.check_arena(buf) == []
+        # any byte anywhere in the records: a list of problems or CorruptArena, never a crash
+        for _ in range(200):
+            offset = int(rng.integers(0, len(buf)))
+            saved = buf[offset]
+            buf[offset] = int(rng.integers(0, 256))
+            try:
+                assert isinstance(S.check_arena(buf), list)
+            except S.CorruptArena:
+                pass
+            buf[offset] = saved
+    finally:
+        wheel.close()
