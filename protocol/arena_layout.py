@@ -30,7 +30,7 @@ Header (little-endian, offsets in bytes)::
     28   levels           u32
     32   start_ms         i64   clock value the arena was created at
     40   current_ms       i64   the wheel's clock: time of the last advance
-    48   free_head        i32   first free entry (singly linked through `next`)
+    48   free_head        i32   unused, -1 (free records are derived state, kept by the owner)
     52   max_groups       u32
     56   created_wall_ms  i64
     64   -- cache line: crash-recovery intent (see shm.wheel) --

@@ -127,7 +127,7 @@ from wheeld.protocol.keys import decode_key, encode_key, valid_key_meta
 
 from .arena import Segment
 
-__all__ = ["TimerWheel", "DEFAULT_WHEEL_SIZE", "MAX_DELAY_MS"]
+__all__ = ["TimerWheel", "DEFAULT_WHEEL_SIZE", "MAX_DELAY_MS", "encode_ident"]
 
 DEFAULT_WHEEL_SIZE = 256
 DEFAULT_LEVELS_RANGE_MS = 1 << 40  # levels are added until they cover ~34.8 years
@@ -169,6 +169,14 @@ def _ident(key) -> tuple[bytes, int]:
     """(key meta byte + zero-padded key, meta): the 33 bytes at offset 31 of a record."""
     data, meta = encode_key(key)
     return _META[meta] + data + _PAD[len(data)], meta
+
+
+def encode_ident(key) -> bytes:
+    """A key in the form the ``*_ident`` and ``*_many`` methods take: meta byte + 32 padded bytes.
+
+    It is also the ring command's ``kmeta`` byte followed by its 32-byte key field.
+    """
+    return _ident(key)[0]
 
 
 class TimerWheel:
@@ -280,6 +288,7 @@ class TimerWheel:
         table_size = 16
         while table_size < 2 * capacity:
             table_size *= 2
+        self._gmix = [_signed64(g * _GROUP_MIX) for g in range(max_groups)]
         self._table_np = np.full(table_size, _EMPTY, dtype=np.int32)
         self._table = memoryview(self._table_np)
         self._mask = table_size - 1
@@ -288,7 +297,16 @@ class TimerWheel:
         self._pos_np = np.full(self.n_records, -1, dtype=np.int32)
         self._pos = memoryview(self._pos_np)
         self._used = 0  # live + tombstone table cells
-        self._gmix = [_signed64(g * _GROUP_MIX) for g in range(max_groups)]
+        # Free entry records: a stack of slot numbers in this process (derived state,
+        # like the key index; rebuilt from the records' states on attach).
+        self._free_np = np.zeros(capacity, dtype=np.int32)
+        self._free_stack = memoryview(self._free_np)
+        self._free_top = 0
+        # The 33 bytes (key meta + key) of every record, for vectorized key compares.
+        self._idents = np.ndarray(
+            shape=(self.n_records,), dtype="V33", buffer=buf, offset=self._header_bytes + _KM, strides=(L.RECORD_BYTES,)
+        )
+        self._gmix_np = np.array(self._gmix, dtype=np.int64) if max_groups else np.zeros(1, np.int64)
         self._heap: list[tuple[int, int]] = []
         self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
         self._pending_by_level = [0] * _LEVEL_SLOTS
@@ -304,6 +322,8 @@ class TimerWheel:
         for view in (self._hq, self._hi, self._q, self._i, self._u, self._h, self._rb):
             view.release()
         self.records = None
+        self._idents = None
+        self._free_stack.release()
         self._seg.close()
 
     def unlink(self) -> None:
@@ -499,24 +519,19 @@ class TimerWheel:
         h = hash(ident) ^ self._gmix[group]
         slot = self._find(ident, h, group)
         rb = self._rb
-        if slot >= 0:  # re-arm: a multi-field update of a live record, so go through the intent
-            base = slot * _RB
-            old_state = rb[base + _ST]
-            self._unlink(slot)
-            self._pending_by_level[old_state >> 4] -= 1
-            new_state = self._link(slot, deadline_ms, cur)
-            self._apply_with_intent(slot, new_state, deadline_ms, tag)
-            self._counters["rearms_total"] += 1
+        if slot >= 0:
+            self._rearm(slot, deadline_ms, tag, cur)
             return slot, self._u[slot * _IW + _GEN]
-        slot = self._hi[_FREE_HEAD]
-        if slot < 0:
+        top = self._free_top
+        if not top:
             self._counters["arena_full_total"] += 1
             raise ArenaFull(f"all {self.capacity} entry records are in use")
         if len(ident) != 33 or not valid_key_meta(ident[0]):
             raise InvalidKey("malformed encoded key")
+        slot = self._free_stack[top - 1]
+        self._free_top = top - 1
         i = self._i
         sp = slot * _IW
-        self._hi[_FREE_HEAD] = i[sp + _NEXT]  # pop the free list
         gen = (self._u[sp + _GEN] + 1) & 0xFFFFFFFF
         self._u[sp + _GEN] = gen
         self._u[sp + _TAG] = tag
@@ -532,6 +547,15 @@ class TimerWheel:
         c["pending"] += 1
         c["adds_total"] += 1
         return slot, gen
+
+    def _rearm(self, slot: int, deadline_ms: int, tag: int, cur: int) -> None:
+        """Move a scheduled record: a multi-field update of a live record, so through the intent."""
+        old_state = self._rb[slot * _RB + _ST]
+        self._unlink(slot)
+        self._pending_by_level[old_state >> 4] -= 1
+        new_state = self._link(slot, deadline_ms, cur)
+        self._apply_with_intent(slot, new_state, deadline_ms, tag)
+        self._counters["rearms_total"] += 1
 
     def _apply_with_intent(self, slot: int, state: int, deadline_ms: int, tag: int) -> None:
         hq, hi = self._hq, self._hi
@@ -592,9 +616,8 @@ class TimerWheel:
         self._counters["pending"] -= 1
 
     def _free(self, slot: int) -> None:
-        hi = self._hi
-        self._i[slot * _IW + _NEXT] = hi[_FREE_HEAD]
-        hi[_FREE_HEAD] = slot
+        self._free_stack[self._free_top] = slot
+        self._free_top += 1
 
     def lookup(self, key, group: int = 0) -> int | None:
         """Deadline of the pending timer for ``key``, or None."""
@@ -777,6 +800,322 @@ class TimerWheel:
         c["idle_rearms_total"] += 1
         return True
 
+    # ------------------------------------------------------------------ batches
+    # Each batch method has the meaning of its scalar method called on every item in
+    # order (results item by item), computed with numpy: record fields, placement,
+    # key-index probing and list splicing are vectorized; only hashing the keys and
+    # walking due buckets stay per item. Batches that name one key twice, and
+    # re-arms (which go through the intent one by one), take the scalar path.
+    # Crash consistency is that of the scalar methods, record by record: every
+    # record's fields and links are written before its state byte, which commits
+    # it. A batch interrupted by a crash therefore leaves each of its items done or
+    # not done (not necessarily a prefix), and no record half-written.
+
+    def _batch_idents(self, idents) -> tuple[list[bytes], np.ndarray]:
+        """(list of 33-byte idents, the same as a V33 array) from either form."""
+        if isinstance(idents, np.ndarray):
+            if idents.dtype.itemsize != 33 or idents.ndim != 1:
+                raise InvalidKey("encoded keys are a 1-d array of 33-byte items (meta + padded key)")
+            array = np.ascontiguousarray(idents).view("V33")
+            return array.tolist(), array
+        items = list(idents)
+        if any(type(x) is not bytes or len(x) != 33 for x in items):
+            raise InvalidKey("encoded keys are 33-byte bytes objects (meta + padded key)")
+        return items, np.array(items, dtype="S33").view("V33")
+
+    def _batch_column(self, values, n: int, low: int, high: int, what: str, exc=InvalidRequest) -> np.ndarray:
+        array = np.asarray(values)
+        if array.dtype.kind not in "iu" or array.ndim > 1 or (array.ndim == 1 and array.size != n):
+            raise exc(f"{what}: {n} integers expected")
+        array = np.broadcast_to(array.astype(np.int64, copy=False), (n,))
+        if n and (int(array.min()) < low or int(array.max()) > high):
+            raise exc(f"{what} out of range [{low}, {high}]")
+        return array
+
+    def _batch_hashes(self, idents: list[bytes], groups: np.ndarray) -> np.ndarray:
+        """The key-index hash of every item: the scalar path's ``hash(ident) ^ mix(group)``."""
+        hashes = np.fromiter(map(hash, idents), dtype=np.int64, count=len(idents))
+        return hashes ^ self._gmix_np[groups]
+
+    def schedule_many(self, idents, deadlines_ms, groups=0, tags=0, auxs=-1) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`schedule_ident` for a batch: arrays (or scalars) of equal length.
+
+        Returns ``(slots, generations)``; an item refused because the arena is full
+        has slot -1 (the scalar method would raise ArenaFull for it). Bad input
+        anywhere in the batch raises InvalidKey / InvalidDelay / InvalidRequest and
+        changes nothing.
+        """
+        ident_list, ident_arr = self._batch_idents(idents)
+        n = len(ident_list)
+        cur = self._hq[_CUR]
+        deadlines = self._batch_column(deadlines_ms, n, cur - MAX_DELAY_MS, cur + MAX_DELAY_MS, "deadline_ms", InvalidDelay)
+        groups = self._batch_column(groups, n, 0, self.max_groups - 1, "group id")
+        tags = self._batch_column(tags, n, 0, 0xFFFFFFFF, "tag")
+        auxs = self._batch_column(auxs, n, -(1 << 31), (1 << 31) - 1, "aux")
+        slots_out = np.full(n, -1, dtype=np.int64)
+        gens_out = np.zeros(n, dtype=np.uint32)
+        if not n:
+            return slots_out, gens_out
+        if not self._valid_meta(ident_arr.view(np.uint8)[::33]).all():
+            raise InvalidKey("malformed encoded key")
+        hashes = self._batch_hashes(ident_list, groups)
+        if np.unique(hashes).size != n:  # a key twice: keep the order of the scalar path
+            for j in range(n):
+                try:
+                    slots_out[j], gens_out[j] = self.schedule_ident(
+                        ident_list[j], int(deadlines[j]), int(groups[j]), int(tags[j]), int(auxs[j]))
+                except ArenaFull:
+                    pass
+            return slots_out, gens_out
+        found = self._find_many(ident_arr, hashes, groups)
+        for j in np.flatnonzero(found >= 0).tolist():  # re-arms
+            slot = int(found[j])
+            self._rearm(slot, int(deadlines[j]), int(tags[j]), cur)
+        slots_out[found >= 0] = found[found >= 0]
+        new = np.flatnonzero(found < 0)
+        top = self._free_top
+        if new.size > top:
+            self._counters["arena_full_total"] += int(new.size - top)
+            new = new[:top]
+        k = new.size
+        if k:
+            rec = self.records
+            slots = self._free_np[top - k : top][::-1].astype(np.int64)
+            d = deadlines[new]
+            gens = rec["gen"][slots] + np.uint32(1)  # wraps like the scalar path
+            rec["gen"][slots] = gens
+            rec["tag"][slots] = tags[new]
+            rec["aux"][slots] = auxs[new]
+            rec["group"][slots] = groups[new]
+            rec["deadline"][slots] = d
+            self._idents[slots] = ident_arr[new]
+            buckets, expirations, levels = self._place_many(d, cur)
+            self._splice_many(slots, buckets, expirations)
+            rec["state"][slots] = (levels << L.LEVEL_SHIFT) | _SCHEDULED  # commit points
+            self._free_top = top - k
+            self._count_levels(levels, +1)
+            self._index_add_many(slots, hashes[new])
+            slots_out[new] = slots
+            c = self._counters
+            c["pending"] += k
+            c["adds_total"] += k
+        gens_out[slots_out >= 0] = self.records["gen"][slots_out[slots_out >= 0]]
+        return slots_out, gens_out
+
+    def cancel_many(self, idents, groups=0) -> np.ndarray:
+        """:meth:`cancel_ident` for a batch; returns a bool array (True: a timer was removed)."""
+        ident_list, ident_arr = self._batch_idents(idents)
+        n = len(ident_list)
+        groups = self._batch_column(groups, n, 0, self.max_groups - 1, "group id")
+        if not n:
+            return np.zeros(0, dtype=bool)
+        hashes = self._batch_hashes(ident_list, groups)
+        if np.unique(hashes).size != n:
+            return np.array([self.cancel_ident(ident_list[j], int(groups[j])) for j in range(n)], dtype=bool)
+        found = self._find_many(ident_arr, hashes, groups)
+        hit = found >= 0
+        slots = found[hit]
+        self._remove_scheduled_many(slots)
+        c = self._counters
+        c["cancels_total"] += int(slots.size)
+        c["cancel_misses_total"] += int(n - slots.size)
+        return hit
+
+    def expire_many(self, now_ms: int) -> np.ndarray:
+        """:meth:`expire` with the re-checks, cascades and fired-list links vectorized.
+
+        Returns the FIRED slots as an int64 array; read their fields at once with
+        :meth:`records_of`.
+        """
+        if type(now_ms) is not int:
+            raise InvalidDelay("now_ms is an integer number of ms")
+        collected = self._collect(now_ms)
+        if not collected:
+            return np.zeros(0, dtype=np.int64)
+        rec = self.records
+        slots = np.array(collected, dtype=np.int64)
+        deadlines = rec["deadline"][slots]
+        self._count_levels((rec["state"][slots] >> L.LEVEL_SHIFT).astype(np.int64), -1)
+        due = deadlines <= now_ms
+        fired = slots[due]
+        again = slots[~due]
+        if fired.size:
+            self._index_remove_many(fired)
+            self._splice_many(fired, np.full(fired.size, self.fired_list, dtype=np.int64), None)
+            rec["state"][fired] = _FIRED  # commit points
+        if again.size:
+            buckets, expirations, levels = self._place_many(deadlines[~due], int(self._hq[_CUR]))
+            self._splice_many(again, buckets, expirations)
+            rec["state"][again] = (levels << L.LEVEL_SHIFT) | _SCHEDULED
+            self._count_levels(levels, +1)
+        c = self._counters
+        c["expirations_total"] += int(fired.size)
+        c["cascades_total"] += int(again.size)
+        c["pending"] -= int(fired.size)
+        c["fired_unacked"] += int(fired.size)
+        return fired
+
+    def release_many(self, slots, generations) -> np.ndarray:
+        """:meth:`release` for a batch; returns a bool array (False: stale handle, no-op)."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        generations = np.broadcast_to(np.asarray(generations, dtype=np.int64), slots.shape)
+        ok = (slots >= self.first_entry) & (slots < self.n_records)
+        rec = self.records
+        inside = slots[ok]
+        ok[ok] = (rec["state"][inside] == _FIRED) & (rec["gen"][inside] == generations[ok])
+        if ok.any():  # a slot named twice is released once
+            index = np.flatnonzero(ok)
+            _unique, first = np.unique(slots[index], return_index=True)
+            ok[:] = False
+            ok[index[first]] = True
+        released = slots[ok]
+        if released.size:
+            self._unlink_many(released)
+            rec["state"][released] = _FREE  # commit points
+            self._free_many(released)
+            c = self._counters
+            c["fired_unacked"] -= int(released.size)
+            c["acks_total"] += int(released.size)
+        return ok
+
+    def records_of(self, slots) -> np.ndarray:
+        """A copy of the records at ``slots`` (numpy structured array: deadline, tag, key, ...)."""
+        return self.records[np.asarray(slots, dtype=np.int64)]
+
+    # ------------------------------------------------------------------ batch helpers
+    def _count_levels(self, levels: np.ndarray, sign: int) -> None:
+        counts = np.bincount(levels, minlength=_LEVEL_SLOTS).tolist()
+        by_level = self._pending_by_level
+        for level, count in enumerate(counts):
+            if count:
+                by_level[level] += sign * count
+
+    def _free_many(self, slots: np.ndarray) -> None:
+        top = self._free_top
+        self._free_np[top : top + slots.size] = slots
+        self._free_top = top + slots.size
+
+    def _remove_scheduled_many(self, slots: np.ndarray) -> None:
+        """Vectorized :meth:`_remove_scheduled` of distinct scheduled slots."""
+        if not slots.size:
+            return
+        rec = self.records
+        self._count_levels((rec["state"][slots] >> L.LEVEL_SHIFT).astype(np.int64), -1)
+        self._unlink_many(slots)
+        rec["state"][slots] = _FREE  # commit points
+        self._index_remove_many(slots)
+        self._free_many(slots)
+        self._counters["pending"] -= int(slots.size)
+
+    def _unlink_many(self, slots: np.ndarray) -> None:
+        """Unlink distinct records from their lists, neighbours possibly among them.
+
+        Each removed record's nearest surviving neighbours are found by pointer
+        jumping (every round doubles the distance covered), then joined.
+        """
+        rec = self.records
+        removed = np.sort(slots)
+        prev = rec["prev"][removed].astype(np.int64)
+        nxt = rec["next"][removed].astype(np.int64)
+        for pointers in (prev, nxt):
+            while True:
+                at = np.searchsorted(removed, pointers)
+                at[at == removed.size] = 0
+                inside = removed[at] == pointers
+                if not inside.any():
+                    break
+                pointers[inside] = pointers[at[inside]]
+        rec["next"][prev] = nxt
+        rec["prev"][nxt] = prev
+
+    def _splice_many(self, slots: np.ndarray, sentinels: np.ndarray, expirations: np.ndarray | None) -> None:
+        """Append records to the tails of their lists (in the order given, per list).
+
+        ``expirations`` (None for the fired list) are the bucket times: a bucket that
+        was empty gets its expiration and is queued, as :meth:`_link` does.
+        """
+        rec = self.records
+        order = np.argsort(sentinels, kind="stable")
+        chain = slots[order]
+        owner = sentinels[order]
+        n = chain.size
+        starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+        ends = np.r_[starts[1:], n] - 1
+        heads = owner[starts]
+        tails = rec["prev"][heads].astype(np.int64)
+        prev = np.empty(n, dtype=np.int64)
+        prev[1:] = chain[:-1]
+        prev[starts] = tails
+        nxt = np.empty(n, dtype=np.int64)
+        nxt[:-1] = chain[1:]
+        nxt[ends] = heads
+        rec["prev"][chain] = prev
+        rec["next"][chain] = nxt
+        rec["next"][tails] = chain[starts]
+        rec["prev"][heads] = chain[ends]
+        if expirations is None:
+            return
+        was_empty = tails == heads
+        if was_empty.any():
+            due_list, queued, heap = self.due_list, self._queued, self._heap
+            cur = int(self._hq[_CUR])
+            bucket_exp = expirations[order][starts]
+            for b, expiration in zip(heads[was_empty].tolist(), bucket_exp[was_empty].tolist()):
+                if b == due_list:
+                    expiration = cur
+                rec["deadline"][b] = expiration
+                if queued[b] != expiration:
+                    queued[b] = expiration
+                    heapq.heappush(heap, (expiration, b))
+
+    def _find_many(self, idents: np.ndarray, hashes: np.ndarray, groups: np.ndarray) -> np.ndarray:
+        """Vectorized :meth:`_find`: probe every item's chain one cell per round."""
+        n = hashes.size
+        found = np.full(n, -1, dtype=np.int64)
+        table, slot_hash, mask = self._table_np, self._hash_np, self._mask
+        group_of = self.records["group"]
+        position = hashes & mask
+        active = np.arange(n)
+        while active.size:
+            cells = table[position[active]].astype(np.int64)
+            done = cells == _EMPTY
+            live = np.flatnonzero(cells >= 0)
+            if live.size:
+                c, a = cells[live], active[live]
+                same = slot_hash[c] == hashes[a]
+                same[same] = (self._idents[c[same]] == idents[a[same]]) & (group_of[c[same]] == groups[a[same]])
+                found[a[same]] = c[same]
+                done[live[same]] = True
+            active = active[~done]
+            position[active] = (position[active] + 1) & mask
+        return found
+
+    def _index_add_many(self, slots: np.ndarray, hashes: np.ndarray) -> None:
+        """Vectorized :meth:`_index_add` of keys known to be absent."""
+        table, mask = self._table_np, self._mask
+        self._hash_np[slots] = hashes
+        position = hashes & mask
+        pending = np.arange(slots.size)
+        while pending.size:
+            p = position[pending]
+            open_cells = table[p] < 0
+            candidates = pending[open_cells]
+            cells, first = np.unique(p[open_cells], return_index=True)
+            winners = candidates[first]
+            self._used += int(np.count_nonzero(table[cells] == _EMPTY))
+            table[cells] = slots[winners]
+            self._pos_np[slots[winners]] = cells
+            placed = np.zeros(slots.size, dtype=bool)
+            placed[winners] = True
+            pending = pending[~placed[pending]]
+            position[pending] = (position[pending] + 1) & mask
+        if self._used * 4 > (mask + 1) * 3:
+            self._rebuild_index()
+
+    def _index_remove_many(self, slots: np.ndarray) -> None:
+        self._table_np[self._pos_np[slots]] = _TOMB
+        self._pos_np[slots] = -1
+
     # ------------------------------------------------------------------ introspection
     def pending(self, limit: int | None = None) -> Iterator[tuple[object, int, int]]:
         """(key, deadline_ms, group) of scheduled timers, in slot order, at most ``limit``."""
@@ -836,14 +1175,11 @@ class TimerWheel:
         rec["deadline"][:first] = -1
         rec["state"][:first] = 0
         slots_all = np.arange(first, self.n_records, dtype=np.int64)
-        # free list, ascending slot order
+        # free slots: a stack that hands out the lowest slot first
         free_slots = slots_all[states == _FREE]
-        if free_slots.size:
-            rec["next"][free_slots[:-1]] = free_slots[1:]
-            rec["next"][free_slots[-1]] = -1
-            self._hi[_FREE_HEAD] = int(free_slots[0])
-        else:
-            self._hi[_FREE_HEAD] = -1
+        self._free_np[: free_slots.size] = free_slots[::-1]
+        self._free_top = int(free_slots.size)
+        self._hi[_FREE_HEAD] = -1  # unused: the free list is kept in the owning process
         # fired list, in deadline order
         fired = slots_all[states == _FIRED]
         fired = fired[np.argsort(rec["deadline"][fired], kind="stable")]
@@ -1030,18 +1366,15 @@ class TimerWheel:
                 exp = deadline[b]
                 if self._queued[b] != exp:
                     problems.append(f"bucket {b} (expiration {exp}) is not in the bucket queue")
-        free_seen = 0
-        s = self._hi[_FREE_HEAD]
-        visited_free = set()
-        while s != -1:
-            if not first <= s < n or s in visited_free:
-                problems.append(f"free list: bad or repeated link {s}")
-                break
-            visited_free.add(s)
-            if state[s] != _FREE:
+        free_stack = self._free_np[: self._free_top]
+        free_seen = len(set(free_stack.tolist()))
+        if free_seen != free_stack.size:
+            problems.append("free list: a slot is listed twice")
+        for s in free_stack.tolist():
+            if not first <= s < n:
+                problems.append(f"free list: {s} is not an entry record")
+            elif state[s] != _FREE:
                 problems.append(f"free list: record {s} has state {state[s]}")
-            free_seen += 1
-            s = nxt[s]
         n_free = n_sched = n_fired = 0
         per_level = [0] * _LEVEL_SLOTS
         for s in range(first, n):

@@ -2,14 +2,18 @@
 
 Each round forks a writer that attaches the named arena (which repairs and
 rebuilds it) and performs random operations (new timers, re-arms, cancels,
-``expire`` with a moving fake clock, releases, re-arms of fired timers). It
+``expire`` with a moving fake clock, releases, re-arms of fired timers; half
+the writers also use the batch methods ``schedule_many``, ``cancel_many``,
+``expire_many`` and ``release_many``). It
 writes ``B <op>`` to a pipe before each operation and ``E <result>`` after it.
 The writer is then killed with SIGKILL, in one of two ways:
 
 * after a random sleep of the parent (lands anywhere, attach included);
-* by itself, from a ``sys.settrace`` hook that counts line events inside
-  ``shm/wheel.py`` and SIGKILLs at a random count: this lands between any two
-  lines of the wheel, e.g. between the two stores that link a record.
+* by itself, from a ``sys.settrace`` hook armed at a random operation (or the
+  attach) that counts line events inside ``shm/wheel.py`` and SIGKILLs at a
+  random count: this lands between any two lines of the wheel, e.g. between the
+  two stores that link a record, or between a batch's field writes and its
+  state bytes.
 
 The parent keeps a model of the arena (slot, generation, deadline, tag of every
 scheduled and fired timer, and the clock). After each kill it replays the
@@ -41,46 +45,64 @@ import wheeld.shm.wheel as wheel_module
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol.errors import ArenaFull
 from wheeld.shm import TimerWheel
+from wheeld.shm.wheel import encode_ident
 from wheeld.shm.arena import unlink
 
 LONG = os.environ.get("WHEELD_LONG") == "1"
 CAPACITY = 48
 SHAPE = {"tick_ms": 1, "wheel_size": 4, "levels": 3}  # 64 ms range: cascades and clamping all the time
 KEYS = [f"k{i}" for i in range(40)] + list(range(-5, 5)) + [b"b%d" % i for i in range(10)]
-OPS_PER_WRITER = 400
+OPS_PER_TRACED_WRITER = 60  # the trace kill is armed within the first 31 operations
+OPS_PER_WRITER = 5000  # a sleep kill must find the writer busy even on a loaded machine
 
 
 # ----------------------------------------------------------------------------- the writer
-def writer(name: str, seed: int, log_fd: int, trace_target: int | None, trace_attach: bool) -> None:
-    """Runs in the forked child; never returns (os._exit or SIGKILL)."""
+def writer(name: str, seed: int, log_fd: int, trace_target: tuple[int, int] | None) -> None:
+    """Runs in the forked child; never returns (os._exit or SIGKILL).
+
+    ``trace_target``: (operation number, line count): SIGKILL at that many line
+    events inside shm/wheel.py, counted inside operations (between their B and E
+    log lines) from that operation on; operation -1 is the attach.
+    """
     rng = random.Random(seed)
+    kill_op, kill_line = trace_target if trace_target is not None else (None, 0)
+    in_operation = [kill_op == -1]
 
     def log(line: str) -> None:
         os.write(log_fd, (line + "\n").encode())
+        in_operation[0] = line.startswith("B ")  # the writer's own reads between operations do not count
 
     if trace_target is not None:
         wheel_file = wheel_module.__file__
         count = [0]
 
         def local(frame, event, arg):
-            if event == "line":
+            if event == "line" and in_operation[0]:
                 count[0] += 1
-                if count[0] >= trace_target:
+                if count[0] >= kill_line:
                     os.kill(os.getpid(), signal.SIGKILL)
             return local
 
         def global_trace(frame, event, arg):
             return local if frame.f_code.co_filename == wheel_file else None
 
-    if trace_target is not None and trace_attach:
+    if kill_op == -1:
         sys.settrace(global_trace)
     wheel = TimerWheel.attach(name)
     log("ATTACHED")
-    if trace_target is not None and not trace_attach:
-        sys.settrace(global_trace)
     now = wheel.current_ms
-    for _ in range(OPS_PER_WRITER):
+    batches = rng.random() < 0.5  # half the writers use the *_many batch methods
+    for op_number in range(OPS_PER_WRITER if trace_target is None else OPS_PER_TRACED_WRITER):
+        if op_number == kill_op:
+            sys.settrace(global_trace)
         r = rng.random()
+        crowded = wheel.free_slots < CAPACITY // 3 and wheel.fired_slots() and rng.random() < 0.6
+        if crowded:  # release fired timers, or the writer soon only meets a full arena
+            r = 0.8
+        if batches and (r < 0.75 or crowded):
+            batch_op(wheel, rng, log, r, now, crowded)
+            now = wheel.current_ms
+            continue
         if r < 0.40:
             key = rng.choice(KEYS)
             delta = rng.choice((rng.randint(-2, 5), rng.randint(0, 100), rng.randint(0, 10_000)))
@@ -116,6 +138,33 @@ def writer(name: str, seed: int, log_fd: int, trace_target: int | None, trace_at
     log("DONE")
 
 
+def batch_op(wheel: TimerWheel, rng: random.Random, log, r: float, now: int, release: bool) -> None:
+    """One batch operation of 1-20 items; results logged per item."""
+    if r < 0.40:
+        keys = rng.sample(KEYS, rng.randint(1, 20))
+        items = [(k, now + rng.choice((rng.randint(-2, 5), rng.randint(0, 100), rng.randint(0, 10_000))),
+                  rng.getrandbits(32)) for k in keys]
+        log(f"B {('SM', items)!r}")
+        slots, gens = wheel.schedule_many([encode_ident(k) for k, _d, _t in items],
+                                          [d for _k, d, _t in items], tags=[t for *_x, t in items])
+        log(f"E {[(int(s), int(g)) if s >= 0 else 'full' for s, g in zip(slots, gens)]!r}")
+    elif r < 0.55:
+        keys = rng.sample(KEYS, rng.randint(1, 20))
+        log(f"B {('CM', keys)!r}")
+        log(f"E {wheel.cancel_many([encode_ident(k) for k in keys]).tolist()!r}")
+    else:
+        fired = wheel.fired_slots()
+        if fired and (release or rng.random() < 0.4):
+            picks = [rng.choice(fired) for _ in range(rng.randint(1, 10))]
+            gens = [int(wheel.records["gen"][s]) + (1 if rng.random() < 0.1 else 0) for s in picks]
+            log(f"B {('RM', picks, gens)!r}")
+            log(f"E {wheel.release_many(picks, gens).tolist()!r}")
+        else:
+            now += rng.choice((0, 1, rng.randint(1, 20), rng.randint(1, 200), 5_000))
+            log(f"B {('XM', now)!r}")
+            log(f"E {wheel.expire_many(now).tolist()!r}")
+
+
 # ----------------------------------------------------------------------------- the model
 class Model:
     """sched: key -> (deadline, slot, gen, tag); fired: slot -> (key, deadline, gen, tag); now."""
@@ -137,7 +186,18 @@ class Model:
     def apply(self, op: tuple, result) -> None:
         """A finished operation: check its result against the model, then apply it."""
         kind = op[0]
-        if kind == "S":
+        if kind == "SM":  # a batch means its items one after the other
+            for (key, deadline, tag), one in zip(op[1], result, strict=True):
+                self.apply(("S", key, deadline, tag), one)
+        elif kind == "CM":
+            for key, one in zip(op[1], result, strict=True):
+                self.apply(("C", key), one)
+        elif kind == "RM":
+            for slot, gen, one in zip(op[1], op[2], result, strict=True):
+                self.apply(("R", slot, gen), one)
+        elif kind == "XM":
+            self.apply(("X", op[1]), result)
+        elif kind == "S":
             _, key, deadline, tag = op
             if result == "full":
                 assert key not in self.sched and len(self.sched) + len(self.fired) == CAPACITY
@@ -193,12 +253,43 @@ def observe(wheel: TimerWheel) -> Model:
     return m
 
 
+def restrict(seen: Model, key, before: Model) -> Model:
+    """``before`` with the scheduled timer ``key`` as ``seen`` has it."""
+    m = before.copy()
+    m.sched.pop(key, None)
+    if key in seen.sched:
+        m.sched[key] = seen.sched[key]
+    return m
+
+
 def without(d: dict, key) -> dict:
     return {k: v for k, v in d.items() if k != key}
 
 
 def verify_inflight(before: Model, op: tuple | None, seen: Model) -> None:
-    """``seen`` must be ``before`` with ``op`` (the operation in flight) applied or not."""
+    """``seen`` must be ``before`` with ``op`` (the operation in flight) applied or not.
+
+    A batch in flight: each of its items applied or not, any subset.
+    """
+    if op is not None and op[0] in ("SM", "CM"):
+        keys = {item[0] for item in op[1]} if op[0] == "SM" else set(op[1])
+        assert seen.fired == before.fired and seen.now == before.now
+        assert {k: v for k, v in seen.sched.items() if k not in keys} == {
+            k: v for k, v in before.sched.items() if k not in keys}
+        for item in op[1]:
+            if op[0] == "SM":
+                verify_inflight(before, ("S", *item), restrict(seen, item[0], before))
+            else:
+                verify_inflight(before, ("C", item), restrict(seen, item, before))
+        return
+    if op is not None and op[0] == "RM":
+        assert seen.sched == before.sched and seen.now == before.now
+        gone = set(before.fired) - set(seen.fired)
+        assert set(seen.fired) <= set(before.fired) and all(seen.fired[s] == before.fired[s] for s in seen.fired)
+        assert all(s in op[1] and before.fired[s][2] in op[2] for s in gone)
+        return
+    if op is not None and op[0] == "XM":
+        op = ("X", op[1])
     if op is None:
         assert (seen.sched, seen.fired, seen.now) == (before.sched, before.fired, before.now)
         return
@@ -276,8 +367,10 @@ def read_log(fd: int, head: bytes = b"") -> list[str]:
 
 def run_round(name: str, model: Model, seed: int, mode: str) -> tuple[Model, str]:
     rng = random.Random(seed)
-    trace_target = rng.randint(1, 6000) if mode == "trace" else None
-    trace_attach = mode == "trace" and rng.random() < 0.1
+    trace_target = None
+    if mode == "trace":  # an operation, then a line inside it (or in the ones after it)
+        kill_op = -1 if rng.random() < 0.1 else rng.randint(0, 30)
+        trace_target = (kill_op, rng.randint(1, 100) if rng.random() < 0.8 else rng.randint(1, 2000))
     read_fd, write_fd = os.pipe()
     fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, 1 << 20)
     pid = os.fork()
@@ -285,7 +378,7 @@ def run_round(name: str, model: Model, seed: int, mode: str) -> tuple[Model, str
         code = 1
         try:
             os.close(read_fd)
-            writer(name, seed, write_fd, trace_target, trace_attach)
+            writer(name, seed, write_fd, trace_target)
             code = 0
         finally:
             os._exit(code)
@@ -372,4 +465,4 @@ def test_writer_killed_at_random_points(arena_name, mode):
             raise AssertionError(f"round {n} (base seed {base_seed}, mode {mode}): {exc}") from exc
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     # the kills must mostly land inside operations, or this test proves little
-    assert outcomes.get("inflight", 0) >= rounds // (2 if mode == "trace" else 4), outcomes
+    assert outcomes.get("inflight", 0) >= rounds // (2 if mode == "trace" else 10), outcomes

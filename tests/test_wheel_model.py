@@ -13,6 +13,10 @@ of the tick the deadline falls in):
   with ``tick_ms = 1`` this makes the expired set exactly the model's due set);
 * a timer with ``d <= now < F(d)`` may come out now or at the next advance.
 
+A second machine runs the batch methods (``schedule_many``, ``cancel_many``,
+``expire_many``, ``release_many``) on one wheel and the scalar methods item by
+item on another, and requires the same results and the same final state.
+
 Shapes: several (tick_ms, wheel_size, levels), small enough that cascades and
 the clamp beyond the top level happen within a few steps. ``WHEELD_LONG=1``
 runs many more examples.
@@ -25,6 +29,7 @@ import os
 import uuid
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -32,6 +37,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from wheeld.protocol.errors import ArenaFull
 from wheeld.shm import TimerWheel
+from wheeld.shm.wheel import encode_ident
 from wheeld.shm.arena import unlink
 
 LONG = os.environ.get("WHEELD_LONG") == "1"
@@ -236,3 +242,86 @@ def _machine(tick_ms: int, wheel_size: int, levels: int | None):
 for _shape in SHAPES:
     _cls = _machine(*_shape)
     globals()[f"Test{_cls.__name__}"] = _cls.TestCase
+
+
+# ----------------------------------------------------------------------------- batches
+class BatchMachine(RuleBasedStateMachine):
+    """The ``*_many`` batch methods on one wheel, the scalar methods item by item on
+    another: results and final states must be the same (slot numbers may differ)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shape = {"tick_ms": 1, "wheel_size": 4, "levels": 3}
+        self.batch = TimerWheel.create(CAPACITY, **shape)
+        self.scalar = TimerWheel.create(CAPACITY, **shape)
+        self.group = self.batch.group_id("other")
+        assert self.scalar.group_id("other") == self.group
+        self.now = 0
+
+    @rule(items=st.lists(st.tuples(KEYS, st.booleans(), DELTAS, st.integers(0, 2**32 - 1)), max_size=12))
+    def schedule_many(self, items):
+        idents = [encode_ident(k) for k, _g, _d, _t in items]
+        groups = np.array([self.group if g else 0 for _k, g, _d, _t in items], dtype=np.int64)
+        deadlines = np.array([self.now + d for _k, _g, d, _t in items], dtype=np.int64)
+        tags = np.array([t for *_x, t in items], dtype=np.int64)
+        as_array = np.array(idents, dtype="S33") if len(idents) % 2 else idents  # both input forms
+        slots, gens = self.batch.schedule_many(as_array, deadlines, groups, tags)
+        for j, ident in enumerate(idents):
+            try:
+                self.scalar.schedule_ident(ident, int(deadlines[j]), int(groups[j]), int(tags[j]))
+                refused = False
+            except ArenaFull:
+                refused = True
+            assert bool(slots[j] == -1) is refused
+            if not refused:
+                assert self.batch.records["gen"][slots[j]] == gens[j]
+                assert self.batch.records["state"][slots[j]] & 0x0F == 1  # scheduled
+
+    @rule(items=st.lists(st.tuples(KEYS, st.booleans()), max_size=12))
+    def cancel_many(self, items):
+        idents = [encode_ident(k) for k, _g in items]
+        groups = np.array([self.group if g else 0 for _k, g in items], dtype=np.int64)
+        got = self.batch.cancel_many(idents, groups)
+        expected = [self.scalar.cancel_ident(i, int(g)) for i, g in zip(idents, groups)]
+        assert got.tolist() == expected
+
+    @rule(jump=JUMPS)
+    def expire_many(self, jump):
+        self.now += jump
+        got = self.batch.expire_many(self.now)
+        expected = self.scalar.expire(self.now)
+        assert Counter(self.batch.fired(int(s))[:4] for s in got) == Counter(self.scalar.fired(s)[:4] for s in expected)
+
+    @rule(data=st.data())
+    def release_many(self, data):
+        fired = sorted((self.scalar.fired(s)[:4] for s in self.scalar.fired_slots()), key=repr)
+        if not fired:
+            return
+        picks = data.draw(st.lists(st.tuples(st.sampled_from(fired), st.booleans()), max_size=8))
+        for wheel, many in ((self.batch, True), (self.scalar, False)):
+            by_record = {wheel.fired(s)[:4]: (s, wheel.fired(s)[5]) for s in wheel.fired_slots()}
+            handles = [(by_record[r][0], by_record[r][1] + (1 if stale else 0)) for r, stale in picks]
+            if many:
+                got = wheel.release_many([h[0] for h in handles], [h[1] for h in handles]).tolist()
+            else:
+                assert got == [wheel.release(*h) for h in handles]
+
+    @invariant()
+    def same_state(self):
+        assert self.batch.check() == []
+        assert self.scalar.check() == []
+        assert Counter(self.batch.pending()) == Counter(self.scalar.pending())
+        tags = lambda w: Counter((k, g, t) for k, _d, g, t, _a, _gen in (w._entry(s) for s in range(w.first_entry, w.n_records)
+                                                                        if w.records["state"][s] & 0x0F))
+        assert tags(self.batch) == tags(self.scalar)
+        assert self.batch.counters() == self.scalar.counters()
+        assert self.batch.next_deadline() == self.scalar.next_deadline()
+
+
+BatchMachine.TestCase.settings = settings(
+    max_examples=1000 if LONG else 100,
+    stateful_step_count=100 if LONG else 40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestBatchMatchesScalar = BatchMachine.TestCase
