@@ -500,7 +500,7 @@ def cancel(ctl: Ctl, key: str, group: str, key_type: str) -> None:
 
 # ---------------------------------------------------------------------------- tail
 @main.command()
-@_group_option
+@click.option("--group", "-g", default="default", show_default=True, metavar="G", help="The group to join.")
 @click.option("--count", "-n", type=click.IntRange(min=1), default=None, help="Exit after N expirations.")
 @click.option("--duration", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="Exit after SECONDS.")

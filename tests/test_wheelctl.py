@@ -308,6 +308,49 @@ def test_add_and_cancel(daemon):
         assert wheelctl(daemon, "cancel", "soon", "-g", "fast").exit_code == 1
 
 
+def _expirations_waiting(daemon, group: str, n: int) -> None:
+    """Leave ``n`` fired timers of ``group`` waiting for a member (none is connected)."""
+    with wheeld.connect(daemon.socket_path, group=group) as w:
+        for i in range(n):
+            w.add(f"e{i}", 30)
+        w.flush()
+    end = time.monotonic() + 10
+    while settle(daemon.name).counters["undelivered"] < n:
+        assert time.monotonic() < end
+
+
+def _received_unread(client, n: int) -> None:
+    """Read frames until the daemon's ``n`` expirations sit in the client, handed to nobody."""
+    end = time.monotonic() + 10
+    while len(client._ready) < n:
+        assert time.monotonic() < end
+        client._read(0.1)
+
+
+def test_add_and_cancel_give_back_expirations_they_never_read(daemon):
+    """wheelctl add/cancel join the group for a moment; what the daemon hands them meanwhile
+    must go back to the group. The library's close() acknowledges received expirations
+    whether or not the application took them (the control case below), so wheelctl
+    leaves through ctl._leave, which does not."""
+    from wheeld.daemon.ctl import _leave
+
+    _expirations_waiting(daemon, "control", 3)
+    client = wheeld.connect(daemon.socket_path, group="control")
+    _received_unread(client, 3)
+    client.close()
+    with wheeld.connect(daemon.socket_path, group="control") as worker:
+        assert worker.poll(0.5) == []  # acknowledged by close(): gone
+
+    _expirations_waiting(daemon, "q", 5)
+    client = wheeld.connect(daemon.socket_path, group="q")
+    _received_unread(client, 5)
+    _leave(client)
+    with wheeld.connect(daemon.socket_path, group="q") as worker:
+        got = collect(worker, 5)
+    assert sorted(e.key for e in got) == [f"e{i}" for i in range(5)]
+    assert settle(daemon.name).counters["redelivered_total"] == 5
+
+
 def test_a_key_wheeld_cannot_store_is_a_usage_error(daemon):
     result = wheelctl(daemon, "add", "k" * 40, "10")
     assert result.exit_code == 2 and "at most 32" in result.stderr
