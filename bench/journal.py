@@ -1,7 +1,8 @@
 """Benchmark of the write-ahead journal: append rate per fsync policy, bytes, recovery.
 
     python bench/journal.py              # ~1-2 min; table + bench/results/journal.json
-    python bench/journal.py --big        # also recovery of 10M pending timers (~10 GB RAM, minutes)
+    python bench/journal.py --big        # also recovery of 10M pending timers (~6 GB RAM, minutes)
+    python bench/journal.py --big --recovery-only   # just that, merged into the results file
     python bench/journal.py --dir /var/lib/wheeld-bench   # measure on another disk
 
 What is measured (best of ``--repeat`` runs, and the median):
@@ -196,12 +197,21 @@ def bench_recovery(directory: Path, pending_count: int, repeat: int, tail_events
 # --------------------------------------------------------------------------- main
 
 
+def print_recovery(recovery: dict) -> None:
+    print("\nrecovery (seconds, best / median)")
+    for count, figures in recovery.items():
+        for layout, numbers in figures.items():
+            print(f"  {int(count):>10,} pending, {layout:<20}{numbers['best']:>7.2f} /{numbers['median']:>6.2f}"
+                  f"   ({numbers['bytes_on_disk'] / 1e6:.0f} MB on disk)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=200_000, help="events per append run (off/interval)")
     parser.add_argument("--always-events", type=int, default=20_000, help="events per 'always' run (fsync-bound)")
     parser.add_argument("--pending", type=int, default=1_000_000)
     parser.add_argument("--big", action="store_true", help="also recover 10M pending timers")
+    parser.add_argument("--recovery-only", action="store_true", help="skip append and bytes; merge into --output")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--output", type=Path, default=RESULTS)
@@ -212,6 +222,24 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count()},
         "parameters": {"events": args.events, "always_events": args.always_events, "pending": args.pending, "repeat": args.repeat},
     }
+    if args.recovery_only:
+        try:
+            previous = json.loads(args.output.read_text())
+        except (OSError, ValueError):
+            previous = {}
+        recovery = dict(previous.get("recovery_s", {}))
+        try:
+            counts = [10_000_000] if args.big else [args.pending]
+            for count in counts:
+                recovery[f"{count}"] = bench_recovery(base, count, 1 if count > 1_000_000 else args.repeat)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        previous["recovery_s"] = recovery
+        print_recovery(recovery)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(previous, indent=2) + "\n")
+        print(f"\nwrote {args.output}")
+        return 0
     try:
         result["build_events_per_s"] = bench_build(args.events, args.repeat)
         append: dict = {}
@@ -245,11 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\njournal bytes")
     for name in ("add", "cancel", "fire", "ack", "timer_add_cancel", "timer_add_fire_ack", "snapshot_per_pending"):
         print(f"  {name:<22}{sizes[name]:>8.1f}")
-    print("\nrecovery (seconds, best / median)")
-    for count, figures in recovery.items():
-        for layout, numbers in figures.items():
-            print(f"  {int(count):>10,} pending, {layout:<20}{numbers['best']:>7.2f} /{numbers['median']:>6.2f}"
-                  f"   ({numbers['bytes_on_disk'] / 1e6:.0f} MB on disk)")
+    print_recovery(recovery)
     target = recovery[f"{args.pending}"]["snapshot_plus_tail"]["best"]
     if args.pending == 1_000_000:
         print(f"  target: 1M pending in < 5 s -> {'met' if target < 5 else 'NOT met'} ({target:.2f} s)")
