@@ -216,7 +216,7 @@ def snapshot_from_daemon(daemon) -> Snapshot:
             depth = None
         rings.append(RingStat(cs.slot, cs.group_name, cs.pid, depth, cs.segment.ring_capacity, cs.session is not None))
     header = wheel.header_words().tobytes()
-    return build_snapshot(daemon.config.name, wheel.name or "", header, wheel.groups(), rings, daemon_alive=True)
+    return build_snapshot(daemon.config.name, wheel.name or "", header, wheel.groups(), rings, alive=True)
 
 
 def _response(status: str, body: bytes, content_type: str = "text/plain; charset=utf-8",

@@ -22,7 +22,8 @@ What a snapshot holds and where each figure comes from::
     groups                         the arena's group table; pending and fired per
                                    group from one pass over the records' state
                                    and group columns
-    daemon pid, alive              counter daemon_pid; ``os.kill(pid, 0)``
+    daemon pid, alive              counter daemon_pid; ``os.kill(pid, 0)``, and
+                                   /proc/PID/cmdline mentions wheeld (pid reuse)
     responding                     counter daemon_heartbeat_ms: the daemon writes
                                    it every iteration and parks at most
                                    ``max_park_ms`` (500 ms), so a heartbeat older
@@ -66,7 +67,8 @@ from .config import arena_name, clients_name
 
 __all__ = [
     "NoArena", "ArenaReader", "Snapshot", "build_snapshot", "RingStat", "GroupStat", "Timer", "CheckReport",
-    "pid_alive", "rates", "quantile_us", "check", "check_arena", "RATE_COUNTERS", "DEFAULT_STALE_AFTER_S",
+    "pid_alive", "daemon_alive", "rates", "quantile_us", "check", "check_arena", "RATE_COUNTERS",
+    "DEFAULT_STALE_AFTER_S",
 ]
 
 DEFAULT_STALE_AFTER_S = 5.0  # 10x the daemon's longest park: a heartbeat older than this is a stuck loop
@@ -108,6 +110,19 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def daemon_alive(pid: int) -> bool:
+    """:func:`pid_alive`, minus a recycled pid: a process whose command line we can read
+    and that does not mention wheeld is not the daemon that wrote the arena."""
+    if not pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return True  # hidden from us (hidepid=, another user): trust the pid
+    return not cmdline or b"wheeld" in cmdline
 
 
 def key_type_name(key) -> str:
@@ -567,12 +582,12 @@ def build_snapshot(
     rings: list[RingStat] | None,
     group_counts: tuple[np.ndarray, np.ndarray] | None = None,
     *,
-    daemon_alive: bool | None = None,
+    alive: bool | None = None,
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
 ) -> Snapshot:
     """A :class:`Snapshot` from a copy of the header page (``wheelctl`` reads it from the
-    arena; the daemon's metrics endpoint from its own mapping). ``daemon_alive`` None:
-    ask ``os.kill(daemon_pid, 0)``."""
+    arena; the daemon's metrics endpoint from its own mapping). ``alive`` None: ask
+    :func:`daemon_alive` about the pid in the header."""
     info = _parse_header(header, None, segment)
     taken = mono_ms()
     words = _COUNTERS.unpack_from(header, L.H_COUNTERS)
@@ -593,7 +608,7 @@ def build_snapshot(
         parked=struct.unpack_from("<q", header, L.H_PARKED)[0] != 0, counters=counters,
         lateness_counts=tuple(_LATENESS.unpack_from(header, L.H_LATENESS)),
         lateness_sum_us=struct.unpack_from("<q", header, L.H_LATENESS_SUM_US)[0], groups=groups, rings=rings,
-        daemon_alive=pid_alive(counters["daemon_pid"]) if daemon_alive is None else daemon_alive,
+        daemon_alive=daemon_alive(counters["daemon_pid"]) if alive is None else alive,
         stale_after_s=stale_after_s,
     )
 
@@ -902,7 +917,7 @@ def check(name: str, attempts: int = 5, interval_s: float = 0.05) -> CheckReport
     reported are those every copy showed.
     """
     with ArenaReader(name) as reader:
-        alive = pid_alive(reader.counters()["daemon_pid"])
+        alive = daemon_alive(reader.counters()["daemon_pid"])
         size = reader.info["bytes"]
         common: list[str] | None = None
         copies = 0

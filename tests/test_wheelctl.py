@@ -245,6 +245,17 @@ def test_stats_answers_while_the_daemon_is_stopped(daemon):
     assert f"wheeld (pid {daemon.pid}) is not running" in result.stderr
 
 
+def test_daemon_liveness_sees_through_a_recycled_pid(daemon):
+    assert S.daemon_alive(daemon.pid)
+    other = subprocess.Popen(["sleep", "30"])  # what a recycled pid would look like
+    try:
+        assert S.pid_alive(other.pid) and not S.daemon_alive(other.pid)
+    finally:
+        other.kill()
+        other.wait()
+    assert not S.pid_alive(other.pid) and not S.daemon_alive(0)
+
+
 def test_nothing_running_gives_exit_3_and_says_why(tmp_path):
     name = unique_name()
     missing = str(tmp_path / "none.sock")
