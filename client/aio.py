@@ -120,9 +120,7 @@ class AsyncClient(ClientCore):
         while not self._ready:
             self._flush_acks()
             await self._read(None)
-        if len(self._ready) == 1:
-            self._flush_acks()
-        return self._ready.popleft()
+        return self._take_one()
 
     async def flush(self, timeout_s: float = 10.0) -> None:
         self._check_open()

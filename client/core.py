@@ -96,7 +96,7 @@ class ClientCore:
         # expirations already handed over, by (key, arming tag): survives a daemon
         # restart (same records) and a reboot recovery (new records, same journaled arming)
         self._recent: collections.OrderedDict[tuple[bytes, int], None] = collections.OrderedDict()
-        self._ready: collections.deque[Expired] = collections.deque()
+        self._ready: collections.deque[tuple[Expired, tuple[int, int]]] = collections.deque()  # received, not handed over
         self._to_ack: list[tuple[int, int]] = []  # handed to the application, ack at the next poll
         self._acks_pending: list[tuple[int, int]] = []  # could not be pushed yet (ring full)
         self._applied = -1
@@ -355,13 +355,19 @@ class ClientCore:
             recent[seen] = None
             if len(recent) > _RECENT:
                 recent.popitem(last=False)
-            self._to_ack.append(handle)
-            self._ready.append(Expired(decode_key(e.key_bytes, e.key_meta), e.deadline_ms, e.fired_ms, e.late))
+            self._ready.append((Expired(decode_key(e.key_bytes, e.key_meta), e.deadline_ms, e.fired_ms, e.late), handle))
 
     def _take_ready(self) -> list[Expired]:
-        out = list(self._ready)
+        """Hand everything received to the application; acknowledge it at the next call."""
+        out = [expired for expired, _handle in self._ready]
+        self._to_ack.extend(handle for _expired, handle in self._ready)
         self._ready.clear()
         return out
+
+    def _take_one(self) -> Expired:
+        expired, handle = self._ready.popleft()
+        self._to_ack.append(handle)
+        return expired
 
     def rejected(self) -> list[M.Rejected]:
         """Commands the daemon refused since the last call (e.g. arena full)."""

@@ -171,15 +171,8 @@ def _daemon_errors(ctl: Ctl):
 
 
 def _leave(client) -> None:
-    """Close a short-lived client without acknowledging expirations it never handed out.
-
-    The library acknowledges at close() what it received, read or not; wheelctl
-    add/cancel never read, so their unread expirations must go back to the group.
-    """
-    unread = len(client._ready)
-    if unread:
-        client._to_ack = client._to_ack[: max(0, len(client._to_ack) - unread)]
-        client._ready.clear()
+    """Close a short-lived client: the library acknowledges only expirations it handed
+    out, so whatever add/cancel received unread goes back to the group."""
     client.close()
 
 

@@ -27,9 +27,14 @@ timer); idle timers are snapshotted as plain timers with their current deadline.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
+import numpy as np
+
+from wheeld.protocol import arena_layout as AL
 from wheeld.protocol import journal as J
+from wheeld.protocol.keys import decode_key
 from wheeld.protocol.errors import ArenaFull, InvalidRequest
 from wheeld.shm.wheel import TimerWheel
 
@@ -62,6 +67,9 @@ class Recorder:
         self.snapshot_every_s = snapshot_every_s
         self._snapshot_lsn = journal.last_lsn
         self._snapshot_time = time.monotonic()
+        self._durable_log = os.environ.get("WHEELD_TEST_DURABLE_LOG")
+        if self._durable_log:
+            _observe_durability(journal, self._durable_log)
 
     # ------------------------------------------------------------------ events
     def begin(self) -> None:
@@ -109,6 +117,8 @@ class Recorder:
         if self.events:
             self.journal.append(self.events, now_ms)
             self.events = []
+            if self._durable_log and self.journal.policy.mode == "always":
+                _note_durable(self.journal, self._durable_log)
         return self.journal.last_lsn
 
     def tick(self, now_ms: int) -> None:
@@ -127,7 +137,8 @@ class Recorder:
         started = time.perf_counter()
         wheel = self.wheel
         off = wall_ms() - mono_ms()
-        pending = [PendingTimer(self._group(gid), key, deadline + off, 0) for key, deadline, gid in wheel.pending()]
+        pending = [PendingTimer(self._group(gid), key, deadline + off, tag)
+                   for key, deadline, gid, tag in _scheduled(wheel)]
         unacked = []
         now = mono_ms()
         for slot in wheel.fired_slots():
@@ -143,6 +154,39 @@ class Recorder:
     def close(self) -> None:
         self.journal.sync()
         self.journal.close()
+
+
+def _scheduled(wheel: TimerWheel):
+    """(key, deadline_ms, group id, tag) of every scheduled timer, read from the records."""
+    rec = wheel.records
+    states = rec["state"] & AL.STATE_MASK
+    slots = np.flatnonzero(states == AL.SCHEDULED)
+    slots = slots[slots >= wheel.first_entry]
+    keys = rec["key"][slots].tolist()
+    metas = rec["key_meta"][slots].tolist()
+    return zip(map(decode_key, keys, metas), rec["deadline"][slots].tolist(), rec["group"][slots].tolist(),
+               rec["tag"][slots].tolist())
+
+
+def _note_durable(journal: Journal, log_path: str) -> None:
+    path = journal.segment_path
+    if path is not None:
+        with open(log_path, "a") as log_file:
+            log_file.write(f"{path.name} {os.path.getsize(path)}\n")
+
+
+def _observe_durability(journal: Journal, log_path: str) -> None:
+    """Test hook, on only with WHEELD_TEST_DURABLE_LOG: after every fsync of a segment,
+    log how many of its bytes are on disk. The chaos test simulates a power loss by
+    cutting each segment back to that size (the page cache survives a SIGKILL, a
+    power cut does not), which is what makes the fsync policies testable."""
+    original_sync = journal.sync
+
+    def sync() -> None:
+        original_sync()
+        _note_durable(journal, log_path)
+
+    journal.sync = sync
 
 
 def recover_into(wheel: TimerWheel, directory: str) -> int:

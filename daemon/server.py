@@ -205,6 +205,7 @@ class Daemon:
         self._lateness_sum_us = 0
         self._stats_pending = 0
         self.recorder = None  # the journal, when --journal is given
+        self._ring_depth = 0
         self._last_watchdog = 0.0
         self.ready = False
 
@@ -337,15 +338,15 @@ class Daemon:
         self.open_socket()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.stop)
+        metrics_server = None
+        if self.config.metrics:  # before READY=1: a bad address must fail the start, not a running service
+            from .metrics import start_metrics_server
+
+            metrics_server = await start_metrics_server(self, self.config.metrics)
         self.loop.add_reader(self._listener.fileno(), self._on_accept)
         self.ready = True
         self.notifier.ready(status=self._status_line())
         log.info("wheeld %s ready on %s (pid %d)", self.config.name, self.config.socket_path, os.getpid())
-        metrics_server = None
-        if self.config.metrics:
-            from .metrics import start_metrics_server
-
-            metrics_server = await start_metrics_server(self, self.config.metrics)
         try:
             await self._drive()
         finally:
@@ -447,6 +448,8 @@ class Daemon:
         for cs in list(self.clients.values()):
             if not cs.poisoned:
                 total += self._apply(cs)
+        self.totals["ring_depth"] = self._ring_depth
+        self._ring_depth = 0
         return total
 
     def _apply(self, cs: ClientSlot) -> int:
@@ -460,6 +463,9 @@ class Daemon:
         n = len(records)
         if not n:
             return 0
+        self._ring_depth += n
+        if n == segment.ring_capacity:
+            self.totals["ring_full_total"] += 1  # the client found (or will find) it full
         valid = C.validate_records(records, segment.touch_capacity)
         good = n if valid.all() else int(np.argmin(valid))
         wheel = self.wheel
@@ -578,7 +584,7 @@ class Daemon:
                         continue
             late_us = (now - deadline) * 1000
             late_sum += late_us
-            lateness[bisect.bisect_right(bounds, late_us)] += 1
+            lateness[bisect.bisect_left(bounds, late_us)] += 1  # bucket i: <= bounds[i], like Prometheus le
             late = deadline < started
             queues[group].append((s, gen, now, late))
             if recorder is not None:
@@ -820,7 +826,7 @@ class Daemon:
 
 
 _DAEMON_TOTALS = (
-    "commands_total", "rejected_total", "clients_total", "clients_refused_total", "clients_dropped_total",
+    "ring_depth", "ring_full_total", "commands_total", "rejected_total", "clients_total", "clients_refused_total", "clients_dropped_total",
     "delivered_total", "redelivered_total", "wakeups_total", "daemon_restarts_total", "daemon_pid",
     "daemon_started_ms", "daemon_heartbeat_ms", "clients_connected", "groups_active", "undelivered",
 )

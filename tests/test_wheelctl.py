@@ -340,14 +340,16 @@ def _received_unread(client, n: int) -> None:
 
 def test_add_and_cancel_give_back_expirations_they_never_read(daemon):
     """wheelctl add/cancel join the group for a moment; what the daemon hands them meanwhile
-    must go back to the group. The library's close() acknowledges received expirations
-    whether or not the application took them (the control case below), so wheelctl
-    leaves through ctl._leave, which does not."""
+    must go back to the group. The library acknowledges only what it handed to the
+    application, so a plain close() gives unread expirations back, and so does
+    ctl._leave; what the application did take is acknowledged and gone."""
     from wheeld.daemon.ctl import _leave
 
     _expirations_waiting(daemon, "control", 3)
     client = wheeld.connect(daemon.socket_path, group="control")
     _received_unread(client, 3)
+    taken = client.poll(0)  # the application takes them: acknowledged at close()
+    assert len(taken) == 3
     client.close()
     with wheeld.connect(daemon.socket_path, group="control") as worker:
         assert worker.poll(0.5) == []  # acknowledged by close(): gone
