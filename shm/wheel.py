@@ -150,6 +150,7 @@ _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP = L.I_PREV, L.I_NEXT, L.I_GEN, L.I_TAG, L
 _ST, _KM, _KEY = L.R_STATE, L.R_KEY_META, L.R_KEY
 _LEVEL_SLOTS = L.DUE_LEVEL + 1  # per-level counters: levels 0..14 and the due list
 _TOMB = -2  # key index: deleted
+_STRAGGLERS = 16  # vectorized probing hands the last few items to the scalar loop
 
 
 def _default_levels(tick_ms: int, wheel_size: int) -> int:
@@ -272,6 +273,7 @@ class TimerWheel:
         self.first_entry = self.due_list + 2
         self.n_records = self.first_entry + capacity
         self._ticks = [tick_ms * wheel_size**lvl for lvl in range(levels)]
+        self._ticks_np = np.array(self._ticks, dtype=np.int64)
         self._top_base = (levels - 1) * wheel_size
 
         mv = memoryview(buf)
@@ -452,6 +454,7 @@ class TimerWheel:
         if v - cur // t <= ws:  # <=: level 0 rounds up, see "Placing a timer"
             return v % ws, v * t, 0
         ticks = self._ticks
+        c = cur // t
         for level in range(1, self.levels):
             t = ticks[level]
             v = deadline // t
@@ -859,7 +862,7 @@ class TimerWheel:
         if not self._valid_meta(ident_arr.view(np.uint8)[::33]).all():
             raise InvalidKey("malformed encoded key")
         hashes = self._batch_hashes(ident_list, groups)
-        if np.unique(hashes).size != n:  # a key twice: keep the order of the scalar path
+        if self._has_duplicates(hashes):  # a key twice: keep the order of the scalar path
             for j in range(n):
                 try:
                     slots_out[j], gens_out[j] = self.schedule_ident(
@@ -910,7 +913,7 @@ class TimerWheel:
         if not n:
             return np.zeros(0, dtype=bool)
         hashes = self._batch_hashes(ident_list, groups)
-        if np.unique(hashes).size != n:
+        if self._has_duplicates(hashes):
             return np.array([self.cancel_ident(ident_list[j], int(groups[j])) for j in range(n)], dtype=bool)
         found = self._find_many(ident_arr, hashes, groups)
         hit = found >= 0
@@ -965,13 +968,12 @@ class TimerWheel:
         ok[ok] = (rec["state"][inside] == _FIRED) & (rec["gen"][inside] == generations[ok])
         if ok.any():  # a slot named twice is released once
             index = np.flatnonzero(ok)
-            _unique, first = np.unique(slots[index], return_index=True)
             ok[:] = False
-            ok[index[first]] = True
+            ok[index[self._first_of_each(slots[index])]] = True
         released = slots[ok]
         if released.size:
+            rec["state"][released] = _FREE  # commit points (the lists are derived: unlinked after)
             self._unlink_many(released)
-            rec["state"][released] = _FREE  # commit points
             self._free_many(released)
             c = self._counters
             c["fired_unacked"] -= int(released.size)
@@ -983,6 +985,20 @@ class TimerWheel:
         return self.records[np.asarray(slots, dtype=np.int64)]
 
     # ------------------------------------------------------------------ batch helpers
+    @staticmethod
+    def _has_duplicates(values: np.ndarray) -> bool:
+        ordered = np.sort(values)
+        return bool((ordered[1:] == ordered[:-1]).any())
+
+    @staticmethod
+    def _first_of_each(values: np.ndarray) -> np.ndarray:
+        """Indices of the first occurrence of each distinct value (np.unique is slow on small arrays)."""
+        order = np.argsort(values, kind="stable")
+        ordered = values[order]
+        head = np.ones(values.size, dtype=bool)
+        head[1:] = ordered[1:] != ordered[:-1]
+        return order[head]
+
     def _count_levels(self, levels: np.ndarray, sign: int) -> None:
         counts = np.bincount(levels, minlength=_LEVEL_SLOTS).tolist()
         by_level = self._pending_by_level
@@ -1001,30 +1017,32 @@ class TimerWheel:
             return
         rec = self.records
         self._count_levels((rec["state"][slots] >> L.LEVEL_SHIFT).astype(np.int64), -1)
+        rec["state"][slots] = _FREE  # commit points (the lists are derived: unlinked after)
         self._unlink_many(slots)
-        rec["state"][slots] = _FREE  # commit points
         self._index_remove_many(slots)
         self._free_many(slots)
         self._counters["pending"] -= int(slots.size)
 
     def _unlink_many(self, slots: np.ndarray) -> None:
-        """Unlink distinct records from their lists, neighbours possibly among them.
+        """Unlink distinct records, already committed FREE, from their lists.
 
-        Each removed record's nearest surviving neighbours are found by pointer
-        jumping (every round doubles the distance covered), then joined.
+        Neighbours may be among them (whole runs of a bucket). Each record's nearest
+        surviving neighbours are found by pointer jumping on its own prev/next
+        fields (each round doubles the distance covered): a neighbour still to be
+        skipped is an entry record in state FREE, as no linked record is otherwise.
         """
         rec = self.records
-        removed = np.sort(slots)
-        prev = rec["prev"][removed].astype(np.int64)
-        nxt = rec["next"][removed].astype(np.int64)
-        for pointers in (prev, nxt):
+        state, first = rec["state"], self.first_entry
+        for field in ("prev", "next"):
+            links = rec[field]
             while True:
-                at = np.searchsorted(removed, pointers)
-                at[at == removed.size] = 0
-                inside = removed[at] == pointers
-                if not inside.any():
+                to = links[slots].astype(np.int64)
+                skip = (to >= first) & (state[to] == _FREE)
+                if not skip.any():
                     break
-                pointers[inside] = pointers[at[inside]]
+                links[slots[skip]] = links[to[skip]]
+        prev = rec["prev"][slots]
+        nxt = rec["next"][slots]
         rec["next"][prev] = nxt
         rec["prev"][nxt] = prev
 
@@ -1076,7 +1094,7 @@ class TimerWheel:
         group_of = self.records["group"]
         position = hashes & mask
         active = np.arange(n)
-        while active.size:
+        while active.size > _STRAGGLERS:
             cells = table[position[active]].astype(np.int64)
             done = cells == _EMPTY
             live = np.flatnonzero(cells >= 0)
@@ -1088,28 +1106,47 @@ class TimerWheel:
                 done[live[same]] = True
             active = active[~done]
             position[active] = (position[active] + 1) & mask
+        for j in active.tolist():  # the last few long probe chains: one by one
+            found[j] = self._find(bytes(idents[j]), int(hashes[j]), int(groups[j]))
         return found
 
     def _index_add_many(self, slots: np.ndarray, hashes: np.ndarray) -> None:
-        """Vectorized :meth:`_index_add` of keys known to be absent."""
+        """Vectorized :meth:`_index_add` of keys known to be absent.
+
+        Rounds: every item claims its probe cell if the cell is open, one winner per
+        cell; the others move one cell on. The last few items go the scalar way.
+        """
         table, mask = self._table_np, self._mask
         self._hash_np[slots] = hashes
         position = hashes & mask
         pending = np.arange(slots.size)
-        while pending.size:
+        while pending.size > _STRAGGLERS:
             p = position[pending]
-            open_cells = table[p] < 0
+            cells = table[p]
+            open_cells = np.flatnonzero(cells < 0)
             candidates = pending[open_cells]
-            cells, first = np.unique(p[open_cells], return_index=True)
+            first = self._first_of_each(p[open_cells])
             winners = candidates[first]
-            self._used += int(np.count_nonzero(table[cells] == _EMPTY))
-            table[cells] = slots[winners]
-            self._pos_np[slots[winners]] = cells
+            won = p[open_cells][first]
+            self._used += int(np.count_nonzero(cells[open_cells][first] == _EMPTY))
+            table[won] = slots[winners]
+            self._pos_np[slots[winners]] = won
             placed = np.zeros(slots.size, dtype=bool)
             placed[winners] = True
             pending = pending[~placed[pending]]
             position[pending] = (position[pending] + 1) & mask
-        if self._used * 4 > (mask + 1) * 3:
+        rebuild_needed = self._used * 4 > (mask + 1) * 3
+        if pending.size:
+            table, pos = self._table, self._pos
+            for j in pending.tolist():
+                slot, p = int(slots[j]), int(position[j])
+                while table[p] >= 0:
+                    p = (p + 1) & mask
+                if table[p] == _EMPTY:
+                    self._used += 1
+                table[p] = slot
+                pos[slot] = p
+        if rebuild_needed or self._used * 4 > (mask + 1) * 3:
             self._rebuild_index()
 
     def _index_remove_many(self, slots: np.ndarray) -> None:
@@ -1262,39 +1299,35 @@ class TimerWheel:
         rec["prev"][ring] = np.roll(ring, 1)
 
     def _place_many(self, deadlines: np.ndarray, cur: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Vectorized :meth:`_place` (plus the due list) for the rebuild."""
+        """Vectorized :meth:`_link` placement: (sentinel, bucket expiration, level) per deadline.
+
+        Every level's bucket number is computed at once (an n x levels array); each
+        deadline takes the lowest level it fits in, the top level clamps, and
+        deadlines <= cur go to the due list.
+        """
         n = deadlines.size
+        if n > 1 << 20:  # bound the n x levels temporaries (the rebuild of a big arena)
+            parts = [self._place_many(deadlines[at : at + (1 << 20)], cur) for at in range(0, n, 1 << 20)]
+            return tuple(np.concatenate(column) for column in zip(*parts))
         ws = self.wheel_size
-        buckets = np.full(n, -1, dtype=np.int64)
-        expirations = np.zeros(n, dtype=np.int64)
-        levels = np.full(n, -1, dtype=np.int64)
+        ticks = self._ticks_np
+        v = deadlines[:, None] // ticks
+        v[:, 0] = -(-deadlines // ticks[0])  # level 0 rounds up
+        span = v - cur // ticks
+        fits = span < ws
+        fits[:, 0] = span[:, 0] <= ws  # see "Placing a timer"
+        fits[:, -1] = True  # the top level takes everything else, clamped
+        levels = fits.argmax(axis=1)
+        rows = np.arange(n)
+        v = v[rows, levels]
+        clamp = (levels == self.levels - 1) & (span[rows, levels] > (ws if self.levels == 1 else ws - 1))
+        v[clamp] = cur // ticks[-1] + ws - 1
+        buckets = levels * ws + v % ws
+        expirations = v * ticks[levels]
         due = deadlines <= cur
         buckets[due] = self.due_list
         expirations[due] = cur
         levels[due] = L.DUE_LEVEL
-        todo = ~due
-        t = self.tick_ms
-        v = -(-deadlines // t)
-        ok = todo & (v - cur // t <= ws)
-        buckets[ok] = v[ok] % ws
-        expirations[ok] = v[ok] * t
-        levels[ok] = 0
-        todo &= ~ok
-        c = cur // t
-        for level in range(1, self.levels):
-            t = self._ticks[level]
-            v = deadlines // t
-            c = cur // t
-            ok = todo & (v - c < ws)
-            buckets[ok] = level * ws + v[ok] % ws
-            expirations[ok] = v[ok] * t
-            levels[ok] = level
-            todo &= ~ok
-        if todo.any():
-            v = c + ws - 1
-            buckets[todo] = self._top_base + v % ws
-            expirations[todo] = v * t
-            levels[todo] = self.levels - 1
         return buckets, expirations, levels
 
     # ------------------------------------------------------------------ invariants
@@ -1344,12 +1377,8 @@ class TimerWheel:
                         problems.append(f"record {s} in level-{blevel} bucket {j} has state {st} level {level}")
                     if exp % t or v % ws != j:
                         problems.append(f"bucket {b}: expiration {exp} does not map to it")
-                    if blevel == 0:
-                        right = -(-d // t) == v
-                    elif blevel == self.levels - 1:
-                        right = d // t >= v
-                    else:
-                        right = d // t == v
+                    reach = -(-d // t) if blevel == 0 else d // t  # level 0 rounds up
+                    right = reach >= v if blevel == self.levels - 1 else reach == v  # the top level clamps
                     if not right:
                         problems.append(f"record {s}: deadline {d} does not belong in level-{blevel} bucket {j} (exp {exp})")
                     if exp <= cur:

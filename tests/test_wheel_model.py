@@ -215,6 +215,8 @@ class WheelMachine(RuleBasedStateMachine):
 
 SHAPES = [  # tick_ms, wheel_size, levels (None: enough levels for ~35 years)
     (1, 2, 3),
+    (1, 4, 1),
+    (7, 3, 1),
     (1, 3, 2),
     (1, 4, 3),
     (1, 256, None),

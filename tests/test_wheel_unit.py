@@ -149,6 +149,18 @@ def test_clamped_deadline_with_big_jumps():
     assert wheel.check() == []
 
 
+def test_single_level_wheel_clamps_too():
+    """Regression: with levels=1, placing beyond level 0 raised NameError and check()
+    judged a clamped level-0 record misplaced."""
+    for tick_ms in (1, 7):
+        wheel = TimerWheel.create(10, tick_ms=tick_ms, wheel_size=4, levels=1)
+        wheel.schedule("far", 100)
+        wheel.schedule("near", 3)
+        assert wheel.check() == []
+        fired = fire_times(wheel, 120)
+        assert fired == {"far": math.ceil(100 / tick_ms) * tick_ms, "near": math.ceil(3 / tick_ms) * tick_ms}
+
+
 # ----------------------------------------------------------------------------- next_deadline
 def test_next_deadline():
     wheel = TimerWheel.create(10, tick_ms=1, wheel_size=256)

@@ -1,0 +1,1 @@
+"""wheeld's benchmarks: each prints a table and writes JSON into bench/results/."""

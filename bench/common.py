@@ -1,0 +1,66 @@
+"""Helpers shared by the benchmarks: a plain-text table and a JSON result file.
+
+Every result file carries the machine it was measured on and the load average
+at the start: the project's machines have 2 cores shared by several engineers,
+so a figure measured under load says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict:
+    info = {
+        "python": sys.version.split()[0],
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "load_average_at_start": list(os.getloadavg()),
+        "measured_at_unix_s": int(time.time()),
+    }
+    try:
+        import numpy
+
+        info["numpy"] = numpy.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    return info
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[str], headers: Sequence[str] | None = None) -> str:
+    """Right-aligned columns; floats with thousands separators, None as '-'."""
+
+    def cell(value) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.2f}"
+        if isinstance(value, int):
+            return f"{value:,}"
+        return str(value)
+
+    headers = list(headers or columns)
+    body = [[cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in body]
+    return "\n".join(lines)
+
+
+def write_json(name: str, payload: dict) -> Path:
+    """Write ``bench/results/<name>.json`` (with machine info) and return its path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    data = {"benchmark": name, "machine": machine_info(), **payload}
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return path
