@@ -150,7 +150,8 @@ _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP = L.I_PREV, L.I_NEXT, L.I_GEN, L.I_TAG, L
 _ST, _KM, _KEY = L.R_STATE, L.R_KEY_META, L.R_KEY
 _LEVEL_SLOTS = L.DUE_LEVEL + 1  # per-level counters: levels 0..14 and the due list
 _TOMB = -2  # key index: deleted
-_STRAGGLERS = 16  # vectorized probing hands the last few items to the scalar loop
+_WINDOW = 8  # vectorized key-index probing gathers this many cells per key at once
+_WINDOW_STEPS = np.arange(_WINDOW, dtype=np.int64)
 
 
 def _default_levels(tick_ms: int, wheel_size: int) -> int:
@@ -1087,65 +1088,60 @@ class TimerWheel:
                     heapq.heappush(heap, (expiration, b))
 
     def _find_many(self, idents: np.ndarray, hashes: np.ndarray, groups: np.ndarray) -> np.ndarray:
-        """Vectorized :meth:`_find`: probe every item's chain one cell per round."""
+        """Vectorized :meth:`_find`: one gather of each item's first ``_WINDOW`` probe cells.
+
+        A key is absent if an EMPTY cell comes before any cell holding it; the
+        items whose window holds neither an EMPTY cell nor their key (rare at the
+        table's load) are finished one by one.
+        """
         n = hashes.size
         found = np.full(n, -1, dtype=np.int64)
-        table, slot_hash, mask = self._table_np, self._hash_np, self._mask
-        group_of = self.records["group"]
-        position = hashes & mask
-        active = np.arange(n)
-        while active.size > _STRAGGLERS:
-            cells = table[position[active]].astype(np.int64)
-            done = cells == _EMPTY
-            live = np.flatnonzero(cells >= 0)
-            if live.size:
-                c, a = cells[live], active[live]
-                same = slot_hash[c] == hashes[a]
-                same[same] = (self._idents[c[same]] == idents[a[same]]) & (group_of[c[same]] == groups[a[same]])
-                found[a[same]] = c[same]
-                done[live[same]] = True
-            active = active[~done]
-            position[active] = (position[active] + 1) & mask
-        for j in active.tolist():  # the last few long probe chains: one by one
+        cells = self._table_np[(hashes & self._mask)[:, None] + _WINDOW_STEPS & self._mask]
+        empty = cells == _EMPTY
+        first_empty = np.where(empty.any(axis=1), empty.argmax(axis=1), _WINDOW)
+        row, col = np.nonzero((cells >= 0) & (_WINDOW_STEPS < first_empty[:, None]))
+        if row.size:
+            slot = cells[row, col].astype(np.int64)
+            same = self._hash_np[slot] == hashes[row]
+            row, slot = row[same], slot[same]
+            same = (self._idents[slot] == idents[row]) & (self.records["group"][slot] == groups[row])
+            found[row[same]] = slot[same]
+        for j in np.flatnonzero((first_empty == _WINDOW) & (found < 0)).tolist():
             found[j] = self._find(bytes(idents[j]), int(hashes[j]), int(groups[j]))
         return found
 
     def _index_add_many(self, slots: np.ndarray, hashes: np.ndarray) -> None:
         """Vectorized :meth:`_index_add` of keys known to be absent.
 
-        Rounds: every item claims its probe cell if the cell is open, one winner per
-        cell; the others move one cell on. The last few items go the scalar way.
+        Each item takes the first open (EMPTY or deleted) cell of its probe window;
+        where two items want the same cell, or a window has no open cell, the later
+        items go one by one.
         """
         table, mask = self._table_np, self._mask
         self._hash_np[slots] = hashes
-        position = hashes & mask
-        pending = np.arange(slots.size)
-        while pending.size > _STRAGGLERS:
-            p = position[pending]
-            cells = table[p]
-            open_cells = np.flatnonzero(cells < 0)
-            candidates = pending[open_cells]
-            first = self._first_of_each(p[open_cells])
-            winners = candidates[first]
-            won = p[open_cells][first]
-            self._used += int(np.count_nonzero(cells[open_cells][first] == _EMPTY))
-            table[won] = slots[winners]
-            self._pos_np[slots[winners]] = won
-            placed = np.zeros(slots.size, dtype=bool)
-            placed[winners] = True
-            pending = pending[~placed[pending]]
-            position[pending] = (position[pending] + 1) & mask
+        cells = table[(hashes & mask)[:, None] + _WINDOW_STEPS & mask]
+        open_cells = cells < 0
+        has_open = open_cells.any(axis=1)
+        offset = open_cells.argmax(axis=1)
+        target = (hashes + offset) & mask
+        rows = np.flatnonzero(has_open)
+        winners = rows[self._first_of_each(target[rows])]
+        won = target[winners]
+        self._used += int(np.count_nonzero(table[won] == _EMPTY))
+        table[won] = slots[winners]
+        self._pos_np[slots[winners]] = won
+        placed = np.zeros(slots.size, dtype=bool)
+        placed[winners] = True
         rebuild_needed = self._used * 4 > (mask + 1) * 3
-        if pending.size:
-            table, pos = self._table, self._pos
-            for j in pending.tolist():
-                slot, p = int(slots[j]), int(position[j])
-                while table[p] >= 0:
-                    p = (p + 1) & mask
-                if table[p] == _EMPTY:
-                    self._used += 1
-                table[p] = slot
-                pos[slot] = p
+        table_view, pos = self._table, self._pos
+        for j in np.flatnonzero(~placed).tolist():
+            slot, p = int(slots[j]), int(hashes[j]) & mask
+            while table_view[p] >= 0:
+                p = (p + 1) & mask
+            if table_view[p] == _EMPTY:
+                self._used += 1
+            table_view[p] = slot
+            pos[slot] = p
         if rebuild_needed or self._used * 4 > (mask + 1) * 3:
             self._rebuild_index()
 
