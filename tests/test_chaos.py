@@ -95,12 +95,13 @@ class Chaos:
         self.events["checks"] += 1
 
     def crash_daemon(self, reboot: bool) -> None:
+        killed_at = mono_ms()  # the power cut happens here: nothing is fsynced after it
         self.daemon.kill()
         self.check_arena()
         if reboot:
             unlink_segments(self.daemon.name)
             self.lose_page_cache()
-            self.reboots.append(mono_ms())
+            self.reboots.append(killed_at)
             self.events["reboots"] += 1
         else:
             self.events["daemon_kills"] += 1
