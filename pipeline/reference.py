@@ -310,6 +310,7 @@ def tables_from_events(
     tables["lateness_by_host"] = _lateness_table(fires, ("host",))
     tables["lateness_by_group"] = _lateness_table(fires, ("group",))
     tables["lateness_by_minute"] = _lateness_table(fires, ("minute_ms",))
+    tables["lateness_by_hour"] = _lateness_table(fires, ("hour_ms",))
     by_hour = _lateness_table(fires, ("host", "hour_ms"))
     tables["lateness_by_host_hour"] = [
         {k: row[k] for k in ("host", "hour_ms", "fires", "overdue_fires", "p99_ms", "max_ms")}
@@ -394,6 +395,8 @@ def tables_from_events(
             "rearms": per_group[name]["rearm"],
             "cancels": per_group[name]["cancel"],
             "fires": per_group[name]["fire"],
+            "acks": per_group[name]["ack"],
+            "idle_rearms": per_group[name]["idle_rearm"],
             "hosts": len(hosts_of[name]),
         }
         for rank, name in enumerate(noisy, start=1)

@@ -50,6 +50,8 @@ PALETTE = {
     "cancels": "#55A868",
     "fires": "#C44E52",
     "rearms": "#8172B2",
+    "acks": "#CCB974",
+    "idle_rearms": "#64B5CD",
     "p50_ms": "#4C72B0",
     "p99_ms": "#DD8452",
     "p999_ms": "#C44E52",
@@ -128,33 +130,45 @@ def chart_throughput(throughput: pd.DataFrame) -> str | None:
     if throughput.empty:
         return None
     plt = _pyplot()
-    figure, axes = plt.subplots(figsize=(10, 3.4))
+    figure, axes = plt.subplots(layout="constrained", figsize=(10, 3.4))
     when = _times(throughput["minute_ms"])
     for column in ("adds", "cancels", "fires"):
         axes.plot(when, throughput[f"{column}_per_s"], label=f"{column}/s", color=PALETTE[column], lw=1.4)
     axes.set_ylabel("events per second")
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)
-    axes.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False, ncol=3, fontsize=8)
+    figure.legend(loc="outside lower center", frameon=False, ncol=3, fontsize=8)
     axes.set_title("Load over time (per-minute average)", loc="left", fontsize=11)
     figure.autofmt_xdate()
     return _png(figure)
 
 
-def chart_lateness_over_time(by_minute: pd.DataFrame) -> str | None:
-    frame = by_minute[by_minute["fires"] > 0] if not by_minute.empty else by_minute
+def chart_lateness_over_time(by_minute: pd.DataFrame, by_hour: pd.DataFrame | None = None) -> str | None:
+    """Fleet lateness percentiles over time: per hour for runs longer than 6 h, else per minute.
+
+    (Percentiles cannot be merged after the fact, so the job computes both
+    bucket widths; with a few fires a minute, per-minute p99 = max = noise.)
+    """
+    frame, width = by_minute, "minute"
+    if by_hour is not None and not by_hour.empty and not by_minute.empty:
+        span_ms = by_minute["minute_ms"].max() - by_minute["minute_ms"].min()
+        if span_ms > 6 * 3_600_000:
+            frame, width = by_hour.rename(columns={"hour_ms": "minute_ms"}), "hour"
+    frame = frame[frame["fires"] > 0] if not frame.empty else frame
     if frame.empty:
         return None
     plt = _pyplot()
-    figure, axes = plt.subplots(figsize=(10, 3.4))
+    figure, axes = plt.subplots(layout="constrained", figsize=(10, 3.4))
     when = _times(frame["minute_ms"])
-    for column, label in (("p50_ms", "p50"), ("p99_ms", "p99"), ("p999_ms", "p99.9"), ("max_ms", "max")):
-        axes.plot(when, frame[column].astype(float) + 1, label=label, color=PALETTE[column], lw=1.2 if column != "max_ms" else 0.8)
+    drawstyle = "steps-post" if width == "hour" else "default"
+    for column, label in (("p50_ms", "p50"), ("p99_ms", "p99"), ("p999_ms", "p99.9")):
+        axes.plot(when, frame[column].astype(float) + 1, label=label, color=PALETTE[column], lw=1.5, drawstyle=drawstyle)
+    axes.scatter(when, frame["max_ms"].astype(float) + 1, label="max", color=PALETTE["max_ms"], s=8, zorder=3)
     axes.set_yscale("log")
     axes.set_ylabel("lateness + 1 (ms, log)")
     axes.grid(alpha=0.3, which="both")
-    axes.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False, ncol=4, fontsize=8)
-    axes.set_title("How late timers fire, per minute (fleet)", loc="left", fontsize=11)
+    figure.legend(loc="outside lower center", frameon=False, ncol=4, fontsize=8)
+    axes.set_title(f"How late timers fire, per {width} (fleet)", loc="left", fontsize=11)
     figure.autofmt_xdate()
     return _png(figure)
 
@@ -164,7 +178,7 @@ def chart_slowest_hosts(slowest: pd.DataFrame) -> str | None:
         return None
     plt = _pyplot()
     frame = slowest.sort_values("rank", ascending=False)
-    figure, axes = plt.subplots(figsize=(10, 0.32 * len(frame) + 1.2))
+    figure, axes = plt.subplots(layout="constrained", figsize=(10, 0.32 * len(frame) + 1.2))
     positions = range(len(frame))
     axes.barh(positions, frame["p99_ms"].astype(float), color=PALETTE["p99_ms"], label="p99")
     axes.scatter(frame["p50_ms"].astype(float), positions, color=PALETTE["p50_ms"], zorder=3, s=18, label="p50")
@@ -173,7 +187,7 @@ def chart_slowest_hosts(slowest: pd.DataFrame) -> str | None:
     axes.set_xscale("symlog", linthresh=1)
     axes.set_xlabel("lateness (ms)")
     axes.grid(alpha=0.3, axis="x")
-    axes.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False, ncol=3, fontsize=8)
+    figure.legend(loc="outside lower center", frameon=False, ncol=3, fontsize=8)
     axes.set_title("Slowest hosts (p99 lateness, worst at the top)", loc="left", fontsize=11)
     return _png(figure)
 
@@ -195,7 +209,7 @@ def chart_heatmap(by_host_hour: pd.DataFrame, by_host: pd.DataFrame) -> str | No
     grid = frame[frame["host"].isin(order)].pivot(index="host", columns="hour_ms", values="p99_ms")
     grid = grid.reindex(order)
     values = grid.to_numpy(dtype=float) + 1.0
-    figure, axes = plt.subplots(figsize=(10, 0.28 * len(order) + 1.6))
+    figure, axes = plt.subplots(layout="constrained", figsize=(10, 0.28 * len(order) + 1.6))
     finite = values[np.isfinite(values)]
     image = axes.imshow(
         np.ma.masked_invalid(values),
@@ -220,7 +234,7 @@ def chart_timeout_rate(by_group: pd.DataFrame) -> str | None:
         return None
     plt = _pyplot()
     frame = frame.sort_values("timeout_rate").tail(30)
-    figure, axes = plt.subplots(figsize=(10, 0.32 * len(frame) + 1.2))
+    figure, axes = plt.subplots(layout="constrained", figsize=(10, 0.32 * len(frame) + 1.2))
     positions = range(len(frame))
     axes.barh(positions, 100 * frame["timeout_rate"], color=PALETTE["fires"])
     for position, (_, row) in zip(positions, frame.iterrows()):
@@ -243,7 +257,7 @@ def chart_idle_churn(idle: pd.DataFrame) -> str | None:
         return None
     plt = _pyplot()
     frame = frame.sort_values("idle_rearms", ascending=True).tail(20)
-    figure, axes = plt.subplots(figsize=(10, 0.4 * len(frame) + 1.2))
+    figure, axes = plt.subplots(layout="constrained", figsize=(10, 0.5 * len(frame) + 1.8))
     positions = list(range(len(frame)))
     axes.barh([p + 0.2 for p in positions], frame["idle_rearms"], height=0.4, color=PALETTE["rearms"], label="re-armed (key was touched)")
     axes.barh([p - 0.2 for p in positions], frame["idle_fires"], height=0.4, color=PALETTE["fires"], label="fired (really idle)")
@@ -254,8 +268,8 @@ def chart_idle_churn(idle: pd.DataFrame) -> str | None:
     axes.set_yticks(positions, frame["group"])
     axes.set_xlabel("idle-timer wake-ups")
     axes.grid(alpha=0.3, axis="x")
-    axes.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False, ncol=2, fontsize=8)
-    axes.set_title("Idle-timeout churn: wake-ups that found the key touched vs real timeouts", loc="left", fontsize=11)
+    figure.legend(loc="outside lower center", frameon=False, ncol=2, fontsize=8)
+    axes.set_title("Idle-timer wake-ups: key touched (re-armed) vs really idle (fired)", loc="left", fontsize=11)
     return _png(figure)
 
 
@@ -264,16 +278,18 @@ def chart_noisiest_groups(noisy: pd.DataFrame) -> str | None:
         return None
     plt = _pyplot()
     frame = noisy.sort_values("rank", ascending=False)
-    figure, axes = plt.subplots(figsize=(10, 0.32 * len(frame) + 1.2))
+    figure, axes = plt.subplots(layout="constrained", figsize=(10, 0.32 * len(frame) + 1.2))
     positions = range(len(frame))
     left = pd.Series(0, index=frame.index, dtype=float)
-    for column in ("adds", "rearms", "cancels", "fires"):
-        axes.barh(positions, frame[column], left=left, color=PALETTE[column], label=column)
+    for column in ("adds", "rearms", "cancels", "fires", "acks", "idle_rearms"):
+        if column not in frame:
+            continue
+        axes.barh(positions, frame[column], left=left, color=PALETTE[column], label=column.replace("_", " "))
         left = left + frame[column]
     axes.set_yticks(list(positions), [f"{g} ({h} hosts)" for g, h in zip(frame["group"], frame["hosts"])])
     axes.set_xlabel("events")
     axes.grid(alpha=0.3, axis="x")
-    axes.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False, ncol=4, fontsize=8)
+    figure.legend(loc="outside lower center", frameon=False, ncol=6, fontsize=8)
     axes.set_title("Noisiest groups", loc="left", fontsize=11)
     return _png(figure)
 
@@ -284,7 +300,7 @@ def chart_bad_input(segments: pd.DataFrame) -> str | None:
         return None
     plt = _pyplot()
     totals = segments[columns].sum()
-    figure, axes = plt.subplots(figsize=(10, 1.9))
+    figure, axes = plt.subplots(layout="constrained", figsize=(10, 1.9))
     axes.barh(range(len(columns)), totals.values, color="#C44E52")
     axes.set_yticks(range(len(columns)), [c.replace("_", " ") for c in columns])
     for position, value in enumerate(totals.values):
@@ -387,7 +403,7 @@ def render(
         ("How late timers fire",
          "Lateness = fired wall time - deadline, for timers fired by a running daemon "
          "(timers overdue after downtime are counted separately). Exact nearest-rank percentiles.",
-         _img(chart_lateness_over_time(get("lateness_by_minute")), "lateness over time"),
+         _img(chart_lateness_over_time(get("lateness_by_minute"), get("lateness_by_hour")), "lateness over time"),
          _table(get("lateness_by_group"), title="lateness_by_group")),
         ("Slowest hosts",
          "Hosts ranked by p99 lateness; the dot is the median, the tick the worst fire.",
