@@ -36,7 +36,9 @@ Two backends, one API::
   touch table; the daemon does the lazy re-arm when the timer comes due, and a
   task reads the expirations. The timers outlive this process (the daemon hands
   them to another member of the group if it dies); give the tracker a client of
-  a group that only idle tracking uses. The daemon's clock is in whole ms, so
+  a group that only idle tracking uses, and leave that client's ``poll`` and
+  ``flush`` to the tracker (``await tracker.flush()``): the asyncio client
+  supports one reader of its socket at a time. The daemon's clock is in whole ms, so
   an idle report can come up to 1 ms before ``last activity + idle_ms`` measured
   in ns (the client stores the touch time rounded down).
 
@@ -171,6 +173,25 @@ class IdleTracker:
         if key is _CLOSED:
             raise StopAsyncIteration
         return key
+
+    async def flush(self, timeout_s: float = 10.0) -> None:
+        """Daemon: return once the daemon applied every add/remove sent so far (no-op in-process).
+
+        Use this, not ``client.flush()``: the tracker's task is reading the client's
+        socket, and the asyncio client does not support two readers at once. The
+        task is paused around the flush; expirations read meanwhile are not lost.
+        """
+        if self._wheel is not None or self._closed:
+            return
+        self._task.cancel()
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):
+            pass
+        try:
+            await self.client.flush(timeout_s)
+        finally:
+            self._task = self._loop.create_task(self._read_expirations(), name="wheeld-idle-expirations")
 
     async def aclose(self) -> None:
         """Stop reporting. Daemon timers of keys still tracked are cancelled (the client stays open)."""

@@ -127,6 +127,7 @@ async def _exercise_server(client, idle_ms: int, slack_ms: float) -> None:
 
         for conn in conns:
             await send(conn)
+        await server.tracker.flush()  # daemon: pauses and resumes the tracker's reader; in-process: no-op
         watchers = [asyncio.ensure_future(watch_eof(c)) for c in conns]
         active_until = time.monotonic() + 3 * idle_ms / 1000
         while time.monotonic() < active_until:  # active: well under the idle time between sends

@@ -1,0 +1,465 @@
+"""Idle-connection detection for 100,000 connections: cost per touch and memory per connection.
+
+    python bench/idle.py                 # 100k connections, ~2 minutes
+    python bench/idle.py --quick         # 20k connections, shorter phases
+    python bench/idle.py --variants asyncio-timer,wheeld-daemon --repeat 3
+
+The seed-004 problem: N connections, report those that received nothing for
+``idle_ms``. Connections are simulated keys (ints), no sockets. Each variant
+runs in its own process (clean memory figures), in an asyncio event loop:
+
+* ``asyncio-timer``: the usual server code: one loop timer per connection,
+  re-armed on activity (``handle.cancel()`` + ``loop.call_later``);
+* ``scan``: a dict of last-activity times (a touch is one dict store) and one
+  task that scans the whole dict every ``--scan-interval-ms`` (seed 004's naive
+  answer: O(N) per scan);
+* ``wheeld-daemon``: :class:`wheeld.idle.IdleTracker` on a wheeld daemon
+  (``add_idle``; ``touch`` is one 8-byte store into the client's shared touch
+  table; the daemon re-arms lazily when the timer comes due). The daemon's CPU
+  and memory are added to the variant's;
+* ``wheel``: :class:`wheeld.idle.IdleTracker` on the in-process wheel (same lazy
+  re-arm, a dict store per touch);
+* ``none``: the driver alone (touch does nothing): the harness's own cost,
+  subtracted from the all-in figures.
+
+Phases, per variant:
+
+1. *setup*: add N connections; CPU per connection, and memory per connection as
+   the growth of the process's RSS (+ the daemon's RSS growth for wheeld-daemon;
+   its arena of 64-byte records is allocated up front and counted as touched).
+2. *touch*: ``--touches`` touches at full speed on random active connections
+   (yielding to the loop every 1000, so asyncio's cleanup of cancelled timers is
+   paid): CPU per touch. This is the figure the issue's target is about.
+3. *steady*: ``--duration-s`` at a realistic ``--touch-rate`` (default 20,000/s:
+   90% of the connections active, each touched every ~4.5 s round-robin; 10%
+   silent), ``idle_ms`` 6 s so timers actually come due: active ones are re-armed
+   (lazily or not), silent ones reported. All-in CPU (process + daemon) minus the
+   ``none`` driver, per touch; idle reports, and reports earlier than ``idle_ms``
+   after the key's last touch (must be 0, except the scan which is up to one scan
+   interval late but never early).
+
+Writes bench/results/idle.json and prints a table. Target (issue 5): a wheeld
+touch at least 10x cheaper than re-arming an asyncio timer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "idle.json"
+VARIANTS = ("none", "asyncio-timer", "scan", "wheeld-daemon", "wheel")
+
+
+def rss_kb(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# =========================================================================== variants
+class Detector:
+    """add / touch / report idle keys; ``reports`` collects (key, monotonic ns)."""
+
+    def __init__(self, idle_ms: int) -> None:
+        self.idle_ms = idle_ms
+        self.reports: list[tuple[int, int]] = []
+
+    def on_idle(self, key) -> None:
+        self.reports.append((key, time.monotonic_ns()))
+
+    async def close(self) -> None:
+        pass
+
+
+class NoDetector(Detector):
+    async def start(self):
+        self.touch = lambda key: None
+        return self
+
+    def add(self, key) -> None:
+        pass
+
+
+class AsyncioTimers(Detector):
+    """One loop timer per connection, cancelled and re-created on every touch."""
+
+    async def start(self):
+        loop = asyncio.get_running_loop()
+        handles: dict[int, asyncio.TimerHandle] = {}
+        idle_s, on_idle, call_later = self.idle_ms / 1000, self._fired, loop.call_later
+        self.handles = handles
+
+        def touch(key) -> None:
+            handle = handles.get(key)
+            if handle is not None:
+                handle.cancel()
+                handles[key] = call_later(idle_s, on_idle, key)
+
+        def add(key) -> None:
+            handles[key] = call_later(idle_s, on_idle, key)
+
+        self.touch, self.add = touch, add
+        return self
+
+    def _fired(self, key) -> None:
+        del self.handles[key]
+        self.on_idle(key)
+
+
+class PeriodicScan(Detector):
+    """A dict of last-activity times and one task scanning it every ``scan_interval_ms``."""
+
+    def __init__(self, idle_ms: int, scan_interval_ms: int) -> None:
+        super().__init__(idle_ms)
+        self.scan_interval_s = scan_interval_ms / 1000
+
+    async def start(self):
+        last: dict[int, int] = {}
+        now_ns = time.monotonic_ns
+        self.last = last
+
+        def touch(key) -> None:
+            if key in last:
+                last[key] = now_ns()
+
+        def add(key) -> None:
+            last[key] = now_ns()
+
+        self.touch, self.add = touch, add
+        self._task = asyncio.get_running_loop().create_task(self._scan())
+        return self
+
+    async def _scan(self) -> None:
+        idle_ns = self.idle_ms * 1_000_000
+        while True:
+            await asyncio.sleep(self.scan_interval_s)
+            cutoff = time.monotonic_ns() - idle_ns
+            idle = [key for key, at in self.last.items() if at <= cutoff]
+            for key in idle:
+                del self.last[key]
+                self.on_idle(key)
+
+    async def close(self) -> None:
+        self._task.cancel()
+
+
+class TrackerDetector(Detector):
+    """wheeld.idle.IdleTracker, on the in-process wheel or on a daemon."""
+
+    def __init__(self, idle_ms: int, socket_path: str | None) -> None:
+        super().__init__(idle_ms)
+        self.socket_path = socket_path
+        self.client = None
+
+    async def start(self):
+        import wheeld
+        from wheeld.idle import IdleTracker
+
+        if self.socket_path:
+            self.client = await wheeld.connect_async(self.socket_path, group=f"idle-bench-{os.getpid()}")
+        self.tracker = IdleTracker(self.idle_ms, on_idle=self.on_idle, client=self.client)
+        self.touch, self._add = self.tracker.touch, self.tracker.add
+        return self
+
+    def add(self, key) -> None:
+        self._add(key)
+
+    async def settle(self) -> None:
+        await self.tracker.flush(timeout_s=60)
+
+    async def close(self) -> None:
+        await self.tracker.aclose()
+        if self.client is not None:
+            await self.client.close()
+
+
+def make_detector(variant: str, spec: dict) -> Detector:
+    if variant == "none":
+        return NoDetector(spec["idle_ms"])
+    if variant == "asyncio-timer":
+        return AsyncioTimers(spec["idle_ms"])
+    if variant == "scan":
+        return PeriodicScan(spec["idle_ms"], spec["scan_interval_ms"])
+    if variant == "wheeld-daemon":
+        return TrackerDetector(spec["idle_ms"], spec["socket"])
+    if variant == "wheel":
+        return TrackerDetector(spec["idle_ms"], None)
+    raise ValueError(variant)
+
+
+# =========================================================================== one variant (child process)
+async def run_variant(spec: dict) -> dict:
+    import numpy as np
+
+    n, variant = spec["connections"], spec["variant"]
+    daemon_pid = spec.get("daemon_pid")
+    rng = np.random.default_rng(spec.get("seed", 1))
+    keys = list(range(1, n + 1))
+    n_active = int(n * spec["active_fraction"])
+    active = rng.permutation(n_active) + 1  # keys 1..n_active are active, the rest stay silent
+    loop = asyncio.get_running_loop()
+    out: dict = {"variant": variant, "connections": n, "idle_ms": spec["idle_ms"]}
+
+    # ---- phase 1: setup (create the detector, add every connection)
+    rss0 = rss_kb()
+    daemon_rss0 = rss_kb(daemon_pid) if daemon_pid else 0
+    cpu0 = time.process_time()
+    detector = await make_detector(variant, spec).start()
+    add = detector.add
+    for key in keys:
+        add(key)
+    if hasattr(detector, "settle"):
+        await detector.settle()
+    out["setup_us_per_connection"] = (time.process_time() - cpu0) / n * 1e6
+    out["rss_bytes_per_connection"] = (rss_kb() - rss0) * 1024 / n
+    if daemon_pid:
+        out["daemon_rss_bytes_per_connection"] = (rss_kb(daemon_pid) - daemon_rss0) * 1024 / n
+    last_touch_ns = np.full(n + 1, time.monotonic_ns(), dtype=np.int64)
+
+    # ---- phase 2: touches at full speed (the per-touch cost)
+    touch = detector.touch
+    m = spec["touches"]
+    order = rng.choice(active, size=m).tolist()
+    daemon_cpu0 = proc_cpu_s(daemon_pid) if daemon_pid else 0.0
+    cpu0 = time.process_time()
+    for start in range(0, m, 1000):
+        for key in order[start:start + 1000]:
+            touch(key)
+        await asyncio.sleep(0)  # let the loop run (asyncio purges cancelled timers from its heap here)
+    cpu_touch = time.process_time() - cpu0
+    out["touch_us"] = cpu_touch / m * 1e6
+    if daemon_pid:
+        out["touch_daemon_us"] = (proc_cpu_s(daemon_pid) - daemon_cpu0) / m * 1e6
+    # every variant starts phase 3 from the same state: all keys tracked and just touched
+    for key, _at in detector.reports:
+        add(key)  # reported during phase 1-2 (a slow machine): track it again
+    if hasattr(detector, "settle"):
+        await detector.settle()
+    for key in keys:
+        touch(key)
+        last_touch_ns[key] = time.monotonic_ns()  # after the touch: the early check can only be stricter
+
+    # ---- phase 3: steady state at a realistic rate
+    rate, duration_s = spec["touch_rate"], spec["duration_s"]
+    round_robin = active.tolist()
+    position = 0
+    batch_s = 0.01
+    per_batch = rate * batch_s
+    owed = 0.0
+    touches = 0
+    reports_before = len(detector.reports)
+    daemon_cpu0 = proc_cpu_s(daemon_pid) if daemon_pid else 0.0
+    cpu0 = time.process_time()
+    wall0 = loop.time()
+    next_batch = wall0
+    now_ns = time.monotonic_ns
+    while True:
+        now = loop.time()
+        if now - wall0 >= duration_s:
+            break
+        owed += per_batch
+        k = int(owed)
+        owed -= k
+        for _ in range(k):
+            key = round_robin[position]
+            position += 1
+            if position == n_active:
+                position = 0
+            touch(key)
+            last_touch_ns[key] = now_ns()
+        touches += k
+        next_batch += batch_s
+        await asyncio.sleep(max(0.0, next_batch - loop.time()))
+    wall = loop.time() - wall0
+    cpu = time.process_time() - cpu0
+    daemon_cpu = (proc_cpu_s(daemon_pid) - daemon_cpu0) if daemon_pid else 0.0
+    reports = detector.reports[reports_before:]
+    idle_ns = spec["idle_ms"] * 1_000_000
+    # idle for: from the key's last touch to its report; < idle_ms is early (1 ms slack: the daemon's clock is in ms)
+    idle_for_ms = sorted((at - int(last_touch_ns[key])) / 1e6 for key, at in reports)
+    early = sum(1 for v in idle_for_ms if v * 1e6 < idle_ns - 1_000_000)
+    silent_reported = sum(1 for key, _at in reports if key > n_active)
+    out.update({
+        "steady_touches": touches, "steady_wall_s": wall, "steady_cpu_s": cpu, "steady_daemon_cpu_s": daemon_cpu,
+        "steady_cpu_cores": (cpu + daemon_cpu) / wall, "steady_us_per_touch": (cpu + daemon_cpu) / touches * 1e6,
+        "idle_reports": len(reports), "silent_reported": silent_reported, "silent": n - n_active,
+        "active_reported": len(reports) - silent_reported, "early_reports": early,
+        "report_lateness_ms": {
+            "p50": idle_for_ms[len(idle_for_ms) // 2] - spec["idle_ms"] if idle_for_ms else None,
+            "p99": idle_for_ms[int(len(idle_for_ms) * 0.99)] - spec["idle_ms"] if idle_for_ms else None,
+            "max": idle_for_ms[-1] - spec["idle_ms"] if idle_for_ms else None,
+        },
+    })
+    await detector.close()
+    return out
+
+
+# =========================================================================== parent
+class Daemon:
+    def __init__(self, connections: int) -> None:
+        import tempfile
+        import uuid
+
+        self.name = f"bench-idle-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.dir = tempfile.mkdtemp(prefix="wheeld-bench-")
+        self.socket_path = os.path.join(self.dir, "wheeld.sock")
+        self.capacity = max(1 << 17, 2 * connections)
+        self.proc = None
+
+    def start(self) -> "Daemon":
+        import socket
+
+        cmd = [sys.executable, "-m", "wheeld.daemon.cli", "--socket", self.socket_path, "--name", self.name,
+               "--capacity", str(self.capacity), "--touch-capacity", str(1 << 17), "--log-level", "WARNING"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"wheeld exited with {self.proc.returncode}")
+            try:
+                with socket.socket(socket.AF_UNIX) as probe:
+                    probe.connect(self.socket_path)
+                return self
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError("wheeld did not start")
+
+    def stop(self) -> None:
+        import shutil
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        prefix = f"wheeld-{self.name}-"
+        for entry in os.listdir("/dev/shm"):
+            if entry.startswith(prefix):
+                try:
+                    os.unlink(os.path.join("/dev/shm", entry))
+                except FileNotFoundError:
+                    pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def run_child(spec: dict) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                         timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"variant {spec['variant']} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(spec: dict) -> dict:
+    if spec["variant"] != "wheeld-daemon":
+        return run_child(spec)
+    daemon = Daemon(spec["connections"]).start()
+    try:
+        return run_child({**spec, "socket": daemon.socket_path, "daemon_pid": daemon.proc.pid})
+    finally:
+        daemon.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="20k connections, 200k touches, 8 s steady phase")
+    parser.add_argument("--connections", type=int)
+    parser.add_argument("--touches", type=int, help="touches in the full-speed phase (default 1,000,000)")
+    parser.add_argument("--touch-rate", type=int, default=20_000, help="touches per second in the steady phase")
+    parser.add_argument("--duration-s", type=float, help="steady phase length (default 15)")
+    parser.add_argument("--idle-ms", type=int, default=6000)
+    parser.add_argument("--active-fraction", type=float, default=0.9)
+    parser.add_argument("--scan-interval-ms", type=int, default=1000)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--repeat", type=int, default=1, help="runs per variant; best (lowest touch cost) kept")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    if args.child:
+        spec = json.loads(args.child)
+        print(json.dumps(asyncio.run(run_variant(spec))), flush=True)
+        return 0
+    connections = args.connections or (20_000 if args.quick else 100_000)
+    spec_base = {
+        "connections": connections, "touches": args.touches or (200_000 if args.quick else 1_000_000),
+        "touch_rate": args.touch_rate if not args.quick else min(args.touch_rate, 4000),
+        "duration_s": args.duration_s or (8.0 if args.quick else 15.0), "idle_ms": args.idle_ms,
+        "active_fraction": args.active_fraction, "scan_interval_ms": args.scan_interval_ms,
+    }
+    variants = [v for v in args.variants.split(",") if v]
+    print(f"idle benchmark: {connections:,} connections, load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} CPUs; {spec_base}", flush=True)
+    results: dict[str, dict] = {}
+    for variant in variants:
+        runs = []
+        for _ in range(args.repeat):
+            runs.append(measure({**spec_base, "variant": variant}))
+        best = dict(min(runs, key=lambda r: r["touch_us"]))
+        best["touch_us_runs"] = [round(r["touch_us"], 3) for r in runs]
+        best["steady_us_per_touch_runs"] = [round(r["steady_us_per_touch"], 3) for r in runs]
+        results[variant] = best
+        print(f"  {variant:14} touch {best['touch_us']:.3f} us (runs {best['touch_us_runs']})  "
+              f"setup {best['setup_us_per_connection']:.2f} us/conn  "
+              f"rss {best['rss_bytes_per_connection'] + best.get('daemon_rss_bytes_per_connection', 0):.0f} B/conn  "
+              f"steady {best['steady_us_per_touch']:.2f} us/touch ({best['steady_cpu_cores']:.2f} cores)  "
+              f"idle reports {best['idle_reports']} (silent {best['silent_reported']}/{best['silent']}, "
+              f"early {best['early_reports']})", flush=True)
+    driver = results.get("none")
+    if driver:
+        for variant, r in results.items():
+            if variant == "none":
+                continue
+            r["touch_us_net"] = r["touch_us"] - driver["touch_us"]
+            r["steady_us_per_touch_net"] = r["steady_us_per_touch"] - driver["steady_us_per_touch"]
+    summary = {}
+    base = results.get("asyncio-timer")
+    if base:
+        for variant in ("wheeld-daemon", "wheel", "scan"):
+            if variant in results:
+                key = "touch_us_net" if driver else "touch_us"
+                summary[f"asyncio_rearm_vs_{variant}_touch"] = base[key] / max(results[variant][key], 1e-9)
+    print_table(results, summary)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "benchmark": "idle", "spec": spec_base, "repeat": args.repeat,
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
+                    "load_average": os.getloadavg()[0]},
+        "results": results, "summary": summary,
+    }, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    return 0
+
+
+def print_table(results: dict, summary: dict) -> None:
+    print(f"\n{'variant':14} | {'touch us':>8} | {'net':>6} | {'setup us':>8} | {'B/conn':>7} | "
+          f"{'steady us/touch':>15} | {'net':>6} | {'cores':>5} | {'idle':>6} | {'early':>5}")
+    print("-" * 108)
+    for variant, r in results.items():
+        mem = r["rss_bytes_per_connection"] + r.get("daemon_rss_bytes_per_connection", 0.0)
+        print(f"{variant:14} | {r['touch_us']:8.3f} | {r.get('touch_us_net', 0.0):6.3f} | "
+              f"{r['setup_us_per_connection']:8.2f} | {mem:7.0f} | {r['steady_us_per_touch']:15.2f} | "
+              f"{r.get('steady_us_per_touch_net', 0.0):6.2f} | {r['steady_cpu_cores']:5.2f} | "
+              f"{r['idle_reports']:6} | {r['early_reports']:5}")
+    for name, value in summary.items():
+        print(f"{name}: {value:.1f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
