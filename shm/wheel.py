@@ -287,6 +287,7 @@ class TimerWheel:
         self._u = rec.cast("I")
         self._h = rec.cast("H")
         self.records = np.frombuffer(buf, dtype=L.RECORD_DTYPE, count=self.n_records, offset=self._header_bytes)
+        self._next = memoryview(self.records["next"])  # strided: record s's next link is _next[s]
 
         table_size = 16
         while table_size < 2 * capacity:
@@ -326,6 +327,7 @@ class TimerWheel:
             view.release()
         self.records = None
         self._idents = None
+        self._next.release()
         self._free_stack.release()
         self._seg.close()
 
@@ -647,8 +649,9 @@ class TimerWheel:
 
     def _collect(self, now_ms: int) -> list[int]:
         """Detach every bucket due at ``now_ms``, advance the clock, return their slots."""
-        heap, queued, i = self._heap, self._queued, self._i
+        heap, queued, i, nxt = self._heap, self._queued, self._i, self._next
         out: list[int] = []
+        append = out.append
         while heap and heap[0][0] <= now_ms:
             expiration, b = heapq.heappop(heap)
             if queued[b] != expiration:
@@ -657,8 +660,8 @@ class TimerWheel:
             bp = b * _IW
             s = i[bp + _NEXT]
             while s != b:
-                out.append(s)
-                s = i[s * _IW + _NEXT]
+                append(s)
+                s = nxt[s]
             i[bp + _PREV] = b
             i[bp + _NEXT] = b
         if now_ms > self._hq[_CUR]:
@@ -1034,6 +1037,15 @@ class TimerWheel:
         """
         rec = self.records
         state, first = rec["state"], self.first_entry
+        prev = rec["prev"][slots].astype(np.int64)
+        nxt = rec["next"][slots].astype(np.int64)
+        prev_kept = (prev < first) | (state[prev] != _FREE)
+        next_kept = (nxt < first) | (state[nxt] != _FREE)
+        if prev_kept.all() or np.count_nonzero(prev_kept) == 1:  # no two adjacent, or one run
+            before, after = prev[prev_kept], nxt[next_kept]
+            rec["next"][before] = after
+            rec["prev"][after] = before
+            return
         for field in ("prev", "next"):
             links = rec[field]
             while True:
