@@ -17,9 +17,10 @@ of ring commands (100 000 operations of each kind in all):
              expired timer's key and deadline are produced and its record freed.
 
 The best of ``--repeat`` runs is kept (the machine is shared: noisy). Memory is
-the RSS growth of the process from before the wheel existed to N pending,
-divided by N (the arena is private memory here, so it is inside the RSS), and
-the arena's size divided by N.
+the RSS growth of the process from before the timer existed to N pending
+(after ``malloc_trim``), divided by N: for the wheel that is the arena (private
+memory here, so inside the RSS) plus the key index and free list of the owning
+process. "arena B/timer" is the arena's size divided by N.
 
 Implementations (keys are the same integers for all):
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import gc
 import heapq
 import json
@@ -74,6 +76,12 @@ def int_idents(first: int, count: int) -> np.ndarray:
 
 
 def rss() -> int:
+    """Resident bytes, after handing freed heap memory back to the OS (glibc keeps it otherwise)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the figure then includes free heap memory
+        pass
     return psutil.Process().memory_info().rss
 
 
@@ -84,7 +92,7 @@ class WheelScalar:
         self.arena_bytes = L.segment_bytes(capacity, self.wheel.levels, self.wheel.wheel_size, self.wheel.max_groups)
 
     def fill(self, first: int, deadlines: np.ndarray) -> None:
-        step = 1 << 20
+        step = 1 << 16  # batch calls of 65536: bounded temporaries
         for at in range(0, deadlines.size, step):
             part = deadlines[at : at + step]
             self.wheel.schedule_many(int_idents(first + at, part.size), part)
