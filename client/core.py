@@ -16,9 +16,12 @@ client's latest arming of each key; an expiration of an older arming of this
 client's (the key was re-armed or cancelled since) is dropped, and so is one it
 already handed over (a daemon restart re-sends unacknowledged expirations).
 Acknowledgements go back through the ring when the application comes back for
-more (the next ``poll``) or closes: an expiration handed to a process that dies
-before that reaches another member of the group, so across a *client* crash
-delivery is at least once.
+more (the next ``poll``) or closes. Two windows are at least once instead of
+exactly once: an expiration handed to a process that dies before acknowledging
+it reaches another member of the group; and after a power cut (with
+``--journal``), one whose acknowledgement was not yet durable (still in the
+ring, or inside the fsync window) is delivered again, to a member that does not
+remember having had it.
 
 ``cancel(key)`` returns True when this client had armed the key and not yet
 received its expiration: that arming will not be delivered to this client, even

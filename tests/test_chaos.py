@@ -6,9 +6,11 @@ Checked after the run, from the workers' logs:
   with fsync=interval=N only adds acknowledged less than N ms (plus scheduling
   slack) before a reboot may be lost, and the test checks that bound;
 * nothing reaches the application before its deadline;
-* nothing reaches the application twice, except an expiration handed to a
-  worker that was killed before it acknowledged it (at least once across a
-  client crash, by design);
+* nothing reaches the application twice, except in the two documented
+  at-least-once windows: an expiration handed to a worker that was killed
+  before it acknowledged it, and one whose acknowledgement was not durable yet
+  when the power was cut (the rings are in shared memory, and the ack event is
+  in the journal only after the fsync window);
 * the arena passes check() after every recovery (attached while the daemon is down).
 
 A reboot here is a power cut: the shared memory is removed and every journal
@@ -126,12 +128,16 @@ class Chaos:
         for group in self.groups:
             self.start_worker(group)
         end = time.monotonic() + seconds
+        actions: list[str] = []
         while time.monotonic() < end:
             time.sleep(self.rng.uniform(0.4, 1.2))
-            roll = self.rng.random()
-            if roll < 0.35:
+            if not actions:  # every round holds each kind of failure, in a random order
+                actions = ["daemon", "reboot", "worker", "worker"]
+                self.rng.shuffle(actions)
+            action = actions.pop()
+            if action == "daemon":
                 self.crash_daemon(reboot=False)
-            elif roll < 0.55:
+            elif action == "reboot":
                 self.crash_daemon(reboot=True)
             else:
                 self.kill_worker(self.rng.choice(self.groups))
@@ -212,7 +218,10 @@ def test_chaos(tmp_path, fsync, window_ms):
                 assert recv >= acked[key][0], f"{key} reached the application before its deadline"
         if len(deliveries) > 1:
             first = deliveries[0]
-            group, incarnation, batch = first[3], first[4], first[5]
+            received_at, group, incarnation, batch = first[2], first[3], first[4], first[5]
             killed_before_ack = ((group, incarnation) in chaos.killed_incarnations
                                  and (group, incarnation, batch) not in acked_batches)
-            assert killed_before_ack, f"{key} delivered twice: {deliveries}"
+            ack_not_durable = any(0 <= reboot - received_at <= window_ms + slack_ms for reboot in chaos.reboots)
+            assert killed_before_ack or ack_not_durable, f"{key} delivered twice: {deliveries}"
+            chaos.events["allowed_duplicates"] += 1
+    print("chaos:", dict(chaos.events))
