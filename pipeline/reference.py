@@ -301,10 +301,11 @@ def _bucket(t_ms: int, width_ms: int) -> int:
 def tables_from_events(
     events: list[dict[str, Any]], segments: list[dict[str, Any]], top_n: int = TOP_N
 ) -> dict[str, list[dict[str, Any]]]:
-    fires = [e for e in events if e["event"] == "fire"]
-    for fire in fires:
-        fire["minute_ms"] = _bucket(fire["t_ms"], MINUTE_MS)
-        fire["hour_ms"] = _bucket(fire["t_ms"], HOUR_MS)
+    fires = [
+        {**e, "minute_ms": _bucket(e["t_ms"], MINUTE_MS), "hour_ms": _bucket(e["t_ms"], HOUR_MS)}
+        for e in events
+        if e["event"] == "fire"
+    ]
     tables: dict[str, list[dict[str, Any]]] = {}
     tables["lateness_by_host_group"] = _lateness_table(fires, ("host", "group"))
     tables["lateness_by_host"] = _lateness_table(fires, ("host",))

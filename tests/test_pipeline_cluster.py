@@ -24,6 +24,7 @@ import time
 import urllib.request
 
 import pytest
+from test_pipeline import damaged_fleet, spark  # noqa: F401 - the shared fleet builder and session fixture
 
 pytestmark = [
     pytest.mark.spark,
@@ -186,12 +187,10 @@ def _tables(tables_dir: str) -> dict:
     return tables
 
 
-def test_standalone_cluster_gives_the_same_tables_as_local(cluster, tmp_path):
+def test_standalone_cluster_gives_the_same_tables_as_local(cluster, spark, tmp_path):  # noqa: F811
     import pandas as pd
 
-    from pipeline_fleet import damaged_fleet  # noqa: F401 - see below
     from wheeld.pipeline import job, reference
-    from wheeld.pipeline.spark import session
 
     fleet = damaged_fleet(tmp_path / "fleet")
     cluster_out = tmp_path / "cluster"
@@ -206,7 +205,6 @@ def test_standalone_cluster_gives_the_same_tables_as_local(cluster, tmp_path):
     assert summary["run"]["master"] == cluster.url
 
     local_out = tmp_path / "local"
-    spark = session("local[2]", progress=False)
     job.run(str(fleet), str(local_out), spark=spark, render=False)
 
     on_cluster = _tables(str(cluster_out / "tables"))
