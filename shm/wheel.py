@@ -72,8 +72,9 @@ Records, keys and handles
 -------------------------
 A timer is one 64-byte record (layout in ``wheeld.protocol.arena_layout``).
 Keys (str/bytes/int, at most 32 bytes encoded) are unique per group. The key
-index is an open-addressing hash table (linear probing, tombstones, rebuilt
-when tombstones pile up) that lives in the owning process, holding record
+index is an open-addressing hash table (linear probing; a deletion moves the
+rest of its cluster back, so there are no tombstones to pile up and no
+rebuilds while running) that lives in the owning process, holding record
 indices only: 8-16 bytes of table (at least two cells per record, a power of
 two) and 12 bytes of per-slot hash/position per timer, instead of a Python
 dict's ~100 bytes. Free records are a stack of slot numbers in the owning
@@ -172,7 +173,6 @@ _QW, _IW, _HW, _RB = L.Q_PER_RECORD, L.I_PER_RECORD, L.H_PER_RECORD, L.RECORD_BY
 _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP = L.I_PREV, L.I_NEXT, L.I_GEN, L.I_TAG, L.I_AUX, L.H_GROUP_WORD
 _ST, _KM, _KEY = L.R_STATE, L.R_KEY_META, L.R_KEY
 _LEVEL_SLOTS = L.DUE_LEVEL + 1  # per-level counters: levels 0..14 and the due list
-_TOMB = -2  # key index: deleted
 _WINDOW = 8  # vectorized key-index probing gathers this many cells per key at once
 _WINDOW_STEPS = np.arange(_WINDOW, dtype=np.int64)
 
@@ -323,7 +323,7 @@ class TimerWheel:
         self._hash = memoryview(self._hash_np)
         self._pos_np = np.full(self.n_records, -1, dtype=np.int32)
         self._pos = memoryview(self._pos_np)
-        self._used = 0  # live + tombstone table cells
+        self._used = 0  # occupied table cells (= scheduled timers)
         # Free entry records: a stack of slot numbers in this process (derived state,
         # like the key index; rebuilt from the records' states on attach).
         self._free_np = np.zeros(capacity, dtype=np.int32)
@@ -433,20 +433,35 @@ class TimerWheel:
         p = h & mask
         while table[p] >= 0:
             p = (p + 1) & mask
-        if table[p] == _EMPTY:
-            self._used += 1
+        self._used += 1
         table[p] = slot
         self._hash[slot] = h
         self._pos[slot] = p
-        if self._used * 4 > (mask + 1) * 3:
-            self._rebuild_index()
 
     def _index_remove(self, slot: int) -> None:
-        self._table[self._pos[slot]] = _TOMB
-        self._pos[slot] = -1
+        """Delete without a tombstone: move later keys of the cluster back into the hole.
+
+        A key at cell q (home cell h) may fill the hole p if p lies on its probe
+        path h..q; then the hole moves to q. Ends at an empty cell.
+        """
+        table, hashes, pos, mask = self._table, self._hash, self._pos, self._mask
+        p = pos[slot]
+        pos[slot] = -1
+        q = p
+        while True:
+            q = (q + 1) & mask
+            s = table[q]
+            if s == _EMPTY:
+                break
+            if (q - hashes[s]) & mask >= (q - p) & mask:
+                table[p] = s
+                pos[s] = p
+                p = q
+        table[p] = _EMPTY
+        self._used -= 1
 
     def _rebuild_index(self) -> None:
-        """Rebuild the table from the per-slot hashes of scheduled records (drops tombstones)."""
+        """Build the table from the per-slot hashes of the scheduled records (on attach)."""
         table = self._table_np
         table.fill(_EMPTY)
         self._pos_np.fill(-1)
@@ -1162,27 +1177,43 @@ class TimerWheel:
         rows = np.flatnonzero(has_open)
         winners = rows[self._first_of_each(target[rows])]
         won = target[winners]
-        self._used += int(np.count_nonzero(table[won] == _EMPTY))
         table[won] = slots[winners]
         self._pos_np[slots[winners]] = won
+        self._used += int(winners.size)
         placed = np.zeros(slots.size, dtype=bool)
         placed[winners] = True
-        rebuild_needed = self._used * 4 > (mask + 1) * 3
-        table_view, pos = self._table, self._pos
         for j in np.flatnonzero(~placed).tolist():
-            slot, p = int(slots[j]), int(hashes[j]) & mask
-            while table_view[p] >= 0:
-                p = (p + 1) & mask
-            if table_view[p] == _EMPTY:
-                self._used += 1
-            table_view[p] = slot
-            pos[slot] = p
-        if rebuild_needed or self._used * 4 > (mask + 1) * 3:
-            self._rebuild_index()
+            self._index_add(int(slots[j]), int(hashes[j]))
 
     def _index_remove_many(self, slots: np.ndarray) -> None:
-        self._table_np[self._pos_np[slots]] = _TOMB
+        """Vectorized :meth:`_index_remove`: empty the cells, then insert again every
+        key that followed a freed cell in its cluster (its probe path may cross it)."""
+        table, mask = self._table_np, self._mask
+        cells = self._pos_np[slots].astype(np.int64)
         self._pos_np[slots] = -1
+        table[cells] = _EMPTY
+        self._used -= int(slots.size)
+        after = table[(cells[:, None] + 1 + _WINDOW_STEPS) & mask]
+        empty = after == _EMPTY
+        ends = empty.any(axis=1)
+        stop = np.where(ends, empty.argmax(axis=1), _WINDOW)
+        row, col = np.nonzero(_WINDOW_STEPS < stop[:, None])
+        follow = (cells[row] + 1 + col) & mask
+        if not ends.all():  # a cluster longer than the window: walk the rest of it
+            table_view, extra = self._table, []
+            for q in (cells[~ends] + 1 + _WINDOW).tolist():
+                q &= mask
+                while table_view[q] != _EMPTY:
+                    extra.append(q)
+                    q = (q + 1) & mask
+            follow = np.concatenate((follow, np.array(extra, dtype=np.int64)))
+        if follow.size:
+            follow = follow[self._first_of_each(follow)]
+            moved = table[follow].astype(np.int64)
+            table[follow] = _EMPTY
+            self._pos_np[moved] = -1
+            self._used -= int(moved.size)
+            self._index_add_many(moved, self._hash_np[moved])
 
     # ------------------------------------------------------------------ introspection
     def pending(self, limit: int | None = None) -> Iterator[tuple[object, int, int]]:
@@ -1458,8 +1489,8 @@ class TimerWheel:
             problems.append(f"free list holds {free_seen} records, {n_free} are free")
         table = self._table_np
         live = table[table >= 0]
-        if live.size != n_sched:
-            problems.append(f"key index holds {live.size} entries, {n_sched} timers are scheduled")
+        if live.size != n_sched or self._used != n_sched:
+            problems.append(f"key index holds {live.size} entries (counted {self._used}), {n_sched} timers are scheduled")
         elif live.size and np.any((rec["state"][live] & _STATE_MASK) != _SCHEDULED):
             problems.append("key index points at records that are not scheduled")
         c = self.counters()

@@ -11,12 +11,14 @@ import math
 import os
 import uuid
 
+import numpy as np
 import posix_ipc
 import pytest
 
 from wheeld.protocol.errors import ArenaFull, CorruptArena, InvalidDelay, InvalidKey, InvalidRequest
 from wheeld.shm import MAX_DELAY_MS, TimerWheel
 from wheeld.shm.arena import unlink
+from wheeld.shm.wheel import encode_ident
 
 
 def segment_name() -> str:
@@ -449,27 +451,60 @@ def test_attach_of_a_missing_segment():
 
 
 # ----------------------------------------------------------------------------- key index
-def test_key_index_tombstones_are_rebuilt():
+@pytest.mark.parametrize("batch", [False, True])
+def test_key_index_churn_leaves_no_tombstones(batch):
+    """Many add/cancel cycles on a small capacity: deletions move keys back, so the
+    table holds exactly the scheduled keys and every one is still found."""
     wheel = TimerWheel.create(8, tick_ms=1, wheel_size=4, levels=2)
     table_cells = len(wheel._table_np)
     live: dict[str, int] = {}
-    for i in range(5000):
-        key = f"key-{i}"
-        wheel.schedule(key, 10 + i % 50)
-        live[key] = 10 + i % 50
-        if len(live) == 8:
-            victim = next(iter(live))
-            assert wheel.cancel(victim)
-            del live[victim]
-        assert wheel._used <= table_cells
-        if i % 500 == 0:
+    for i in range(0, 5000, 4):
+        keys = [f"key-{j}" for j in range(i, i + 4)]
+        if batch:
+            wheel.schedule_many([encode_ident(k) for k in keys], [10 + j % 50 for j in range(i, i + 4)])
+        else:
+            for j, key in zip(range(i, i + 4), keys):
+                wheel.schedule(key, 10 + j % 50)
+        live.update((key, 10 + j % 50) for j, key in zip(range(i, i + 4), keys))
+        victims = list(live)[:4] if len(live) == 8 else []
+        if batch:
+            assert wheel.cancel_many([encode_ident(k) for k in victims]).all()
+        else:
+            assert all(wheel.cancel(k) for k in victims)
+        for key in victims:
+            del live[key]
+        assert np.count_nonzero(wheel._table_np >= 0) == len(live) == wheel._used
+        if i % 400 == 0:
             assert wheel.check() == []
-    assert len(wheel._table_np) == table_cells  # the table never grows; tombstones are swept
+    assert len(wheel._table_np) == table_cells
     assert wheel.check() == []
     for key, d in live.items():
         assert wheel.lookup(key) == d
     assert wheel.lookup("key-0") is None
     assert len(wheel) == len(live)
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_key_index_long_cluster_deletions(batch):
+    """Keys whose hashes all start probing in the same 4 cells form one long cluster;
+    deleting from its front must keep every later key reachable (scalar: moving keys
+    back; batch: inserting the rest of the cluster again, walking past the window)."""
+    wheel = TimerWheel.create(64, tick_ms=1, wheel_size=4, levels=2)
+    crowd = [i for i in range(200_000) if (hash(encode_ident(i)) ^ wheel._gmix[0]) & wheel._mask < 4][:30]
+    assert len(crowd) == 30
+    for n, key in enumerate(crowd):
+        wheel.schedule(key, 100 + n)
+    gone = crowd[:3] + crowd[10:12]
+    if batch:
+        assert wheel.cancel_many([encode_ident(k) for k in gone]).all()
+    else:
+        assert all(wheel.cancel(k) for k in gone)
+    assert wheel.check() == []
+    for n, key in enumerate(crowd):
+        assert wheel.lookup(key) == (None if key in gone else 100 + n)
+    expired = dict(wheel.advance(1000))
+    assert expired == {key: 100 + n for n, key in enumerate(crowd) if key not in gone}
+    assert wheel.check() == [] and wheel._used == 0
 
 
 def test_key_index_under_collisions_of_many_keys():
