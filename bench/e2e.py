@@ -727,6 +727,9 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
         shutil.rmtree(workdir, ignore_errors=True)
 
     clients = [results[c] for c in sorted(results)]
+    if profile_dir:  # the raw expirations, for a look at when the late ones happen
+        np.savez(os.path.join(profile_dir, "wheeld-received.npz"), t0_ns=t0_ns, steady_ns=steady_ns,
+                 **{f"{k}_{c['client']}": v for c in clients for k, v in c["received"].items()})
     ops = sum(c["burst"]["ops"] for c in clients)
     end_ns = max(c["burst"]["end_ns"] for c in clients)
     wall_s = (end_ns - t0_ns) / 1e9
@@ -746,6 +749,10 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
         "cpu_us_per_op": {"daemon": round(daemon_cpu_s / ops * 1e6, 3),
                           "clients": round(client_cpu_s / ops * 1e6, 3),
                           "daemon_commands_applied": commands_after - commands_before},
+        # Derived, not measured: what the CPU cost per op allows on this machine if nothing else ran:
+        # the daemon is one thread; daemon + clients share os.cpu_count() cores.
+        "cpu_ceiling_ops_per_s": round(min(1e6 / max(daemon_cpu_s / ops * 1e6, 1e-9),
+                                           (os.cpu_count() or 1) * ops / max(daemon_cpu_s + client_cpu_s, 1e-9))),
         "steady_ops": sum(c["steady"]["ops"] for c in clients),
         "steady_cpu_share": {"daemon": round(((steady_cpu1.user + steady_cpu1.system)
                                               - (steady_cpu0.user + steady_cpu0.system)) / sizes.steady_s, 3),
@@ -1087,7 +1094,8 @@ def print_table(runs: list[dict], summary: dict, target_rows: list[dict]) -> Non
             if system == "wheeld":
                 cpu = r["cpu_us_per_op"]
                 print(f"{'':>3} {'':<20} cpu us/op: daemon {cpu['daemon']}, clients {cpu['clients']} "
-                      f"(sum over both clients); touch {r['touch']['touch_ns']} ns; early {r['lateness']['early_total']}")
+                      f"(ceiling {fmt(r['cpu_ceiling_ops_per_s'])} ops/s); touch {r['touch']['touch_ns']} ns; "
+                      f"early {r['lateness']['early_total']}")
     print()
     for system, s in summary.items():
         if system == "wheeld_over_redis":
@@ -1150,6 +1158,7 @@ def main(argv=None) -> int:
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     meta = {
+        "git": git_state(),
         "command": " ".join(["python -m bench.e2e", *(argv if argv is not None else sys.argv[1:])]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "python": platform.python_version(),
@@ -1197,6 +1206,19 @@ def main(argv=None) -> int:
                                    indent=1, default=_json_default) + "\n")
     print(f"wrote {out_path}")
     return 0
+
+
+def git_state() -> dict:
+    """The commit measured, and which product files differed from it (the work tree is shared)."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--", "daemon", "client", "shm", "protocol"],
+                                cwd=repo, capture_output=True, text=True, timeout=10).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return {"head": None, "dirty": None}
+    return {"head": head, "dirty": [line[3:] for line in status]}
 
 
 def _json_default(value):
