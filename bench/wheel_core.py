@@ -53,9 +53,10 @@ import time
 import numpy as np
 import psutil
 
-from bench.common import format_table, write_json
 from wheeld.protocol import arena_layout as L
 from wheeld.shm import TimerWheel
+
+from bench.common import format_table, write_json
 
 IMPLS = ("wheel", "wheel-batch", "heapq", "asyncio")
 OPS = ("insert", "rearm", "cancel", "expire")

@@ -151,7 +151,7 @@ from wheeld.protocol.keys import decode_key, encode_key, valid_key_meta
 
 from .arena import Segment
 
-__all__ = ["TimerWheel", "DEFAULT_WHEEL_SIZE", "MAX_DELAY_MS", "encode_ident"]
+__all__ = ["DEFAULT_WHEEL_SIZE", "MAX_DELAY_MS", "TimerWheel", "encode_ident"]
 
 DEFAULT_WHEEL_SIZE = 256
 DEFAULT_LEVELS_RANGE_MS = 1 << 40  # levels are added until they cover ~34.8 years
@@ -220,7 +220,7 @@ class TimerWheel:
         levels: int | None = None,
         max_groups: int = L.DEFAULT_MAX_GROUPS,
         mode: int = 0o644,
-    ) -> "TimerWheel":
+    ) -> TimerWheel:
         """A new, empty wheel: in shared memory ``name``, or private memory when None."""
         for label, value, low in (("capacity", capacity, 1), ("tick_ms", tick_ms, 1), ("wheel_size", wheel_size, 2)):
             if type(value) is not int or value < low:
@@ -255,7 +255,7 @@ class TimerWheel:
             raise
 
     @classmethod
-    def attach(cls, name: str) -> "TimerWheel":
+    def attach(cls, name: str) -> TimerWheel:
         """Map an existing arena, repair what an interrupted writer left, rebuild the rest."""
         seg = Segment.attach(name)
         try:
@@ -358,7 +358,7 @@ class TimerWheel:
         """Remove the shared-memory segment (the mapping stays valid until close)."""
         self._seg.unlink()
 
-    def __enter__(self) -> "TimerWheel":
+    def __enter__(self) -> TimerWheel:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -45,8 +45,8 @@ import wheeld.shm.wheel as wheel_module
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol.errors import ArenaFull
 from wheeld.shm import TimerWheel
-from wheeld.shm.wheel import encode_ident
 from wheeld.shm.arena import unlink
+from wheeld.shm.wheel import encode_ident
 
 LONG = os.environ.get("WHEELD_LONG") == "1"
 CAPACITY = 48
@@ -174,7 +174,7 @@ class Model:
         self.fired: dict = {}
         self.now = now
 
-    def copy(self) -> "Model":
+    def copy(self) -> Model:
         m = Model(self.now)
         m.sched = dict(self.sched)
         m.fired = dict(self.fired)

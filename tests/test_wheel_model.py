@@ -33,12 +33,18 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from wheeld.protocol.errors import ArenaFull
 from wheeld.shm import TimerWheel
-from wheeld.shm.wheel import encode_ident
 from wheeld.shm.arena import unlink
+from wheeld.shm.wheel import encode_ident
 
 LONG = os.environ.get("WHEELD_LONG") == "1"
 CAPACITY = 8
@@ -83,6 +89,30 @@ class WheelMachine(RuleBasedStateMachine):
         self.handles: dict[tuple[int, object], tuple[int, int]] = {}  # live handle per scheduled key
         self.fired: dict[int, tuple[object, int, int, int, int]] = {}  # slot -> key, deadline, group, tag, gen
         self.old_handles: list[tuple[int, int]] = []
+        # the due order: a heap of (deadline, seq, (group, key)), lazily deleted (seq_of)
+        self.heap: list[tuple[int, int, tuple]] = []
+        self.seq_of: dict[tuple, int] = {}
+        self.seq = 0
+
+    def model_add(self, gk, deadline: int, tag: int) -> None:
+        self.scheduled[gk] = (deadline, tag)
+        self.seq += 1
+        self.seq_of[gk] = self.seq
+        heapq.heappush(self.heap, (deadline, self.seq, gk))
+
+    def model_remove(self, gk) -> None:
+        del self.scheduled[gk]
+        del self.seq_of[gk]
+        self.handles.pop(gk, None)
+
+    def model_due(self, now: int) -> list[tuple[int, int, tuple]]:
+        """Pop every live heap entry with deadline <= now (the caller pushes back what stays)."""
+        due = []
+        while self.heap and self.heap[0][0] <= now:
+            entry = heapq.heappop(self.heap)
+            if self.seq_of.get(entry[2]) == entry[1]:
+                due.append(entry)
+        return due
 
     def teardown(self) -> None:
         try:
@@ -112,14 +142,14 @@ class WheelMachine(RuleBasedStateMachine):
             assert handle == self.handles[gk]  # a re-arm keeps its record
         self.handles[gk] = handle
         self.old_handles.append(handle)
-        self.scheduled[gk] = (deadline, tag)
+        self.model_add(gk, deadline, tag)
 
     @rule(key=KEYS, other_group=st.booleans())
     def cancel(self, key, other_group):
         gk = (self.group if other_group else 0, key)
         assert self.wheel.cancel(key, group=gk[0]) is (gk in self.scheduled)
-        self.scheduled.pop(gk, None)
-        self.handles.pop(gk, None)
+        if gk in self.scheduled:
+            self.model_remove(gk)
 
     @precondition(lambda self: self.old_handles)
     @rule(data=st.data())
@@ -128,15 +158,15 @@ class WheelMachine(RuleBasedStateMachine):
         live = [gk for gk, h in self.handles.items() if h == handle]
         assert self.wheel.cancel_handle(handle) is bool(live)
         for gk in live:
-            del self.scheduled[gk]
-            del self.handles[gk]
+            self.model_remove(gk)
 
     @rule(jump=JUMPS, use_expire=st.booleans())
     def advance(self, jump, use_expire):
         self.now += jump
         now = self.now
-        certain = Counter(k for (g, k), (d, _t) in self.scheduled.items() if self.last_tick(d) <= now)
-        maybe = Counter(k for (g, k), (d, _t) in self.scheduled.items() if d <= now)
+        due = self.model_due(now)
+        certain = Counter(gk[1] for d, _seq, gk in due if self.last_tick(d) <= now)
+        maybe = Counter(gk[1] for _d, _seq, gk in due)
         if use_expire:
             slots = self.wheel.expire(now)
             records = {s: self.wheel.fired(s) for s in slots}
@@ -144,8 +174,8 @@ class WheelMachine(RuleBasedStateMachine):
             out = Counter()
             for s, (key, deadline, group, tag, _aux, gen) in records.items():
                 assert s not in self.fired
-                assert self.scheduled.pop((group, key)) == (deadline, tag)
-                del self.handles[(group, key)]
+                assert self.scheduled[(group, key)] == (deadline, tag)
+                self.model_remove((group, key))
                 self.fired[s] = (key, deadline, group, tag, gen)
                 out[key] += 1
         else:
@@ -153,11 +183,13 @@ class WheelMachine(RuleBasedStateMachine):
             out = Counter(k for k, _d in result)
             for key, deadline in result:
                 gk = next(gk for gk, (d, _t) in self.scheduled.items() if gk[1] == key and d == deadline)
-                del self.scheduled[gk]
-                del self.handles[gk]
+                self.model_remove(gk)
         assert out & certain == certain, f"late: {certain - out} at {now}"
         assert out & maybe == out, f"early: {out - maybe} at {now}"
         assert self.wheel.current_ms == now
+        for entry in due:  # due but not out yet (tick_ms > 1): stays in the model's heap
+            if self.seq_of.get(entry[2]) == entry[1]:
+                heapq.heappush(self.heap, entry)
 
     @precondition(lambda self: self.fired)
     @rule(data=st.data())
@@ -177,7 +209,7 @@ class WheelMachine(RuleBasedStateMachine):
         assert self.wheel.rearm_fired(slot, gen, self.now + delta) is (not taken)
         if not taken:
             del self.fired[slot]
-            self.scheduled[(group, key)] = (self.now + delta, tag)
+            self.model_add((group, key), self.now + delta, tag)
             self.handles[(group, key)] = (slot, gen)
 
     @rule()
@@ -196,7 +228,9 @@ class WheelMachine(RuleBasedStateMachine):
             assert nd is None
             return
         assert nd is not None
-        earliest = min(self.last_tick(d) for d, _t in self.scheduled.values())
+        while self.seq_of.get(self.heap[0][2]) != self.heap[0][1]:  # drop deleted entries
+            heapq.heappop(self.heap)
+        earliest = self.last_tick(self.heap[0][0])
         assert nd <= max(earliest, self.now)  # a bucket comes due no later than its earliest timer
 
     # ------------------------------------------------------------------ invariants

@@ -15,7 +15,13 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from wheeld.protocol.errors import ArenaFull, CorruptArena, InvalidDelay, InvalidKey, InvalidRequest
+from wheeld.protocol.errors import (
+    ArenaFull,
+    CorruptArena,
+    InvalidDelay,
+    InvalidKey,
+    InvalidRequest,
+)
 from wheeld.shm import MAX_DELAY_MS, TimerWheel
 from wheeld.shm.arena import unlink
 from wheeld.shm.wheel import encode_ident
