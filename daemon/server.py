@@ -81,6 +81,7 @@ _PEERCRED = struct.Struct("3i")
 _HIGH_WATER = 8 << 20  # bytes queued to one client before we stop sending to it
 _DRAIN_BATCH = 8192
 _GC_INTERVAL_MS = 2000
+_BATCH_MIN = 64  # smaller drained batches are cheaper one command at a time
 
 
 def mono_ms() -> int:
@@ -468,8 +469,6 @@ class Daemon:
             self.totals["ring_full_total"] += 1  # the client found (or will find) it full
         valid = C.validate_records(records, segment.touch_capacity)
         good = n if valid.all() else int(np.argmin(valid))
-        wheel = self.wheel
-        gid = cs.group
         ops = records["op"].tolist()
         metas = records["key_meta"].tolist()
         keys = np.ascontiguousarray(records["key"]).view("V32").ravel().tolist()
@@ -479,6 +478,30 @@ class Daemon:
         aux1 = records["aux1"].tolist()
         flushes = []
         rejects = []
+        recorder = self.recorder
+        if recorder is None and good >= _BATCH_MIN:
+            self._apply_segments(cs, good, ops, metas, keys, deadlines, seqs, aux0, aux1, flushes, rejects)
+        else:
+            self._apply_one_by_one(cs, good, ops, metas, keys, deadlines, seqs, aux0, aux1, flushes, rejects)
+        if recorder is not None:
+            recorder.commit(mono_ms())  # on disk before the head moves and before Applied (fsync=always)
+        segment.commit(good)  # only now may the client reuse the slots: a crash above re-applies the batch
+        self.totals["commands_total"] += good
+        self.totals["rejected_total"] += len(rejects)
+        session = cs.session
+        if session is not None and not session.closed:
+            for reject in rejects:
+                session.send(M.encode_daemon_frame(reject))
+            for seq in flushes:
+                session.send(M.encode_daemon_frame(M.Applied(seq)))
+        if good < n:
+            op = ops[good]
+            self._poison(cs, f"invalid command record (op {op}) at ring position {good}")
+        return good
+
+    def _apply_one_by_one(self, cs, good, ops, metas, keys, deadlines, seqs, aux0, aux1, flushes, rejects) -> None:
+        wheel = self.wheel
+        gid = cs.group
         touch_base = cs.slot << CL.TOUCH_INDEX_BITS
         schedule, cancel, release = wheel.schedule_ident, wheel.cancel_ident, wheel.release
         recorder = self.recorder
@@ -503,24 +526,73 @@ class Daemon:
                 elif op == C.FLUSH:
                     flushes.append(seqs[i])
             except ArenaFull as exc:
-                rejects.append(M.Rejected(seqs[i], bytes(keys[i][: metas[i] & 0x3F]), metas[i], str(exc), M.Rejected.ARENA_FULL))
+                rejects.append(_rejected(seqs[i], keys[i], metas[i], str(exc), M.Rejected.ARENA_FULL))
             except InvalidRequest as exc:
-                rejects.append(M.Rejected(seqs[i], bytes(keys[i][: metas[i] & 0x3F]), metas[i], str(exc), M.Rejected.INVALID_DEADLINE))
-        if recorder is not None:
-            recorder.commit(mono_ms())  # on disk before the head moves and before Applied (fsync=always)
-        segment.commit(good)  # only now may the client reuse the slots: a crash above re-applies the batch
-        self.totals["commands_total"] += good
-        self.totals["rejected_total"] += len(rejects)
-        session = cs.session
-        if session is not None and not session.closed:
-            for reject in rejects:
-                session.send(M.encode_daemon_frame(reject))
-            for seq in flushes:
-                session.send(M.encode_daemon_frame(M.Applied(seq)))
-        if good < n:
-            op = ops[good]
-            self._poison(cs, f"invalid command record (op {op}) at ring position {good}")
-        return good
+                rejects.append(_rejected(seqs[i], keys[i], metas[i], str(exc), M.Rejected.INVALID_DEADLINE))
+
+    def _apply_segments(self, cs, good, ops, metas, keys, deadlines, seqs, aux0, aux1, flushes, rejects) -> None:
+        """The same commands through the wheel's batch methods.
+
+        Commands on different keys commute, so the batch is cut into segments in
+        which no key appears twice, and each segment's cancels, arms and acks are
+        applied as three vectorized calls (cancels first: they free records).
+        A segment the batch call refuses (a deadline out of range) is applied one
+        by one, which says which command was at fault.
+        """
+        wheel = self.wheel
+        gid = cs.group
+        touch_base = cs.slot << CL.TOUCH_INDEX_BITS
+        unacked = cs.unacked
+        start = 0
+        while start < good:
+            seen: set[bytes] = set()
+            arm_at, arm_idents, cancel_idents, ack_slots, ack_gens = [], [], [], [], []
+            end = start
+            while end < good:
+                op = ops[end]
+                if op == C.ACK:
+                    slot = aux0[end]
+                    if unacked.get(slot) == aux1[end]:
+                        del unacked[slot]
+                        ack_slots.append(slot)
+                        ack_gens.append(aux1[end])
+                elif op == C.FLUSH:
+                    flushes.append(seqs[end])
+                else:
+                    ident = _META[metas[end]] + keys[end]
+                    if ident in seen:
+                        break  # the next segment starts here
+                    seen.add(ident)
+                    if op == C.CANCEL:
+                        cancel_idents.append(ident)
+                    else:
+                        arm_at.append(end)
+                        arm_idents.append(ident)
+                end += 1
+            if cancel_idents:
+                wheel.cancel_many(cancel_idents, gid)
+            if arm_at:
+                auxs = [touch_base | aux1[i] if ops[i] == C.ADD_IDLE else -1 for i in arm_at]
+                try:
+                    slots, _gens = wheel.schedule_many(arm_idents, [deadlines[i] for i in arm_at], gid,
+                                                       [seqs[i] for i in arm_at], auxs)
+                except InvalidRequest:
+                    for i in arm_at:
+                        try:
+                            wheel.schedule_ident(_META[metas[i]] + keys[i], deadlines[i], gid, seqs[i],
+                                                 touch_base | aux1[i] if ops[i] == C.ADD_IDLE else -1)
+                        except ArenaFull as exc:
+                            rejects.append(_rejected(seqs[i], keys[i], metas[i], str(exc), M.Rejected.ARENA_FULL))
+                        except InvalidRequest as exc:
+                            rejects.append(_rejected(seqs[i], keys[i], metas[i], str(exc), M.Rejected.INVALID_DEADLINE))
+                else:
+                    refused = np.flatnonzero(slots < 0)
+                    for j in refused.tolist():
+                        i = arm_at[j]
+                        rejects.append(_rejected(seqs[i], keys[i], metas[i], "the arena is full", M.Rejected.ARENA_FULL))
+            if ack_slots:
+                wheel.release_many(ack_slots, ack_gens)
+            start = end
 
     def _record_command(self, op, meta, raw_key, deadline, seq, aux0, aux1, cs: ClientSlot) -> None:
         """Apply one command and journal what it did (the slower path used with --journal)."""
@@ -835,6 +907,10 @@ _DAEMON_TOTALS = (
 def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _rejected(seq: int, raw_key: bytes, meta: int, reason: str, code: str) -> M.Rejected:
+    return M.Rejected(seq, bytes(raw_key[: meta & 0x3F]), meta, reason, code)
 
 
 def _key_parts(key) -> tuple[bytes, int]:

@@ -329,3 +329,29 @@ def _refused_as_nobody(d):
     assert "refused" in answer and "not allowed" in answer, answer
     with wheeld.connect(d.socket_path, group="root-is-fine") as w:  # the daemon's own uid may
         w.flush()
+
+
+def test_one_big_batch_with_repeated_keys_applies_in_order(daemon):
+    """The daemon applies large drained batches through the wheel's batch methods;
+    a key armed, re-armed and cancelled inside one batch must end as the last command says."""
+    rng = random.Random(11)
+    model: dict[str, int | None] = {}
+    with wheeld.connect(daemon.socket_path, group="batch") as w:
+        os.kill(daemon.pid, signal.SIGSTOP)  # commands pile up: one drain will see them all
+        try:
+            for _ in range(5000):
+                key = f"b{rng.randrange(400)}"
+                if rng.random() < 0.3:
+                    w.cancel(key)
+                    model[key] = None
+                else:
+                    delay = rng.randint(50, 400)
+                    w.add(key, delay)
+                    model[key] = delay
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        w.flush()
+        expected = {k for k, v in model.items() if v is not None}
+        got = collect(w, len(expected), 5.0) + w.poll(0.5)
+    counts = collections.Counter(e.key for e in got)
+    assert set(counts) == expected and max(counts.values()) == 1
