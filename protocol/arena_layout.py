@@ -38,12 +38,15 @@ Header (little-endian, offsets in bytes)::
     68   intent_state     u32
     72   intent_deadline  i64
     80   intent_tag       u32
+    84   intent_count     u32   entries of the batch intent, 0 when none is in flight
     128  -- cache line: doorbell eventcount (the daemon's "parked" flag) --
     128  parked           u64
     136  wake_seq         u64
     192  -- counters: COUNTERS u64 words, names in COUNTER_NAMES --
     192+8*COUNTERS  -- lateness histogram: LATENESS_BUCKETS u64 --
     GROUPS_OFFSET   -- group table: max_groups names, GROUP_NAME_BYTES each --
+    intent_batch_offset(max_groups)  -- batch intent: INTENT_BATCH_MAX entries
+                       (slot i32, tag u32, deadline i64), committed by intent_count --
 
 Entry record (64 bytes)::
 
@@ -72,7 +75,7 @@ import struct
 import numpy as np
 
 MAGIC = int.from_bytes(b"WHEELD\x00\x01", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: batch intent after the group table, intent_count
 
 RECORD_BYTES = 64
 KEY_BYTES = 32
@@ -95,6 +98,7 @@ H_INTENT_SLOT = 64
 H_INTENT_STATE = 68
 H_INTENT_DEADLINE = 72
 H_INTENT_TAG = 80
+H_INTENT_COUNT = 84
 
 H_PARKED = 128
 H_WAKE_SEQ = 136
@@ -177,9 +181,20 @@ GROUP_NAME_BYTES = 32  # UTF-8, zero padded; an empty name marks an unused id
 DEFAULT_MAX_GROUPS = 1024
 
 
+# Batch intent: the redo record of a batch of re-arms (see shm.wheel, "Crash consistency").
+INTENT_BATCH_MAX = 4096
+INTENT_ENTRY = struct.Struct("<iIq")  # slot, tag, deadline_ms
+assert INTENT_ENTRY.size == 16
+
+
+def intent_batch_offset(max_groups: int) -> int:
+    """Where the batch intent starts: after the group table, 64-byte aligned."""
+    return (GROUPS_OFFSET + max_groups * GROUP_NAME_BYTES + 63) // 64 * 64
+
+
 def header_bytes(max_groups: int) -> int:
-    """Header size: fixed part plus the group table, rounded up to a page."""
-    raw = GROUPS_OFFSET + max_groups * GROUP_NAME_BYTES
+    """Header size: fixed part, group table and batch intent, rounded up to a page."""
+    raw = intent_batch_offset(max_groups) + INTENT_BATCH_MAX * INTENT_ENTRY.size
     return (raw + 4095) // 4096 * 4096
 
 
@@ -207,6 +222,10 @@ RECORD_DTYPE = np.dtype(
     }
 )
 assert RECORD_DTYPE.itemsize == RECORD_BYTES
+
+INTENT_DTYPE = np.dtype({"names": ["slot", "tag", "deadline"], "formats": ["<i4", "<u4", "<i8"],
+                         "offsets": [0, 4, 8], "itemsize": INTENT_ENTRY.size})
+assert INTENT_DTYPE.itemsize == INTENT_ENTRY.size
 
 # Word indices inside a record, for memoryview casts of the whole arena.
 Q_DEADLINE = R_DEADLINE // 8  # in int64 words

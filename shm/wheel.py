@@ -91,8 +91,8 @@ for a drained batch of ring commands. They are computed with numpy: record
 fields, the placement of every level at once, key-index probing (an 8-cell
 probe window gathered per key), splicing whole chains into buckets, unlinking
 runs of neighbours (pointer jumping). What stays per item: hashing the keys,
-walking due buckets, re-arms (each goes through the intent) and batches that
-name one key twice (they take the scalar path). At 1M pending a batch of 1000
+walking due buckets, and batches that name one key twice (they take the
+scalar path). Re-arms in a batch go through a batch intent (below). At 1M pending a batch of 1000
 costs ~0.5 us per insert or cancel and ~0.5 us per expiration, against 2-4 us
 for the scalar methods (see docs/wheel.md for measured figures).
 
@@ -113,9 +113,13 @@ aligned store: the state byte (allocate: fields first, then ``SCHEDULED``;
 cancel/free: ``FREE``). The one update that changes several fields of a live
 record (a re-arm: deadline, tag and level; re-arming a fired timer: also the
 state) first writes a redo *intent* into the header (fields, then the slot as
-commit word), then the record, then clears the intent. ``attach`` therefore:
+commit word), then the record, then clears the intent. A batch of re-arms
+(``schedule_many``) writes up to 4096 (slot, tag, deadline) entries into the
+batch intent, then their count as commit word, then the records, then count 0.
+``attach`` therefore:
 
-1. replays a committed intent (the update is finished, exactly as requested);
+1. replays a committed intent or batch intent (the update is finished, exactly
+   as requested);
 2. rebuilds every list from the records' states: free records into the free
    list, fired ones into the fired list, scheduled ones into the bucket their
    deadline maps to relative to the stored clock (``cur`` is written after the
@@ -311,6 +315,9 @@ class TimerWheel:
         self._h = rec.cast("H")
         self.records = np.frombuffer(buf, dtype=L.RECORD_DTYPE, count=self.n_records, offset=self._header_bytes)
         self._next = memoryview(self.records["next"])  # strided: record s's next link is _next[s]
+        self._intent_batch = np.ndarray(
+            shape=(L.INTENT_BATCH_MAX,), dtype=L.INTENT_DTYPE, buffer=buf, offset=L.intent_batch_offset(max_groups)
+        )
 
         table_size = 16
         while table_size < 2 * capacity:
@@ -350,6 +357,7 @@ class TimerWheel:
             view.release()
         self.records = None
         self._idents = None
+        self._intent_batch = None
         self._next.release()
         self._free_stack.release()
         self._seg.close()
@@ -613,9 +621,22 @@ class TimerWheel:
         hi[L.H_INTENT_SLOT // 4] = -1  # done
 
     def _replay_intent(self) -> bool:
+        count = self._hi[L.H_INTENT_COUNT // 4]
+        if count:  # a committed batch of re-arms: redo all of it (levels are re-derived by the rebuild)
+            if count > L.INTENT_BATCH_MAX:
+                raise CorruptArena(f"batch intent claims {count} entries")
+            entries = self._intent_batch[:count]
+            slots = entries["slot"].astype(np.int64)
+            if slots.min() < self.first_entry or slots.max() >= self.n_records:
+                raise CorruptArena("batch intent names slots outside the entry records")
+            rec = self.records
+            rec["deadline"][slots] = entries["deadline"]
+            rec["tag"][slots] = entries["tag"]
+            rec["state"][slots] = _SCHEDULED
+            self._hi[L.H_INTENT_COUNT // 4] = 0
         slot = self._hi[L.H_INTENT_SLOT // 4]
         if slot < 0:
-            return False
+            return bool(count)
         if not self.first_entry <= slot < self.n_records:
             raise CorruptArena(f"intent names slot {slot}, outside the entry records")
         self._q[slot * _QW] = self._hq[L.H_INTENT_DEADLINE // 8]
@@ -913,10 +934,10 @@ class TimerWheel:
                     pass
             return slots_out, gens_out
         found = self._find_many(ident_arr, hashes, groups)
-        for j in np.flatnonzero(found >= 0).tolist():  # re-arms
-            slot = int(found[j])
-            self._rearm(slot, int(deadlines[j]), int(tags[j]), cur)
-        slots_out[found >= 0] = found[found >= 0]
+        rearm = np.flatnonzero(found >= 0)
+        if rearm.size:
+            self._rearm_many(found[rearm], deadlines[rearm], tags[rearm], cur)
+            slots_out[rearm] = found[rearm]
         new = np.flatnonzero(found < 0)
         top = self._free_top
         if new.size > top:
@@ -1053,6 +1074,34 @@ class TimerWheel:
         self._free_np[top : top + slots.size] = slots
         self._free_top = top + slots.size
 
+    def _rearm_many(self, slots: np.ndarray, deadlines: np.ndarray, tags: np.ndarray, cur: int) -> None:
+        """Vectorized :meth:`_rearm` of distinct scheduled records, through the batch intent.
+
+        Links first (derived state), then the intent entries, then the count word
+        (the commit point of the whole batch), then the records, then count = 0.
+        """
+        rec, hi = self.records, self._hi
+        for at in range(0, slots.size, L.INTENT_BATCH_MAX):
+            part = slots[at : at + L.INTENT_BATCH_MAX]
+            d = deadlines[at : at + L.INTENT_BATCH_MAX]
+            t = tags[at : at + L.INTENT_BATCH_MAX]
+            k = part.size
+            self._count_levels((rec["state"][part] >> L.LEVEL_SHIFT).astype(np.int64), -1)
+            self._unlink_many(part, linked=True)
+            buckets, expirations, levels = self._place_many(d, cur)
+            self._splice_many(part, buckets, expirations)
+            intent = self._intent_batch
+            intent["slot"][:k] = part
+            intent["tag"][:k] = t
+            intent["deadline"][:k] = d
+            hi[L.H_INTENT_COUNT // 4] = k  # commit the batch
+            rec["deadline"][part] = d
+            rec["tag"][part] = t
+            rec["state"][part] = (levels << L.LEVEL_SHIFT) | _SCHEDULED
+            hi[L.H_INTENT_COUNT // 4] = 0  # done
+            self._count_levels(levels, +1)
+            self._counters["rearms_total"] += k
+
     def _remove_scheduled_many(self, slots: np.ndarray) -> None:
         """Vectorized :meth:`_remove_scheduled` of distinct scheduled slots."""
         if not slots.size:
@@ -1065,20 +1114,34 @@ class TimerWheel:
         self._free_many(slots)
         self._counters["pending"] -= int(slots.size)
 
-    def _unlink_many(self, slots: np.ndarray) -> None:
-        """Unlink distinct records, already committed FREE, from their lists.
+    def _unlink_many(self, slots: np.ndarray, linked: bool = False) -> None:
+        """Unlink distinct records from their lists; neighbours may be among them.
 
-        Neighbours may be among them (whole runs of a bucket). Each record's nearest
-        surviving neighbours are found by pointer jumping on its own prev/next
-        fields (each round doubles the distance covered): a neighbour still to be
-        skipped is an entry record in state FREE, as no linked record is otherwise.
+        The records are already committed FREE (a neighbour to skip is then an
+        entry record in state FREE, as no linked record is otherwise), or, with
+        ``linked``, still live (re-arms: membership is looked up in the sorted
+        slots). Whole runs of a bucket are common: each record's nearest surviving
+        neighbours are found by pointer jumping on its own prev/next fields (each
+        round doubles the distance covered).
         """
         rec = self.records
         state, first = rec["state"], self.first_entry
+        if linked:
+            ordered = np.sort(slots)
+
+            def skipped(to: np.ndarray) -> np.ndarray:
+                at = np.searchsorted(ordered, to)
+                at[at == ordered.size] = 0
+                return ordered[at] == to
+        else:
+
+            def skipped(to: np.ndarray) -> np.ndarray:
+                return (to >= first) & (state[to] == _FREE)
+
         prev = rec["prev"][slots].astype(np.int64)
         nxt = rec["next"][slots].astype(np.int64)
-        prev_kept = (prev < first) | (state[prev] != _FREE)
-        next_kept = (nxt < first) | (state[nxt] != _FREE)
+        prev_kept = ~skipped(prev)
+        next_kept = ~skipped(nxt)
         if prev_kept.all() or np.count_nonzero(prev_kept) == 1:  # no two adjacent, or one run
             before, after = prev[prev_kept], nxt[next_kept]
             rec["next"][before] = after
@@ -1088,7 +1151,7 @@ class TimerWheel:
             links = rec[field]
             while True:
                 to = links[slots].astype(np.int64)
-                skip = (to >= first) & (state[to] == _FREE)
+                skip = skipped(to)
                 if not skip.any():
                     break
                 links[slots[skip]] = links[to[skip]]
@@ -1502,4 +1565,6 @@ class TimerWheel:
             problems.append(f"per-level counters {self._pending_by_level}, actual {per_level}")
         if self._hi[L.H_INTENT_SLOT // 4] != -1:
             problems.append("an update intent is still open")
+        if self._hi[L.H_INTENT_COUNT // 4] != 0:
+            problems.append("a batch intent is still open")
         return problems

@@ -45,7 +45,7 @@ import wheeld.shm.wheel as wheel_module
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol.errors import ArenaFull
 from wheeld.shm import TimerWheel
-from wheeld.shm.arena import unlink
+from wheeld.shm.arena import Segment, unlink
 from wheeld.shm.wheel import encode_ident
 
 LONG = os.environ.get("WHEELD_LONG") == "1"
@@ -466,3 +466,114 @@ def test_writer_killed_at_random_points(arena_name, mode):
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     # the kills must mostly land inside operations, or this test proves little
     assert outcomes.get("inflight", 0) >= rounds // (2 if mode == "trace" else 10), outcomes
+
+
+# ----------------------------------------------------------------------------- every line, systematically
+def _sweep_setup(wheel: TimerWheel) -> None:
+    """A fixed arena: timers on several levels, some due, some fired."""
+    for n in range(12):
+        wheel.schedule(f"k{n}", 1000 + [1, 3, 5, 20, 70, 300, 2_000, 9_000][n % 8] + n, tag=n)
+    wheel.expire(1003)  # k0, k1 fired
+
+
+SWEEP_OPS = {  # name -> (operation description for verify_inflight, call)
+    "schedule new": (("S", "n1", 1010, 7), lambda w: w.schedule("n1", 1010, tag=7)),
+    "schedule re-arm": (("S", "k5", 1001, 9), lambda w: w.schedule("k5", 1001, tag=9)),
+    "cancel": (("C", "k6"), lambda w: w.cancel("k6")),
+    "expire": (("X", 1400), lambda w: w.expire(1400)),
+    "schedule_many": (
+        ("SM", [("k3", 1500, 1), ("k4", 1004, 2), ("n2", 1006, 3), ("n3", 5000, 4), ("k7", 999, 5)]),
+        lambda w: w.schedule_many([encode_ident(k) for k in ("k3", "k4", "n2", "n3", "k7")],
+                                  [1500, 1004, 1006, 5000, 999], tags=[1, 2, 3, 4, 5]),
+    ),
+    "cancel_many": (
+        ("CM", ["k2", "k3", "k4", "k10", "zz"]),
+        lambda w: w.cancel_many([encode_ident(k) for k in ("k2", "k3", "k4", "k10", "zz")]),
+    ),
+    "expire_many": (("XM", 1400), lambda w: w.expire_many(1400)),
+}
+
+
+def _run_killed(name: str, call, kill_line: int) -> bool:
+    """Fork a writer that attaches and runs ``call``, SIGKILLed at ``kill_line`` line
+    events of shm/wheel.py inside the call; True if the call finished first."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_fd)
+            wheel = TimerWheel.attach(name)
+            wheel_file, count = wheel_module.__file__, [0]
+
+            def local(frame, event, arg):
+                if event == "line":
+                    count[0] += 1
+                    if count[0] >= kill_line:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                return local
+
+            sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename == wheel_file else None)
+            call(wheel)
+            sys.settrace(None)
+            os.write(write_fd, b"E")
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    try:
+        finished = _read_all(read_fd) == b"E"
+    finally:
+        os.close(read_fd)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+    return finished
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 4096):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("operation", sorted(SWEEP_OPS))
+def test_kill_at_every_line_of_an_operation(arena_name, operation):
+    """From the same arena each time, kill the writer after 1, 2, 3, ... lines of the
+    operation until it completes: every intermediate state must attach cleanly and be
+    the state before or after the operation (a batch: each item before or after)."""
+    wheel = TimerWheel.create(32, name=arena_name, start_ms=1000, **SHAPE)
+    _sweep_setup(wheel)
+    wheel.close()
+    attached = TimerWheel.attach(arena_name)
+    before = observe(attached)
+    snapshot = bytes(attached._seg.buf)
+    attached.close()
+    description, call = SWEEP_OPS[operation]
+    kills = 0
+    for kill_line in range(1, 5000):
+        segment = Segment.attach(arena_name)
+        try:
+            segment.buf[:] = snapshot
+        finally:
+            segment.close()
+        finished = _run_killed(arena_name, call, kill_line)
+        wheel = TimerWheel.attach(arena_name)
+        try:
+            assert wheel.repairs == [], (kill_line, wheel.repairs)
+            assert wheel.check() == [], (kill_line, wheel.check())
+            seen = observe(wheel)
+        finally:
+            wheel.close()
+        try:
+            verify_inflight(before, description, seen)
+        except AssertionError as exc:
+            raise AssertionError(f"{operation}: killed after {kill_line} lines: {exc}") from exc
+        if finished:
+            assert (seen.sched, seen.fired) != (before.sched, before.fired) or operation == "cancel_many", operation
+            break
+        kills += 1
+    else:
+        raise AssertionError(f"{operation} did not finish within 5000 lines")
+    assert kills >= 10, f"{operation}: only {kills} kill points"
