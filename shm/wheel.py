@@ -890,7 +890,10 @@ class TimerWheel:
         return items, np.array(items, dtype="S33").view("V33")
 
     def _batch_column(self, values, n: int, low: int, high: int, what: str, exc=InvalidRequest) -> np.ndarray:
-        array = np.asarray(values)
+        try:
+            array = np.asarray(values)
+        except (OverflowError, ValueError) as error:
+            raise exc(f"{what}: {error}") from None
         if array.dtype.kind not in "iu" or array.ndim > 1 or (array.ndim == 1 and array.size != n):
             raise exc(f"{what}: {n} integers expected")
         array = np.broadcast_to(array.astype(np.int64, copy=False), (n,))
@@ -1023,8 +1026,11 @@ class TimerWheel:
 
     def release_many(self, slots, generations) -> np.ndarray:
         """:meth:`release` for a batch; returns a bool array (False: stale handle, no-op)."""
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
-        generations = np.broadcast_to(np.asarray(generations, dtype=np.int64), slots.shape)
+        try:
+            slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+            generations = np.broadcast_to(np.asarray(generations, dtype=np.int64), slots.shape)
+        except (OverflowError, ValueError, TypeError) as error:
+            raise InvalidRequest(f"release_many takes equal-length integer slots and generations: {error}") from None
         ok = (slots >= self.first_entry) & (slots < self.n_records)
         rec = self.records
         inside = slots[ok]

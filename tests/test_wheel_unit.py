@@ -281,6 +281,25 @@ def test_expire_fired_release_rearm_fired():
     assert wheel.check() == []
 
 
+def test_batch_methods():
+    wheel = TimerWheel.create(4, tick_ms=1, wheel_size=4, levels=3)
+    idents = [encode_ident(k) for k in ("a", "b", "c", "d", "e")]
+    slots, gens = wheel.schedule_many(idents, [10, 20, 300, 40, 50], tags=[1, 2, 3, 4, 5])
+    assert slots[:4].tolist() == sorted(slots[:4].tolist()) and slots[4] == -1  # full: "e" refused
+    assert wheel.counters()["arena_full_total"] == 1
+    assert (wheel.records["gen"][slots[:4]] == gens[:4]).all()
+    again, _ = wheel.schedule_many(idents[:2], [5, 25], tags=[8, 9])  # re-arms keep their records
+    assert again.tolist() == slots[:2].tolist() and wheel.counters()["rearms_total"] == 2
+    assert wheel.cancel_many([idents[3], encode_ident("zz")]).tolist() == [True, False]
+    fired = wheel.expire_many(25)
+    records = wheel.records_of(fired)
+    assert sorted(zip(records["deadline"].tolist(), records["tag"].tolist())) == [(5, 8), (25, 9)]
+    assert wheel.release_many(fired, records["gen"]).tolist() == [True, True]
+    assert wheel.release_many(fired, records["gen"]).tolist() == [False, False]  # stale now
+    assert wheel.check() == []
+    assert list(wheel.pending()) == [("c", 300, 0)]
+
+
 # ----------------------------------------------------------------------------- keys, groups
 def test_same_key_in_two_groups_is_two_timers():
     wheel = TimerWheel.create(10)
@@ -338,6 +357,19 @@ def snapshot(wheel: TimerWheel) -> tuple[bytes, set]:
         (lambda w: w.schedule("k", 10, aux=1 << 40), InvalidRequest),
         (lambda w: w.cancel(""), InvalidKey),
         (lambda w: w.rearm_fired(w.first_entry, 1, 2.5), InvalidDelay),
+        (lambda w: w.schedule_many([encode_ident("k")], [1.5]), InvalidDelay),
+        (lambda w: w.schedule_many([encode_ident("k")], [1 << 70]), InvalidDelay),
+        (lambda w: w.schedule_many([encode_ident("k"), encode_ident("a")], [10, MAX_DELAY_MS + 10]), InvalidDelay),
+        (lambda w: w.schedule_many([encode_ident("k")], [10, 11]), InvalidDelay),
+        (lambda w: w.schedule_many([b"\x00" * 33], [10]), InvalidKey),  # meta says length 0
+        (lambda w: w.schedule_many([b"short"], [10]), InvalidKey),
+        (lambda w: w.schedule_many(["k"], [10]), InvalidKey),
+        (lambda w: w.schedule_many(np.zeros(1, dtype="V32"), [10]), InvalidKey),
+        (lambda w: w.schedule_many([encode_ident("k")], [10], groups=[5000]), InvalidRequest),
+        (lambda w: w.schedule_many([encode_ident("k")], [10], tags=[-1]), InvalidRequest),
+        (lambda w: w.cancel_many([encode_ident("a")], groups=[-1]), InvalidRequest),
+        (lambda w: w.release_many([1, 2], [1, 2, 3]), InvalidRequest),
+        (lambda w: w.expire_many(1.5), InvalidDelay),
     ],
 )
 def test_bad_input_raises_and_changes_nothing(call, exc):
