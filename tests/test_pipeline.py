@@ -1,7 +1,8 @@
 """The fleet pipeline on real PySpark against the plain-Python reference.
 
 One SparkSession per xdist worker (``local[2]``, session-scoped fixture); the
-job runs once per module on a small generated fleet (``pipeline.generate``,
+job runs once per test run (the first worker that needs it runs it under a
+file lock, the others read its output) on a small generated fleet (``pipeline.generate``,
 the daemon's own journal writer) into which the test then cuts a torn tail,
 flips a byte, drops a garbage file, an empty file, lines of a future version
 and a segment whose header is damaged. Every table the job writes must equal
@@ -15,6 +16,9 @@ installs the ``pipeline`` extra).
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
+import json
 import math
 import os
 import random
@@ -114,12 +118,6 @@ def damage(root: Path) -> dict[str, object]:
     return done
 
 
-def damaged_fleet(root: Path, seed: int = 11) -> Path:
-    clean_fleet(root, seed)
-    damage(root)
-    return root
-
-
 # --------------------------------------------------------------------------- #
 # Spark fixtures: one session per xdist worker, one job run per module
 # --------------------------------------------------------------------------- #
@@ -136,22 +134,69 @@ def spark():
         spark.stop()
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory) -> tuple[Path, dict]:
-    root = tmp_path_factory.mktemp("fleet")
-    clean_fleet(root)
-    return root, damage(root)
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An inter-process lock (xdist workers share the once-per-session fleet and job run)."""
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-@pytest.fixture(scope="module")
-def result(spark, fleet, tmp_path_factory):
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory, worker_id) -> Path:
+    """A directory every xdist worker of this run sees (the parent of their basetemps)."""
+    base = tmp_path_factory.getbasetemp()
+    return base if worker_id == "master" else base.parent
+
+
+@pytest.fixture(scope="session")
+def fleet(shared_dir) -> tuple[Path, dict]:
+    """The damaged fleet, generated once per test run whatever the number of workers."""
+    root = shared_dir / "pipeline-fleet"
+    done_file = shared_dir / "pipeline-fleet.json"
+    with _exclusive(shared_dir / "pipeline-fleet.lock"):
+        if not done_file.exists():
+            shutil.rmtree(root, ignore_errors=True)
+            clean_fleet(root)
+            done_file.write_text(json.dumps(damage(root)))
+    return root, json.loads(done_file.read_text())
+
+
+class SavedResult:
+    """A finished job run read back from its output directory (no Spark needed)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        import pandas as pd
+
+        saved = json.loads((out_dir / "summary.json").read_text())
+        self.out_dir = str(out_dir)
+        self.tables_dir = saved["run"]["tables_dir"]
+        self.report_path = str(out_dir / "report.html")
+        self.summary = saved["summary"]
+        self.tables = {
+            name: pd.read_parquet(os.path.join(self.tables_dir, name))
+            for name in os.listdir(self.tables_dir)
+            if name != "events"
+        }
+
+
+@pytest.fixture(scope="session")
+def result(fleet, shared_dir, request) -> SavedResult:
+    """The job run once per test run on the damaged fleet (by the first worker that asks)."""
     from wheeld.pipeline import job
 
-    out = tmp_path_factory.mktemp("out")
-    return job.run(str(fleet[0]), str(out), spark=spark)
+    out = shared_dir / "pipeline-out"
+    with _exclusive(shared_dir / "pipeline-out.lock"):
+        if not (out / "summary.json").exists():  # written last: its presence means a whole run
+            shutil.rmtree(out, ignore_errors=True)
+            job.run(str(fleet[0]), str(out), spark=request.getfixturevalue("spark"))
+    return SavedResult(out)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def expected(fleet):
     from wheeld.pipeline import reference
 

@@ -24,7 +24,7 @@ import time
 import urllib.request
 
 import pytest
-from test_pipeline import damaged_fleet, spark  # noqa: F401 - the shared fleet builder and session fixture
+from test_pipeline import fleet, result, shared_dir, spark  # noqa: F401 - shared fixtures
 
 pytestmark = [
     pytest.mark.spark,
@@ -187,32 +187,30 @@ def _tables(tables_dir: str) -> dict:
     return tables
 
 
-def test_standalone_cluster_gives_the_same_tables_as_local(cluster, spark, tmp_path):  # noqa: F811
+def test_standalone_cluster_gives_the_same_tables_as_local(cluster, fleet, result, tmp_path):  # noqa: F811
+    """The tables of a run on the cluster equal those of the local run (and the reference)."""
     import pandas as pd
 
-    from wheeld.pipeline import job, reference
+    from wheeld.pipeline import reference
 
-    fleet = damaged_fleet(tmp_path / "fleet")
     cluster_out = tmp_path / "cluster"
     env = dict(cluster.env, WHEELD_SPARK_DRIVER_MEMORY="1g")
     driver = subprocess.run(
-        [sys.executable, "-m", "wheeld.pipeline.job", str(fleet), "--out", str(cluster_out),
+        [sys.executable, "-m", "wheeld.pipeline.job", str(fleet[0]), "--out", str(cluster_out),
          "--master", cluster.url, "--quiet"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert driver.returncode == 0, driver.stderr[-4000:] + "\n" + cluster.logs()
     summary = json.loads((cluster_out / "summary.json").read_text())
     assert summary["run"]["master"] == cluster.url
-
-    local_out = tmp_path / "local"
-    job.run(str(fleet), str(local_out), spark=spark, render=False)
+    assert summary["run"]["default_parallelism"] == cluster.worker_cores  # the worker's executor ran it
 
     on_cluster = _tables(str(cluster_out / "tables"))
-    on_local = _tables(str(local_out / "tables"))
+    on_local = _tables(result.tables_dir)  # the local[2] run of the same fleet (test_pipeline.py)
     assert sorted(on_cluster) == sorted(on_local)
     for name in on_local:
         pd.testing.assert_frame_equal(on_cluster[name], on_local[name], check_dtype=True, obj=name)
 
-    expected = reference.compute(str(fleet))
+    expected = reference.compute(str(fleet[0]))
     assert on_cluster["summary"].iloc[0]["events"] == len(expected["events"]) > 0
     assert on_cluster["summary"].iloc[0]["bad_lines"] == expected["summary"][0]["bad_lines"] > 0
