@@ -246,9 +246,12 @@ def crc_bench(spark, root: Path) -> list[dict]:
     )  # fmt: skip
     lines = text.count()
 
-    @F.pandas_udf("boolean")
-    def crc_arrow(values: pd.Series) -> pd.Series:
+    def check_batch(values):
         return values.map(journal.check_line)
+
+    # real (not string) hints: pyspark infers the UDF kind from them
+    check_batch.__annotations__ = {"values": pd.Series, "return": pd.Series}
+    crc_arrow = F.pandas_udf(check_batch, "boolean")
 
     crc_python = F.udf(journal.check_line, "boolean")
     variants = [
