@@ -25,14 +25,18 @@ Stages (each is logged with its counts and elapsed time)
    cannot be opened is counted ``unreadable`` here. The result is a small
    table, one row per file, broadcast to every task.
 3. **verify** -- executors read every line as text (``lineSep="\\n"``:
-   Spark's default also splits on ``\\r``), check its crc and classify it (see
-   below), and the classified lines are cached. One action counts lines by
-   segment and status.
-4. **events** -- the ``ok`` lines, decoded with ``from_json`` against a fixed
-   schema (no inference pass), are written as the ``events`` table.
-5. **aggregate** -- every figure table is computed from ``events`` read
-   back from Parquet (columnar: each aggregation reads only its columns) and
-   written as one small Parquet file, then collected for the report.
+   Spark's default also splits on ``\\r``), check its crc, parse the JSON of
+   the lines whose crc matched (``from_json``, fixed schema, no inference
+   pass) and give every line a status (see below). A narrow projection
+   (status, event columns, a file id) is cached on local disk; one action
+   counts lines by file and status.
+4. **events** -- the ``ok`` rows, joined with the per-file strings (segment
+   path, host, daemon), are written as the ``events`` table.
+5. **aggregate** -- two Spark jobs over ``events`` read back from Parquet
+   (columnar: only the needed columns): lateness with GROUPING SETS and
+   exact ``percentile_disc``, and event counts with GROUPING SETS. The small
+   results are collected; rates and rankings are derived on the driver
+   (:func:`figure_tables`) and every table is written as one Parquet file.
 6. **report** -- :mod:`wheeld.pipeline.report` draws PNG charts with
    matplotlib and writes ``report.html`` (charts embedded, one file).
 
@@ -105,7 +109,7 @@ import re
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
