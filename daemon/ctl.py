@@ -627,5 +627,10 @@ def check(ctl: Ctl, as_json: bool, attempts: int) -> None:
         sys.exit(EXIT_FAILED)
 
 
+from .ctl_report import report  # noqa: E402  (imports pyspark only when it runs)
+
+main.add_command(report)  # wheelctl report JOURNAL_DIR --out DIR [--master URL]
+
+
 if __name__ == "__main__":
     main()

@@ -172,7 +172,7 @@ def _note_durable(journal: Journal, log_path: str) -> None:
     path = journal.segment_path
     if path is not None:
         with open(log_path, "a") as log_file:
-            log_file.write(f"{path.name} {os.path.getsize(path)}\n")
+            log_file.write(f"{path.name} {os.path.getsize(path)} {mono_ms()}\n")
 
 
 def _observe_durability(journal: Journal, log_path: str) -> None:

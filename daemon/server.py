@@ -499,6 +499,29 @@ class Daemon:
             self._poison(cs, f"invalid command record (op {op}) at ring position {good}")
         return good
 
+    def _ack_allowed(self, cs: ClientSlot, slot: int, generation: int) -> bool:
+        """May this client acknowledge fired record (slot, generation)? Forget it as in flight.
+
+        Usually it is one this daemon sent to this client. After a daemon restart the
+        acks a client pushed earlier (even one that died since) are in its ring but in
+        nobody's in-flight table: they count when the record is still fired with that
+        generation and belongs to the client's group. A client cannot acknowledge
+        another group's timers.
+        """
+        if cs.unacked.get(slot) == generation:
+            del cs.unacked[slot]
+            return True
+        try:
+            _key, _deadline, group, _tag, _aux, current = self.wheel.fired(slot)
+        except InvalidRequest:
+            return False  # not a fired record (already released): a stale ack
+        if current != generation or group != cs.group:
+            return False
+        for other in self.clients.values():  # in flight to another member: it is done now
+            if other.group == group and other.unacked.get(slot) == generation:
+                del other.unacked[slot]
+        return True
+
     def _apply_one_by_one(self, cs, good, ops, metas, keys, deadlines, seqs, aux0, aux1, flushes, rejects) -> None:
         wheel = self.wheel
         gid = cs.group
@@ -517,10 +540,8 @@ class Daemon:
                 elif op == C.CANCEL:
                     cancel(_META[metas[i]] + keys[i], gid)
                 elif op == C.ACK:
-                    slot = aux0[i]
-                    if cs.unacked.get(slot) == aux1[i]:
-                        del cs.unacked[slot]
-                        release(slot, aux1[i])
+                    if self._ack_allowed(cs, aux0[i], aux1[i]):
+                        release(aux0[i], aux1[i])
                 elif op == C.ADD_IDLE:
                     schedule(_META[metas[i]] + keys[i], deadlines[i], gid, seqs[i], touch_base | aux1[i])
                 elif op == C.FLUSH:
@@ -542,7 +563,6 @@ class Daemon:
         wheel = self.wheel
         gid = cs.group
         touch_base = cs.slot << CL.TOUCH_INDEX_BITS
-        unacked = cs.unacked
         start = 0
         while start < good:
             seen: set[bytes] = set()
@@ -551,10 +571,8 @@ class Daemon:
             while end < good:
                 op = ops[end]
                 if op == C.ACK:
-                    slot = aux0[end]
-                    if unacked.get(slot) == aux1[end]:
-                        del unacked[slot]
-                        ack_slots.append(slot)
+                    if self._ack_allowed(cs, aux0[end], aux1[end]):
+                        ack_slots.append(aux0[end])
                         ack_gens.append(aux1[end])
                 elif op == C.FLUSH:
                     flushes.append(seqs[end])
@@ -598,8 +616,7 @@ class Daemon:
         """Apply one command and journal what it did (the slower path used with --journal)."""
         wheel, recorder, gid = self.wheel, self.recorder, cs.group
         if op == C.ACK:
-            if cs.unacked.get(aux0) == aux1:
-                del cs.unacked[aux0]
+            if self._ack_allowed(cs, aux0, aux1):
                 key, _deadline, group, tag, _aux, _gen = wheel.fired(aux0)
                 if wheel.release(aux0, aux1):
                     recorder.acked(group, key, tag)

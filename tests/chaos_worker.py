@@ -50,11 +50,13 @@ def main(args: dict) -> None:
                 continue  # not acknowledged: not logged, so not promised
             now = mono_ms()
             log.write("".join(f"A {k} {d} {now}\n" for k, d in keys))
-        if pending_batch is not None:
-            log.write(f"K {pending_batch}\n")  # poll() below acknowledges it
+        got = w.poll(0.02)  # acknowledges the batch handed over before (pushes its acks)
+        if pending_batch is not None and not w._acks_pending:  # logged only once really pushed
+            log.write(f"K {pending_batch}\n")
             pending_batch = None
-        got = w.poll(0.02)
         if got:
+            if pending_batch is not None:
+                log.write(f"U {pending_batch}\n")  # its acks are still waiting for ring room
             batch_no += 1
             now = mono_ms()
             log.write("".join(f"R {e.key} {e.deadline_ms} {e.fired_ms} {now} {batch_no}\n" for e in got))

@@ -19,7 +19,7 @@ def mono_ms() -> int:
 def load(args: dict) -> dict:
     """Add, re-arm and cancel timers, then collect every expiration."""
     rng = random.Random(args["seed"])
-    w = wheeld.connect(args["socket"], group=args["group"])
+    w = wheeld.connect(args["socket"], group=args["group"], connect_timeout_s=60)
     expected: dict[str, int] = {}
     cancelled: list[str] = []
     prefix = args["prefix"]
@@ -40,9 +40,9 @@ def load(args: dict) -> dict:
             before = mono_ms()
             w.add(key, delay)  # re-arm
             expected[key] = before + delay
-    w.flush()
+    w.flush(timeout_s=120)  # generous: CI machines may be loaded
     received = []
-    end = time.monotonic() + args.get("timeout_s", 30)
+    end = time.monotonic() + args.get("timeout_s", 90)
     while time.monotonic() < end and len(received) < len(expected):
         for e in w.poll(0.2):
             received.append([e.key, e.deadline_ms, e.fired_ms, mono_ms()])
