@@ -917,6 +917,7 @@ async def _asyncio_main(plans: list[Plan], sizes: Sizes) -> dict:
     i = 0
     n = len(steady)
     last_sample = start
+    cpu_steady0 = time.process_time()
     while True:
         now = ltime()
         if now >= end:
@@ -933,6 +934,7 @@ async def _asyncio_main(plans: list[Plan], sizes: Sizes) -> dict:
             pending_samples["steady"].append(len(handles))
             last_sample = now
         await asyncio.sleep(max(0.0, 0.001 - (ltime() - now)))
+    out["steady_cpu_share"] = round((time.process_time() - cpu_steady0) / sizes.steady_s, 3)
     await asyncio.sleep(GRACE_S)
     out["steady_ops"] = i
     d = np.array(deadlines)
@@ -1023,6 +1025,9 @@ def summarize(runs: list[dict]) -> dict:
     if "wheeld" in summary and "redis" in summary:
         ratios = [r["wheeld"]["ops_per_s"] / r["redis"]["ops_per_s"] for r in runs if "wheeld" in r and "redis" in r]
         summary["wheeld_over_redis"] = spread([round(x, 2) for x in ratios], True)
+        # the target's figure: each system at its best (a per-run ratio can flatter either side)
+        summary["wheeld_over_redis"]["of_bests"] = round(summary["wheeld"]["ops_per_s"]["best"]
+                                                         / summary["redis"]["ops_per_s"]["best"], 2)
     return summary
 
 
@@ -1040,9 +1045,9 @@ def targets(summary: dict) -> list[dict]:
     row("end-to-end timer ops/s", f">= {TARGET_OPS_PER_S:,}", ops, ops is not None and ops >= TARGET_OPS_PER_S,
         "best run; 2 client processes, 60/20/20 add/re-arm/cancel, until flush() returned")
     if "wheeld_over_redis" in summary:
-        ratio = summary["wheeld_over_redis"]["best"]
+        ratio = summary["wheeld_over_redis"]["of_bests"]
         row("x Redis pipelined", f">= {TARGET_REDIS_RATIO}x", ratio, ratio >= TARGET_REDIS_RATIO,
-            "best per-run ratio of wheeld ops/s to Redis (pipeline 1000) ops/s, same plan")
+            "best wheeld ops/s / best Redis (pipeline 1000) ops/s over the repeats, same plan")
     p99 = w["steady_recv_p99_ms"]["best"]
     row("lateness p99, ~100k pending", f"<= {TARGET_P99_MS} ms", p99, p99 is not None and p99 <= TARGET_P99_MS,
         "steady phase, receive time - deadline_ms in the client, best run")
@@ -1099,7 +1104,7 @@ def print_table(runs: list[dict], summary: dict, target_rows: list[dict]) -> Non
     print()
     for system, s in summary.items():
         if system == "wheeld_over_redis":
-            print(f"wheeld / redis: best {s['best']}x, spread {s['worst']}-{s['best']}x")
+            print(f"wheeld / redis: {s['of_bests']}x of the bests; per run {s['worst']}-{s['best']}x")
             continue
         ops = s["ops_per_s"]
         print(f"{system}: ops/s best {fmt(ops['best'])}, spread {fmt(ops['worst'])}-{fmt(ops['best'])}"

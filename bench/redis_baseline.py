@@ -13,7 +13,8 @@ What a user would build with Redis instead of wheeld:
   ``ZREM`` them; the client passes ``now`` = its CLOCK_MONOTONIC ms (the
   scores are CLOCK_MONOTONIC deadlines, like wheeld's).
 
-Two client processes (``redis-py``), the same seeded plan and phases as the
+Two client processes (``redis-py``; with ``hiredis`` installed it parses the
+replies, which is what a user tuning Redis would do), the same seeded plan and phases as the
 wheeld run: preload, burst (pipelines of ``pipeline`` commands, transaction
 off, one pop appended to each pipeline; throughput = ops of both clients /
 time until the last pipeline's reply), steady (one pipeline + pop per 1 ms
@@ -245,9 +246,14 @@ def run_redis(sizes: Sizes, seed: int) -> dict:
         sampler.phase = "preload"
         phases.release("preload")
         phases.wait(procs, "arrive", "burst", timeout)
+        import psutil
+
+        server_ps = psutil.Process(server.proc.pid)
+        cpu0 = server_ps.cpu_times()
         sampler.phase = "burst"
         t0_ns = phases.release("burst")
         phases.wait(procs, "arrive", "steady", timeout)
+        cpu1 = server_ps.cpu_times()
         sampler.phase = "steady"
         steady_ns = phases.release("steady")
         phases.wait(procs, "arrive", "unpipelined", timeout + sizes.steady_s)
@@ -272,15 +278,24 @@ def run_redis(sizes: Sizes, seed: int) -> dict:
     u_wall = (max(c["unpipelined"]["end_ns"] for c in clients) - u0_ns) / 1e9
     t0_ms, steady_ms = t0_ns // 1_000_000, steady_ns // 1_000_000
     windows = {"burst": (t0_ms, end_ns // 1_000_000), "steady": (steady_ms, steady_ms + int(sizes.steady_s * 1000))}
+    try:
+        import hiredis  # noqa: F401 - redis-py parses replies with it when installed
+
+        parser = "hiredis"
+    except ImportError:
+        parser = "python"
     return {
         "redis_version": info.get("redis_version"),
+        "redis_py": redis.__version__,
+        "reply_parser": parser,
         "pipeline": sizes.pipeline,
         "ops": ops,
         "wall_s": round(wall_s, 4),
         "ops_per_s": round(ops / wall_s),
         "preload_adds_per_s": round(sum(c["preload"]["ops"] for c in clients)
                                     / max(c["preload"]["seconds"] for c in clients)),
-        "cpu_us_per_op_clients": round(sum(c["burst"]["cpu_s"] for c in clients) / ops * 1e6, 3),
+        "cpu_us_per_op": {"server": round(((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / ops * 1e6, 3),
+                          "clients": round(sum(c["burst"]["cpu_s"] for c in clients) / ops * 1e6, 3)},
         "steady_ops": sum(c["steady"]["ops"] for c in clients),
         "unpipelined": {"ops": u_ops, "wall_s": round(u_wall, 4), "ops_per_s": round(u_ops / u_wall)},
         "lateness": lateness_report([c["received"] for c in clients], windows),
