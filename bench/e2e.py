@@ -701,13 +701,15 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
         sampler.phase = "steady"
         steady_ns = phases.release("steady")
         steady_cpu0 = daemon_ps.cpu_times()
+        steady_counters0 = {k: counter(k) for k in _STEADY_COUNTERS}
 
         phases.wait(procs, "arrive", "touch", timeout + sizes.steady_s)
         steady_cpu1 = daemon_ps.cpu_times()
+        steady_counters1 = {k: counter(k) for k in _STEADY_COUNTERS}
         stop_pyspy(spies)
         spies = []
         sampler.phase = "touch"
-        phases.release("touch")
+        touch_ns = phases.release("touch")
 
         results = phases.wait(procs, "result", None, timeout)
         pending = sampler.stop()
@@ -737,6 +739,7 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
     client_cpu_s = sum(c["burst"]["cpu_s"] for c in clients)
     t0_ms = t0_ns // 1_000_000
     steady_ms = steady_ns // 1_000_000
+    steady_window_s = (touch_ns - steady_ns) / 1e9
     windows = {"burst": (t0_ms, end_ns // 1_000_000),
                "steady": (steady_ms, steady_ms + int(sizes.steady_s * 1000))}
     out.update({
@@ -757,6 +760,13 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
         "steady_cpu_share": {"daemon": round(((steady_cpu1.user + steady_cpu1.system)
                                               - (steady_cpu0.user + steady_cpu0.system)) / sizes.steady_s, 3),
                              "clients": [round(c["steady"]["cpu_s"] / sizes.steady_s, 3) for c in clients]},
+        # the daemon's work in the steady phase, per second (counters from the arena header; the
+        # window is a little longer than steady_s: it ends when both clients finished their grace)
+        "steady_daemon_per_s": {k: round((steady_counters1[k] - steady_counters0[k]) / steady_window_s)
+                                for k in _STEADY_COUNTERS},
+        "steady_daemon_cpu_us_per_wakeup": round(
+            ((steady_cpu1.user + steady_cpu1.system) - (steady_cpu0.user + steady_cpu0.system)) * 1e6
+            / max(1, steady_counters1["wakeups_total"] - steady_counters0["wakeups_total"]), 1),
         "cancel_hits": sum(c["burst"]["cancel_hits"] for c in clients),
         "lateness": lateness_report([c["received"] for c in clients], windows),
         "pending": pending,
@@ -767,6 +777,10 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
     if warnings:
         out["daemon_log_warnings"] = warnings[:20]
     return out
+
+
+_STEADY_COUNTERS = ("loop_iterations_total", "wakeups_total", "commands_total", "expirations_total",
+                    "delivered_total", "cascades_total")
 
 
 def start_pyspy(profile_dir: str, phase: str, pids: dict[str, int]) -> list:
