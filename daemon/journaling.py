@@ -38,7 +38,7 @@ from wheeld.protocol.keys import decode_key
 from wheeld.protocol.errors import ArenaFull, InvalidRequest
 from wheeld.shm.wheel import TimerWheel
 
-from .journal import FiredTimer, Journal, PendingTimer, recover, wall_to_monotonic
+from .journal import FiredTimer, Journal, PendingTimer, list_segments, recover, wall_to_monotonic
 
 log = logging.getLogger("wheeld.journal")
 
@@ -70,6 +70,23 @@ class Recorder:
         self._durable_log = os.environ.get("WHEELD_TEST_DURABLE_LOG")
         if self._durable_log:
             _observe_durability(journal, self._durable_log)
+        self._sync_previous_segments()
+
+    def _sync_previous_segments(self) -> None:
+        """A daemon killed without a reboot leaves its last events written but maybe not
+        fsynced (the page cache keeps them); this daemon writes a new segment and would
+        only ever fsync that one, so a later power cut would lose them. Sync them now."""
+        for _lsn, path in list_segments(self.journal.directory):
+            if path == self.journal.segment_path:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if self._durable_log:
+                with open(self._durable_log, "a") as log_file:
+                    log_file.write(f"{path.name} {os.path.getsize(path)} {mono_ms()}\n")
 
     # ------------------------------------------------------------------ events
     def begin(self) -> None:
