@@ -93,8 +93,8 @@ probe window gathered per key), splicing whole chains into buckets, unlinking
 runs of neighbours (pointer jumping). What stays per item: hashing the keys,
 walking due buckets, and batches that name one key twice (they take the
 scalar path). Re-arms in a batch go through a batch intent (below). At 1M pending a batch of 1000
-costs ~0.5 us per insert or cancel and ~0.5 us per expiration, against 2-4 us
-for the scalar methods (see docs/wheel.md for measured figures).
+costs 0.5-1 us per insert, cancel or expiration, against 2-4 us for the scalar
+methods (``python -m bench.wheel_core``; measured figures in docs/wheel.md).
 
 Record life (the only legal steps; anything else raises and changes nothing)::
 
