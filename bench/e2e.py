@@ -651,7 +651,7 @@ def unique_name(prefix: str) -> str:
 
 
 def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir: str | None = None,
-               cprofile: bool = False) -> dict:
+               cprofile: bool = False, raw_dir: str | None = None) -> dict:
     ctx = multiprocessing.get_context("fork")
     names = ["preload", "burst", "steady", "touch"]
     workdir = Path(tempfile.mkdtemp(prefix="wheeld-e2e-"))
@@ -688,12 +688,14 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
                                                        **{f"client{c}": infos[c]["pid"] for c in infos}})
         cpu_before = daemon_ps.cpu_times()
         commands_before = counter("commands_total")
+        burst_counters0 = {k: counter(k) for k in _STEADY_COUNTERS}
         sampler.phase = "burst"
         t0_ns = phases.release("burst")
 
         phases.wait(procs, "arrive", "steady", timeout)
         cpu_after = daemon_ps.cpu_times()
         commands_after = counter("commands_total")
+        burst_counters1 = {k: counter(k) for k in _STEADY_COUNTERS}
         stop_pyspy(spies)
         spies = []
         if profile_dir:
@@ -729,8 +731,9 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
         shutil.rmtree(workdir, ignore_errors=True)
 
     clients = [results[c] for c in sorted(results)]
-    if profile_dir:  # the raw expirations, for a look at when the late ones happen
-        np.savez(os.path.join(profile_dir, "wheeld-received.npz"), t0_ns=t0_ns, steady_ns=steady_ns,
+    raw_dir = raw_dir or profile_dir
+    if raw_dir:  # the raw expirations, for a look at when the late ones happen
+        np.savez(os.path.join(raw_dir, "wheeld-received.npz"), t0_ns=t0_ns, steady_ns=steady_ns,
                  **{f"{k}_{c['client']}": v for c in clients for k, v in c["received"].items()})
     ops = sum(c["burst"]["ops"] for c in clients)
     end_ns = max(c["burst"]["end_ns"] for c in clients)
@@ -760,6 +763,9 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
         "steady_cpu_share": {"daemon": round(((steady_cpu1.user + steady_cpu1.system)
                                               - (steady_cpu0.user + steady_cpu0.system)) / sizes.steady_s, 3),
                              "clients": [round(c["steady"]["cpu_s"] / sizes.steady_s, 3) for c in clients]},
+        # the daemon's work in the burst (from the release to the last client's flush and arrival)
+        "burst_daemon_counts": {k: burst_counters1[k] - burst_counters0[k] for k in _STEADY_COUNTERS},
+        "burst_daemon_busy_share": round(daemon_cpu_s / wall_s, 3),
         # the daemon's work in the steady phase, per second (counters from the arena header; the
         # window is a little longer than steady_s: it ends when both clients finished their grace)
         "steady_daemon_per_s": {k: round((steady_counters1[k] - steady_counters0[k]) / steady_window_s)
@@ -779,7 +785,7 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
     return out
 
 
-_STEADY_COUNTERS = ("loop_iterations_total", "wakeups_total", "commands_total", "expirations_total",
+_STEADY_COUNTERS = ("wakeups_total", "commands_total", "expirations_total",
                     "delivered_total", "cascades_total")
 
 
@@ -1146,6 +1152,8 @@ def parse_args(argv):
     parser.add_argument("--profile", default=None, metavar="DIR", help="py-spy recordings of the first repeat")
     parser.add_argument("--cprofile", action="store_true", help="with --profile: cProfile the daemon and clients too")
     parser.add_argument("--summarize", default=None, metavar="DIR", help="print the shares of DIR's py-spy files")
+    parser.add_argument("--raw", default=None, metavar="DIR",
+                        help="save wheeld's raw expirations of the first repeat (npz) and print its late-fire moments")
     for field in dataclasses.fields(Sizes):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=float if field.type in (float, "float") else int,
                             default=None, help=argparse.SUPPRESS)
@@ -1174,8 +1182,9 @@ def main(argv=None) -> int:
     unknown = set(systems) - {"wheeld", "redis", "asyncio"}
     if unknown:
         raise SystemExit(f"unknown system(s): {', '.join(sorted(unknown))}")
-    if args.profile:
-        os.makedirs(args.profile, exist_ok=True)
+    for directory in (args.profile, args.raw):
+        if directory:
+            os.makedirs(directory, exist_ok=True)
     meta = {
         "git": git_state(),
         "command": " ".join(["python -m bench.e2e", *(argv if argv is not None else sys.argv[1:])]),
@@ -1204,7 +1213,8 @@ def main(argv=None) -> int:
         seed = args.seed + i
         if "wheeld" in systems:
             run["wheeld"] = run_wheeld(sizes, seed, args.name_prefix,
-                                       profile_dir=args.profile if i == 0 else None, cprofile=args.cprofile)
+                                       profile_dir=args.profile if i == 0 else None, cprofile=args.cprofile,
+                                       raw_dir=args.raw if i == 0 else None)
             print(f"  run {i + 1}: wheeld {run['wheeld']['ops_per_s']:,} ops/s", flush=True)
         if "redis" in systems:
             from bench.redis_baseline import run_redis
@@ -1224,7 +1234,30 @@ def main(argv=None) -> int:
     out_path.write_text(json.dumps({"meta": meta, "runs": runs, "summary": summary, "targets": target_rows},
                                    indent=1, default=_json_default) + "\n")
     print(f"wrote {out_path}")
+    if args.raw and "wheeld" in systems:
+        print(late_moments(os.path.join(args.raw, "wheeld-received.npz"), sizes))
     return 0
+
+
+def late_moments(path: str, sizes: Sizes, min_late_ms: int = 3) -> str:
+    """When, in the steady phase, timers fired >= ``min_late_ms`` late: one line per daemon
+    ``fired_ms`` (ms after the phase start, worst lateness, items). A period of 256 ms
+    (tick 1 ms x 256 buckets) points at level-1 cascades."""
+    data = np.load(path)
+    start_ms = int(data["steady_ns"]) // 1_000_000
+    clients = sorted({int(k.rsplit("_", 1)[1]) for k in data.files if k.startswith("deadline_ms_")})
+    deadline = np.concatenate([data[f"deadline_ms_{c}"] for c in clients])
+    fired = np.concatenate([data[f"fired_ms_{c}"] for c in clients])
+    inside = (deadline >= start_ms) & (deadline <= start_ms + int(sizes.steady_s * 1000))
+    deadline, fired = deadline[inside] - start_ms, fired[inside] - start_ms
+    late = fired - deadline
+    lines = [f"steady phase: {len(late)} expirations, {int((late >= min_late_ms).sum())} fired >= {min_late_ms} ms late"]
+    moments = np.unique(fired[late >= min_late_ms])
+    for moment in moments.tolist():
+        at = fired == moment
+        lines.append(f"  fired at +{moment} ms (+{moment % 256} mod 256): worst {int(late[at].max())} ms late, "
+                     f"{int(at.sum())} items")
+    return "\n".join(lines)
 
 
 def git_state() -> dict:
