@@ -97,6 +97,7 @@ import os
 import platform
 import queue as queue_module
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -368,8 +369,10 @@ class Daemon:
     ``/wheeld-<name>-*``), stopped by pid and cleaned by name in :meth:`cleanup`.
     The logic of tests/daemon_harness.py, plus an optional cProfile wrapper."""
 
-    def __init__(self, workdir: Path, name: str, capacity: int, cprofile_path: str | None = None):
+    def __init__(self, workdir: Path, name: str, capacity: int, cprofile_path: str | None = None,
+                 extra_args: tuple = ()):
         self.name = name
+        self.extra_args = list(extra_args)
         self.socket_path = str(workdir / f"{name}.sock")
         self.log_path = workdir / f"{name}.log"
         self.capacity = capacity
@@ -383,7 +386,7 @@ class Daemon:
         if self.cprofile_path:
             prefix += ["-m", "cProfile", "-o", self.cprofile_path]
         cmd = prefix + ["-m", "wheeld.daemon.cli", "--socket", self.socket_path, "--name", self.name,
-                        "--capacity", str(self.capacity), "--log-level", "WARNING"]
+                        "--capacity", str(self.capacity), "--log-level", "WARNING", *self.extra_args]
         env = dict(os.environ)
         env.pop("NOTIFY_SOCKET", None)
         env.pop("WATCHDOG_USEC", None)
@@ -651,13 +654,14 @@ def unique_name(prefix: str) -> str:
 
 
 def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir: str | None = None,
-               cprofile: bool = False, raw_dir: str | None = None) -> dict:
+               cprofile: bool = False, raw_dir: str | None = None, daemon_args: tuple = ()) -> dict:
     ctx = multiprocessing.get_context("fork")
     names = ["preload", "burst", "steady", "touch"]
     workdir = Path(tempfile.mkdtemp(prefix="wheeld-e2e-"))
     name = unique_name(name_prefix)
     daemon = Daemon(workdir, name, sizes.capacity,
-                    cprofile_path=os.path.join(profile_dir, "daemon.prof") if profile_dir and cprofile else None)
+                    cprofile_path=os.path.join(profile_dir, "daemon.prof") if profile_dir and cprofile else None,
+                    extra_args=daemon_args)
     procs = []
     sampler = None
     close_arena = None
@@ -676,7 +680,7 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
         read_pending, counter, close_arena = arena_reader(name)
         sampler = PendingSampler(read_pending).start()
         timeout = 120.0
-        out: dict = {"daemon_name": name}
+        out: dict = {"daemon_name": name, "daemon_args": list(daemon_args)}
 
         phases.wait(procs, "arrive", "preload", timeout)
         sampler.phase = "preload"
@@ -1152,6 +1156,8 @@ def parse_args(argv):
     parser.add_argument("--profile", default=None, metavar="DIR", help="py-spy recordings of the first repeat")
     parser.add_argument("--cprofile", action="store_true", help="with --profile: cProfile the daemon and clients too")
     parser.add_argument("--summarize", default=None, metavar="DIR", help="print the shares of DIR's py-spy files")
+    parser.add_argument("--daemon-args", default="", metavar="ARGS",
+                        help="extra wheeld flags, e.g. '--wheel-size 64' (recorded in the JSON)")
     parser.add_argument("--raw", default=None, metavar="DIR",
                         help="save wheeld's raw expirations of the first repeat (npz) and print its late-fire moments")
     for field in dataclasses.fields(Sizes):
@@ -1214,7 +1220,8 @@ def main(argv=None) -> int:
         if "wheeld" in systems:
             run["wheeld"] = run_wheeld(sizes, seed, args.name_prefix,
                                        profile_dir=args.profile if i == 0 else None, cprofile=args.cprofile,
-                                       raw_dir=args.raw if i == 0 else None)
+                                       raw_dir=args.raw if i == 0 else None,
+                                       daemon_args=tuple(shlex.split(args.daemon_args)))
             print(f"  run {i + 1}: wheeld {run['wheeld']['ops_per_s']:,} ops/s", flush=True)
         if "redis" in systems:
             from bench.redis_baseline import run_redis
