@@ -316,7 +316,8 @@ def lateness_report(received: list[dict], windows: dict[str, tuple[int, int]]) -
     deadline = np.concatenate([r["deadline_ms"] for r in received]) if received else np.zeros(0, np.int64)
     fired = np.concatenate([r["fired_ms"] for r in received]) if received else np.zeros(0, np.int64)
     recv_us = np.concatenate([r["recv_us"] for r in received]) if received else np.zeros(0, np.int64)
-    out = {"received_total": int(len(deadline)), "early_total": int((fired < deadline).sum() + (recv_us < deadline * 1000).sum())}
+    early = int((fired < deadline).sum() + (recv_us < deadline * 1000).sum())
+    out = {"received_total": int(len(deadline)), "early_total": early}
     for name, (lo_ms, hi_ms) in windows.items():
         mask = (deadline >= lo_ms) & (deadline <= hi_ms)
         out[name] = {
@@ -1105,11 +1106,13 @@ def lat_cell(lat: dict | None, phase: str, which: str) -> str:
 def print_table(runs: list[dict], summary: dict, target_rows: list[dict]) -> None:
     print()
     print("per run: ops/s end to end; lateness p50/p99/max in ms (fired = daemon/pop time, recv = client receive time)")
-    header = f"{'run':>3} {'system':<20} {'ops/s':>11} {'steady fired':>17} {'steady recv':>17} {'burst recv':>19} {'pending steady':>16}"
+    header = (f"{'run':>3} {'system':<20} {'ops/s':>11} {'steady fired':>17} {'steady recv':>17} "
+              f"{'burst recv':>19} {'pending steady':>16}")
     print(header)
     print("-" * len(header))
     for i, run in enumerate(runs):
-        for system, label in (("wheeld", "wheeld (2 clients)"), ("redis", "redis pipe 1000"), ("asyncio", "asyncio call_at")):
+        for system, label in (("wheeld", "wheeld (2 clients)"), ("redis", "redis pipe 1000"),
+                              ("asyncio", "asyncio call_at")):
             r = run.get(system)
             if r is None:
                 continue
@@ -1204,7 +1207,8 @@ def main(argv=None) -> int:
         "quick": args.quick,
         "profiled": bool(args.profile),
         "lateness_definitions": {
-            "fired": "Expired.fired_ms - Expired.deadline_ms (daemon clock; Redis: pop request time; asyncio: callback time)",
+            "fired": "Expired.fired_ms - Expired.deadline_ms (daemon clock; Redis: pop request time; "
+                     "asyncio: callback time)",
             "recv": "client monotonic time when poll() returned the item - deadline_ms (asyncio: callback time)",
             "steady": "expirations whose deadline lies in the steady phase (paced load, ~100k pending)",
             "burst": "expirations whose deadline lies in the burst phase (throughput run)",
@@ -1258,7 +1262,8 @@ def late_moments(path: str, sizes: Sizes, min_late_ms: int = 3) -> str:
     inside = (deadline >= start_ms) & (deadline <= start_ms + int(sizes.steady_s * 1000))
     deadline, fired = deadline[inside] - start_ms, fired[inside] - start_ms
     late = fired - deadline
-    lines = [f"steady phase: {len(late)} expirations, {int((late >= min_late_ms).sum())} fired >= {min_late_ms} ms late"]
+    count_late = int((late >= min_late_ms).sum())
+    lines = [f"steady phase: {len(late)} expirations, {count_late} fired >= {min_late_ms} ms late"]
     moments = np.unique(fired[late >= min_late_ms])
     for moment in moments.tolist():
         at = fired == moment
