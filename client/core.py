@@ -99,9 +99,9 @@ class ClientCore:
         # expirations already handed over, by (key, arming tag): survives a daemon
         # restart (same records) and a reboot recovery (new records, same journaled arming)
         self._recent: collections.OrderedDict[tuple[bytes, int], None] = collections.OrderedDict()
-        self._ready: collections.deque[tuple[Expired, tuple[int, int]]] = collections.deque()  # received, not handed over
-        self._to_ack: list[tuple[int, int]] = []  # handed to the application, ack at the next poll
-        self._acks_pending: list[tuple[int, int]] = []  # could not be pushed yet (ring full)
+        self._ready: collections.deque[tuple[Expired, tuple[int, int, int]]] = collections.deque()  # received, not handed over
+        self._to_ack: list[tuple[int, int, int]] = []  # (slot, generation, arena epoch): handed over, ack at the next poll
+        self._acks_pending: list[tuple[int, int, int]] = []  # could not be pushed yet (ring full)
         self._applied = -1
         self._cancels_since_mark = 0
         self._marks: list[tuple[int, list[bytes]]] = []
@@ -309,8 +309,8 @@ class ClientCore:
         seg = self._segment
         pending = self._acks_pending
         done = 0
-        for slot, gen in pending:
-            if not seg.try_push(C.ACK, b"", 0, 0, 0, slot, gen):
+        for slot, gen, epoch in pending:
+            if not seg.try_push(C.ACK, b"", 0, 0, epoch, slot, gen):
                 break
             done += 1
         if done:
@@ -337,10 +337,11 @@ class ClientCore:
 
     def _on_expirations(self, items) -> None:
         my_slot = self._tag_base >> _SEQ_BITS
+        epoch = self._welcome.arena_epoch  # handles name records of this arena only
         recent = self._recent
         latest = self._latest
         for e in items:
-            handle = (e.slot, e.generation)
+            handle = (e.slot, e.generation, epoch)
             ident = _META[e.key_meta] + e.key_bytes
             seen = (ident, e.seq)
             if seen in recent:

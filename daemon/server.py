@@ -249,6 +249,7 @@ class Daemon:
             self.recorder = Recorder(journal, self.wheel)
             log.info("journal %s (fsync %s) continues at lsn %d", cfg.journal_dir, cfg.fsync, journal.last_lsn + 1)
         self.started_ms = now
+        self.arena_epoch = (self.wheel.created_wall_ms & 0xFFFFFFFF) or 1  # see _ack_allowed
         self.totals["daemon_pid"] = os.getpid()
         self.totals["daemon_started_ms"] = now
         # every fired-but-unacknowledged timer is delivered again
@@ -499,8 +500,15 @@ class Daemon:
             self._poison(cs, f"invalid command record (op {op}) at ring position {good}")
         return good
 
-    def _ack_allowed(self, cs: ClientSlot, slot: int, generation: int) -> bool:
+    def _ack_allowed(self, cs: ClientSlot, slot: int, generation: int, stamp: int = 0) -> bool:
         """May this client acknowledge fired record (slot, generation)? Forget it as in flight.
+
+        ``stamp`` (the ACK record's ``seq``) is the ``arena_epoch`` of the Welcome under
+        which the client received the expiration. An ack stamped with another epoch
+        names a record of an arena that is gone (a reboot recovered from the journal
+        into a fresh one, whose slots and generations start over): it would release an
+        unrelated timer, so it is ignored; what it meant to ack is re-delivered and the
+        client recognises it by (key, arming tag). Unstamped acks (0) are accepted.
 
         Usually it is one this daemon sent to this client. After a daemon restart the
         acks a client pushed earlier (even one that died since) are in its ring but in
@@ -508,6 +516,9 @@ class Daemon:
         generation and belongs to the client's group. A client cannot acknowledge
         another group's timers.
         """
+        if stamp and stamp != self.arena_epoch:
+            log.debug("client slot %d: ignored an ack for (%d, %d) of a previous arena", cs.slot, slot, generation)
+            return False
         if cs.unacked.get(slot) == generation:
             del cs.unacked[slot]
             return True
@@ -540,7 +551,7 @@ class Daemon:
                 elif op == C.CANCEL:
                     cancel(_META[metas[i]] + keys[i], gid)
                 elif op == C.ACK:
-                    if self._ack_allowed(cs, aux0[i], aux1[i]):
+                    if self._ack_allowed(cs, aux0[i], aux1[i], seqs[i]):
                         release(aux0[i], aux1[i])
                 elif op == C.ADD_IDLE:
                     schedule(_META[metas[i]] + keys[i], deadlines[i], gid, seqs[i], touch_base | aux1[i])
@@ -571,7 +582,7 @@ class Daemon:
             while end < good:
                 op = ops[end]
                 if op == C.ACK:
-                    if self._ack_allowed(cs, aux0[end], aux1[end]):
+                    if self._ack_allowed(cs, aux0[end], aux1[end], seqs[end]):
                         ack_slots.append(aux0[end])
                         ack_gens.append(aux1[end])
                 elif op == C.FLUSH:
@@ -616,7 +627,7 @@ class Daemon:
         """Apply one command and journal what it did (the slower path used with --journal)."""
         wheel, recorder, gid = self.wheel, self.recorder, cs.group
         if op == C.ACK:
-            if self._ack_allowed(cs, aux0, aux1):
+            if self._ack_allowed(cs, aux0, aux1, seq):
                 key, _deadline, group, tag, _aux, _gen = wheel.fired(aux0)
                 if wheel.release(aux0, aux1):
                     recorder.acked(group, key, tag)
@@ -844,7 +855,7 @@ class Daemon:
         self.totals["clients_total"] += 1
         session.send(M.encode_daemon_frame(M.Welcome(
             M.PROTOCOL_VERSION, cs.slot, cs.segment.name, cs.segment.ring_capacity, cs.segment.touch_capacity,
-            self.wheel.name or "", self.wheel.tick_ms, MAX_DELAY_MS, cs.token,
+            self.wheel.name or "", self.wheel.tick_ms, MAX_DELAY_MS, cs.token, self.arena_epoch,
         )))
         log.info("client pid %d uid %d joined group %r (slot %d, segment %s)",
                  session.pid, session.uid, hello.group, cs.slot, cs.segment.name)

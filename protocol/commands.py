@@ -33,7 +33,9 @@ a non-zero unused field makes the record garbage):
              ``aux1`` = touch index (0 <= index < the segment's touch capacity), seq
 ``CANCEL``   key, ``seq``
 ``ACK``      ``aux0`` = slot (>= 0), ``aux1`` = generation of a fired record that was
-             delivered to the application; ``seq`` optional
+             delivered to the application; ``seq`` = the ``arena_epoch`` of the
+             ``Welcome`` it was received under (0: unstamped); the daemon ignores an
+             ack stamped with another arena's epoch (after a reboot recovery)
 ``FLUSH``    ``seq``; the daemon answers ``Applied(seq)`` once everything before is applied
 ==========  ==========================================================================
 

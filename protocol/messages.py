@@ -135,6 +135,10 @@ class Welcome(_Message, tag="welcome"):
     max_delay_ms: NonNegativeI64
     #: secret for resuming this segment after a daemon restart
     token: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0
+    #: identifies the arena (its creation wall-clock ms, low 32 bits, never 0): slots
+    #: and generations in expirations mean something only within one arena; acks carry
+    #: it back in the ACK record's ``seq``
+    arena_epoch: U32 = 0
 
     def __post_init__(self) -> None:
         if self.ring_capacity & (self.ring_capacity - 1):

@@ -249,6 +249,13 @@ def test_daemon_liveness_sees_through_a_recycled_pid(daemon):
     assert S.daemon_alive(daemon.pid)
     other = subprocess.Popen(["sleep", "30"])  # what a recycled pid would look like
     try:
+        # between fork and exec the child still shows our own command line: wait for the exec
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with open(f"/proc/{other.pid}/cmdline", "rb") as f:
+                if f.read().startswith(b"sleep"):
+                    break
+            time.sleep(0.01)
         assert S.pid_alive(other.pid) and not S.daemon_alive(other.pid)
     finally:
         other.kill()
