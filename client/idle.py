@@ -217,7 +217,7 @@ class IdleTracker:
         if self._queue is not None:
             self._queue.put_nowait(_CLOSED)
 
-    async def __aenter__(self) -> "IdleTracker":
+    async def __aenter__(self) -> IdleTracker:
         return self
 
     async def __aexit__(self, *exc) -> None:

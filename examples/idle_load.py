@@ -32,7 +32,7 @@ HOST = "127.0.0.1"
 
 
 class Conn:
-    __slots__ = ("index", "active", "reader", "writer", "last_send_ns", "closed_ns")
+    __slots__ = ("active", "closed_ns", "index", "last_send_ns", "reader", "writer")
 
     def __init__(self, index: int, active: bool) -> None:
         self.index, self.active = index, active
@@ -62,7 +62,7 @@ async def _run_conn(conn: Conn, port: int, interval_s: float, run: dict, opened:
             wait_s = min(remaining, interval_s) if conn.active else remaining
             try:
                 data = await asyncio.wait_for(reader.read(4096), wait_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if conn.active and (run["end"] is None or loop.time() < run["end"]):
                     conn.last_send_ns = time.monotonic_ns()
                     writer.write(b".")

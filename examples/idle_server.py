@@ -43,7 +43,7 @@ class IdleServer:
         self.tracker: IdleTracker | None = None
         self.server: asyncio.base_events.Server | None = None
 
-    async def start(self) -> "IdleServer":
+    async def start(self) -> IdleServer:
         self.tracker = IdleTracker(self.idle_ms, on_idle=self._on_idle, client=self.client)
         self.server = await asyncio.get_running_loop().create_server(self._protocol, self.host, self.port)
         self.port = self.server.sockets[0].getsockname()[1]
@@ -79,7 +79,7 @@ class IdleServer:
 
 
 class _Connection(asyncio.Protocol):
-    __slots__ = ("server", "key", "transport", "touch")
+    __slots__ = ("key", "server", "touch", "transport")
 
     def __init__(self, server: IdleServer) -> None:
         self.server = server

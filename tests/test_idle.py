@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 import wheeld
 from wheeld.idle import IdleTracker
 from wheeld.protocol.errors import InvalidRequest

@@ -16,7 +16,6 @@ import threading
 import time
 
 import pytest
-
 import wheeld
 from wheeld.protocol.errors import InvalidRequest
 from wheeld.purgatory import AsyncPurgatory, DelayedOperation, Purgatory
