@@ -179,6 +179,7 @@ _ST, _KM, _KEY = L.R_STATE, L.R_KEY_META, L.R_KEY
 _LEVEL_SLOTS = L.DUE_LEVEL + 1  # per-level counters: levels 0..14 and the due list
 _WINDOW = 8  # vectorized key-index probing gathers this many cells per key at once
 _WINDOW_STEPS = np.arange(_WINDOW, dtype=np.int64)
+_TAIL_STEPS = np.arange(16, dtype=np.int64)  # cluster-end search: cells gathered per round
 
 
 def _default_levels(tick_ms: int, wheel_size: int) -> int:
@@ -991,26 +992,49 @@ class TimerWheel:
         return hit
 
     def expire_many(self, now_ms: int) -> np.ndarray:
-        """:meth:`expire` with the re-checks, cascades and fired-list links vectorized.
+        """:meth:`expire` for a whole advance, with whole buckets moved at once.
 
-        Returns the FIRED slots as an int64 array; read their fields at once with
-        :meth:`records_of`.
+        Every timer of a due level-0 bucket (or of the due list) is due: level 0
+        rounds up, so the bucket's expiration is at or after each of its deadlines
+        (checked anyway, never early). Such a bucket moves to the fired list as one
+        chain (four link stores), its records change state with one numpy store and
+        leave the key index together. Timers of due higher-level buckets are
+        re-checked one by one (vectorized): the due ones fire, the rest cascade.
+
+        Returns the FIRED slots as an int64 array, in the order they now have on the
+        fired list; read their fields at once with :meth:`records_of`.
         """
         if type(now_ms) is not int:
             raise InvalidDelay("now_ms is an integer number of ms")
-        collected = self._collect(now_ms)
-        if not collected:
+        whole, chains, mixed = self._collect_buckets(now_ms)
+        if not whole and not mixed:
             return np.zeros(0, dtype=np.int64)
         rec = self.records
-        slots = np.array(collected, dtype=np.int64)
-        deadlines = rec["deadline"][slots]
-        self._count_levels((rec["state"][slots] >> L.LEVEL_SHIFT).astype(np.int64), -1)
-        due = deadlines <= now_ms
-        fired = slots[due]
-        again = slots[~due]
+        fired = np.array(whole, dtype=np.int64)
+        if whole and int(rec["deadline"][fired].max()) > now_ms:  # not in a sound arena: stay exact anyway
+            mixed, chains = whole + mixed, []
+            fired = fired[:0]
+        again = fired[:0]
+        fired_one_by_one = fired[:0]
+        if mixed:
+            slots = np.array(mixed, dtype=np.int64)
+            deadlines = rec["deadline"][slots]
+            due = deadlines <= now_ms
+            fired_one_by_one = slots[due]
+            again = slots[~due]
+            fired = np.concatenate((fired, fired_one_by_one))
         if fired.size:
             self._index_remove_many(fired)
-            self._splice_many(fired, np.full(fired.size, self.fired_list, dtype=np.int64), None)
+            i, fl = self._i, self.fired_list
+            flp = fl * _IW
+            for head, tail in chains:  # a whole bucket joins the fired list as one chain
+                last = i[flp + _PREV]
+                i[head * _IW + _PREV] = last
+                i[last * _IW + _NEXT] = head
+                i[tail * _IW + _NEXT] = fl
+                i[flp + _PREV] = tail
+            if fired_one_by_one.size:
+                self._append_run(fl, fired_one_by_one)
             rec["state"][fired] = _FIRED  # commit points
         if again.size:
             buckets, expirations, levels = self._place_many(deadlines[~due], int(self._hq[_CUR]))
@@ -1023,6 +1047,43 @@ class TimerWheel:
         c["pending"] -= int(fired.size)
         c["fired_unacked"] += int(fired.size)
         return fired
+
+    def _collect_buckets(self, now_ms: int) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+        """:meth:`_collect` for :meth:`expire_many`: detach every bucket due at ``now_ms``
+        and advance the clock. Returns the slots of level-0 buckets and of the due list
+        (they fire whole), the (first, last) record of each of those chains, and the
+        slots of higher-level buckets (to be re-checked). Per-level counts drop here."""
+        heap, queued, i, nxt = self._heap, self._queued, self._i, self._next
+        by_level, ws, due_list = self._pending_by_level, self.wheel_size, self.due_list
+        heappop = heapq.heappop
+        whole: list[int] = []
+        mixed: list[int] = []
+        chains: list[tuple[int, int]] = []
+        while heap and heap[0][0] <= now_ms:
+            expiration, b = heappop(heap)
+            if queued[b] != expiration:
+                continue
+            queued[b] = -1
+            bp = b * _IW
+            s = i[bp + _NEXT]
+            if s == b:  # emptied by cancels
+                continue
+            if b < ws or b == due_list:
+                out = whole
+                chains.append((s, i[bp + _PREV]))
+            else:
+                out = mixed
+            before = len(out)
+            append = out.append
+            while s != b:
+                append(s)
+                s = nxt[s]
+            by_level[L.DUE_LEVEL if b == due_list else b // ws] -= len(out) - before
+            i[bp + _PREV] = b
+            i[bp + _NEXT] = b
+        if now_ms > self._hq[_CUR]:
+            self._hq[_CUR] = now_ms  # after detaching, before re-placing (see Crash consistency)
+        return whole, chains, mixed
 
     def release_many(self, slots, generations) -> np.ndarray:
         """:meth:`release` for a batch; returns a bool array (False: stale handle, no-op)."""
@@ -1255,34 +1316,85 @@ class TimerWheel:
             self._index_add(int(slots[j]), int(hashes[j]))
 
     def _index_remove_many(self, slots: np.ndarray) -> None:
-        """Vectorized :meth:`_index_remove`: empty the cells, then insert again every
-        key that followed a freed cell in its cluster (its probe path may cross it)."""
+        """Vectorized :meth:`_index_remove`: backward-shift deletion of a whole batch.
+
+        A key's probe path (home cell .. its cell) must hold no EMPTY cell. Freeing
+        cells breaks that only for keys after a freed cell in its cluster (the run of
+        occupied cells up to the next EMPTY). So for each cluster that loses keys,
+        the *region* from its first freed cell to its end is emptied and its
+        remaining keys are put back by linear probing in the order of their home
+        cells (a home before the region counts as the region's start): then key k
+        lands on ``max(home_k, cell_{k-1} + 1)``, which is one running maximum
+        (``np.maximum.accumulate``) over all regions laid side by side. Keys only
+        move back, never out of their region, and the table ends up exactly as
+        sound as after one-by-one deletions (though cells may differ).
+        """
+        if not slots.size:
+            return
         table, mask = self._table_np, self._mask
         cells = self._pos_np[slots].astype(np.int64)
+        dist = self._cluster_tails(cells)  # freed cell -> first EMPTY after it, freed cells still occupied
+        ends = (cells + dist) & mask
         self._pos_np[slots] = -1
         table[cells] = _EMPTY
         self._used -= int(slots.size)
-        after = table[(cells[:, None] + 1 + _WINDOW_STEPS) & mask]
-        empty = after == _EMPTY
-        ends = empty.any(axis=1)
-        stop = np.where(ends, empty.argmax(axis=1), _WINDOW)
-        row, col = np.nonzero(_WINDOW_STEPS < stop[:, None])
-        follow = (cells[row] + 1 + col) & mask
-        if not ends.all():  # a cluster longer than the window: walk the rest of it
-            table_view, extra = self._table, []
-            for q in (cells[~ends] + 1 + _WINDOW).tolist():
-                q &= mask
-                while table_view[q] != _EMPTY:
-                    extra.append(q)
-                    q = (q + 1) & mask
-            follow = np.concatenate((follow, np.array(extra, dtype=np.int64)))
-        if follow.size:
-            follow = follow[self._first_of_each(follow)]
-            moved = table[follow].astype(np.int64)
-            table[follow] = _EMPTY
-            self._pos_np[moved] = -1
-            self._used -= int(moved.size)
-            self._index_add_many(moved, self._hash_np[moved])
+        # one region per cluster end: its length is the largest tail of its freed cells
+        order = np.argsort(ends)
+        ends, dist = ends[order], dist[order]
+        heads = np.flatnonzero(np.r_[True, ends[1:] != ends[:-1]])
+        length = np.maximum.reduceat(dist, heads)
+        start = ends[heads] - length  # & mask when used as a cell
+        offset = np.cumsum(length) - length  # where each region starts on the virtual line
+        region = np.repeat(np.arange(heads.size), length)
+        rel = np.arange(int(offset[-1] + length[-1])) - offset[region]
+        cell = (start[region] + rel) & mask
+        content = table[cell]
+        live = content >= 0
+        if not live.any():
+            return
+        moved = content[live].astype(np.int64)
+        region, rel, cell = region[live], rel[live], cell[live]
+        probe = (cell - self._hash_np[moved]) & mask  # cells from each key's home to its cell
+        line = offset[region] + np.maximum(rel - probe, 0)  # home on the virtual line
+        if moved.size > 1 and (line[1:] < line[:-1]).any():
+            order = np.argsort(line, kind="stable")
+            moved, region, line = moved[order], region[order], line[order]
+        rank = np.arange(moved.size)
+        placed = rank + np.maximum.accumulate(line - rank)
+        new_cell = (start[region] + placed - offset[region]) & mask
+        table[cell] = _EMPTY
+        table[new_cell] = moved
+        self._pos_np[moved] = new_cell
+
+    def _cluster_tails(self, cells: np.ndarray) -> np.ndarray:
+        """For each occupied cell: how many cells on is the first EMPTY one (>= 1)."""
+        table, mask = self._table_np, self._mask
+        dist = np.zeros(cells.size, dtype=np.int64)
+        todo = np.arange(cells.size)
+        step = 1
+        while todo.size:
+            empty = table[(cells[todo, None] + step + _TAIL_STEPS) & mask] == _EMPTY
+            hit = empty.any(axis=1)
+            dist[todo[hit]] = step + empty[hit].argmax(axis=1)
+            todo = todo[~hit]
+            step += _TAIL_STEPS.size
+        return dist
+
+    def _append_run(self, sentinel: int, run: np.ndarray) -> None:
+        """Append distinct records, in order, to the tail of one list."""
+        rec, i = self.records, self._i
+        sp = sentinel * _IW
+        last = i[sp + _PREV]
+        prev = np.empty(run.size, dtype=np.int64)
+        prev[0] = last
+        prev[1:] = run[:-1]
+        nxt = np.empty(run.size, dtype=np.int64)
+        nxt[:-1] = run[1:]
+        nxt[-1] = sentinel
+        rec["prev"][run] = prev
+        rec["next"][run] = nxt
+        i[last * _IW + _NEXT] = int(run[0])
+        i[sp + _PREV] = int(run[-1])
 
     # ------------------------------------------------------------------ introspection
     def pending(self, limit: int | None = None) -> Iterator[tuple[object, int, int]]:

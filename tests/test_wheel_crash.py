@@ -476,6 +476,19 @@ def _sweep_setup(wheel: TimerWheel) -> None:
     wheel.expire(1003)  # k0, k1 fired
 
 
+def _sweep_setup_whole_buckets(wheel: TimerWheel) -> None:
+    """``_sweep_setup`` plus full level-0 buckets and a due list: ``expire_many(1006)``
+    then moves only whole chains (three buckets) to the fired list."""
+    _sweep_setup(wheel)
+    for n in range(5):
+        wheel.schedule(f"w{n}", 1005, tag=n)  # one level-0 bucket
+        wheel.schedule(f"x{n}", 1006, tag=n)  # the next one
+    wheel.schedule("d0", 1002, tag=1)  # due already: the due list
+    wheel.schedule("d1", 1003, tag=2)
+
+
+SWEEP_SETUPS = {"expire_many whole buckets": _sweep_setup_whole_buckets}
+
 SWEEP_OPS = {  # name -> (operation description for verify_inflight, call)
     "schedule new": (("S", "n1", 1010, 7), lambda w: w.schedule("n1", 1010, tag=7)),
     "schedule re-arm": (("S", "k5", 1001, 9), lambda w: w.schedule("k5", 1001, tag=9)),
@@ -491,6 +504,7 @@ SWEEP_OPS = {  # name -> (operation description for verify_inflight, call)
         lambda w: w.cancel_many([encode_ident(k) for k in ("k2", "k3", "k4", "k10", "zz")]),
     ),
     "expire_many": (("XM", 1400), lambda w: w.expire_many(1400)),
+    "expire_many whole buckets": (("XM", 1006), lambda w: w.expire_many(1006)),
 }
 
 
@@ -544,7 +558,7 @@ def test_kill_at_every_line_of_an_operation(arena_name, operation):
     operation until it completes: every intermediate state must attach cleanly and be
     the state before or after the operation (a batch: each item before or after)."""
     wheel = TimerWheel.create(32, name=arena_name, start_ms=1000, **SHAPE)
-    _sweep_setup(wheel)
+    SWEEP_SETUPS.get(operation, _sweep_setup)(wheel)
     wheel.close()
     attached = TimerWheel.attach(arena_name)
     before = observe(attached)

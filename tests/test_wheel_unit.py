@@ -555,3 +555,44 @@ def test_key_index_under_collisions_of_many_keys():
     assert wheel.check() == []
     for n, key in enumerate(keys):
         assert wheel.lookup(key) == (None if n % 3 == 0 else 1 + n)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_key_index_batch_deletions_across_the_table_end(seed):
+    """Clusters that wrap past the last cell of the table, several freed cells per
+    cluster, keys of one cluster with homes on both sides of a freed cell: batches of
+    cancels and of expirations (whole level-0 buckets) must leave every remaining key
+    reachable and the table holding exactly the scheduled keys."""
+    rng = np.random.default_rng(seed)
+    wheel = TimerWheel.create(64, tick_ms=1, wheel_size=8, levels=3)
+    mask = wheel._mask
+    home = lambda key: (hash(encode_ident(key)) ^ wheel._gmix[0]) & mask  # noqa: E731
+    crowd = [i for i in range(400_000) if home(i) >= mask - 3 or home(i) < 2][:40]
+    others = [f"o{i}" for i in range(20)]
+    assert len(crowd) == 40
+    live: dict[object, int] = {}
+    for round_number in range(25):
+        now = wheel.current_ms
+        absent = [k for k in crowd + others if k not in live]
+        add = [absent[j] for j in rng.permutation(len(absent))[: 64 - len(live)]]
+        deadlines = [now + 1 + int(rng.integers(0, 3)) for _ in add]  # a few full level-0 buckets
+        slots, _gens = wheel.schedule_many([encode_ident(k) for k in add], deadlines)
+        assert (slots >= 0).all()
+        live.update(zip(add, deadlines))
+        victims = [k for k in live if rng.random() < 0.4]
+        assert wheel.cancel_many([encode_ident(k) for k in victims]).all()
+        for key in victims:
+            del live[key]
+        assert wheel.check() == [], round_number
+        until = now + int(rng.integers(1, 4))
+        fired = wheel.expire_many(until)
+        records = wheel.records_of(fired)
+        due = {k for k, d in live.items() if d <= until}
+        assert sorted(records["deadline"].tolist()) == sorted(live[k] for k in due)
+        assert wheel.release_many(fired, records["gen"]).all()
+        for key in due:
+            del live[key]
+        assert wheel.check() == [], round_number
+        assert np.count_nonzero(wheel._table_np >= 0) == len(live) == wheel._used
+        for key in crowd + others:
+            assert wheel.lookup(key) == live.get(key)
