@@ -350,7 +350,7 @@ def parse_args(argv):
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--adds-per-client", type=int, default=None, help="default 100000 (quick: 5000)")
     p.add_argument("--always-adds-per-client", type=int, default=None,
-                   help="for 'always' (fsync-bound); default 30000 (quick: 2000)")
+                   help="for 'always' (fsync-bound); default: --adds-per-client")
     p.add_argument("--repeat", type=int, default=None, help="default 2 (quick: 1)")
     p.add_argument("--capacity", type=int, default=None)
     p.add_argument("--recovery", type=int, default=None, help="pending timers to recover (default 1M; quick 0)")
@@ -367,6 +367,23 @@ def git_head() -> dict:
     return git_state()
 
 
+def daemon_source() -> dict:
+    """Which daemon code ran: the work tree is shared and may hold others' unfinished
+    edits, so a run may use a clean copy (``PYTHONPATH``); its files' git blob ids say
+    what it was (compare with ``git rev-parse HEAD:daemon/server.py``)."""
+    import subprocess
+
+    import wheeld.daemon.journaling
+    import wheeld.daemon.server
+
+    out = {}
+    for module in (wheeld.daemon.server, wheeld.daemon.journaling):
+        path = module.__file__
+        blob = subprocess.run(["git", "hash-object", path], capture_output=True, text=True, check=False).stdout.strip()
+        out[module.__name__] = {"path": path, "blob": blob}
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.summarize:
@@ -378,7 +395,7 @@ def main(argv=None) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     batches = [int(b) for b in args.batches.split(",")]
     adds = args.adds_per_client or (5_000 if args.quick else 100_000)
-    always_adds = args.always_adds_per_client or (2_000 if args.quick else 30_000)
+    always_adds = args.always_adds_per_client or adds
     repeat = args.repeat or (1 if args.quick else 2)
     recovery_n = args.recovery if args.recovery is not None else (0 if args.quick else 1_000_000)
     capacity = args.capacity or max(50_000, int(args.clients * max(adds, always_adds) * 1.25))
@@ -412,6 +429,7 @@ def main(argv=None) -> int:
         "benchmark": "durability",
         "machine": machine_info(),
         "git": git_head(),
+        "daemon_source": daemon_source(),
         "parameters": {"policies": policies, "batches": batches, "clients": args.clients,
                        "adds_per_client": adds, "always_adds_per_client": always_adds, "repeat": repeat,
                        "delay_ms": DELAY_MS, "capacity": capacity, "quick": args.quick, "recovery": recovery_n},

@@ -129,6 +129,52 @@ class Recorder:
         self.events.append(J.IdleRearm(t=mono_ms() + off, g=self._group(gid), k=J.key_to_json(key),
                                        d=deadline_ms + off, pd=previous_ms + off, s=seq, i=idle_ms))
 
+    # ------------------------------------------------------------------ batch events
+    # The daemon applies a large drained batch through the wheel's batch methods
+    # (segments in which no key repeats). These record such a segment with one call
+    # per kind: one clock read and one group-name lookup for the whole segment, keys
+    # turned into their journal form straight from the 33-byte record form (no
+    # intermediate user key), the previous deadlines found by one vectorized lookup.
+    # The events are the same structs, in the same order, as the one-at-a-time
+    # methods would record for the same commands (tests/test_journal.py checks it).
+
+    def previous_deadlines(self, gid: int, idents) -> list:
+        """Deadline (monotonic ms) of the pending timer of each ident, or None.
+
+        Call it before applying the segment: it tells an ``add`` from a ``rearm``
+        and whether a cancel hit. ``idents`` are 33-byte record forms (meta + key).
+        """
+        return _lookup_many(self.wheel, idents, gid)
+
+    def armed_many(self, gid: int, idents, deadlines_ms, seqs, previous_ms, idle_ms=None) -> None:
+        """:meth:`armed` for a segment; ``previous_ms`` from :meth:`previous_deadlines`,
+        ``idle_ms`` None (all plain timers) or a list with None for plain ones."""
+        off = self._offset
+        t = mono_ms() + off
+        g = self._group(gid)
+        append = self.events.append
+        Add, Rearm, unset = J.Add, J.Rearm, _UNSET
+        idles = idle_ms if idle_ms is not None else [None] * len(idents)
+        for ident, deadline, seq, previous, idle in zip(idents, deadlines_ms, seqs, previous_ms, idles):
+            i = unset if idle is None else idle
+            if previous is None:
+                append(Add(t=t, g=g, k=_ident_to_json(ident), d=deadline + off, s=seq, i=i))
+            else:
+                append(Rearm(t=t, g=g, k=_ident_to_json(ident), d=deadline + off, pd=previous + off, s=seq, i=i))
+
+    def cancelled_many(self, gid: int, idents, seqs, previous_ms) -> None:
+        """:meth:`cancelled` for a segment; ``previous_ms`` from :meth:`previous_deadlines`."""
+        off = self._offset
+        t = mono_ms() + off
+        g = self._group(gid)
+        append = self.events.append
+        Cancel, unset = J.Cancel, _UNSET
+        for ident, seq, previous in zip(idents, seqs, previous_ms):
+            if previous is None:
+                append(Cancel(t=t, g=g, k=_ident_to_json(ident), s=seq, hit=False, pd=unset))
+            else:
+                append(Cancel(t=t, g=g, k=_ident_to_json(ident), s=seq, hit=True, pd=previous + off))
+
     # ------------------------------------------------------------------ batches
     def commit(self, now_ms: int) -> int:
         """Append what this iteration recorded (fsynced under ``always``)."""
@@ -176,6 +222,49 @@ class Recorder:
                  journal.last_lsn, journal.fsync_count, self._fsyncs_at_start)
         journal.sync()
         journal.close()
+
+
+_TYPE_STR, _TYPE_INT = 1, 2  # wheeld.protocol.keys: the type in the top two bits of the meta byte
+_ESCAPED = ("b64:", "str:")
+
+
+def _ident_to_json(ident: bytes):
+    """Journal form of a key given in its record form (meta byte + zero-padded key).
+
+    The same value as ``J.key_to_json(decode_key(ident[1:], ident[0]))``, with the
+    common cases (a str key without a reserved prefix, an int key) done inline.
+    The daemon validated the ring record, so a str key is UTF-8.
+    """
+    meta = ident[0]
+    kind = meta >> 6
+    if kind == _TYPE_STR:
+        text = ident[1 : 1 + (meta & 0x3F)].decode("utf-8")
+        return "str:" + text if text.startswith(_ESCAPED) else text
+    if kind == _TYPE_INT:
+        return int.from_bytes(ident[1:9], "little", signed=True)
+    return J.key_to_json(decode_key(ident[1:], meta))
+
+
+def _lookup_many(wheel: TimerWheel, idents, gid: int) -> list:
+    """Pending deadline (or None) of each ident of group ``gid``, found in one pass.
+
+    Uses ``TimerWheel.lookup_many`` when the wheel has it; until then the wheel's
+    own vectorized key-index probe (the one ``schedule_many`` uses), read-only.
+    ``idents`` must not repeat (the daemon's segments guarantee it).
+    """
+    lookup_many = getattr(wheel, "lookup_many", None)
+    if lookup_many is not None:
+        return lookup_many(idents, gid)
+    if not len(idents):
+        return []
+    ident_list, ident_arr = wheel._batch_idents(idents)
+    groups = np.full(len(ident_list), gid, dtype=np.int64)
+    found = wheel._find_many(ident_arr, wheel._batch_hashes(ident_list, groups), groups)
+    hit = found >= 0
+    if not hit.any():
+        return [None] * len(ident_list)
+    deadlines = np.where(hit, wheel.records["deadline"][np.where(hit, found, 0)], -1).tolist()
+    return [None if not h else d for h, d in zip(hit.tolist(), deadlines)]
 
 
 def _scheduled(wheel: TimerWheel):

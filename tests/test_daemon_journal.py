@@ -110,3 +110,61 @@ def test_acks_for_a_rebooted_arena_release_nothing(daemon_factory, tmp_path):
         got = collect(w2, 2, 10.0)
     assert sorted(e.key for e in got) == ["a", "b"]
     w.close()
+
+
+def test_one_big_journaled_batch_journals_the_commands_final_state(daemon_factory, tmp_path):
+    """Thousands of commands drained in one batch (the daemon is stopped while they are
+    pushed): adds, re-arms and cancels of the same keys, str/int/bytes keys, idle timers.
+    The journal must replay to the state the commands leave, with a re-arm journaled
+    as ``rearm`` and a cancel's ``hit`` saying whether a timer was pending."""
+    import os
+    import random
+    import signal
+
+    from wheeld.daemon.journal import recover
+    from wheeld.protocol.journal import key_to_json
+
+    journal = tmp_path / "journal"
+    d = daemon_factory(extra=["--journal", str(journal), "--fsync", "off"]).start()
+    rng = random.Random(5)
+    keys = [f"k{i}" for i in range(150)] + list(range(100)) + [b"b%d" % i for i in range(50)] + ["str:x", "b64:y"]
+    model: dict = {}  # key -> (delay_ms, idle) while pending
+    hits = {True: 0, False: 0}
+    with wheeld.connect(d.socket_path, group="big") as w:
+        w.add("warm-up", 60_000)
+        w.flush()
+        start_wall = time.time_ns() // 1_000_000
+        os.kill(d.pid, signal.SIGSTOP)  # commands pile up in the ring: one drain sees them all
+        try:
+            for _ in range(4000):
+                key = rng.choice(keys)
+                roll = rng.random()
+                if roll < 0.25:
+                    w.cancel(key)
+                    hits[key in model] += 1
+                    model.pop(key, None)
+                elif roll < 0.3 and type(key) is str:
+                    w.add_idle(key, 90_000)
+                    model[key] = (90_000, True)
+                else:
+                    delay = rng.randint(60_000, 120_000)
+                    w.add(key, delay)
+                    model[key] = (delay, False)
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        w.flush()
+    d.stop()
+    model["warm-up"] = (60_000, False)
+    state = recover(journal, repair=False)
+    assert not state.problems
+    got = {key: timer for (group, key), timer in state.pending.items() if group == "big"}
+    assert set(got) == set(model)
+    for key, (delay, idle) in model.items():
+        assert abs(got[key].deadline_ms - (start_wall + delay)) < 5_000, key
+    lines = [json.loads(line) for path in sorted(journal.glob("journal-*.jsonl")) for line in path.read_bytes().splitlines()]
+    cancels = [line for line in lines if line["ev"] == "cancel"]
+    assert sum(c["hit"] for c in cancels) == hits[True] and len(cancels) == hits[True] + hits[False]
+    rearms = [line for line in lines if line["ev"] == "rearm"]
+    assert rearms and all(r["pd"] > 0 for r in rearms)
+    idle_keys = {line["k"] for line in lines if line["ev"] in ("add", "rearm") and line.get("i") == 90_000}
+    assert {key_to_json(k) for k, (_, idle) in model.items() if idle} <= idle_keys
