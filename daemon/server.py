@@ -454,11 +454,11 @@ class Daemon:
         self._ring_depth = 0
         return total
 
-    def _apply(self, cs: ClientSlot) -> int:
+    def _apply(self, cs: ClientSlot, max_records: int = _DRAIN_BATCH) -> int:
         """Apply up to one batch of this client's commands; return how many."""
         segment = cs.segment
         try:
-            records = segment.peek(_DRAIN_BATCH)
+            records = segment.peek(max_records)
         except ProtocolError as exc:
             self._poison(cs, str(exc))
             return 0
@@ -470,19 +470,19 @@ class Daemon:
             self.totals["ring_full_total"] += 1  # the client found (or will find) it full
         valid = C.validate_records(records, segment.touch_capacity)
         good = n if valid.all() else int(np.argmin(valid))
-        ops = records["op"].tolist()
-        metas = records["key_meta"].tolist()
-        keys = np.ascontiguousarray(records["key"]).view("V32").ravel().tolist()
-        deadlines = records["deadline_ms"].tolist()
-        seqs = records["seq"].tolist()
-        aux0 = records["aux0"].tolist()
-        aux1 = records["aux1"].tolist()
         flushes = []
         rejects = []
         recorder = self.recorder
         if recorder is None and good >= _BATCH_MIN:
-            self._apply_segments(cs, good, ops, metas, keys, deadlines, seqs, aux0, aux1, flushes, rejects)
-        else:
+            self._apply_batch(cs, records[:good], flushes, rejects)
+        elif good:
+            ops = records["op"][:good].tolist()
+            metas = records["key_meta"][:good].tolist()
+            keys = np.ascontiguousarray(records["key"][:good]).view("V32").ravel().tolist()
+            deadlines = records["deadline_ms"][:good].tolist()
+            seqs = records["seq"][:good].tolist()
+            aux0 = records["aux0"][:good].tolist()
+            aux1 = records["aux1"][:good].tolist()
             self._apply_one_by_one(cs, good, ops, metas, keys, deadlines, seqs, aux0, aux1, flushes, rejects)
         if recorder is not None:
             recorder.commit(mono_ms())  # on disk before the head moves and before Applied (fsync=always)
@@ -496,7 +496,7 @@ class Daemon:
             for seq in flushes:
                 session.send(M.encode_daemon_frame(M.Applied(seq)))
         if good < n:
-            op = ops[good]
+            op = int(records["op"][good])
             self._poison(cs, f"invalid command record (op {op}) at ring position {good}")
         return good
 
@@ -562,66 +562,139 @@ class Daemon:
             except InvalidRequest as exc:
                 rejects.append(_rejected(seqs[i], keys[i], metas[i], str(exc), M.Rejected.INVALID_DEADLINE))
 
-    def _apply_segments(self, cs, good, ops, metas, keys, deadlines, seqs, aux0, aux1, flushes, rejects) -> None:
-        """The same commands through the wheel's batch methods.
+    def _apply_batch(self, cs: ClientSlot, records: np.ndarray, flushes: list, rejects: list) -> None:
+        """A drained batch of valid commands, applied as the *last operation per key*.
 
-        Commands on different keys commute, so the batch is cut into segments in
-        which no key appears twice, and each segment's cancels, arms and acks are
-        applied as three vectorized calls (cancels first: they free records).
-        A segment the batch call refuses (a deadline out of range) is applied one
-        by one, which says which command was at fault.
+        Commands on different keys commute, and on one key a later ADD/ADD_IDLE/CANCEL
+        overrides an earlier one, so the batch collapses to one ``cancel_many`` and one
+        ``schedule_many`` with the same end state as applying it record by record:
+
+        * a key with a CANCEL in the batch is cancelled first; if an arm follows the
+          last cancel, the key is then armed afresh (a new record, as in order);
+        * the arm uses the last arm's deadline and tag (its ``seq``), and the aux
+          (idle touch index) of the first arm after the last cancel: in order, that
+          one created the record and later arms re-armed it, which keeps the aux;
+          a key armed before the batch and not cancelled in it is re-armed (keeps
+          its aux, as a scalar re-arm does);
+        * an arm with a deadline out of range is rejected (INVALID_DEADLINE, its own
+          seq) and takes no part; an arm the arena has no room for is rejected
+          (ARENA_FULL) with the seq of every arm of that key after its last cancel
+          (in order each of them would have been refused);
+        * ACKs (keyed by slot and generation) are released after the cancels and
+          before the arms, so the records they free are available to this batch;
+          FLUSHes are answered by the caller once the whole batch is applied.
+
+        Unlike in-order application, an arm that would have found the arena full
+        before a later cancel or ack of the same batch freed a record is accepted.
+        The wheel's ``adds_total``/``rearms_total``/``cancels_total`` count the
+        collapsed operations, not the commands (``commands_total`` counts those).
         """
         wheel = self.wheel
         gid = cs.group
-        touch_base = cs.slot << CL.TOUCH_INDEX_BITS
-        start = 0
-        while start < good:
-            seen: set[bytes] = set()
-            arm_at, arm_idents, cancel_idents, ack_slots, ack_gens = [], [], [], [], []
-            end = start
-            while end < good:
-                op = ops[end]
-                if op == C.ACK:
-                    if self._ack_allowed(cs, aux0[end], aux1[end], seqs[end]):
-                        ack_slots.append(aux0[end])
-                        ack_gens.append(aux1[end])
-                elif op == C.FLUSH:
-                    flushes.append(seqs[end])
-                else:
-                    ident = _META[metas[end]] + keys[end]
-                    if ident in seen:
-                        break  # the next segment starts here
-                    seen.add(ident)
-                    if op == C.CANCEL:
-                        cancel_idents.append(ident)
-                    else:
-                        arm_at.append(end)
-                        arm_idents.append(ident)
-                end += 1
-            if cancel_idents:
-                wheel.cancel_many(cancel_idents, gid)
-            if arm_at:
-                auxs = [touch_base | aux1[i] if ops[i] == C.ADD_IDLE else -1 for i in arm_at]
+        ops = records["op"]
+        flush_at = np.flatnonzero(ops == C.FLUSH)
+        if flush_at.size:
+            flushes.extend(records["seq"][flush_at].tolist())
+        keyed = np.flatnonzero((ops == C.ADD) | (ops == C.ADD_IDLE) | (ops == C.CANCEL))
+        arm_order = None
+        if keyed.size:
+            kops = ops[keyed]
+            deadlines = records["deadline_ms"][keyed]
+            arm = kops != C.CANCEL
+            cur = wheel.current_ms
+            bad = arm & ((deadlines > cur + MAX_DELAY_MS) | (deadlines < cur - MAX_DELAY_MS))
+            if bad.any():
+                for i in keyed[bad].tolist():
+                    r = records[i]
+                    rejects.append(_rejected(int(r["seq"]), r["key"].tobytes(), int(r["key_meta"]),
+                                             f"deadline {int(r['deadline_ms'])} is more than {MAX_DELAY_MS} ms "
+                                             f"from the clock ({cur})", M.Rejected.INVALID_DEADLINE))
+                keep = ~bad
+                keyed, kops, deadlines, arm = keyed[keep], kops[keep], deadlines[keep], arm[keep]
+            k = keyed.size
+            idents = np.empty((k, 33), dtype=np.uint8)
+            idents[:, 0] = records["key_meta"][keyed]
+            idents[:, 1:] = records["key"][keyed]
+            idents = idents.view("V33").ravel()
+            ident_list = idents.tolist()
+            last = dict(zip(ident_list, range(k)))  # ident -> index (into keyed) of its last command
+            last_at = np.fromiter(last.values(), dtype=np.int64, count=len(last))
+            cancel_at = np.flatnonzero(~arm)
+            last_cancel: dict = {}
+            if cancel_at.size:
+                last_cancel = dict(zip([ident_list[j] for j in cancel_at.tolist()], cancel_at.tolist()))
+                wheel.cancel_many(idents[np.fromiter(last_cancel.values(), dtype=np.int64, count=len(last_cancel))],
+                                  gid)
+            arm_order = last_at[arm[last_at]]
+        if flush_at.size < ops.size - keyed.size:
+            self._release_acks(cs, records, np.flatnonzero(ops == C.ACK))
+        if arm_order is None or not arm_order.size:
+            return
+        seqs = records["seq"][keyed]
+        aux = np.full(arm_order.size, -1, dtype=np.int64)
+        idle = kops == C.ADD_IDLE
+        if idle.any():
+            first = self._first_arms(ident_list, arm, last_cancel)
+            creator = np.fromiter((first[ident_list[j]] for j in arm_order.tolist()), dtype=np.int64,
+                                  count=arm_order.size)
+            by_idle = idle[creator]
+            aux[by_idle] = (cs.slot << CL.TOUCH_INDEX_BITS) | records["aux1"][keyed[creator[by_idle]]]
+        try:
+            slots, _gens = wheel.schedule_many(idents[arm_order], deadlines[arm_order], gid, seqs[arm_order], aux)
+        except InvalidRequest:  # not expected (deadlines were checked): apply the collapsed arms one by one
+            slots = np.full(arm_order.size, -1, dtype=np.int64)
+            for n, j in enumerate(arm_order.tolist()):
                 try:
-                    slots, _gens = wheel.schedule_many(arm_idents, [deadlines[i] for i in arm_at], gid,
-                                                       [seqs[i] for i in arm_at], auxs)
-                except InvalidRequest:
-                    for i in arm_at:
-                        try:
-                            wheel.schedule_ident(_META[metas[i]] + keys[i], deadlines[i], gid, seqs[i],
-                                                 touch_base | aux1[i] if ops[i] == C.ADD_IDLE else -1)
-                        except ArenaFull as exc:
-                            rejects.append(_rejected(seqs[i], keys[i], metas[i], str(exc), M.Rejected.ARENA_FULL))
-                        except InvalidRequest as exc:
-                            rejects.append(_rejected(seqs[i], keys[i], metas[i], str(exc), M.Rejected.INVALID_DEADLINE))
-                else:
-                    refused = np.flatnonzero(slots < 0)
-                    for j in refused.tolist():
-                        i = arm_at[j]
-                        rejects.append(_rejected(seqs[i], keys[i], metas[i], "the arena is full", M.Rejected.ARENA_FULL))
-            if ack_slots:
-                wheel.release_many(ack_slots, ack_gens)
-            start = end
+                    slots[n] = wheel.schedule_ident(ident_list[j], int(deadlines[j]), gid, int(seqs[j]), int(aux[n]))[0]
+                except ArenaFull:
+                    pass
+                except InvalidRequest as exc:
+                    slots[n] = 0  # reported here, not as arena full
+                    i = int(keyed[j])
+                    rejects.append(_rejected(int(seqs[j]), records["key"][i].tobytes(), int(records["key_meta"][i]),
+                                             str(exc), M.Rejected.INVALID_DEADLINE))
+        refused = arm_order[slots < 0]
+        if refused.size:
+            self._reject_refused(records, keyed, ident_list, arm, last_cancel, set(ident_list[j] for j in refused.tolist()),
+                                 rejects)
+
+    @staticmethod
+    def _first_arms(ident_list: list, arm: np.ndarray, last_cancel: dict) -> dict:
+        """ident -> index of its first arm after its last cancel (the arm that created the record)."""
+        first: dict = {}
+        for j in np.flatnonzero(arm).tolist():
+            ident = ident_list[j]
+            if ident not in first and j > last_cancel.get(ident, -1):
+                first[ident] = j
+        return first
+
+    @staticmethod
+    def _reject_refused(records, keyed, ident_list, arm, last_cancel, refused: set, rejects: list) -> None:
+        for j in np.flatnonzero(arm).tolist():
+            ident = ident_list[j]
+            if ident in refused and j > last_cancel.get(ident, -1):
+                i = int(keyed[j])
+                rejects.append(_rejected(int(records["seq"][i]), records["key"][i].tobytes(),
+                                         int(records["key_meta"][i]), "the arena is full", M.Rejected.ARENA_FULL))
+
+    def _release_acks(self, cs: ClientSlot, records: np.ndarray, ack_at: np.ndarray) -> None:
+        """ACK records of a batch: :meth:`_ack_allowed` each, then one ``release_many``."""
+        if not ack_at.size:
+            return
+        epoch = self.arena_epoch
+        unacked = cs.unacked
+        allowed = self._ack_allowed
+        slots, gens = [], []
+        for slot, gen, stamp in zip(records["aux0"][ack_at].tolist(), records["aux1"][ack_at].tolist(),
+                                    records["seq"][ack_at].tolist()):
+            if (stamp == epoch or not stamp) and unacked.get(slot) == gen:  # the usual case, inline
+                del unacked[slot]
+            elif not allowed(cs, slot, gen, stamp):
+                continue
+            slots.append(slot)
+            gens.append(gen)
+        if slots:
+            self.wheel.release_many(slots, gens)
 
     def _record_command(self, op, meta, raw_key, deadline, seq, aux0, aux1, cs: ClientSlot) -> None:
         """Apply one command and journal what it did (the slower path used with --journal)."""

@@ -364,3 +364,120 @@ def test_one_big_batch_with_repeated_keys_applies_in_order(daemon):
         assert set(pending) == expected
         for key in expected:  # the last arming won (deadline read after it was pushed)
             assert model[key] <= pending[key] <= model[key] + 2_000
+
+
+# --------------------------------------------------------------------------- the daemon's batch apply, in-process
+
+
+def _private_daemon(capacity: int = 4096):
+    """A Daemon object on a private-memory wheel (no socket, no loop): for its apply paths."""
+    from wheeld.daemon.config import Config
+    from wheeld.daemon.server import ClientSlot, Daemon
+    from wheeld.shm.wheel import TimerWheel
+
+    d = Daemon(Config(socket_path="/nonexistent/wheeld.sock", name="model"))
+    d.wheel = TimerWheel.create(capacity, start_ms=1000)
+    d.arena_epoch = 77
+    gid = d.wheel.group_id("g")
+    cs = ClientSlot(3, None, 0, gid, "g", os.getpid())
+    d.clients[3] = cs
+    return d, cs
+
+
+def _records(commands) -> np.ndarray:
+    return np.frombuffer(b"".join(C.encode_command(*c) for c in commands), dtype=C.RECORD_DTYPE).copy()
+
+
+def _apply_in_order(d, cs, records):
+    flushes, rejects = [], []
+    keys = np.ascontiguousarray(records["key"]).view("V32").ravel().tolist()
+    d._apply_one_by_one(cs, len(records), records["op"].tolist(), records["key_meta"].tolist(), keys,
+                        records["deadline_ms"].tolist(), records["seq"].tolist(), records["aux0"].tolist(),
+                        records["aux1"].tolist(), flushes, rejects)
+    return flushes, rejects
+
+
+def _apply_collapsed(d, cs, records):
+    flushes, rejects = [], []
+    assert C.validate_records(records, 1 << 17).all()
+    d._apply_batch(cs, records, flushes, rejects)
+    return flushes, rejects
+
+
+def _wheel_state(d):
+    rec = d.wheel.records[d.wheel.first_entry:]
+    state = rec["state"] & 0x0F
+    out = {}
+    for name, code in (("scheduled", 1), ("fired", 2)):
+        live = rec[state == code]
+        out[name] = sorted(zip(live["key_meta"].tolist(), live["key"].tolist(), live["deadline"].tolist(),
+                               live["tag"].tolist(), live["aux"].tolist()))
+    out["problems"] = d.wheel.check()
+    return out
+
+
+def test_collapsed_batch_apply_matches_in_order_apply():
+    """Random batches (re-adds, cancels, idle arms, repeats, bad deadlines, acks, flushes) leave the
+    same timers, tags, idle touch indices, answers and rejections as applying them one by one."""
+    from wheeld.protocol.keys import encode_key
+    from wheeld.shm.wheel import MAX_DELAY_MS
+
+    rng = random.Random(11)
+    a, cs_a = _private_daemon()
+    b, cs_b = _private_daemon()
+    keys = [encode_key(k) for k in ["k1", "k2", b"k3", 4, "k5", "k6", "k7", 8]]
+    # some fired records to acknowledge: both wheels fire the same slots
+    for d in (a, b):
+        for j, (kb, meta) in enumerate(keys[:4]):
+            d.wheel.schedule_ident(bytes((meta,)) + kb.ljust(32, b"\0"), 1001 + j, d.clients[3].group, 900 + j)
+    fired = a.wheel.expire(1010)
+    assert fired == b.wheel.expire(1010) and len(fired) == 4
+    gens = {s: a.wheel.fired(s)[5] for s in fired}
+    for cs in (cs_a, cs_b):
+        cs.unacked.update({s: gens[s] for s in fired[:3]})  # the fourth was never sent to this client
+    seq = 0
+    for batch in range(60):
+        commands = []
+        for _ in range(rng.randrange(64, 200)):
+            seq += 1
+            kb, meta = rng.choice(keys)
+            r = rng.random()
+            if r < 0.35:
+                deadline = 1011 + rng.randrange(5000) if rng.random() > 0.02 else 1010 + MAX_DELAY_MS + 5
+                commands.append((C.ADD, kb, meta, deadline, seq))
+            elif r < 0.55:
+                commands.append((C.ADD_IDLE, kb, meta, 1011 + rng.randrange(5000), seq, rng.randrange(1, 9999),
+                                 rng.randrange(64)))
+            elif r < 0.85:
+                commands.append((C.CANCEL, kb, meta, 0, seq))
+            elif r < 0.95:
+                commands.append((C.FLUSH, b"", 0, 0, seq))
+            else:  # acks: good, stale generation, other epoch, unstamped, never sent to us
+                s = rng.choice(fired)
+                commands.append((C.ACK, b"", 0, 0, rng.choice([77, 0, 5]), s, gens[s] + rng.choice([0, 0, 1])))
+        records = _records(commands)
+        got = _apply_collapsed(a, cs_a, records)
+        want = _apply_in_order(b, cs_b, records)
+        assert got[0] == want[0], "Applied answers differ"
+        assert [(r.seq, r.code) for r in got[1]] == [(r.seq, r.code) for r in want[1]], f"batch {batch}"
+        assert _wheel_state(a) == _wheel_state(b), f"batch {batch}"
+        assert cs_a.unacked == cs_b.unacked
+    assert _wheel_state(a)["scheduled"], "the test should leave timers armed"
+
+
+def test_collapsed_batch_keeps_the_last_arming_and_reports_a_full_arena():
+    from wheeld.protocol.keys import encode_key
+
+    d, cs = _private_daemon(capacity=3)
+    x, y, z = (encode_key(k) for k in ("x", "y", "z"))
+    commands = [(C.ADD, *x, 2000, 1), (C.CANCEL, *x, 0, 2), (C.ADD_IDLE, *x, 3000, 3, 500, 7), (C.ADD, *x, 4000, 4),
+                (C.ADD, *y, 2500, 5), (C.ADD, *z, 2600, 6), (C.FLUSH, b"", 0, 0, 7)]
+    commands += [(C.FLUSH, b"", 0, 0, 8 + i) for i in range(64)]  # the batch path needs >= 64 records
+    w = encode_key("w")
+    commands.insert(6, (C.ADD, *w, 2700, 9))  # a fourth key in a 3-record arena
+    flushes, rejects = _apply_collapsed(d, cs, _records(commands))
+    state = _wheel_state(d)
+    assert (x[1], x[0].ljust(32, b"\0"), 4000, 4, 3 << 20 | 7) in state["scheduled"]  # last deadline+tag, idle aux
+    assert len(state["scheduled"]) == 3 and not state["problems"]
+    assert [(r.seq, r.code) for r in rejects] == [(9, M.Rejected.ARENA_FULL)]
+    assert flushes == [7] + [8 + i for i in range(64)]
