@@ -355,6 +355,9 @@ def parse_args(argv):
     p.add_argument("--capacity", type=int, default=None)
     p.add_argument("--recovery", type=int, default=None, help="pending timers to recover (default 1M; quick 0)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--variant", default=None, metavar="LABEL",
+                   help="store this run under variants[LABEL] of --out, keeping the rest of the file "
+                        "(e.g. the daemon with a proposed patch, run from a copy through PYTHONPATH)")
     p.add_argument("--name-prefix", default="bench-durable")
     p.add_argument("--profile", default=None, metavar="DIR", help="py-spy the daemon (first repeat)")
     p.add_argument("--summarize", default=None, metavar="DIR", help="print the shares of DIR's recordings and exit")
@@ -441,8 +444,20 @@ def main(argv=None) -> int:
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.variant:
+        try:
+            document = json.loads(args.out.read_text())
+        except (OSError, ValueError):
+            document = {"benchmark": "durability"}
+        document.setdefault("variants", {})[args.variant] = payload
+        payload = document
+    else:
+        try:
+            payload["variants"] = json.loads(args.out.read_text()).get("variants", {})
+        except (OSError, ValueError):
+            pass
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {args.out}" + (f" (variant {args.variant})" if args.variant else ""))
     return 0
 
 

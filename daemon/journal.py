@@ -25,14 +25,26 @@ cost of the disk flush is shared by every add in the batch.
                    is N ms old. So fsyncs are at least N ms apart and an event
                    is on disk at most N ms (plus one fsync) after it was
                    appended: a crash loses only events younger than that window.
+                   The daemon uses the non-blocking form,
+                   :meth:`Journal.start_sync` / :meth:`Journal.poll_sync`: the
+                   fsync runs on a helper thread while the loop goes on
+                   draining rings (``fsync(2)`` releases the GIL); at most one
+                   is in flight, and ``durable_lsn`` advances when the loop
+                   collects it. The window then grows by the fsync in flight:
+                   an event is on disk at most N ms plus two fsyncs after it
+                   was appended.
 ``off``            never fsync the journal; the kernel writes it back on its own
                    schedule (``vm.dirty_expire_centisecs``, 30 s by default).
                    A daemon crash loses nothing (the page cache survives it);
                    a power loss or kernel crash loses what was not written back.
 =================  ==========================================================
 
-:attr:`Journal.durable_lsn` is the highest lsn known to be on disk; the daemon
-holds back acknowledgements (``Applied``) of adds whose lsn is above it.
+:attr:`Journal.durable_lsn` is the highest lsn known to be on disk. The daemon
+answers a ``flush()`` (``Applied``) once the batch holding it is appended: with
+``always`` that is after its fsync; with ``interval`` and ``off`` after the
+``write(2)`` only -- their promise is the window (or nothing), not each flush,
+which is why their acknowledged add rate is close to that of no journal
+(``bench/durability.py``).
 
 Segments rotate by size: once a segment holds ``segment_bytes`` (64 MiB by
 default) the next batch goes to a new file (the old one is fsynced first unless
@@ -97,9 +109,8 @@ Using it from the daemon
 
     # each loop turn, after draining the rings:
     lsn = journal.append(events_of_this_batch)    # Add/Rearm/Cancel/Fire/Ack/IdleRearm
-    # answer Applied(seq) for a FLUSH in this batch once journal.durable_lsn >= lsn
-    # (at once with "always"; after maybe_sync with "interval"; with "off", at once:
-    # that policy promises nothing about the disk)
+    # then answer Applied(seq) for a FLUSH in this batch (with "always" the
+    # batch is fsynced by now; "interval" and "off" promise a window, or nothing)
     # schedule the loop's next wake-up no later than journal.sync_due_ms
 
     # every few minutes or N events, with the wall-clock deadlines of the arena:
@@ -468,6 +479,13 @@ class Journal:
         self._segment_size = 0
         self.segment_path: Path | None = None
         self.fsync_count = 0
+        # background group commit (start_sync/poll_sync): the helper thread, the fsync in
+        # flight as (future, lsn it covers, segment, bytes it covers, mono ms it started)
+        self._sync_thread = None
+        self._sync_in_flight = None
+        #: called as ``on_synced(segment_path, bytes_on_disk, started_mono_ms)`` when a
+        #: background fsync completes (the chaos test's power-cut model listens here)
+        self.on_synced: Callable[[Path, int, int], None] | None = None
         self._open_segment(next_lsn)
 
     # -- state -------------------------------------------------------------
@@ -543,10 +561,64 @@ class Journal:
         self.sync()
         return True
 
+    # -- background group commit (the daemon's interval policy) ------------
+
+    @property
+    def sync_in_flight(self) -> bool:
+        """True while a :meth:`start_sync` fsync has not been collected by :meth:`poll_sync`."""
+        return self._sync_in_flight is not None
+
+    def start_sync(self, now_ms: int | None = None) -> bool:
+        """:meth:`maybe_sync` without waiting for the disk: start the fsync on a helper thread.
+
+        The caller (the daemon's loop) goes on appending meanwhile: ``fsync(2)``
+        releases the GIL, and a ``write(2)`` to the file during it is fine (the
+        fsync covers at least what was written before it started). At most one
+        fsync is in flight; :meth:`poll_sync` collects it and only then does
+        ``durable_lsn`` advance. Events appended while it runs start the next
+        window. True if an fsync was started.
+        """
+        self.poll_sync()
+        if self._sync_in_flight is not None or self._unsynced_since_ms is None or self._fd < 0:
+            return False
+        if now_ms is None:
+            now_ms = self._mono_ms()
+        if now_ms - self._unsynced_since_ms < self.policy.interval_ms:
+            return False
+        if self._sync_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._sync_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wheeld-fsync")
+        future = self._sync_thread.submit(os.fsync, self._fd)
+        self._sync_in_flight = (future, self._last_lsn, self.segment_path, self._segment_size, now_ms)
+        self._unsynced_since_ms = None
+        return True
+
+    def poll_sync(self, wait: bool = False) -> bool:
+        """Collect a finished background fsync (``wait``: wait for it); True if one was.
+
+        An fsync error is raised here, in the caller's thread, as a synchronous
+        fsync would raise it.
+        """
+        in_flight = self._sync_in_flight
+        if in_flight is None:
+            return False
+        future, lsn, path, size, started_ms = in_flight
+        if not wait and not future.done():
+            return False
+        self._sync_in_flight = None
+        future.result()
+        self.fsync_count += 1
+        self._durable_lsn = max(self._durable_lsn, lsn)
+        if self.on_synced is not None:
+            self.on_synced(path, size, started_ms)
+        return True
+
     def sync(self) -> None:
         """Fsync the current segment now (any policy); ``durable_lsn`` catches up."""
         if self._fd < 0:
             raise Closed("journal is closed")
+        self.poll_sync(wait=True)
         if self._durable_lsn != self._last_lsn:
             os.fsync(self._fd)
             self.fsync_count += 1
@@ -561,8 +633,14 @@ class Journal:
             if self.policy.mode != "off":
                 self.sync()
         finally:
-            os.close(self._fd)
-            self._fd = -1
+            try:
+                self.poll_sync(wait=True)  # never close the fd under a running fsync
+            finally:
+                os.close(self._fd)
+                self._fd = -1
+                if self._sync_thread is not None:
+                    self._sync_thread.shutdown(wait=True)
+                    self._sync_thread = None
 
     def __enter__(self) -> Journal:
         return self
@@ -607,6 +685,7 @@ class Journal:
     def _rotate(self) -> None:
         if self.policy.mode != "off":
             self.sync()
+        self.poll_sync(wait=True)
         os.close(self._fd)
         self._fd = -1
         self._open_segment(self._last_lsn + 1)

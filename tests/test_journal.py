@@ -1102,3 +1102,94 @@ def test_previous_deadlines_of_an_empty_batch_and_of_absent_keys(tmp_path):
         assert recorder.previous_deadlines(gid, [_ident("a"), _ident(1)]) == [None, None]
         wheel.schedule(1, 4_321, gid)
         assert recorder.previous_deadlines(gid, [_ident("a"), _ident(1)]) == [None, 4_321]
+
+
+# --------------------------------------------------------------------------- #
+# Background group commit (the daemon's interval policy)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def gated_fsync(monkeypatch):
+    """os.fsync that waits for ``gate`` and records (thread name, fd, file size, fd still open after)."""
+    import threading
+
+    gate = threading.Event()
+    calls: list = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        size = os.fstat(fd).st_size
+        assert gate.wait(10), "the test never opened the gate"
+        still_open = os.fstat(fd) is not None  # raises if someone closed the fd under us
+        real_fsync(fd)
+        calls.append((threading.current_thread().name, fd, size, still_open))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return gate, calls
+
+
+def test_start_sync_fsyncs_on_a_helper_thread_and_durable_lsn_waits_for_it(tmp_path, gated_fsync):
+    gate, calls = gated_fsync
+    clock = FakeClock(mono_ms=0)
+    gate.set()  # the segment header's fsync in the constructor
+    journal = make_journal(tmp_path, clock, fsync="interval=10")
+    calls.clear()
+    gate.clear()
+    synced = []
+    journal.on_synced = lambda path, size, started: synced.append((path, size, started))
+    first = journal.append([Add(t=T0, g="g", k="a", d=T0, s=1)], now_ms=0)
+    assert journal.start_sync(9) is False and not journal.sync_in_flight
+    assert journal.start_sync(10) is True and journal.sync_in_flight  # returned although fsync waits
+    size_at_start = journal.segment_path.stat().st_size
+    later = journal.append([Add(t=T0, g="g", k="b", d=T0, s=2)], now_ms=11)  # appending goes on
+    assert journal.start_sync(30) is False, "one fsync in flight at a time"
+    assert journal.durable_lsn == 0 and journal.poll_sync() is False
+    gate.set()
+    assert journal.poll_sync(wait=True) is True
+    assert journal.durable_lsn == first < later  # what was written before the fsync started
+    assert calls[0][0].startswith("wheeld-fsync")
+    assert synced == [(journal.segment_path, size_at_start, 10)]
+    assert journal.sync_due_ms == 21  # the window of the event appended during the fsync
+    assert journal.start_sync(21) is True
+    journal.poll_sync(wait=True)
+    assert journal.durable_lsn == journal.last_lsn == later
+    journal.close()
+
+
+def test_close_and_rotation_wait_for_the_fsync_in_flight(tmp_path, gated_fsync):
+    import threading
+
+    gate, calls = gated_fsync
+    gate.set()
+    journal = make_journal(tmp_path, fsync="interval=5", segment_bytes=300)
+    journal.append([Add(t=T0, g="g", k="a", d=T0, s=1)], now_ms=0)
+    gate.clear()
+    assert journal.start_sync(10) is True
+    threading.Timer(0.2, gate.set).start()
+    journal.append([Add(t=T0, g="g", k=f"k{i}", d=T0, s=i) for i in range(5)], now_ms=11)  # past 300 bytes
+    journal.append([Add(t=T0, g="g", k="z", d=T0, s=9)], now_ms=12)  # rotates: syncs, waits, closes
+    assert len(list_segments(tmp_path)) == 2
+    gate.clear()
+    assert journal.start_sync(30) is True
+    threading.Timer(0.2, gate.set).start()
+    journal.close()
+    assert journal.durable_lsn == journal.last_lsn
+    assert all(still_open for *_, still_open in calls)
+    assert recover(tmp_path, repair=False).last_lsn == 7
+
+
+def test_a_failed_background_fsync_raises_in_the_caller(tmp_path, monkeypatch):
+    journal = make_journal(tmp_path, fsync="interval=1")
+    journal.append([Add(t=T0, g="g", k="a", d=T0, s=1)], now_ms=0)
+
+    def failing(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing)
+    assert journal.start_sync(5) is True
+    with pytest.raises(OSError):
+        journal.poll_sync(wait=True)
+    assert journal.durable_lsn == 0
+    monkeypatch.undo()
+    journal.close()
