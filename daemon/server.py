@@ -56,7 +56,9 @@ import stat
 import struct
 import threading
 import time
+from itertools import repeat
 
+import msgspec
 import numpy as np
 import posix_ipc
 
@@ -65,8 +67,9 @@ from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import commands as C
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ArenaFull, CorruptArena, InvalidRequest, ProtocolError, WheeldError
+from wheeld.protocol import framing
 from wheeld.protocol.framing import FrameReader
-from wheeld.protocol.keys import decode_key, encode_key
+from wheeld.protocol.keys import decode_key
 from wheeld.shm.ring import ClientSegment
 from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
 
@@ -82,6 +85,11 @@ _HIGH_WATER = 8 << 20  # bytes queued to one client before we stop sending to it
 _DRAIN_BATCH = 8192
 _GC_INTERVAL_MS = 2000
 _BATCH_MIN = 64  # smaller drained batches are cheaper one command at a time
+_EXPIRE_MANY_MIN = 64  # see _expire
+_COLUMNS_MIN = 256  # expirations handled per column (numpy) from this many on, per item below
+_LATENESS_BOUNDS_US = np.array(AL.LATENESS_BOUNDS_US, dtype=np.int64)
+_EXPIRATIONS_TAG = M.Expirations.__struct_config__.tag
+_encoder = msgspec.msgpack.Encoder()  # the daemon's one encoder for frames it builds from columns
 
 
 def mono_ms() -> int:
@@ -208,6 +216,8 @@ class Daemon:
         self.recorder = None  # the journal, when --journal is given
         self._ring_depth = 0
         self._last_watchdog = 0.0
+        self._level1_tick_ms = 256
+        self._last_expired = 0  # timers the last _expire fired (chooses the wheel method)
         self.ready = False
 
     # ------------------------------------------------------------------ start-up
@@ -250,6 +260,7 @@ class Daemon:
             log.info("journal %s (fsync %s) continues at lsn %d", cfg.journal_dir, cfg.fsync, journal.last_lsn + 1)
         self.started_ms = now
         self.arena_epoch = (self.wheel.created_wall_ms & 0xFFFFFFFF) or 1  # see _ack_allowed
+        self._level1_tick_ms = self.wheel.tick_ms * self.wheel.wheel_size  # see _expire
         self.totals["daemon_pid"] = os.getpid()
         self.totals["daemon_started_ms"] = now
         # every fired-but-unacknowledged timer is delivered again
@@ -724,6 +735,103 @@ class Daemon:
             self.close_session(cs.session, reason, goodbye=True)
 
     def _expire(self, now: int) -> None:
+        """Fire what is due at ``now``: idle timers that were touched go back on the wheel,
+        the rest join their group's delivery queue (and the lateness histogram)."""
+        if self.recorder is not None:
+            self._expire_journaled(now)
+            return
+        # expire_many costs tens of us per call and less per timer; expire the reverse. A
+        # level-1 bucket (its expiration a multiple of tick_ms * wheel_size) cascades
+        # thousands of timers, a backlog (the clock ran more than a tick past the first
+        # due bucket) covers many buckets, and a rate of many per level-0 bucket shows
+        # in the previous call: batch methods then; one level-0 bucket of a few, per item.
+        wheel = self.wheel
+        due = wheel.next_deadline()
+        if due is None or due > now:
+            wheel.expire(now)  # nothing is due: only moves the clock
+            return
+        if self._last_expired < _EXPIRE_MANY_MIN and now - due <= wheel.tick_ms and due % self._level1_tick_ms:
+            slots = wheel.expire(now)
+            self._last_expired = len(slots)
+            if slots:
+                self._queue_rows(slots, wheel.records_of(slots).tolist(), now)
+            return
+        slots = wheel.expire_many(now)
+        self._last_expired = slots.size
+        if not slots.size:
+            return
+        records = wheel.records_of(slots)
+        if slots.size < _COLUMNS_MIN:
+            self._queue_rows(slots.tolist(), records.tolist(), now)
+            return
+        idle = records["aux"] >= 0
+        if idle.any():
+            keep = np.ones(slots.size, dtype=bool)
+            for j in np.flatnonzero(idle).tolist():
+                record = records[j]
+                if self._idle_rearmed(int(slots[j]), int(record["gen"]), int(record["aux"]), now):
+                    keep[j] = False
+            if not keep.all():
+                slots, records = slots[keep], records[keep]
+                if not slots.size:
+                    return
+        deadlines = records["deadline"]
+        late_us = (now - deadlines) * 1000
+        self._lateness_sum_us += int(late_us.sum())
+        # bucket i: <= bounds[i], like Prometheus le (searchsorted "left" is bisect_left)
+        counts = np.bincount(np.searchsorted(_LATENESS_BOUNDS_US, late_us, side="left"), minlength=AL.LATENESS_BUCKETS)
+        lateness = self._lateness_counts
+        for i, count in enumerate(counts.tolist()):
+            if count:
+                lateness[i] += count
+        late = (deadlines < self.started_ms).tolist()
+        groups = records["group"]
+        first = int(groups[0])
+        if (groups == first).all():
+            self.queues[first].extend(zip(slots.tolist(), records["gen"].tolist(), repeat(now), late))
+            return
+        slot_list, gen_list, group_list = slots.tolist(), records["gen"].tolist(), groups.tolist()
+        queues = self.queues
+        for j, group in enumerate(group_list):
+            queues[group].append((slot_list[j], gen_list[j], now, late[j]))
+
+    def _queue_rows(self, slot_list: list, rows: list, now: int) -> None:
+        """:meth:`_expire` for a few timers: the same steps on record tuples, without numpy passes."""
+        lateness = self._lateness_counts
+        bounds = AL.LATENESS_BOUNDS_US
+        queues = self.queues
+        started = self.started_ms
+        late_sum = 0
+        for s, (deadline, _prev, _next, gen, _tag, aux, group, _state, _meta, _key) in zip(slot_list, rows):
+            if aux >= 0 and self._idle_rearmed(s, gen, aux, now):
+                continue
+            late_us = (now - deadline) * 1000
+            late_sum += late_us
+            lateness[bisect.bisect_left(bounds, late_us)] += 1  # bucket i: <= bounds[i], like Prometheus le
+            queues[group].append((s, gen, now, deadline < started))
+        self._lateness_sum_us += late_sum
+
+    def _idle_rearmed(self, slot: int, gen: int, aux: int, now: int) -> bool:
+        """An idle timer came due: if its key was touched since, put it back on the wheel
+        (or, if the key was armed again meanwhile, release it) and return True."""
+        cs = self.clients.get(aux >> CL.TOUCH_INDEX_BITS)
+        if cs is None:
+            return False
+        index = aux & CL.TOUCH_INDEX_MASK
+        try:
+            touched = cs.segment.read_touch(index)
+            idle_ms = cs.segment.read_idle(index)
+        except ProtocolError:
+            return False
+        if not (touched > 0 and idle_ms > 0 and touched + idle_ms > now):
+            return False
+        wheel = self.wheel
+        if not wheel.rearm_fired(slot, gen, touched + idle_ms):
+            wheel.release(slot, gen)  # the key was armed again meanwhile
+        return True
+
+    def _expire_journaled(self, now: int) -> None:
+        """:meth:`_expire` one timer at a time, journaling every event (with --journal)."""
         wheel = self.wheel
         slots = wheel.expire(now)
         if not slots:
@@ -734,8 +842,7 @@ class Daemon:
         queues = self.queues
         started = self.started_ms
         recorder = self.recorder
-        if recorder is not None:
-            recorder.begin()
+        recorder.begin()
         late_sum = 0
         for s in slots:
             key, deadline, group, tag, aux, gen = wheel.fired(s)
@@ -750,8 +857,7 @@ class Daemon:
                         touched = idle_ms = 0
                     if touched > 0 and idle_ms > 0 and touched + idle_ms > now:
                         if wheel.rearm_fired(s, gen, touched + idle_ms):
-                            if recorder is not None:
-                                recorder.idle_rearmed(group, key, deadline, touched + idle_ms, tag, idle_ms)
+                            recorder.idle_rearmed(group, key, deadline, touched + idle_ms, tag, idle_ms)
                         else:
                             wheel.release(s, gen)  # the key was armed again meanwhile
                         continue
@@ -760,14 +866,20 @@ class Daemon:
             lateness[bisect.bisect_left(bounds, late_us)] += 1  # bucket i: <= bounds[i], like Prometheus le
             late = deadline < started
             queues[group].append((s, gen, now, late))
-            if recorder is not None:
-                recorder.fired(group, key, deadline, tag, now, late, None)
+            recorder.fired(group, key, deadline, tag, now, late, None)
         self._lateness_sum_us += late_sum
-        if recorder is not None:
-            recorder.commit(now)
+        recorder.commit(now)
 
     def _dispatch(self) -> None:
-        wheel = self.wheel
+        """Send queued expirations to live group members, round robin, one frame per batch.
+
+        A queued (slot, generation) that is no longer FIRED with that generation (it
+        was acknowledged meanwhile, e.g. by an ack left in a ring across a restart) is
+        dropped. The frame is built from the records' columns: an ``Expirations``
+        message is a msgpack array ``["expirations", [[key_bytes, key_meta, deadline_ms,
+        fired_ms, seq, slot, generation, late], ...]]`` (``array_like`` structs), so it
+        is encoded from tuples without building ``Expiry`` objects.
+        """
         batch = self.config.delivery_batch
         for gid, queue in self.queues.items():
             if not queue:
@@ -778,23 +890,42 @@ class Daemon:
             while queue and members:
                 self._rr += 1
                 member = members[self._rr % len(members)]
-                cs = member.client
-                items = []
-                for _ in range(min(batch, len(queue))):
-                    s, gen, fired_ms, late = queue.popleft()
-                    try:
-                        key, deadline, group, tag, aux, cur_gen = wheel.fired(s)
-                    except InvalidRequest:
-                        continue  # acknowledged or freed meanwhile
-                    if cur_gen != gen:
-                        continue
-                    kb, meta = _key_parts(key)
-                    items.append(M.Expiry(kb, meta, deadline, fired_ms, tag, s, gen, late))
-                    cs.unacked[s] = gen
+                popleft = queue.popleft
+                taken = [popleft() for _ in range(min(batch, len(queue)))]
+                items = self._expiry_items(taken) if len(taken) >= _COLUMNS_MIN else self._expiry_rows(taken)
                 if items:
-                    member.send(M.encode_daemon_frame(M.Expirations(items)))
+                    member.client.unacked.update([(item[5], item[6]) for item in items])
+                    member.send(_expirations_frame(items))
                     self.totals["delivered_total"] += len(items)
                 members = [m for m in members if not m.congested and not m.closed]
+
+    def _expiry_rows(self, taken: list) -> list[tuple]:
+        """Expiry tuples (the field order of ``M.Expiry``) for queued (slot, gen, fired_ms, late)
+        entries still FIRED with that generation; a few at a time, from record tuples."""
+        rows = self.wheel.records_of([entry[0] for entry in taken]).tolist()
+        fired = AL.FIRED
+        return [
+            (key[: meta & 0x3F], meta, deadline, fired_ms, tag, s, gen, late)
+            for (s, gen, fired_ms, late), (deadline, _p, _n, rgen, tag, _aux, _g, state, meta, key) in zip(taken, rows)
+            if state == fired and rgen == gen
+        ]
+
+    def _expiry_items(self, taken: list) -> list[tuple]:
+        """:meth:`_expiry_rows` for a large batch, from the records' columns."""
+        slot_list, gen_list, fired_list, late_list = zip(*taken)
+        records = self.wheel.records_of(slot_list)
+        ok = (records["state"] == AL.FIRED) & (records["gen"] == np.array(gen_list, dtype=np.int64))
+        if not ok.all():
+            keep = np.flatnonzero(ok).tolist()
+            records = records[ok]
+            slot_list = [slot_list[j] for j in keep]
+            gen_list = [gen_list[j] for j in keep]
+            fired_list = [fired_list[j] for j in keep]
+            late_list = [late_list[j] for j in keep]
+        metas = records["key_meta"].tolist()
+        keys = [raw[: meta & 0x3F] for raw, meta in zip(records["key"].tolist(), metas)]
+        return list(zip(keys, metas, records["deadline"].tolist(), fired_list, records["tag"].tolist(),
+                        slot_list, gen_list, late_list))
 
     # ------------------------------------------------------------------ stats
 
@@ -1014,8 +1145,13 @@ def _rejected(seq: int, raw_key: bytes, meta: int, reason: str, code: str) -> M.
     return M.Rejected(seq, bytes(raw_key[: meta & 0x3F]), meta, reason, code)
 
 
-def _key_parts(key) -> tuple[bytes, int]:
-    return encode_key(key)
+def _expirations_frame(items: list[tuple]) -> bytearray:
+    """A length-prefixed ``Expirations`` frame from item tuples in ``Expiry`` field order
+    (msgspec encodes an ``array_like`` struct and a tuple of its fields alike)."""
+    buffer = bytearray(framing.HEADER_SIZE)
+    _encoder.encode_into((_EXPIRATIONS_TAG, items), buffer, framing.HEADER_SIZE)
+    framing.write_header(buffer, len(buffer) - framing.HEADER_SIZE)
+    return buffer
 
 
 def run(config: Config) -> int:

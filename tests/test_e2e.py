@@ -481,3 +481,102 @@ def test_collapsed_batch_keeps_the_last_arming_and_reports_a_full_arena():
     assert len(state["scheduled"]) == 3 and not state["problems"]
     assert [(r.seq, r.code) for r in rejects] == [(9, M.Rejected.ARENA_FULL)]
     assert flushes == [7] + [8 + i for i in range(64)]
+
+
+class _TouchTable:
+    """What the daemon reads of a client segment when an idle timer comes due."""
+
+    def __init__(self):
+        self.touched, self.idle = {}, {}
+
+    def read_touch(self, index):
+        return self.touched.get(index, 0)
+
+    def read_idle(self, index):
+        return self.idle.get(index, 0)
+
+
+class _Journal:
+    """Stands in for the Recorder: its presence selects the daemon's per-item (journaled) expiry path."""
+
+    def __init__(self):
+        self.events = []
+
+    def begin(self):
+        pass
+
+    def commit(self, now_ms):
+        pass
+
+    def fired(self, group, key, deadline, tag, now, late, extra):
+        self.events.append(("fired", group, key, deadline, tag, now, late))
+
+    def idle_rearmed(self, group, key, deadline, new_deadline, tag, idle_ms):
+        self.events.append(("idle", group, key, new_deadline))
+
+
+class _Member:
+    congested = closed = False
+
+    def __init__(self, client):
+        self.client = client
+        self.reader = __import__("wheeld.protocol.framing", fromlist=["FrameReader"]).FrameReader()
+        self.items = []
+
+    def send(self, frame):
+        for body in self.reader.feed(bytes(frame)):
+            message = M.decode_daemon_message(body)  # the client's typed decoder accepts the frame
+            self.items.extend(tuple(getattr(e, f) for f in e.__struct_fields__) for e in message.items)
+
+
+def test_batched_expiry_delivers_what_the_per_item_path_delivers():
+    """Cascades, backlogs, idle timers touched or not, several groups, an ack racing the
+    queue: the batched expiry and column-built frames match the per-item path exactly."""
+    rng = random.Random(5)
+    daemons = []
+    for batched in (True, False):
+        d, cs = _private_daemon(capacity=60_000)
+        d.started_ms = 1000
+        cs.segment = _TouchTable()
+        groups = [cs.group, d.wheel.group_id("other")]
+        members = {}
+        for gid in groups:
+            other = cs if gid == cs.group else type(cs)(4, _TouchTable(), 0, gid, "other", 1)
+            d.clients[other.slot] = other
+            members[gid] = _Member(other)
+            d.members[gid].append(members[gid])
+        if not batched:
+            d.recorder = _Journal()
+        daemons.append((d, cs, members))
+    rng_keys = [bytes((0x40 | 9,)) + f"key-{i:05d}".encode().ljust(32, b"\0") for i in range(40_000)]
+    for d, cs, members in daemons:
+        r = random.Random(9)
+        for j, ident in enumerate(rng_keys):
+            gid = list(members)[j % 2]
+            idle = j % 7 == 0
+            aux = (cs.slot << 20 | j % 1000) if idle and gid == cs.group else -1
+            d.wheel.schedule_ident(ident, 1001 + r.randrange(3000), gid, j, aux)
+        for index in range(0, 1000, 3):  # touched idle timers come back on the wheel
+            cs.segment.touched[index] = 2500
+            cs.segment.idle[index] = 400
+    now = 1000
+    acked = None
+    while now < 4200:
+        now += rng.choice([1, 1, 1, 2, 5, 40])  # sometimes a backlog
+        for d, cs, members in daemons:
+            d._expire(now)
+            if acked is None and d.queues[cs.group]:  # an entry released before it is sent: dropped
+                acked = d.queues[cs.group][0][:2]
+            if acked is not None:
+                d.wheel.release(*acked)
+            d._dispatch()
+    (a, _, ma), (b, _, mb) = daemons
+    for gid in ma:
+        assert ma[gid].items == mb[gid].items
+        assert ma[gid].client.unacked == mb[gid].client.unacked
+    assert a._lateness_counts == b._lateness_counts and a._lateness_sum_us == b._lateness_sum_us
+    assert _wheel_state(a) == _wheel_state(b)
+    assert acked is not None and acked not in {(item[5], item[6]) for m in ma.values() for item in m.items}
+    delivered = sum(len(m.items) for m in ma.values())
+    assert delivered > 30_000 and a.wheel.counters()["idle_rearms_total"] > 100
+    assert all(item[3] >= item[2] for m in ma.values() for item in m.items), "fired before its deadline"
