@@ -175,6 +175,51 @@ class Recorder:
             else:
                 append(Cancel(t=t, g=g, k=_ident_to_json(ident), s=seq, hit=True, pd=previous + off))
 
+    def commands_many(self, gid: int, idents, arms, deadlines_ms, seqs, idle_ms, previous: dict,
+                      refused=frozenset()) -> None:
+        """The events of a batch of keyed commands that may repeat keys, in command order.
+
+        For a daemon that applies a batch collapsed to the last operation per key:
+        the journal still gets one event per command, exactly what applying them
+        one at a time records. ``arms[j]``: an ADD/ADD_IDLE (else a CANCEL);
+        ``idle_ms[j]``: None for a plain timer; ``previous``: ident -> pending
+        deadline before the batch (None), from :meth:`previous_deadlines` of the
+        batch's distinct keys; ``refused``: idents whose arms after their last
+        cancel the arena had no room for (not applied: no event).
+        """
+        off = self._offset
+        t = mono_ms() + off
+        g = self._group(gid)
+        append = self.events.append
+        Add, Rearm, Cancel, unset = J.Add, J.Rearm, J.Cancel, _UNSET
+        state = dict(previous)
+        last_cancel = {}
+        if refused:
+            for j, (ident, arm) in enumerate(zip(idents, arms)):
+                if not arm:
+                    last_cancel[ident] = j
+        keys: dict = {}
+        for j, (ident, arm, deadline, seq, idle) in enumerate(zip(idents, arms, deadlines_ms, seqs, idle_ms)):
+            k = keys.get(ident)
+            if k is None:
+                k = keys[ident] = _ident_to_json(ident)
+            before = state.get(ident)
+            if arm:
+                if ident in refused and j > last_cancel.get(ident, -1):
+                    continue
+                i = unset if idle is None else idle
+                if before is None:
+                    append(Add(t=t, g=g, k=k, d=deadline + off, s=seq, i=i))
+                else:
+                    append(Rearm(t=t, g=g, k=k, d=deadline + off, pd=before + off, s=seq, i=i))
+                state[ident] = deadline
+            else:
+                if before is None:
+                    append(Cancel(t=t, g=g, k=k, s=seq, hit=False, pd=unset))
+                else:
+                    append(Cancel(t=t, g=g, k=k, s=seq, hit=True, pd=before + off))
+                state[ident] = None
+
     # ------------------------------------------------------------------ batches
     def commit(self, now_ms: int) -> int:
         """Append what this iteration recorded (fsynced under ``always``)."""

@@ -1193,3 +1193,49 @@ def test_a_failed_background_fsync_raises_in_the_caller(tmp_path, monkeypatch):
     assert journal.durable_lsn == 0
     monkeypatch.undo()
     journal.close()
+
+
+def test_commands_many_journals_a_batch_with_repeated_keys_as_in_order(tmp_path, monkeypatch):
+    """A batch applied collapsed (last operation per key) is journaled command by command:
+    the same bytes as applying and recording each command in order; arms the arena
+    refused after a key's last cancel leave no event."""
+    from wheeld.daemon import journaling
+
+    monkeypatch.setattr(journaling, "mono_ms", lambda: 5_000)
+    monkeypatch.setattr(journaling, "wall_ms", lambda: T0)
+    rng = random.Random(3)
+    keys = ["a", "b", 7, b"c", "str:d"]
+    commands = [(rng.choice(keys), rng.random() < 0.7, 10_000 + j, 100 + j, 9_000 if j % 4 == 0 else None)
+                for j in range(60)]
+    refused_key = "b"
+    files = {}
+    for mode in ("scalar", "many"):
+        with _recorder(tmp_path, mode) as (recorder, wheel):
+            gid = wheel.group_id("g")
+            wheel.schedule("a", 8_000, gid, 1)
+            wheel.schedule(7, 8_001, gid, 1)
+            recorder.begin()
+            last_cancel = max(j for j, c in enumerate(commands) if c[0] == refused_key and not c[1])
+            if mode == "scalar":
+                for j, (key, arm, deadline, seq, idle) in enumerate(commands):
+                    previous = wheel.lookup(key, gid)
+                    if arm:
+                        if key == refused_key and j > last_cancel:
+                            continue  # the arena was full for it
+                        wheel.schedule(key, deadline, gid, seq)
+                        recorder.armed(gid, key, deadline, seq, previous, idle)
+                    else:
+                        wheel.cancel(key, gid)
+                        recorder.cancelled(gid, key, seq, previous)
+            else:
+                idents = [_ident(c[0]) for c in commands]
+                distinct = list(dict.fromkeys(idents))
+                previous = dict(zip(distinct, recorder.previous_deadlines(gid, distinct)))
+                recorder.commands_many(gid, idents, [c[1] for c in commands], [c[2] for c in commands],
+                                       [c[3] for c in commands], [c[4] for c in commands], previous,
+                                       refused={_ident(refused_key)})
+            recorder.commit(5_000)
+            files[mode] = recorder.journal.segment_path.read_bytes().split(b"\n", 1)[1]
+    assert files["many"] == files["scalar"]
+    kinds = {msgspec.json.decode(line)["ev"] for line in files["many"].splitlines()}
+    assert kinds == {"add", "rearm", "cancel"}
