@@ -30,7 +30,7 @@ hour delay, so nothing fires) and calls ``flush()`` after every ``--batch``
 adds (64 and 512). ``flush()`` returns when the daemon has applied -- and
 journaled -- everything before it, so the figure is **acknowledged adds/s =
 all adds / (last client's last flush return - start)**. With ``interval`` an
-acknowledged add is written but may be up to 10 ms (plus one fsync) from the
+acknowledged add is written but may be up to 10 ms (plus two fsyncs) from the
 disk; with ``always`` it is on disk.
 
 Per run also: journal bytes per add (growth of the ``journal-*.jsonl`` files

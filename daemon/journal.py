@@ -19,7 +19,7 @@ cost of the disk flush is shared by every add in the batch.
 ``always``         ``append`` returns only after write + fsync: when the
                    daemon answers ``flush()``, every add before it is on disk.
                    ``durable_lsn == last_lsn`` after every append.
-``interval=N``     ``append`` only writes; the daemon's loop calls
+``interval=N``     ``append`` only writes; the owner's loop calls
                    :meth:`Journal.maybe_sync` (at :attr:`Journal.sync_due_ms`
                    at the latest), which fsyncs when the oldest unsynced event
                    is N ms old. So fsyncs are at least N ms apart and an event
