@@ -7,11 +7,25 @@ One process, one thread, one uvloop event loop. The loop does three things:
   and a ring segment (``/wheeld-<name>-c<slot>-<random>``) and answers
   ``Welcome`` with a random *token*. The socket then carries ``Doorbell`` frames
   one way and ``Expirations``/``Applied``/``Rejected`` frames the other.
-* **The driver** (:meth:`Daemon._drive`): drain every ring (commands are applied
-  in ring order; the ring head is published only after the batch is applied, so
-  a daemon killed mid-batch re-applies it, and every command is idempotent),
+* **The driver** (:meth:`Daemon._drive`): drain every ring (up to 8192 commands
+  per ring and iteration, 1024 when a timer is already due, in chunks of 4096;
+  the ring head is published only after a chunk is applied, so a daemon killed
+  mid-chunk re-applies it, and every command is idempotent), read the clock,
   ``expire(now)``, re-arm idle timers that were touched, hand the rest to the
-  group's delivery queue, send them, publish counters, then *park*.
+  group's delivery queue, send them, publish counters (at most once per ms while
+  busy), then *park*.
+* **Applying a chunk** (:meth:`Daemon._apply_batch`): commands on different keys
+  commute and a later command on a key overrides an earlier one, so a chunk is
+  applied as its *last operation per key*: one ``cancel_many`` and one
+  ``schedule_many`` with the end state of applying it in ring order (the method
+  docstring has the exact rules: tags, idle touch indices, rejections, acks).
+  ``FLUSH(seq)`` is answered with ``Applied(seq)`` after the whole chunk.
+* **Expiry** (:meth:`Daemon._expire`, :meth:`Daemon._dispatch`): a level-1
+  cascade or a backlog goes through the wheel's batch ``expire_many`` and the
+  records' numpy columns; a level-0 bucket of a few timers through the scalar
+  ``expire``. ``Expirations`` frames are encoded straight from record fields
+  (no key decode/encode round trip, no ``Expiry`` objects). With ``--journal``
+  expiry stays per item, journaling every event.
 * **Parking** is an eventcount: store a new park epoch in the arena's ``parked``
   word, re-check every ring, and only then sleep until the next bucket deadline.
   A client that pushes a command and sees a park epoch it has not rung for rings
@@ -46,8 +60,8 @@ import asyncio
 import bisect
 import collections
 import errno
-import mmap
 import logging
+import mmap
 import os
 import secrets
 import signal
@@ -61,13 +75,18 @@ from itertools import repeat
 import msgspec
 import numpy as np
 import posix_ipc
-
 from wheeld.protocol import arena_layout as AL
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import commands as C
-from wheeld.protocol import messages as M
-from wheeld.protocol.errors import ArenaFull, CorruptArena, InvalidRequest, ProtocolError, WheeldError
 from wheeld.protocol import framing
+from wheeld.protocol import messages as M
+from wheeld.protocol.errors import (
+    ArenaFull,
+    CorruptArena,
+    InvalidRequest,
+    ProtocolError,
+    WheeldError,
+)
 from wheeld.protocol.framing import FrameReader
 from wheeld.protocol.keys import decode_key
 from wheeld.shm.ring import ClientSegment
@@ -82,7 +101,9 @@ log = logging.getLogger("wheeld")
 _META = [bytes((m,)) for m in range(256)]
 _PEERCRED = struct.Struct("3i")
 _HIGH_WATER = 8 << 20  # bytes queued to one client before we stop sending to it
-_DRAIN_BATCH = 8192
+_DRAIN_BATCH = 8192  # commands taken from one ring per loop iteration
+_DRAIN_DUE = 1024  # ... when a timer is already due (about 1 ms of applying)
+_APPLY_CHUNK = 4096  # applied, then committed, at a time
 _GC_INTERVAL_MS = 2000
 _BATCH_MIN = 64  # smaller drained batches are cheaper one command at a time
 _EXPIRE_MANY_MIN = 64  # see _expire
@@ -405,12 +426,19 @@ class Daemon:
         park_epoch = hq[AL.H_WAKE_SEQ // 8]
         max_park = self.config.max_park_ms
         watchdog_s = self.notifier.watchdog_interval_s()
+        last_publish = 0
         while not self._stopping:
+            self.totals["loop_iterations_total"] += 1
+            # A timer already due bounds the drain, so a command flood cannot hold expiry back
+            # for more than ~1 ms of commands; the clock is read after the drain.
+            due = wheel.next_deadline()
+            commands = self._drain_rings(_DRAIN_DUE if due is not None and due <= mono_ms() else _DRAIN_BATCH)
             now = mono_ms()
-            commands = self._drain_rings()
             self._expire(now)
             self._dispatch()
-            self._publish(now)
+            if not commands or now != last_publish:  # at most once per ms while busy; always before parking
+                last_publish = now
+                self._publish(now)
             if watchdog_s and time.monotonic() - self._last_watchdog >= watchdog_s:
                 self._last_watchdog = time.monotonic()
                 self.notifier.watchdog()
@@ -456,11 +484,26 @@ class Daemon:
                     return True  # let the drain report it
         return False
 
-    def _drain_rings(self) -> int:
+    def _drain_rings(self, max_per_ring: int = _DRAIN_BATCH) -> int:
+        """Apply up to ``max_per_ring`` commands of every ring, committing each chunk of
+        ``_APPLY_CHUNK`` as soon as it is applied (a producer waiting for room gets it sooner)."""
         total = 0
         for cs in list(self.clients.values()):
-            if not cs.poisoned:
-                total += self._apply(cs)
+            if cs.poisoned:
+                continue
+            try:
+                if cs.segment.depth() == cs.segment.ring_capacity:
+                    self.totals["ring_full_total"] += 1  # the client found (or will find) it full
+            except ProtocolError:
+                pass  # _apply reports it
+            done = 0
+            while done < max_per_ring and not cs.poisoned:
+                want = min(_APPLY_CHUNK, max_per_ring - done)
+                applied = self._apply(cs, want)
+                done += applied
+                if applied < want:
+                    break
+            total += done
         self.totals["ring_depth"] = self._ring_depth
         self._ring_depth = 0
         return total
@@ -477,8 +520,6 @@ class Daemon:
         if not n:
             return 0
         self._ring_depth += n
-        if n == segment.ring_capacity:
-            self.totals["ring_full_total"] += 1  # the client found (or will find) it full
         valid = C.validate_records(records, segment.touch_capacity)
         good = n if valid.all() else int(np.argmin(valid))
         flushes = []
@@ -666,7 +707,7 @@ class Daemon:
                                              str(exc), M.Rejected.INVALID_DEADLINE))
         refused = arm_order[slots < 0]
         if refused.size:
-            self._reject_refused(records, keyed, ident_list, arm, last_cancel, set(ident_list[j] for j in refused.tolist()),
+            self._reject_refused(records, keyed, ident_list, arm, last_cancel, {ident_list[j] for j in refused.tolist()},
                                  rejects)
 
     @staticmethod
@@ -1131,7 +1172,7 @@ class Daemon:
 
 _DAEMON_TOTALS = (
     "ring_depth", "ring_full_total", "commands_total", "rejected_total", "clients_total", "clients_refused_total", "clients_dropped_total",
-    "delivered_total", "redelivered_total", "wakeups_total", "daemon_restarts_total", "daemon_pid",
+    "delivered_total", "redelivered_total", "wakeups_total", "loop_iterations_total", "daemon_restarts_total", "daemon_pid",
     "daemon_started_ms", "daemon_heartbeat_ms", "clients_connected", "groups_active", "undelivered",
 )
 
