@@ -694,7 +694,7 @@ def check_arena(buf, size: int | None = None, label: str = "arena") -> list[str]
     every non-empty bucket expires after the clock and maps to its index; a free
     list kept in the arena is one chain through exactly the free records; no (group, key) is
     scheduled twice; keys are well formed; the header's pending / fired /
-    per-level counters match the records; no update intent is open.
+    per-level counters match the records; no update intent and no batch intent is open.
     """
     size = len(buf) if size is None else size
     info = _parse_header(buf, size, label)
@@ -718,6 +718,8 @@ def check_arena(buf, size: int | None = None, label: str = "arena") -> list[str]
     intent = struct.unpack_from("<i", buf, L.H_INTENT_SLOT)[0]
     if intent != -1:
         p.add(f"an update intent is open (slot {intent}): a writer stopped in the middle of a re-arm")
+    for problem in _batch_intent_problems(buf, info, first, n):
+        p.add(problem)
 
     # states and keys
     bad_state = np.flatnonzero(entry & (low > L.FIRED))
@@ -852,6 +854,46 @@ def check_arena(buf, size: int | None = None, label: str = "arena") -> list[str]
     return p.items
 
 
+def _batch_intent_problems(buf, info: dict, first: int, n: int) -> list[str]:
+    """What an open batch intent (layout v2, ``H_INTENT_COUNT`` != 0) says about the arena.
+
+    The count is the commit word of a batch of re-arms (``TimerWheel.schedule_many``):
+    nonzero means a writer stopped after committing the batch and before finishing
+    its records. That is recoverable (a restart replays every entry, see
+    :func:`recover_copy`), so it is reported as one open intent with its size; the
+    re-armed records' links may disagree with their states meanwhile and are
+    reported as well (recovery rebuilds links from the records). A count above
+    ``INTENT_BATCH_MAX`` or an entry naming a slot outside the entry records cannot
+    come from a writer: corruption, and a restart refuses such an arena.
+    """
+    count = struct.unpack_from("<I", buf, L.H_INTENT_COUNT)[0]
+    if not count:
+        return []
+    if count > L.INTENT_BATCH_MAX:
+        return [(f"the batch intent claims {count} entries (at most {L.INTENT_BATCH_MAX} exist): corrupt header; "
+                 "a restart refuses this arena")]
+    entries = np.frombuffer(buf, dtype=L.INTENT_DTYPE, count=count, offset=L.intent_batch_offset(info["max_groups"]))
+    slots = entries["slot"].astype(np.int64)
+    outside = np.flatnonzero((slots < first) | (slots >= n))
+    if outside.size:
+        return [(f"the batch intent ({count} entries) names slot {int(slots[outside[0]])} (entry {int(outside[0])}), "
+                 "not an entry record: corrupt; a restart refuses this arena")]
+    return [(f"a batch intent of {count} re-arms is open: a writer stopped in the middle of a batch re-arm "
+             "(a restart replays it)")]
+
+
+def _replayed_intents(buf) -> list[str]:
+    """The intents a restart would replay on this arena, as repair descriptions."""
+    out = []
+    slot = struct.unpack_from("<i", buf, L.H_INTENT_SLOT)[0]
+    if slot != -1:
+        out.append(f"update intent of record {slot} replayed")
+    count = struct.unpack_from("<I", buf, L.H_INTENT_COUNT)[0]
+    if count:
+        out.append(f"batch intent of {count} re-arms replayed")
+    return out
+
+
 def recover_copy(buf: mmap.mmap, size: int) -> tuple[list[str], list[str]]:
     """What a restarting daemon would do to this private copy: (repairs made, problems left after).
 
@@ -864,9 +906,10 @@ def recover_copy(buf: mmap.mmap, size: int) -> tuple[list[str], list[str]]:
     try:
         # TimerWheel.attach(name) takes a segment name; a private copy has none, so the
         # two recovery steps attach runs are called directly.
+        replayed = _replayed_intents(buf)
         wheel._replay_intent()
         wheel._rebuild()
-        return list(wheel.repairs), wheel.check()
+        return replayed + list(wheel.repairs), wheel.check()
     finally:
         wheel.close()
 

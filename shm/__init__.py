@@ -1,5 +1,5 @@
 """Shared-memory parts of wheeld: the arena, the timing wheel over it, client rings."""
 
-from .wheel import DEFAULT_WHEEL_SIZE, MAX_DELAY_MS, TimerWheel
+from .wheel import DEFAULT_WHEEL_SIZE, MAX_DELAY_MS, TimerWheel, encode_ident
 
-__all__ = ["TimerWheel", "DEFAULT_WHEEL_SIZE", "MAX_DELAY_MS"]
+__all__ = ["DEFAULT_WHEEL_SIZE", "MAX_DELAY_MS", "TimerWheel", "encode_ident"]

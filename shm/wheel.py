@@ -88,13 +88,21 @@ Batches
 ``schedule_many`` / ``cancel_many`` / ``expire_many`` / ``release_many`` mean
 exactly what the scalar methods mean called item by item (tested against them),
 for a drained batch of ring commands. They are computed with numpy: record
-fields, the placement of every level at once, key-index probing (an 8-cell
-probe window gathered per key), splicing whole chains into buckets, unlinking
-runs of neighbours (pointer jumping). What stays per item: hashing the keys,
-walking due buckets, and batches that name one key twice (they take the
-scalar path). Re-arms in a batch go through a batch intent (below). At 1M pending a batch of 1000
-costs 0.5-1 us per insert, cancel or expiration, against 2-4 us for the scalar
-methods (``python -m bench.wheel_core``; measured figures in docs/wheel.md).
+fields, the placement level by level, key-index probing (an 8-cell probe window
+gathered per key), splicing whole chains into buckets, unlinking runs of
+neighbours (pointer jumping), and deleting a batch of keys from the index (each
+cluster that loses keys has its tail re-placed at once, see
+``_index_remove_many``). ``expire_many`` moves a due level-0 bucket (and the due
+list) to the fired list whole: every timer in it is due, because level 0 rounds
+up (checked anyway), so the bucket's chain is spliced onto the fired list with
+four link stores and its records change state with one numpy store; only
+timers of due higher-level buckets are re-checked one by one (vectorized), to
+fire or cascade. What stays per item: hashing the keys, walking due buckets (to
+learn their slots), and batches that name one key twice (they take the scalar
+path). Re-arms in a batch go through a batch intent (below). At 1M pending a
+batch of 1000 costs about 0.5-0.8 us per insert, cancel or expiration, against
+2-4 us for the scalar methods (``python -m bench.wheel_core``; measured figures
+in docs/wheel.md).
 
 Record life (the only legal steps; anything else raises and changes nothing)::
 
@@ -126,6 +134,12 @@ batch intent, then their count as commit word, then the records, then count 0.
    due buckets were detached and before they are re-placed, so a crash inside
    ``advance`` leaves every timer still scheduled, due ones in the due list);
 3. rebuilds the key index and the bucket heap.
+
+``expire_many`` follows the same order as ``advance``: detach the due buckets,
+store the clock, then splice (links, derived) and store the FIRED states (the
+commit points, one per record); killed in between, the records still SCHEDULED
+with deadlines <= the stored clock are rebuilt into the due list and fire at the
+next advance.
 
 A writer killed at any instruction loses no timer that was scheduled before the
 interrupted call; the interrupted call itself either happened or did not. A
@@ -179,7 +193,7 @@ _ST, _KM, _KEY = L.R_STATE, L.R_KEY_META, L.R_KEY
 _LEVEL_SLOTS = L.DUE_LEVEL + 1  # per-level counters: levels 0..14 and the due list
 _WINDOW = 8  # vectorized key-index probing gathers this many cells per key at once
 _WINDOW_STEPS = np.arange(_WINDOW, dtype=np.int64)
-_TAIL_STEPS = np.arange(16, dtype=np.int64)  # cluster-end search: cells gathered per round
+_TAIL_CELLS = 16  # cluster-end search: cells looked at per freed cell before walking
 
 
 def _default_levels(tick_ms: int, wheel_size: int) -> int:
@@ -315,6 +329,7 @@ class TimerWheel:
         self._u = rec.cast("I")
         self._h = rec.cast("H")
         self.records = np.frombuffer(buf, dtype=L.RECORD_DTYPE, count=self.n_records, offset=self._header_bytes)
+        self._raw = np.ndarray(shape=(self.n_records,), dtype=f"V{L.RECORD_BYTES}", buffer=buf, offset=self._header_bytes)
         self._next = memoryview(self.records["next"])  # strided: record s's next link is _next[s]
         self._intent_batch = np.ndarray(
             shape=(L.INTENT_BATCH_MAX,), dtype=L.INTENT_DTYPE, buffer=buf, offset=L.intent_batch_offset(max_groups)
@@ -326,6 +341,7 @@ class TimerWheel:
         self._gmix = [_signed64(g * _GROUP_MIX) for g in range(max_groups)]
         self._table_np = np.full(table_size, _EMPTY, dtype=np.int32)
         self._table = memoryview(self._table_np)
+        self._table_rows = np.lib.stride_tricks.sliding_window_view(self._table_np, _TAIL_CELLS)  # a view
         self._mask = table_size - 1
         self._hash_np = np.zeros(self.n_records, dtype=np.int64)
         self._hash = memoryview(self._hash_np)
@@ -357,6 +373,7 @@ class TimerWheel:
         for view in (self._hq, self._hi, self._q, self._i, self._u, self._h, self._rb):
             view.release()
         self.records = None
+        self._raw = None
         self._idents = None
         self._intent_batch = None
         self._next.release()
@@ -871,8 +888,8 @@ class TimerWheel:
     # Each batch method has the meaning of its scalar method called on every item in
     # order (results item by item), computed with numpy: record fields, placement,
     # key-index probing and list splicing are vectorized; only hashing the keys and
-    # walking due buckets stay per item. Batches that name one key twice, and
-    # re-arms (which go through the intent one by one), take the scalar path.
+    # walking due buckets stay per item. Batches that name one key twice take the
+    # scalar path; re-arms go through the batch intent (see _rearm_many).
     # Crash consistency is that of the scalar methods, record by record: every
     # record's fields and links are written before its state byte, which commits
     # it. A batch interrupted by a crash therefore leaves each of its items done or
@@ -1092,11 +1109,14 @@ class TimerWheel:
             generations = np.broadcast_to(np.asarray(generations, dtype=np.int64), slots.shape)
         except (OverflowError, ValueError, TypeError) as error:
             raise InvalidRequest(f"release_many takes equal-length integer slots and generations: {error}") from None
-        ok = (slots >= self.first_entry) & (slots < self.n_records)
         rec = self.records
-        inside = slots[ok]
-        ok[ok] = (rec["state"][inside] == _FIRED) & (rec["gen"][inside] == generations[ok])
-        if ok.any():  # a slot named twice is released once
+        ok = (slots >= self.first_entry) & (slots < self.n_records)
+        if ok.all():
+            ok = (rec["state"][slots] == _FIRED) & (rec["gen"][slots] == generations)
+        else:
+            inside = slots[ok]
+            ok[ok] = (rec["state"][inside] == _FIRED) & (rec["gen"][inside] == generations[ok])
+        if ok.any() and self._has_duplicates(slots[ok]):  # a slot named twice is released once
             index = np.flatnonzero(ok)
             ok[:] = False
             ok[index[self._first_of_each(slots[index])]] = True
@@ -1112,9 +1132,17 @@ class TimerWheel:
 
     def records_of(self, slots) -> np.ndarray:
         """A copy of the records at ``slots`` (numpy structured array: deadline, tag, key, ...)."""
-        return self.records[np.asarray(slots, dtype=np.int64)]
+        return self._raw[np.asarray(slots, dtype=np.int64)].view(L.RECORD_DTYPE)  # whole-record copies: fast
 
     # ------------------------------------------------------------------ batch helpers
+    @staticmethod
+    def _run_starts(values: np.ndarray) -> np.ndarray:
+        """Indices where a run of equal values starts (the first is 0); values non-empty."""
+        change = np.empty(values.size, dtype=bool)
+        change[0] = True
+        np.not_equal(values[1:], values[:-1], out=change[1:])
+        return np.flatnonzero(change)
+
     @staticmethod
     def _has_duplicates(values: np.ndarray) -> bool:
         ordered = np.sort(values)
@@ -1234,12 +1262,15 @@ class TimerWheel:
         was empty gets its expiration and is queued, as :meth:`_link` does.
         """
         rec = self.records
-        order = np.argsort(sentinels, kind="stable")
+        keys = sentinels.astype(np.uint16) if self.first_entry <= 0xFFFF else sentinels
+        order = np.argsort(keys, kind="stable")  # a radix sort for 16-bit keys
         chain = slots[order]
         owner = sentinels[order]
         n = chain.size
-        starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
-        ends = np.r_[starts[1:], n] - 1
+        starts = self._run_starts(owner)
+        ends = np.empty_like(starts)
+        ends[:-1] = starts[1:] - 1
+        ends[-1] = n - 1
         heads = owner[starts]
         tails = rec["prev"][heads].astype(np.int64)
         prev = np.empty(n, dtype=np.int64)
@@ -1324,60 +1355,70 @@ class TimerWheel:
         the *region* from its first freed cell to its end is emptied and its
         remaining keys are put back by linear probing in the order of their home
         cells (a home before the region counts as the region's start): then key k
-        lands on ``max(home_k, cell_{k-1} + 1)``, which is one running maximum
-        (``np.maximum.accumulate``) over all regions laid side by side. Keys only
-        move back, never out of their region, and the table ends up exactly as
-        sound as after one-by-one deletions (though cells may differ).
+        lands on ``max(home_k, cell_{k-1} + 1)``, one running maximum
+        (``np.maximum.accumulate``) over all regions in table order (regions are
+        separated by EMPTY cells, so one cannot push into the next). Keys only move
+        back, never out of their region, and the table is as sound as after
+        one-by-one deletions (though cells may differ). Cells are counted
+        "unrolled" (a region that wraps past the last cell goes on above it) and
+        masked when used.
         """
         if not slots.size:
             return
         table, mask = self._table_np, self._mask
-        cells = self._pos_np[slots].astype(np.int64)
-        dist = self._cluster_tails(cells)  # freed cell -> first EMPTY after it, freed cells still occupied
-        ends = (cells + dist) & mask
+        cells = np.sort(self._pos_np[slots]).astype(np.int64)
+        dist = self._cluster_tails(cells)  # to the first EMPTY cell; freed cells still occupied
         self._pos_np[slots] = -1
         table[cells] = _EMPTY
         self._used -= int(slots.size)
-        # one region per cluster end: its length is the largest tail of its freed cells
-        order = np.argsort(ends)
-        ends, dist = ends[order], dist[order]
-        heads = np.flatnonzero(np.r_[True, ends[1:] != ends[:-1]])
+        # one region per cluster, from its first freed cell (in table order) to its end
+        ends = cells + dist  # unrolled: past the last cell for a cluster that wraps
+        masked = ends & mask
+        heads = self._run_starts(masked)
+        if heads.size > 1 and masked[0] == masked[-1]:  # a wrapping cluster: its cells at the top are the last
+            heads = heads[1:]  # run, the run of its cells at the bottom is covered by it
         length = np.maximum.reduceat(dist, heads)
-        start = ends[heads] - length  # & mask when used as a cell
-        offset = np.cumsum(length) - length  # where each region starts on the virtual line
-        region = np.repeat(np.arange(heads.size), length)
-        rel = np.arange(int(offset[-1] + length[-1])) - offset[region]
-        cell = (start[region] + rel) & mask
-        content = table[cell]
+        start = np.maximum.reduceat(ends, heads) - length
+        offset = np.cumsum(length) - length  # where each region's cells start in the gathered run
+        cell = np.repeat(start - offset, length) + np.arange(int(offset[-1] + length[-1]))  # unrolled
+        content = table[cell & mask]
         live = content >= 0
         if not live.any():
             return
         moved = content[live].astype(np.int64)
-        region, rel, cell = region[live], rel[live], cell[live]
-        probe = (cell - self._hash_np[moved]) & mask  # cells from each key's home to its cell
-        line = offset[region] + np.maximum(rel - probe, 0)  # home on the virtual line
-        if moved.size > 1 and (line[1:] < line[:-1]).any():
-            order = np.argsort(line, kind="stable")
-            moved, region, line = moved[order], region[order], line[order]
+        cell = cell[live]
+        home = np.maximum(cell - ((cell - self._hash_np[moved]) & mask), np.repeat(start, length)[live])
+        if moved.size > 1 and (home[1:] < home[:-1]).any():
+            order = np.argsort(home, kind="stable")
+            moved, home = moved[order], home[order]
         rank = np.arange(moved.size)
-        placed = rank + np.maximum.accumulate(line - rank)
-        new_cell = (start[region] + placed - offset[region]) & mask
-        table[cell] = _EMPTY
-        table[new_cell] = moved
-        self._pos_np[moved] = new_cell
+        placed = (rank + np.maximum.accumulate(home - rank)) & mask
+        table[cell & mask] = _EMPTY
+        table[placed] = moved
+        self._pos_np[moved] = placed
 
     def _cluster_tails(self, cells: np.ndarray) -> np.ndarray:
-        """For each occupied cell: how many cells on is the first EMPTY one (>= 1)."""
-        table, mask = self._table_np, self._mask
-        dist = np.zeros(cells.size, dtype=np.int64)
-        todo = np.arange(cells.size)
-        step = 1
-        while todo.size:
-            empty = table[(cells[todo, None] + step + _TAIL_STEPS) & mask] == _EMPTY
-            hit = empty.any(axis=1)
-            dist[todo[hit]] = step + empty[hit].argmax(axis=1)
-            todo = todo[~hit]
-            step += _TAIL_STEPS.size
+        """For each occupied cell: how many cells on is the first EMPTY one (>= 1).
+
+        One row of the following ``_TAIL_CELLS`` cells per cell (a strided view of
+        the table, no copy of it); the rare longer tails, and cells near the table's
+        end, are walked one by one."""
+        rows = self._table_rows
+        start = cells + 1
+        inside = start < rows.shape[0]
+        start[~inside] = 0
+        empty = rows[start] == _EMPTY
+        dist = empty.argmax(axis=1)
+        found = empty[np.arange(cells.size), dist] & inside
+        dist += 1
+        if not found.all():
+            table, mask = self._table, self._mask
+            for j in np.flatnonzero(~found).tolist():
+                p = int(cells[j])
+                d = 1
+                while table[(p + d) & mask] != _EMPTY:
+                    d += 1
+                dist[j] = d
         return dist
 
     def _append_run(self, sentinel: int, run: np.ndarray) -> None:
@@ -1544,33 +1585,58 @@ class TimerWheel:
     def _place_many(self, deadlines: np.ndarray, cur: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Vectorized :meth:`_link` placement: (sentinel, bucket expiration, level) per deadline.
 
-        Every level's bucket number is computed at once (an n x levels array); each
-        deadline takes the lowest level it fits in, the top level clamps, and
-        deadlines <= cur go to the due list.
+        Level by level, from level 0 up, over the deadlines not placed yet (usually
+        all of a batch fit one or two levels): each takes the lowest level it fits
+        in, the top level clamps, and deadlines <= cur go to the due list.
         """
         n = deadlines.size
-        if n > 1 << 20:  # bound the n x levels temporaries (the rebuild of a big arena)
-            parts = [self._place_many(deadlines[at : at + (1 << 20)], cur) for at in range(0, n, 1 << 20)]
-            return tuple(np.concatenate(column) for column in zip(*parts))
         ws = self.wheel_size
-        ticks = self._ticks_np
-        v = deadlines[:, None] // ticks
-        v[:, 0] = -(-deadlines // ticks[0])  # level 0 rounds up
-        span = v - cur // ticks
-        fits = span < ws
-        fits[:, 0] = span[:, 0] <= ws  # see "Placing a timer"
-        fits[:, -1] = True  # the top level takes everything else, clamped
-        levels = fits.argmax(axis=1)
-        rows = np.arange(n)
-        v = v[rows, levels]
-        clamp = (levels == self.levels - 1) & (span[rows, levels] > (ws if self.levels == 1 else ws - 1))
-        v[clamp] = cur // ticks[-1] + ws - 1
-        buckets = levels * ws + v % ws
-        expirations = v * ticks[levels]
+        buckets = np.empty(n, dtype=np.int64)
+        expirations = np.empty(n, dtype=np.int64)
+        levels = np.empty(n, dtype=np.int64)
         due = deadlines <= cur
-        buckets[due] = self.due_list
-        expirations[due] = cur
-        levels[due] = L.DUE_LEVEL
+        if due.any():
+            buckets[due] = self.due_list
+            expirations[due] = cur
+            levels[due] = L.DUE_LEVEL
+            rest = np.flatnonzero(~due)
+            left = deadlines[rest]
+        else:
+            rest = None  # every item
+            left = deadlines
+        top = self.levels - 1
+        for level, t in enumerate(self._ticks):
+            if not left.size:
+                break
+            c = cur // t
+            if level == 0:
+                v = -(-left // t)  # level 0 rounds up, see "Placing a timer"
+                fit = v - c <= ws
+            else:
+                v = left // t
+                fit = v - c < ws
+            if level == top:
+                v[~fit] = c + ws - 1  # clamp into the farthest bucket of the top level
+            elif not fit.all():
+                where = np.flatnonzero(fit)
+                placed = where if rest is None else rest[where]
+                v = v[where]
+                buckets[placed] = level * ws + v % ws
+                expirations[placed] = v * t
+                levels[placed] = level
+                keep = np.flatnonzero(~fit)
+                rest = keep if rest is None else rest[keep]
+                left = left[keep]
+                continue
+            if rest is None:
+                buckets[:] = level * ws + v % ws
+                expirations[:] = v * t
+                levels[:] = level
+            else:
+                buckets[rest] = level * ws + v % ws
+                expirations[rest] = v * t
+                levels[rest] = level
+            break
         return buckets, expirations, levels
 
     # ------------------------------------------------------------------ invariants

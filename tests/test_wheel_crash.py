@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import ast
 import fcntl
+import mmap
 import os
 import random
 import select
 import signal
+import struct
 import sys
 import time
 import uuid
@@ -42,8 +44,9 @@ import uuid
 import pytest
 
 import wheeld.shm.wheel as wheel_module
+from wheeld.daemon import stats
 from wheeld.protocol import arena_layout as L
-from wheeld.protocol.errors import ArenaFull
+from wheeld.protocol.errors import ArenaFull, CorruptArena
 from wheeld.shm import TimerWheel
 from wheeld.shm.arena import Segment, unlink
 from wheeld.shm.wheel import encode_ident
@@ -565,7 +568,7 @@ def test_kill_at_every_line_of_an_operation(arena_name, operation):
     snapshot = bytes(attached._seg.buf)
     attached.close()
     description, call = SWEEP_OPS[operation]
-    kills = 0
+    kills = open_batch_intents = 0
     for kill_line in range(1, 5000):
         segment = Segment.attach(arena_name)
         try:
@@ -573,6 +576,7 @@ def test_kill_at_every_line_of_an_operation(arena_name, operation):
         finally:
             segment.close()
         finished = _run_killed(arena_name, call, kill_line)
+        open_batch_intents += _check_reports_open_batch_intent(arena_name)
         wheel = TimerWheel.attach(arena_name)
         try:
             assert wheel.repairs == [], (kill_line, wheel.repairs)
@@ -591,3 +595,57 @@ def test_kill_at_every_line_of_an_operation(arena_name, operation):
     else:
         raise AssertionError(f"{operation} did not finish within 5000 lines")
     assert kills >= 10, f"{operation}: only {kills} kill points"
+    if operation == "schedule_many":  # it re-arms three keys: a batch intent must have been caught open
+        assert open_batch_intents >= 1
+
+
+def _check_reports_open_batch_intent(name: str) -> int:
+    """The arena as the killed writer left it (before any attach replays it), checked the
+    way ``wheelctl check`` does, on a private copy: an open batch intent is reported
+    with its size, and the recovery of the copy replays it and leaves a sound arena.
+    1 if a batch intent was open, else 0."""
+    segment = Segment.attach(name, readonly=True)
+    try:
+        size = segment.size
+        image = bytes(segment.buf[:size])
+    finally:
+        segment.close()
+    count = struct.unpack_from("<I", image, L.H_INTENT_COUNT)[0]
+    if not count:
+        return 0
+    copy = mmap.mmap(-1, size)
+    try:
+        copy[:] = image
+        assert f"a batch intent of {count} re-arms is open" in "\n".join(stats.check_arena(copy, size))
+        repairs, after = stats.recover_copy(copy, size)
+        assert f"batch intent of {count} re-arms replayed" in repairs and after == []
+    finally:
+        copy.close()
+    return 1
+
+
+def test_check_reports_a_batch_intent_no_writer_can_leave():
+    """A batch intent count above the maximum, or naming a sentinel, is corruption: the
+    checker says so and recovery refuses the arena."""
+    wheel = TimerWheel.create(32, start_ms=1000, **SHAPE)
+    try:
+        _sweep_setup(wheel)
+        wheel.publish_stats()  # the counters the checker compares with the records
+        size = wheel._seg.size
+        image = bytes(wheel._seg.buf[:size])
+    finally:
+        wheel.close()
+    assert stats.check_arena(image, size) == []
+    for count, slot in ((L.INTENT_BATCH_MAX + 1, None), (2, 0)):
+        copy = mmap.mmap(-1, size)
+        try:
+            copy[:] = image
+            struct.pack_into("<I", copy, L.H_INTENT_COUNT, count)
+            if slot is not None:
+                struct.pack_into("<i", copy, L.intent_batch_offset(L.DEFAULT_MAX_GROUPS) + L.INTENT_ENTRY.size, slot)
+            problems = stats.check_arena(copy, size)
+            assert any("batch intent" in p and "corrupt" in p for p in problems), problems
+            with pytest.raises(CorruptArena):
+                stats.recover_copy(copy, size)
+        finally:
+            copy.close()
