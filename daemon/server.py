@@ -525,7 +525,7 @@ class Daemon:
         flushes = []
         rejects = []
         recorder = self.recorder
-        if recorder is None and good >= _BATCH_MIN:
+        if good >= _BATCH_MIN:  # with --journal too: the Recorder journals the batch command by command
             self._apply_batch(cs, records[:good], flushes, rejects)
         elif good:
             ops = records["op"][:good].tolist()
@@ -640,9 +640,17 @@ class Daemon:
         before a later cancel or ack of the same batch freed a record is accepted.
         The wheel's ``adds_total``/``rearms_total``/``cancels_total`` count the
         collapsed operations, not the commands (``commands_total`` counts those).
+
+        With --journal the journal still gets one event per command, in command
+        order (``Recorder.commands_many``): the pending deadlines of the batch's
+        keys are looked up once before anything is applied, and the events follow
+        from them as in-order application would record them.
         """
         wheel = self.wheel
         gid = cs.group
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.begin()
         ops = records["op"]
         flush_at = np.flatnonzero(ops == C.FLUSH)
         if flush_at.size:
@@ -671,6 +679,9 @@ class Daemon:
             ident_list = idents.tolist()
             last = dict(zip(ident_list, range(k)))  # ident -> index (into keyed) of its last command
             last_at = np.fromiter(last.values(), dtype=np.int64, count=len(last))
+            if recorder is not None:  # before anything is applied
+                distinct = list(last)
+                previous = dict(zip(distinct, recorder.previous_deadlines(gid, distinct)))
             cancel_at = np.flatnonzero(~arm)
             last_cancel: dict = {}
             if cancel_at.size:
@@ -681,6 +692,8 @@ class Daemon:
         if flush_at.size < ops.size - keyed.size:
             self._release_acks(cs, records, np.flatnonzero(ops == C.ACK))
         if arm_order is None or not arm_order.size:
+            if recorder is not None and keyed.size:
+                self._record_batch(gid, records, keyed, kops, deadlines, ident_list, arm, previous, frozenset())
             return
         seqs = records["seq"][keyed]
         aux = np.full(arm_order.size, -1, dtype=np.int64)
@@ -706,9 +719,17 @@ class Daemon:
                     rejects.append(_rejected(int(seqs[j]), records["key"][i].tobytes(), int(records["key_meta"][i]),
                                              str(exc), M.Rejected.INVALID_DEADLINE))
         refused = arm_order[slots < 0]
+        refused_idents = {ident_list[j] for j in refused.tolist()}
         if refused.size:
-            self._reject_refused(records, keyed, ident_list, arm, last_cancel, {ident_list[j] for j in refused.tolist()},
-                                 rejects)
+            self._reject_refused(records, keyed, ident_list, arm, last_cancel, refused_idents, rejects)
+        if recorder is not None:
+            self._record_batch(gid, records, keyed, kops, deadlines, ident_list, arm, previous, refused_idents)
+
+    def _record_batch(self, gid, records, keyed, kops, deadlines, ident_list, arm, previous, refused) -> None:
+        """Journal the keyed commands of a batch, one event each, in command order."""
+        idle = np.where(kops == C.ADD_IDLE, records["aux0"][keyed], -1).tolist()
+        self.recorder.commands_many(gid, ident_list, arm.tolist(), deadlines.tolist(), records["seq"][keyed].tolist(),
+                                    [None if i < 0 else i for i in idle], previous, refused)
 
     @staticmethod
     def _first_arms(ident_list: list, arm: np.ndarray, last_cancel: dict) -> dict:
@@ -746,7 +767,14 @@ class Daemon:
             slots.append(slot)
             gens.append(gen)
         if slots:
-            self.wheel.release_many(slots, gens)
+            recorder = self.recorder
+            fired = [_fired_or_none(self.wheel, s) for s in slots] if recorder is not None else None
+            released = self.wheel.release_many(slots, gens)
+            if fired is not None:  # journal what each released record was (read before the release)
+                for info, ok in zip(fired, released.tolist()):
+                    if ok and info is not None:
+                        key, _deadline, group, tag, _aux, _gen = info
+                        recorder.acked(group, key, tag)
 
     def _record_command(self, op, meta, raw_key, deadline, seq, aux0, aux1, cs: ClientSlot) -> None:
         """Apply one command and journal what it did (the slower path used with --journal)."""
@@ -1193,6 +1221,13 @@ def _expirations_frame(items: list[tuple]) -> bytearray:
     _encoder.encode_into((_EXPIRATIONS_TAG, items), buffer, framing.HEADER_SIZE)
     framing.write_header(buffer, len(buffer) - framing.HEADER_SIZE)
     return buffer
+
+
+def _fired_or_none(wheel: TimerWheel, slot: int):
+    try:
+        return wheel.fired(slot)
+    except InvalidRequest:
+        return None
 
 
 def run(config: Config) -> int:
