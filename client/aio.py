@@ -15,7 +15,7 @@ from wheeld.protocol import messages as M
 from wheeld.protocol.errors import BrokenPeer, ProtocolError, RingFull
 from wheeld.protocol.framing import FrameReader
 
-from .core import ClientCore, Expired
+from .core import ClientCore, Expired, decode_daemon_body
 
 _DOORBELL = M.encode_client_frame(M.Doorbell())
 
@@ -43,7 +43,7 @@ class AsyncClient(ClientCore):
                     if not data:
                         raise BrokenPeer("the daemon closed the connection during the handshake")
                     frames = reader.feed(data)
-                message = M.decode_daemon_message(frames[0])
+                message = decode_daemon_body(frames[0])
                 if type(message) is M.Refused:
                     sock.close()
                     raise BrokenPeer(f"the daemon refused the session: {message.reason}")
@@ -63,7 +63,7 @@ class AsyncClient(ClientCore):
                 self._sock.close()
             self._sock, self._reader = sock, reader
             for body in frames[1:]:
-                self._on_message(M.decode_daemon_message(body))
+                self._on_message(decode_daemon_body(body))
             return
 
     def _wait_for_room(self) -> None:
@@ -94,7 +94,7 @@ class AsyncClient(ClientCore):
             return True
         for body in self._reader.feed(data):
             try:
-                self._on_message(M.decode_daemon_message(body))
+                self._on_message(decode_daemon_body(body))
             except BrokenPeer:
                 self._sock.close()
                 self._sock = None

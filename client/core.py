@@ -35,25 +35,46 @@ import collections
 import os
 import threading
 import time
-from dataclasses import dataclass
+from typing import Annotated
 
+import msgspec
 from wheeld.protocol import arena_layout as AL
 from wheeld.protocol import commands as C
 from wheeld.protocol import messages as M
-from wheeld.protocol.errors import ArenaFull, BrokenPeer, Closed, InvalidDelay, InvalidKey, InvalidRequest, RingFull
-from wheeld.protocol.keys import decode_key, encode_key
+from wheeld.protocol.errors import (
+    ArenaFull,
+    BrokenPeer,
+    Closed,
+    InvalidDelay,
+    InvalidKey,
+    InvalidRequest,
+    ProtocolError,
+    RingFull,
+)
+from wheeld.protocol.keys import (
+    KEY_BYTES,
+    TYPE_STR,
+    decode_key,
+    encode_key,
+    valid_key_meta,
+)
 from wheeld.shm.arena import Segment
 from wheeld.shm.ring import ClientSegment
 
 _META = [bytes((m,)) for m in range(256)]
 _fence = threading.Lock()
+_fence_acquire = _fence.acquire
+_fence_release = _fence.release
+_STR_META = TYPE_STR << 6
 _PARKED = AL.H_PARKED // 8
 _PENDING = AL.H_COUNTERS // 8 + AL.COUNTER["pending"]
 _FIRED_UNACKED = AL.H_COUNTERS // 8 + AL.COUNTER["fired_unacked"]
 _CAPACITY_WORD = AL.H_CAPACITY // 8
 _SEQ_BITS = 21
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
-_RECENT = 1 << 17  # expirations remembered to drop re-sent ones
+_RECENT = 1 << 17  # expirations remembered to drop re-sent ones (at least this many, at most twice)
+_SPIN_YIELDS = 20_000  # a full ring: sched_yield polls (~0.5-5 ms) before sleeping between polls
+_CANCEL = C.CANCEL
 _CANCEL_MARK_EVERY = 1024  # cancels between internal flushes that let us forget cancelled armings
 
 
@@ -61,14 +82,65 @@ def mono_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
-@dataclass(frozen=True, slots=True)
-class Expired:
-    """A timer that came due. ``late`` is True when it fired late because the daemon was down."""
+class Expired(msgspec.Struct, frozen=True, gc=False):
+    """A timer that came due. ``late`` is True when it fired late because the daemon was down.
+
+    Immutable, hashable, compared by value (a msgspec Struct: built in ~0.1 us, where a
+    frozen dataclass takes ~0.5 us; ``msgspec.structs.asdict`` gives a dict).
+    """
 
     key: str | bytes | int
     deadline_ms: int
     fired_ms: int
     late: bool = False
+
+
+# The client's receive path decodes Expirations frames with its own typed decoder:
+# the same wire form as wheeld.protocol.messages.Expirations (a msgpack array
+# ["expirations", [[key_bytes, key_meta, deadline_ms, fired_ms, seq, slot,
+# generation, late], ...]]) and the same field constraints, checked in msgspec's C
+# code, but without Expiry.__post_init__'s per-item Python call. The one check that
+# __post_init__ makes, that key_bytes is a key of key_meta, is made in
+# _on_expirations (a table lookup; a str key's UTF-8 is checked by decoding it).
+# Every other message goes through the protocol's decoder.
+_U8 = Annotated[int, msgspec.Meta(ge=0, le=0xFF)]
+_U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+_I32 = Annotated[int, msgspec.Meta(ge=-(1 << 31), le=(1 << 31) - 1)]
+_I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+_SLOT = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
+_KEY_BYTES_FIELD = Annotated[bytes, msgspec.Meta(max_length=KEY_BYTES)]
+_KEY_LENGTH_FOR_META = tuple((meta & 0x3F) if valid_key_meta(meta) else -1 for meta in range(256))
+
+
+class _Item(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    key_bytes: _KEY_BYTES_FIELD
+    key_meta: _U8
+    deadline_ms: _I64
+    fired_ms: _I64
+    seq: _U32
+    slot: _SLOT
+    generation: _I32
+    late: bool
+
+
+class _Expirations(msgspec.Struct, frozen=True, array_like=True, tag=M.Expirations.__struct_config__.tag):
+    items: list[_Item]
+
+
+_expirations_decoder = msgspec.msgpack.Decoder(_Expirations)
+_EXPIRATIONS_PREFIX = msgspec.msgpack.encode(M.Expirations([]))[:-1]  # array header + tag
+
+
+def decode_daemon_body(body) -> object:
+    """A daemon frame body as a message: Expirations through the client's own decoder
+    (see above), anything else through :func:`wheeld.protocol.messages.decode_daemon_message`.
+    Raises ProtocolError on invalid input, like the protocol's decoder."""
+    if body[: len(_EXPIRATIONS_PREFIX)] == _EXPIRATIONS_PREFIX:
+        try:
+            return _expirations_decoder.decode(body)
+        except (msgspec.MsgspecError, ValueError) as exc:
+            raise ProtocolError(f"invalid daemon message: {exc}") from None
+    return M.decode_daemon_message(body)
 
 
 class ClientCore:
@@ -97,9 +169,12 @@ class ClientCore:
         self._free_touch: list[int] = []
         self._next_touch = 0
         # expirations already handed over, by (key, arming tag): survives a daemon
-        # restart (same records) and a reboot recovery (new records, same journaled arming)
-        self._recent: collections.OrderedDict[tuple[bytes, int], None] = collections.OrderedDict()
-        self._ready: collections.deque[tuple[Expired, tuple[int, int, int]]] = collections.deque()  # received, not handed over
+        # restart (same records) and a reboot recovery (new records, same journaled arming).
+        # Two generations of sets: the newest _RECENT (and up to _RECENT older) are kept.
+        self._recent: set[tuple[bytes, int]] = set()
+        self._recent_old: set[tuple[bytes, int]] = set()
+        self._ready: collections.deque[Expired] = collections.deque()  # received, not handed over
+        self._ready_handles: collections.deque[tuple[int, int, int]] = collections.deque()  # their acks, in step
         self._to_ack: list[tuple[int, int, int]] = []  # (slot, generation, arena epoch): handed over, ack at the next poll
         self._acks_pending: list[tuple[int, int, int]] = []  # could not be pushed yet (ring full)
         self._applied = -1
@@ -109,6 +184,7 @@ class ClientCore:
         self._rejected: list[M.Rejected] = []
         self._closed = False
         self.max_delay_ms = 0
+        self._arena_capacity = 1 << 62  # entry records of the daemon's arena (from its header)
 
     # ------------------------------------------------------------------ handshake
     def _hello(self) -> M.Hello:
@@ -135,6 +211,7 @@ class ClientCore:
             try:
                 self._arena = Segment.attach(welcome.arena_name, readonly=True)
                 self._parked = memoryview(self._arena.buf)[: AL.GROUPS_OFFSET].cast("q")
+                self._arena_capacity = self._parked[_CAPACITY_WORD] & 0xFFFFFFFF
             except (OSError, FileNotFoundError):
                 self._arena = None  # not readable by us: ring the doorbell every time
         self._welcome = welcome
@@ -168,9 +245,17 @@ class ClientCore:
             raise RingFull(f"the ring stayed full for {self.ring_timeout_s} s; the daemon is not draining it")
 
     def _wait_for_room(self) -> None:
+        """Wait until the ring has room: the daemon commits every chunk it applied (a few
+        ms of work at most), so poll with ``sched_yield`` first (it lets the daemon run
+        if it shares our core), then with 0.2 ms sleeps, up to ``ring_timeout_s``."""
         self._ring_doorbell()
+        free_slots = self._segment.free_slots
+        for _ in range(_SPIN_YIELDS):
+            if free_slots():
+                return
+            os.sched_yield()
         end = time.monotonic() + self.ring_timeout_s
-        while self._segment.free_slots() == 0:
+        while free_slots() == 0:
             if time.monotonic() >= end:
                 raise RingFull(f"the ring stayed full for {self.ring_timeout_s} s; the daemon is not draining it")
             time.sleep(0.0002)
@@ -179,7 +264,7 @@ class ClientCore:
         header = self._parked
         if header is None:
             return False
-        return header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD] & 0xFFFFFFFF
+        return header[_PENDING] + header[_FIRED_UNACKED] >= self._arena_capacity
 
     def _after_push(self) -> None:
         # Eventcount, client half: tail published (in _push), full fence, then read
@@ -199,23 +284,41 @@ class ClientCore:
 
     def add(self, key, delay_ms: int) -> None:
         """Schedule ``key`` to expire ``delay_ms`` from now; an armed key is re-armed."""
+        # The hot path, inlined: a str key's encoding (encode_key for anything else or
+        # anything it would refuse), the arena-full check and _after_push.
         if self._closed:
             raise Closed("this wheeld client is closed")
-        kb, meta = encode_key(key)
+        if type(key) is str:
+            kb = key.encode()
+            meta = _STR_META | len(kb)
+            if not 0 < len(kb) <= KEY_BYTES:
+                kb, meta = encode_key(key)  # raises InvalidKey
+        else:
+            kb, meta = encode_key(key)
         if type(delay_ms) is not int or not 0 <= delay_ms <= self.max_delay_ms:
             self._deadline(delay_ms)  # raises the precise InvalidDelay
-        if self._arena_full():
+        header = self._parked
+        if header is not None and header[_PENDING] + header[_FIRED_UNACKED] >= self._arena_capacity:
             raise ArenaFull("the daemon's arena is full")
-        ident = _META[meta] + kb
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
         tag = self._tag_base | seq
         if not self._segment.push_add(kb, meta, time.monotonic_ns() // 1_000_000 + delay_ms, tag):
             self._wait_for_room()
             self._push(C.ADD, kb, meta, time.monotonic_ns() // 1_000_000 + delay_ms, tag)
+        ident = _META[meta] + kb
         self._latest[ident] = tag
         if self._touch_index:
             self._release_touch(ident, key)
-        self._after_push()
+        # _after_push, inlined (see there for the ordering argument)
+        _fence_acquire()
+        _fence_release()
+        if header is None:
+            self._ring_doorbell()
+            return
+        epoch = header[_PARKED]
+        if epoch and epoch != self._rang_epoch:
+            self._rang_epoch = epoch
+            self._ring_doorbell()
 
     def add_idle(self, key, idle_ms: int) -> None:
         """An idle timer: fires ``idle_ms`` after the last :meth:`touch` of ``key``."""
@@ -269,11 +372,21 @@ class ClientCore:
 
     def cancel(self, key) -> bool:
         """Cancel ``key``; True if this client's arming of it will not be delivered."""
-        self._check_open()
-        kb, meta = encode_key(key)
+        if self._closed:
+            raise Closed("this wheeld client is closed")
+        if type(key) is str:
+            kb = key.encode()
+            meta = _STR_META | len(kb)
+            if not 0 < len(kb) <= KEY_BYTES:
+                kb, meta = encode_key(key)  # raises InvalidKey
+        else:
+            kb, meta = encode_key(key)
         ident = _META[meta] + kb
-        self._push(C.CANCEL, kb, meta, 0, self._next_tag())
-        self._release_touch(ident, key)
+        self._seq = seq = (self._seq + 1) & _SEQ_MASK
+        if not self._segment.try_push(_CANCEL, kb, meta, 0, self._tag_base | seq):
+            self._push(_CANCEL, kb, meta, 0, self._tag_base | seq)
+        if self._touch_index:
+            self._release_touch(ident, key)
         tag = self._latest.get(ident)
         hit = tag is not None and tag >= 0
         if hit:
@@ -318,7 +431,7 @@ class ClientCore:
 
     def _on_message(self, message) -> None:
         kind = type(message)
-        if kind is M.Expirations:
+        if kind is _Expirations or kind is M.Expirations:
             self._on_expirations(message.items)
         elif kind is M.Applied:
             self._applied = message.seq
@@ -336,42 +449,57 @@ class ClientCore:
             raise BrokenPeer(f"the daemon refused the session: {message.reason}")
 
     def _on_expirations(self, items) -> None:
+        # First the check Expiry.__post_init__ would have made (see decode_daemon_body), for
+        # the whole frame before anything changes: a frame is taken whole or refused.
+        key_length = _KEY_LENGTH_FOR_META
+        try:
+            keys = [decode_key(e.key_bytes, e.key_meta) for e in items
+                    if key_length[e.key_meta] == len(e.key_bytes)]
+        except UnicodeDecodeError:
+            raise ProtocolError("invalid daemon message: a str key must be UTF-8") from None
+        if len(keys) != len(items):
+            raise ProtocolError("invalid daemon message: key_bytes do not match key_meta")
         my_slot = self._tag_base >> _SEQ_BITS
         epoch = self._welcome.arena_epoch  # handles name records of this arena only
-        recent = self._recent
+        recent, recent_old = self._recent, self._recent_old
         latest = self._latest
-        for e in items:
+        ready, handles = self._ready, self._ready_handles
+        acks_pending = self._acks_pending
+        for e, key in zip(items, keys):
+            seq = e.seq
             handle = (e.slot, e.generation, epoch)
             ident = _META[e.key_meta] + e.key_bytes
-            seen = (ident, e.seq)
-            if seen in recent:
-                self._acks_pending.append(handle)  # already handed over before a daemon restart
+            seen = (ident, seq)
+            if seen in recent or seen in recent_old:
+                acks_pending.append(handle)  # already handed over before a daemon restart
                 continue
-            if e.seq >> _SEQ_BITS == my_slot:
+            if seq >> _SEQ_BITS == my_slot:
                 tag = latest.get(ident)
-                if tag is not None and tag != e.seq:
-                    self._acks_pending.append(handle)  # re-armed or cancelled since: not for the app
-                    continue
                 if tag is not None:
+                    if tag != seq:
+                        acks_pending.append(handle)  # re-armed or cancelled since: not for the app
+                        continue
                     del latest[ident]
                 if self._touch_index:
-                    self._release_touch(ident, e.key)
-            recent[seen] = None
-            if len(recent) > _RECENT:
-                recent.popitem(last=False)
-            self._ready.append((Expired(decode_key(e.key_bytes, e.key_meta), e.deadline_ms, e.fired_ms, e.late), handle))
+                    self._release_touch(ident, key)
+            recent.add(seen)
+            if len(recent) >= _RECENT:
+                self._recent_old = recent_old = recent
+                self._recent = recent = set()
+            ready.append(Expired(key, e.deadline_ms, e.fired_ms, e.late))
+            handles.append(handle)
 
     def _take_ready(self) -> list[Expired]:
         """Hand everything received to the application; acknowledge it at the next call."""
-        out = [expired for expired, _handle in self._ready]
-        self._to_ack.extend(handle for _expired, handle in self._ready)
+        out = list(self._ready)
+        self._to_ack.extend(self._ready_handles)
         self._ready.clear()
+        self._ready_handles.clear()
         return out
 
     def _take_one(self) -> Expired:
-        expired, handle = self._ready.popleft()
-        self._to_ack.append(handle)
-        return expired
+        self._to_ack.append(self._ready_handles.popleft())
+        return self._ready.popleft()
 
     def rejected(self) -> list[M.Rejected]:
         """Commands the daemon refused since the last call (e.g. arena full)."""

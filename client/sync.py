@@ -10,7 +10,7 @@ from wheeld.protocol import messages as M
 from wheeld.protocol.errors import BrokenPeer, ProtocolError
 from wheeld.protocol.framing import FrameReader
 
-from .core import ClientCore, Expired
+from .core import ClientCore, Expired, decode_daemon_body
 
 
 class Client(ClientCore):
@@ -53,7 +53,7 @@ class Client(ClientCore):
                 frames = reader.feed(data)
                 if frames:
                     break
-            message = M.decode_daemon_message(frames[0])
+            message = decode_daemon_body(frames[0])
             if type(message) is M.Refused:
                 raise BrokenPeer(f"the daemon refused the session: {message.reason}")
             if type(message) is not M.Welcome:
@@ -68,7 +68,7 @@ class Client(ClientCore):
         self._sock = sock
         self._reader = reader
         for body in frames[1:]:
-            self._on_message(M.decode_daemon_message(body))
+            self._on_message(decode_daemon_body(body))
 
     def _reconnect(self) -> None:
         if self._sock is not None:
@@ -105,7 +105,7 @@ class Client(ClientCore):
             return True
         for body in self._reader.feed(data):
             try:
-                self._on_message(M.decode_daemon_message(body))
+                self._on_message(decode_daemon_body(body))
             except BrokenPeer:
                 self._reconnect()
                 return True

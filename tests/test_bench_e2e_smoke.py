@@ -43,7 +43,8 @@ def test_bench_e2e_wheeld_quick_writes_the_json(tmp_path):
         w = run["wheeld"]
         assert w["ops"] == 2 * 2000
         assert w["ops_per_s"] > 0 and w["wall_s"] > 0
-        assert w["cpu_us_per_op"]["daemon"] > 0 and w["cpu_us_per_op"]["clients"] > 0
+        # the daemon's CPU time comes from psutil in 10 ms clock ticks: 4000 ops may take less
+        assert w["cpu_us_per_op"]["daemon"] >= 0 and w["cpu_us_per_op"]["clients"] > 0
         assert w["daemon_counters"]["commands_total"] >= w["ops"] + 2 * 300
 
         lateness = w["lateness"]

@@ -603,3 +603,50 @@ def test_loop_iterations_and_commands_are_counted_in_the_arena(daemon):
     assert counter["commands_total"] >= 10_001  # the adds and the flush (acks come on top)
     assert counter["loop_iterations_total"] >= max(1, counter["wakeups_total"])
     assert counter["delivered_total"] == 10_000
+
+
+def test_client_expirations_decoder_agrees_with_the_protocol_decoder():
+    from wheeld.core import decode_daemon_body
+
+    rng = random.Random(3)
+    items = [M.Expiry.for_key(k, 10, 12, 5, 7, 1, late) for k, late in (("a", False), (b"\x00\xff", True), (-5, False))]
+    body = M.encode_daemon_message(M.Expirations(items))
+    fast = decode_daemon_body(body)
+    assert [tuple(getattr(e, f) for f in M.Expiry.__struct_fields__) for e in fast.items] == \
+        [tuple(getattr(e, f) for f in M.Expiry.__struct_fields__) for e in items]
+    assert decode_daemon_body(M.encode_daemon_message(M.Applied(9))) == M.Applied(9)
+    for _ in range(3000):  # random bytes, mutated frames: a message or ProtocolError, nothing else
+        raw = bytearray(body)
+        for _ in range(rng.randrange(1, 4)):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        for candidate in (bytes(raw), bytes(raw[: rng.randrange(len(raw))]), rng.randbytes(rng.randrange(40))):
+            try:
+                decode_daemon_body(candidate)
+            except wheeld.ProtocolError:
+                pass
+
+
+def test_client_refuses_an_expiry_whose_key_does_not_match_its_meta():
+    from wheeld.core import ClientCore, decode_daemon_body
+
+    core = ClientCore("/nonexistent", "g", 1.0, 1.0, "")
+    core._welcome = M.Welcome(M.PROTOCOL_VERSION, 1, "seg", 1024, 0, "", 1, 1 << 40, 1, 77)
+    good = M.Expiry.for_key("ok", 10, 12, 5, 7, 1)
+    for key_bytes, meta in ((b"abc", 0x40 | 2), (b"\xff\xfe", 0x40 | 2), (b"x", 0xC1)):
+        bad = msgspec_encode(["expirations", [[good.key_bytes, good.key_meta, 10, 12, 5, 7, 1, False],
+                                              [key_bytes, meta, 10, 12, 6, 8, 1, False]]])
+        with pytest.raises(wheeld.ProtocolError):
+            core._on_message(decode_daemon_body(bad))
+        assert not core._ready, "a refused frame hands nothing to the application"
+    core._on_message(decode_daemon_body(M.encode_daemon_message(M.Expirations([good]))))
+    (expired,) = core._take_ready()
+    assert expired == wheeld.Expired("ok", 10, 12, False) and hash(expired) == hash(wheeld.Expired("ok", 10, 12))
+    with pytest.raises(AttributeError):
+        expired.key = "other"
+    assert core._to_ack == [(7, 1, 77)]
+
+
+def msgspec_encode(value) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode(value)
