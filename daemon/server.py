@@ -60,6 +60,7 @@ import asyncio
 import bisect
 import collections
 import errno
+import gc
 import logging
 import mmap
 import os
@@ -106,7 +107,7 @@ _DRAIN_DUE = 1024  # ... when a timer is already due (about 1 ms of applying)
 _APPLY_CHUNK = 4096  # applied, then committed, at a time
 _GC_INTERVAL_MS = 2000
 _BATCH_MIN = 64  # smaller drained batches are cheaper one command at a time
-_EXPIRE_MANY_MIN = 64  # see _expire
+_EXPIRE_MANY_MIN = 24  # see _expire (expire_many ~30 us per call, expire ~1.7 us per timer)
 _COLUMNS_MIN = 256  # expirations handled per column (numpy) from this many on, per item below
 _LATENESS_BOUNDS_US = np.array(AL.LATENESS_BOUNDS_US, dtype=np.int64)
 _EXPIRATIONS_TAG = M.Expirations.__struct_config__.tag
@@ -370,6 +371,11 @@ class Daemon:
         self.loop = asyncio.get_running_loop()
         self.open_arena()
         self.open_socket()
+        # Everything allocated so far lives as long as the daemon: move it out of the
+        # collector's reach, so a full collection (3-7 ms over the ~30k objects of the
+        # imported modules and the arena set-up) cannot stall the loop while timers are due.
+        gc.collect()
+        gc.freeze()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.stop)
         metrics_server = None
