@@ -921,7 +921,13 @@ def _apply(events: list, start: int, pending: dict, unacked: dict) -> int:
                 event.g, event.k, event.d, event.s, event.f, event.late, event.lat, None if idle is unset else idle
             )
         elif kind is Ack:
-            pop_unacked((event.g, event.k, event.s), None)
+            if pop_unacked((event.g, event.k, event.s), None) is None:
+                # No fire event for it: a daemon killed between expiring the timer in
+                # the arena and journaling the fire; the next daemon delivered it from
+                # the arena and the ack was journaled. That arming is done.
+                current = pending.get((event.g, event.k))
+                if current is not None and current.seq == event.s:
+                    pop_pending((event.g, event.k))
         elif kind is IdleRearm:
             current = pending.get((event.g, event.k))
             if current is None:

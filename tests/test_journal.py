@@ -1239,3 +1239,23 @@ def test_commands_many_journals_a_batch_with_repeated_keys_as_in_order(tmp_path,
     assert files["many"] == files["scalar"]
     kinds = {msgspec.json.decode(line)["ev"] for line in files["many"].splitlines()}
     assert kinds == {"add", "rearm", "cancel"}
+
+
+def test_an_ack_without_its_fire_event_ends_that_arming(tmp_path):
+    """A daemon SIGKILLed after expiring a timer in the arena but before journaling the
+    fire leaves add ... ack with no fire in between (the next daemon delivered it from
+    the arena and journaled the ack). Recovery must not fire that arming again; an ack
+    for an older arming leaves a re-armed timer alone (the chaos test found this)."""
+    journal = make_journal(tmp_path, fsync="off")
+    journal.append([
+        Add(t=T0, g="g", k=key_to_json("done"), d=T0 + 100, s=5),
+        Add(t=T0, g="g", k=key_to_json("rearmed"), d=T0 + 100, s=6),
+        Rearm(t=T0 + 1, g="g", k=key_to_json("rearmed"), d=T0 + 900, pd=T0 + 100, s=8),
+        Ack(t=T0 + 200, g="g", k=key_to_json("done"), s=5),
+        Ack(t=T0 + 200, g="g", k=key_to_json("rearmed"), s=6),
+    ])
+    journal.close()
+    state = recover(tmp_path)
+    assert ("g", "done") not in state.pending
+    assert state.pending[("g", "rearmed")].seq == 8 and state.pending[("g", "rearmed")].deadline_ms == T0 + 900
+    assert state.unacked == []
