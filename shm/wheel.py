@@ -174,6 +174,10 @@ __all__ = ["DEFAULT_WHEEL_SIZE", "MAX_DELAY_MS", "TimerWheel", "encode_ident"]
 DEFAULT_WHEEL_SIZE = 256
 DEFAULT_LEVELS_RANGE_MS = 1 << 40  # levels are added until they cover ~34.8 years
 MAX_DELAY_MS = 1 << 46  # sanity bound on deadlines (~2230 years past the clock)
+#: generations wrap within 31 bits: they travel as signed 32-bit fields (the ACK
+#: record's aux1, an Expiry's generation), and the free list reuses the hottest
+#: slot first, so one slot can be re-allocated 2**31 times in hours at full rate
+GENERATION_MASK = 0x7FFFFFFF
 
 _FREE = L.FREE
 _SCHEDULED = L.SCHEDULED
@@ -602,7 +606,7 @@ class TimerWheel:
         self._free_top = top - 1
         i = self._i
         sp = slot * _IW
-        gen = (self._u[sp + _GEN] + 1) & 0xFFFFFFFF
+        gen = (self._u[sp + _GEN] + 1) & GENERATION_MASK
         self._u[sp + _GEN] = gen
         self._u[sp + _TAG] = tag
         i[sp + _AUX] = aux
@@ -969,7 +973,7 @@ class TimerWheel:
             rec = self.records
             slots = self._free_np[top - k : top][::-1].astype(np.int64)
             d = deadlines[new]
-            gens = rec["gen"][slots] + np.uint32(1)  # wraps like the scalar path
+            gens = (rec["gen"][slots] + np.uint32(1)) & np.uint32(GENERATION_MASK)  # wraps like the scalar path
             rec["gen"][slots] = gens
             rec["tag"][slots] = tags[new]
             rec["aux"][slots] = auxs[new]

@@ -596,3 +596,26 @@ def test_key_index_batch_deletions_across_the_table_end(seed):
         assert np.count_nonzero(wheel._table_np >= 0) == len(live) == wheel._used
         for key in crowd + others:
             assert wheel.lookup(key) == live.get(key)
+
+
+def test_generations_wrap_within_31_bits_so_handles_fit_the_wire():
+    """The ACK record's aux1 and an Expiry's generation are signed 32-bit; the free list
+    reuses the hottest slot first, so generations must wrap before 2**31 (scalar and batch)."""
+    from wheeld.protocol import commands as C
+    from wheeld.protocol import messages as M
+    from wheeld.shm import encode_ident
+
+    wheel = TimerWheel.create(8, tick_ms=1, wheel_size=16)
+    try:
+        wheel.records["gen"][:] = (1 << 31) - 1  # every slot at the last signed 32-bit generation
+        slot, gen = wheel.schedule("scalar", 5)
+        assert gen == 0
+        slots, gens = wheel.schedule_many([encode_ident("batch")], [5], 0, [1], [-1])
+        assert int(gens[0]) == 0
+        for s_, g_ in ((slot, gen), (int(slots[0]), int(gens[0]))):
+            C.encode_command(C.ACK, b"", 0, 0, 1, s_, g_)  # fits the ring record
+            body = M.encode_daemon_message(M.Expirations([M.Expiry.for_key("k", 5, 5, 1, s_, g_)]))
+            assert M.decode_daemon_message(body).items[0].generation == g_  # and the notification
+        assert wheel.check() == []
+    finally:
+        wheel.close()
