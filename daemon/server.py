@@ -9,7 +9,7 @@ One process, one thread, one uvloop event loop. The loop does three things:
   one way and ``Expirations``/``Applied``/``Rejected`` frames the other.
 * **The driver** (:meth:`Daemon._drive`): drain every ring (up to 8192 commands
   per ring and iteration, 1024 when a timer is already due, in chunks of 4096,
-  or of 1024 with a stop as soon as the next timer's deadline has come;
+  stopping between chunks as soon as the next timer's deadline has come;
   the ring head is published only after a chunk is applied, so a daemon killed
   mid-chunk re-applies it, and every command is idempotent), read the clock,
   ``expire(now)``, re-arm idle timers that were touched, hand the rest to the
@@ -501,12 +501,13 @@ class Daemon:
         """Apply up to ``max_per_ring`` commands of every ring, committing each chunk of
         ``_APPLY_CHUNK`` as soon as it is applied (a producer waiting for room gets it sooner).
 
-        With ``stop_at_ms`` (the next timer's deadline) the drain works in chunks of
-        ``_DRAIN_DUE`` and stops once that moment has come, so a flood of commands
-        delays an expiration by at most about one chunk (~1 ms) instead of the whole
-        drain (two full rings: ~20 ms)."""
+        With ``stop_at_ms`` (the next timer's deadline) the drain stops between chunks
+        once that moment has come, so a flood of commands delays an expiration by at
+        most about one chunk (~4-5 ms at worst) instead of the whole drain (two full
+        rings: ~20 ms). Chunks of 1024 would bound it to ~1 ms but cost ~0.3 us of
+        daemon CPU per command under load (more fixed costs per batch), measured."""
         total = 0
-        chunk = _APPLY_CHUNK if stop_at_ms is None else _DRAIN_DUE
+        chunk = _APPLY_CHUNK
         for cs in list(self.clients.values()):
             if stop_at_ms is not None and mono_ms() >= stop_at_ms:
                 break
