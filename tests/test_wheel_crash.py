@@ -291,6 +291,10 @@ def verify_inflight(before: Model, op: tuple | None, seen: Model) -> None:
         assert set(seen.fired) <= set(before.fired) and all(seen.fired[s] == before.fired[s] for s in seen.fired)
         assert all(s in op[1] and before.fired[s][2] in op[2] for s in gone)
         return
+    if op is not None and op[0] == "CA":  # moves the clock (nothing is due), then only links and levels
+        assert (seen.sched, seen.fired) == (before.sched, before.fired)
+        assert seen.now in (before.now, op[1])
+        return
     if op is not None and op[0] == "XM":
         op = ("X", op[1])
     if op is None:
@@ -490,7 +494,19 @@ def _sweep_setup_whole_buckets(wheel: TimerWheel) -> None:
     wheel.schedule("d1", 1003, tag=2)
 
 
-SWEEP_SETUPS = {"expire_many whole buckets": _sweep_setup_whole_buckets}
+def _sweep_setup_next_level1_bucket(wheel: TimerWheel) -> None:
+    """``_sweep_setup`` without k1 (nothing due before 1007; clock 1003) plus timers of
+    the level-1 bucket [1008, 1012): ``cascade_ahead(1005)`` moves the clock to 1005,
+    where that bucket comes due next and level 0 reaches 1009: it moves those due
+    by 1009 to level 0 and leaves the 1010-1011 ones where they are."""
+    _sweep_setup(wheel)
+    wheel.cancel("k1")  # due at 1004: the clock could not move
+    for n, deadline in enumerate((1008, 1009, 1011, 1009, 1010, 1008, 1011, 1009)):
+        wheel.schedule(f"c{n}", deadline, tag=n)
+
+
+SWEEP_SETUPS = {"expire_many whole buckets": _sweep_setup_whole_buckets,
+                "cascade_ahead": _sweep_setup_next_level1_bucket}
 
 SWEEP_OPS = {  # name -> (operation description for verify_inflight, call)
     "schedule new": (("S", "n1", 1010, 7), lambda w: w.schedule("n1", 1010, tag=7)),
@@ -508,6 +524,7 @@ SWEEP_OPS = {  # name -> (operation description for verify_inflight, call)
     ),
     "expire_many": (("XM", 1400), lambda w: w.expire_many(1400)),
     "expire_many whole buckets": (("XM", 1006), lambda w: w.expire_many(1006)),
+    "cascade_ahead": (("CA", 1005), lambda w: w.cascade_ahead(1005, 5)),
 }
 
 
@@ -568,6 +585,14 @@ def test_kill_at_every_line_of_an_operation(arena_name, operation):
     snapshot = bytes(attached._seg.buf)
     attached.close()
     description, call = SWEEP_OPS[operation]
+    if operation == "cascade_ahead":  # the sweep's call has work to do (crashes can land mid-move)
+        wheel = TimerWheel.attach(arena_name)
+        try:
+            level1 = wheel._pending_by_level[1]
+            moved = call(wheel)
+            assert moved >= 1 and wheel._pending_by_level[1] == level1 - moved and wheel.check() == []
+        finally:
+            wheel.close()
     kills = open_batch_intents = 0
     for kill_line in range(1, 5000):
         segment = Segment.attach(arena_name)
@@ -589,7 +614,10 @@ def test_kill_at_every_line_of_an_operation(arena_name, operation):
         except AssertionError as exc:
             raise AssertionError(f"{operation}: killed after {kill_line} lines: {exc}") from exc
         if finished:
-            assert (seen.sched, seen.fired) != (before.sched, before.fired) or operation == "cancel_many", operation
+            if operation == "cascade_ahead":  # no timer changes: the clock did, and the call moved some
+                assert seen.now == 1005, operation
+            else:
+                assert (seen.sched, seen.fired) != (before.sched, before.fired) or operation == "cancel_many", operation
             break
         kills += 1
     else:

@@ -191,6 +191,33 @@ class WheelMachine(RuleBasedStateMachine):
             if self.seq_of.get(entry[2]) == entry[1]:
                 heapq.heappush(self.heap, entry)
 
+    @rule(key=KEYS, offset=st.integers(0, 10**6), tag=st.integers(0, 2**32 - 1))
+    def schedule_next_level1_bucket(self, key, offset, tag):
+        """A deadline in the level-1 bucket that comes due next (what cascade_ahead moves)."""
+        tick1 = self.tick_ms * self.wheel_size
+        start = (self.now // tick1 + 1) * tick1
+        self.schedule(key, False, start + offset % tick1 - self.now, tag)
+
+    @rule(jump=st.one_of(st.just(0), st.integers(1, 10), st.integers(0, 300)), budget=st.integers(0, 6),
+          before_due=st.booleans())
+    def cascade_ahead(self, jump, budget, before_due):
+        """Timers of the next level-1 bucket move to level 0 early; the clock moves
+        to ``now`` only if nothing is due then. ``check()`` (the invariant) verifies
+        the placement; the model's timers must not change (none fires)."""
+        now = self.now + jump
+        due = self.wheel.next_deadline()
+        if before_due and due is not None and due > self.now:  # as the daemon does: just before a bucket
+            now = min(now, due - 1)
+        moved = self.wheel.cascade_ahead(now, budget)
+        assert 0 <= moved <= budget
+        if due is None or due > now:
+            assert self.wheel.current_ms == now
+            self.now = now
+        else:
+            assert self.wheel.current_ms == self.now
+        if moved:
+            assert self.levels != 1
+
     @precondition(lambda self: self.fired)
     @rule(data=st.data())
     def release(self, data):

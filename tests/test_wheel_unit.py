@@ -619,3 +619,65 @@ def test_generations_wrap_within_31_bits_so_handles_fit_the_wire():
         assert wheel.check() == []
     finally:
         wheel.close()
+
+
+# ----------------------------------------------------------------------------- cascade ahead
+def test_cascade_ahead_moves_the_next_level_1_bucket_early_and_fires_exactly():
+    """Timers of the next level-1 bucket reach level 0 before its boundary, in slices of
+    at most the budget, and still fire exactly at their deadlines (tick 1)."""
+    wheel = TimerWheel.create(2000, tick_ms=1, wheel_size=16, levels=3, start_ms=0)
+    rng = np.random.default_rng(5)
+    deadlines = {f"t{n}": int(d) for n, d in enumerate(rng.integers(1, 200, 600))}
+    for key, d in deadlines.items():
+        wheel.schedule(key, d)
+    fired: dict[object, int] = {}
+    boundary_cascades = 0
+    for now in range(1, 201):
+        before = wheel.counters()["cascades_total"]
+        for s in wheel.expire_many(now).tolist():
+            key, d = wheel.fired(s)[:2]
+            fired[key] = now
+            assert d == now  # neither early nor late
+            wheel.release(s, wheel.fired(s)[5])
+        boundary_cascades += wheel.counters()["cascades_total"] - before
+        level1 = wheel._pending_by_level[1]
+        moved = wheel.cascade_ahead(now, 7)
+        assert 0 <= moved <= 7
+        assert wheel._pending_by_level[1] == level1 - moved
+        assert wheel.check() == []
+    assert fired == deadlines
+    assert wheel.counters()["cascades_total"] > 500
+    assert boundary_cascades < 100  # most moved ahead of their boundary, not at it
+
+
+def test_cascade_ahead_never_moves_what_level_0_does_not_reach():
+    wheel = TimerWheel.create(64, tick_ms=1, wheel_size=4, levels=3, start_ms=1001)
+    for n, d in enumerate((1008, 1011, 1009, 1010)):  # level-1 bucket [1008, 1012)
+        wheel.schedule(f"a{n}", d)
+    assert wheel._pending_by_level[1] == 4
+    assert wheel.cascade_ahead(1003, 10) == 0  # the clock moved: level 0 reaches 1007
+    assert wheel.current_ms == 1003
+    assert wheel.cascade_ahead(1004, 1) == 1  # 1008; budget 1
+    assert wheel.cascade_ahead(1004, 10) == 0  # 1011, 1009 (only 1008 reachable), 1010
+    assert wheel.cascade_ahead(1004, 10) == 0  # pass ended, clock unchanged: nothing looked at
+    assert wheel.cascade_ahead(1005, 10) == 1  # 1009
+    assert wheel.check() == [] and wheel._pending_by_level[:2] == [2, 2]
+    wheel.cancel("a2")  # (moved) and one left behind
+    wheel.cancel("a1")
+    assert wheel.cascade_ahead(1006, 10) == 1  # 1010
+    assert wheel.check() == [] and wheel._pending_by_level[:2] == [2, 0]
+    assert [k for k, _d in wheel.advance(1008)] == ["a0"]
+    assert [k for k, _d in wheel.advance(1010)] == ["a3"]
+    assert len(wheel) == 0 and wheel.check() == []
+
+
+def test_cascade_ahead_leaves_due_buckets_and_the_clock_to_expire():
+    wheel = TimerWheel.create(64, tick_ms=1, wheel_size=4, levels=3, start_ms=1000)
+    wheel.schedule("due", 1002)
+    wheel.schedule("later", 1009)
+    assert wheel.cascade_ahead(1003, 10) == 0  # "due" is due at 1003: nothing moves, nor the clock
+    assert wheel.current_ms == 1000 and wheel.check() == []
+    with pytest.raises(InvalidRequest):
+        wheel.cascade_ahead(1001, -1)
+    with pytest.raises(InvalidDelay):
+        wheel.cascade_ahead(1001.0, 1)
