@@ -515,7 +515,6 @@ class Daemon:
         rings: ~20 ms). Chunks of 1024 would bound it to ~1 ms but cost ~0.3 us of
         daemon CPU per command under load (more fixed costs per batch), measured."""
         total = 0
-        chunk = _APPLY_CHUNK
         for cs in list(self.clients.values()):
             if stop_at_ms is not None and mono_ms() >= stop_at_ms:
                 break
@@ -528,7 +527,7 @@ class Daemon:
                 pass  # _apply reports it
             done = 0
             while done < max_per_ring and not cs.poisoned:
-                want = min(chunk, max_per_ring - done)
+                want = min(_APPLY_CHUNK, max_per_ring - done)
                 applied = self._apply(cs, want)
                 done += applied
                 if applied < want or (stop_at_ms is not None and mono_ms() >= stop_at_ms):
