@@ -646,6 +646,33 @@ def test_client_refuses_an_expiry_whose_key_does_not_match_its_meta():
     assert core._to_ack == [(7, 1, 77)]
 
 
+def test_client_drops_resent_expirations_it_remembers_and_forgets_the_oldest_one_at_a_time(monkeypatch):
+    """The latest _RECENT handed-over expirations are remembered (a re-sent one is acked,
+    not handed over again); older ones are forgotten one by one, not a generation at once."""
+    from wheeld import core as client_core
+    from wheeld.core import ClientCore, decode_daemon_body
+
+    monkeypatch.setattr(client_core, "_RECENT", 500)
+    core = ClientCore("/nonexistent", "g", 1.0, 1.0, "")
+    core._welcome = M.Welcome(M.PROTOCOL_VERSION, 1, "seg", 1024, 0, "", 1, 1 << 40, 1, 77)
+
+    def deliver(pairs) -> list:
+        frame = M.Expirations([M.Expiry.for_key(key, 10, 12, seq, seq % 4096, 1) for key, seq in pairs])
+        core._on_message(decode_daemon_body(M.encode_daemon_message(frame)))
+        return [e.key for e in core._take_ready()]
+
+    first = [(f"k{i}", i) for i in range(600)]
+    for start in range(0, 600, 50):
+        assert deliver(first[start:start + 50]) == [key for key, _ in first[start:start + 50]]
+    assert len(core._recent_order) == 500 and sum(len(s) for s in core._recent) == 500
+    core._to_ack.clear()
+    assert deliver(first[100:]) == [], "the latest 500 are dropped when re-sent"
+    assert len(core._acks_pending) == 500, "and acknowledged again"
+    assert deliver(first[:100]) == [key for key, _ in first[:100]], "the oldest 100 were forgotten"
+    assert deliver([("other", 599)]) == ["other"], "the same tag with another key is another arming"
+    assert len(core._recent_order) == 500 and sum(len(s) for s in core._recent) == 500
+
+
 def msgspec_encode(value) -> bytes:
     import msgspec
 
