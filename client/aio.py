@@ -18,6 +18,7 @@ from wheeld.protocol.framing import FrameReader
 from .core import ClientCore, Expired, decode_daemon_body
 
 _DOORBELL = M.encode_client_frame(M.Doorbell())
+_DOORBELL_URGENT = M.encode_client_frame(M.Doorbell(urgent=True))
 
 
 class AsyncClient(ClientCore):
@@ -70,10 +71,10 @@ class AsyncClient(ClientCore):
         self._ring_doorbell()
         raise RingFull("the ring is full; await flush() or poll() and retry")
 
-    def _ring_doorbell(self) -> None:
+    def _ring_doorbell(self, urgent: bool = True) -> None:
         if self._sock is not None:
             try:
-                self._sock.send(_DOORBELL)
+                self._sock.send(_DOORBELL_URGENT if urgent else _DOORBELL)
             except OSError:
                 pass
 

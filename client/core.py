@@ -284,12 +284,12 @@ class ClientCore:
         _fence.release()
         parked = self._parked
         if parked is None:
-            self._ring_doorbell()
+            self._ring_doorbell(False)
             return
         epoch = parked[_PARKED]
         if epoch and epoch != self._rang_epoch:
             self._rang_epoch = epoch
-            self._ring_doorbell()
+            self._ring_doorbell(False)
 
     def add(self, key, delay_ms: int) -> None:
         """Schedule ``key`` to expire ``delay_ms`` from now; an armed key is re-armed."""
@@ -322,12 +322,12 @@ class ClientCore:
         _fence_acquire()
         _fence_release()
         if header is None:
-            self._ring_doorbell()
+            self._ring_doorbell(False)
             return
         epoch = header[_PARKED]
         if epoch and epoch != self._rang_epoch:
             self._rang_epoch = epoch
-            self._ring_doorbell()
+            self._ring_doorbell(False)
 
     def add_idle(self, key, idle_ms: int) -> None:
         """An idle timer: fires ``idle_ms`` after the last :meth:`touch` of ``key``."""
@@ -531,5 +531,7 @@ class ClientCore:
             raise ArenaFull(f"{len(full)} add(s) refused because the arena is full ({summary})")
         raise InvalidRequest(f"{len(rejected)} command(s) refused ({summary})")
 
-    def _ring_doorbell(self) -> None:  # pragma: no cover - provided by the I/O shells
+    def _ring_doorbell(self, urgent: bool = True) -> None:  # pragma: no cover - provided by the I/O shells
+        """Wake a parked daemon; ``urgent=False`` (commands nobody waits for yet) lets it
+        gather more commands first, for up to its coalescing window."""
         raise NotImplementedError

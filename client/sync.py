@@ -76,12 +76,12 @@ class Client(ClientCore):
             self._sock = None
         self._connect(self.reconnect_timeout_s)
 
-    def _ring_doorbell(self) -> None:
+    def _ring_doorbell(self, urgent: bool = True) -> None:
         sock = self._sock
         if sock is None:
             return
         try:
-            sock.send(_DOORBELL)
+            sock.send(_DOORBELL_URGENT if urgent else _DOORBELL)
         except (BlockingIOError, InterruptedError):
             pass  # the socket buffer is full of doorbells already: the daemon is awake enough
         except OSError:
@@ -181,6 +181,7 @@ class Client(ClientCore):
 
 
 _DOORBELL = M.encode_client_frame(M.Doorbell())
+_DOORBELL_URGENT = M.encode_client_frame(M.Doorbell(urgent=True))
 
 
 def connect(socket_path: str | None = None, group: str = "default", **options) -> Client:

@@ -32,9 +32,14 @@ from .config import Config, default_name, default_socket_path
                    "open the socket may (the socket's mode and group decide). The daemon's own uid and root always may.")
 @click.option("--allow-group", "allow_groups", multiple=True, metavar="GROUP",
               help="Allow members of this group (name or gid; primary group of the peer) to connect; repeatable.")
+@click.option("--coalesce-us", type=click.IntRange(0, 10_000), default=500, show_default=True,
+              help="A parked daemon applies commands that nobody waits for at most this long after the "
+                   "doorbell, gathering more of them per wake-up (0: at once). Flushes and full rings "
+                   "wake it at once; a timer due sooner too.")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
-def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_capacity, metrics, journal_dir, fsync, allow_uids, allow_groups, log_level):
+def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_capacity, metrics, journal_dir, fsync,
+         allow_uids, allow_groups, coalesce_us, log_level):
     """Run the wheeld timer daemon in the foreground."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s wheeld[%(process)d] %(levelname)s %(message)s",
                         stream=sys.stderr)
@@ -42,7 +47,7 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
     config = Config(
         socket_path=socket_path or default_socket_path(name), name=name, tick_ms=tick_ms, wheel_size=wheel_size,
         capacity=capacity, ring_capacity=ring_capacity, touch_capacity=touch_capacity, metrics=metrics,
-        journal_dir=journal_dir, fsync=fsync, log_level=log_level,
+        journal_dir=journal_dir, fsync=fsync, log_level=log_level, coalesce_us=coalesce_us,
         allowed_uids=_ids(allow_uids, _uid) if allow_uids or allow_groups else None,
         allowed_gids=_ids(allow_groups, _gid) if allow_uids or allow_groups else None,
     )

@@ -63,6 +63,7 @@ class Config:
     journal_dir: str | None = None
     fsync: str = "interval=10"
     max_park_ms: int = 500  # longest sleep without a wake-up (bounds a missed doorbell)
+    coalesce_us: int = 500  # a parked daemon wakes this long after a non-urgent doorbell (0: at once)
     delivery_batch: int = 4096
     handshake_timeout_s: float = 5.0
     log_level: str = "INFO"

@@ -109,7 +109,14 @@ class Hello(_Message, tag="hello"):
 
 
 class Doorbell(_Message, tag="doorbell"):
-    """'My ring has records': sent only when the daemon has said it is parked."""
+    """'My ring has records': sent only when the daemon has said it is parked.
+
+    ``urgent``: the client waits for the daemon (a flush, a full ring): apply now.
+    Otherwise the daemon may let the commands gather for up to its coalescing window
+    (``wheeld --coalesce-us``) and apply them in one wake-up. (A trailing field with a
+    default: an older client's doorbell decodes as not urgent.)"""
+
+    urgent: bool = False
 
 
 class Bye(_Message, tag="bye"):

@@ -605,6 +605,61 @@ def test_loop_iterations_and_commands_are_counted_in_the_arena(daemon):
     assert counter["delivered_total"] == 10_000
 
 
+def _arena_counters(name: str) -> dict[str, int]:
+    from wheeld.daemon.config import arena_name
+    from wheeld.protocol import arena_layout as AL
+    from wheeld.shm.arena import Segment
+
+    arena = Segment.attach(arena_name(name), readonly=True)
+    try:
+        words = memoryview(arena.buf)[: AL.GROUPS_OFFSET].cast("q")
+        counter = {key: words[AL.H_COUNTERS // 8 + AL.COUNTER[key]] for key in AL.COUNTER}
+        words.release()
+    finally:
+        arena.close()
+    return counter
+
+
+def test_commands_nobody_waits_for_are_gathered_and_a_flush_is_answered_at_once(daemon_factory):
+    """--coalesce-us: a parked daemon applies commands that trickle in up to the window
+    later, many per wake-up (not one wake-up per doorbell); a flush rings an urgent
+    doorbell and is answered without waiting for the window; nothing fires early."""
+    import statistics
+
+    d = daemon_factory(extra=["--coalesce-us", "10000"]).start()
+    with wheeld.connect(d.socket_path, group="gather") as w:
+        w.flush()
+        time.sleep(0.05)  # nothing due: the daemon parks
+        before = _arena_counters(d.name)
+        end = time.monotonic() + 0.2
+        n = 0
+        while time.monotonic() < end:  # ~200 ms of adds, one every >= 0.5 ms
+            w.add(f"k{n}", 60_000)
+            n += 1
+            time.sleep(0.0005)
+        time.sleep(0.1)  # past the last window; the counters are published before a long park
+        after = _arena_counters(d.name)
+        assert n >= 100
+        assert after["commands_total"] - before["commands_total"] >= n, "applied without a flush"
+        wakeups = after["wakeups_total"] - before["wakeups_total"]
+        assert wakeups <= 45, f"{wakeups} wake-ups for {n} adds: not gathered (~1 per 10 ms window expected)"
+
+        durations = []
+        for i in range(15):
+            time.sleep(0.02)  # parked again
+            w.add(f"f{i}", 60_000)
+            t = time.monotonic()
+            w.flush()
+            durations.append(time.monotonic() - t)
+        assert statistics.median(durations) < 0.005, f"flushes waited for the window: {durations}"
+
+        time.sleep(0.02)
+        w.add("soon", 3)
+        (expired,) = collect(w, 1, 3.0)
+        assert expired.key == "soon" and expired.fired_ms >= expired.deadline_ms
+        assert mono_ms() >= expired.deadline_ms
+
+
 def test_client_expirations_decoder_agrees_with_the_protocol_decoder():
     from wheeld.core import decode_daemon_body
 

@@ -370,7 +370,8 @@ def test_invalid_client_messages_are_protocol_errors(body):
 
 def test_extra_trailing_fields_are_ignored():
     """msgspec's array_like default: a peer of this version may append fields (room for compatible additions)."""
-    assert decode_client_message(_encode_raw("doorbell", 1)) == Doorbell()
+    assert decode_client_message(_encode_raw("doorbell", True, 1)) == Doorbell(urgent=True)
+    assert decode_client_message(_encode_raw("doorbell")) == Doorbell(urgent=False), "an older client's doorbell"
     assert decode_daemon_message(_encode_raw("applied", 5, "future")) == Applied(5)
 
 
