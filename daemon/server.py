@@ -113,8 +113,8 @@ _DRAIN_DUE = 1024  # ... when a timer is already due (about 1 ms of applying)
 _APPLY_CHUNK = 4096  # applied, then committed, at a time
 _GC_INTERVAL_MS = 2000
 # Smaller drained batches are cheaper one command at a time: a batch costs ~330 us fixed
-# + ~1.1 us/command, one by one ~3.5-4 us/command (crossover ~150-200; /tmp-free harness
-# in docs/bench-e2e.md). At 64 the paced steady phase paid ~7 us per command.
+# + ~1.1 us/command, one by one ~3.5-4 us/command (crossover ~150-200;
+# the harness and its table are in docs/bench-e2e.md). At 64 the paced steady phase paid ~7 us per command.
 _BATCH_MIN = 192
 _BUSY_COMMANDS = 256  # an iteration that applied this many drains again at once; fewer: gather (coalesce_us)
 _CASCADE_AHEAD = 256  # records of the next level-1 bucket looked at per ms (TimerWheel.cascade_ahead)
