@@ -583,23 +583,13 @@ def test_batched_expiry_delivers_what_the_per_item_path_delivers():
 
 
 def test_loop_iterations_and_commands_are_counted_in_the_arena(daemon):
-    from wheeld.daemon.config import arena_name
-    from wheeld.protocol import arena_layout as AL
-    from wheeld.shm.arena import Segment
-
     with wheeld.connect(daemon.socket_path, group="count") as w:
         for i in range(10_000):  # more than one chunk of the ring, timers coming due meanwhile
             w.add(i, i % 50)
         w.flush()
         assert len(collect(w, 10_000)) == 10_000
         time.sleep(0.05)  # the counters are published before the daemon parks
-        arena = Segment.attach(arena_name(daemon.name), readonly=True)
-        try:
-            words = memoryview(arena.buf)[: AL.GROUPS_OFFSET].cast("q")
-            counter = {name: words[AL.H_COUNTERS // 8 + AL.COUNTER[name]] for name in AL.COUNTER}
-            words.release()
-        finally:
-            arena.close()
+        counter = _arena_counters(daemon.name)
     assert counter["commands_total"] >= 10_001  # the adds and the flush (acks come on top)
     assert counter["loop_iterations_total"] >= max(1, counter["wakeups_total"])
     assert counter["delivered_total"] == 10_000
