@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 _CLOCK_MONOTONIC = 1
 _TFD_TIMER_ABSTIME = 1
@@ -41,7 +42,7 @@ class Alarm:
     def create(cls) -> "Alarm | None":
         if hasattr(os, "timerfd_create"):  # Python 3.13+
             try:
-                fd = os.timerfd_create(os.CLOCK_MONOTONIC, flags=os.TFD_NONBLOCK | os.TFD_CLOEXEC)
+                fd = os.timerfd_create(time.CLOCK_MONOTONIC, flags=os.TFD_NONBLOCK | os.TFD_CLOEXEC)
             except OSError:
                 return None
 
