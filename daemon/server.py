@@ -112,9 +112,9 @@ _DRAIN_BATCH = 8192  # commands taken from one ring per loop iteration
 _DRAIN_DUE = 1024  # ... when a timer is already due (about 1 ms of applying)
 _APPLY_CHUNK = 4096  # applied, then committed, at a time
 _GC_INTERVAL_MS = 2000
-# Smaller drained batches are cheaper one command at a time: a batch costs ~330 us fixed
-# + ~1.1 us/command, one by one ~3.5-4 us/command (crossover ~150-200;
-# the harness and its table are in docs/bench-e2e.md). At 64 the paced steady phase paid ~7 us per command.
+# Smaller drained batches are cheaper one command at a time: a batch costs ~300 us fixed
+# + ~1.2 us/command, one by one ~3.5-4 us/command (crossover ~130-190, measured by
+# python -m bench.daemon_paths). At 64 the paced steady phase paid ~7 us per command.
 _BATCH_MIN = 192
 _BUSY_COMMANDS = 256  # an iteration that applied this many drains again at once; fewer: gather (coalesce_us)
 _CASCADE_AHEAD = 256  # records of the next level-1 bucket looked at per ms (TimerWheel.cascade_ahead)
@@ -236,8 +236,8 @@ class Daemon:
         self._rr = 0
         self._stopping = False
         self._wake_future: asyncio.Future | None = None
-        self._soft_wake_handle: asyncio.TimerHandle | None = None
         self._alarm: Alarm | None = None  # the park's precise wake-up (a timerfd), where Linux has it
+        self._park_handle: asyncio.TimerHandle | None = None  # its stand-in without timerfd
         self._park_until_ns = 0  # when the current park ends (CLOCK_MONOTONIC ns)
         self._listener: socket.socket | None = None
         self._owns_socket_path = False
@@ -524,18 +524,12 @@ class Daemon:
                 wake_ns = min(wake_ns, time.monotonic_ns() + coalesce_ns)
             if timeout_ms > 0 and not self._stopping:
                 fut = self._wake_future = loop.create_future()
-                self._park_until_ns = wake_ns
-                if self._alarm is not None:
-                    self._alarm.arm(wake_ns)
-                    await fut
-                else:
-                    handle = loop.call_later(max(0.0, (wake_ns - time.monotonic_ns()) / 1e9), _resolve, fut)
-                    await fut
-                    handle.cancel()
+                self._wake_at(wake_ns)
+                await fut
                 self._wake_future = None
-                if self._soft_wake_handle is not None:
-                    self._soft_wake_handle.cancel()
-                    self._soft_wake_handle = None
+                if self._park_handle is not None:
+                    self._park_handle.cancel()
+                    self._park_handle = None
                 self.totals["wakeups_total"] += 1
             hq[parked_word] = 0
 
@@ -548,13 +542,18 @@ class Daemon:
         if fut is None or fut.done():
             return  # not parked: the loop drains anyway
         at_ns = time.monotonic_ns() + self.config.coalesce_us * 1000
-        if at_ns >= self._park_until_ns:
-            return  # the park ends sooner anyway
+        if at_ns < self._park_until_ns:  # else the park ends sooner anyway
+            self._wake_at(at_ns)
+
+    def _wake_at(self, at_ns: int) -> None:
+        """End the current park at ``at_ns`` (CLOCK_MONOTONIC), replacing the earlier setting."""
         self._park_until_ns = at_ns
         if self._alarm is not None:
             self._alarm.arm(at_ns)
-        elif self._soft_wake_handle is None:
-            self._soft_wake_handle = self.loop.call_later(self.config.coalesce_us / 1e6, self.wake)
+            return
+        if self._park_handle is not None:
+            self._park_handle.cancel()
+        self._park_handle = self.loop.call_later(max(0.0, (at_ns - time.monotonic_ns()) / 1e9), self.wake)
 
     def _rings_pending(self) -> bool:
         for cs in self.clients.values():
@@ -1296,11 +1295,6 @@ _DAEMON_TOTALS = (
     "delivered_total", "redelivered_total", "wakeups_total", "loop_iterations_total", "daemon_restarts_total", "daemon_pid",
     "daemon_started_ms", "daemon_heartbeat_ms", "clients_connected", "groups_active", "undelivered",
 )
-
-
-def _resolve(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def _rejected(seq: int, raw_key: bytes, meta: int, reason: str, code: str) -> M.Rejected:
