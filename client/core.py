@@ -86,8 +86,11 @@ _CANCEL_MARK_EVERY = 256  # cancels between internal flushes that let us forget 
 # (forgetting 1024 at once took ~1 ms of the receive path on a busy machine)
 
 
-def mono_ms() -> int:
-    return time.monotonic_ns() // 1_000_000
+def ceil_ms() -> int:
+    """CLOCK_MONOTONIC in ms, rounded up. A deadline ``ceil_ms() + delay_ms`` is never
+    early in real time: the daemon fires it once its floored clock reaches the deadline,
+    i.e. at least ``delay_ms`` after the call. A touch stores it for the same reason."""
+    return -(-time.monotonic_ns() // 1_000_000)
 
 
 class Expired(msgspec.Struct, frozen=True, gc=False):
@@ -243,7 +246,7 @@ class ClientCore:
             raise InvalidDelay(f"delay_ms must not be negative ({delay_ms})")
         if delay_ms > self.max_delay_ms:
             raise InvalidDelay(f"delay_ms {delay_ms} exceeds the daemon's maximum of {self.max_delay_ms}")
-        return mono_ms() + delay_ms
+        return ceil_ms() + delay_ms
 
     def _push(self, op: int, kb: bytes, meta: int, deadline: int, tag: int, aux0: int = 0, aux1: int = 0) -> None:
         seg = self._segment
@@ -311,9 +314,10 @@ class ClientCore:
             raise ArenaFull("the daemon's arena is full")
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
         tag = self._tag_base | seq
-        if not self._segment.push_add(kb, meta, time.monotonic_ns() // 1_000_000 + delay_ms, tag):
+        # the deadline in ms rounded up (ceil_ms, inlined): never early in real time
+        if not self._segment.push_add(kb, meta, delay_ms - (-time.monotonic_ns() // 1_000_000), tag):
             self._wait_for_room()
-            self._push(C.ADD, kb, meta, time.monotonic_ns() // 1_000_000 + delay_ms, tag)
+            self._push(C.ADD, kb, meta, delay_ms - (-time.monotonic_ns() // 1_000_000), tag)
         ident = _META[meta] + kb
         self._latest[hash(ident) & _SHARD_MASK][ident] = tag
         if self._touch_index:
@@ -335,7 +339,7 @@ class ClientCore:
         kb, meta = encode_key(key)
         if type(idle_ms) is not int or idle_ms <= 0:
             raise InvalidDelay(f"idle_ms must be a positive int, not {idle_ms!r}")
-        now = mono_ms()
+        now = ceil_ms()
         deadline = now + idle_ms
         self._deadline(idle_ms)  # range check
         if idle_ms > (1 << 31) - 1:
@@ -377,7 +381,7 @@ class ClientCore:
             index = self._touch_by_key[key]
         except (KeyError, TypeError):
             raise InvalidKey(f"{key!r} is not an idle timer of this client (add_idle it first)") from None
-        self._touch_table[index] = time.monotonic_ns() // 1_000_000
+        self._touch_table[index] = -(-time.monotonic_ns() // 1_000_000)  # ceil_ms(): never early
 
     def cancel(self, key) -> bool:
         """Cancel ``key``; True if this client's arming of it will not be delivered."""
