@@ -15,11 +15,17 @@ from wheeld.protocol.errors import (
     BrokenPeer,
     Closed,
     CorruptArena,
+    DaemonNotRunning,
+    ForkedClient,
+    GroupLimit,
     InvalidDelay,
     InvalidKey,
     InvalidRequest,
+    NotAllowed,
     ProtocolError,
+    QuotaExceeded,
     RingFull,
+    Timeout,
     WheeldError,
 )
 
@@ -30,5 +36,6 @@ from .sync import Client, connect
 __all__ = [
     "connect", "connect_async", "Client", "AsyncClient", "Expired",
     "WheeldError", "InvalidRequest", "InvalidKey", "InvalidDelay", "BackPressure", "RingFull", "ArenaFull",
-    "ProtocolError", "Closed", "BrokenPeer", "CorruptArena",
+    "QuotaExceeded", "GroupLimit", "Timeout", "ProtocolError", "NotAllowed", "Closed", "ForkedClient", "BrokenPeer",
+    "DaemonNotRunning", "CorruptArena",
 ]

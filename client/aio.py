@@ -2,70 +2,121 @@
 
 Commands (add, add_idle, touch, cancel) are plain methods: they write to shared
 memory and never block the loop (a full ring raises RingFull at once instead of
-waiting). ``poll`` and ``flush`` are coroutines.
+waiting). ``poll``, ``flush`` and ``close`` are coroutines. Connecting fails fast
+when nothing listens or the daemon refuses; a lost daemon is waited for up to
+``reconnect_timeout_s``, and never past the timeout of the call that found it gone.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import os
 import socket
 import time
 
 from wheeld.protocol import messages as M
-from wheeld.protocol.errors import BrokenPeer, ProtocolError, RingFull
+from wheeld.protocol.errors import BrokenPeer, DaemonNotRunning, NotAllowed, ProtocolError, RingFull, Timeout
 from wheeld.protocol.framing import FrameReader
 
-from .core import ClientCore, Expired, decode_daemon_body
+from .core import _FDS_SPACE, ClientCore, Expired, decode_daemon_body, passed_fds
 
 _DOORBELL = M.encode_client_frame(M.Doorbell())
 _DOORBELL_URGENT = M.encode_client_frame(M.Doorbell(urgent=True))
 
 
 class AsyncClient(ClientCore):
+    """A worker's connection to wheeld from asyncio code (one event loop)."""
+
     def __init__(self, socket_path, group, ring_timeout_s, reconnect_timeout_s, client_name):
         super().__init__(socket_path, group, ring_timeout_s, reconnect_timeout_s, client_name)
         self._sock: socket.socket | None = None
         self._reader = FrameReader()
+        self._gone_since: float | None = None
 
-    async def _connect(self, timeout_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        end = time.monotonic() + timeout_s
+    async def _connect(self, until: float, first: bool) -> None:
+        """Open a session before ``until`` (time.monotonic()); see :mod:`wheeld.sync`."""
         delay = 0.01
         while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.setblocking(False)
             try:
-                await loop.sock_connect(sock, self.socket_path)
-                await loop.sock_sendall(sock, M.encode_client_frame(self._hello()))
-                reader = FrameReader()
-                frames = []
-                while not frames:
-                    data = await asyncio.wait_for(loop.sock_recv(sock, 65536), max(0.1, end - time.monotonic()))
-                    if not data:
-                        raise BrokenPeer("the daemon closed the connection during the handshake")
-                    frames = reader.feed(data)
-                message = decode_daemon_body(frames[0])
-                if type(message) is M.Refused:
-                    sock.close()
-                    raise BrokenPeer(f"the daemon refused the session: {message.reason}")
-                if type(message) is not M.Welcome:
-                    raise ProtocolError(f"expected Welcome, got {type(message).__name__}")
-                self._on_welcome(message)
-            except (OSError, asyncio.TimeoutError, BrokenPeer) as exc:
-                sock.close()
-                if isinstance(exc, BrokenPeer) and "refused the session" in str(exc):
+                await self._handshake(until)
+                return
+            except PermissionError as exc:
+                raise NotAllowed(f"may not connect to wheeld at {self.socket_path}: {exc.strerror}") from None
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                if first:
+                    raise DaemonNotRunning(
+                        f"no wheeld listens at {self.socket_path} ({exc.strerror}); start it (`make run`, "
+                        f"`systemctl start wheeld`) or point WHEELD_SOCKET / WHEELD_NAME at the running one") from None
+                failure: Exception = DaemonNotRunning(f"no wheeld listens at {self.socket_path} ({exc.strerror})")
+            except (asyncio.TimeoutError, TimeoutError):
+                failure = Timeout(f"wheeld at {self.socket_path} did not answer the handshake in time")
+            except (OSError, BrokenPeer) as exc:
+                if type(exc) is not BrokenPeer and not isinstance(exc, OSError):
                     raise
-                if time.monotonic() >= end:
-                    raise BrokenPeer(f"cannot reach wheeld at {self.socket_path}: {exc}") from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
-                continue
-            if self._sock is not None:
-                self._sock.close()
-            self._sock, self._reader = sock, reader
-            for body in frames[1:]:
-                self._on_message(decode_daemon_body(body))
+                failure = BrokenPeer(f"cannot reach wheeld at {self.socket_path}: {exc}")
+            if time.monotonic() + delay >= until:
+                raise failure
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def _handshake(self, until: float) -> None:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        received: list[int] = []
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, self.socket_path), max(0.05, until - time.monotonic()))
+            frame, fds = self._hello_frame()
+            if fds:
+                sent = await _wait_ready(loop, sock, until, write=True, op=lambda: sock.sendmsg(
+                    [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]))
+                await loop.sock_sendall(sock, frame[sent:])
+            else:
+                await loop.sock_sendall(sock, frame)
+            reader = FrameReader()
+            while True:
+                data, ancillary, _flags, _addr = await _wait_ready(
+                    loop, sock, until, write=False, op=lambda: sock.recvmsg(65536, _FDS_SPACE))
+                received += passed_fds(ancillary)
+                if not data:
+                    raise BrokenPeer("the daemon closed the connection during the handshake")
+                frames = reader.feed(data)
+                if frames:
+                    break
+            message = decode_daemon_body(frames[0])
+            if type(message) is M.Refused:
+                self._on_message(message)  # raises the refusal's error
+            if type(message) is not M.Welcome:
+                raise ProtocolError(f"expected Welcome, got {type(message).__name__}")
+            taken, received = received, []
+            self._on_welcome(message, taken)
+        except BaseException:
+            sock.close()
+            for fd in received:
+                os.close(fd)
+            raise
+        if self._sock is not None:
+            self._sock.close()
+        self._sock, self._reader = sock, reader
+        for body in frames[1:]:
+            self._on_message(decode_daemon_body(body))
+
+    async def _reconnect(self, until: float | None = None) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._gone_since is None:
+            self._gone_since = time.monotonic()
+        give_up = self._gone_since + self.reconnect_timeout_s
+        try:
+            await self._connect(give_up if until is None else min(until, give_up), first=False)
+        except (BrokenPeer, Timeout) as exc:
+            if time.monotonic() >= give_up:
+                raise BrokenPeer(f"wheeld at {self.socket_path} has been unreachable for "
+                                 f"{self.reconnect_timeout_s:.0f} s: {exc}") from None
             return
+        self._gone_since = None
 
     def _wait_for_room(self) -> None:
         self._ring_doorbell()
@@ -78,10 +129,12 @@ class AsyncClient(ClientCore):
             except OSError:
                 pass
 
-    async def _read(self, timeout_s: float | None) -> bool:
+    async def _read(self, timeout_s: float | None, until: float | None = None) -> bool:
         loop = asyncio.get_running_loop()
         if self._sock is None:
-            await self._connect(self.reconnect_timeout_s)
+            await self._reconnect(until)
+            if self._sock is None:
+                return False
         try:
             data = await asyncio.wait_for(loop.sock_recv(self._sock, 1 << 20), timeout_s)
         except asyncio.TimeoutError:
@@ -89,21 +142,18 @@ class AsyncClient(ClientCore):
         except OSError:
             data = b""
         if not data:
-            self._sock.close()
-            self._sock = None
-            await self._connect(self.reconnect_timeout_s)
+            await self._reconnect(until)
             return True
         for body in self._reader.feed(data):
             try:
                 self._on_message(decode_daemon_body(body))
             except BrokenPeer:
-                self._sock.close()
-                self._sock = None
-                await self._connect(self.reconnect_timeout_s)
+                await self._reconnect(until)
                 return True
         return True
 
     async def poll(self, timeout_s: float | None = None) -> list[Expired]:
+        """Expirations that came due; waits up to ``timeout_s`` (None: until at least one)."""
         self._check_open()
         self._flush_acks()
         end = None if timeout_s is None else time.monotonic() + timeout_s
@@ -111,7 +161,7 @@ class AsyncClient(ClientCore):
             remaining = None if end is None else end - time.monotonic()
             if remaining is not None and remaining <= 0:
                 break
-            await self._read(remaining)
+            await self._read(remaining, end)
         return self._take_ready()
 
     def __aiter__(self):
@@ -119,41 +169,47 @@ class AsyncClient(ClientCore):
 
     async def __anext__(self) -> Expired:
         while not self._ready:
+            self._check_open()
             self._flush_acks()
             await self._read(None)
         return self._take_one()
 
     async def flush(self, timeout_s: float = 10.0) -> None:
+        """Return once the daemon has applied every command sent before this call.
+
+        Raises ArenaFull / QuotaExceeded / InvalidRequest for commands it refused since
+        the last flush, and Timeout (a TimeoutError) after ``timeout_s`` at the latest."""
         self._check_open()
-        seq = self._push_flush()
         end = time.monotonic() + timeout_s
+        seq = self._push_flush()
         while self._applied != seq:
             remaining = end - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"wheeld did not apply the commands within {timeout_s} s")
-            if not await self._read(min(remaining, 0.05)):
+                raise Timeout(f"wheeld did not apply the commands within {timeout_s} s")
+            if not await self._read(min(remaining, 0.05), end):
                 self._ring_doorbell()
         self._raise_rejections()
 
     async def close(self) -> None:
-        if self._closed:
+        """Acknowledge what was handed over, say goodbye, unmap. Pending timers stay.
+        In a child process that inherited the client, only the child's copies go."""
+        if self._closed and not self._forked:
             return
-        self._closed = True
         try:
-            if self._segment is not None:
-                self._flush_acks()
-            if self._sock is not None:
+            if self._sock is not None and not self._forked:
+                if self._segment is not None:
+                    self._flush_acks()
                 try:
-                    await asyncio.get_running_loop().sock_sendall(self._sock, M.encode_client_frame(M.Bye()))
-                except OSError:
+                    await asyncio.wait_for(
+                        asyncio.get_running_loop().sock_sendall(self._sock, M.encode_client_frame(M.Bye())), 1.0)
+                except (OSError, asyncio.TimeoutError):
                     pass
+            if self._sock is not None:
                 self._sock.close()
+                self._sock = None
         finally:
-            if self._segment is not None:
-                self._segment.close()
-            if self._arena is not None:
-                self._parked = None
-                self._arena.close()
+            self._closed = True
+            self._release_local()
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -162,9 +218,27 @@ class AsyncClient(ClientCore):
         await self.close()
 
 
+async def _wait_ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, until: float, write: bool, op):
+    """Run the non-blocking ``op`` on ``sock`` once it is ready (sendmsg/recvmsg with
+    descriptors, which the loop has no coroutine for), before ``until``."""
+    while True:
+        try:
+            return op()
+        except (BlockingIOError, InterruptedError):
+            pass
+        ready = loop.create_future()
+        fd = sock.fileno()
+        (loop.add_writer if write else loop.add_reader)(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await asyncio.wait_for(ready, max(0.0, until - time.monotonic()))
+        finally:
+            (loop.remove_writer if write else loop.remove_reader)(fd)
+
+
 async def connect_async(socket_path: str | None = None, group: str = "default", *, ring_timeout_s: float = 5.0,
                         reconnect_timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
                         client_name: str = "") -> AsyncClient:
+    """Connect to wheeld as a member of ``group`` (the options as in :func:`wheeld.connect`)."""
     client = AsyncClient(socket_path, group, ring_timeout_s, reconnect_timeout_s, client_name)
-    await client._connect(connect_timeout_s)
+    await client._connect(time.monotonic() + connect_timeout_s, first=True)
     return client

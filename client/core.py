@@ -31,24 +31,33 @@ still sent: another member of the group may have armed the key).
 
 from __future__ import annotations
 
+import array
 import collections
 import os
+import socket
 import threading
 import time
+import weakref
 from typing import Annotated
 
 import msgspec
-from wheeld.protocol import arena_layout as AL
 from wheeld.protocol import commands as C
 from wheeld.protocol import messages as M
+from wheeld.protocol import ring_layout as RL
+from wheeld.protocol import status_layout as SL
 from wheeld.protocol.errors import (
     ArenaFull,
+    BackPressure,
     BrokenPeer,
     Closed,
+    ForkedClient,
+    GroupLimit,
     InvalidDelay,
     InvalidKey,
     InvalidRequest,
+    NotAllowed,
     ProtocolError,
+    QuotaExceeded,
     RingFull,
 )
 from wheeld.protocol.keys import (
@@ -58,18 +67,21 @@ from wheeld.protocol.keys import (
     encode_key,
     valid_key_meta,
 )
-from wheeld.shm.arena import Segment
+from wheeld.protocol.naming import default_socket_path
 from wheeld.shm.ring import ClientSegment
+from wheeld.shm.status import StatusPage
 
 _META = [bytes((m,)) for m in range(256)]
 _fence = threading.Lock()
 _fence_acquire = _fence.acquire
 _fence_release = _fence.release
 _STR_META = TYPE_STR << 6
-_PARKED = AL.H_PARKED // 8
-_PENDING = AL.H_COUNTERS // 8 + AL.COUNTER["pending"]
-_FIRED_UNACKED = AL.H_COUNTERS // 8 + AL.COUNTER["fired_unacked"]
-_CAPACITY_WORD = AL.H_CAPACITY // 8
+_PARKED = SL.PARKED_WORD
+_PENDING = SL.PENDING_WORD
+_FIRED_UNACKED = SL.FIRED_UNACKED_WORD
+_CAPACITY_WORD = SL.CAPACITY_WORD
+_GROUP_FULL = RL.GROUP_FULL_WORD
+_FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 _SEQ_BITS = 21
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 _RECENT = 1 << 17  # the latest expirations handed over, remembered to drop re-sent ones
@@ -154,21 +166,65 @@ def decode_daemon_body(body) -> object:
     return M.decode_daemon_message(body)
 
 
+_live_clients: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_live_clients):
+        client._inherited_by_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _ForkedTouches(dict):
+    """Stands in for the touch index in a forked child: every touch raises ForkedClient."""
+
+    def __init__(self, owner_pid: int):
+        super().__init__()
+        self.owner_pid = owner_pid
+
+    def __getitem__(self, key):
+        raise ForkedClient(f"this wheeld client belongs to process {self.owner_pid}; connect again in the child")
+
+
+def passed_fds(ancillary) -> list[int]:
+    """The descriptors in a ``recvmsg`` ancillary list (SCM_RIGHTS)."""
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return list(fds)
+
+
+def refusal_error(message: M.Refused) -> Exception:
+    """The WheeldError a Refused message stands for."""
+    text = f"the daemon refused the session: {message.reason}"
+    if message.code == M.Refused.NOT_ALLOWED:
+        return NotAllowed(text)
+    if message.code == M.Refused.GROUP_LIMIT:
+        return GroupLimit(text)
+    if message.code == M.Refused.BUSY:
+        return BackPressure(text)
+    if message.code == M.Refused.BAD_REQUEST:
+        return InvalidRequest(text)
+    return ProtocolError(text) if message.code == M.Refused.VERSION else BrokenPeer(text)
+
+
 class ClientCore:
     """Ring, touch table and bookkeeping; the subclasses add the socket I/O."""
 
     def __init__(self, socket_path: str | None, group: str, ring_timeout_s: float, reconnect_timeout_s: float,
                  client_name: str):
-        from wheeld.daemon.config import default_socket_path
-
         self.socket_path = socket_path or default_socket_path()
         self.group = group
         self.ring_timeout_s = ring_timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
         self.client_name = client_name
         self._segment: ClientSegment | None = None
-        self._arena: Segment | None = None
-        self._parked = None
+        self._status: StatusPage | None = None
+        self._parked = None  # the status page's words: parked epoch, arena counters
+        self._group_words = None  # our ring's header words: the daemon's group_full flag
         self._rang_epoch = 0
         self._welcome: M.Welcome | None = None
         self._seq = 0
@@ -195,45 +251,98 @@ class ClientCore:
         self._cancelled_since_mark: list[bytes] = []
         self._rejected: list[M.Rejected] = []
         self._closed = False
+        self._owner_pid = os.getpid()
+        self._forked = False
+        self._former_slots: set[int] = set()  # client ids this client had before a reconnect
         self.max_delay_ms = 0
-        self._arena_capacity = 1 << 62  # entry records of the daemon's arena (from its header)
+        _live_clients.add(self)
+
+    # ------------------------------------------------------------------ fork
+    def _inherited_by_child(self) -> None:
+        """In a child that ``fork()`` made: the session is the parent's. Every call raises
+        ForkedClient; ``close()`` only drops the child's copies, sending nothing."""
+        self._forked = True
+        self._closed = True
+        self._touch_by_key = _ForkedTouches(self._owner_pid)
+
+    def _raise_closed(self):
+        if self._forked:
+            raise ForkedClient(f"this wheeld client belongs to process {self._owner_pid}; connect again in the child")
+        raise Closed("this wheeld client is closed")
+
+    def _release_local(self) -> None:
+        """Unmap the ring and the status page (this process's view only)."""
+        if self._segment is not None:
+            self._segment.close()
+        if self._status is not None:
+            self._parked = None
+            self._status.close()
+            self._status = None
 
     # ------------------------------------------------------------------ handshake
-    def _hello(self) -> M.Hello:
+    def _hello_frame(self) -> tuple[bytes, list[int]]:
+        """The Hello frame, and the descriptors to pass with it: our ring, when we have
+        one, so that a restarted daemon adopts it (and the commands still in it)."""
         seg = self._segment
-        return M.Hello(M.PROTOCOL_VERSION, self.group, os.getpid(), self.client_name,
-                       seg.name if seg is not None else "", self._welcome.token if self._welcome else 0)
+        hello = M.Hello(M.PROTOCOL_VERSION, self.group, os.getpid(), self.client_name,
+                        seg.name if seg is not None else "", self._welcome.token if self._welcome else 0)
+        return M.encode_client_frame(hello), [seg.fd] if seg is not None else []
 
-    def _on_welcome(self, welcome: M.Welcome) -> None:
-        if self._segment is None or self._segment.name != welcome.segment_name:
-            if self._segment is not None:  # the daemon could not resume our old ring
-                self._segment.close()
-                self._touch_index.clear()
-                self._touch_by_key.clear()
-                self._free_touch.clear()
-                self._next_touch = 0
-            self._segment = ClientSegment.attach(welcome.segment_name)
-            # touch() stores straight into the touch table: one 8-byte store (see shm.ring)
-            self._touch_table = self._segment._last_touch
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
-        self._parked = None
-        if welcome.arena_name:
-            try:
-                self._arena = Segment.attach(welcome.arena_name, readonly=True)
-                self._parked = memoryview(self._arena.buf)[: AL.GROUPS_OFFSET].cast("q")
-                self._arena_capacity = self._parked[_CAPACITY_WORD] & 0xFFFFFFFF
-            except (OSError, FileNotFoundError):
-                self._arena = None  # not readable by us: ring the doorbell every time
+    def _on_welcome(self, welcome: M.Welcome, fds: list[int]) -> None:
+        """Take the session the daemon opened: ``fds`` are the descriptors that came with
+        the Welcome (our ring, then the status page); every one is used or closed."""
+        fds = list(fds)
+        try:
+            if not fds:
+                raise ProtocolError("the daemon's Welcome carried no ring")
+            ring_fd = fds.pop(0)
+            old = self._segment
+            if welcome.resumed and old is not None and old.same_file(ring_fd):
+                os.close(ring_fd)  # the ring we handed back, kept: its commands will be applied
+                backlog = []
+            else:
+                segment = ClientSegment.attach(ring_fd, welcome.segment_name)  # takes ring_fd
+                backlog = old.unapplied_records() if old is not None else []
+                if old is not None:  # the daemon could not take our ring back: start afresh
+                    old.close()
+                    self._touch_index.clear()
+                    self._touch_by_key.clear()
+                    self._free_touch.clear()
+                    self._next_touch = 0
+                self._segment = segment
+                # touch() stores straight into the touch table: one 8-byte store (see shm.ring)
+                self._touch_table = segment._last_touch
+            self._group_words = self._segment._words
+            if self._status is not None:
+                self._parked = None
+                self._status.close()
+                self._status = None
+            if welcome.status_page and fds:
+                self._status = StatusPage.attach(fds.pop(0))
+                self._parked = self._status.words
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if self._welcome is not None and self._welcome.client_id != welcome.client_id:
+            self._former_slots.add(self._welcome.client_id)  # armings tagged with it are still ours
         self._welcome = welcome
         self._tag_base = welcome.client_id << _SEQ_BITS
+        self._rang_epoch = 0
         self.max_delay_ms = welcome.max_delay_ms
+        for record in backlog:  # pushed before, never applied: they go into the new ring
+            self._push_record(record)
+
+    def _push_record(self, record: bytes) -> None:
+        seg = self._segment
+        if not seg.try_push_record(record):
+            self._wait_for_room()
+            if not seg.try_push_record(record):
+                raise RingFull(f"the ring stayed full for {self.ring_timeout_s} s; the daemon is not draining it")
 
     # ------------------------------------------------------------------ commands
     def _check_open(self) -> None:
         if self._closed:
-            raise Closed("this wheeld client is closed")
+            self._raise_closed()
 
     def _next_tag(self) -> int:
         self._seq = (self._seq + 1) & _SEQ_MASK
@@ -272,11 +381,13 @@ class ClientCore:
                 raise RingFull(f"the ring stayed full for {self.ring_timeout_s} s; the daemon is not draining it")
             time.sleep(0.0002)
 
-    def _arena_full(self) -> bool:
+    def _refuse_if_full(self) -> None:
+        """ArenaFull / QuotaExceeded now, when the daemon says it would refuse an add."""
         header = self._parked
-        if header is None:
-            return False
-        return header[_PENDING] + header[_FIRED_UNACKED] >= self._arena_capacity
+        if header is not None and header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD]:
+            raise ArenaFull("the daemon's arena is full")
+        if self._group_words[_GROUP_FULL]:
+            raise QuotaExceeded(f"group {self.group!r} holds its quota of timers (wheeld --group-quota)")
 
     def _after_push(self) -> None:
         # Eventcount, client half: tail published (in _push), full fence, then read
@@ -295,13 +406,20 @@ class ClientCore:
             self._ring_doorbell(False)
 
     def add(self, key, delay_ms: int) -> None:
-        """Schedule ``key`` to expire ``delay_ms`` from now; an armed key is re-armed."""
+        """Schedule ``key`` to expire ``delay_ms`` from now; an armed key is re-armed.
+
+        Never early: the expiration is handed over no sooner than ``delay_ms`` of real
+        time after this call (the deadline is the clock in ms rounded up, plus the delay).
+        """
         # The hot path, inlined: a str key's encoding (encode_key for anything else or
         # anything it would refuse), the arena-full check and _after_push.
         if self._closed:
-            raise Closed("this wheeld client is closed")
+            self._raise_closed()
         if type(key) is str:
-            kb = key.encode()
+            try:
+                kb = key.encode()
+            except UnicodeEncodeError:
+                kb = b""  # encode_key below raises InvalidKey
             meta = _STR_META | len(kb)
             if not 0 < len(kb) <= KEY_BYTES:
                 kb, meta = encode_key(key)  # raises InvalidKey
@@ -310,8 +428,9 @@ class ClientCore:
         if type(delay_ms) is not int or not 0 <= delay_ms <= self.max_delay_ms:
             self._deadline(delay_ms)  # raises the precise InvalidDelay
         header = self._parked
-        if header is not None and header[_PENDING] + header[_FIRED_UNACKED] >= self._arena_capacity:
-            raise ArenaFull("the daemon's arena is full")
+        if header is None or header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD] \
+                or self._group_words[_GROUP_FULL]:
+            self._refuse_if_full()
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
         tag = self._tag_base | seq
         # the deadline in ms rounded up (ceil_ms, inlined): never early in real time
@@ -344,8 +463,7 @@ class ClientCore:
         self._deadline(idle_ms)  # range check
         if idle_ms > (1 << 31) - 1:
             raise InvalidDelay("idle_ms must fit in 32 bits (about 24 days)")
-        if self._arena_full():
-            raise ArenaFull("the daemon's arena is full")
+        self._refuse_if_full()
         ident = _META[meta] + kb
         seg = self._segment
         index = self._touch_index.get(ident)
@@ -386,9 +504,12 @@ class ClientCore:
     def cancel(self, key) -> bool:
         """Cancel ``key``; True if this client's arming of it will not be delivered."""
         if self._closed:
-            raise Closed("this wheeld client is closed")
+            self._raise_closed()
         if type(key) is str:
-            kb = key.encode()
+            try:
+                kb = key.encode()
+            except UnicodeEncodeError:
+                kb = b""  # encode_key below raises InvalidKey
             meta = _STR_META | len(kb)
             if not 0 < len(kb) <= KEY_BYTES:
                 kb, meta = encode_key(key)  # raises InvalidKey
@@ -462,7 +583,7 @@ class ClientCore:
         elif kind is M.Goodbye:
             raise BrokenPeer(f"the daemon ended the session: {message.reason}")
         elif kind is M.Refused:
-            raise BrokenPeer(f"the daemon refused the session: {message.reason}")
+            raise refusal_error(message)
 
     def _on_expirations(self, items) -> None:
         # First the check Expiry.__post_init__ would have made (see decode_daemon_body), for
@@ -476,6 +597,7 @@ class ClientCore:
         if len(keys) != len(items):
             raise ProtocolError("invalid daemon message: key_bytes do not match key_meta")
         my_slot = self._tag_base >> _SEQ_BITS
+        former = self._former_slots
         epoch = self._welcome.arena_epoch  # handles name records of this arena only
         recent, recent_order = self._recent, self._recent_order
         latest_shards = self._latest
@@ -490,7 +612,7 @@ class ClientCore:
             if seen in seen_set:
                 acks_pending.append(handle)  # already handed over before a daemon restart
                 continue
-            if seq >> _SEQ_BITS == my_slot:
+            if seq >> _SEQ_BITS == my_slot or seq >> _SEQ_BITS in former:
                 latest = latest_shards[hash(ident) & _SHARD_MASK]
                 tag = latest.get(ident)
                 if tag is not None:
@@ -530,9 +652,12 @@ class ClientCore:
         if not rejected:
             return
         full = [r for r in rejected if r.code == M.Rejected.ARENA_FULL]
+        quota = [r for r in rejected if r.code == M.Rejected.QUOTA_EXCEEDED]
         summary = ", ".join(f"{r.key!r}: {r.reason}" for r in rejected[:5])
         if full:
             raise ArenaFull(f"{len(full)} add(s) refused because the arena is full ({summary})")
+        if quota:
+            raise QuotaExceeded(f"{len(quota)} add(s) refused: group {self.group!r} holds its quota ({summary})")
         raise InvalidRequest(f"{len(rejected)} command(s) refused ({summary})")
 
     def _ring_doorbell(self, urgent: bool = True) -> None:  # pragma: no cover - provided by the I/O shells

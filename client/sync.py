@@ -1,53 +1,85 @@
-"""The blocking client: ``wheeld.connect()``. See :mod:`wheeld.core` for the semantics."""
+"""The blocking client: ``wheeld.connect()``. See :mod:`wheeld.core` for the semantics.
+
+Connecting fails fast when it cannot work: no socket file or a refused connection
+(:class:`~wheeld.DaemonNotRunning`), no permission on the socket or a refusal by
+the daemon (:class:`~wheeld.NotAllowed`, :class:`~wheeld.GroupLimit`...). Once a
+session existed, losing the daemon is different: the client reconnects by itself
+and keeps trying for ``reconnect_timeout_s`` (a restarting daemon), handing its
+ring back so that commands pushed meanwhile are applied; a call with its own
+timeout (``flush``, ``poll``) never waits past that timeout for it.
+"""
 
 from __future__ import annotations
 
+import array
+import os
 import select
 import socket
 import time
 
 from wheeld.protocol import messages as M
-from wheeld.protocol.errors import BrokenPeer, ProtocolError
+from wheeld.protocol.errors import BrokenPeer, DaemonNotRunning, NotAllowed, ProtocolError, Timeout, WheeldError
 from wheeld.protocol.framing import FrameReader
 
-from .core import ClientCore, Expired, decode_daemon_body
+from .core import _FDS_SPACE, ClientCore, Expired, decode_daemon_body, passed_fds
 
 
 class Client(ClientCore):
-    """A worker's connection to wheeld. Not thread-safe: one per thread (or guard it)."""
+    """A worker's connection to wheeld. Not thread-safe: one per thread (or guard it).
+    Not fork-safe either: a child process that inherited it gets ForkedClient."""
 
     def __init__(self, socket_path: str | None = None, group: str = "default", *, ring_timeout_s: float = 5.0,
                  reconnect_timeout_s: float = 30.0, connect_timeout_s: float = 10.0, client_name: str = ""):
         super().__init__(socket_path, group, ring_timeout_s, reconnect_timeout_s, client_name)
         self._sock: socket.socket | None = None
         self._reader = FrameReader()
-        self._connect(connect_timeout_s)
+        self._gone_since: float | None = None  # when the daemon went away (reconnecting since)
+        self._connect(time.monotonic() + connect_timeout_s, first=True)
 
     # ------------------------------------------------------------------ connection
-    def _connect(self, timeout_s: float) -> None:
-        end = time.monotonic() + timeout_s
+    def _connect(self, until: float, first: bool) -> None:
+        """Open a session before ``until`` (time.monotonic()). The first connect gives up at
+        once when nothing listens; a reconnection keeps trying (a restarting daemon)."""
         delay = 0.01
         while True:
             try:
-                self._handshake(max(0.1, end - time.monotonic()))
+                self._handshake(max(0.05, until - time.monotonic()))
                 return
+            except PermissionError as exc:
+                raise NotAllowed(f"may not connect to wheeld at {self.socket_path}: {exc.strerror}") from None
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                if first:
+                    raise DaemonNotRunning(
+                        f"no wheeld listens at {self.socket_path} ({exc.strerror}); start it (`make run`, "
+                        f"`systemctl start wheeld`) or point WHEELD_SOCKET / WHEELD_NAME at the running one") from None
+                failure: Exception = DaemonNotRunning(f"no wheeld listens at {self.socket_path} ({exc.strerror})")
+            except TimeoutError:
+                failure = Timeout(f"wheeld at {self.socket_path} did not answer the handshake in time")
             except (OSError, BrokenPeer) as exc:
-                if isinstance(exc, BrokenPeer) and "refused the session" in str(exc):
-                    raise
-                if time.monotonic() >= end:
-                    raise BrokenPeer(f"cannot reach wheeld at {self.socket_path}: {exc}") from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+                if isinstance(exc, WheeldError) and type(exc) is not BrokenPeer:
+                    raise  # a refusal: it will not heal by retrying
+                failure = BrokenPeer(f"cannot reach wheeld at {self.socket_path}: {exc}")
+            if time.monotonic() + delay >= until:
+                raise failure
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     def _handshake(self, timeout_s: float) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        received: list[int] = []
         try:
             sock.settimeout(timeout_s)
             sock.connect(self.socket_path)
-            sock.sendall(M.encode_client_frame(self._hello()))
+            frame, fds = self._hello_frame()
+            if fds:
+                sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+                sock.sendall(frame[sent:])
+            else:
+                sock.sendall(frame)
             reader = FrameReader()
             while True:
-                data = sock.recv(65536)
+                data, ancillary, _flags, _addr = sock.recvmsg(65536, _FDS_SPACE)
+                received += passed_fds(ancillary)
                 if not data:
                     raise BrokenPeer("the daemon closed the connection during the handshake")
                 frames = reader.feed(data)
@@ -55,13 +87,16 @@ class Client(ClientCore):
                     break
             message = decode_daemon_body(frames[0])
             if type(message) is M.Refused:
-                raise BrokenPeer(f"the daemon refused the session: {message.reason}")
+                self._on_message(message)  # raises the refusal's error
             if type(message) is not M.Welcome:
                 raise ProtocolError(f"expected Welcome, got {type(message).__name__}")
-            self._on_welcome(message)
+            taken, received = received, []
+            self._on_welcome(message, taken)
             sock.setblocking(False)
         except BaseException:
             sock.close()
+            for fd in received:
+                _close_quietly(fd)
             raise
         if self._sock is not None:
             self._sock.close()
@@ -70,11 +105,24 @@ class Client(ClientCore):
         for body in frames[1:]:
             self._on_message(decode_daemon_body(body))
 
-    def _reconnect(self) -> None:
+    def _reconnect(self, until: float | None = None) -> None:
+        """Try to get a session back before ``until``; raises BrokenPeer once the daemon has
+        been unreachable for ``reconnect_timeout_s``."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        self._connect(self.reconnect_timeout_s)
+        now = time.monotonic()
+        if self._gone_since is None:
+            self._gone_since = now
+        give_up = self._gone_since + self.reconnect_timeout_s
+        try:
+            self._connect(give_up if until is None else min(until, give_up), first=False)
+        except (BrokenPeer, Timeout) as exc:
+            if time.monotonic() >= give_up:
+                raise BrokenPeer(f"wheeld at {self.socket_path} has been unreachable for "
+                                 f"{self.reconnect_timeout_s:.0f} s: {exc}") from None
+            return  # not yet: the caller's own deadline came first
+        self._gone_since = None
 
     def _ring_doorbell(self, urgent: bool = True) -> None:
         sock = self._sock
@@ -87,10 +135,13 @@ class Client(ClientCore):
         except OSError:
             pass  # a dead daemon: the next poll/flush reconnects
 
-    def _read(self, timeout_s: float | None) -> bool:
-        """Wait up to ``timeout_s`` for frames and handle them; False on timeout."""
+    def _read(self, timeout_s: float | None, until: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` for frames and handle them; False on timeout. A lost
+        session is re-opened, trying no later than ``until``."""
         if self._sock is None:
-            self._reconnect()
+            self._reconnect(until)
+            if self._sock is None:
+                return False
         ready, _, _ = select.select([self._sock], [], [], timeout_s)
         if not ready:
             return False
@@ -101,13 +152,13 @@ class Client(ClientCore):
         except OSError:
             data = b""
         if not data:
-            self._reconnect()
+            self._reconnect(until)
             return True
         for body in self._reader.feed(data):
             try:
                 self._on_message(decode_daemon_body(body))
             except BrokenPeer:
-                self._reconnect()
+                self._reconnect(until)
                 return True
         return True
 
@@ -116,14 +167,14 @@ class Client(ClientCore):
         """Expirations that came due; waits up to ``timeout_s`` (None: until at least one)."""
         self._check_open()
         self._flush_acks()
+        end = None if timeout_s is None else time.monotonic() + timeout_s
         if not self._ready:
-            end = None if timeout_s is None else time.monotonic() + timeout_s
             while not self._ready:
                 remaining = None if end is None else max(0.0, end - time.monotonic())
-                if not self._read(remaining if remaining is None else min(remaining, 1.0)) and end is not None \
+                if not self._read(remaining if remaining is None else min(remaining, 1.0), end) and end is not None \
                         and time.monotonic() >= end:
                     break
-        while self._sock is not None and self._read(0):
+        while self._sock is not None and self._read(0, end):
             pass
         return self._take_ready()
 
@@ -134,44 +185,46 @@ class Client(ClientCore):
     def flush(self, timeout_s: float = 10.0) -> None:
         """Return once the daemon has applied every command sent before this call.
 
-        Raises ArenaFull / InvalidRequest for commands it refused since the last flush,
-        TimeoutError if the daemon did not answer in time.
+        Raises ArenaFull / QuotaExceeded / InvalidRequest for commands it refused since
+        the last flush, and Timeout (a TimeoutError) if the daemon did not answer within
+        ``timeout_s``: a flush never waits longer, also not for a daemon restarting.
         """
         self._check_open()
-        seq = self._push_flush()
         end = time.monotonic() + timeout_s
+        seq = self._push_flush()
         while self._applied != seq:
             remaining = end - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"wheeld did not apply the commands within {timeout_s} s")
+                raise Timeout(f"wheeld did not apply the commands within {timeout_s} s")
             # The FLUSH record stays in the ring across a daemon restart: the new daemon
-            # applies it and answers on the new connection.
-            if not self._read(min(remaining, 0.05)):
+            # adopts the ring, applies it and answers on the new connection.
+            if not self._read(min(remaining, 0.05), end):
                 self._ring_doorbell()
         self._raise_rejections()
 
     def close(self) -> None:
-        """Acknowledge what was handed over, say goodbye, unmap. Pending timers stay."""
-        if self._closed:
+        """Acknowledge what was handed over, say goodbye, unmap. Pending timers stay.
+
+        In a child process that inherited the client through ``fork()``, only the
+        child's copies are dropped: nothing is sent, the parent's session goes on."""
+        if self._closed and not self._forked:
             return
         try:
-            if self._segment is not None:
-                self._flush_acks()
-            if self._sock is not None:
+            if self._sock is not None and not self._forked:
+                if self._segment is not None:
+                    self._flush_acks()
                 try:
                     self._sock.setblocking(True)
                     self._sock.settimeout(1.0)
                     self._sock.sendall(M.encode_client_frame(M.Bye()))
                 except OSError:
                     pass
+            if self._sock is not None:
                 self._sock.close()
+                self._sock = None
         finally:
             self._closed = True
-            if self._segment is not None:
-                self._segment.close()
-            if self._arena is not None:
-                self._parked = None
-                self._arena.close()
+            self._release_local()
 
     def __enter__(self) -> "Client":
         return self
@@ -180,10 +233,27 @@ class Client(ClientCore):
         self.close()
 
 
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 _DOORBELL = M.encode_client_frame(M.Doorbell())
 _DOORBELL_URGENT = M.encode_client_frame(M.Doorbell(urgent=True))
 
 
-def connect(socket_path: str | None = None, group: str = "default", **options) -> Client:
-    """Connect to wheeld (``$WHEELD_SOCKET`` or the default path) as a member of ``group``."""
-    return Client(socket_path, group, **options)
+def connect(socket_path: str | None = None, group: str = "default", *, ring_timeout_s: float = 5.0,
+            reconnect_timeout_s: float = 30.0, connect_timeout_s: float = 10.0, client_name: str = "") -> Client:
+    """Connect to wheeld as a member of ``group``.
+
+    ``socket_path``: None finds the daemon by itself (``$WHEELD_SOCKET``, else the
+    default path of instance ``$WHEELD_NAME``, see :func:`wheeld.protocol.naming.default_socket_path`).
+    ``ring_timeout_s``: how long a command waits for room in a full ring (then RingFull).
+    ``reconnect_timeout_s``: how long a lost daemon is waited for before BrokenPeer.
+    ``connect_timeout_s``: how long the first handshake may take (a daemon busy starting).
+    ``client_name``: shown in the daemon's log and ``wheelctl``.
+    """
+    return Client(socket_path, group, ring_timeout_s=ring_timeout_s, reconnect_timeout_s=reconnect_timeout_s,
+                  connect_timeout_s=connect_timeout_s, client_name=client_name)

@@ -61,11 +61,13 @@ garbage is disconnected and its ring is no longer read (its group's timers stay)
 
 from __future__ import annotations
 
+import array
 import asyncio
 import bisect
 import collections
 import errno
 import gc
+import hmac
 import logging
 import mmap
 import os
@@ -86,6 +88,7 @@ from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import commands as C
 from wheeld.protocol import framing
 from wheeld.protocol import messages as M
+from wheeld.protocol import status_layout as SL
 from wheeld.protocol.errors import (
     ArenaFull,
     CorruptArena,
@@ -96,11 +99,13 @@ from wheeld.protocol.errors import (
 from wheeld.protocol.framing import FrameReader
 from wheeld.protocol.keys import decode_key
 from wheeld.shm.ring import ClientSegment
+from wheeld.shm.status import StatusPage
 from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
 
 from .activation import listen_fds, unix_stream_listener
 from .alarm import Alarm
 from .config import Config, arena_name, clients_name, segment_prefix
+from .instance import InstanceLock, check_owned, set_aside, shm_path
 from .sdnotify import Notifier
 
 log = logging.getLogger("wheeld")
@@ -108,6 +113,12 @@ log = logging.getLogger("wheeld")
 _META = [bytes((m,)) for m in range(256)]
 _PEERCRED = struct.Struct("3i")
 _HIGH_WATER = 8 << 20  # bytes queued to one client before we stop sending to it
+CLIENT_MAX_FRAME = 4096  # the largest client -> daemon frame (a Hello is a few hundred bytes)
+_RECV_BYTES = 65536
+_FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)  # room for a few passed descriptors
+_MAINTAIN_S = 1.0  # period of the bookkeeping timer (frame and ack timeouts, accept pauses)
+_IDLE_WAIT_MS = 100  # an idle timer whose client has not come back after a restart waits this long
+_LOG_EVERY_S = 1.0  # a repeated warning is logged at most this often, with a count
 _DRAIN_BATCH = 8192  # commands taken from one ring per loop iteration
 _DRAIN_DUE = 1024  # ... when a timer is already due (about 1 ms of applying)
 _APPLY_CHUNK = 4096  # applied, then committed, at a time
@@ -136,31 +147,55 @@ def _full_fence(lock=threading.Lock()) -> None:
 
 
 class ClientSlot:
-    """A client's ring segment, drained whether or not its client is connected."""
+    """A client's ring segment, drained whether or not its client is connected.
 
-    __slots__ = ("slot", "segment", "token", "group", "group_name", "session", "unacked", "poisoned", "pid", "orphan_since")
+    ``segment`` is None while a slot found in the client table after a daemon
+    restart waits for its client to hand the ring back (``resume_grace_s``).
+    ``unacked`` holds what was sent to this client and not yet acknowledged, in two
+    generations: every ``ack_timeout_s / 2`` what is still in the older one is sent
+    again (to any member) and the newer one becomes the older."""
 
-    def __init__(self, slot: int, segment: ClientSegment, token: int, group: int, group_name: str, pid: int):
+    __slots__ = ("slot", "segment", "label", "group", "group_name", "session", "unacked", "unacked_old", "poisoned",
+                 "pid", "uid", "orphan_since")
+
+    def __init__(self, slot: int, segment: ClientSegment | None, label: str, group: int, group_name: str, pid: int,
+                 uid: int):
         self.slot = slot
         self.segment = segment
-        self.token = token
+        self.label = label
         self.group = group
         self.group_name = group_name
         self.session: Session | None = None
         self.unacked: dict[int, int] = {}  # fired slot -> generation, sent to this client
+        self.unacked_old: dict[int, int] = {}
         self.poisoned = False
         self.pid = pid
+        self.uid = uid
         self.orphan_since = 0
+
+    def take_unacked(self) -> list[tuple[int, int]]:
+        """Everything in flight to this client, forgotten here (it goes back to the queue)."""
+        pairs = list(self.unacked_old.items()) + list(self.unacked.items())
+        self.unacked_old.clear()
+        self.unacked.clear()
+        return pairs
 
 
 class Session:
-    """One connected socket."""
+    """One connected socket.
+
+    Bounded: a client sends only small messages (Hello, Doorbell, Bye), so a frame
+    announcing more than ``CLIENT_MAX_FRAME`` bytes is a protocol error, a frame
+    must be complete within ``frame_timeout_s`` of its first byte, and one read
+    takes at most 64 KiB: the input buffer never holds more than ~70 KiB."""
 
     def __init__(self, daemon: "Daemon", sock: socket.socket, pid: int, uid: int, gid: int):
         self.daemon = daemon
         self.sock = sock
         self.pid, self.uid, self.gid = pid, uid, gid
-        self.reader = FrameReader()
+        self.reader = FrameReader(max_frame=CLIENT_MAX_FRAME)
+        self.partial_since = 0.0  # time.monotonic() when an incomplete frame started, 0 at a boundary
+        self.passed_fds: list[int] = []  # SCM_RIGHTS descriptors that came with the Hello
         self.out = bytearray()
         self.writing = False
         self.closed = False
@@ -183,6 +218,21 @@ class Session:
         except OSError as exc:
             self.daemon.close_session(self, f"send failed: {exc}")
             return
+        self._keep(frame, sent)
+
+    def send_with_fds(self, frame: bytes, fds: list[int]) -> None:
+        """Send ``frame`` with ``fds`` as SCM_RIGHTS data (the first frame of a session)."""
+        try:
+            sent = self.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        except (BlockingIOError, InterruptedError):
+            self.daemon.close_session(self, "the client does not read its socket")
+            return
+        except OSError as exc:
+            self.daemon.close_session(self, f"send failed: {exc}")
+            return
+        self._keep(frame, sent)  # the descriptors went with the first byte
+
+    def _keep(self, frame: bytes, sent: int) -> None:
         if sent < len(frame):
             self.out += frame[sent:]
             if not self.writing:
@@ -200,12 +250,32 @@ class Session:
         del self.out[:sent]
         if not self.out:
             self.writing = False
+            self.out = bytearray()  # give a large buffer back
             self.daemon.loop.remove_writer(self.sock.fileno())
             self.daemon.wake()  # it may take more expirations now
 
+    def _recv(self) -> bytes:
+        if self.client is not None:
+            return self.sock.recv(_RECV_BYTES)
+        # before the handshake a Hello may carry the client's old ring (SCM_RIGHTS)
+        data, ancillary, _flags, _addr = self.sock.recvmsg(_RECV_BYTES, _FDS_SPACE)
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                self.passed_fds.extend(fds)
+        if len(self.passed_fds) > 1 or data == b"":
+            self.close_passed_fds(keep=1 if data else 0)
+        return data
+
+    def close_passed_fds(self, keep: int = 0) -> None:
+        for fd in self.passed_fds[keep:]:
+            os.close(fd)
+        del self.passed_fds[keep:]
+
     def on_readable(self) -> None:
         try:
-            data = self.sock.recv(65536)
+            data = self._recv()
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -216,6 +286,10 @@ class Session:
             return
         try:
             frames = self.reader.feed(data)
+            if self.reader.pending_bytes:
+                self.partial_since = self.partial_since or time.monotonic()
+            else:
+                self.partial_since = 0.0
             for body in frames:
                 self.daemon.on_message(self, M.decode_client_message(body))
                 if self.closed:
@@ -255,14 +329,30 @@ class Daemon:
         self._level1_tick_ms = 256
         self._last_expired = 0  # timers the last _expire fired (chooses the wheel method)
         self.ready = False
+        self.lock: InstanceLock | None = None
+        self.status: StatusPage | None = None
+        self._by_label: dict[str, ClientSlot] = {}  # ring label -> its slot (resume looks them up)
+        self._next_slot = 0  # slots are handed out round robin: a freed slot is reused last
+        self._handshaking: collections.Counter = collections.Counter()  # uid -> sessions before Hello
+        self._accept_paused = False
+        self._maintain_handle: asyncio.TimerHandle | None = None
+        self._last_ack_rotation = 0.0
+        self._static_owners = {name: (CL.OWNER_UID if kind == "uid" else CL.OWNER_GID, ident)
+                               for name, kind, ident in config.group_owners}
+        self._groups_of_uid: dict[int, tuple[float, frozenset[int]]] = {}
+        self._log_limiter = _LogLimiter()
+        self._set_aside: list[str] = []  # unusable segments renamed at start-up
 
     # ------------------------------------------------------------------ start-up
     def open_arena(self) -> None:
+        """Attach the instance's arena, or create one (rebuilt from the journal when there
+        is one). Call with the instance lock held. An arena that cannot be trusted or
+        used is set aside (see :mod:`wheeld.daemon.instance`), never refused."""
         cfg = self.config
         name = arena_name(cfg.name)
         now = mono_ms()
-        try:
-            self.wheel = TimerWheel.attach(name)
+        self.wheel = self._attach_arena(name)
+        if self.wheel is not None:
             w = self.wheel
             log.info(
                 "attached existing arena %s: %d pending, %d fired awaiting delivery (tick %d ms, wheel %d, capacity %d)",
@@ -273,19 +363,21 @@ class Daemon:
             if (w.tick_ms, w.wheel_size, w.capacity) != (cfg.tick_ms, cfg.wheel_size, cfg.capacity):
                 log.warning("arena parameters differ from the command line; the arena's are used")
             hq = w.header_words()
-            for name in _DAEMON_TOTALS:  # totals carry on across restarts
-                self.totals[name] = hq[AL.H_COUNTERS // 8 + AL.COUNTER[name]]
+            for counter in _DAEMON_TOTALS:  # totals carry on across restarts
+                self.totals[counter] = hq[AL.H_COUNTERS // 8 + AL.COUNTER[counter]]
             self.totals["daemon_restarts_total"] += 1
-        except FileNotFoundError:
+            fresh = False
+        else:
             self.wheel = TimerWheel.create(
                 cfg.capacity, tick_ms=cfg.tick_ms, wheel_size=cfg.wheel_size, name=name, start_ms=now,
-                mode=cfg.arena_mode,
+                max_groups=cfg.max_groups, mode=cfg.arena_mode,
             )
+            self._hand_to_monitors(name)
             log.info("created arena %s (capacity %d, tick %d ms, wheel %d, %d levels)",
                      name, cfg.capacity, cfg.tick_ms, cfg.wheel_size, self.wheel.levels)
             fresh = True
-        else:
-            fresh = False
+        if self._set_aside:
+            self.totals["arenas_set_aside_total"] += len(self._set_aside)
         if cfg.journal_dir:
             from .journal import Journal
             from .journaling import Recorder, recover_into
@@ -305,47 +397,80 @@ class Daemon:
             self.queues[group].append((s, gen, now, deadline < now))
         self._open_client_table()
 
+    def _attach_arena(self, name: str) -> TimerWheel | None:
+        """The existing arena, or None when there is none or it was set aside."""
+        self._set_aside = []
+        untrusted = check_owned(name)
+        if untrusted is None:
+            try:
+                return TimerWheel.attach(name)
+            except FileNotFoundError:
+                return None
+            except (WheeldError, ValueError, OSError) as exc:
+                reason = f"it cannot be used: {exc}"
+        else:
+            reason = untrusted
+        moved = set_aside(name)  # raises UntrustedSegment when it is not ours to move
+        if moved:
+            self._set_aside.append(moved)
+            log.error("arena %s set aside as /dev/shm/%s because %s; a new arena is made%s", name, moved, reason,
+                      " and rebuilt from the journal" if self.config.journal_dir else " (no journal: its timers are lost)")
+        return None
+
+    def _hand_to_monitors(self, segment_name: str) -> None:
+        """Give a segment the daemon created to the monitoring group (``--monitor-group``)."""
+        gid = self.config.monitor_gid
+        if gid is not None:
+            path = shm_path(segment_name)
+            os.chown(path, -1, gid)
+            os.chmod(path, 0o640)
+
     def _open_client_table(self) -> None:
+        """Map the client table; a restarted daemon finds the slots its clients had (they
+        wait ``resume_grace_s`` for their client to hand the ring back) and the group owners."""
         name = clients_name(self.config.name)
+        untrusted = check_owned(name)
+        if untrusted is not None:
+            moved = set_aside(name)
+            log.error("client table %s set aside as %s because %s", name, moved, untrusted)
+        mode = self.config.arena_mode
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT, mode=mode, size=CL.SEGMENT_BYTES)
         try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT, mode=0o600, size=CL.SEGMENT_BYTES)
-        except posix_ipc.ExistentialError as exc:  # pragma: no cover - raced with an unlink
-            raise CorruptArena(f"cannot open {name}: {exc}") from exc
-        try:
-            if os.fstat(shm.fd).st_size < CL.SEGMENT_BYTES:
+            fresh = os.fstat(shm.fd).st_size != CL.SEGMENT_BYTES
+            if fresh:
+                os.ftruncate(shm.fd, 0)
                 os.ftruncate(shm.fd, CL.SEGMENT_BYTES)
+            os.fchmod(shm.fd, mode)
             self._clients_buf = mmap.mmap(shm.fd, CL.SEGMENT_BYTES)
         finally:
             shm.close_fd()
+        self._hand_to_monitors(name)
         buf = self._clients_buf
-        magic = struct.unpack_from("<Q", buf, 0)[0]
-        if magic != CL.MAGIC:
-            buf[: CL.SEGMENT_BYTES] = bytes(CL.SEGMENT_BYTES)
-            struct.pack_into("<Q", buf, 0, CL.MAGIC)
+        magic, arena_created = CL.HEADER.unpack_from(buf, 0)
+        if magic != CL.MAGIC or arena_created != self.wheel.created_wall_ms:
+            buf[: CL.SEGMENT_BYTES] = bytes(CL.SEGMENT_BYTES)  # another arena's table (or none)
+            CL.HEADER.pack_into(buf, 0, CL.MAGIC, self.wheel.created_wall_ms)
             return
+        now = mono_ms()
         for slot in range(CL.MAX_CLIENTS):
-            in_use, group, pid, token, raw = CL.ENTRY.unpack_from(buf, CL.entry_offset(slot))
+            in_use, group, pid, uid, _depth, _capacity, raw = CL.ENTRY.unpack_from(buf, CL.entry_offset(slot))
             if not in_use:
                 continue
-            seg_name = raw.rstrip(b"\0").decode("utf-8", "replace")
-            try:
-                segment = ClientSegment.reopen(seg_name)
-            except WheeldError as exc:
-                log.warning("client slot %d: segment %s is gone (%s); forgetting it", slot, seg_name, exc)
-                self._write_client_entry(slot, None)
-                continue
-            cs = ClientSlot(slot, segment, token, group, self.wheel.group_name(group), pid)
-            cs.orphan_since = mono_ms()
+            label = raw.rstrip(b"\0").decode("utf-8", "replace")
+            cs = ClientSlot(slot, None, label, group, self.wheel.group_name(group), pid, uid)
+            cs.orphan_since = now
             self.clients[slot] = cs
-            log.info("client slot %d (pid %d, group %s): segment %s re-opened, waiting for its client",
-                     slot, pid, cs.group_name, seg_name)
+            self._by_label[label] = cs
+            log.info("client slot %d (pid %d, group %s): waiting up to %.0f s for its client to hand ring %s back",
+                     slot, pid, cs.group_name, self.config.resume_grace_s, label)
 
     def _write_client_entry(self, slot: int, cs: ClientSlot | None) -> None:
         if cs is None:
-            CL.ENTRY.pack_into(self._clients_buf, CL.entry_offset(slot), 0, 0, 0, 0, b"")
-        else:
-            CL.ENTRY.pack_into(self._clients_buf, CL.entry_offset(slot), 1, cs.group, cs.pid, cs.token,
-                               cs.segment.name.encode("utf-8"))
+            CL.ENTRY.pack_into(self._clients_buf, CL.entry_offset(slot), 0, 0, 0, 0, 0, 0, b"")
+            return
+        capacity = cs.segment.ring_capacity if cs.segment is not None else 0
+        CL.ENTRY.pack_into(self._clients_buf, CL.entry_offset(slot), 1, cs.group, cs.pid, cs.uid, 0, capacity,
+                           cs.label.encode("utf-8")[:104])
 
     def open_socket(self) -> None:
         cfg = self.config
@@ -370,7 +495,7 @@ class Daemon:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.bind(path)
             os.chmod(path, cfg.socket_mode)
-            sock.listen(256)
+            sock.listen(1024)
             self._listener = sock
             self._owns_socket_path = True
         self._listener.setblocking(False)
@@ -383,8 +508,13 @@ class Daemon:
 
     async def main(self) -> int:
         self.loop = asyncio.get_running_loop()
-        self.open_arena()
+        # One daemon per instance: the lock comes before anything is mapped for writing,
+        # and the socket before the arena, so a second daemon changes nothing at all.
+        self.lock = InstanceLock.acquire(self.config.name)
         self.open_socket()
+        self.open_arena()
+        self.status = StatusPage.create(f"wheeld-{self.config.name}-status")
+        self._maintain_handle = self.loop.call_later(_MAINTAIN_S, self._maintain)
         # Everything allocated so far lives as long as the daemon: move it out of the
         # collector's reach, so a full collection (3-7 ms over the ~30k objects of the
         # imported modules and the arena set-up) cannot stall the loop while timers are due.
@@ -436,7 +566,7 @@ class Daemon:
             self._alarm.close()
             self._alarm = None
         for session in list(self.sessions):
-            self.close_session(session, "daemon shutting down", goodbye=True)
+            self.close_session(session, "daemon shutting down", goodbye=True, resume=True)
         self._drain_rings()  # apply what is left (acks included) before the arena is closed
         self._publish(mono_ms())
         self._listener.close()
@@ -447,7 +577,14 @@ class Daemon:
                 pass
         if self.recorder is not None:
             self.recorder.close()
+        if self._maintain_handle is not None:
+            self._maintain_handle.cancel()
+        for cs in self.clients.values():
+            if cs.segment is not None:
+                cs.segment.close()
+        self.status.close()
         self.wheel.close()
+        self.lock.release()
         log.info("stopped; %d timers pending in the arena", self._stats_pending)
 
     # ------------------------------------------------------------------ driver
@@ -455,7 +592,9 @@ class Daemon:
         loop = self.loop
         wheel = self.wheel
         hq = wheel.header_words()
-        parked_word = AL.H_PARKED // 8
+        parked_word = AL.H_PARKED // 8  # wheelctl reads it from the arena
+        status_words = self.status.words  # the clients from the status page
+        status_parked = SL.PARKED_WORD
         park_epoch = hq[AL.H_WAKE_SEQ // 8]
         max_park = self.config.max_park_ms
         watchdog_s = self.notifier.watchdog_interval_s()
@@ -501,10 +640,11 @@ class Daemon:
             park_epoch += 1  # a new epoch: each client rings at most once per park
             hq[AL.H_WAKE_SEQ // 8] = park_epoch
             hq[parked_word] = park_epoch
+            status_words[status_parked] = park_epoch
             _full_fence()
             gather = self._rings_pending()
             if gather and not coalesce_ns:
-                hq[parked_word] = 0
+                hq[parked_word] = status_words[status_parked] = 0
                 continue
             next_deadline = wheel.next_deadline()
             now = mono_ms()
@@ -531,7 +671,7 @@ class Daemon:
                     self._park_handle.cancel()
                     self._park_handle = None
                 self.totals["wakeups_total"] += 1
-            hq[parked_word] = 0
+            hq[parked_word] = status_words[status_parked] = 0
 
     def _soft_wake(self) -> None:
         """A doorbell nobody waits on (commands pushed, no flush, room in the ring): wake
@@ -557,7 +697,7 @@ class Daemon:
 
     def _rings_pending(self) -> bool:
         for cs in self.clients.values():
-            if not cs.poisoned:
+            if not cs.poisoned and cs.segment is not None:
                 try:
                     if cs.segment.depth():
                         return True
@@ -578,7 +718,7 @@ class Daemon:
         for cs in list(self.clients.values()):
             if stop_at_ms is not None and mono_ms() >= stop_at_ms:
                 break
-            if cs.poisoned:
+            if cs.poisoned or cs.segment is None:
                 continue
             try:
                 if cs.segment.depth() == cs.segment.ring_capacity:
@@ -660,9 +800,10 @@ class Daemon:
         if stamp and stamp != self.arena_epoch:
             log.debug("client slot %d: ignored an ack for (%d, %d) of a previous arena", cs.slot, slot, generation)
             return False
-        if cs.unacked.get(slot) == generation:
-            del cs.unacked[slot]
-            return True
+        for in_flight in (cs.unacked, cs.unacked_old):
+            if in_flight.get(slot) == generation:
+                del in_flight[slot]
+                return True
         try:
             _key, _deadline, group, _tag, _aux, current = self.wheel.fired(slot)
         except InvalidRequest:
@@ -670,8 +811,10 @@ class Daemon:
         if current != generation or group != cs.group:
             return False
         for other in self.clients.values():  # in flight to another member: it is done now
-            if other.group == group and other.unacked.get(slot) == generation:
-                del other.unacked[slot]
+            if other.group == group:
+                for in_flight in (other.unacked, other.unacked_old):
+                    if in_flight.get(slot) == generation:
+                        del in_flight[slot]
         return True
 
     def _apply_one_by_one(self, cs, good, ops, metas, keys, deadlines, seqs, aux0, aux1, flushes, rejects) -> None:
@@ -972,21 +1115,39 @@ class Daemon:
     def _idle_rearmed(self, slot: int, gen: int, aux: int, now: int) -> bool:
         """An idle timer came due: if its key was touched since, put it back on the wheel
         (or, if the key was armed again meanwhile, release it) and return True."""
-        cs = self.clients.get(aux >> CL.TOUCH_INDEX_BITS)
-        if cs is None:
-            return False
-        index = aux & CL.TOUCH_INDEX_MASK
-        try:
-            touched = cs.segment.read_touch(index)
-            idle_ms = cs.segment.read_idle(index)
-        except ProtocolError:
-            return False
-        if not (touched > 0 and idle_ms > 0 and touched + idle_ms > now):
+        rearm = self._idle_deadline(aux, now)
+        if rearm is None:
             return False
         wheel = self.wheel
-        if not wheel.rearm_fired(slot, gen, touched + idle_ms):
+        if not wheel.rearm_fired(slot, gen, rearm[0]):
             wheel.release(slot, gen)  # the key was armed again meanwhile
         return True
+
+    def _idle_deadline(self, aux: int, now: int) -> tuple[int, int] | None:
+        """(when an idle timer that came due at ``now`` must fire instead, its idle_ms),
+        or None to fire it now (idle_ms 0: postponed, see below).
+
+        The last touch and the idle time are read from the client's touch table,
+        which the client writes: impossible values poison that client (its session
+        ends; the timer fires now). A client that has not handed its ring back since
+        a daemon restart has its touches out of reach for a while: its idle timers
+        wait ``_IDLE_WAIT_MS`` at a time, up to ``resume_grace_s``, rather than
+        firing for connections that may well be active."""
+        cs = self.clients.get(aux >> CL.TOUCH_INDEX_BITS)
+        if cs is None or cs.poisoned:
+            return None
+        if cs.segment is None:
+            waited_ms = now - cs.orphan_since
+            return (now + _IDLE_WAIT_MS, 0) if waited_ms < self.config.resume_grace_s * 1000 else None
+        try:
+            activity = cs.segment.read_activity(aux & CL.TOUCH_INDEX_MASK, now)
+        except ProtocolError as exc:
+            self._poison(cs, f"touch table: {exc}")
+            return None
+        if activity is None:
+            return None
+        touched, idle_ms = activity
+        return (touched + idle_ms, idle_ms) if touched + idle_ms > now else None
 
     def _expire_journaled(self, now: int) -> None:
         """:meth:`_expire` one timer at a time, journaling every event (with --journal)."""
@@ -996,7 +1157,6 @@ class Daemon:
             return
         lateness = self._lateness_counts
         bounds = AL.LATENESS_BOUNDS_US
-        clients = self.clients
         queues = self.queues
         started = self.started_ms
         recorder = self.recorder
@@ -1005,20 +1165,13 @@ class Daemon:
         for s in slots:
             key, deadline, group, tag, aux, gen = wheel.fired(s)
             if aux >= 0:  # an idle timer: was it touched since it was armed?
-                cs = clients.get(aux >> CL.TOUCH_INDEX_BITS)
-                if cs is not None:
-                    index = aux & CL.TOUCH_INDEX_MASK
-                    try:
-                        touched = cs.segment.read_touch(index)
-                        idle_ms = cs.segment.read_idle(index)
-                    except ProtocolError:
-                        touched = idle_ms = 0
-                    if touched > 0 and idle_ms > 0 and touched + idle_ms > now:
-                        if wheel.rearm_fired(s, gen, touched + idle_ms):
-                            recorder.idle_rearmed(group, key, deadline, touched + idle_ms, tag, idle_ms)
-                        else:
-                            wheel.release(s, gen)  # the key was armed again meanwhile
-                        continue
+                rearm = self._idle_deadline(aux, now)
+                if rearm is not None:
+                    if wheel.rearm_fired(s, gen, rearm[0]):
+                        recorder.idle_rearmed(group, key, deadline, rearm[0], tag, rearm[1])
+                    else:
+                        wheel.release(s, gen)  # the key was armed again meanwhile
+                    continue
             late_us = (now - deadline) * 1000
             late_sum += late_us
             lateness[bisect.bisect_left(bounds, late_us)] += 1  # bucket i: <= bounds[i], like Prometheus le
@@ -1097,6 +1250,9 @@ class Daemon:
         totals["undelivered"] = sum(len(q) for q in self.queues.values())
         wheel.publish_stats()
         hq = wheel.header_words()
+        counters = AL.H_COUNTERS // 8
+        self.status.publish(wheel.capacity, hq[counters + AL.COUNTER["pending"]],
+                            hq[counters + AL.COUNTER["fired_unacked"]])
         base = AL.H_COUNTERS // 8
         for name, value in totals.items():
             hq[base + AL.COUNTER[name]] = value
@@ -1123,28 +1279,52 @@ class Daemon:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
-                    log.error("accept: %s", exc)
-                    return
-                raise
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._pause_accept(exc)
+                else:
+                    self._log_limiter.warning("accept", "accept: %s", exc)
+                return
             sock.setblocking(False)
             try:
                 pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
             except OSError:
                 pid = uid = gid = -1
+            if self._handshaking[uid] >= self.config.max_handshakes_per_uid:
+                self._log_limiter.warning("handshakes", "uid %d has %d connections without a Hello; closing more",
+                                          uid, self._handshaking[uid])
+                self.totals["clients_refused_total"] += 1
+                sock.close()
+                continue
+            self._handshaking[uid] += 1
             session = Session(self, sock, pid, uid, gid)
             self.sessions.add(session)
             self.loop.add_reader(sock.fileno(), session.on_readable)
             self.loop.call_later(self.config.handshake_timeout_s, self._handshake_deadline, session)
 
+    def _pause_accept(self, exc: OSError) -> None:
+        """Out of descriptors: stop accepting (the listening socket would stay readable and
+        spin the loop) until a session closes or a second has passed."""
+        if self._accept_paused:
+            return
+        self._accept_paused = True
+        self.totals["accept_pauses_total"] += 1
+        self.loop.remove_reader(self._listener.fileno())
+        self._log_limiter.error("accept-paused", "accept paused: %s (%d sessions); resuming when a session closes "
+                                "or in %.0f s", exc.strerror, len(self.sessions), _MAINTAIN_S)
+
+    def _resume_accept(self) -> None:
+        if self._accept_paused and not self._stopping:
+            self._accept_paused = False
+            self.loop.add_reader(self._listener.fileno(), self._on_accept)
+
     def _handshake_deadline(self, session: Session) -> None:
         if not session.closed and session.client is None:
             self.close_session(session, "no Hello within the handshake timeout", goodbye=True)
 
-    def _refuse(self, session: Session, reason: str) -> None:
+    def _refuse(self, session: Session, reason: str, code: str) -> None:
         log.warning("refusing client pid %d uid %d: %s", session.pid, session.uid, reason)
         self.totals["clients_refused_total"] += 1
-        session.send(M.encode_daemon_frame(M.Refused(reason)))
+        session.send(M.encode_daemon_frame(M.Refused(reason, code)))
         self.close_session(session, reason)
 
     def on_message(self, session: Session, message) -> None:
@@ -1157,8 +1337,14 @@ class Daemon:
         if type(message) is M.Hello:
             if session.client is not None:
                 raise ProtocolError("Hello sent twice")
-            self._hello(session, message)
+            fd = session.passed_fds.pop(0) if session.passed_fds else None
+            try:
+                self._hello(session, message, fd)
+            finally:
+                session.close_passed_fds()
             return
+        if session.client is None:
+            raise ProtocolError(f"{type(message).__name__} before Hello")
         if type(message) is M.Bye:
             cs = session.client
             self.close_session(session, "client said bye")
@@ -1168,65 +1354,189 @@ class Daemon:
             return
         raise ProtocolError(f"unexpected {type(message).__name__}")
 
+    # ---- who may do what
+    def _privileged(self, session: Session) -> bool:
+        """Root and the daemon's own uid may use any group (they can read the arena anyway)."""
+        return session.uid == 0 or session.uid == os.geteuid()
+
+    def _gids_of(self, session: Session) -> frozenset[int]:
+        """The peer's primary gid and the supplementary groups of its user (SO_PEERCRED
+        carries only the primary one), cached for a minute."""
+        now = time.monotonic()
+        cached = self._groups_of_uid.get(session.uid)
+        if cached is None or now - cached[0] > 60:
+            try:
+                import pwd
+
+                entry = pwd.getpwuid(session.uid)
+                gids = frozenset(os.getgrouplist(entry.pw_name, entry.pw_gid))
+            except (KeyError, OSError):
+                gids = frozenset()
+            cached = self._groups_of_uid[session.uid] = (now, gids)
+        return cached[1] | {session.gid}
+
     def _allowed(self, session: Session) -> bool:
         cfg = self.config
-        if session.uid == 0 or session.uid == os.getuid():
+        if self._privileged(session):
             return True
         if cfg.allowed_uids is None and cfg.allowed_gids is None:
             return True
-        return (cfg.allowed_uids is not None and session.uid in cfg.allowed_uids) or (
-            cfg.allowed_gids is not None and session.gid in cfg.allowed_gids
-        )
+        if cfg.allowed_uids is not None and session.uid in cfg.allowed_uids:
+            return True
+        return cfg.allowed_gids is not None and not cfg.allowed_gids.isdisjoint(self._gids_of(session))
 
-    def _hello(self, session: Session, hello: M.Hello) -> None:
-        cfg = self.config
-        if hello.protocol_version != M.PROTOCOL_VERSION:
-            self._refuse(session, f"protocol version {hello.protocol_version} not supported (daemon speaks {M.PROTOCOL_VERSION})")
+    def _group_owner(self, group_name: str, group: int | None) -> tuple[int, int] | None:
+        """(kind, id) of whoever owns a group: ``--group-owner``, else the first uid that
+        joined it (kept in the client table), else nobody yet."""
+        static = self._static_owners.get(group_name)
+        if static is not None:
+            return static
+        if group is None:
+            return None
+        kind, ident = CL.OWNER.unpack_from(self._clients_buf, CL.owner_offset(group))
+        return None if kind == CL.OWNER_NONE else (kind, ident)
+
+    def _may_join(self, session: Session, owner: tuple[int, int] | None) -> bool:
+        if owner is None or self._privileged(session):
+            return True
+        kind, ident = owner
+        if kind == CL.OWNER_UID:
+            return session.uid == ident
+        return ident in self._gids_of(session)
+
+    def _claim(self, session: Session, group_name: str, group: int) -> None:
+        if self._privileged(session) or group_name in self._static_owners:
             return
-        if not self._allowed(session):
-            self._refuse(session, f"uid {session.uid} gid {session.gid} is not allowed to use this wheeld")
-            return
+        if CL.OWNER.unpack_from(self._clients_buf, CL.owner_offset(group))[0] == CL.OWNER_NONE:
+            CL.OWNER.pack_into(self._clients_buf, CL.owner_offset(group), CL.OWNER_UID, session.uid)
+            log.info("group %r (id %d) now belongs to uid %d", group_name, group, session.uid)
+
+    # ---- the handshake
+    def _hello(self, session: Session, hello: M.Hello, fd: int | None) -> None:
+        """Open a session: checks, the group, the ring (resumed, adopted or new), Welcome.
+        ``fd`` is the ring the client handed back, if any; it is consumed or closed."""
+        passed = _Passed(fd)
         try:
-            group = self.wheel.group_id(hello.group)
-        except (InvalidRequest, ArenaFull) as exc:
-            self._refuse(session, str(exc))
+            admitted = self._admit(session, hello, passed)
+        finally:
+            passed.close()
+        if admitted is None:
             return
-        cs = None
-        if hello.resume_segment:
-            cs = next((c for c in self.clients.values() if c.segment.name == hello.resume_segment), None)
-            if cs is None or cs.token != hello.resume_token or cs.session is not None or cs.poisoned or cs.group != group:
-                log.info("client pid %d could not resume %s; it gets a new segment", session.pid, hello.resume_segment)
-                cs = None
-        if cs is None:
-            slot = next((s for s in range(min(cfg.max_clients, CL.MAX_CLIENTS)) if s not in self.clients), None)
-            if slot is None:
-                self._refuse(session, "too many clients")
-                return
-            seg_name = f"{segment_prefix(cfg.name)}{slot}-{secrets.token_hex(4)}"
-            # The ring is the client's alone: its uid owns it (a root daemon hands it over) and
-            # nobody else may open it. A non-root daemon serving another uid can only share it
-            # through the group (the systemd unit's wheeld-clients, with UMask=0007).
-            owner_uid = session.uid if os.getuid() == 0 and session.uid > 0 else None
-            same_user = owner_uid is not None or session.uid == os.getuid()
-            segment = ClientSegment.create(seg_name, cfg.ring_capacity, cfg.touch_capacity,
-                                           mode=0o600 if same_user else 0o660, owner_uid=owner_uid)
-            cs = ClientSlot(slot, segment, secrets.randbits(63), group, hello.group, session.pid)
-            self.clients[slot] = cs
+        cs, resumed = admitted
+        self._handshaking[session.uid] -= 1
         cs.pid = session.pid
         cs.session = session
         session.client = cs
         self._write_client_entry(cs.slot, cs)
-        self.members[group].append(session)
+        self.members[cs.group].append(session)
         self.totals["clients_total"] += 1
-        session.send(M.encode_daemon_frame(M.Welcome(
-            M.PROTOCOL_VERSION, cs.slot, cs.segment.name, cs.segment.ring_capacity, cs.segment.touch_capacity,
-            self.wheel.name or "", self.wheel.tick_ms, MAX_DELAY_MS, cs.token, self.arena_epoch,
-        )))
-        log.info("client pid %d uid %d joined group %r (slot %d, segment %s)",
-                 session.pid, session.uid, hello.group, cs.slot, cs.segment.name)
+        status = self.status.readonly_fd
+        welcome = M.Welcome(
+            M.PROTOCOL_VERSION, cs.slot, cs.label, cs.segment.ring_capacity, cs.segment.touch_capacity,
+            self.wheel.name or "", self.wheel.tick_ms, MAX_DELAY_MS, self._token(cs.slot, cs.label), self.arena_epoch,
+            status is not None, resumed,
+        )
+        session.send_with_fds(M.encode_daemon_frame(welcome), [cs.segment.fd] + ([status] if status is not None else []))
+        log.info("client pid %d uid %d joined group %r (slot %d, ring %s%s)", session.pid, session.uid, hello.group,
+                 cs.slot, cs.label, ", handed back" if resumed else "")
         self.wake()
 
-    def close_session(self, session: Session, reason: str, goodbye: bool = False) -> None:
+    def _admit(self, session: Session, hello: M.Hello, passed: _Passed) -> tuple[ClientSlot, bool] | None:
+        """The checks of a Hello and (the client slot it gets, whether the ring it handed
+        back is that slot's ring), or None when it is refused."""
+        cfg = self.config
+        if hello.protocol_version != M.PROTOCOL_VERSION:
+            self._refuse(session, f"protocol version {hello.protocol_version} not supported (this daemon speaks "
+                                  f"{M.PROTOCOL_VERSION}); upgrade the client library", M.Refused.VERSION)
+            return None
+        if not self._allowed(session):
+            self._refuse(session, f"uid {session.uid} gid {session.gid} is not allowed to use this wheeld",
+                         M.Refused.NOT_ALLOWED)
+            return None
+        try:
+            existing = self.wheel.group_id(hello.group, create=False)
+        except KeyError:
+            existing = None
+        except InvalidRequest as exc:
+            self._refuse(session, str(exc), M.Refused.BAD_REQUEST)
+            return None
+        owner = self._group_owner(hello.group, existing)
+        if not self._may_join(session, owner):
+            kind = "uid" if owner[0] == CL.OWNER_UID else "group id"
+            self._refuse(session, f"group {hello.group!r} belongs to {kind} {owner[1]}; uid {session.uid} may not "
+                                  f"join it", M.Refused.NOT_ALLOWED)
+            return None
+        try:
+            group = existing if existing is not None else self.wheel.group_id(hello.group)
+        except ArenaFull as exc:
+            self._refuse(session, f"{exc}: groups with no member and nothing pending are reclaimed; use fewer "
+                                  f"group names or a larger --max-groups", M.Refused.GROUP_LIMIT)
+            return None
+        self._claim(session, hello.group, group)
+        if passed.fd is not None:
+            cs = self._resumed_slot(session, hello, group, passed)
+            if cs is not None:
+                return cs, True
+        slot = self._free_slot_number(hello.resume_segment)
+        if slot is None:
+            self._refuse(session, "too many clients", M.Refused.BUSY)
+            return None
+        label = f"{segment_prefix(cfg.name)}{slot}-{secrets.token_hex(4)}"
+        segment = None
+        if passed.fd is not None:  # a ring from a daemon that is gone (a reboot): its commands are still to apply
+            try:
+                segment = ClientSegment.adopt(passed.take(), label, cfg.ring_capacity, cfg.touch_capacity)
+            except ProtocolError as exc:
+                log.warning("client pid %d handed back an unusable ring (%s); it gets a new one", session.pid, exc)
+        resumed = segment is not None
+        if segment is None:
+            segment = ClientSegment.create(label, cfg.ring_capacity, cfg.touch_capacity)
+        cs = ClientSlot(slot, segment, label, group, hello.group, session.pid, session.uid)
+        self.clients[slot] = cs
+        self._by_label[label] = cs
+        return cs, resumed
+
+    def _resumed_slot(self, session: Session, hello: M.Hello, group: int, passed: _Passed) -> ClientSlot | None:
+        """The slot a reconnecting client had, if its token proves it and the ring it handed
+        back is that slot's ring (this daemon's, or one to adopt after a restart)."""
+        cs = self._by_label.get(hello.resume_segment)
+        if (cs is None or cs.session is not None or cs.poisoned or cs.group != group or cs.uid != session.uid
+                or not hmac.compare_digest(self._token(cs.slot, cs.label).to_bytes(8, "little"),
+                                           hello.resume_token.to_bytes(8, "little"))):
+            return None
+        if cs.segment is not None:  # this daemon still drains it: the client lost its connection
+            return cs if cs.segment.same_file(passed.fd) else None
+        try:
+            cs.segment = ClientSegment.adopt(passed.take(), cs.label, self.config.ring_capacity,
+                                             self.config.touch_capacity)
+        except ProtocolError as exc:
+            log.warning("client slot %d: the ring handed back is unusable (%s)", cs.slot, exc)
+            self._release_slot(cs)
+            return None
+        return cs
+
+    def _free_slot_number(self, previous_label: str) -> int | None:
+        """A free client slot: the one the label names when free (a ring from before a
+        reboot keeps its slot, and so its arming tags), else the next one round robin."""
+        limit = min(self.config.max_clients, CL.MAX_CLIENTS)
+        prefix = segment_prefix(self.config.name)
+        if previous_label.startswith(prefix):
+            wanted = previous_label[len(prefix):].partition("-")[0]
+            if wanted.isdigit() and int(wanted) < limit and int(wanted) not in self.clients:
+                return int(wanted)
+        for offset in range(limit):
+            slot = (self._next_slot + offset) % limit
+            if slot not in self.clients:
+                self._next_slot = slot + 1
+                return slot
+        return None
+
+    def _token(self, slot: int, label: str) -> int:
+        """The resume token of a slot: an HMAC under the instance secret, never stored."""
+        digest = hmac.new(self.lock.secret, f"{slot}:{label}".encode(), "sha256").digest()
+        return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+    def close_session(self, session: Session, reason: str, goodbye: bool = False, resume: bool = False) -> None:
         if session.closed:
             return
         if goodbye:
@@ -1235,6 +1545,7 @@ class Daemon:
             except OSError:
                 pass
         session.closed = True
+        session.close_passed_fds()
         self.sessions.discard(session)
         fd = session.sock.fileno()
         if fd >= 0:
@@ -1242,8 +1553,12 @@ class Daemon:
             if session.writing:
                 self.loop.remove_writer(fd)
         session.sock.close()
+        self._resume_accept()
         cs = session.client
         if cs is None:
+            self._handshaking[session.uid] -= 1
+            if self._handshaking[session.uid] <= 0:
+                del self._handshaking[session.uid]
             log.info("connection from pid %d closed before the handshake: %s", session.pid, reason)
             return
         log.info("client pid %d (slot %d, group %s) left: %s", session.pid, cs.slot, cs.group_name, reason)
@@ -1252,48 +1567,146 @@ class Daemon:
             members.remove(session)
         cs.session = None
         cs.orphan_since = mono_ms()
-        if not cs.poisoned:
+        if not cs.poisoned and not resume:
             self._apply(cs)  # acks it pushed before it went are applied before we redeliver
-        if cs.unacked:
-            queue = self.queues[cs.group]
-            now = mono_ms()
-            for s, gen in cs.unacked.items():
-                queue.appendleft((s, gen, now, False))
-            self.totals["redelivered_total"] += len(cs.unacked)
-            cs.unacked.clear()
+        self._requeue(cs.take_unacked(), cs.group)
         self.wake()
 
+    def _requeue(self, pairs: list[tuple[int, int]], group: int) -> None:
+        """Expirations in flight to a client that is gone (or too slow) go to the front of its group's queue."""
+        if pairs:
+            queue = self.queues[group]
+            now = mono_ms()
+            queue.extendleft((s, gen, now, False) for s, gen in reversed(pairs))
+            self.totals["redelivered_total"] += len(pairs)
+
     def _collect_orphans(self, now: int) -> None:
-        """Forget client segments whose client is gone, whose ring is empty and which
-        no idle timer refers to any more."""
+        """Forget client slots whose client is gone: once the ring is drained and no idle
+        timer refers to the touch table any more; a slot waiting for its client after a
+        restart once ``resume_grace_s`` has passed; a poisoned slot at once."""
         orphans = [cs for cs in self.clients.values() if cs.session is None and now - cs.orphan_since >= _GC_INTERVAL_MS]
         if not orphans:
             return
+        referenced = self._touch_references()
+        grace_ms = self.config.resume_grace_s * 1000
+        for cs in orphans:
+            if cs.segment is None:
+                if now - cs.orphan_since < grace_ms:
+                    continue
+                log.warning("client slot %d (pid %d) did not come back within %.0f s; its ring is forgotten",
+                            cs.slot, cs.pid, self.config.resume_grace_s)
+            elif not cs.poisoned:
+                try:
+                    if cs.segment.depth():
+                        continue
+                except ProtocolError:
+                    pass
+                if cs.slot in referenced:
+                    continue
+            self._release_slot(cs, referenced)
+
+    def _touch_references(self) -> set[int]:
+        """Client slots whose touch table some live idle timer refers to."""
         rec = self.wheel.records
         first = self.wheel.first_entry
         aux = rec["aux"][first:]
         state = rec["state"][first:] & AL.STATE_MASK
         live_aux = aux[(state != AL.FREE) & (aux >= 0)] >> CL.TOUCH_INDEX_BITS
-        referenced = set(np.unique(live_aux).tolist())
-        for cs in orphans:
-            try:
-                if not cs.poisoned and cs.segment.depth():
-                    continue
-            except ProtocolError:
-                pass
-            if cs.slot in referenced and not cs.poisoned:
-                continue
-            log.info("client slot %d (pid %d) released: segment %s unlinked", cs.slot, cs.pid, cs.segment.name)
-            cs.segment.unlink()
+        return set(np.unique(live_aux).tolist())
+
+    def _release_slot(self, cs: ClientSlot, referenced: set[int] | None = None) -> None:
+        """Forget a client slot. Idle timers that still refer to its touch table become
+        plain timers (their deadline stays): the slot may be given to another client."""
+        if referenced is None:
+            referenced = self._touch_references()
+        if cs.slot in referenced:
+            rec = self.wheel.records
+            first = self.wheel.first_entry
+            aux = rec["aux"][first:]
+            mine = (aux >= 0) & ((aux >> CL.TOUCH_INDEX_BITS) == cs.slot) & ((rec["state"][first:] & AL.STATE_MASK) != AL.FREE)
+            aux[mine] = -1
+            log.info("client slot %d: %d idle timers lose their touch table and fire at their deadline",
+                     cs.slot, int(mine.sum()))
+        log.info("client slot %d (pid %d) released", cs.slot, cs.pid)
+        if cs.segment is not None:
             cs.segment.close()
-            del self.clients[cs.slot]
-            self._write_client_entry(cs.slot, None)
+        del self.clients[cs.slot]
+        self._by_label.pop(cs.label, None)
+        self._write_client_entry(cs.slot, None)
+
+    # ---- bookkeeping, once a second
+    def _maintain(self) -> None:
+        """Frames that never complete, expirations nobody acknowledges, a paused accept."""
+        self._maintain_handle = self.loop.call_later(_MAINTAIN_S, self._maintain)
+        now = time.monotonic()
+        timeout = self.config.frame_timeout_s
+        for session in [s for s in self.sessions if s.partial_since and now - s.partial_since > timeout]:
+            self.close_session(session, f"a frame stayed incomplete for more than {timeout:.0f} s", goodbye=True)
+        self._resume_accept()
+        if now - self._last_ack_rotation >= self.config.ack_timeout_s / 2:
+            self._last_ack_rotation = now
+            self._rotate_unacked()
+
+    def _rotate_unacked(self) -> None:
+        """Whatever a client left unacknowledged for ``ack_timeout_s / 2 .. ack_timeout_s``
+        is sent again, to any member of its group (the client library drops a repeat it
+        already handed over), and counted."""
+        for cs in self.clients.values():
+            overdue = list(cs.unacked_old.items())
+            cs.unacked_old, cs.unacked = cs.unacked, {}
+            if overdue:
+                self.totals["ack_timeouts_total"] += len(overdue)
+                self._log_limiter.warning(
+                    "ack-timeout", "client slot %d (pid %d, group %s) left %d expirations unacknowledged for over "
+                    "%.0f s; they are sent again", cs.slot, cs.pid, cs.group_name, len(overdue),
+                    self.config.ack_timeout_s / 2)
+                self._requeue(overdue, cs.group)
+        self.wake()
+
+
+class _Passed:
+    """A descriptor a client passed: taken by whoever keeps it, else closed."""
+
+    def __init__(self, fd: int | None):
+        self.fd = fd
+
+    def take(self) -> int:
+        fd, self.fd = self.fd, None
+        return fd
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.take())
+
+
+class _LogLimiter:
+    """At most one line per ``_LOG_EVERY_S`` per topic, saying how many were held back."""
+
+    def __init__(self):
+        self._last: dict[str, float] = {}
+        self._held: collections.Counter = collections.Counter()
+
+    def warning(self, topic: str, message: str, *args) -> None:
+        self._log(logging.WARNING, topic, message, args)
+
+    def error(self, topic: str, message: str, *args) -> None:
+        self._log(logging.ERROR, topic, message, args)
+
+    def _log(self, level: int, topic: str, message: str, args) -> None:
+        now = time.monotonic()
+        if now - self._last.get(topic, -_LOG_EVERY_S) < _LOG_EVERY_S:
+            self._held[topic] += 1
+            return
+        self._last[topic] = now
+        held = self._held.pop(topic, 0)
+        log.log(level, message + (f" ({held} more like this since the last one)" if held else ""), *args)
 
 
 _DAEMON_TOTALS = (
     "ring_depth", "ring_full_total", "commands_total", "rejected_total", "clients_total", "clients_refused_total", "clients_dropped_total",
     "delivered_total", "redelivered_total", "wakeups_total", "loop_iterations_total", "daemon_restarts_total", "daemon_pid",
     "daemon_started_ms", "daemon_heartbeat_ms", "clients_connected", "groups_active", "undelivered",
+    "ack_timeouts_total", "arenas_set_aside_total", "accept_pauses_total",
 )
 
 

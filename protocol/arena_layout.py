@@ -159,6 +159,9 @@ COUNTER_NAMES = (
     "pending_level_13",
     "pending_level_14",
     "pending_due",
+    "ack_timeouts_total",  # expirations sent again because their client left them unacknowledged
+    "arenas_set_aside_total",  # unusable arenas renamed out of the way at start-up
+    "accept_pauses_total",  # times the daemon stopped accepting for lack of descriptors
 )
 COUNTERS = 64
 assert len(COUNTER_NAMES) <= COUNTERS

@@ -12,10 +12,17 @@ BrokenResourceError is the model):
 ``BackPressure``       expected and temporary: retry later or shed load
 ``RingFull``           ...the client's command ring stayed full past the timeout
 ``ArenaFull``          ...every entry record of the arena is in use
+``QuotaExceeded``      ......the group holds its quota of records (``--group-quota``)
+``GroupLimit``         ......every group id is in use (``--max-groups``)
+``Timeout``            ...the daemon did not answer in time (also a ``TimeoutError``)
 ``ProtocolError``      a peer sent something that does not decode (garbage,
                        wrong version, bad checksum); the peer is at fault
+``NotAllowed``         the daemon refuses this user: not an allowed uid/gid, or a
+                       group owned by someone else
 ``Closed``             the caller used something it had closed itself
+``ForkedClient``       ...a client used in a child process it was inherited by
 ``BrokenPeer``         the other side died or vanished (daemon gone, client gone)
+``DaemonNotRunning``   ...nothing listens on the socket (no such file, refused)
 ``CorruptArena``       the shared-memory arena fails its invariants or its header
                        does not describe a wheeld arena
 =====================  ==========================================================
@@ -52,16 +59,45 @@ class ArenaFull(BackPressure):
     """No free entry record is left in the arena."""
 
 
+class QuotaExceeded(ArenaFull):
+    """The group already holds its quota of pending + unacknowledged timers
+    (``wheeld --group-quota``); other groups are not affected."""
+
+
+class GroupLimit(ArenaFull):
+    """Every group id of the arena is in use. Groups with no connected member and
+    nothing pending or unacknowledged are reclaimed; use fewer group names, or
+    raise ``wheeld --max-groups`` (takes effect for a new arena)."""
+
+
+class Timeout(BackPressure, TimeoutError):
+    """The daemon did not answer within the timeout (a ``flush()``, a handshake)."""
+
+
 class ProtocolError(WheeldError):
     """A peer sent bytes that are not a valid message of this protocol version."""
+
+
+class NotAllowed(WheeldError):
+    """The daemon refuses this user: its uid/gid is not allowed, or the group
+    belongs to another owner (``wheeld --allow-*``, ``--group-owner``)."""
 
 
 class Closed(WheeldError):
     """The object was closed by its owner and cannot be used any more."""
 
 
+class ForkedClient(Closed):
+    """A client object used in a child process that inherited it through ``fork()``.
+    The session belongs to the parent; connect again in the child."""
+
+
 class BrokenPeer(WheeldError):
     """The other side (daemon or client) died or went away."""
+
+
+class DaemonNotRunning(BrokenPeer):
+    """No daemon listens on the socket path (no such file, or connection refused)."""
 
 
 class CorruptArena(WheeldError):

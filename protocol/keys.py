@@ -39,7 +39,10 @@ def encode_key(key: Key) -> tuple[bytes, int]:
         data = key
         kind = TYPE_BYTES
     elif cls is str:
-        data = key.encode("utf-8")
+        try:
+            data = key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidKey("a str key must be encodable as UTF-8 (it holds a lone surrogate)") from None
         kind = TYPE_STR
     elif cls is int:
         if not _INT_MIN <= key <= _INT_MAX:
@@ -50,8 +53,7 @@ def encode_key(key: Key) -> tuple[bytes, int]:
         data = bytes(key)
         kind = TYPE_BYTES
     elif isinstance(key, str):
-        data = str(key).encode("utf-8")
-        kind = TYPE_STR
+        return encode_key(str(key))
     elif isinstance(key, int) and not isinstance(key, bool):
         return encode_key(int(key))
     else:

@@ -13,9 +13,10 @@ direction, inside a length-prefixed frame (:mod:`wheeld.protocol.framing`)::
 A session::
 
     client                                   daemon
-    Hello(version, group, pid, name)  --->
+    Hello(version, group, pid, name)  --->   (+ the old ring's memfd when resuming)
                                       <---   Welcome(version, client_id, segment_name, ...)
-                                             (or Refused(reason) and close)
+                                             + SCM_RIGHTS: the ring's memfd, the status page
+                                             (or Refused(reason, code) and close)
     ...pushes commands into the ring; Doorbell() only when the daemon is parked...
                                       <---   Expirations([Expiry, ...])
                                       <---   Applied(seq)                after FLUSH(seq)
@@ -52,7 +53,9 @@ from .errors import InvalidKey, InvalidRequest, ProtocolError
 from .keys import KEY_BYTES, TYPE_STR, Key, decode_key, encode_key, valid_key_meta
 from .ring_layout import MAX_RING_CAPACITY, MAX_TOUCH_CAPACITY, MIN_RING_CAPACITY
 
-PROTOCOL_VERSION = 1
+#: 2: rings are sealed memfds passed with SCM_RIGHTS alongside Hello/Welcome, a
+#: read-only status page replaces reading the arena, Refused carries a code
+PROTOCOL_VERSION = 2
 
 U8 = Annotated[int, msgspec.Meta(ge=0, le=0xFF)]
 U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
@@ -97,7 +100,12 @@ class _Message(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Hello(_Message, tag="hello"):
-    """First message of a session: who the client is and which key group it uses."""
+    """First message of a session: who the client is and which key group it uses.
+
+    A client that had a session hands its ring back: the memfd travels as
+    ``SCM_RIGHTS`` data with this frame, and ``resume_segment``/``resume_token``
+    name it. The daemon adopts it (seals and header checked) so commands pushed
+    while no daemon ran are applied."""
 
     protocol_version: U32
     group: NonEmptyName
@@ -130,7 +138,11 @@ ClientMessage = Union[Hello, Doorbell, Bye]
 
 
 class Welcome(_Message, tag="welcome"):
-    """The session is open: attach ``segment_name`` and push commands."""
+    """The session is open: map the ring passed with this frame and push commands.
+
+    ``SCM_RIGHTS`` data with this frame: the ring's memfd, then (``status_page``)
+    the read-only status page. ``resumed``: the ring the client handed back is the
+    one it keeps (its unapplied commands will be applied)."""
 
     protocol_version: U32
     client_id: NonNegativeI64
@@ -146,6 +158,8 @@ class Welcome(_Message, tag="welcome"):
     #: and generations in expirations mean something only within one arena; acks carry
     #: it back in the ACK record's ``seq``
     arena_epoch: U32 = 0
+    status_page: bool = False
+    resumed: bool = False
 
     def __post_init__(self) -> None:
         if self.ring_capacity & (self.ring_capacity - 1):
@@ -153,9 +167,17 @@ class Welcome(_Message, tag="welcome"):
 
 
 class Refused(_Message, tag="refused"):
-    """The daemon will not open a session (wrong version, too many clients...); it closes next."""
+    """The daemon will not open a session; it closes next. ``code`` says why, for the
+    client to raise the right error (see REFUSE_CODES)."""
 
     reason: Reason
+    code: Code = ""
+
+    VERSION: ClassVar[str] = "version"  # protocol version not spoken
+    NOT_ALLOWED: ClassVar[str] = "not_allowed"  # uid/gid not allowed, or the group has another owner
+    GROUP_LIMIT: ClassVar[str] = "group_limit"  # every group id is in use
+    BAD_REQUEST: ClassVar[str] = "bad_request"  # e.g. an invalid group name
+    BUSY: ClassVar[str] = "busy"  # too many clients
 
 
 class Expiry(msgspec.Struct, frozen=True, array_like=True):
@@ -210,6 +232,7 @@ class Rejected(_Message, tag="rejected"):
     code: Code
 
     ARENA_FULL: ClassVar[str] = "arena_full"
+    QUOTA_EXCEEDED: ClassVar[str] = "quota_exceeded"
     INVALID_DEADLINE: ClassVar[str] = "invalid_deadline"
     INVALID_TOUCH_INDEX: ClassVar[str] = "invalid_touch_index"
     UNKNOWN_KEY: ClassVar[str] = "unknown_key"
@@ -230,8 +253,9 @@ class Rejected(_Message, tag="rejected"):
 
 
 REJECT_CODES = frozenset(
-    {Rejected.ARENA_FULL, Rejected.INVALID_DEADLINE, Rejected.INVALID_TOUCH_INDEX, Rejected.UNKNOWN_KEY}
+    {Rejected.ARENA_FULL, Rejected.QUOTA_EXCEEDED, Rejected.INVALID_DEADLINE, Rejected.INVALID_TOUCH_INDEX, Rejected.UNKNOWN_KEY}
 )
+REFUSE_CODES = frozenset({Refused.VERSION, Refused.NOT_ALLOWED, Refused.GROUP_LIMIT, Refused.BAD_REQUEST, Refused.BUSY})
 
 
 class Goodbye(_Message, tag="goodbye"):

@@ -1,7 +1,8 @@
 """Layout of a per-client segment: header, command ring, touch table. Declared once.
 
-The daemon creates one POSIX shared-memory segment per client session (see
-:mod:`wheeld.shm.ring` for the code and the memory-ordering argument). Every
+The daemon creates one sealed memfd per client session and passes it to that
+client over its socket (see :mod:`wheeld.shm.ring` for the code and the
+memory-ordering argument, :mod:`wheeld.shm.memfd` for the sealing). Every
 offset of that segment is a named constant here, in the style of Agrona's
 ``RingBufferDescriptor``; no other module writes one as a number.
 
@@ -17,11 +18,11 @@ offset of that segment is a named constant here, in the style of Agrona's
       | producer tail u64             | producer_pid i64              |  line 1: written only by the
       +-------------------------------+-------------------------------+  producer (the client)
      80 .. 127 zero
-    128                              136             144
-      +-------------------------------+-------------------------------+
-      | consumer head u64             | closed u64 (0 open, 1 closed) |  line 2: written only by the
-      +-------------------------------+-------------------------------+  consumer (the daemon)
-    144 .. 191 zero
+    128                              136                             144                             152
+      +-------------------------------+-------------------------------+-------------------------------+
+      | consumer head u64             | closed u64 (0 open, 1 closed) | group_full u64 (1: the group  |  line 2: written only
+      +-------------------------------+-------------------------------+ reached its quota)            |  by the consumer
+    152 .. 191 zero                                                   +-------------------------------+  (the daemon)
     192 = RING_OFFSET
       +-----------------------------------------------------------------------------------------------+
       | ring_capacity command records of 64 bytes (wheeld.protocol.commands), slot = sequence & mask  |
@@ -56,7 +57,7 @@ CACHE_LINE = 64
 WORD = 8
 
 MAGIC = int.from_bytes(b"WHLDRING", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: a sealed memfd passed over the socket; group_full
 
 # line 0: the static header (written once by the creator, validated by attach)
 MAGIC_OFFSET = 0
@@ -75,6 +76,7 @@ PRODUCER_PID_OFFSET = PRODUCER_LINE_OFFSET + WORD
 CONSUMER_LINE_OFFSET = 2 * CACHE_LINE
 HEAD_OFFSET = CONSUMER_LINE_OFFSET
 CLOSED_OFFSET = CONSUMER_LINE_OFFSET + WORD
+GROUP_FULL_OFFSET = CONSUMER_LINE_OFFSET + 2 * WORD
 
 HEADER_SIZE = 3 * CACHE_LINE
 RING_OFFSET = HEADER_SIZE
@@ -84,6 +86,7 @@ TAIL_WORD = TAIL_OFFSET // WORD
 PRODUCER_PID_WORD = PRODUCER_PID_OFFSET // WORD
 HEAD_WORD = HEAD_OFFSET // WORD
 CLOSED_WORD = CLOSED_OFFSET // WORD
+GROUP_FULL_WORD = GROUP_FULL_OFFSET // WORD
 
 TOUCH_ENTRY_SIZE = 8  # one i64 per touch index in each of the two touch arrays
 
@@ -92,7 +95,7 @@ MAX_RING_CAPACITY = 1 << 22
 MAX_TOUCH_CAPACITY = 1 << 24
 
 assert STATIC_HEADER.size == RECORD_SIZE_OFFSET + 4 <= PRODUCER_LINE_OFFSET
-assert struct.calcsize("<QQ") <= CACHE_LINE  # tail + pid, head + closed each fit their line
+assert struct.calcsize("<QQQ") <= CACHE_LINE  # tail + pid, head + closed + group_full each fit their line
 assert TAIL_OFFSET % CACHE_LINE == 0 and HEAD_OFFSET % CACHE_LINE == 0
 assert TAIL_OFFSET % WORD == 0 and HEAD_OFFSET % WORD == 0 and CLOSED_OFFSET % WORD == 0
 assert RING_OFFSET % CACHE_LINE == 0 and RECORD_SIZE == CACHE_LINE

@@ -46,6 +46,7 @@ class Segment:
         name = normalize_name(name)
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
         try:
+            os.fchmod(shm.fd, mode)  # exactly ``mode``: shm_open filters it through the umask
             buf = mmap.mmap(shm.fd, size)
         except BaseException:
             shm.close_fd()

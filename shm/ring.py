@@ -1,8 +1,8 @@
 """A client's segment: a lock-free single-producer/single-consumer command ring and a touch table.
 
-The daemon creates one POSIX shared-memory segment per client session
-(:meth:`ClientSegment.create`); the client maps it (:meth:`ClientSegment.attach`)
-and appends 64-byte command records (:mod:`wheeld.protocol.commands`) to the
+The daemon creates one segment per client session (:meth:`ClientSegment.create`):
+a memfd sealed against resizing, passed to that client alone over its Unix socket
+(:mod:`wheeld.shm.memfd`); the client maps it (:meth:`ClientSegment.attach`) and appends 64-byte command records (:mod:`wheeld.protocol.commands`) to the
 ring; the daemon copies them out in batches (:meth:`ClientSegment.drain`). The
 byte layout is declared in :mod:`wheeld.protocol.ring_layout`.
 
@@ -42,7 +42,7 @@ Consumer (drain)::
     4. store(head, head + n)                    # hand the slots back  commit(n)
 
 (``drain`` is both; the daemon peeks, applies the batch, then commits, so a
-daemon killed in between finds the batch again after :meth:`reopen`.)
+daemon killed in between finds the batch again after :meth:`adopt`.)
 
 Why it is safe:
 
@@ -62,7 +62,7 @@ Why it is safe:
 * The producer keeps a private copy of ``tail`` and a cached ``head`` (reloaded
   only when the ring looks full), so a push touches the shared head line rarely.
   The consumer keeps a private ``head`` and does not read it back from the
-  segment (except once, in :meth:`reopen`).
+  segment (except once, in :meth:`adopt`).
 
 What the ring does not give: a store-then-load fence. x86-64 may reorder a store
 with a later load of another address, so a "set parked, then re-check the rings"
@@ -76,7 +76,8 @@ Dead producer
 A client killed in the middle of step 2 never reached step 3: the half-written
 record lies beyond the published tail and the consumer never looks at it. The
 consumer sees an intact prefix of what the client pushed. Nothing has to be
-repaired; the daemon notices the death on the socket and unlinks the segment.
+repaired; the daemon notices the death on the socket, drains what was published
+and then closes the segment.
 ``tests/test_ring_multiprocess.py`` kills producers with SIGKILL mid-stream.
 
 Hostile client
@@ -85,14 +86,21 @@ Hostile client
 The client can write anything anywhere in its segment, including ``head`` and
 ``tail``. The consumer therefore trusts nothing it reads from the segment: it
 uses the capacities it chose at :meth:`create`, keeps ``head`` privately (only
-:meth:`reopen`, after a daemon restart, reads it back), checks
+:meth:`adopt`, after a daemon restart, reads it back), checks
 ``0 <= tail - head <= capacity`` before copying (else :class:`ProtocolError`),
 bound-checks touch indices, and the records it returns still have to pass
 :func:`wheeld.protocol.commands.validate_records`. A client scribbling on its own
-segment can only break its own timers. One thing this module cannot stop: a
-process with write access to a POSIX shm object can ``ftruncate`` it, and the
-daemon would then take SIGBUS touching the missing pages. Sealed memfds
-(``F_SEAL_SHRINK``) passed over the socket would close that hole.
+segment can only break its own timers. It cannot resize the segment either: the
+memfd is sealed (``F_SEAL_SHRINK | F_SEAL_GROW``), so the daemon can never take
+SIGBUS from pages a client truncated away.
+
+Daemon restart
+==============
+
+The client keeps the segment's descriptor. When it reconnects to a restarted
+daemon it passes the descriptor back with its ``Hello``; the new daemon checks
+the seals and the header (:meth:`adopt`) and carries on from the head word the
+old one published, so commands pushed while no daemon ran are applied.
 
 Costs (``python bench/ring.py``): a push is one 56-byte ``struct`` pack, one
 ``crc32``, one ``pack_into`` and one 8-byte store (~0.35 us); a touch is one 8-byte
@@ -109,7 +117,6 @@ import warnings
 import zlib
 
 import numpy as np
-import posix_ipc
 from wheeld.protocol import ring_layout as layout
 from wheeld.protocol.commands import (
     ADD,
@@ -122,6 +129,8 @@ from wheeld.protocol.commands import (
 )
 from wheeld.protocol.errors import BrokenPeer, Closed, InvalidRequest, ProtocolError
 
+from . import memfd
+
 SUPPORTED_MACHINES = ("x86_64", "AMD64")
 if platform.machine() not in SUPPORTED_MACHINES:  # pragma: no cover - CI is x86-64
     warnings.warn(
@@ -129,8 +138,6 @@ if platform.machine() not in SUPPORTED_MACHINES:  # pragma: no cover - CI is x86
         RuntimeWarning,
         stacklevel=2,
     )
-
-DEFAULT_MODE = 0o600
 
 _crc32 = zlib.crc32
 _pack_checked = CHECKED.pack
@@ -140,6 +147,8 @@ _pack_add_into = ADD_RECORD.pack_into
 _TAIL_WORD = layout.TAIL_WORD
 _HEAD_WORD = layout.HEAD_WORD
 _EMPTY = np.zeros(0, dtype=RECORD_DTYPE)
+#: the longest idle timeout (about 24.8 days): an ADD_IDLE's aux0 is a signed 32-bit field
+MAX_IDLE_MS = (1 << 31) - 1
 
 
 class ClientSegment:
@@ -150,8 +159,10 @@ class ClientSegment:
     consumer.
     """
 
-    def __init__(self, name: str, segment: mmap.mmap, ring_capacity: int, touch_capacity: int, consumer: bool):
+    def __init__(self, name: str, segment: mmap.mmap, ring_capacity: int, touch_capacity: int, consumer: bool,
+                 fd: int | None = None):
         self.name = name
+        self._fd = fd
         self.ring_capacity = ring_capacity
         self.touch_capacity = touch_capacity
         self.is_consumer = consumer
@@ -173,70 +184,67 @@ class ClientSegment:
         # producer state: private tail, cached head
         self._tail = self._words[_TAIL_WORD]
         self._head_cache = self._words[_HEAD_WORD]
-        # consumer state: private head (never read back from the untrusted segment, except by reopen)
+        # consumer state: private head (never read back from the untrusted segment, except by adopt)
         self._head = 0
         self._peeked = 0  # records returned by the last peek and not yet committed
 
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    def create(
-        cls,
-        name: str,
-        ring_capacity: int,
-        touch_capacity: int,
-        mode: int = DEFAULT_MODE,
-        owner_uid: int | None = None,
-        owner_gid: int | None = None,
-    ) -> ClientSegment:
-        """Create and map a new segment (daemon side); fails if ``name`` exists.
+    def create(cls, name: str, ring_capacity: int, touch_capacity: int) -> ClientSegment:
+        """Create and map a new segment (daemon side): a sealed memfd labelled ``name``.
 
-        ``mode`` is applied exactly (``fchmod``, not filtered by the umask);
-        ``owner_uid``/``owner_gid`` hand the segment to the client's user when the
-        daemon runs as another one (needs the privilege to chown).
+        The descriptor (:attr:`fd`) is what the daemon passes to the client; nothing
+        appears in /dev/shm, and nobody can resize the segment (:mod:`wheeld.shm.memfd`).
         """
         layout.check_capacities(ring_capacity, touch_capacity)
         size = layout.segment_size(ring_capacity, touch_capacity)
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
+        fd = memfd.create_sealed(name, size)
         try:
-            try:
-                os.fchmod(shm.fd, mode)
-                if owner_uid is not None or owner_gid is not None:
-                    os.fchown(shm.fd, -1 if owner_uid is None else owner_uid, -1 if owner_gid is None else owner_gid)
-                segment = mmap.mmap(shm.fd, size)
-            finally:
-                shm.close_fd()
+            segment = mmap.mmap(fd, size)
         except BaseException:
-            _unlink_quietly(name)
+            os.close(fd)
             raise
-        # the segment is zero-filled by ftruncate; magic goes last so a half-built header never validates
+        # the memfd is zero-filled; magic goes last so a half-built header never validates
         layout.STATIC_HEADER.pack_into(segment, 0, 0, layout.LAYOUT_VERSION, ring_capacity, touch_capacity, RECORD.size)
         struct.pack_into("<Q", segment, layout.MAGIC_OFFSET, layout.MAGIC)
-        return cls(name, segment, ring_capacity, touch_capacity, consumer=True)
+        return cls(name, segment, ring_capacity, touch_capacity, consumer=True, fd=fd)
 
     @classmethod
-    def attach(cls, name: str, producer_pid: int | None = None) -> ClientSegment:
-        """Map an existing segment as its producer (client side) and record our pid in it.
+    def attach(cls, fd: int, name: str = "", producer_pid: int | None = None) -> ClientSegment:
+        """Map the segment the daemon passed (client side) and record our pid in it.
 
-        Raises BrokenPeer if the segment does not exist and ProtocolError if it is
-        not a wheeld ring segment of this layout version.
+        Takes ownership of ``fd`` (closed by :meth:`close`; the client keeps it to hand
+        the ring back after a daemon restart). ProtocolError if it is not a wheeld ring
+        segment of this layout version.
         """
-        self = cls._map_existing(name, consumer=False)
+        self = cls._map_fd(fd, name, consumer=False)
         self._words[layout.PRODUCER_PID_WORD] = os.getpid() if producer_pid is None else producer_pid
         return self
 
     @classmethod
-    def reopen(cls, name: str) -> ClientSegment:
-        """Map an existing segment as its consumer again (a daemon restarted after a crash).
+    def adopt(cls, fd: int, name: str, max_ring_capacity: int = layout.MAX_RING_CAPACITY,
+              max_touch_capacity: int = layout.MAX_TOUCH_CAPACITY) -> ClientSegment:
+        """Map, as its consumer, a segment a client handed back (a daemon restarted).
 
-        The consumer position is read back from the segment's head word: it is the
-        last head the previous daemon published, i.e. everything it had applied.
-        This is the one place the consumer believes a word of the segment: a client
-        that rewrote its head while no daemon ran can only make its own commands be
-        skipped or applied twice, and counters that are impossible raise ProtocolError.
+        The descriptor comes from the client: it must be a memfd sealed against
+        resizing (:func:`~wheeld.shm.memfd.check_sealed`) whose header describes
+        capacities within the given maxima and exactly its size. Takes ownership of
+        ``fd``. The consumer position is read back from the segment's head word: the
+        last head a daemon published, i.e. everything it had applied. This is the one
+        place the consumer believes a word of the segment: a client that rewrote its
+        head can only make its own commands be skipped or applied twice, and counters
+        that are impossible raise ProtocolError.
         """
-        self = cls._map_existing(name, consumer=True)
         try:
+            size = memfd.check_sealed(fd, layout.HEADER_SIZE, layout.segment_size(max_ring_capacity, max_touch_capacity))
+        except BaseException:
+            os.close(fd)
+            raise
+        self = cls._map_fd(fd, name, consumer=True, size=size)
+        try:
+            if self.ring_capacity > max_ring_capacity or self.touch_capacity > max_touch_capacity:
+                raise ProtocolError(f"segment {name!r} has capacities above this daemon's")
             self._head = self._words[_HEAD_WORD]
             self.depth()  # raises ProtocolError if the client left impossible counters
         except BaseException:
@@ -245,18 +253,19 @@ class ClientSegment:
         return self
 
     @classmethod
-    def _map_existing(cls, name: str, consumer: bool) -> ClientSegment:
+    def _map_fd(cls, fd: int, name: str, consumer: bool, size: int | None = None) -> ClientSegment:
         try:
-            shm = posix_ipc.SharedMemory(name)
-        except posix_ipc.ExistentialError:
-            raise BrokenPeer(f"ring segment {name!r} does not exist") from None
-        try:
-            size = shm.size
+            if size is None:
+                size = os.fstat(fd).st_size
             if size < layout.HEADER_SIZE:
                 raise ProtocolError(f"segment {name!r} is {size} bytes, smaller than a ring header")
-            segment = mmap.mmap(shm.fd, size)
-        finally:
-            shm.close_fd()
+            segment = mmap.mmap(fd, size)
+        except OSError as exc:
+            os.close(fd)
+            raise ProtocolError(f"segment {name!r} cannot be mapped: {exc}") from None
+        except BaseException:
+            os.close(fd)
+            raise
         try:
             magic, version, ring_capacity, touch_capacity, record_size = layout.STATIC_HEADER.unpack_from(segment, 0)
             if magic != layout.MAGIC:
@@ -267,19 +276,28 @@ class ClientSegment:
                 layout.check_capacities(ring_capacity, touch_capacity)
             except InvalidRequest as exc:
                 raise ProtocolError(f"segment {name!r} header: {exc}") from None
-            if size < layout.segment_size(ring_capacity, touch_capacity):
-                raise ProtocolError(f"segment {name!r} is {size} bytes, too small for its header")
-            return cls(name, segment, ring_capacity, touch_capacity, consumer=consumer)
+            if size != layout.segment_size(ring_capacity, touch_capacity):
+                raise ProtocolError(f"segment {name!r} is {size} bytes, not the size its header describes")
+            return cls(name, segment, ring_capacity, touch_capacity, consumer=consumer, fd=fd)
         except BaseException:
             segment.close()
+            os.close(fd)
             raise
 
-    def unlink(self) -> None:
-        """Remove the segment's name (idempotent). Existing mappings stay valid."""
-        _unlink_quietly(self.name)
+    @property
+    def fd(self) -> int:
+        """The memfd behind the segment (kept open: the daemon passes it, the client hands it back)."""
+        self._check_open()
+        return self._fd
+
+    def same_file(self, fd: int) -> bool:
+        """Is ``fd`` a descriptor of this very segment?"""
+        mine, other = os.fstat(self._fd), os.fstat(fd)
+        return (mine.st_dev, mine.st_ino) == (other.st_dev, other.st_ino)
 
     def close(self) -> None:
-        """Unmap the segment (idempotent). Records returned by drain() stay valid: they are copies."""
+        """Unmap the segment and close its descriptor (idempotent). Records returned by
+        drain() stay valid: they are copies."""
         if self._closed:
             return
         self._closed = True
@@ -291,6 +309,15 @@ class ClientSegment:
         except BufferError:
             pass  # someone still holds a view; the mapping goes when the last one does
         self._mm = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def forget_descriptor(self) -> None:
+        """Unmap without closing the descriptor's number: in a forked child, whose fd
+        table is a copy, the number may be reused by the time it closes."""
+        self._fd = None
+        self.close()
 
     def __enter__(self) -> ClientSegment:
         return self
@@ -303,6 +330,11 @@ class ClientSegment:
         """True once the daemon marked the session closed (see :meth:`mark_closed`)."""
         self._check_open()
         return self._words[layout.CLOSED_WORD] != 0
+
+    @property
+    def group_full(self) -> bool:
+        """True while the daemon says this client's group reached its quota (see :meth:`set_group_full`)."""
+        return self._words[layout.GROUP_FULL_WORD] != 0
 
     @property
     def producer_pid(self) -> int:
@@ -367,6 +399,34 @@ class ClientSegment:
         self._tail = tail
         self._words[_TAIL_WORD] = tail  # publish: the record stores above are visible first
         return True
+
+    def try_push_record(self, record: bytes) -> bool:
+        """Append a complete 64-byte record (one this client encoded before); False if full."""
+        if len(record) != RECORD.size:
+            raise InvalidRequest(f"a ring record is {RECORD.size} bytes, not {len(record)}")
+        tail = self._tail
+        if tail - self._head_cache >= self._capacity and not self._has_room(tail):
+            return False
+        start = self._ring_offset + ((tail & self._mask) << RECORD_SHIFT)
+        self._mm[start : start + RECORD.size] = record
+        tail += 1
+        self._tail = tail
+        self._words[_TAIL_WORD] = tail  # publish: the record stores above are visible first
+        return True
+
+    def unapplied_records(self) -> list[bytes]:
+        """Producer: the records pushed but not yet handed back by a consumer (head .. tail),
+        oldest first: what a daemon that is gone never applied."""
+        self._check_open()
+        head = self._words[_HEAD_WORD]
+        count = self._tail - head
+        if not 0 <= count <= self._capacity:
+            return []  # impossible counters: nothing trustworthy to re-send
+        out = []
+        for position in range(head, self._tail):
+            start = self._ring_offset + ((position & self._mask) << RECORD_SHIFT)
+            out.append(bytes(self._mm[start : start + RECORD.size]))
+        return out
 
     def _has_room(self, tail: int) -> bool:
         """Slow path of a push that found the cached head too old: reload head."""
@@ -481,13 +541,30 @@ class ClientSegment:
         self._check_open()
         return self._idle[index]
 
-    def read_touches(self, indices) -> np.ndarray:
-        """Vectorised :meth:`read_touch`: an int64 array of last-touch ms for ``indices``."""
-        self._check_open()
-        indices = np.asarray(indices, dtype=np.int64)
-        if indices.size and (indices.min() < 0 or indices.max() >= self.touch_capacity):
-            raise ProtocolError(f"touch index outside the table of {self.touch_capacity}")
-        return np.asarray(self._last_touch, dtype=np.int64)[indices]
+    def read_activity(self, index: int, now_ms: int) -> tuple[int, int] | None:
+        """An idle timer's (last_touch_ms, idle_ms) at touch ``index``, checked, or None.
+
+        The two words are the client's to write, so they are checked before the daemon
+        computes a deadline from them: None when the key carries no activity (either
+        word is 0); ProtocolError when they are impossible: an index outside the table,
+        a touch later than ``now_ms + 1`` (a touch stores the clock rounded up), a
+        negative one, or an ``idle_ms`` outside ``1 .. MAX_IDLE_MS``. So
+        ``last_touch_ms + idle_ms`` always fits the wheel's range.
+        """
+        touched = self.read_touch(index)
+        idle_ms = self._idle[index]
+        if touched == 0 or idle_ms == 0:
+            return None
+        if not 0 < touched <= now_ms + 1:
+            raise ProtocolError(f"touch index {index}: last touch {touched} ms is not a time before now ({now_ms})")
+        if not 0 < idle_ms <= MAX_IDLE_MS:
+            raise ProtocolError(f"touch index {index}: idle_ms {idle_ms} is outside 1..{MAX_IDLE_MS}")
+        return touched, idle_ms
+
+    def set_group_full(self, full: bool) -> None:
+        """Consumer: tell the producer whether its group is at its quota (``add`` then
+        raises QuotaExceeded before it reaches the daemon)."""
+        self._words[layout.GROUP_FULL_WORD] = 1 if full else 0
 
     def mark_closed(self) -> None:
         """Consumer: tell the producer this session is over (its next full-ring push raises BrokenPeer)."""
@@ -498,10 +575,3 @@ class ClientSegment:
         role = "consumer" if self.is_consumer else "producer"
         state = "closed" if self._closed else f"ring_capacity={self.ring_capacity}"
         return f"<ClientSegment {self.name!r} {role} {state}>"
-
-
-def _unlink_quietly(name: str) -> None:
-    try:
-        posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        pass
