@@ -47,7 +47,7 @@ def _private_daemon(capacity: int):
     daemon = Daemon(Config(socket_path="/nonexistent/wheeld.sock", name="bench-paths"))
     daemon.wheel = TimerWheel.create(capacity, start_ms=1000)
     daemon.arena_epoch = 77
-    slot = ClientSlot(3, None, 0, daemon.wheel.group_id("g"), "g", os.getpid())
+    slot = ClientSlot(3, None, "bench", daemon.wheel.group_id("g"), "g", os.getpid(), os.getuid())
     daemon.clients[3] = slot
     return daemon, slot
 

@@ -31,7 +31,24 @@ from .config import Config, default_name, default_socket_path
               help="Allow this user (name or uid) to connect; repeatable. Without any --allow-*, anyone who can "
                    "open the socket may (the socket's mode and group decide). The daemon's own uid and root always may.")
 @click.option("--allow-group", "allow_groups", multiple=True, metavar="GROUP",
-              help="Allow members of this group (name or gid; primary group of the peer) to connect; repeatable.")
+              help="Allow members of this group (name or gid; the peer's primary or supplementary groups) to "
+                   "connect; repeatable.")
+@click.option("--monitor-group", default=None, metavar="GROUP",
+              help="Members of this group may read the arena and the client table (wheelctl stats, dump, "
+                   "groups, check); without it only the daemon's user and root can. The daemon must belong to it.")
+@click.option("--group-owner", "group_owners", multiple=True, metavar="NAME=UID|@GROUP",
+              help="Only this user (name or uid), or members of @GROUP, may join timer group NAME; repeatable. "
+                   "A group not listed belongs to the first user that joins it.")
+@click.option("--group-quota", type=click.IntRange(0, None), default=0, show_default=True,
+              help="Timers (pending + fired, not yet acknowledged) one group may hold; more are refused with "
+                   "QuotaExceeded, other groups are unaffected. 0: no limit.")
+@click.option("--max-groups", type=click.IntRange(1, 65535), default=1024, show_default=True,
+              help="Group ids of a new arena (an existing arena keeps its own).")
+@click.option("--ack-timeout-s", type=click.FloatRange(1.0, 86_400.0), default=30.0, show_default=True,
+              help="An expiration a client leaves unacknowledged this long is sent again (to any member of "
+                   "its group) and counted.")
+@click.option("--frame-timeout-s", type=click.FloatRange(0.1, 3600.0), default=5.0, show_default=True,
+              help="A client that starts a message must finish it within this (else it is disconnected).")
 @click.option("--coalesce-us", type=click.IntRange(0, 10_000), default=500, show_default=True,
               help="A parked daemon applies commands that nobody waits for at most this long after the "
                    "doorbell, gathering more of them per wake-up (0: at once). Flushes and full rings "
@@ -39,7 +56,8 @@ from .config import Config, default_name, default_socket_path
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_capacity, metrics, journal_dir, fsync,
-         allow_uids, allow_groups, coalesce_us, log_level):
+         allow_uids, allow_groups, monitor_group, group_owners, group_quota, max_groups, ack_timeout_s,
+         frame_timeout_s, coalesce_us, log_level):
     """Run the wheeld timer daemon in the foreground."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s wheeld[%(process)d] %(levelname)s %(message)s",
                         stream=sys.stderr)
@@ -50,6 +68,10 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
         journal_dir=journal_dir, fsync=fsync, log_level=log_level, coalesce_us=coalesce_us,
         allowed_uids=_ids(allow_uids, _uid) if allow_uids or allow_groups else None,
         allowed_gids=_ids(allow_groups, _gid) if allow_uids or allow_groups else None,
+        monitor_gid=next(iter(_ids([monitor_group], _gid))) if monitor_group else None,
+        arena_mode=0o640 if monitor_group else 0o600,
+        group_owners=tuple(_group_owner(spec) for spec in group_owners),
+        group_quota=group_quota, max_groups=max_groups, ack_timeout_s=ack_timeout_s, frame_timeout_s=frame_timeout_s,
     )
     from .server import run
 
@@ -70,6 +92,16 @@ def _gid(name: str) -> int:
     import grp
 
     return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+
+
+def _group_owner(spec: str) -> tuple[str, str, int]:
+    """``NAME=UID`` or ``NAME=@GROUP`` -> (name, "uid"|"gid", id)."""
+    name, sep, owner = spec.partition("=")
+    if not sep or not name or not owner:
+        raise click.BadParameter(f"{spec!r}: expected NAME=USER or NAME=@GROUP", param_hint="--group-owner")
+    if owner.startswith("@"):
+        return name, "gid", next(iter(_ids([owner[1:]], _gid)))
+    return name, "uid", next(iter(_ids([owner], _uid)))
 
 
 def _ids(names, resolve) -> frozenset[int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from wheeld.protocol.naming import (  # noqa: F401 - the daemon's names, re-exported

@@ -44,7 +44,15 @@ import time
 import click
 
 from wheeld.protocol import arena_layout as AL
-from wheeld.protocol.errors import ArenaFull, BrokenPeer, CorruptArena, InvalidRequest, WheeldError
+from wheeld.protocol.errors import (
+    ArenaFull,
+    BrokenPeer,
+    CorruptArena,
+    DaemonNotRunning,
+    InvalidRequest,
+    NotAllowed,
+    WheeldError,
+)
 from wheeld.protocol.keys import encode_key
 
 from . import stats as S
@@ -141,13 +149,15 @@ class Ctl:
             return wheeld.connect(self.socket_path, group=group, connect_timeout_s=self.timeout_s,
                                   reconnect_timeout_s=self.timeout_s, ring_timeout_s=self.timeout_s,
                                   client_name="wheelctl")
-        except BrokenPeer as exc:
-            if "refused the session" in str(exc):
-                raise CtlError(str(exc), EXIT_NO_DAEMON) from None
+        except (NotAllowed, DaemonNotRunning) as exc:
+            raise CtlError(str(exc), EXIT_NO_DAEMON) from None
+        except (BrokenPeer, TimeoutError) as exc:
             raise CtlError(f"wheeld at {self.socket_path} does not respond within {self.timeout_s:g} s ({exc})",
                            EXIT_NOT_RESPONDING) from None
         except InvalidRequest as exc:
             raise CtlError(str(exc), EXIT_USAGE) from None
+        except WheeldError as exc:
+            raise CtlError(str(exc), EXIT_FAILED) from None
 
 
 @contextlib.contextmanager
@@ -625,6 +635,45 @@ def check(ctl: Ctl, as_json: bool, attempts: int) -> None:
                 click.echo(f"  {repair}")
     if not report.ok:
         sys.exit(EXIT_FAILED)
+
+
+@main.command()
+@click.option("--name", "instance", default=None, metavar="NAME",
+              help="The instance whose segments go (default: wheelctl's --name / $WHEELD_NAME).")
+@click.pass_obj
+def destroy(ctl: Ctl, instance: str | None) -> None:
+    """Remove a stopped daemon's shared memory: arena, client table, lock, set-aside copies.
+
+    Refused (exit 1, nothing removed) while a daemon holds the instance's lock.
+    Every pending timer in the arena goes with it; a journal (--journal DIR) is
+    not touched, so a daemon started with it later rebuilds them from there."""
+    from . import instance as I
+
+    name = instance or ctl.name
+    try:
+        holder = I.holder(name)
+    except PermissionError:
+        raise CtlError(f"may not read the lock of wheeld instance {name!r}: run as the daemon's user or root",
+                       EXIT_NO_DAEMON) from None
+    if holder is not None:
+        who = f"pid {holder}" if holder else "another process"
+        raise CtlError(f"wheeld instance {name!r} is running ({who} holds its lock); stop it first", EXIT_FAILED)
+    prefix = f"wheeld-{name}-"
+    removed = []
+    for entry in sorted(os.listdir(I.SHM_DIR)):
+        if entry.startswith(prefix):
+            try:
+                os.unlink(os.path.join(I.SHM_DIR, entry))
+                removed.append(entry)
+            except FileNotFoundError:
+                pass
+            except PermissionError as exc:
+                raise CtlError(f"may not remove /dev/shm/{entry}: {exc.strerror} (run as the daemon's user or "
+                               f"root)", EXIT_NO_DAEMON) from None
+    if removed:
+        click.echo(f"removed {len(removed)} segment(s) of wheeld instance {name!r}: {', '.join(removed)}")
+    else:
+        click.echo(f"nothing to remove: no segment of wheeld instance {name!r} in {I.SHM_DIR}")
 
 
 from .ctl_report import report  # noqa: E402  (imports pyspark only when it runs)

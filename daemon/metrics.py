@@ -81,7 +81,7 @@ import logging
 import math
 
 from wheeld.protocol import arena_layout as L
-from wheeld.protocol.errors import InvalidRequest
+from wheeld.protocol.errors import InvalidRequest, WheeldError
 
 from .stats import RingStat, Snapshot, build_snapshot
 
@@ -210,11 +210,14 @@ def snapshot_from_daemon(daemon) -> Snapshot:
     wheel = daemon.wheel
     rings = []
     for cs in list(daemon.clients.values()):
-        try:
-            depth = cs.segment.depth()
-        except Exception:  # noqa: BLE001 - a client that scribbled on its counters: depth unknown
-            depth = None
-        rings.append(RingStat(cs.slot, cs.group_name, cs.pid, depth, cs.segment.ring_capacity, cs.session is not None))
+        depth = capacity = None
+        if cs.segment is not None:  # None: waiting for its client to hand the ring back
+            capacity = cs.segment.ring_capacity
+            try:
+                depth = cs.segment.depth()
+            except WheeldError:  # a client that scribbled on its counters: depth unknown
+                pass
+        rings.append(RingStat(cs.slot, cs.group_name, cs.pid, depth, capacity, cs.session is not None))
     header = wheel.header_words().tobytes()
     return build_snapshot(daemon.config.name, wheel.name or "", header, wheel.groups(), rings, alive=True)
 

@@ -91,13 +91,13 @@ from wheeld.protocol import messages as M
 from wheeld.protocol import status_layout as SL
 from wheeld.protocol.errors import (
     ArenaFull,
-    CorruptArena,
     InvalidRequest,
     ProtocolError,
     WheeldError,
 )
 from wheeld.protocol.framing import FrameReader
 from wheeld.protocol.keys import decode_key
+from wheeld.shm.arena import unlink as unlink_segment
 from wheeld.shm.ring import ClientSegment
 from wheeld.shm.status import StatusPage
 from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
@@ -119,6 +119,10 @@ _FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)  # room for a few 
 _MAINTAIN_S = 1.0  # period of the bookkeeping timer (frame and ack timeouts, accept pauses)
 _IDLE_WAIT_MS = 100  # an idle timer whose client has not come back after a restart waits this long
 _LOG_EVERY_S = 1.0  # a repeated warning is logged at most this often, with a count
+# The longest delay a client may ask for: the wheel takes deadlines up to MAX_DELAY_MS past
+# its own clock, which lags real time by up to a park; a day of margin means a delay the
+# client accepted is never refused later (at flush) for being a few ms too far out.
+CLIENT_MAX_DELAY_MS = MAX_DELAY_MS - 86_400_000
 _DRAIN_BATCH = 8192  # commands taken from one ring per loop iteration
 _DRAIN_DUE = 1024  # ... when a timer is already due (about 1 ms of applying)
 _APPLY_CHUNK = 4096  # applied, then committed, at a time
@@ -342,6 +346,7 @@ class Daemon:
         self._groups_of_uid: dict[int, tuple[float, frozenset[int]]] = {}
         self._log_limiter = _LogLimiter()
         self._set_aside: list[str] = []  # unusable segments renamed at start-up
+        self._next_lsn: int | None = None  # where the journal continues after a recovery
 
     # ------------------------------------------------------------------ start-up
     def open_arena(self) -> None:
@@ -368,22 +373,15 @@ class Daemon:
             self.totals["daemon_restarts_total"] += 1
             fresh = False
         else:
-            self.wheel = TimerWheel.create(
-                cfg.capacity, tick_ms=cfg.tick_ms, wheel_size=cfg.wheel_size, name=name, start_ms=now,
-                max_groups=cfg.max_groups, mode=cfg.arena_mode,
-            )
-            self._hand_to_monitors(name)
-            log.info("created arena %s (capacity %d, tick %d ms, wheel %d, %d levels)",
-                     name, cfg.capacity, cfg.tick_ms, cfg.wheel_size, self.wheel.levels)
+            self.wheel = self._new_arena(name, now)
             fresh = True
         if self._set_aside:
             self.totals["arenas_set_aside_total"] += len(self._set_aside)
         if cfg.journal_dir:
             from .journal import Journal
-            from .journaling import Recorder, recover_into
+            from .journaling import Recorder
 
-            next_lsn = recover_into(self.wheel, cfg.journal_dir) if fresh else None
-            journal = Journal(cfg.journal_dir, fsync=cfg.fsync, name=cfg.name, next_lsn=next_lsn)
+            journal = Journal(cfg.journal_dir, fsync=cfg.fsync, name=cfg.name, next_lsn=self._next_lsn if fresh else None)
             self.recorder = Recorder(journal, self.wheel)
             log.info("journal %s (fsync %s) continues at lsn %d", cfg.journal_dir, cfg.fsync, journal.last_lsn + 1)
         self.started_ms = now
@@ -396,6 +394,36 @@ class Daemon:
             key, deadline, group, tag, aux, gen = self.wheel.fired(s)
             self.queues[group].append((s, gen, now, deadline < now))
         self._open_client_table()
+
+    def _new_arena(self, name: str, now: int) -> TimerWheel:
+        """A new arena, rebuilt from the journal when there is one. It is built under a
+        temporary name and renamed into place only when complete: a daemon killed in the
+        middle of a recovery leaves no half-filled arena that the next start would take
+        for the real one (it starts the recovery over)."""
+        cfg = self.config
+        building = f"{name}.new"
+        if unlink_segment(building):
+            log.warning("removed %s, left by a daemon that died while building its arena", building)
+        wheel = TimerWheel.create(
+            cfg.capacity, tick_ms=cfg.tick_ms, wheel_size=cfg.wheel_size, name=building, start_ms=now,
+            max_groups=cfg.max_groups, mode=cfg.arena_mode,
+        )
+        try:
+            self._hand_to_monitors(building)
+            self._next_lsn = None
+            if cfg.journal_dir:
+                from .journaling import recover_into
+
+                self._next_lsn = recover_into(wheel, cfg.journal_dir)
+            wheel._seg.rename(name)
+            wheel.name = name
+        except BaseException:
+            wheel.close()
+            unlink_segment(building)
+            raise
+        log.info("created arena %s (capacity %d, tick %d ms, wheel %d, %d levels)",
+                 name, cfg.capacity, cfg.tick_ms, cfg.wheel_size, wheel.levels)
+        return wheel
 
     def _attach_arena(self, name: str) -> TimerWheel | None:
         """The existing arena, or None when there is none or it was set aside."""
@@ -1433,7 +1461,8 @@ class Daemon:
         status = self.status.readonly_fd
         welcome = M.Welcome(
             M.PROTOCOL_VERSION, cs.slot, cs.label, cs.segment.ring_capacity, cs.segment.touch_capacity,
-            self.wheel.name or "", self.wheel.tick_ms, MAX_DELAY_MS, self._token(cs.slot, cs.label), self.arena_epoch,
+            self.wheel.name or "", self.wheel.tick_ms, CLIENT_MAX_DELAY_MS, self._token(cs.slot, cs.label),
+            self.arena_epoch,
             status is not None, resumed,
         )
         session.send_with_fds(M.encode_daemon_frame(welcome), [cs.segment.fd] + ([status] if status is not None else []))
@@ -1477,6 +1506,8 @@ class Daemon:
             cs = self._resumed_slot(session, hello, group, passed)
             if cs is not None:
                 return cs, True
+            if hello.resume_segment in self._by_label:
+                passed.close()  # a ring this daemon knows, not proven to be the caller's: never adopted
         slot = self._free_slot_number(hello.resume_segment)
         if slot is None:
             self._refuse(session, "too many clients", M.Refused.BUSY)
@@ -1643,6 +1674,13 @@ class Daemon:
         for session in [s for s in self.sessions if s.partial_since and now - s.partial_since > timeout]:
             self.close_session(session, f"a frame stayed incomplete for more than {timeout:.0f} s", goodbye=True)
         self._resume_accept()
+        for cs in self.clients.values():  # ring depths for wheelctl (rings are memfds it cannot map)
+            if cs.segment is not None and not cs.poisoned:
+                try:
+                    depth = cs.segment.depth()
+                except ProtocolError:
+                    continue
+                CL.DEPTH.pack_into(self._clients_buf, CL.entry_offset(cs.slot) + CL.DEPTH_OFFSET, depth)
         if now - self._last_ack_rotation >= self.config.ack_timeout_s / 2:
             self._last_ack_rotation = now
             self._rotate_unacked()

@@ -58,7 +58,6 @@ import posix_ipc
 
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol import clients_layout as CL
-from wheeld.protocol import ring_layout as RL
 from wheeld.protocol.errors import BrokenPeer, CorruptArena, WheeldError
 from wheeld.protocol.keys import TYPE_BYTES, TYPE_INT, TYPE_STR, decode_key, encode_key
 from wheeld.shm.arena import Segment
@@ -557,11 +556,13 @@ class ArenaReader:
                 return []
             out = []
             for slot in range(CL.MAX_CLIENTS):
-                in_use, group, pid, _token, raw = CL.ENTRY.unpack_from(table, CL.entry_offset(slot))
+                in_use, group, pid, _uid, depth, capacity, _label = CL.ENTRY.unpack_from(table, CL.entry_offset(slot))
                 if not in_use:
                     continue
-                depth, capacity = _ring_depth(raw.rstrip(b"\0").decode("utf-8", "replace"))
-                out.append(RingStat(slot, groups.get(group, f"#{group}"), pid, depth, capacity, pid_alive(pid)))
+                # the depth the daemon saw at its last look (about once a second): rings are
+                # memfds that only their client and the daemon can map
+                out.append(RingStat(slot, groups.get(group, f"#{group}"), pid, depth if capacity else None,
+                                    capacity or None, pid_alive(pid)))
             return out
         finally:
             table.close()
@@ -628,25 +629,6 @@ def _map_readonly(name: str, size: int | None = None) -> mmap.mmap | None:
         return None
     finally:
         shm.close_fd()
-
-
-def _ring_depth(segment: str) -> tuple[int | None, int | None]:
-    """(records waiting, capacity) of a client ring, read from its header; (None, None) if unreadable."""
-    if not segment:
-        return None, None
-    mm = _map_readonly(segment, RL.HEADER_SIZE)
-    if mm is None:
-        return None, None
-    try:
-        magic, _version, capacity, _touch, _record = RL.STATIC_HEADER.unpack_from(mm, 0)
-        if magic != RL.MAGIC:
-            return None, None
-        tail = struct.unpack_from("<Q", mm, RL.TAIL_OFFSET)[0]
-        head = struct.unpack_from("<Q", mm, RL.HEAD_OFFSET)[0]
-        depth = tail - head
-        return (depth if 0 <= depth <= capacity else None), capacity
-    finally:
-        mm.close()
 
 
 # ---------------------------------------------------------------------------- invariants

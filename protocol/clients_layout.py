@@ -51,6 +51,8 @@ HEADER_BYTES = 64
 ENTRY = struct.Struct("<HHiIII4x104s")
 ENTRY_BYTES = ENTRY.size
 assert ENTRY_BYTES == 128
+DEPTH = struct.Struct("<I")
+DEPTH_OFFSET = 12  # within an entry: updated alone, about once a second
 MAX_CLIENTS = 2047
 TOUCH_INDEX_BITS = 20
 TOUCH_INDEX_MASK = (1 << TOUCH_INDEX_BITS) - 1

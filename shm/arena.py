@@ -83,6 +83,14 @@ class Segment:
         if self.name is not None:
             unlink(self.name)
 
+    def rename(self, new_name: str) -> None:
+        """Give the segment another name, atomically (Linux keeps POSIX shared memory as
+        files in /dev/shm, and a rename there replaces any segment of that name). The
+        mapping stays valid."""
+        new_name = normalize_name(new_name)
+        os.rename(f"/dev/shm{self.name}", f"/dev/shm{new_name}")
+        self.name = new_name
+
 
 def unlink(name: str) -> bool:
     """Remove a segment by name; True if it existed."""

@@ -26,11 +26,24 @@ def mono_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
+def connect(args: dict) -> wheeld.Client:
+    """The first connect fails fast when nothing listens; this worker may be started
+    while the chaos test has the daemon down, so it waits for it (60 s at most)."""
+    end = time.monotonic() + 60
+    while True:
+        try:
+            return wheeld.connect(args["socket"], group=args["group"], reconnect_timeout_s=60, connect_timeout_s=60,
+                                  ring_timeout_s=30)
+        except wheeld.DaemonNotRunning:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.05)
+
+
 def main(args: dict) -> None:
     rng = random.Random(args["seed"])
     log = open(args["log"], "a", buffering=1)
-    w = wheeld.connect(args["socket"], group=args["group"], reconnect_timeout_s=60, connect_timeout_s=60,
-                       ring_timeout_s=30)
+    w = connect(args)
     seq = 0
     batch_no = 0
     pending_batch = None

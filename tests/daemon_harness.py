@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -49,19 +48,18 @@ class DaemonProcess:
         full_env.pop("NOTIFY_SOCKET", None)
         full_env.update(env or {})
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"wheeld exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                probe.connect(self.socket_path)
-                probe.close()
+            # ready: it logs so once the arena is mapped (a recovery can take a while
+            # after the socket is bound) and it accepts
+            if " ready on " in self.log_path.read_bytes()[offset:].decode("utf-8", "replace"):
                 return self
-            except OSError:
-                time.sleep(0.02)
+            time.sleep(0.01)
         self.kill()
-        raise RuntimeError(f"wheeld did not listen within {timeout_s} s:\n{self.log()}")
+        raise RuntimeError(f"wheeld did not become ready within {timeout_s} s:\n{self.log()}")
 
     @property
     def pid(self) -> int:

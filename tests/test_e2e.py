@@ -379,7 +379,7 @@ def _private_daemon(capacity: int = 4096):
     d.wheel = TimerWheel.create(capacity, start_ms=1000)
     d.arena_epoch = 77
     gid = d.wheel.group_id("g")
-    cs = ClientSlot(3, None, 0, gid, "g", os.getpid())
+    cs = ClientSlot(3, None, "test", gid, "g", os.getpid(), os.getuid())
     d.clients[3] = cs
     return d, cs
 
@@ -495,6 +495,10 @@ class _TouchTable:
     def read_idle(self, index):
         return self.idle.get(index, 0)
 
+    def read_activity(self, index, now_ms):
+        touched, idle_ms = self.read_touch(index), self.read_idle(index)
+        return (touched, idle_ms) if touched and idle_ms else None
+
 
 class _Journal:
     """Stands in for the Recorder: its presence selects the daemon's per-item (journaled) expiry path."""
@@ -541,7 +545,7 @@ def test_batched_expiry_delivers_what_the_per_item_path_delivers():
         groups = [cs.group, d.wheel.group_id("other")]
         members = {}
         for gid in groups:
-            other = cs if gid == cs.group else type(cs)(4, _TouchTable(), 0, gid, "other", 1)
+            other = cs if gid == cs.group else type(cs)(4, _TouchTable(), "other", gid, "other", 1, 0)
             d.clients[other.slot] = other
             members[gid] = _Member(other)
             d.members[gid].append(members[gid])

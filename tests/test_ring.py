@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import collections
-import mmap
+import fcntl
 import os
-import stat
 import struct
 import uuid
 
 import numpy as np
-import posix_ipc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,16 +23,20 @@ def segment_name() -> str:
     return f"/wheeld-test-{os.getpid()}-{uuid.uuid4().hex[:16]}"
 
 
+def producer_of(consumer):
+    """The client's side of a segment: what it maps from the descriptor the daemon passed."""
+    return ClientSegment.attach(os.dup(consumer.fd), consumer.name)
+
+
 @pytest.fixture
 def make_segments():
-    """Factory: (consumer, producer) over a fresh segment; everything closed and unlinked afterwards."""
+    """Factory: (consumer, producer) over a fresh segment; everything closed afterwards."""
     created = []
 
-    def make(ring_capacity=8, touch_capacity=4, **kwargs):
-        name = segment_name()
-        consumer = ClientSegment.create(name, ring_capacity, touch_capacity, **kwargs)
+    def make(ring_capacity=8, touch_capacity=4):
+        consumer = ClientSegment.create(segment_name(), ring_capacity, touch_capacity)
         created.append(consumer)
-        producer = ClientSegment.attach(name)
+        producer = producer_of(consumer)
         created.append(producer)
         return consumer, producer
 
@@ -43,7 +45,6 @@ def make_segments():
     finally:
         for segment in created:
             segment.close()
-            segment.unlink()
 
 
 def add(producer, seq, key=None, deadline_ms=None):
@@ -144,9 +145,8 @@ def test_drain_with_zero_or_negative_max_returns_nothing(make_segments):
 @settings(max_examples=60, deadline=None)
 @given(steps=st.lists(st.tuples(st.booleans(), st.integers(0, 20)), max_size=60))
 def test_ring_matches_a_fifo_model(steps):
-    name = segment_name()
-    consumer = ClientSegment.create(name, 16, 0)
-    producer = ClientSegment.attach(name)
+    consumer = ClientSegment.create(segment_name(), 16, 0)
+    producer = producer_of(consumer)
     try:
         model = collections.deque()
         next_seq = 0
@@ -166,7 +166,6 @@ def test_ring_matches_a_fifo_model(steps):
     finally:
         producer.close()
         consumer.close()
-        consumer.unlink()
 
 
 def test_drained_records_are_copies(make_segments):
@@ -192,7 +191,6 @@ def test_touch_is_visible_to_the_daemon(make_segments):
     assert consumer.read_touch(3) == 1_000_123
     assert consumer.read_touch(7) == -1
     assert consumer.read_idle(3) == 30_000
-    assert consumer.read_touches([3, 7, 0]).tolist() == [1_000_123, -1, 0]
 
 
 @pytest.mark.parametrize("index", [-1, 8, 1 << 40])
@@ -207,7 +205,32 @@ def test_touch_index_out_of_range(make_segments, index):
     with pytest.raises(ProtocolError):
         consumer.read_idle(index)
     with pytest.raises(ProtocolError):
-        consumer.read_touches([0, index])
+        consumer.read_activity(index, 10)
+
+
+@pytest.mark.parametrize(
+    "touched, idle_ms, expected",
+    [
+        (0, 30_000, None),  # never touched: no activity to go by
+        (990, 0, None),
+        (990, 30_000, (990, 30_000)),
+        (1001, 30_000, (1001, 30_000)),  # a touch stores the clock rounded up
+        (1002, 30_000, ProtocolError),  # from the future
+        (-5, 30_000, ProtocolError),
+        (2**62 + 5, 2**62, ProtocolError),  # the values that once overflowed the daemon's deadline
+        (990, -1, ProtocolError),
+        (990, 2**31, ProtocolError),  # longer than an idle timer can be
+    ],
+)
+def test_activity_read_by_the_daemon_is_range_checked(make_segments, touched, idle_ms, expected):
+    consumer, producer = make_segments(touch_capacity=4)
+    producer._last_touch[2] = touched  # what a hostile client can store
+    producer._idle[2] = idle_ms
+    if expected is ProtocolError:
+        with pytest.raises(ProtocolError):
+            consumer.read_activity(2, 1000)
+    else:
+        assert consumer.read_activity(2, 1000) == expected
 
 
 def test_touch_table_does_not_overlap_the_ring(make_segments):
@@ -233,31 +256,25 @@ def test_segment_without_touch_table(make_segments):
 # ---------------------------------------------------------------- lifecycle
 
 
-def test_segment_permissions_default_and_explicit(make_segments):
-    consumer, _ = make_segments()
-    assert stat.S_IMODE(os.stat(f"/dev/shm{consumer.name}").st_mode) == 0o600
-    other, _ = make_segments(mode=0o640)
-    assert stat.S_IMODE(os.stat(f"/dev/shm{other.name}").st_mode) == 0o640
-
-
-def test_create_refuses_an_existing_name(make_segments):
-    consumer, _ = make_segments()
-    with pytest.raises(posix_ipc.ExistentialError):
-        ClientSegment.create(consumer.name, 8, 4)
+def test_segment_is_a_sealed_memfd_that_nobody_can_resize(make_segments):
+    consumer, producer = make_segments()
+    assert not any(entry.endswith(consumer.name) for entry in os.listdir("/dev/shm"))
+    seals = fcntl.fcntl(producer.fd, fcntl.F_GET_SEALS)
+    assert seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL) == (
+        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    size = os.fstat(producer.fd).st_size
+    for new_size in (0, 64, size + 4096):
+        with pytest.raises(PermissionError):
+            os.ftruncate(producer.fd, new_size)  # what a client would do to SIGBUS the daemon
+    assert os.fstat(consumer.fd).st_size == size
+    add(producer, 1)
+    assert seqs(consumer.drain()) == [1]
 
 
 @pytest.mark.parametrize("ring_capacity", [0, 1, 3, 12, ring_layout.MAX_RING_CAPACITY * 2])
 def test_create_rejects_bad_capacities(ring_capacity):
-    name = segment_name()
     with pytest.raises(InvalidRequest):
-        ClientSegment.create(name, ring_capacity, 4)
-    with pytest.raises(posix_ipc.ExistentialError):  # nothing was left behind
-        posix_ipc.unlink_shared_memory(name)
-
-
-def test_attach_to_missing_segment_is_broken_peer():
-    with pytest.raises(BrokenPeer):
-        ClientSegment.attach(segment_name())
+        ClientSegment.create(segment_name(), ring_capacity, 4)
 
 
 def test_attach_records_the_producer_pid(make_segments):
@@ -266,45 +283,67 @@ def test_attach_records_the_producer_pid(make_segments):
     assert producer.ring_capacity == consumer.ring_capacity and producer.touch_capacity == consumer.touch_capacity
 
 
-def _raw_segment(name, size):
-    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
-    try:
-        return mmap.mmap(shm.fd, size)
-    finally:
-        shm.close_fd()
+def _raw_memfd(size, seal=True):
+    fd = os.memfd_create("raw", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
 
 
 @pytest.mark.parametrize(
     "corrupt",
     [
-        lambda raw: None,  # all zeros: no magic
-        lambda raw: struct.pack_into("<QIIII", raw, 0, ring_layout.MAGIC, 99, 8, 4, 64),  # other version
-        lambda raw: struct.pack_into("<QIIII", raw, 0, ring_layout.MAGIC, 1, 12, 4, 64),  # not a power of two
-        lambda raw: struct.pack_into("<QIIII", raw, 0, ring_layout.MAGIC, 1, 1 << 20, 4, 64),  # larger than the file
-        lambda raw: struct.pack_into("<QIIII", raw, 0, ring_layout.MAGIC, 1, 8, 4, 32),  # other record size
+        lambda fd: None,  # all zeros: no magic
+        lambda fd: os.pwrite(fd, struct.pack("<QIIII", ring_layout.MAGIC, 99, 8, 4, 64), 0),  # other version
+        lambda fd: os.pwrite(fd, struct.pack("<QIIII", ring_layout.MAGIC, 2, 12, 4, 64), 0),  # not a power of two
+        lambda fd: os.pwrite(fd, struct.pack("<QIIII", ring_layout.MAGIC, 2, 1 << 20, 4, 64), 0),  # larger than the file
+        lambda fd: os.pwrite(fd, struct.pack("<QIIII", ring_layout.MAGIC, 2, 8, 4, 32), 0),  # other record size
+        lambda fd: os.pwrite(fd, struct.pack("<QIIII", ring_layout.MAGIC, 2, 4, 4, 64), 0),  # smaller than the file
     ],
 )
-def test_attach_rejects_segments_that_are_not_rings(corrupt):
-    name = segment_name()
-    raw = _raw_segment(name, ring_layout.segment_size(8, 4))
-    try:
-        corrupt(raw)
+def test_attach_and_adopt_reject_segments_that_are_not_rings(corrupt):
+    for open_segment in (ClientSegment.attach, ClientSegment.adopt):
+        fd = _raw_memfd(ring_layout.segment_size(8, 4))
+        corrupt(fd)
         with pytest.raises(ProtocolError):
-            ClientSegment.attach(name)
-    finally:
-        raw.close()
-        posix_ipc.unlink_shared_memory(name)
+            open_segment(fd, "corrupt")
+        with pytest.raises(OSError):
+            os.fstat(fd)  # the descriptor was consumed either way
 
 
 def test_attach_rejects_a_tiny_segment():
-    name = segment_name()
-    raw = _raw_segment(name, 16)
+    with pytest.raises(ProtocolError):
+        ClientSegment.attach(_raw_memfd(16), "tiny")
+
+
+def test_adopt_refuses_a_ring_that_could_be_resized_or_not_written(make_segments):
+    consumer, producer = make_segments()
+    size = os.fstat(consumer.fd).st_size
+    image = os.pread(consumer.fd, size, 0)
+    unsealed = _raw_memfd(size, seal=False)
+    os.pwrite(unsealed, image, 0)
+    with pytest.raises(ProtocolError, match="sealed"):
+        ClientSegment.adopt(unsealed, "unsealed")
+    write_sealed = _raw_memfd(size)
+    os.pwrite(write_sealed, image, 0)
+    fcntl.fcntl(write_sealed, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    with pytest.raises(ProtocolError):
+        ClientSegment.adopt(write_sealed, "write-sealed")
+    readonly = os.open(f"/proc/self/fd/{consumer.fd}", os.O_RDONLY)
+    with pytest.raises(ProtocolError):
+        ClientSegment.adopt(readonly, "read-only")
+    with pytest.raises(ProtocolError, match="outside"):  # larger than this daemon's rings
+        ClientSegment.adopt(os.dup(consumer.fd), "big", max_ring_capacity=4, max_touch_capacity=4)
+    path = f"/dev/shm/{segment_name().lstrip('/')}"
+    shm_file = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        with pytest.raises(ProtocolError):
-            ClientSegment.attach(name)
+        os.ftruncate(shm_file, size)
+        os.pwrite(shm_file, image, 0)
+        with pytest.raises(ProtocolError, match="sealed"):  # a plain shm file can be truncated
+            ClientSegment.adopt(shm_file, "shm-file")
     finally:
-        raw.close()
-        posix_ipc.unlink_shared_memory(name)
+        os.unlink(path)
 
 
 def test_closed_session_is_reported_to_a_producer_with_a_full_ring(make_segments):
@@ -333,16 +372,6 @@ def test_use_after_close_raises_closed(make_segments):
         consumer.drain()
     with pytest.raises(Closed):
         consumer.depth()
-
-
-def test_unlink_keeps_existing_mappings_and_is_idempotent(make_segments):
-    consumer, producer = make_segments()
-    consumer.unlink()
-    consumer.unlink()
-    add(producer, 1)
-    assert seqs(consumer.drain()) == [1]
-    with pytest.raises(BrokenPeer):
-        ClientSegment.attach(consumer.name)
 
 
 @pytest.mark.parametrize(
@@ -390,9 +419,8 @@ def test_impossible_tail_is_a_protocol_error_not_a_crash(make_segments, tail_min
 @settings(max_examples=40, deadline=None)
 @given(head=st.integers(0, 2**64 - 1), tail=st.integers(0, 2**64 - 1), garbage=st.binary(min_size=64, max_size=64))
 def test_random_counters_and_records_never_crash_the_consumer(head, tail, garbage):
-    name = segment_name()
-    consumer = ClientSegment.create(name, 8, 4)
-    producer = ClientSegment.attach(name)
+    consumer = ClientSegment.create(segment_name(), 8, 4)
+    producer = producer_of(consumer)
     try:
         _write_word(producer, ring_layout.HEAD_WORD, head)
         _write_word(producer, ring_layout.TAIL_WORD, tail)
@@ -409,7 +437,6 @@ def test_random_counters_and_records_never_crash_the_consumer(head, tail, garbag
     finally:
         producer.close()
         consumer.close()
-        consumer.unlink()
 
 
 def test_client_overwriting_head_cannot_move_the_consumer(make_segments):
@@ -463,14 +490,15 @@ def test_commit_more_than_peeked_is_the_callers_mistake(make_segments):
     assert consumer.depth() == 0
 
 
-def test_reopen_resumes_after_the_last_committed_record(make_segments):
+def test_adopt_resumes_after_the_last_committed_record(make_segments):
     consumer, producer = make_segments(ring_capacity=8)
     for seq in range(5):
         add(producer, seq)
     consumer.peek(max_records=4)
     consumer.commit(2)  # the daemon applied two, then died
     consumer.close()
-    restarted = ClientSegment.reopen(producer.name)
+    assert [commands.decode_record(r).seq for r in producer.unapplied_records()] == [2, 3, 4]
+    restarted = ClientSegment.adopt(os.dup(producer.fd), producer.name)  # the client hands it back
     try:
         assert restarted.is_consumer and restarted.depth() == 3
         assert seqs(restarted.drain()) == [2, 3, 4]
@@ -478,8 +506,24 @@ def test_reopen_resumes_after_the_last_committed_record(make_segments):
         restarted.close()
 
 
-def test_reopen_refuses_impossible_counters(make_segments):
+def test_adopt_refuses_impossible_counters(make_segments):
     consumer, producer = make_segments(ring_capacity=8)
     _write_word(producer, ring_layout.HEAD_WORD, 100)  # head ahead of tail
     with pytest.raises(ProtocolError):
-        ClientSegment.reopen(producer.name)
+        ClientSegment.adopt(os.dup(producer.fd), producer.name)
+    assert producer.unapplied_records() == []  # nothing trustworthy to send again
+
+
+def test_records_pushed_again_into_a_new_ring_keep_their_bytes(make_segments):
+    old_consumer, old_producer = make_segments(ring_capacity=8)
+    for seq in range(3):
+        add(old_producer, seq)
+    old_producer.try_push(FLUSH, seq=9)
+    new_consumer, new_producer = make_segments(ring_capacity=4)
+    for record in old_producer.unapplied_records():
+        assert new_producer.try_push_record(record)
+    assert new_producer.try_push_record(old_producer.unapplied_records()[0]) is False  # full
+    records = new_consumer.drain()
+    assert validate_records(records).all() and seqs(records) == [0, 1, 2, 9]
+    with pytest.raises(InvalidRequest):
+        new_producer.try_push_record(b"short")

@@ -33,9 +33,10 @@ def expected_key(seq: int):
     return f"k{seq}" if seq % 2 == 0 else seq
 
 
-def produce(name: str, count: int) -> None:
-    """Push ``count`` records (forever if negative), spinning while the ring is full."""
-    producer = ClientSegment.attach(name)
+def produce(fd: int, count: int) -> None:
+    """Push ``count`` records (forever if negative) into the ring behind descriptor ``fd``
+    (inherited, as a client receives it from the daemon), spinning while the ring is full."""
+    producer = ClientSegment.attach(fd, "producer")
     seq = 0
     while count < 0 or seq < count:
         key_bytes, key_meta = encode_key(expected_key(seq))
@@ -55,7 +56,7 @@ def produce(name: str, count: int) -> None:
 
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "produce":
-    produce(sys.argv[2], int(sys.argv[3]))
+    produce(int(sys.argv[2]), int(sys.argv[3]))
     sys.exit(0)
 
 def segment_name() -> str:
@@ -69,7 +70,8 @@ def segment_with_producers():
     children: list[subprocess.Popen] = []
 
     def start_producer(count: int) -> subprocess.Popen:
-        child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "produce", consumer.name, str(count)])
+        child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "produce", str(consumer.fd), str(count)],
+                                 pass_fds=[consumer.fd])
         children.append(child)
         return child
 
@@ -81,7 +83,6 @@ def segment_with_producers():
                 os.kill(child.pid, signal.SIGKILL)
             child.wait(timeout=10)
         consumer.close()
-        consumer.unlink()
 
 
 def check_batch(records: np.ndarray, first_seq: int) -> None:
