@@ -138,8 +138,9 @@ def test_a_daemon_killed_while_rebuilding_its_arena_rebuilds_it_again(daemon_fac
            "--capacity", "400000", "--journal", str(journal)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        building = os.path.join(SHM_DIR, f"wheeld-{d.name}-arena.new")
-        wait_until(lambda: os.path.exists(building) or proc.poll() is not None, timeout_s=30, interval_s=0.001)
+        arena = os.path.join(SHM_DIR, f"wheeld-{d.name}-arena")
+        wait_until(lambda: os.path.exists(arena) or os.path.exists(arena + ".new") or proc.poll() is not None,
+                   timeout_s=30, interval_s=0.001)
         os.kill(proc.pid, signal.SIGKILL)  # in the middle of the recovery
     finally:
         proc.wait(10)
