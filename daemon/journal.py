@@ -1181,7 +1181,7 @@ def _load_base(directory: Path, segments: list, findings: _Findings, repair: boo
 
 def _replaced(findings: _Findings, damaged: list, how: str, repair: bool) -> None:
     for _lsn, path, data, error in damaged:
-        action = f"{how}: nothing lost"
+        action = how
         if repair:
             action += f"; renamed to {path.name}.corrupt"
             findings.repairs.append(lambda path=path: path.rename(path.with_name(path.name + ".corrupt")))
@@ -1488,7 +1488,7 @@ def check_journal(directory: str | os.PathLike[str]) -> JournalReport:
                 continue
             damage.append(DamagedRange(
                 bad.path, bad.start, bad.end, bad.first_line, bad.lines, bad.reason, bad.detail, None, 0,
-                f"not read by recovery (snapshot-{state.snapshot_lsn} covers it): nothing lost now",
+                f"not read by recovery: snapshot-{state.snapshot_lsn} covers these events",
             ))  # fmt: skip
     snapshots = list_snapshots(directory)
     for lsn, path in snapshots:
@@ -1504,7 +1504,7 @@ def check_journal(directory: str | os.PathLike[str]) -> JournalReport:
             for bad in _snapshot_damage(path, data, str(exc)):
                 damage.append(DamagedRange(
                     bad.path, bad.start, bad.end, bad.first_line, bad.lines, bad.reason, bad.detail, None, 0,
-                    "not read by recovery (a newer snapshot is good): nothing lost now",
+                    "not read by recovery: a newer snapshot is good",
                 ))  # fmt: skip
     return JournalReport(str(directory), len(segments), len(snapshots), damage, state.torn, len(state.pending),
                          len(state.unacked), state.last_lsn, state.snapshot_lsn)

@@ -261,6 +261,7 @@ class Daemon:
         cfg = self.config
         name = arena_name(cfg.name)
         now = mono_ms()
+        recovered = None  # the journal's state, when the arena is gone (a reboot)
         try:
             self.wheel = TimerWheel.attach(name)
             w = self.wheel
@@ -277,6 +278,10 @@ class Daemon:
                 self.totals[name] = hq[AL.H_COUNTERS // 8 + AL.COUNTER[name]]
             self.totals["daemon_restarts_total"] += 1
         except FileNotFoundError:
+            if cfg.journal_dir:  # before the arena exists: a refusal (--journal-damage refuse) leaves nothing
+                from .journaling import recover_journal
+
+                recovered = recover_journal(cfg.journal_dir, cfg.journal_damage)
             self.wheel = TimerWheel.create(
                 cfg.capacity, tick_ms=cfg.tick_ms, wheel_size=cfg.wheel_size, name=name, start_ms=now,
                 mode=cfg.arena_mode,
@@ -287,13 +292,9 @@ class Daemon:
         else:
             fresh = False
         if cfg.journal_dir:
-            from .journal import Journal
-            from .journaling import Recorder, recover_into
+            from .journaling import open_journal
 
-            next_lsn = recover_into(self.wheel, cfg.journal_dir) if fresh else None
-            journal = Journal(cfg.journal_dir, fsync=cfg.fsync, name=cfg.name, next_lsn=next_lsn)
-            self.recorder = Recorder(journal, self.wheel)
-            log.info("journal %s (fsync %s) continues at lsn %d", cfg.journal_dir, cfg.fsync, journal.last_lsn + 1)
+            self.recorder = open_journal(cfg, self.wheel, recovered, self.totals)
         self.started_ms = now
         self.arena_epoch = (self.wheel.created_wall_ms & 0xFFFFFFFF) or 1  # see _ack_allowed
         self._level1_tick_ms = self.wheel.tick_ms * self.wheel.wheel_size  # see _expire
@@ -1004,6 +1005,7 @@ class Daemon:
         late_sum = 0
         for s in slots:
             key, deadline, group, tag, aux, gen = wheel.fired(s)
+            idle_ms = None  # journaled with the fire: an idle timer's idle_ms is in its client's touch table
             if aux >= 0:  # an idle timer: was it touched since it was armed?
                 cs = clients.get(aux >> CL.TOUCH_INDEX_BITS)
                 if cs is not None:
@@ -1024,7 +1026,7 @@ class Daemon:
             lateness[bisect.bisect_left(bounds, late_us)] += 1  # bucket i: <= bounds[i], like Prometheus le
             late = deadline < started
             queues[group].append((s, gen, now, late))
-            recorder.fired(group, key, deadline, tag, now, late, None)
+            recorder.fired(group, key, deadline, tag, now, late, idle_ms or None)
         self._lateness_sum_us += late_sum
         recorder.commit(now)
 
@@ -1294,6 +1296,7 @@ _DAEMON_TOTALS = (
     "ring_depth", "ring_full_total", "commands_total", "rejected_total", "clients_total", "clients_refused_total", "clients_dropped_total",
     "delivered_total", "redelivered_total", "wakeups_total", "loop_iterations_total", "daemon_restarts_total", "daemon_pid",
     "daemon_started_ms", "daemon_heartbeat_ms", "clients_connected", "groups_active", "undelivered",
+    "journal_damaged_ranges_total", "journal_damaged_lines_total",
 )
 
 

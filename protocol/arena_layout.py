@@ -159,6 +159,8 @@ COUNTER_NAMES = (
     "pending_level_13",
     "pending_level_14",
     "pending_due",
+    "journal_damaged_ranges_total",  # damaged journal ranges recovery skipped (daemon/journal.py, "Damage")
+    "journal_damaged_lines_total",  # the lines in them
 )
 COUNTERS = 64
 assert len(COUNTER_NAMES) <= COUNTERS

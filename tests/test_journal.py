@@ -1059,7 +1059,7 @@ def test_batch_methods_journal_exactly_what_the_scalar_methods_do(tmp_path, monk
     from wheeld.daemon import journaling
 
     monkeypatch.setattr(journaling, "mono_ms", lambda: 5_000)
-    monkeypatch.setattr(journaling, "wall_ms", lambda: T0)
+    monkeypatch.setattr(journaling, "wall_offset_ms", lambda: T0 - 5_000)
     keys = _BATCH_KEYS
     files = {}
     for mode in ("scalar", "batch"):
@@ -1207,7 +1207,7 @@ def test_commands_many_journals_a_batch_with_repeated_keys_as_in_order(tmp_path,
     from wheeld.daemon import journaling
 
     monkeypatch.setattr(journaling, "mono_ms", lambda: 5_000)
-    monkeypatch.setattr(journaling, "wall_ms", lambda: T0)
+    monkeypatch.setattr(journaling, "wall_offset_ms", lambda: T0 - 5_000)
     rng = random.Random(3)
     keys = ["a", "b", 7, b"c", "str:d"]
     commands = [(rng.choice(keys), rng.random() < 0.7, 10_000 + j, 100 + j, 9_000 if j % 4 == 0 else None)

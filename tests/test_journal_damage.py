@@ -22,6 +22,8 @@ offset the test predicts from the file's lines alone what recovery must lose and
 from __future__ import annotations
 
 import collections
+import json
+import time
 import contextlib
 import hashlib
 import os
@@ -456,7 +458,8 @@ def test_a_damaged_snapshot_falls_back_to_the_older_one(tmp_path):
     state = recover(tmp_path)
     assert state.snapshot_lsn == older_lsn and {key for _, key in state.pending} == set(pending)
     (damage,) = state.damage
-    assert damage.path == str(newer) and damage.lost == 0 and damage.lines == 1 and "nothing lost" in damage.action
+    assert damage.path == str(newer) and damage.lost == 0 and damage.lines == 1
+    assert damage.cost() == "nothing lost" and f"snapshot-{older_lsn} and the journal after it" in damage.action
 
 
 def test_two_damaged_snapshots_without_the_journal_are_salvaged_line_by_line(tmp_path, caplog):
@@ -527,7 +530,7 @@ def test_check_journal_lists_damage_recovery_does_not_read(tmp_path):
     report = check_journal(tmp_path)
     assert not report.ok
     assert [(item.first_line, item.lost) for item in report.damage] == [(16, 1), (4, 0)]
-    assert "snapshot-10 covers it" in report.damage[1].action
+    assert "snapshot-10 covers these events" in report.damage[1].action
     as_dict = report.to_dict()
     assert as_dict["damaged_ranges"] == 2 and as_dict["lost_events"] == 1 and not as_dict["ok"]
 
@@ -584,3 +587,239 @@ def test_an_existing_wide_directory_and_its_files_are_tightened(tmp_path, caplog
     os.chmod(directory, 0o700)  # narrower than 0750 stays as it is
     make_journal(directory).close()
     assert _mode(directory) == 0o700
+
+
+# --------------------------------------------------------------------------- #
+# wheelctl check --journal
+# --------------------------------------------------------------------------- #
+
+
+def _check(directory: Path, *args: str):
+    from click.testing import CliRunner
+
+    from wheeld.daemon.ctl import main
+
+    return CliRunner().invoke(main, ["check", "--journal", str(directory), *args], catch_exceptions=False)
+
+
+def test_wheelctl_check_journal_lists_ranges_and_exits_1_on_damage(tmp_path):
+    with make_journal(tmp_path, segment_bytes=1_500) as journal:
+        for index in range(40):
+            journal.append([Add(t=T0, g="g", k=f"k{index}", d=T0 + index, s=index)])
+    clean = _check(tmp_path)
+    assert clean.exit_code == 0 and clean.stdout.startswith("ok: journal ") and "40 pending" in clean.stdout
+    segments = list_segments(tmp_path)
+    with open(segments[-1][1], "ab") as file:
+        file.write(b'{"ev":"add","v":1')  # a torn tail alone is not damage
+    torn = _check(tmp_path)
+    assert torn.exit_code == 0 and "torn tail" in torn.stdout
+    start = _damage_line(segments[1][1], 2)
+    before = _tree(tmp_path)
+    result = _check(tmp_path)
+    assert result.exit_code == 1, result.stdout
+    assert result.stdout.startswith("DAMAGED: journal ") and "1 damaged range, 1 line, 1 event lost" in result.stdout
+    assert f"{segments[1][1].name} bytes {start}-" in result.stdout and "(line 3, 1 line)" in result.stdout
+    assert f"1 event lost (lsn {segments[1][0] + 1})" in result.stdout and "the events after it are kept" in result.stdout
+    as_json = json.loads(_check(tmp_path, "--json").stdout)
+    assert as_json["ok"] is False and as_json["damage"][0]["start"] == start and as_json["damaged_lines"] == 1
+    assert _tree(tmp_path) == before  # check never writes
+    missing = _check(tmp_path / "nope")
+    assert missing.exit_code == 2
+
+
+# --------------------------------------------------------------------------- #
+# Through a real daemon
+# --------------------------------------------------------------------------- #
+
+
+def _wheelctl(daemon, *args):
+    from click.testing import CliRunner
+
+    from wheeld.daemon.ctl import main
+
+    return CliRunner().invoke(main, ["--socket", daemon.socket_path, "--name", daemon.name, *args],
+                              catch_exceptions=False)
+
+
+def _collect(client, keys: set, timeout_s: float) -> list:
+    got = []
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and not keys <= {expired.key for expired in got}:
+        got.extend(client.poll(0.1))
+    return got
+
+
+def _wait_for(condition, timeout_s: float, what: str):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _journal_lines(directory: Path) -> list[tuple[Path, int, dict]]:
+    """(segment, offset, decoded line) of every line of every segment."""
+    found = []
+    for _, path in list_segments(directory):
+        offset = 0
+        for raw in path.read_bytes().splitlines(keepends=True):
+            found.append((path, offset, msgspec.json.decode(raw)))
+            offset += len(raw)
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_a_rebooted_daemon_delivers_all_but_the_damaged_lines_timers(daemon_factory, tmp_path):
+    import wheeld
+    from daemon_harness import unlink_segments
+
+    journal = tmp_path / "journal"
+    d = daemon_factory(extra=["--journal", str(journal), "--fsync", "always"]).start()
+    keys = {f"t-{index}" for index in range(600)}
+    with wheeld.connect(d.socket_path, group="durable") as client:
+        for key in sorted(keys):
+            client.add(key, 2_500)
+        client.flush()  # fsync=always: on disk now
+    d.kill()
+    assert any(name.endswith("-arena") for name in unlink_segments(d.name))  # the reboot
+    adds = [(path, offset, line) for path, offset, line in _journal_lines(journal) if line["ev"] == "add"]
+    victim_path, victim_offset, victim = adds[len(adds) // 2]
+    data = bytearray(victim_path.read_bytes())
+    data[victim_offset + 25] ^= 0x08  # one byte in the middle of the journal
+    victim_path.write_bytes(bytes(data))
+
+    d.start()
+    with wheeld.connect(d.socket_path, group="durable") as client:
+        got = _collect(client, keys - {victim["k"]}, 20.0)
+        got += client.poll(0.3)
+    delivered = collections.Counter(expired.key for expired in got)
+    assert set(delivered) == keys - {victim["k"]} and max(delivered.values()) == 1
+    log = d.log()
+    assert "ERROR journal: damaged range:" in log and f"{victim_path.name} bytes {victim_offset}-" in log
+    assert "1 event lost (lsn" in log
+
+    snap = json.loads(_wheelctl(d, "stats", "--json", "--interval", "0").stdout)
+    assert snap["journal"] == {"damaged_ranges_total": 1, "damaged_lines_total": 1}
+    assert snap["counters"]["journal_damaged_ranges_total"] == 1
+    text = _wheelctl(d, "stats", "--interval", "0").stdout
+    assert "journal  DAMAGED: the recovery that built this arena skipped 1 damaged range (1 line)" in text
+    prometheus = _wheelctl(d, "stats", "--prometheus", "--interval", "0").stdout
+    assert "\nwheeld_journal_damaged_ranges_total 1\n" in prometheus
+    assert "\nwheeld_journal_damaged_lines_total 1\n" in prometheus
+    check = _check(journal)
+    assert check.exit_code == 1 and f"{victim_path.name} bytes {victim_offset}-" in check.stdout
+    # the daemon wrote a snapshot after that recovery: the next recovery starts after the damage
+    ((snapshot_lsn, _),) = list_snapshots(journal)
+    assert snapshot_lsn > victim["n"]
+    again = recover(journal, repair=False, quiet=True)
+    assert again.damage == [] and again.snapshot_lsn == snapshot_lsn
+
+
+@pytest.mark.timeout(120)
+def test_journal_damage_refuse_exits_with_one_line_and_changes_nothing(daemon_factory, tmp_path):
+    import subprocess
+    import sys
+
+    from daemon_harness import unique_name, unlink_segments
+
+    journal = tmp_path / "journal"
+    with make_journal(journal) as writer:
+        for index in range(50):
+            writer.append([Add(t=T0, g="g", k=f"k{index}", d=time.time_ns() // 1_000_000 + 3_600_000, s=index)])
+    path = list_segments(journal)[0][1]
+    start = _damage_line(path, 20)
+    before = _tree(journal)
+    name = unique_name()
+    command = [sys.executable, "-m", "wheeld.daemon.cli", "--socket", str(tmp_path / "refuse.sock"), "--name", name,
+               "--capacity", "10000", "--journal", str(journal), "--journal-damage", "refuse"]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        created = unlink_segments(name)
+    finally:
+        unlink_segments(name)
+    assert result.returncode == 65, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"wheeld: journal {journal} is damaged (1 range, 1 line): {path.name} bytes {start}-")
+    assert "1 event lost (lsn 20)" in last and "refusing to start (--journal-damage refuse)" in last
+    assert "ERROR journal: damaged range:" in result.stderr
+    assert created == []  # no arena left behind: a later start still recovers from the journal
+    assert _tree(journal) == before and not (tmp_path / "refuse.sock").exists()
+
+    d = daemon_factory(extra=["--journal", str(journal), "--journal-damage", "skip"], name=name).start()
+    _wait_for(lambda: json.loads(_wheelctl(d, "stats", "--json", "--interval", "0").stdout)["journal"]
+              ["damaged_ranges_total"] == 1, 10.0, "the damage counter")
+    from wheeld.daemon import stats as S
+
+    with S.ArenaReader(d.name) as reader:
+        assert reader.counters()["pending"] == 49
+
+
+@pytest.mark.timeout(120)
+def test_an_idle_timers_fire_is_journaled_as_idle_and_reported_as_idle(daemon_factory, tmp_path):
+    import wheeld
+    from wheeld.pipeline import reference
+
+    journal = tmp_path / "journal"
+    d = daemon_factory(extra=["--journal", str(journal), "--fsync", "always"]).start()
+    with wheeld.connect(d.socket_path, group="sockets") as client:
+        client.add_idle("idle-1", 150)
+        client.add_idle("idle-2", 200)
+        client.add("plain", 150)
+        client.flush()
+        got = _collect(client, {"idle-1", "idle-2", "plain"}, 10.0)
+    assert {expired.key for expired in got} == {"idle-1", "idle-2", "plain"}
+    fires = _wait_for(lambda: {line["k"]: line for _, _, line in _journal_lines(journal) if line["ev"] == "fire"}
+                      if len([1 for _, _, line in _journal_lines(journal) if line["ev"] == "fire"]) == 3 else None,
+                      10.0, "three fire events")
+    assert fires["idle-1"]["i"] == 150 and fires["idle-2"]["i"] == 200 and "i" not in fires["plain"]
+    tables = reference.compute(str(journal))
+    (row,) = [row for row in tables["idle_churn_by_group"] if row["group"] == "sockets"]
+    assert (row["idle_arms"], row["idle_fires"]) == (2, 2)
+
+
+# --------------------------------------------------------------------------- #
+# Recovery is never early
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("wall_phase_ns, mono_phase_ns", [(0, 999_999), (999_999, 0), (500_000, 500_000), (0, 0)])
+def test_recovered_deadlines_are_never_early(tmp_path, monkeypatch, wall_phase_ns, mono_phase_ns):
+    """Wall-clock deadlines become monotonic ones rounded up: at the instant the wheel
+    fires (CLOCK_MONOTONIC reaches the deadline's ms) the wall clock has reached the
+    journaled deadline; and the journaled deadline is not before the wall-clock time
+    the arena's deadline stood for. Clocks are frozen at chosen sub-ms phases (the
+    truncation to whole ms used to hide up to 1 ms in each direction)."""
+    import time as time_module
+
+    from wheeld.daemon import journaling
+    from wheeld.shm.wheel import TimerWheel
+
+    wall_ns = 1_700_000_000_123 * 1_000_000 + wall_phase_ns
+    mono_ns = 5_000_000 * 1_000_000 + mono_phase_ns
+    offset_ns = wall_ns - mono_ns  # the clocks' true offset (both frozen at one instant)
+    deadlines = [wall_ns // 1_000_000 + delta for delta in (-5_000, -1, 0, 1, 2, 250, 3_600_000)]
+    with make_journal(tmp_path / "journal") as journal:
+        journal.append([Add(t=T0, g="g", k=index, d=deadline, s=index) for index, deadline in enumerate(deadlines)])
+    name = f"/wheeld-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    wheel = TimerWheel.create(1000, tick_ms=1, wheel_size=64, name=name, start_ms=mono_ns // 1_000_000 - 10_000)
+    try:
+        monkeypatch.setattr(time_module, "time_ns", lambda: wall_ns)
+        monkeypatch.setattr(time_module, "monotonic_ns", lambda: mono_ns)
+        journaling.recover_into(wheel, str(tmp_path / "journal"))
+        recorder = journaling.Recorder(make_journal(tmp_path / "other"), wheel)
+        recorder.begin()
+        recorder.armed(wheel.group_id("g"), "x", 5_000_250, 1, None, None)
+        recorded = recorder.events[0].d
+        recorder.close()
+        monkeypatch.undo()
+        for index, deadline in enumerate(deadlines):
+            mono_deadline = wheel.lookup(index, wheel.group_id("g"))
+            fires_at_wall_ns = mono_deadline * 1_000_000 + offset_ns
+            assert fires_at_wall_ns >= deadline * 1_000_000, (index, fires_at_wall_ns - deadline * 1_000_000)
+            assert fires_at_wall_ns < (deadline + 1) * 1_000_000 + 1  # and at most 1 ms late
+        assert recorded * 1_000_000 >= 5_000_250 * 1_000_000 + offset_ns  # journaled never before it stood for
+    finally:
+        wheel.close()
+        wheel.unlink()
