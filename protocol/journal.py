@@ -101,7 +101,9 @@ and then, by type (``d``: deadline, wall-clock ms):
                 (seq of the add that armed it), ``f`` fired wall ms, ``late``
                 true when it fired late because the daemon was down (recovered
                 and overdue), ``lat`` lateness ms = ``f - d`` (>= 0: never early),
-                ``i`` for an idle timer
+                ``i`` for an idle timer (its idle_ms, read from its client's
+                touch table; absent when that table is gone, and for timers
+                restored after a reboot, which are plain timers)
 ``ack``         the fired timer (``g``, ``k``, ``s``) was delivered to the
                 application
 ``idle_rearm``  an idle timer was due but its key had been touched: it moved
