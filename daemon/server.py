@@ -288,9 +288,6 @@ class Daemon:
             )
             log.info("created arena %s (capacity %d, tick %d ms, wheel %d, %d levels)",
                      name, cfg.capacity, cfg.tick_ms, cfg.wheel_size, self.wheel.levels)
-            fresh = True
-        else:
-            fresh = False
         if cfg.journal_dir:
             from .journaling import open_journal
 

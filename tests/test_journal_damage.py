@@ -36,6 +36,8 @@ from unittest import mock
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from wheeld.daemon.journal import (
     DIR_MODE,
@@ -329,6 +331,50 @@ def targeted_cases(journal: Journaled) -> list:
         (covered.path, covered.start + 30, newline),  # a covered line split in two: count of lines off
         (start[0].path, start[0].start + 5, None),  # the header of the segment recovery starts in
     ]
+
+
+# --------------------------------------------------------------------------- #
+# The line scanner
+# --------------------------------------------------------------------------- #
+
+
+def _segment(count: int = 12) -> tuple[bytes, list[bytes]]:
+    header = pj.SegmentHeader(host="h", name="n", lsn=1, t=T0, mono0=0, wall0=T0)
+    events = [Add(n=n, t=T0, g="g", k=f"key-{n}", d=T0 + n, s=n) for n in range(1, count + 1)]
+    lines = [pj.encode_event(line) for line in [header, *events]]
+    return b"".join(lines), lines
+
+
+def test_scan_lines_agrees_with_the_strict_reader_on_a_whole_segment():
+    data, _ = _segment()
+    for skip in range(0, 14):
+        events, good_end, defect = pj.scan_segment(data, skip_events=skip)
+        scan = pj.scan_lines(data, skip_events=skip)
+        assert defect is None and scan.bad == [] and scan.good_end == good_end == len(data)
+        assert scan.header == events[0] and scan.events == events[1:]
+
+
+@given(st.data())
+@settings(max_examples=300, deadline=None)
+def test_scan_lines_never_raises_and_places_every_bad_line(draw):
+    data, lines = _segment()
+    changed = bytearray(data)
+    for _ in range(draw.draw(st.integers(0, 4))):
+        changed[draw.draw(st.integers(0, len(data) - 1))] = draw.draw(st.integers(0, 255))
+    cut = draw.draw(st.integers(0, len(changed)))
+    changed = bytes(changed[:cut]) + draw.draw(st.binary(max_size=40))
+    skip = draw.draw(st.integers(0, 3))
+    scan = pj.scan_lines(changed, skip_events=skip)
+    originals = {pj.encode_event(event) for event in scan.events}
+    assert originals <= set(lines)  # nothing invented: every event read is a line that was written
+    previous_end = 0
+    for part in scan.parts:
+        if type(part) is pj.BadLines:
+            assert previous_end <= part.start < part.end <= len(changed) and part.lines >= 1
+            previous_end = part.end
+    at_end = [part.at_end for part in scan.parts if type(part) is pj.BadLines]
+    assert at_end == sorted(at_end)  # the ranges at the end come last
+    assert 0 <= scan.good_end <= len(changed)
 
 
 # --------------------------------------------------------------------------- #
