@@ -140,7 +140,10 @@ def pandas_job(root: Path, out: Path) -> dict:
 
     frame = events.select(["ev", "t", "g", "host", "lat", "late", "hit", "i"]).to_pandas()
     frame.columns = ["event", "t_ms", "group", "host", "lateness_ms", "overdue", "hit", "idle_ms"]
-    frame["minute_ms"] = frame["t_ms"] - frame["t_ms"] % reference.MINUTE_MS
+    width = reference.bucket_width_ms(
+        int(frame["t_ms"].min()) if len(frame) else None, int(frame["t_ms"].max()) if len(frame) else None
+    )
+    frame["bucket_ms"] = frame["t_ms"] - frame["t_ms"] % width
     frame["hour_ms"] = frame["t_ms"] - frame["t_ms"] % reference.HOUR_MS
 
     fires = frame[frame["event"] == "fire"].copy()
@@ -189,8 +192,8 @@ def pandas_job(root: Path, out: Path) -> dict:
         "idle_arms": frame["idle_ms"].notna() & frame["event"].isin(["add", "rearm"]),
         "idle_fires": frame["idle_ms"].notna() & (frame["event"] == "fire"),
     })  # fmt: skip
-    flags[["minute_ms", "group", "host", "t_ms"]] = frame[["minute_ms", "group", "host", "t_ms"]]
-    count_columns = [c for c in flags.columns if c not in ("minute_ms", "group", "host", "t_ms")]
+    flags[["bucket_ms", "group", "host", "t_ms"]] = frame[["bucket_ms", "group", "host", "t_ms"]]
+    count_columns = [c for c in flags.columns if c not in ("bucket_ms", "group", "host", "t_ms")]
     count_parts = []
     for keys in job.COUNT_SETS.values():
         keys = list(keys)
@@ -208,7 +211,7 @@ def pandas_job(root: Path, out: Path) -> dict:
         count_parts.append(rows)
     count_rows = pd.concat(count_parts, ignore_index=True)
 
-    tables, _summary = job.figure_tables(lateness_rows, count_rows, segments)
+    tables, _summary = job.figure_tables(lateness_rows, count_rows, segments, bucket_width_ms=width)
     for name, table in tables.items():
         pq.write_table(pa.Table.from_pandas(table, preserve_index=False), out / f"{name}.parquet")
     return tables

@@ -1,4 +1,11 @@
-"""``wheeld``: run the daemon in the foreground (a thin click shell over ``server.run``)."""
+"""``wheeld``: run the daemon in the foreground (a thin click shell over ``server.run``).
+
+Exit codes: 0 after a clean stop; 2 when it cannot start (a bad option, a
+socket in use, an arena it cannot use); 65 (``EX_DATAERR`` of sysexits.h)
+when ``--journal-damage refuse`` finds the journal damaged (nothing on disk
+changed; the unit's ``RestartPreventExitStatus=65`` stops systemd from trying
+again).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,10 @@ import click
 
 from wheeld.protocol.errors import WheeldError
 
-from .config import Config, default_name, default_socket_path
+from .config import JOURNAL_DAMAGE_POLICIES, Config, default_name, default_socket_path
+
+#: ``--journal-damage refuse`` found damage (sysexits.h: "the input data was incorrect").
+EXIT_JOURNAL_DAMAGED = 65
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -27,6 +37,11 @@ from .config import Config, default_name, default_socket_path
 @click.option("--metrics", default=None, metavar="ADDR:PORT", help="Serve Prometheus metrics over HTTP (off by default).")
 @click.option("--journal", "journal_dir", default=None, metavar="DIR", help="Write-ahead journal directory (off by default).")
 @click.option("--fsync", default="interval=10", show_default=True, metavar="POLICY", help="always | interval=N (ms) | off")
+@click.option("--journal-damage", type=click.Choice(JOURNAL_DAMAGE_POLICIES), default="skip", show_default=True,
+              help="When the arena is gone and is rebuilt from the journal: skip damaged journal lines (their "
+                   "events are lost, each damaged range is logged as an error and counted in wheelctl stats) or "
+                   f"refuse to start (exit {EXIT_JOURNAL_DAMAGED}, nothing on disk changed; see wheelctl check "
+                   "--journal DIR).")
 @click.option("--allow-uid", "allow_uids", multiple=True, metavar="USER",
               help="Allow this user (name or uid) to connect; repeatable. Without any --allow-*, anyone who can "
                    "open the socket may (the socket's mode and group decide). The daemon's own uid and root always may.")
@@ -56,8 +71,8 @@ from .config import Config, default_name, default_socket_path
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_capacity, metrics, journal_dir, fsync,
-         allow_uids, allow_groups, monitor_group, group_owners, group_quota, max_groups, ack_timeout_s,
-         frame_timeout_s, coalesce_us, log_level):
+         journal_damage, allow_uids, allow_groups, monitor_group, group_owners, group_quota, max_groups,
+         ack_timeout_s, frame_timeout_s, coalesce_us, log_level):
     """Run the wheeld timer daemon in the foreground."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s wheeld[%(process)d] %(levelname)s %(message)s",
                         stream=sys.stderr)
@@ -65,7 +80,8 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
     config = Config(
         socket_path=socket_path or default_socket_path(name), name=name, tick_ms=tick_ms, wheel_size=wheel_size,
         capacity=capacity, ring_capacity=ring_capacity, touch_capacity=touch_capacity, metrics=metrics,
-        journal_dir=journal_dir, fsync=fsync, log_level=log_level, coalesce_us=coalesce_us,
+        journal_dir=journal_dir, fsync=fsync, journal_damage=journal_damage, log_level=log_level,
+        coalesce_us=coalesce_us,
         allowed_uids=_ids(allow_uids, _uid) if allow_uids or allow_groups else None,
         allowed_gids=_ids(allow_groups, _gid) if allow_uids or allow_groups else None,
         monitor_gid=next(iter(_ids([monitor_group], _gid))) if monitor_group else None,
@@ -73,10 +89,14 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
         group_owners=tuple(_group_owner(spec) for spec in group_owners),
         group_quota=group_quota, max_groups=max_groups, ack_timeout_s=ack_timeout_s, frame_timeout_s=frame_timeout_s,
     )
+    from .journal import JournalDamaged
     from .server import run
 
     try:
         sys.exit(run(config))
+    except JournalDamaged as exc:
+        click.echo(f"wheeld: {exc}", err=True)
+        sys.exit(EXIT_JOURNAL_DAMAGED)
     except WheeldError as exc:
         click.echo(f"wheeld: {exc}", err=True)
         sys.exit(2)

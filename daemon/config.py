@@ -13,6 +13,9 @@ from wheeld.protocol.naming import (  # noqa: F401 - the daemon's names, re-expo
     segment_prefix,
 )
 
+#: ``--journal-damage``: what recovery does with damaged journal lines (daemon/journal.py, "Damage").
+JOURNAL_DAMAGE_POLICIES = ("skip", "refuse")
+
 
 @dataclass(frozen=True)
 class Config:
@@ -40,6 +43,7 @@ class Config:
     metrics: str | None = None  # "ADDR:PORT"
     journal_dir: str | None = None
     fsync: str = "interval=10"
+    journal_damage: str = "skip"  # "refuse": exit instead of recovering past damaged journal lines
     max_park_ms: int = 500  # longest sleep without a wake-up (bounds a missed doorbell)
     coalesce_us: int = 500  # a parked daemon wakes this long after a non-urgent doorbell (0: at once)
     delivery_batch: int = 4096

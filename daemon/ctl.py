@@ -21,10 +21,17 @@ so it goes back to the group when they leave. ``tail`` is a member for as long
 as it runs and *takes* the group's expirations (printing them): run it on a
 group no worker consumes, or it steals their expirations.
 
+``check --journal DIR`` reads a journal directory instead of the arena (no
+daemon needed, nothing written): every damaged range with its file, byte
+offsets, line numbers and what recovery would lose or keep; exit 1 when there
+is any (a torn tail alone, which recovery cuts like after any crash, is not
+damage).
+
 Exit codes (also in ``wheelctl --help``)::
 
     0  ok
-    1  check failed; cancel found nothing to cancel; a command was refused
+    1  check failed (the arena broken; with --journal, a damaged journal); cancel
+       found nothing to cancel; a command was refused
     2  usage error
     3  no daemon or no arena (nothing listens on the socket, no arena of that name,
        or not allowed to use them); stats also when the daemon process is gone
@@ -67,7 +74,8 @@ EXIT_NOT_RESPONDING = 4
 EXIT_CODES_HELP = """\b
 Exit codes:
   0  ok
-  1  check failed, cancel found no pending timer, or a command was refused
+  1  check failed (the arena is broken; check --journal: the journal has
+     damaged ranges), cancel found no pending timer, or a command was refused
   2  usage error
   3  no daemon or no arena (or not allowed to use them); stats: the daemon
      process is gone (the figures it left in the arena are still printed)
@@ -283,6 +291,11 @@ def render_table(snap: S.Snapshot, rate: dict[str, float] | None) -> str:
     lines.append(f"arena  {snap.segment}  {snap.arena_bytes / 1e6:.1f} MB, capacity {_fmt_int(snap.capacity)} timers, "
                  f"used {_fmt_int(snap.used)} ({use:.1f} %), tick {snap.tick_ms} ms, "
                  f"{snap.wheel_size} buckets x {snap.levels} levels")
+    ranges, damaged = c["journal_damaged_ranges_total"], c["journal_damaged_lines_total"]
+    if ranges:
+        lines.append(f"journal  DAMAGED: the recovery that built this arena skipped {_fmt_int(ranges)} damaged "
+                     f"range{'s' if ranges != 1 else ''} ({_fmt_int(damaged)} line{'s' if damaged != 1 else ''}) of "
+                     f"the journal; their events are lost (the daemon's log lists them; wheelctl check --journal DIR)")
     lines.append("")
     width = 24
     lines.append(f"{'timers':<{width}}{'total':>14}  {'rate':>12}")
@@ -594,15 +607,28 @@ def groups(ctl: Ctl, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON document.")
 @click.option("--attempts", type=click.IntRange(1, 100), default=5, show_default=True,
               help="Copies taken at most while a live daemon keeps writing.")
+@click.option("--journal", "journal_dir", default=None, metavar="DIR",
+              type=click.Path(exists=True, file_okay=False, dir_okay=True),
+              help="Check this journal directory instead of the arena: list every damaged range (file, byte "
+                   "offsets, lines, what recovery loses or keeps); exit 1 if there is any.")
 @click.pass_obj
-def check(ctl: Ctl, as_json: bool, attempts: int) -> None:
+def check(ctl: Ctl, as_json: bool, attempts: int, journal_dir: str | None) -> None:
     """Verify the arena's invariants on a private copy; exit 1 when broken.
 
     The live arena is never written: the segment is copied into private memory,
     checked there (links, lists, buckets, free list, duplicate keys, counters),
     and the wheel's own recovery is run on the copy to show what a daemon
     restart would repair.
+
+    With --journal DIR the journal directory is checked instead (no daemon
+    needed, nothing written): every segment and snapshot is read, and every
+    damaged range listed with what a recovery would lose (the events of its
+    lines) and keep (everything else). Exit 1 when there is damage; a torn
+    tail alone (a write cut short by a crash, which recovery cuts) is not.
     """
+    if journal_dir is not None:
+        _check_journal(journal_dir, as_json)
+        return
     try:
         report = S.check(ctl.name, attempts=attempts)
     except S.NoArena as exc:
@@ -674,6 +700,39 @@ def destroy(ctl: Ctl, instance: str | None) -> None:
         click.echo(f"removed {len(removed)} segment(s) of wheeld instance {name!r}: {', '.join(removed)}")
     else:
         click.echo(f"nothing to remove: no segment of wheeld instance {name!r} in {I.SHM_DIR}")
+
+
+def _check_journal(directory: str, as_json: bool) -> None:
+    from .journal import check_journal
+
+    try:
+        report = check_journal(directory)
+    except OSError as exc:
+        raise CtlError(f"cannot read the journal in {directory}: {exc}", EXIT_NO_DAEMON) from None
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        counts = report.to_dict()
+        files = (f"{report.segments} segment{'s' if report.segments != 1 else ''}, "
+                 f"{report.snapshots} snapshot{'s' if report.snapshots != 1 else ''}")
+        recovery = (f"a recovery would rebuild {_fmt_int(report.pending)} pending and {_fmt_int(report.unacked)} "
+                    f"unacknowledged timers (snapshot lsn {report.snapshot_lsn}, last lsn {report.last_lsn})")
+        if report.ok:
+            click.echo(f"ok: journal {directory}: {files}, no damaged line; {recovery}")
+        else:
+            click.echo(f"DAMAGED: journal {directory}: {files}; {counts['damaged_ranges']} damaged "
+                       f"range{'s' if counts['damaged_ranges'] != 1 else ''}, {counts['damaged_lines']} "
+                       f"line{'s' if counts['damaged_lines'] != 1 else ''}, {counts['lost_events']} "
+                       f"event{'s' if counts['lost_events'] != 1 else ''} lost")
+            for item in report.damage:
+                click.echo(f"  {os.path.basename(item.path)} {item.where()}: {item.reason}: {item.detail}")
+                click.echo(f"      {item.cost()} -> {item.action}")
+            click.echo(f"{recovery}; everything else is kept")
+        for torn in report.torn:
+            click.echo(f"torn tail (a write cut short by a crash; recovery cuts it): {os.path.basename(torn.path)} "
+                       f"{torn.detail}")
+    if not report.ok:
+        sys.exit(EXIT_FAILED)
 
 
 from .ctl_report import report  # noqa: E402  (imports pyspark only when it runs)

@@ -38,19 +38,38 @@ from wheeld.protocol.keys import decode_key
 from wheeld.protocol.errors import ArenaFull, InvalidRequest
 from wheeld.shm.wheel import TimerWheel
 
-from .journal import FiredTimer, Journal, PendingTimer, list_segments, recover, wall_to_monotonic
+from .journal import (
+    FiredTimer,
+    Journal,
+    PendingTimer,
+    RecoveredState,
+    list_segments,
+    read_clocks,
+    recover,
+    wall_to_monotonic_ns,
+)
 
 log = logging.getLogger("wheeld.journal")
 
 _UNSET = J.UNSET
 
 
-def wall_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 def mono_ms() -> int:
     return time.monotonic_ns() // 1_000_000
+
+
+def wall_offset_ms() -> int:
+    """Wall-clock ms minus monotonic ms, rounded up: what turns an arena deadline into the journal's.
+
+    The monotonic clock is read first, so ``wall - mono`` in ns is at least the
+    true offset between the clocks; rounding it up keeps every journaled
+    wall-clock deadline at or after the moment the monotonic deadline stood
+    for (at most 1 ms after), and recovery rounds up again on its way back
+    (:func:`wheeld.daemon.journal.wall_to_monotonic_ns`): a timer is never
+    early across a reboot.
+    """
+    mono = time.monotonic_ns()
+    return -((mono - time.time_ns()) // 1_000_000)
 
 
 class Recorder:
@@ -62,7 +81,7 @@ class Recorder:
         self.wheel = wheel
         self.events: list = []
         self._group_names: dict[int, str] = {}
-        self._offset = wall_ms() - mono_ms()
+        self._offset = wall_offset_ms()
         self.snapshot_every_events = snapshot_every_events
         self.snapshot_every_s = snapshot_every_s
         self._snapshot_lsn = journal.last_lsn
@@ -91,7 +110,7 @@ class Recorder:
 
     # ------------------------------------------------------------------ events
     def begin(self) -> None:
-        self._offset = wall_ms() - mono_ms()
+        self._offset = wall_offset_ms()
 
     def _group(self, gid: int) -> str:
         name = self._group_names.get(gid)
@@ -262,7 +281,7 @@ class Recorder:
     def snapshot(self) -> None:
         started = time.perf_counter()
         wheel = self.wheel
-        off = wall_ms() - mono_ms()
+        off = wall_offset_ms()
         pending = [PendingTimer(self._group(gid), key, deadline + off, tag)
                    for key, deadline, gid, tag in _scheduled(wheel)]
         unacked = []
@@ -369,27 +388,77 @@ def _observe_durability(journal: Journal, log_path: str) -> None:
     journal.on_synced = synced
 
 
-def recover_into(wheel: TimerWheel, directory: str) -> int:
-    """Load a journal directory's state into an empty arena; return the next lsn."""
-    state = recover(directory)
-    for problem in state.problems:
-        log.warning("journal recovery: %s", problem)
-    now_wall, now_mono = wall_ms(), mono_ms()
+def recover_journal(directory: str, on_damage: str = "skip") -> RecoveredState:
+    """Recover a journal directory for a daemon whose arena is gone (``wheeld --journal-damage``).
+
+    ``skip``: damaged ranges are skipped (each logged at ERROR level) and the
+    rest recovered; ``refuse``: any damage raises
+    :class:`~wheeld.daemon.journal.JournalDamaged`, a one-line message naming
+    the ranges, and nothing on disk is changed. Called before the arena is
+    created, so a refusal leaves no empty arena behind (one would make the next
+    start skip the journal).
+    """
+    return recover(directory, on_damage=on_damage)
+
+
+def load_recovered(wheel: TimerWheel, state: RecoveredState, directory: str = "",
+                   clocks=read_clocks) -> int:
+    """Load a recovered state into an empty arena; return the next lsn.
+
+    Wall-clock deadlines become monotonic ones rounded up
+    (:func:`~wheeld.daemon.journal.wall_to_monotonic_ns`), so no timer fires
+    before its wall-clock deadline; those already past fire at once, late.
+    """
+    wall_ns, mono_ns = clocks()
     loaded = lost = 0
     entries = [(t.group, t.key, t.deadline_ms, t.seq) for t in state.pending.values()]
     entries += [(t.group, t.key, t.deadline_ms, t.seq) for t in state.unacked]  # delivered again
     for group, key, deadline_wall, seq in entries:
         try:
             gid = wheel.group_id(group)
-            wheel.schedule(key, wall_to_monotonic(deadline_wall, now_wall, now_mono), gid, seq & 0xFFFFFFFF)
+            wheel.schedule(key, wall_to_monotonic_ns(deadline_wall, wall_ns, mono_ns), gid, seq & 0xFFFFFFFF)
             loaded += 1
         except (ArenaFull, InvalidRequest) as exc:
             lost += 1
             if lost <= 10:
                 log.error("journal recovery: timer %r of group %s not restored: %s", key, group, exc)
+    damage = (f"; {len(state.damage)} DAMAGED RANGES SKIPPED ({state.damaged_lines} lines, see the errors above; "
+              f"wheelctl check --journal {directory})" if state.damage else "")
     log.info("journal recovery from %s: %d timers restored (%d pending, %d to deliver again), snapshot lsn %d, "
-             "%d events replayed from %d segments, last lsn %d, %.0f ms%s",
+             "%d events replayed from %d segments, last lsn %d, %.0f ms%s%s",
              directory, loaded, len(state.pending), len(state.unacked), state.snapshot_lsn,
              state.events_replayed, state.segments_read, state.last_lsn, state.elapsed_ms,
-             f"; {lost} NOT restored (arena full?)" if lost else "")
+             f"; {lost} NOT restored (arena full?)" if lost else "", damage)
     return state.last_lsn + 1
+
+
+def recover_into(wheel: TimerWheel, directory: str, on_damage: str = "skip") -> int:
+    """Load a journal directory's state into an empty arena; return the next lsn."""
+    return load_recovered(wheel, recover_journal(directory, on_damage), directory)
+
+
+def open_journal(config, wheel: TimerWheel, recovered: RecoveredState | None, totals: dict,
+                 next_lsn: int | None = None) -> Recorder:
+    """The daemon's journal: load what was recovered (if the arena is new), open the writer.
+
+    ``next_lsn``: the state was already loaded (:func:`load_recovered` returned it).
+
+    ``recovered`` is :func:`recover_journal`'s state when the arena was just
+    created (None when an existing arena was attached: the journal only
+    continues). Damage it skipped is added to ``totals``
+    (``journal_damaged_ranges_total``, ``journal_damaged_lines_total``: the
+    daemon publishes them in the arena header), and a snapshot is written at
+    once, so that later recoveries start after the damage and compaction
+    removes the damaged segments in time.
+    """
+    if recovered is not None:
+        if next_lsn is None:
+            next_lsn = load_recovered(wheel, recovered, config.journal_dir)
+        totals["journal_damaged_ranges_total"] = totals.get("journal_damaged_ranges_total", 0) + len(recovered.damage)
+        totals["journal_damaged_lines_total"] = totals.get("journal_damaged_lines_total", 0) + recovered.damaged_lines
+    journal = Journal(config.journal_dir, fsync=config.fsync, name=config.name, next_lsn=next_lsn)
+    recorder = Recorder(journal, wheel)
+    if recovered is not None and recovered.damage:
+        recorder.snapshot()
+    log.info("journal %s (fsync %s) continues at lsn %d", config.journal_dir, config.fsync, journal.last_lsn + 1)
+    return recorder

@@ -53,6 +53,8 @@ wheeld_arena_bytes                     gauge      segment size
 wheeld_tick_seconds                    gauge      header tick_ms
 wheeld_wakeups_total                   counter    wakeups_total
 wheeld_daemon_restarts_total           counter    daemon_restarts_total
+wheeld_journal_damaged_ranges_total    counter    journal_damaged_ranges_total
+wheeld_journal_damaged_lines_total     counter    journal_damaged_lines_total
 wheeld_daemon_up                       gauge      1 if the daemon process exists
 wheeld_daemon_heartbeat_age_seconds    gauge      now - daemon_heartbeat_ms
 wheeld_daemon_uptime_seconds           gauge      now - daemon_started_ms
@@ -115,6 +117,10 @@ _COUNTERS = (
     ("wheeld_clients_dropped_total", "Clients disconnected for a protocol violation.", "clients_dropped_total"),
     ("wheeld_wakeups_total", "Times the wheel loop woke from parking.", "wakeups_total"),
     ("wheeld_daemon_restarts_total", "Daemon starts that re-attached an existing arena.", "daemon_restarts_total"),
+    ("wheeld_journal_damaged_ranges_total",
+     "Damaged journal ranges (bad lines followed by good ones, damaged snapshots, missing events) that recovery "
+     "skipped when it rebuilt the arena.", "journal_damaged_ranges_total"),
+    ("wheeld_journal_damaged_lines_total", "Journal lines in those damaged ranges.", "journal_damaged_lines_total"),
 )
 
 

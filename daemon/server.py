@@ -347,6 +347,7 @@ class Daemon:
         self._log_limiter = _LogLimiter()
         self._set_aside: list[str] = []  # unusable segments renamed at start-up
         self._next_lsn: int | None = None  # where the journal continues after a recovery
+        self._recovered = None  # the journal's recovered state, when the arena was rebuilt from it
 
     # ------------------------------------------------------------------ start-up
     def open_arena(self) -> None:
@@ -378,12 +379,10 @@ class Daemon:
         if self._set_aside:
             self.totals["arenas_set_aside_total"] += len(self._set_aside)
         if cfg.journal_dir:
-            from .journal import Journal
-            from .journaling import Recorder
+            from .journaling import open_journal
 
-            journal = Journal(cfg.journal_dir, fsync=cfg.fsync, name=cfg.name, next_lsn=self._next_lsn if fresh else None)
-            self.recorder = Recorder(journal, self.wheel)
-            log.info("journal %s (fsync %s) continues at lsn %d", cfg.journal_dir, cfg.fsync, journal.last_lsn + 1)
+            self.recorder = open_journal(cfg, self.wheel, self._recovered if fresh else None, self.totals,
+                                         next_lsn=self._next_lsn if fresh else None)
         self.started_ms = now
         self.arena_epoch = (self.wheel.created_wall_ms & 0xFFFFFFFF) or 1  # see _ack_allowed
         self._level1_tick_ms = self.wheel.tick_ms * self.wheel.wheel_size  # see _expire
@@ -401,6 +400,11 @@ class Daemon:
         middle of a recovery leaves no half-filled arena that the next start would take
         for the real one (it starts the recovery over)."""
         cfg = self.config
+        self._recovered = self._next_lsn = None
+        if cfg.journal_dir:  # before the arena exists: a refusal (--journal-damage refuse) leaves nothing
+            from .journaling import recover_journal
+
+            self._recovered = recover_journal(cfg.journal_dir, cfg.journal_damage)
         building = f"{name}.new"
         if unlink_segment(building):
             log.warning("removed %s, left by a daemon that died while building its arena", building)
@@ -410,11 +414,10 @@ class Daemon:
         )
         try:
             self._hand_to_monitors(building)
-            self._next_lsn = None
-            if cfg.journal_dir:
-                from .journaling import recover_into
+            if self._recovered is not None:
+                from .journaling import load_recovered
 
-                self._next_lsn = recover_into(wheel, cfg.journal_dir)
+                self._next_lsn = load_recovered(wheel, self._recovered, cfg.journal_dir)
             wheel._seg.rename(name)
             wheel.name = name
         except BaseException:
@@ -540,7 +543,11 @@ class Daemon:
         # and the socket before the arena, so a second daemon changes nothing at all.
         self.lock = InstanceLock.acquire(self.config.name)
         self.open_socket()
-        self.open_arena()
+        try:
+            self.open_arena()
+        except BaseException:
+            self._close_listener()
+            raise
         self.status = StatusPage.create(f"wheeld-{self.config.name}-status")
         self._maintain_handle = self.loop.call_later(_MAINTAIN_S, self._maintain)
         # Everything allocated so far lives as long as the daemon: move it out of the
@@ -597,12 +604,7 @@ class Daemon:
             self.close_session(session, "daemon shutting down", goodbye=True, resume=True)
         self._drain_rings()  # apply what is left (acks included) before the arena is closed
         self._publish(mono_ms())
-        self._listener.close()
-        if self._owns_socket_path:
-            try:
-                os.unlink(self.config.socket_path)
-            except FileNotFoundError:
-                pass
+        self._close_listener()
         if self.recorder is not None:
             self.recorder.close()
         if self._maintain_handle is not None:
@@ -614,6 +616,14 @@ class Daemon:
         self.wheel.close()
         self.lock.release()
         log.info("stopped; %d timers pending in the arena", self._stats_pending)
+
+    def _close_listener(self) -> None:
+        self._listener.close()
+        if self._owns_socket_path:
+            try:
+                os.unlink(self.config.socket_path)
+            except FileNotFoundError:
+                pass
 
     # ------------------------------------------------------------------ driver
     async def _drive(self) -> None:
@@ -1143,17 +1153,17 @@ class Daemon:
     def _idle_rearmed(self, slot: int, gen: int, aux: int, now: int) -> bool:
         """An idle timer came due: if its key was touched since, put it back on the wheel
         (or, if the key was armed again meanwhile, release it) and return True."""
-        rearm = self._idle_deadline(aux, now)
-        if rearm is None:
+        rearm_at, _idle_ms = self._idle_check(aux, now)
+        if rearm_at is None:
             return False
         wheel = self.wheel
-        if not wheel.rearm_fired(slot, gen, rearm[0]):
+        if not wheel.rearm_fired(slot, gen, rearm_at):
             wheel.release(slot, gen)  # the key was armed again meanwhile
         return True
 
-    def _idle_deadline(self, aux: int, now: int) -> tuple[int, int] | None:
-        """(when an idle timer that came due at ``now`` must fire instead, its idle_ms),
-        or None to fire it now (idle_ms 0: postponed, see below).
+    def _idle_check(self, aux: int, now: int) -> tuple[int | None, int]:
+        """For an idle timer that came due at ``now``: (when it must fire instead, or None
+        to fire it now; its idle_ms, 0 when unknown).
 
         The last touch and the idle time are read from the client's touch table,
         which the client writes: impossible values poison that client (its session
@@ -1163,19 +1173,19 @@ class Daemon:
         firing for connections that may well be active."""
         cs = self.clients.get(aux >> CL.TOUCH_INDEX_BITS)
         if cs is None or cs.poisoned:
-            return None
+            return None, 0
         if cs.segment is None:
             waited_ms = now - cs.orphan_since
-            return (now + _IDLE_WAIT_MS, 0) if waited_ms < self.config.resume_grace_s * 1000 else None
+            return (now + _IDLE_WAIT_MS if waited_ms < self.config.resume_grace_s * 1000 else None), 0
         try:
             activity = cs.segment.read_activity(aux & CL.TOUCH_INDEX_MASK, now)
         except ProtocolError as exc:
             self._poison(cs, f"touch table: {exc}")
-            return None
+            return None, 0
         if activity is None:
-            return None
+            return None, 0
         touched, idle_ms = activity
-        return (touched + idle_ms, idle_ms) if touched + idle_ms > now else None
+        return (touched + idle_ms if touched + idle_ms > now else None), idle_ms
 
     def _expire_journaled(self, now: int) -> None:
         """:meth:`_expire` one timer at a time, journaling every event (with --journal)."""
@@ -1192,11 +1202,12 @@ class Daemon:
         late_sum = 0
         for s in slots:
             key, deadline, group, tag, aux, gen = wheel.fired(s)
+            idle_ms = 0  # journaled with the fire: an idle timer's idle_ms is in its client's touch table
             if aux >= 0:  # an idle timer: was it touched since it was armed?
-                rearm = self._idle_deadline(aux, now)
-                if rearm is not None:
-                    if wheel.rearm_fired(s, gen, rearm[0]):
-                        recorder.idle_rearmed(group, key, deadline, rearm[0], tag, rearm[1])
+                rearm_at, idle_ms = self._idle_check(aux, now)
+                if rearm_at is not None:
+                    if wheel.rearm_fired(s, gen, rearm_at):
+                        recorder.idle_rearmed(group, key, deadline, rearm_at, tag, idle_ms)
                     else:
                         wheel.release(s, gen)  # the key was armed again meanwhile
                     continue
@@ -1205,7 +1216,7 @@ class Daemon:
             lateness[bisect.bisect_left(bounds, late_us)] += 1  # bucket i: <= bounds[i], like Prometheus le
             late = deadline < started
             queues[group].append((s, gen, now, late))
-            recorder.fired(group, key, deadline, tag, now, late, None)
+            recorder.fired(group, key, deadline, tag, now, late, idle_ms or None)
         self._lateness_sum_us += late_sum
         recorder.commit(now)
 
@@ -1745,6 +1756,7 @@ _DAEMON_TOTALS = (
     "delivered_total", "redelivered_total", "wakeups_total", "loop_iterations_total", "daemon_restarts_total", "daemon_pid",
     "daemon_started_ms", "daemon_heartbeat_ms", "clients_connected", "groups_active", "undelivered",
     "ack_timeouts_total", "arenas_set_aside_total", "accept_pauses_total",
+    "journal_damaged_ranges_total", "journal_damaged_lines_total",
 )
 
 

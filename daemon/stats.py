@@ -22,6 +22,9 @@ What a snapshot holds and where each figure comes from::
     groups                         the arena's group table; pending and fired per
                                    group from one pass over the records' state
                                    and group columns
+    journal damage                 counters journal_damaged_ranges_total and
+                                   journal_damaged_lines_total: what recovery
+                                   skipped when it rebuilt this arena
     daemon pid, alive              counter daemon_pid; ``os.kill(pid, 0)``, and
                                    /proc/PID/cmdline mentions wheeld (pid reuse)
     responding                     counter daemon_heartbeat_ms: the daemon writes
@@ -83,7 +86,8 @@ RATE_COUNTERS = (
 _DAEMON_WORDS = tuple(
     L.H_COUNTERS + 8 * L.COUNTER[n]
     for n in ("daemon_pid", "daemon_started_ms", "daemon_heartbeat_ms", "clients_connected", "groups_active",
-              "undelivered", "commands_total", "delivered_total", "clients_total", "wakeups_total")
+              "undelivered", "commands_total", "delivered_total", "clients_total", "wakeups_total",
+              "journal_damaged_ranges_total", "journal_damaged_lines_total")
 )
 _COUNTERS = struct.Struct(f"<{L.COUNTERS}q")
 _LATENESS = struct.Struct(f"<{L.LATENESS_BUCKETS}q")
@@ -295,6 +299,10 @@ class Snapshot:
             "groups": {
                 "active": c["groups_active"], "registered": len(self.groups),
                 "groups": [g.to_dict() for g in self.groups],
+            },
+            "journal": {
+                "damaged_ranges_total": c["journal_damaged_ranges_total"],
+                "damaged_lines_total": c["journal_damaged_lines_total"],
             },
             "counters": dict(c),
         }

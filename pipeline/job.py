@@ -34,7 +34,11 @@ Stages (each is logged with its counts and elapsed time)
    path, host, daemon), are written as the ``events`` table.
 5. **aggregate** -- two Spark jobs over ``events`` read back from Parquet
    (columnar: only the needed columns): lateness with GROUPING SETS and
-   exact ``percentile_disc``, and event counts with GROUPING SETS. The small
+   exact ``percentile_disc``, and event counts with GROUPING SETS. The time
+   buckets of the charts over time have one width for the whole input,
+   chosen from its time span (:func:`wheeld.pipeline.reference.bucket_width_ms`:
+   at most 300 buckets, never under 1 s); the first and last event times come
+   with the line counts of stage 3, so choosing costs no extra pass. The small
    results are collected; rates and rankings are derived on the driver
    (:func:`figure_tables`) and every table is written as one Parquet file.
 6. **report** -- :mod:`wheeld.pipeline.report` draws PNG charts with
@@ -85,11 +89,12 @@ segments                one row per file: lines by status, ``status`` ok /
 lateness_by_host_group  fires, overdue_fires, p50/p99/p999/max lateness (ms)
 lateness_by_host        ... per host
 lateness_by_group       ... per group
-lateness_by_minute      ... per minute of the fleet
+lateness_over_time      ... per time bucket of the fleet (``bucket_ms``; the
+                        width is ``summary.bucket_width_ms``)
 lateness_by_hour        ... per hour of the fleet
 lateness_by_host_hour   fires, p99, max per host and hour (the heat map)
-throughput_by_minute    adds, rearms, cancels, fires, acks, idle_rearms per
-                        minute and adds/cancels/fires per second
+throughput_over_time    adds, rearms, cancels, fires, acks, idle_rearms per
+                        time bucket and adds/cancels/fires per second
 timeout_rate_by_group   fired, cancelled_hit, cancelled_miss, timeout_rate
 timeout_rate_by_host    ... per host
 idle_churn_by_group     idle_arms, idle_rearms, idle_fires, rearms_per_fire
@@ -124,7 +129,6 @@ from wheeld.pipeline.reference import (
     CHECKSUM,
     HEADER,
     HOUR_MS,
-    MINUTE_MS,
     OK,
     QUANTILES,
     TOP_N,
@@ -193,10 +197,10 @@ FIGURE_TABLES = (
     "lateness_by_host_group",
     "lateness_by_host",
     "lateness_by_group",
-    "lateness_by_minute",
+    "lateness_over_time",
     "lateness_by_hour",
     "lateness_by_host_hour",
-    "throughput_by_minute",
+    "throughput_over_time",
     "timeout_rate_by_group",
     "timeout_rate_by_host",
     "idle_churn_by_group",
@@ -437,8 +441,8 @@ def slim_lines(classified: "DataFrame") -> "DataFrame":
 # Every figure comes out of two aggregations over the events table, each one
 # Spark job with GROUPING SETS (one scan, one shuffle), instead of one job per
 # table: on a laptop the fixed cost of a Spark job (~0.3-1 s) is most of the
-# time of a small table. The aggregates are small (per host, group, minute,
-# host-hour) and are collected; rates and rankings are then derived on the
+# time of a small table. The aggregates are small (per host, group, time
+# bucket, host-hour) and are collected; rates and rankings are then derived on the
 # driver from exact integer counts.
 
 #: lateness table -> grouping columns (the () set is the fleet-wide row).
@@ -446,19 +450,19 @@ LATENESS_SETS: dict[str, tuple[str, ...]] = {
     "lateness_by_host_group": ("host", "group"),
     "lateness_by_host": ("host",),
     "lateness_by_group": ("group",),
-    "lateness_by_minute": ("minute_ms",),
+    "lateness_over_time": ("bucket_ms",),
     "lateness_by_hour": ("hour_ms",),
     "lateness_by_host_hour": ("host", "hour_ms"),
     "fleet": (),
 }
-LATENESS_KEYS = ("host", "group", "minute_ms", "hour_ms")
+LATENESS_KEYS = ("host", "group", "bucket_ms", "hour_ms")
 COUNT_SETS: dict[str, tuple[str, ...]] = {
-    "minute": ("minute_ms",),
+    "time": ("bucket_ms",),
     "group": ("group",),
     "host": ("host",),
     "fleet": (),
 }
-COUNT_KEYS = ("minute_ms", "group", "host")
+COUNT_KEYS = ("bucket_ms", "group", "host")
 LATENESS_FIGURES = ("fires", "overdue_fires", *QUANTILES, "max_ms")
 
 
@@ -493,13 +497,13 @@ def _bucket(column: str, width_ms: int) -> "Column":
     return F.col(column) - F.pmod(F.col(column), F.lit(width_ms))
 
 
-def lateness_aggregate(events: "DataFrame") -> "DataFrame":
-    """One row per (host, group), host, group, minute, (host, hour) and the fleet."""
+def lateness_aggregate(events: "DataFrame", bucket_width_ms: int) -> "DataFrame":
+    """One row per (host, group), host, group, time bucket, (host, hour) and the fleet."""
     from pyspark.sql import functions as F
 
     fires = events.where(F.col("event") == "fire").select(
         "host", "group", "lateness_ms", "overdue",
-        _bucket("t_ms", MINUTE_MS).alias("minute_ms"),
+        _bucket("t_ms", bucket_width_ms).alias("bucket_ms"),
         _bucket("t_ms", HOUR_MS).alias("hour_ms"),
     )  # fmt: skip
     sets = [[F.col(k) for k in keys] for keys in LATENESS_SETS.values()]
@@ -508,8 +512,8 @@ def lateness_aggregate(events: "DataFrame") -> "DataFrame":
     )
 
 
-def count_aggregate(events: "DataFrame") -> "DataFrame":
-    """Event counts by type per minute, group, host and for the fleet."""
+def count_aggregate(events: "DataFrame", bucket_width_ms: int) -> "DataFrame":
+    """Event counts by type per time bucket, group, host and for the fleet."""
     from pyspark.sql import functions as F
 
     event = F.col("event")
@@ -526,7 +530,9 @@ def count_aggregate(events: "DataFrame") -> "DataFrame":
         F.min("t_ms").alias("first_ms"),
         F.max("t_ms").alias("last_ms"),
     ]
-    rows = events.select("event", "hit", "idle_ms", "host", "group", "t_ms", _bucket("t_ms", MINUTE_MS).alias("minute_ms"))
+    rows = events.select(
+        "event", "hit", "idle_ms", "host", "group", "t_ms", _bucket("t_ms", bucket_width_ms).alias("bucket_ms")
+    )
     sets = [[F.col(k) for k in keys] for keys in COUNT_SETS.values()]
     return rows.groupingSets(sets, *COUNT_KEYS).agg(F.grouping_id().alias("gid"), *counts)
 
@@ -555,9 +561,16 @@ def _rate(numerator: "pd.Series", denominator: "pd.Series") -> "pd.Series":
 
 
 def figure_tables(
-    lateness_rows: "pd.DataFrame", count_rows: "pd.DataFrame", segments: list[dict[str, Any]], top_n: int = TOP_N
+    lateness_rows: "pd.DataFrame",
+    count_rows: "pd.DataFrame",
+    segments: list[dict[str, Any]],
+    top_n: int = TOP_N,
+    bucket_width_ms: int = reference.BUCKET_WIDTHS_MS[0],
 ) -> dict[str, "pd.DataFrame"]:
-    """Every figure table (pandas) from the two collected aggregates; see reference.py."""
+    """Every figure table (pandas) from the two collected aggregates; see reference.py.
+
+    ``bucket_width_ms`` is the width the aggregates' ``bucket_ms`` were made with.
+    """
     import pandas as pd
 
     lateness = _split(lateness_rows, LATENESS_KEYS, LATENESS_SETS, LATENESS_FIGURES)
@@ -570,11 +583,11 @@ def figure_tables(
         ["host", "hour_ms", "fires", "overdue_fires", "p99_ms", "max_ms"]
     ]
 
-    minute = counts["minute"]
-    throughput = minute[["minute_ms", *(c for _, c in reference._THROUGHPUT_COLUMNS)]].copy()
+    over_time = counts["time"]
+    throughput = over_time[["bucket_ms", *(c for _, c in reference._THROUGHPUT_COLUMNS)]].copy()
     for column in ("adds", "cancels", "fires"):
-        throughput[f"{column}_per_s"] = throughput[column] / 60.0
-    tables["throughput_by_minute"] = throughput
+        throughput[f"{column}_per_s"] = throughput[column] / (bucket_width_ms / 1000)
+    tables["throughput_over_time"] = throughput.reset_index(drop=True)
 
     for scope in ("group", "host"):
         part = counts[scope]
@@ -604,12 +617,17 @@ def figure_tables(
     tables["segments"] = pd.DataFrame(segments, columns=list(SEGMENT_COLUMNS))
     fleet_counts = counts["fleet"].to_dict("records")
     fleet_lateness = lateness["fleet"].to_dict("records")
-    summary = summary_row(fleet_counts, fleet_lateness, segments)
+    summary = summary_row(fleet_counts, fleet_lateness, segments, bucket_width_ms)
     tables["summary"] = _nullable_ints(pd.DataFrame([summary]), tuple(k for k in summary if k != "timeout_rate"))
     return tables, summary
 
 
-def summary_row(fleet_counts: list[dict], fleet_lateness: list[dict], segments: list[dict[str, Any]]) -> dict[str, Any]:
+def summary_row(
+    fleet_counts: list[dict],
+    fleet_lateness: list[dict],
+    segments: list[dict[str, Any]],
+    bucket_width_ms: int = reference.BUCKET_WIDTHS_MS[0],
+) -> dict[str, Any]:
     """The one-row fleet summary (empty fleet: zeros and Nones)."""
     import pandas as pd
 
@@ -628,6 +646,7 @@ def summary_row(fleet_counts: list[dict], fleet_lateness: list[dict], segments: 
         "events": value(counts, "events", 0),
         "first_ms": value(counts, "first_ms"),
         "last_ms": value(counts, "last_ms"),
+        "bucket_width_ms": bucket_width_ms,
         "fires": value(late, "fires", 0),
         "overdue_fires": value(late, "overdue_fires", 0),
         **{name: value(late, name) for name in (*QUANTILES, "max_ms")},
@@ -780,8 +799,18 @@ def run(
     slim = slim_lines(classify_lines(lines)).persist(StorageLevel.DISK_ONLY)
     status_counts = (
         slim.groupBy("file_id", "status")
-        .agg(F.count(F.lit(1)).alias("lines"), F.min("sample").alias("sample"))
+        .agg(
+            F.count(F.lit(1)).alias("lines"),
+            F.min("sample").alias("sample"),
+            F.min("t_ms").alias("first_ms"),
+            F.max("t_ms").alias("last_ms"),
+        )
         .collect()
+    )
+    event_times = [(row["first_ms"], row["last_ms"]) for row in status_counts if row["status"] == OK]
+    bucket_width_ms = reference.bucket_width_ms(
+        min((first for first, _ in event_times if first is not None), default=None),
+        max((last for _, last in event_times if last is not None), default=None),
     )
     counts: dict[str, dict[str, int]] = {}
     for row in status_counts:
@@ -809,11 +838,12 @@ def run(
     watch.lap("events", "%d events written to %s", total_events, events_path)
 
     # 5. figures: two aggregations, the rest on the driver
-    lateness_rows = lateness_aggregate(events).toPandas()
-    watch.lap("aggregate", "lateness percentiles: %d groups", len(lateness_rows))
-    count_rows = count_aggregate(events).toPandas()
+    lateness_rows = lateness_aggregate(events, bucket_width_ms).toPandas()
+    watch.lap("aggregate", "lateness percentiles: %d groups (time buckets of %d ms)", len(lateness_rows),
+              bucket_width_ms)
+    count_rows = count_aggregate(events, bucket_width_ms).toPandas()
     watch.lap("aggregate", "counts: %d groups", len(count_rows))
-    tables, summary = figure_tables(lateness_rows, count_rows, segments, top_n)
+    tables, summary = figure_tables(lateness_rows, count_rows, segments, top_n, bucket_width_ms)
     for name in ("segments", *FIGURE_TABLES):
         write_small_table(spark, tables_dir, name, tables[name])
     watch.lap("tables", "%d figure tables written to %s", len(FIGURE_TABLES) + 1, tables_dir)

@@ -56,8 +56,16 @@ Percentiles: nearest rank, exact
     q = 0.5, 0.99, 0.999 and the maximum.
 
 Time buckets
-    ``minute_ms = t - t mod 60000`` and ``hour_ms = t - t mod 3600000`` of the
-    event's wall-clock ``t`` (for a fire, ``t`` is when it fired), UTC.
+    The charts over time use one bucket width for the whole input, chosen from
+    its time span: the narrowest of :data:`BUCKET_WIDTHS_MS` (1, 2, 5, 10, 15,
+    30 s; 1, 2, 5, 10, 15, 30 min; 1, 2, 3, 6, 12 h; 1 day) for which the
+    buckets from the first to the last event number at most
+    :data:`MAX_BUCKETS` (300); :func:`bucket_width_ms`. A run of a few minutes
+    gets 1-2 s buckets, a day 5 min buckets, a week 1 h buckets: 120-300
+    points (fewer only for runs shorter than 100 s, never buckets under 1 s).
+    ``bucket_ms = t - t mod width``, ``hour_ms = t - t mod 3600000`` (the heat
+    map) of the event's wall-clock ``t`` (for a fire, ``t`` is when it
+    fired), UTC; the widths divide a day, so buckets start at round times.
 
 Timeout rate (Kafka's purgatory "expiration rate")
     ``fired / (fired + cancelled_hit)``: of the operations that were armed and
@@ -72,7 +80,7 @@ Idle churn
     ``rearms_per_fire = idle_rearms / idle_fires``.
 
 Throughput
-    Events per minute by type; ``*_per_s`` = count / 60.0.
+    Events per time bucket by type; ``*_per_s`` = count / (bucket width in s).
 
 Rankings
     slowest hosts: by p99 desc, then max desc, then host; noisiest groups: by
@@ -104,6 +112,13 @@ BAD_STATUSES = (TORN, CHECKSUM, BAD_VERSION, BAD_JSON)
 QUANTILES = {"p50_ms": 0.5, "p99_ms": 0.99, "p999_ms": 0.999}
 MINUTE_MS = 60_000
 HOUR_MS = 3_600_000
+#: Bucket widths of the charts over time (ms): each divides a day.
+BUCKET_WIDTHS_MS = (
+    1_000, 2_000, 5_000, 10_000, 15_000, 30_000,
+    60_000, 120_000, 300_000, 600_000, 900_000, 1_800_000,
+    3_600_000, 7_200_000, 10_800_000, 21_600_000, 43_200_000, 86_400_000,
+)  # fmt: skip
+MAX_BUCKETS = 300
 TOP_N = 20
 SEGMENT_FILE_RE = re.compile(r"^journal-\d{16}\.jsonl$")
 
@@ -117,6 +132,18 @@ def nearest_rank(sorted_values: list[int], quantile: float) -> int | None:
         return None
     rank = max(1, math.ceil(len(sorted_values) * quantile))
     return sorted_values[rank - 1]
+
+
+def bucket_width_ms(first_ms: int | None, last_ms: int | None) -> int:
+    """The narrowest width of :data:`BUCKET_WIDTHS_MS` with at most :data:`MAX_BUCKETS` buckets
+    from ``first_ms`` to ``last_ms`` (the widest when even that has more; the narrowest when
+    there is no event)."""
+    if first_ms is None or last_ms is None:
+        return BUCKET_WIDTHS_MS[0]
+    for width in BUCKET_WIDTHS_MS:
+        if last_ms // width - first_ms // width + 1 <= MAX_BUCKETS:
+            return width
+    return BUCKET_WIDTHS_MS[-1]
 
 
 def lateness_figures(values: Iterable[int]) -> dict[str, int | None]:
@@ -301,8 +328,10 @@ def _bucket(t_ms: int, width_ms: int) -> int:
 def tables_from_events(
     events: list[dict[str, Any]], segments: list[dict[str, Any]], top_n: int = TOP_N
 ) -> dict[str, list[dict[str, Any]]]:
+    width = bucket_width_ms(min((e["t_ms"] for e in events), default=None),
+                            max((e["t_ms"] for e in events), default=None))
     fires = [
-        {**e, "minute_ms": _bucket(e["t_ms"], MINUTE_MS), "hour_ms": _bucket(e["t_ms"], HOUR_MS)}
+        {**e, "bucket_ms": _bucket(e["t_ms"], width), "hour_ms": _bucket(e["t_ms"], HOUR_MS)}
         for e in events
         if e["event"] == "fire"
     ]
@@ -310,7 +339,7 @@ def tables_from_events(
     tables["lateness_by_host_group"] = _lateness_table(fires, ("host", "group"))
     tables["lateness_by_host"] = _lateness_table(fires, ("host",))
     tables["lateness_by_group"] = _lateness_table(fires, ("group",))
-    tables["lateness_by_minute"] = _lateness_table(fires, ("minute_ms",))
+    tables["lateness_over_time"] = _lateness_table(fires, ("bucket_ms",))
     tables["lateness_by_hour"] = _lateness_table(fires, ("hour_ms",))
     by_hour = _lateness_table(fires, ("host", "hour_ms"))
     tables["lateness_by_host_hour"] = [
@@ -318,19 +347,19 @@ def tables_from_events(
         for row in by_hour
     ]
 
-    per_minute: dict[int, Counter] = defaultdict(Counter)
+    per_bucket: dict[int, Counter] = defaultdict(Counter)
     for event in events:
-        per_minute[_bucket(event["t_ms"], MINUTE_MS)][event["event"]] += 1
+        per_bucket[_bucket(event["t_ms"], width)][event["event"]] += 1
     throughput = []
-    for minute_ms in sorted(per_minute):
-        counts = per_minute[minute_ms]
-        row = {"minute_ms": minute_ms}
+    for bucket_ms in sorted(per_bucket):
+        counts = per_bucket[bucket_ms]
+        row = {"bucket_ms": bucket_ms}
         for kind, column in _THROUGHPUT_COLUMNS:
             row[column] = counts[kind]
         for column in ("adds", "cancels", "fires"):
-            row[f"{column}_per_s"] = row[column] / 60.0
+            row[f"{column}_per_s"] = row[column] / (width / 1000)
         throughput.append(row)
-    tables["throughput_by_minute"] = throughput
+    tables["throughput_over_time"] = throughput
 
     for scope in ("group", "host"):
         ended: dict[str, Counter] = defaultdict(Counter)
@@ -416,6 +445,7 @@ def tables_from_events(
         "events": len(events),
         "first_ms": min((e["t_ms"] for e in events), default=None),
         "last_ms": max((e["t_ms"] for e in events), default=None),
+        "bucket_width_ms": width,
         "fires": sum(1 for f in fires if not f["overdue"]),
         "overdue_fires": sum(1 for f in fires if f["overdue"]),
         **fleet,

@@ -12,10 +12,15 @@ What a reader sees, top to bottom
 1. **Headline cards**: events, hosts, time span, fleet p99 and max lateness,
    timeout rate, and bad input (lines skipped, damaged and unreadable
    segments) in red when there is any.
-2. **Load over time**: adds, cancels and fires per second, per minute: the
-   diurnal shape, bursts, and whether fires follow adds.
+2. **Load over time**: adds, cancels and fires per second, averaged per time
+   bucket: the diurnal shape, bursts, and whether fires follow adds.
 3. **How late timers fire, over time**: fleet p50/p99/p99.9/max lateness per
-   minute on a log scale; a slow host or a stall shows as a p99 spike.
+   time bucket on a log scale; a slow host or a stall shows as a p99 spike.
+
+The time charts use one bucket width, chosen by the job from the input's time
+span (``summary.bucket_width_ms``, see :func:`wheeld.pipeline.reference.bucket_width_ms`:
+120-300 points for any run of 100 s or more, never under 1 s); the axis
+labels name it.
 4. **Slowest hosts**: p99 bars with p50 and max marks, worst first.
 5. **Lateness heat map**: p99 per host (rows, worst first) and hour
    (columns): which hosts fall behind, and when.
@@ -115,10 +120,26 @@ def _fmt_rate(value: Any) -> str:
     return f"{100 * float(value):.1f}%"
 
 
+def fmt_width(ms: int) -> str:
+    """A bucket width for an axis label: ``1 s``, ``15 s``, ``2 min``, ``6 h``, ``1 day``."""
+    ms = int(ms)
+    if ms % 86_400_000 == 0:
+        days = ms // 86_400_000
+        return f"{days} day{'s' if days != 1 else ''}"
+    if ms % 3_600_000 == 0:
+        return f"{ms // 3_600_000} h"
+    if ms % 60_000 == 0:
+        return f"{ms // 60_000} min"
+    if ms % 1_000 == 0:
+        return f"{ms // 1_000} s"
+    return f"{ms} ms"
+
+
 def _fmt_time(ms: Any) -> str:
     if ms is None or (isinstance(ms, float) and pd.isna(ms)):
         return "–"
-    return dt.datetime.fromtimestamp(int(ms) / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    shape = "%Y-%m-%d %H:%M UTC" if int(ms) % 60_000 == 0 else "%Y-%m-%d %H:%M:%S UTC"
+    return dt.datetime.fromtimestamp(int(ms) / 1000, dt.timezone.utc).strftime(shape)
 
 
 # --------------------------------------------------------------------------- #
@@ -126,49 +147,49 @@ def _fmt_time(ms: Any) -> str:
 # --------------------------------------------------------------------------- #
 
 
-def chart_throughput(throughput: pd.DataFrame) -> str | None:
+def chart_throughput(throughput: pd.DataFrame, bucket_width_ms: int) -> str | None:
     if throughput.empty:
         return None
     plt = _pyplot()
+    width = fmt_width(bucket_width_ms)
     figure, axes = plt.subplots(layout="constrained", figsize=(10, 3.4))
-    when = _times(throughput["minute_ms"])
+    when = _times(throughput["bucket_ms"])
     for column in ("adds", "cancels", "fires"):
-        axes.plot(when, throughput[f"{column}_per_s"], label=f"{column}/s", color=PALETTE[column], lw=1.4)
-    axes.set_ylabel("events per second")
+        axes.plot(when, throughput[f"{column}_per_s"], label=f"{column}/s", color=PALETTE[column], lw=1.4,
+                  drawstyle="steps-post")
+    axes.set_ylabel(f"events per second ({width} average)")
+    axes.set_xlabel(f"time (UTC), {width} buckets")
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)
     figure.legend(loc="outside lower center", frameon=False, ncol=3, fontsize=8)
-    axes.set_title("Load over time (per-minute average)", loc="left", fontsize=11)
+    axes.set_title(f"Load over time (average per {width} bucket)", loc="left", fontsize=11)
     figure.autofmt_xdate()
     return _png(figure)
 
 
-def chart_lateness_over_time(by_minute: pd.DataFrame, by_hour: pd.DataFrame | None = None) -> str | None:
-    """Fleet lateness percentiles over time: per hour for runs longer than 6 h, else per minute.
+def chart_lateness_over_time(over_time: pd.DataFrame, bucket_width_ms: int) -> str | None:
+    """Fleet lateness percentiles per time bucket (the job chose the width from the span).
 
-    (Percentiles cannot be merged after the fact, so the job computes both
-    bucket widths; with a few fires a minute, per-minute p99 = max = noise.)
+    Percentiles cannot be merged after the fact, so the job computes them for
+    this one width; with few fires in a bucket, p99 = max.
     """
-    frame, width = by_minute, "minute"
-    if by_hour is not None and not by_hour.empty and not by_minute.empty:
-        span_ms = by_minute["minute_ms"].max() - by_minute["minute_ms"].min()
-        if span_ms > 6 * 3_600_000:
-            frame, width = by_hour.rename(columns={"hour_ms": "minute_ms"}), "hour"
-    frame = frame[frame["fires"] > 0] if not frame.empty else frame
+    frame = over_time[over_time["fires"] > 0] if not over_time.empty else over_time
     if frame.empty:
         return None
     plt = _pyplot()
+    width = fmt_width(bucket_width_ms)
     figure, axes = plt.subplots(layout="constrained", figsize=(10, 3.4))
-    when = _times(frame["minute_ms"])
-    drawstyle = "steps-post" if width == "hour" else "default"
+    when = _times(frame["bucket_ms"])
     for column, label in (("p50_ms", "p50"), ("p99_ms", "p99"), ("p999_ms", "p99.9")):
-        axes.plot(when, frame[column].astype(float) + 1, label=label, color=PALETTE[column], lw=1.5, drawstyle=drawstyle)
+        axes.plot(when, frame[column].astype(float) + 1, label=label, color=PALETTE[column], lw=1.5,
+                  drawstyle="steps-post")
     axes.scatter(when, frame["max_ms"].astype(float) + 1, label="max", color=PALETTE["max_ms"], s=8, zorder=3)
     axes.set_yscale("log")
     axes.set_ylabel("lateness + 1 (ms, log)")
+    axes.set_xlabel(f"time (UTC), {width} buckets")
     axes.grid(alpha=0.3, which="both")
     figure.legend(loc="outside lower center", frameon=False, ncol=4, fontsize=8)
-    axes.set_title(f"How late timers fire, per {width} (fleet)", loc="left", fontsize=11)
+    axes.set_title(f"How late timers fire, per {width} bucket (fleet)", loc="left", fontsize=11)
     figure.autofmt_xdate()
     return _png(figure)
 
@@ -348,7 +369,7 @@ def _table(frame: pd.DataFrame, rows: int = 20, title: str = "table") -> str:
         return ""
     shown = frame.head(rows).copy()
     for column in shown.columns:
-        if column.endswith("minute_ms") or column.endswith("hour_ms"):
+        if column.endswith(("bucket_ms", "minute_ms", "hour_ms")):
             shown[column] = shown[column].map(_fmt_time)
         elif column == "timeout_rate":
             shown[column] = shown[column].map(_fmt_rate)
@@ -371,6 +392,8 @@ def render(
     empty = pd.DataFrame()
     get = lambda name: frames.get(name, empty)  # noqa: E731
     segments = get("segments")
+    width_ms = int(summary.get("bucket_width_ms") or 60_000)
+    width = fmt_width(width_ms)
 
     bad_lines = int(summary.get("bad_lines") or 0)
     damaged = int(summary.get("damaged_segments") or 0)
@@ -397,13 +420,15 @@ def render(
 
     sections = [
         ("Load over time",
-         "Adds, cancels and fires per second, averaged per minute, all hosts together.",
-         _img(chart_throughput(get("throughput_by_minute")), "throughput"),
-         _table(get("throughput_by_minute"), title="throughput_by_minute")),
+         f"Adds, cancels and fires per second, averaged per {width} bucket (the width is chosen from the "
+         "time span: at most 300 buckets), all hosts together.",
+         _img(chart_throughput(get("throughput_over_time"), width_ms), "throughput"),
+         _table(get("throughput_over_time"), title="throughput_over_time")),
         ("How late timers fire",
-         "Lateness = fired wall time - deadline, for timers fired by a running daemon "
-         "(timers overdue after downtime are counted separately). Exact nearest-rank percentiles.",
-         _img(chart_lateness_over_time(get("lateness_by_minute"), get("lateness_by_hour")), "lateness over time"),
+         f"Lateness = fired wall time - deadline, for timers fired by a running daemon "
+         f"(timers overdue after downtime are counted separately), per {width} bucket. "
+         "Exact nearest-rank percentiles.",
+         _img(chart_lateness_over_time(get("lateness_over_time"), width_ms), "lateness over time"),
          _table(get("lateness_by_group"), title="lateness_by_group")),
         ("Slowest hosts",
          "Hosts ranked by p99 lateness; the dot is the median, the tick the worst fire.",

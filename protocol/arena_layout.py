@@ -162,6 +162,8 @@ COUNTER_NAMES = (
     "ack_timeouts_total",  # expirations sent again because their client left them unacknowledged
     "arenas_set_aside_total",  # unusable arenas renamed out of the way at start-up
     "accept_pauses_total",  # times the daemon stopped accepting for lack of descriptors
+    "journal_damaged_ranges_total",  # damaged journal ranges recovery skipped (daemon/journal.py, "Damage")
+    "journal_damaged_lines_total",  # the lines in them
 )
 COUNTERS = 64
 assert len(COUNTER_NAMES) <= COUNTERS

@@ -101,7 +101,9 @@ and then, by type (``d``: deadline, wall-clock ms):
                 (seq of the add that armed it), ``f`` fired wall ms, ``late``
                 true when it fired late because the daemon was down (recovered
                 and overdue), ``lat`` lateness ms = ``f - d`` (>= 0: never early),
-                ``i`` for an idle timer
+                ``i`` for an idle timer (its idle_ms, read from its client's
+                touch table; absent when that table is gone, and for timers
+                restored after a reboot, which are plain timers)
 ``ack``         the fired timer (``g``, ``k``, ``s``) was delivered to the
                 application
 ``idle_rearm``  an idle timer was due but its key had been touched: it moved
@@ -149,8 +151,20 @@ Versioning
 ``v`` is on every line. Adding an optional field keeps version 1 (readers
 ignore unknown fields: msgspec does by default, Spark gives ``null``). A new
 event type, a changed meaning or a removed field makes version 2; a version-1
-reader stops at a line it does not understand, reporting it, rather than
-guessing.
+reader never applies a line it does not understand: it reports it rather than
+guessing (daemon recovery treats it as a damaged line: skipped and counted,
+or a refusal to start under ``--journal-damage refuse``).
+
+Reading past damage
+===================
+
+Because every line is checked on its own, a damaged line costs only itself:
+:func:`scan_lines` returns every good line of a segment and the runs of bad
+lines between them (:class:`BadLines`: byte range, line numbers, reason), and
+the lsns of the good lines around a bad run say which events it held. Only bad
+bytes with no good line after them, at the end of the newest segment, are a
+torn write. :func:`scan_segment` is the strict reader: it stops at the first
+bad line.
 
 For Spark
 =========
@@ -171,6 +185,7 @@ import os
 import re
 import zlib
 from collections.abc import Iterable
+from itertools import accumulate
 from typing import Literal, Union
 
 import msgspec
@@ -214,6 +229,9 @@ __all__ = [
     "decode_line",
     "scan_segment",
     "iter_segment",
+    "BadLines",
+    "SegmentScan",
+    "scan_lines",
     "encode_snapshot",
     "parse_snapshot",
     "segment_name",
@@ -673,6 +691,235 @@ def iter_segment(path: str | os.PathLike[str]) -> tuple[list[Event], Defect | No
         data = file.read()
     events, _, defect = scan_segment(data, os.fspath(path))
     return events, defect
+
+
+# --------------------------------------------------------------------------- #
+# Reading past damage: every good line, and where the bad ones are
+# --------------------------------------------------------------------------- #
+
+
+class BadLines(msgspec.Struct, frozen=True):
+    """A run of consecutive lines of one file that cannot be used.
+
+    ``start``/``end`` are byte offsets (``end`` exclusive: the next good line
+    starts there, or the file ends); ``first_line`` is the 1-based number of
+    its first line and ``lines`` how many lines it spans (pieces between
+    newlines: a damaged newline merges two lines into one bad line, a byte
+    turned into a newline splits one line into two bad ones; an unterminated
+    last piece counts as one). ``reason``/``detail`` describe its first line.
+    ``at_end``: no good line follows it in the file.
+    """
+
+    path: str
+    start: int
+    end: int
+    first_line: int
+    lines: int
+    reason: str
+    detail: str
+    at_end: bool = False
+
+    @property
+    def last_line(self) -> int:
+        return self.first_line + self.lines - 1
+
+    def where(self) -> str:
+        """``bytes 120-250 (line 3)`` / ``bytes 120-250 (lines 3-4, 2 lines)``."""
+        lines = f"line {self.first_line}" if self.lines == 1 else f"lines {self.first_line}-{self.last_line}, {self.lines} lines"
+        return f"bytes {self.start}-{self.end} ({lines})"
+
+    def __str__(self) -> str:
+        return f"{self.path} {self.where()}: {self.reason}: {self.detail}"
+
+
+class SegmentScan(msgspec.Struct):
+    """What :func:`scan_lines` found in a segment.
+
+    ``parts`` lists, in file order, runs of good timer events (a ``list``;
+    every line verified and decoded) and the :class:`BadLines` between them.
+    The header is not in ``parts``: ``header`` is None when the first line is
+    damaged (or is an event). ``good_end`` is the offset just past the last
+    good line (0: none). Lsns are not checked here: the reader knows which lsn
+    it expects next (``daemon.journal.recover`` does).
+    """
+
+    path: str
+    size: int
+    header: SegmentHeader | None
+    parts: list
+    good_end: int
+
+    @property
+    def bad(self) -> list[BadLines]:
+        return [part for part in self.parts if type(part) is BadLines]
+
+    @property
+    def events(self) -> list:
+        return [event for part in self.parts if type(part) is list for event in part]
+
+
+def scan_lines(data: bytes, path: str = "<bytes>", skip_events: int = 0) -> SegmentScan:
+    """Verify and decode every line of a segment, going on past bad ones.
+
+    Unlike :func:`scan_segment`, which stops at the first bad line, this keeps
+    every good line: a bad line (a crc that does not match, a line that is
+    not a version-1 event, a segment header after the first line, an
+    unterminated last piece, NUL bytes) goes into a :class:`BadLines` run and
+    reading goes on with the next line. Each line carries its own crc, so a
+    damaged byte costs the line it is in, and a damaged newline the two lines
+    it joins; never what follows them. A bad run followed by no good line is
+    marked ``at_end``; when everything from its start is NUL bytes its reason
+    is ``torn-tail`` (a file that grew but whose data never reached the disk).
+
+    ``skip_events`` lines after the header are neither checked nor decoded, as
+    in :func:`scan_segment`; offsets and line numbers stay the file's. The
+    clean case costs what :func:`scan_segment` costs (one bulk crc check, one
+    ``decode_lines`` call); the offsets of lines are computed only when there
+    is something bad to place.
+    """
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    skip = max(0, min(skip_events, len(lines) - 1))
+    if tail:
+        lines.append(tail)  # a piece without its newline is a line too, and never a record
+    if skip:
+        skipped_bytes = sum(map(len, lines[1 : 1 + skip])) + skip
+        checked = lines[:1] + lines[1 + skip :]
+    else:
+        skipped_bytes = 0
+        checked = lines
+    count = len(checked)
+    size = len(data)
+    if not count:
+        return SegmentScan(path, size, None, [], 0)
+
+    sep = _CRC_SEP
+    bodies = [line[: line.rfind(sep)] + b"}" for line in checked]
+    verdicts = list(map(bytes.endswith, checked, [b',"crc":%d}' % crc for crc in map(zlib.crc32, bodies)]))
+    if tail:
+        verdicts[-1] = False
+
+    header: SegmentHeader | None = None
+    first_event = 1  # index of the first line that should be an event
+    reasons: dict[int, tuple[str, str]] = {}  # index in ``checked`` -> why it is bad
+    if verdicts[0]:
+        try:
+            first = _event_decoder.decode(bodies[0])
+        except msgspec.DecodeError:
+            reasons[0] = _classify_decode_failure(bodies[0])
+        else:
+            if type(first) is SegmentHeader:
+                header = first
+            else:
+                first_event = 0  # no header: the first line is an event (kept, like any good line)
+    del bodies
+
+    if all(verdicts) and not reasons:  # the common case: every line good, one bulk decode
+        rest_start = (len(checked[0]) + 1 + skipped_bytes) if first_event else 0
+        try:
+            run = _event_decoder.decode_lines(memoryview(data)[rest_start:size]) if count > first_event else []
+        except msgspec.DecodeError:
+            pass
+        else:
+            if SegmentHeader not in map(type, run):
+                return SegmentScan(path, size, header, [run] if run else [], size)
+
+    # something is bad: place it
+    starts = list(accumulate(map(len, checked), initial=0))
+
+    def offset_of(index: int) -> int:  # byte offset of checked[index]; index == count: the end
+        return min(size, starts[index] + index + (skipped_bytes if index >= 1 else 0))
+
+    def file_line(index: int) -> int:  # 1-based line number in the file
+        return (index + skip if index >= 1 else index) + 1
+
+    for index, good in enumerate(verdicts):
+        if not good:
+            if tail and index == count - 1:
+                reasons[index] = (TORN, f"last line has no newline ({len(tail)} bytes)")
+            else:
+                reasons[index] = (CHECKSUM, f"line does not match its crc: {checked[index][:60]!r}")
+
+    items: list = []  # file order: (low, high, events) for good runs, an int for a bad line
+
+    def decode_run(low: int, high: int) -> None:
+        """Good-crc lines low..high-1 into ``items``, per line if the bulk decode fails."""
+        if low >= high:
+            return
+        try:
+            run = _event_decoder.decode_lines(memoryview(data)[offset_of(low) : offset_of(high)])
+            if SegmentHeader in map(type, run):
+                raise msgspec.DecodeError("a segment header inside a segment")
+            items.append((low, high, run))
+            return
+        except msgspec.DecodeError:
+            pass
+        run, run_low = [], low
+        for index in range(low, high):
+            line = checked[index]
+            body = line[: line.rfind(sep)] + b"}"
+            try:
+                event = _event_decoder.decode(body)
+            except msgspec.DecodeError:
+                event = None
+                reasons[index] = _classify_decode_failure(body)
+            if type(event) is SegmentHeader:
+                event = None
+                reasons[index] = (BAD_HEADER, "a segment header after the first line")
+            if event is None:
+                if run:
+                    items.append((run_low, index, run))
+                items.append(index)
+                run, run_low = [], index + 1
+            else:
+                run.append(event)
+        if run:
+            items.append((run_low, high, run))
+
+    if first_event == 1 and 0 in reasons:
+        items.append(0)
+    position = first_event
+    for index in sorted(i for i in reasons if i >= first_event):
+        decode_run(position, index)
+        items.append(index)
+        position = index + 1
+    decode_run(position, count)
+
+    parts: list = []
+    good_end = offset_of(1) if header is not None else 0
+    bad_first = bad_last = -1  # the bad run being built
+
+    def close_bad() -> None:
+        reason, detail = reasons[bad_first]
+        start, end = offset_of(bad_first), offset_of(bad_last + 1)
+        lines_spanned = file_line(bad_last) - file_line(bad_first) + 1
+        parts.append(BadLines(path, start, end, file_line(bad_first), lines_spanned, reason, detail))
+
+    for item in items:
+        if type(item) is int:
+            if bad_first >= 0 and item == bad_last + 1 and not (skip and bad_last == 0):
+                bad_last = item
+                continue
+            if bad_first >= 0:
+                close_bad()
+            bad_first = bad_last = item
+        else:
+            if bad_first >= 0:
+                close_bad()
+                bad_first = -1
+            low, high, run = item
+            parts.append(run)
+            good_end = offset_of(high)
+    if bad_first >= 0:
+        close_bad()
+    for index in range(len(parts) - 1, -1, -1):  # the bad runs after the last good event
+        part = parts[index]
+        if type(part) is list:
+            break
+        if not data[part.start :].strip(b"\x00"):
+            part = msgspec.structs.replace(part, reason=TORN, detail=f"{size - part.start} NUL bytes at the end")
+        parts[index] = msgspec.structs.replace(part, at_end=True)
+    return SegmentScan(path, size, header, parts, good_end)
 
 
 # --------------------------------------------------------------------------- #

@@ -523,7 +523,9 @@ def _apply_to_model(model: Model, event) -> None:
         model.pending[(event.g, key)] = (event.d, seq, old_idle)
 
 
-def test_corrupted_tail_is_cut_and_saved_aside(tmp_path, caplog):
+@pytest.mark.parametrize("damaged_lines", [1, 2])
+def test_corrupted_tail_is_cut_and_saved_aside(tmp_path, caplog, damaged_lines):
+    """Bad lines with no good line after them in the newest segment are a torn write: cut."""
     model, batches = _random_history(seed=5, steps=60)
     journal = make_journal(tmp_path, fsync="off")
     for batch in batches:
@@ -532,15 +534,17 @@ def test_corrupted_tail_is_cut_and_saved_aside(tmp_path, caplog):
     journal.close()
     data = path.read_bytes()
     lines = data.splitlines(keepends=True)
-    bad = len(lines) - 3
+    bad = len(lines) - damaged_lines
     offset = sum(map(len, lines[:bad]))
     corrupted = bytearray(data)
-    corrupted[offset + 10] ^= 0x01
+    for line in range(bad, len(lines)):
+        corrupted[sum(map(len, lines[:line])) + 10] ^= 0x01
     path.write_bytes(bytes(corrupted))
     with caplog.at_level("WARNING", logger="wheeld.journal"):
         state = recover(tmp_path)
     (problem,) = state.problems
     assert problem.reason == pj.CHECKSUM and problem.offset == offset
+    assert state.torn == [problem] and state.damage == []
     assert path.read_bytes() == data[:offset]
     aside = tmp_path / f"{path.name}.cut-{offset}"
     assert aside.read_bytes() == bytes(corrupted[offset:])
@@ -561,14 +565,15 @@ def test_corruption_in_an_older_segment_is_reported_and_skipped(tmp_path):
     broken[-20] ^= 0x01  # inside the last line of that segment
     victim.write_bytes(bytes(broken))
     state = recover(tmp_path)
-    problem, gap = state.problems
-    assert problem.path == str(victim) and problem.reason == pj.CHECKSUM
-    # the next segment then reports the lsn that could not be read
-    assert gap.reason == "lsn-gap" and gap.path == str(segments[2][1])
+    # the next segment's first lsn says which event the bad line held
+    (problem,) = state.problems
+    (damage,) = state.damage
+    lost = msgspec.json.decode(original.splitlines()[-1])
+    assert problem.path == damage.path == str(victim) and problem.reason == pj.CHECKSUM
+    assert damage.lost_lsns == (lost["n"], lost["n"]) and damage.lost == 1 and damage.lines == 1
+    assert damage.start == len(original) - len(original.splitlines(keepends=True)[-1]) and damage.end == len(original)
     assert victim.read_bytes() == bytes(broken)  # evidence kept
-    lost = original.splitlines()[-1]
-    lost_key = msgspec.json.decode(lost)["k"]
-    assert ("g", lost_key) not in state.pending
+    assert ("g", lost["k"]) not in state.pending
     assert len(state.pending) == 39 and state.last_lsn == 40
 
 
@@ -1054,7 +1059,7 @@ def test_batch_methods_journal_exactly_what_the_scalar_methods_do(tmp_path, monk
     from wheeld.daemon import journaling
 
     monkeypatch.setattr(journaling, "mono_ms", lambda: 5_000)
-    monkeypatch.setattr(journaling, "wall_ms", lambda: T0)
+    monkeypatch.setattr(journaling, "wall_offset_ms", lambda: T0 - 5_000)
     keys = _BATCH_KEYS
     files = {}
     for mode in ("scalar", "batch"):
@@ -1202,7 +1207,7 @@ def test_commands_many_journals_a_batch_with_repeated_keys_as_in_order(tmp_path,
     from wheeld.daemon import journaling
 
     monkeypatch.setattr(journaling, "mono_ms", lambda: 5_000)
-    monkeypatch.setattr(journaling, "wall_ms", lambda: T0)
+    monkeypatch.setattr(journaling, "wall_offset_ms", lambda: T0 - 5_000)
     rng = random.Random(3)
     keys = ["a", "b", 7, b"c", "str:d"]
     commands = [(rng.choice(keys), rng.random() < 0.7, 10_000 + j, 100 + j, 9_000 if j % 4 == 0 else None)

@@ -216,8 +216,8 @@ def _table(result, name: str) -> list[dict]:
 
 
 FIGURES = (
-    "lateness_by_host_group", "lateness_by_host", "lateness_by_group", "lateness_by_minute",
-    "lateness_by_hour", "lateness_by_host_hour", "throughput_by_minute", "timeout_rate_by_group",
+    "lateness_by_host_group", "lateness_by_host", "lateness_by_group", "lateness_over_time",
+    "lateness_by_hour", "lateness_by_host_hour", "throughput_over_time", "timeout_rate_by_group",
     "timeout_rate_by_host", "idle_churn_by_group", "slowest_hosts", "noisiest_groups",
     "segments", "summary",
 )  # fmt: skip
@@ -246,7 +246,9 @@ def test_fleet_has_what_the_figures_need(expected):
     assert summary["p99_ms"] > summary["p50_ms"]
     assert any(row["idle_rearms"] > 0 and row["idle_fires"] > 0 for row in expected["idle_churn_by_group"])
     assert any(0 < (row["timeout_rate"] or 0) < 1 for row in expected["timeout_rate_by_group"])
-    assert len(expected["throughput_by_minute"]) > 60
+    # 6 hours: 2-minute buckets, 180 points (not 360 minutes)
+    assert summary["bucket_width_ms"] == 120_000
+    assert 120 <= len(expected["throughput_over_time"]) <= 300
 
 
 def test_slow_host_ranks_first(result):
@@ -432,3 +434,21 @@ def test_probe_finds_torn_tails_longer_than_one_read(spark, tmp_path):
     result = job.run(str(tmp_path / "fleet"), str(tmp_path / "out"), spark=spark, render=False)
     row = result.tables["segments"].iloc[0]
     assert (row["events"], row["torn_tail"], row["lines"]) == (1, 1, 3)
+
+
+def test_a_short_run_is_charted_in_second_buckets(spark, tmp_path):
+    """A few minutes of journal: 1-second buckets (not 3 points a minute apart), the same
+    in the Spark job and in the reference, and the report says which width it drew."""
+    from wheeld.pipeline import job, reference
+    from wheeld.pipeline.generate import generate_fleet
+
+    generate_fleet(tmp_path / "fleet", hosts=2, events_per_host=3_000, seed=8, restart_fraction=0.0,
+                   duration_ms=200_000, segment_bytes=SEGMENT_BYTES)
+    result = job.run(str(tmp_path / "fleet"), str(tmp_path / "out"), spark=spark)
+    expected = reference.compute(str(tmp_path / "fleet"))
+    assert result.summary["bucket_width_ms"] == expected["summary"][0]["bucket_width_ms"] == 1_000
+    for name in ("throughput_over_time", "lateness_over_time", "summary"):
+        assert _table(result, name) == expected[name], name
+    assert len(expected["throughput_over_time"]) > 150
+    html = Path(result.report_path).read_text()
+    assert "averaged per 1 s bucket" in html and "per 1 s bucket. Exact" in html
