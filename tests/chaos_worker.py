@@ -1,14 +1,21 @@
 """One incarnation of a chaos-test worker: python chaos_worker.py JSON_ARGS.
 
-Adds timers in batches, flushes, and logs what the daemon acknowledged; receives
-expirations and logs them; logs when a batch of expirations was acknowledged
-(at the start of the next poll). Runs until the stop file exists and every
-timer it knows of has been received, or until it is killed.
+Works in batches: each batch adds new keys, re-arms keys of its own that were not
+received yet, and cancels some, then flushes; it logs what the daemon
+acknowledged (flush returned). It receives expirations and logs them, and logs
+when a batch of expirations was acknowledged (pushed at the start of the next
+poll). Runs until the stop file exists and every timer it knows of has been
+received, or until it is killed.
 
-Log lines (one event each, appended, unbuffered):
-    A <key> <min_deadline_ms> <ack_mono_ms>     the daemon applied this add (flush returned)
+Log lines (one event each, appended, unbuffered; times are CLOCK_MONOTONIC ms):
+    a <key> <deadline_ms>              an arming of key (an add or a re-arm) was pushed;
+                                       deadline_ms may be 1 ms below the library's
+    c <key>                            a cancel that returned True was pushed
+    A <key> <deadline_ms> <ack_ms>     ...that arming was acknowledged (flush returned)
+    C <key> <ack_ms>                   ...that cancel was acknowledged
     R <key> <deadline_ms> <fired_ms> <recv_ms> <batch>
-    K <batch>                                   batch acknowledged to the daemon
+    K <batch> <ms>                     that batch of expirations acknowledged to the daemon
+    F <seconds>                        a flush that raised Timeout, after that long
 """
 
 from __future__ import annotations
@@ -24,6 +31,10 @@ import wheeld
 
 def mono_ms() -> int:
     return time.monotonic_ns() // 1_000_000
+
+
+def ceil_ms() -> int:
+    return -(-time.monotonic_ns() // 1_000_000)
 
 
 def connect(args: dict) -> wheeld.Client:
@@ -47,25 +58,43 @@ def main(args: dict) -> None:
     seq = 0
     batch_no = 0
     pending_batch = None
+    live: dict[str, int] = {}  # our keys armed and not received yet -> deadline of the latest arming
+    flush_timeout_s = args.get("flush_timeout_s", 20)
     while True:
         stopping = os.path.exists(args["stop"])
         if not stopping:
-            keys = []
+            armed, cancelled = [], []
             for _ in range(args["batch"]):
-                seq += 1
-                key = f"{args['group']}-{args['incarnation']}-{seq}"
+                roll = rng.random()
+                if live and roll < 0.15:  # re-arm one of ours
+                    key = rng.choice(list(live))
+                elif live and roll < 0.25:  # cancel one of ours
+                    key = rng.choice(list(live))
+                    if w.cancel(key):
+                        log.write(f"c {key}\n")
+                        cancelled.append(key)
+                        del live[key]
+                    continue
+                else:
+                    seq += 1
+                    key = f"{args['group']}-{args['incarnation']}-{seq}"
                 delay = rng.randint(*args["delay_ms"])
-                keys.append((key, mono_ms() + delay))
+                deadline = ceil_ms() + delay  # as the library computes it (it may read the clock 1 ms later)
+                log.write(f"a {key} {deadline}\n")
                 w.add(key, delay)
+                live[key] = deadline
+                armed.append((key, deadline))
+            started = time.monotonic()
             try:
-                w.flush(timeout_s=30)
-            except TimeoutError:
-                continue  # not acknowledged: not logged, so not promised
+                w.flush(timeout_s=flush_timeout_s)
+            except wheeld.Timeout:  # not acknowledged, so not promised: they may or may not take effect
+                log.write(f"F {time.monotonic() - started:.3f}\n")
+                continue
             now = mono_ms()
-            log.write("".join(f"A {k} {d} {now}\n" for k, d in keys))
+            log.write("".join(f"A {k} {d} {now}\n" for k, d in armed) + "".join(f"C {k} {now}\n" for k in cancelled))
         got = w.poll(0.02)  # acknowledges the batch handed over before (pushes its acks)
         if pending_batch is not None and not w._acks_pending:  # logged only once really pushed
-            log.write(f"K {pending_batch}\n")
+            log.write(f"K {pending_batch} {mono_ms()}\n")
             pending_batch = None
         if got:
             if pending_batch is not None:
@@ -73,12 +102,15 @@ def main(args: dict) -> None:
             batch_no += 1
             now = mono_ms()
             log.write("".join(f"R {e.key} {e.deadline_ms} {e.fired_ms} {now} {batch_no}\n" for e in got))
+            for e in got:
+                if abs(live.get(e.key, -10) - e.deadline_ms) <= 1:
+                    del live[e.key]
             pending_batch = batch_no
         elif stopping and os.path.exists(args["stop"] + ".final"):
             break
     if pending_batch is not None:
         w.close()  # close() acknowledges the last batch
-        log.write(f"K {pending_batch}\n")
+        log.write(f"K {pending_batch} {mono_ms()}\n")
     else:
         w.close()
 
