@@ -15,6 +15,7 @@ from wheeld.protocol.errors import (
     BrokenPeer,
     Closed,
     CorruptArena,
+    GroupLimit,
     InvalidDelay,
     InvalidKey,
     InvalidRequest,
@@ -30,5 +31,5 @@ from .sync import Client, connect
 __all__ = [
     "connect", "connect_async", "Client", "AsyncClient", "Expired",
     "WheeldError", "InvalidRequest", "InvalidKey", "InvalidDelay", "BackPressure", "RingFull", "ArenaFull",
-    "ProtocolError", "Closed", "BrokenPeer", "CorruptArena",
+    "GroupLimit", "ProtocolError", "Closed", "BrokenPeer", "CorruptArena",
 ]

@@ -12,6 +12,7 @@ BrokenResourceError is the model):
 ``BackPressure``       expected and temporary: retry later or shed load
 ``RingFull``           ...the client's command ring stayed full past the timeout
 ``ArenaFull``          ...every entry record of the arena is in use
+``GroupLimit``         ......every group id of the arena's group table is in use
 ``ProtocolError``      a peer sent something that does not decode (garbage,
                        wrong version, bad checksum); the peer is at fault
 ``Closed``             the caller used something it had closed itself
@@ -50,6 +51,16 @@ class RingFull(BackPressure):
 
 class ArenaFull(BackPressure):
     """No free entry record is left in the arena."""
+
+
+class GroupLimit(ArenaFull):
+    """A new group name found every id of the arena's group table in use.
+
+    The table has ``max_groups`` ids (``TimerWheel.create(max_groups=...)``,
+    1,024 by default); an id is in use while its name is registered or a
+    scheduled or fired timer carries it. Groups with no member and nothing
+    pending are reclaimed; raise --max-groups or use fewer group names.
+    """
 
 
 class ProtocolError(WheeldError):
