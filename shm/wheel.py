@@ -110,7 +110,7 @@ Live counts: ``group_live(gid)`` is the number of the group's records that are
 SCHEDULED or FIRED (fired timers hold their record until released), exact after
 every call. Each path that allocates or frees a record adjusts it: a new
 ``schedule``, ``cancel``/``cancel_handle``, ``release`` and the records
-``advance`` frees (one list item each); ``schedule_many``, ``cancel_many`` and
+``advance`` frees (one item of a Python list each); ``schedule_many``, ``cancel_many`` and
 ``release_many`` (one addition when the batch is of one group, a bincount
 otherwise). Re-arms, ``expire``/``expire_many``, ``rearm_fired`` and cascades
 change no record's liveness and no count; a refused call changes none.
