@@ -339,16 +339,21 @@ def render_table(snap: S.Snapshot, rate: dict[str, float] | None) -> str:
                 fill = f"{_fmt_int(r.depth)}/{_fmt_int(r.capacity)}"
                 lines.append(f"  {r.slot:>5}  {r.group:<20} {r.pid:>8}  {fill:>15}  "
                              f"{'alive' if r.client_alive else 'gone'}")
-    lines.append(f"groups   {c['groups_active']} active, {len(snap.groups)} registered")
+    lines.append(f"groups   {c['groups_active']} active, {_groups_in_use(snap)}")
     lines.append(_groups_table(snap.groups, indent="  "))
     return "\n".join(lines)
 
 
+def _groups_in_use(snap: S.Snapshot) -> str:
+    return f"{_fmt_int(snap.groups_in_use)} of {_fmt_int(snap.max_groups)} group ids in use"
+
+
 def _groups_table(groups, indent: str = "") -> str:
-    lines = [f"{indent}{'id':>5}  {'group':<24} {'pending':>12} {'fired':>10} {'clients':>8}"]
+    """One row per group id in use: live records (pending + fired), pending, fired, live client slots."""
+    lines = [f"{indent}{'id':>5}  {'group':<24} {'live':>12} {'pending':>12} {'fired':>10} {'clients':>8}"]
     for g in groups:
-        lines.append(f"{indent}{g.id:>5}  {g.name:<24} {_fmt_int(g.pending):>12} {_fmt_int(g.fired):>10} "
-                     f"{g.clients:>8}")
+        lines.append(f"{indent}{g.id:>5}  {g.name or '(no name)':<24} {_fmt_int(g.live):>12} "
+                     f"{_fmt_int(g.pending):>12} {_fmt_int(g.fired):>10} {g.clients:>8}")
     return "\n".join(lines)
 
 
@@ -593,13 +598,20 @@ def _fmt_due(ms: int) -> str:
 @click.option("--json", "as_json", is_flag=True, help="One JSON document.")
 @click.pass_obj
 def groups(ctl: Ctl, as_json: bool) -> None:
-    """Groups in the arena: pending and fired timers, live client slots."""
+    """Group ids in use: name, live records (pending + fired), live client slots.
+
+    An id is in use while a name is registered under it or a live record carries
+    it; the daemon reclaims groups with no member and nothing pending. Live
+    records are counted from the arena's records (one pass over their state and
+    group columns).
+    """
     with ctl.reader() as reader:
         snap = reader.snapshot()
     if as_json:
-        click.echo(json.dumps({"active": snap.counters["groups_active"],
-                               "groups": [g.to_dict() for g in snap.groups]}, indent=2))
+        click.echo(json.dumps({"active": snap.counters["groups_active"], "in_use": snap.groups_in_use,
+                               "max": snap.max_groups, "groups": [g.to_dict() for g in snap.groups]}, indent=2))
         return
+    click.echo(_groups_in_use(snap))
     click.echo(_groups_table(snap.groups))
 
 

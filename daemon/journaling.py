@@ -118,6 +118,14 @@ class Recorder:
             name = self._group_names[gid] = self.wheel.group_name(gid)
         return name
 
+    def forget_group(self, gid: int) -> bool:
+        """``TimerWheel.forget_group(gid)``, and drop the name cached for ``gid``: the id
+        may go to another name, whose events must not carry the old one."""
+        forgotten = self.wheel.forget_group(gid)
+        if forgotten:
+            self._group_names.pop(gid, None)
+        return forgotten
+
     def armed(self, gid: int, key, deadline_ms: int, seq: int, previous_ms: int | None, idle_ms: int | None) -> None:
         off = self._offset
         idle = _UNSET if idle_ms is None else idle_ms

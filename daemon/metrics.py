@@ -46,7 +46,9 @@ wheeld_clients_accepted_total          counter    clients_total
 wheeld_clients_refused_total           counter    clients_refused_total
 wheeld_clients_dropped_total           counter    clients_dropped_total
 wheeld_groups_active                   gauge      groups_active
-wheeld_groups_registered               gauge      group table entries
+wheeld_groups_registered               gauge      group table entries with a name
+wheeld_groups_in_use                   gauge      group ids in use (see below)
+wheeld_groups_max                      gauge      header max_groups
 wheeld_arena_capacity_timers           gauge      header capacity
 wheeld_arena_used_timers               gauge      pending + fired_unacked
 wheeld_arena_bytes                     gauge      segment size
@@ -65,6 +67,11 @@ Histogram buckets: ``le`` is each bound of
 cumulative, ``+Inf`` equal to ``_count``. The arena counts bucket *i* as
 ``[bound[i-1], bound[i])``, so a lateness exactly on a bound is counted one
 bucket up: the ``le`` buckets never overstate how many timers were on time.
+
+Group ids in use are those a new group name cannot take: a name is registered
+under them, or (``wheelctl``, which reads the records) a live record carries
+them. When ``wheeld_groups_in_use`` reaches ``wheeld_groups_max``, new group
+names are refused (``GroupLimit``).
 
 The HTTP endpoint: ``GET`` (or ``HEAD``) ``/metrics`` answers 200 with
 ``text/plain; version=0.0.4``; any other path 404, any other method 405; a
@@ -175,7 +182,12 @@ def render(snap: Snapshot) -> str:
     metric("wheeld_clients_connected", "gauge", "Clients connected now.", [("", (), c["clients_connected"])])
     metric("wheeld_groups_active", "gauge", "Groups with at least one connected member.",
            [("", (), c["groups_active"])])
-    metric("wheeld_groups_registered", "gauge", "Groups in the arena's group table.", [("", (), len(snap.groups))])
+    metric("wheeld_groups_registered", "gauge", "Group names registered in the arena's group table.",
+           [("", (), snap.groups_registered)])
+    metric("wheeld_groups_in_use", "gauge", "Group ids in use (a name registered, or live timers carry it).",
+           [("", (), snap.groups_in_use)])
+    metric("wheeld_groups_max", "gauge", "Group ids in the arena's group table (--max-groups).",
+           [("", (), snap.max_groups)])
     metric("wheeld_arena_capacity_timers", "gauge", "Timer records in the arena.", [("", (), snap.capacity)])
     metric("wheeld_arena_used_timers", "gauge", "Timer records in use (pending or fired, not acknowledged).",
            [("", (), snap.used)])

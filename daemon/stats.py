@@ -16,12 +16,16 @@ What a snapshot holds and where each figure comes from::
     adds/re-arms/cancels/...       the *_total counters (they survive restarts)
     rates                          two snapshots: (b - a) / (b.taken - a.taken)
     lateness                       the histogram after the counters, plus its sum
-    rings (depth)                  client table /wheeld-NAME-clients + the header
-                                   of each client's ring segment (tail - head);
-                                   a ring we may not read counts as unknown
-    groups                         the arena's group table; pending and fired per
-                                   group from one pass over the records' state
-                                   and group columns
+    rings (depth)                  client table /wheeld-NAME-clients: the depth the
+                                   daemon saw about a second ago (rings are memfds
+                                   only their client and the daemon can map)
+    groups                         the arena's group table (an entry whose first
+                                   byte is 0 is an unused id); pending and fired
+                                   per group from one pass over the records'
+                                   state and group columns (the wheel's own live
+                                   counts are in the daemon's memory, not the
+                                   arena); ids in use: registered, or carried by
+                                   a live record
     journal damage                 counters journal_damaged_ranges_total and
                                    journal_damaged_lines_total: what recovery
                                    skipped when it rebuilt this arena
@@ -157,13 +161,19 @@ class RingStat:
 @dataclass(frozen=True)
 class GroupStat:
     id: int
-    name: str
+    name: str  # "" for an id no name is registered under that live records still carry
     pending: int
     fired: int  # fired, not acknowledged yet (undelivered + unacknowledged)
     clients: int  # client slots of the table in this group whose process is alive
 
+    @property
+    def live(self) -> int:
+        """Records of the group in the arena: scheduled + fired (what ``TimerWheel.group_live`` counts)."""
+        return self.pending + self.fired
+
     def to_dict(self) -> dict:
-        return {"id": self.id, "name": self.name, "pending": self.pending, "fired": self.fired, "clients": self.clients}
+        return {"id": self.id, "name": self.name, "live": self.live, "pending": self.pending, "fired": self.fired,
+                "clients": self.clients}
 
 
 @dataclass
@@ -185,7 +195,7 @@ class Snapshot:
     counters: dict[str, int]
     lateness_counts: tuple[int, ...]
     lateness_sum_us: int
-    groups: list[GroupStat]
+    groups: list[GroupStat]  # every group id in use, by id
     rings: list[RingStat] | None  # None: the client table could not be read
     daemon_alive: bool
     stale_after_s: float = DEFAULT_STALE_AFTER_S
@@ -250,6 +260,15 @@ class Snapshot:
     def lateness_count(self) -> int:
         return sum(self.lateness_counts)
 
+    @property
+    def groups_in_use(self) -> int:
+        """Group ids in use: a name is registered under them, or a live record carries them."""
+        return len(self.groups)
+
+    @property
+    def groups_registered(self) -> int:
+        return sum(1 for g in self.groups if g.name)
+
     def lateness_quantiles(self) -> dict[str, float | None]:
         counts = self.lateness_counts
         return {
@@ -297,8 +316,8 @@ class Snapshot:
                 "rings": None if self.rings is None else [r.to_dict() for r in self.rings],
             },
             "groups": {
-                "active": c["groups_active"], "registered": len(self.groups),
-                "groups": [g.to_dict() for g in self.groups],
+                "active": c["groups_active"], "registered": self.groups_registered, "in_use": self.groups_in_use,
+                "max": self.max_groups, "groups": [g.to_dict() for g in self.groups],
             },
             "journal": {
                 "damaged_ranges_total": c["journal_damaged_ranges_total"],
@@ -461,14 +480,8 @@ class ArenaReader:
         return {name: words[index] for index, name in enumerate(L.COUNTER_NAMES)}
 
     def groups(self) -> dict[int, str]:
-        buf = self._seg.buf
-        out = {}
-        for gid in range(self.info["max_groups"]):
-            off = L.GROUPS_OFFSET + gid * L.GROUP_NAME_BYTES
-            raw = bytes(buf[off : off + L.GROUP_NAME_BYTES]).rstrip(b"\0")
-            if raw:
-                out[gid] = raw.decode("utf-8", "replace")
-        return out
+        """Registered groups, id -> name (an entry whose first byte is 0 is an unused id)."""
+        return _group_table(self._seg.buf, self.info["max_groups"])
 
     def group_id(self, group: str) -> int | None:
         for gid, name in self.groups().items():
@@ -605,10 +618,15 @@ def build_snapshot(
     for ring in rings or ():
         if ring.client_alive:
             members[ring.group] = members.get(ring.group, 0) + 1
-    pending, fired = group_counts if group_counts is not None else ({}, {})
-    groups = [GroupStat(gid, gname, int(pending[gid]) if len(pending) else 0, int(fired[gid]) if len(fired) else 0,
-                        members.get(gname, 0))
-              for gid, gname in sorted(group_names.items())]
+    ids = set(group_names)
+    if group_counts is not None:
+        pending, fired = group_counts
+        ids.update(np.flatnonzero((pending != 0) | (fired != 0)).tolist())  # unnamed ids that live records carry
+    groups = []
+    for gid in sorted(ids):
+        gname = group_names.get(gid, "")
+        counts = (int(pending[gid]), int(fired[gid])) if group_counts is not None else (0, 0)
+        groups.append(GroupStat(gid, gname, *counts, members.get(gname, 0) if gname else 0))
     return Snapshot(
         name=name, segment=segment, taken_ms=taken, capacity=info["capacity"],
         tick_ms=info["tick_ms"], wheel_size=info["wheel_size"], levels=info["levels"],
@@ -620,6 +638,16 @@ def build_snapshot(
         daemon_alive=daemon_alive(counters["daemon_pid"]) if alive is None else alive,
         stale_after_s=stale_after_s,
     )
+
+
+def _group_table(buf, max_groups: int) -> dict[int, str]:
+    """The registered names of a group table: id -> name (first byte 0: an unused id)."""
+    names = np.frombuffer(buf, dtype=np.uint8, count=max_groups * L.GROUP_NAME_BYTES,
+                          offset=L.GROUPS_OFFSET).reshape(max_groups, L.GROUP_NAME_BYTES)
+    out = {}
+    for gid in np.flatnonzero(names[:, 0]).tolist():
+        out[gid] = bytes(names[gid]).rstrip(b"\0").decode("utf-8", "replace")
+    return out
 
 
 def _map_readonly(name: str, size: int | None = None) -> mmap.mmap | None:
@@ -683,7 +711,8 @@ def check_arena(buf, size: int | None = None, label: str = "arena") -> list[str]
     (or due list) their state and deadline say, fired ones on the fired list;
     every non-empty bucket expires after the clock and maps to its index; a free
     list kept in the arena is one chain through exactly the free records; no (group, key) is
-    scheduled twice; keys are well formed; the header's pending / fired /
+    scheduled twice; keys are well formed; live records carry a group id inside the
+    group table; the header's pending / fired /
     per-level counters match the records; no update intent and no batch intent is open.
     """
     size = len(buf) if size is None else size
@@ -725,6 +754,10 @@ def check_arena(buf, size: int | None = None, label: str = "arena") -> list[str]
     fired = entry & (low == L.FIRED)
     bad_fired = np.flatnonzero(fired & (state != L.FIRED))
     p.many("bad fired state", bad_fired, lambda s: f"fired record {s} has state byte {state[s]}")
+    group = rec["group"]
+    bad_group = np.flatnonzero((sched | fired) & (group >= info["max_groups"]))
+    p.many("bad group", bad_group, lambda s: f"record {s} carries group id {group[s]}, the table has "
+                                             f"{info['max_groups']}")
 
     # links of the circular lists: sentinels and every scheduled or fired record
     member = ~entry | sched | fired

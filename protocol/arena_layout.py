@@ -44,7 +44,9 @@ Header (little-endian, offsets in bytes)::
     136  wake_seq         u64
     192  -- counters: COUNTERS u64 words, names in COUNTER_NAMES --
     192+8*COUNTERS  -- lateness histogram: LATENESS_BUCKETS u64 --
-    GROUPS_OFFSET   -- group table: max_groups names, GROUP_NAME_BYTES each --
+    GROUPS_OFFSET   -- group table: max_groups names, GROUP_NAME_BYTES each; an entry
+                       whose first byte is 0 is an unused id (that byte is the commit
+                       point of registering and of forgetting a name) --
     intent_batch_offset(max_groups)  -- batch intent: INTENT_BATCH_MAX entries
                        (slot i32, tag u32, deadline i64), committed by intent_count --
 
@@ -182,7 +184,7 @@ H_LATENESS = H_COUNTERS + 8 * COUNTERS
 H_LATENESS_SUM_US = H_LATENESS + 8 * LATENESS_BUCKETS
 GROUPS_OFFSET = 1024
 assert H_LATENESS_SUM_US + 8 <= GROUPS_OFFSET
-GROUP_NAME_BYTES = 32  # UTF-8, zero padded; an empty name marks an unused id
+GROUP_NAME_BYTES = 32  # UTF-8, zero padded, no NUL inside; first byte 0 marks an unused id (see shm.wheel, "Groups")
 DEFAULT_MAX_GROUPS = 1024
 
 

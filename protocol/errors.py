@@ -65,9 +65,13 @@ class QuotaExceeded(ArenaFull):
 
 
 class GroupLimit(ArenaFull):
-    """Every group id of the arena is in use. Groups with no connected member and
-    nothing pending or unacknowledged are reclaimed; use fewer group names, or
-    raise ``wheeld --max-groups`` (takes effect for a new arena)."""
+    """A new group name found every id of the arena's group table in use.
+
+    The table has ``max_groups`` ids (``TimerWheel.create(max_groups=...)``,
+    1,024 by default); an id is in use while its name is registered or a
+    scheduled or fired timer carries it. Groups with no member and nothing
+    pending are reclaimed; raise --max-groups or use fewer group names.
+    """
 
 
 class Timeout(BackPressure, TimeoutError):

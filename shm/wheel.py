@@ -1,8 +1,11 @@
 """A hierarchical timing wheel stored in a shared-memory arena.
 
-This is Kafka's purgatory timer (``TimingWheel``/``SystemTimer``, see
-../shared/seeds) laid out in fixed-size records so that it outlives the process
-that owns it. No I/O, no clock: every call takes ``now_ms`` or a deadline.
+This is Kafka's purgatory timer (``TimingWheel``/``SystemTimer`` in
+apache/kafka, ``server-common/src/main/java/org/apache/kafka/server/util/timer/``;
+the design is described in Confluent's "Apache Kafka, Purgatory, and
+Hierarchical Timing Wheels", 2015) laid out in fixed-size records so that it
+outlives the process that owns it. No I/O, no clock: every call takes
+``now_ms`` or a deadline.
 
 Levels and buckets
 ------------------
@@ -92,6 +95,44 @@ bytes per timer in all (``python -m bench.wheel_core``). A handle is
 ``(slot, generation)``; the generation is bumped whenever a record is
 allocated, so an old handle is a harmless no-op.
 
+Groups
+------
+Every record carries a group id (u16). The arena's group table holds
+``max_groups`` names (1..65535, default 1,024; ``create(max_groups=...)``) of at
+most 31 UTF-8 bytes, zero padded to 32; id 0 is ``default``, registered at
+creation. An entry whose *first byte* is 0 is an unused id, whatever the other
+31 bytes hold. ``group_id(name)`` returns a registered name's id (one vectorized
+compare of the whole 32-byte entries) or registers the name under the lowest
+free id: unused, and no live record carries it. It raises ``GroupLimit`` (an
+``ArenaFull``) when every id is in use.
+
+Live counts: ``group_live(gid)`` is the number of the group's records that are
+SCHEDULED or FIRED (fired timers hold their record until released), exact after
+every call. Each path that allocates or frees a record adjusts it: a new
+``schedule``, ``cancel``/``cancel_handle``, ``release`` and the records
+``advance`` frees (one item of a Python list each); ``schedule_many``, ``cancel_many`` and
+``release_many`` (one addition when the batch is of one group, a bincount
+otherwise). Re-arms, ``expire``/``expire_many``, ``rearm_fired`` and cascades
+change no record's liveness and no count; a refused call changes none.
+``group_counts()`` copies all of them into an array. The counts are derived
+state of the owning process, like the key index: ``attach`` recounts them from
+the records' state and group columns (one ``np.bincount``), so a writer killed
+anywhere leaves nothing to repair, and ``check()`` compares them with a
+recount. Readers (``wheelctl groups``) count the records themselves.
+
+Reclaiming ids: ``forget_group(gid)`` frees the id of a group with no live
+record (False, and nothing changes, otherwise; id 0 is never forgotten); its
+name can be registered again, and the id goes to the next new name.
+``forget_idle_groups(keep)`` does that for every idle group not in ``keep``.
+Which groups to forget (no member, nothing pending) is the daemon's decision;
+whoever caches names by id must drop the forgotten one. Both changes to the
+table commit with the one-byte store of the first byte: registering writes
+bytes 1..31 first and the first byte last, forgetting clears the first byte
+first and the rest after. A writer killed in between leaves either the old name
+or an unused id, never a half name ``group_id`` could match (it compares all 32
+bytes, and a name's first byte is never 0); ``attach`` clears the leftover bytes
+of unused ids.
+
 Batches
 -------
 ``schedule_many`` / ``cancel_many`` / ``expire_many`` / ``release_many`` mean
@@ -123,9 +164,9 @@ Record life (the only legal steps; anything else raises and changes nothing)::
 
 Crash consistency
 -----------------
-The records are the truth; links, the free list, the key index and the bucket
-heap are derived from them (only the links live in the arena; the rest is in
-the owning process and rebuilt on attach). Every state change has one commit point, a single
+The records are the truth; links, the free list, the key index, the bucket
+heap and the per-group live counts are derived from them (only the links live
+in the arena; the rest is in the owning process and rebuilt on attach). Every state change has one commit point, a single
 aligned store: the state byte (allocate: fields first, then ``SCHEDULED``;
 cancel/free: ``FREE``). The one update that changes several fields of a live
 record (a re-arm: deadline, tag and level; re-arming a fired timer: also the
@@ -142,7 +183,8 @@ batch intent, then their count as commit word, then the records, then count 0.
    deadline maps to relative to the stored clock (``cur`` is written after the
    due buckets were detached and before they are re-placed, so a crash inside
    ``advance`` leaves every timer still scheduled, due ones in the due list);
-3. rebuilds the key index and the bucket heap.
+3. rebuilds the key index, the bucket heap and the per-group live counts
+   (and clears the leftover bytes of unused group ids).
 
 ``expire_many`` follows the same order as ``advance``: detach the due buckets,
 store the clock, then splice (links, derived) and store the FIRED states (the
@@ -173,7 +215,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from wheeld.protocol import arena_layout as L
-from wheeld.protocol.errors import ArenaFull, CorruptArena, InvalidDelay, InvalidKey, InvalidRequest
+from wheeld.protocol.errors import ArenaFull, CorruptArena, GroupLimit, InvalidDelay, InvalidKey, InvalidRequest
 from wheeld.protocol.keys import decode_key, encode_key, valid_key_meta
 
 from .arena import Segment
@@ -202,6 +244,7 @@ _CUR = L.H_CURRENT_MS // 8
 _FREE_HEAD = L.H_FREE_HEAD // 4
 _QW, _IW, _HW, _RB = L.Q_PER_RECORD, L.I_PER_RECORD, L.H_PER_RECORD, L.RECORD_BYTES
 _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP = L.I_PREV, L.I_NEXT, L.I_GEN, L.I_TAG, L.I_AUX, L.H_GROUP_WORD
+_GNB = L.GROUP_NAME_BYTES
 _ST, _KM, _KEY = L.R_STATE, L.R_KEY_META, L.R_KEY
 _LEVEL_SLOTS = L.DUE_LEVEL + 1  # per-level counters: levels 0..14 and the due list
 _WINDOW = 8  # vectorized key-index probing gathers this many cells per key at once
@@ -371,6 +414,13 @@ class TimerWheel:
             shape=(self.n_records,), dtype="V33", buffer=buf, offset=self._header_bytes + _KM, strides=(L.RECORD_BYTES,)
         )
         self._gmix_np = np.array(self._gmix, dtype=np.int64) if max_groups else np.zeros(1, np.int64)
+        # Live records (SCHEDULED or FIRED) per group id: derived state of this process,
+        # like the key index, recounted from the records on attach. A list: the scalar
+        # paths add to one item (cheaper than through a memoryview of an array).
+        self._group_live = [0] * max_groups
+        # The group table in the arena: whole names (for compares) and their bytes.
+        self._group_names = np.ndarray(shape=(max_groups,), dtype=f"V{_GNB}", buffer=buf, offset=L.GROUPS_OFFSET)
+        self._group_bytes = np.ndarray(shape=(max_groups, _GNB), dtype=np.uint8, buffer=buf, offset=L.GROUPS_OFFSET)
         self._heap: list[tuple[int, int]] = []
         self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
         self._pending_by_level = [0] * _LEVEL_SLOTS
@@ -392,6 +442,8 @@ class TimerWheel:
         self._raw = None
         self._idents = None
         self._intent_batch = None
+        self._group_names = None
+        self._group_bytes = None
         self._next.release()
         self._free_stack.release()
         self._seg.close()
@@ -421,39 +473,119 @@ class TimerWheel:
         return self.capacity - self._counters["pending"] - self._counters["fired_unacked"]
 
     # ------------------------------------------------------------------ groups
-    def group_id(self, group_name: str, create: bool = True) -> int:
-        """The id of a group name, registering it in the arena's group table if new."""
+    def _name_bytes(self, group_name: str) -> bytes:
+        """A group name as stored in the table: UTF-8, zero padded to GROUP_NAME_BYTES."""
         raw = group_name.encode("utf-8") if isinstance(group_name, str) else None
-        if not raw or len(raw) > L.GROUP_NAME_BYTES - 1:
-            raise InvalidRequest(f"a group name is 1..{L.GROUP_NAME_BYTES - 1} UTF-8 bytes")
-        buf = self._seg.buf
-        free = -1
-        for gid in range(self.max_groups):
-            off = L.GROUPS_OFFSET + gid * L.GROUP_NAME_BYTES
-            stored = buf[off : off + L.GROUP_NAME_BYTES].rstrip(b"\0")
-            if stored == raw:
-                return gid
-            if not stored and free < 0:
-                free = gid
+        if not raw or len(raw) > _GNB - 1 or b"\0" in raw:
+            raise InvalidRequest(f"a group name is 1..{_GNB - 1} UTF-8 bytes, without NUL")
+        return raw + b"\0" * (_GNB - len(raw))
+
+    def _check_gid(self, gid: int) -> int:
+        if not isinstance(gid, (int, np.integer)) or isinstance(gid, bool) or not 0 <= gid < self.max_groups:
+            raise InvalidRequest(f"group id {gid!r} out of range 0..{self.max_groups - 1}")
+        return int(gid)
+
+    def group_id(self, group_name: str, create: bool = True) -> int:
+        """The id of a group name, registering it in the arena's group table if new.
+
+        A new name takes the lowest id that is free: no name registered and no
+        live (scheduled or fired) record carrying it. Raises InvalidRequest for a
+        name that is not 1..31 UTF-8 bytes without NUL, KeyError for an unknown
+        name with ``create=False``, and GroupLimit when every id is in use.
+
+        Registering writes bytes 1..31 of the entry first and the first byte last:
+        that store is the commit point (an entry whose first byte is 0 is unused,
+        whatever follows it), so a writer killed in between leaves an unused id.
+        """
+        padded = self._name_bytes(group_name)
+        hit = np.flatnonzero(self._group_names == np.void(padded))
+        if hit.size:
+            return int(hit[0])
         if not create:
             raise KeyError(group_name)
-        if free < 0:
-            raise ArenaFull(f"all {self.max_groups} group ids are in use")
-        off = L.GROUPS_OFFSET + free * L.GROUP_NAME_BYTES
-        buf[off : off + len(raw)] = raw
-        return free
+        table = self._group_bytes
+        free = np.flatnonzero((table[:, 0] == 0) & (self.group_counts() == 0))
+        if not free.size:
+            raise GroupLimit(f"all {self.max_groups} group ids are in use: groups with no member and nothing "
+                             "pending are reclaimed; raise --max-groups or use fewer group names")
+        gid = int(free[0])
+        row = table[gid]
+        row[1:] = np.frombuffer(padded, dtype=np.uint8, offset=1)
+        row[0] = padded[0]  # commit point: the name exists from here on
+        return gid
 
     def group_name(self, gid: int) -> str:
-        off = L.GROUPS_OFFSET + gid * L.GROUP_NAME_BYTES
-        return self._seg.buf[off : off + L.GROUP_NAME_BYTES].rstrip(b"\0").decode("utf-8", "replace")
+        """The name registered under ``gid``; "" for an unused id (or one outside the table)."""
+        if not 0 <= gid < self.max_groups:
+            return ""
+        off = L.GROUPS_OFFSET + gid * _GNB
+        raw = self._seg.buf[off : off + _GNB]
+        if not raw[0]:
+            return ""
+        return raw.rstrip(b"\0").decode("utf-8", "replace")
 
     def groups(self) -> dict[int, str]:
-        out = {}
-        for gid in range(self.max_groups):
-            name = self.group_name(gid)
-            if name:
-                out[gid] = name
-        return out
+        """Every registered group: id -> name."""
+        return {gid: self.group_name(gid) for gid in np.flatnonzero(self._group_bytes[:, 0]).tolist()}
+
+    def group_live(self, gid: int) -> int:
+        """Records of group ``gid`` that are SCHEDULED or FIRED (fired, not released yet). O(1)."""
+        return self._group_live[self._check_gid(gid)]
+
+    def group_counts(self) -> np.ndarray:
+        """:meth:`group_live` of every group id at once: a copy, int64, ``max_groups`` long."""
+        return np.array(self._group_live, dtype=np.int64)
+
+    def forget_group(self, gid: int) -> bool:
+        """Free the id of a group that has no live record; its name may be registered again.
+
+        Returns False, and changes nothing, if the group still has a scheduled or
+        fired record, if the id is unused, or for id 0 (the arena's ``default``
+        group, registered when it was created, is never forgotten). The id then
+        goes to the next new name :meth:`group_id` registers (the lowest free id
+        first). Whoever caches names by id (the journal recorder) must drop its
+        entry for ``gid``.
+
+        Crash consistency: the name's first byte is cleared first, one byte store
+        and the commit point (the id is unused from then on), then the rest; a
+        writer killed in between leaves an unused id whose leftover bytes no name
+        matches (a stored name is compared whole, first byte included), and
+        ``attach`` clears them.
+        """
+        gid = self._check_gid(gid)
+        row = self._group_bytes[gid]
+        if gid == 0 or not row[0] or self._group_live[gid]:
+            return False
+        row[0] = 0  # commit point: the id is unused from here on
+        row[1:] = 0
+        return True
+
+    def forget_idle_groups(self, keep=()) -> list[int]:
+        """:meth:`forget_group` for every registered group with no live record, except
+        id 0 and the ids in ``keep`` (groups that still have members); returns the ids freed."""
+        idle = (self._group_bytes[:, 0] != 0) & (self.group_counts() == 0)
+        idle[0] = False
+        freed = []
+        keep = {int(g) for g in keep}
+        for gid in np.flatnonzero(idle).tolist():
+            if gid not in keep and self.forget_group(gid):
+                freed.append(gid)
+        return freed
+
+    def _count_groups(self, groups: np.ndarray, sign: int) -> None:
+        """Add ``sign`` to the live count of each item's group (a batch's records)."""
+        n = groups.size
+        if not n:
+            return
+        live = self._group_live
+        first = int(groups[0])
+        if n == 1 or not (groups != first).any():  # one group: the usual batch (one client's ring)
+            live[first] += sign * n
+            return
+        counts = np.bincount(groups)
+        present = np.flatnonzero(counts)
+        for gid, count in zip(present.tolist(), counts[present].tolist()):
+            live[gid] += sign * count
 
     # ------------------------------------------------------------------ key index
     def _find(self, ident: bytes, h: int, group: int) -> int:
@@ -629,6 +761,7 @@ class TimerWheel:
         state = self._link(slot, deadline_ms, cur)
         rb[base + _ST] = state  # commit point: the timer exists from here on
         self._index_add(slot, h)
+        self._group_live[group] += 1
         c = self._counters
         c["pending"] += 1
         c["adds_total"] += 1
@@ -689,7 +822,7 @@ class TimerWheel:
         if slot < 0:
             self._counters["cancel_misses_total"] += 1
             return False
-        self._remove_scheduled(slot)
+        self._remove_scheduled(slot, group)
         self._counters["cancels_total"] += 1
         return True
 
@@ -700,11 +833,11 @@ class TimerWheel:
             return False
         if self._rb[slot * _RB + _ST] & _STATE_MASK != _SCHEDULED:
             return False
-        self._remove_scheduled(slot)
+        self._remove_scheduled(slot, self._h[slot * _HW + _GROUP])
         self._counters["cancels_total"] += 1
         return True
 
-    def _remove_scheduled(self, slot: int) -> None:
+    def _remove_scheduled(self, slot: int, group: int) -> None:
         rb = self._rb
         state = rb[slot * _RB + _ST]
         self._unlink(slot)
@@ -712,6 +845,7 @@ class TimerWheel:
         self._pending_by_level[state >> 4] -= 1
         self._index_remove(slot)
         self._free(slot)
+        self._group_live[group] -= 1
         self._counters["pending"] -= 1
 
     def _free(self, slot: int) -> None:
@@ -795,6 +929,7 @@ class TimerWheel:
         out: list[tuple[object, int]] = []
         append = out.append
         rb, q, free, index_remove = self._rb, self._q, self._free, self._index_remove
+        hw, live = self._h, self._group_live
 
         def fire(s: int) -> None:
             base = s * _RB
@@ -803,6 +938,7 @@ class TimerWheel:
             rb[base + _ST] = _FREE
             index_remove(s)
             free(s)
+            live[hw[s * _HW + _GROUP]] -= 1
 
         self._sweep(now_ms, fire)
         return out
@@ -866,6 +1002,7 @@ class TimerWheel:
         self._unlink(slot)
         rb[slot * _RB + _ST] = _FREE  # commit point
         self._free(slot)
+        self._group_live[self._h[slot * _HW + _GROUP]] -= 1
         c = self._counters
         c["fired_unacked"] -= 1
         c["acks_total"] += 1
@@ -998,6 +1135,7 @@ class TimerWheel:
             self._free_top = top - k
             self._count_levels(levels, +1)
             self._index_add_many(slots, hashes[new])
+            self._count_groups(groups[new], +1)
             slots_out[new] = slots
             c = self._counters
             c["pending"] += k
@@ -1019,6 +1157,7 @@ class TimerWheel:
         hit = found >= 0
         slots = found[hit]
         self._remove_scheduled_many(slots)
+        self._count_groups(groups[hit], -1)
         c = self._counters
         c["cancels_total"] += int(slots.size)
         c["cancel_misses_total"] += int(n - slots.size)
@@ -1243,6 +1382,7 @@ class TimerWheel:
             rec["state"][released] = _FREE  # commit points (the lists are derived: unlinked after)
             self._unlink_many(released)
             self._free_many(released)
+            self._count_groups(rec["group"][released], -1)
             c = self._counters
             c["fired_unacked"] -= int(released.size)
             c["acks_total"] += int(released.size)
@@ -1599,10 +1739,11 @@ class TimerWheel:
         cur = int(self._hq[_CUR])
         entries = rec[first:]
         states = entries["state"] & _STATE_MASK
-        bad = np.flatnonzero((states > _FIRED) | ((states != _FREE) & ~self._valid_meta(entries["key_meta"])))
+        bad = np.flatnonzero((states > _FIRED) | ((states != _FREE) & (
+            ~self._valid_meta(entries["key_meta"]) | (entries["group"] >= self.max_groups))))
         if bad.size:
             # Not something an interrupted writer can leave: corruption. Free them, loudly.
-            self.repairs = [f"record {first + s}: invalid state/key, freed" for s in bad.tolist()]
+            self.repairs = [f"record {first + s}: invalid state/key/group, freed" for s in bad.tolist()]
             entries["state"][bad] = _FREE
             states = entries["state"] & _STATE_MASK
         else:
@@ -1674,6 +1815,14 @@ class TimerWheel:
         states_now = rec["state"][first:]
         levels_now = (states_now[(states_now & _STATE_MASK) == _SCHEDULED] >> 4).astype(np.int64)
         self._pending_by_level = [int(x) for x in np.bincount(levels_now, minlength=_LEVEL_SLOTS)]
+        live = (states_now & _STATE_MASK) != _FREE
+        self._group_live = np.bincount(rec["group"][first:][live], minlength=self.max_groups).tolist()
+        # an unused group id (first byte 0) keeps no bytes: what a writer killed while
+        # registering or forgetting a name left behind is cleared
+        table = self._group_bytes
+        unused = table[:, 0] == 0
+        if table[unused].any():
+            table[unused] = 0
         self._load_counters()
         self.publish_stats()
 
@@ -1867,6 +2016,15 @@ class TimerWheel:
             problems.append(f"counter fired_unacked={c['fired_unacked']}, {n_fired} are fired")
         if per_level != self._pending_by_level:
             problems.append(f"per-level counters {self._pending_by_level}, actual {per_level}")
+        entries = rec[first:]
+        live_groups = entries["group"][(entries["state"] & _STATE_MASK) != _FREE].astype(np.int64)
+        if live_groups.size and int(live_groups.max()) >= self.max_groups:
+            problems.append(f"a live record carries group id {int(live_groups.max())} >= max_groups")
+        else:
+            recount = np.bincount(live_groups, minlength=self.max_groups)
+            counts = self.group_counts()
+            for gid in np.flatnonzero(recount != counts)[:10].tolist():
+                problems.append(f"group {gid}: live count {counts[gid]}, {recount[gid]} records are live")
         if self._hi[L.H_INTENT_SLOT // 4] != -1:
             problems.append("an update intent is still open")
         if self._hi[L.H_INTENT_COUNT // 4] != 0:

@@ -1109,6 +1109,28 @@ def test_previous_deadlines_of_an_empty_batch_and_of_absent_keys(tmp_path):
         assert recorder.previous_deadlines(gid, [_ident("a"), _ident(1)]) == [None, 4_321]
 
 
+def test_a_forgotten_group_id_reused_by_another_name_is_journaled_under_the_new_name(tmp_path, monkeypatch):
+    from wheeld.daemon import journaling
+
+    monkeypatch.setattr(journaling, "mono_ms", lambda: 5_000)
+    monkeypatch.setattr(journaling, "wall_ms", lambda: T0)
+    with _recorder(tmp_path, "forget") as (recorder, wheel):
+        gid = wheel.group_id("old")
+        recorder.begin()
+        wheel.schedule("k", 9_000, gid, 1)
+        recorder.armed(gid, "k", 9_000, 1, None, None)
+        assert recorder.forget_group(gid) is False  # "k" is pending: the group stays
+        wheel.cancel("k", gid)
+        recorder.cancelled(gid, "k", 2, 9_000)
+        assert recorder.forget_group(gid) is True
+        assert wheel.group_id("new") == gid
+        wheel.schedule("k", 9_500, gid, 3)
+        recorder.armed(gid, "k", 9_500, 3, None, None)
+        recorder.commit(5_000)
+        lines = recorder.journal.segment_path.read_bytes().split(b"\n", 1)[1].splitlines()
+    assert [msgspec.json.decode(line)["g"] for line in lines] == ["old", "old", "new"]
+
+
 # --------------------------------------------------------------------------- #
 # Background group commit (the daemon's interval policy)
 # --------------------------------------------------------------------------- #

@@ -60,6 +60,16 @@ def test_render_names_types_and_values():
     assert "wheeld_daemon_uptime_seconds" not in fams  # no live daemon: no uptime
 
 
+def test_group_ids_in_use_and_max_are_gauges():
+    snap = fake_snapshot(groups_active=1)
+    snap.groups = [S.GroupStat(0, "default", 0, 0, 0), S.GroupStat(1, "conns", 4, 1, 1),
+                   S.GroupStat(5, "", 2, 0, 0)]  # an id live records carry without a name
+    fams = families(render(snap))
+    for name, value in (("wheeld_groups_in_use", 3), ("wheeld_groups_max", 1024), ("wheeld_groups_registered", 2),
+                        ("wheeld_groups_active", 1)):
+        assert fams[name].type == "gauge" and [s.value for s in fams[name].samples] == [value], name
+
+
 def test_lateness_is_a_cumulative_histogram_in_seconds():
     counts = [0] * L.LATENESS_BUCKETS
     counts[0] = 5  # < 50 us

@@ -2,9 +2,11 @@
 
 Each round forks a writer that attaches the named arena (which repairs and
 rebuilds it) and performs random operations (new timers, re-arms, cancels,
-``expire`` with a moving fake clock, releases, re-arms of fired timers; half
-the writers also use the batch methods ``schedule_many``, ``cancel_many``,
-``expire_many`` and ``release_many``). It
+``expire`` with a moving fake clock, releases, re-arms of fired timers,
+registering and forgetting group names; half the writers also use the batch
+methods ``schedule_many``, ``cancel_many``, ``expire_many`` and
+``release_many``). Timers are spread over three groups (each key belongs to
+one, ``group_of``); temporary names come and go in the other ids. It
 writes ``B <op>`` to a pipe before each operation and ``E <result>`` after it.
 The writer is then killed with SIGKILL, in one of two ways:
 
@@ -16,13 +18,16 @@ The writer is then killed with SIGKILL, in one of two ways:
   state bytes.
 
 The parent keeps a model of the arena (slot, generation, deadline, tag of every
-scheduled and fired timer, and the clock). After each kill it replays the
-operations the log shows as finished, attaches the arena itself and requires:
-``check()`` finds nothing wrong; every finished operation's effect is there,
-nothing lost, nothing extra; the one operation in flight either happened or did
-not (an in-flight ``expire`` may have fired any subset of the due timers, but
-only after it moved the clock). The observed state then becomes the model for
-the next round.
+scheduled and fired timer, the group table, and the clock). After each kill it
+replays the operations the log shows as finished, attaches the arena itself and
+requires: ``check()`` finds nothing wrong (it recounts the per-group live
+counts too); the live counts per group are those of the model's timers; every
+finished operation's effect is there, nothing lost, nothing extra; the one
+operation in flight either happened or did not (an in-flight ``expire`` may
+have fired any subset of the due timers, but only after it moved the clock; a
+group name is registered whole or not at all, an id forgotten or not, and an
+unused id keeps no leftover bytes after the attach). The observed state then
+becomes the model for the next round.
 
 ``WHEELD_LONG=1`` runs ten times as many kills.
 """
@@ -40,13 +45,14 @@ import struct
 import sys
 import time
 import uuid
+import zlib
 
 import pytest
 
 import wheeld.shm.wheel as wheel_module
 from wheeld.daemon import stats
 from wheeld.protocol import arena_layout as L
-from wheeld.protocol.errors import ArenaFull, CorruptArena
+from wheeld.protocol.errors import ArenaFull, CorruptArena, GroupLimit
 from wheeld.shm import TimerWheel
 from wheeld.shm.arena import Segment, unlink
 from wheeld.shm.wheel import encode_ident
@@ -57,6 +63,20 @@ SHAPE = {"tick_ms": 1, "wheel_size": 4, "levels": 3}  # 64 ms range: cascades an
 KEYS = [f"k{i}" for i in range(40)] + list(range(-5, 5)) + [b"b%d" % i for i in range(10)]
 OPS_PER_TRACED_WRITER = 60  # the trace kill is armed within the first 31 operations
 OPS_PER_WRITER = 5000  # a sleep kill must find the writer busy even on a loaded machine
+MAX_GROUPS = 6  # ids 0-2: the timers' groups; 3-5: temporary names (four of them: GroupLimit happens)
+TIMER_GROUPS = ("default", "g1", "g2")
+TEMP_NAMES = ("t0", "t1", "t2", "t3")
+
+
+def group_of(key) -> int:
+    """The group id a key's timer lives in (keys stay unique across the model)."""
+    return zlib.crc32(repr(key).encode()) % len(TIMER_GROUPS)
+
+
+def create_arena(name: str, capacity: int) -> TimerWheel:
+    wheel = TimerWheel.create(capacity, name=name, start_ms=1000, max_groups=MAX_GROUPS, **SHAPE)
+    assert [wheel.group_id(g) for g in TIMER_GROUPS] == [0, 1, 2]
+    return wheel
 
 
 # ----------------------------------------------------------------------------- the writer
@@ -106,20 +126,33 @@ def writer(name: str, seed: int, log_fd: int, trace_target: tuple[int, int] | No
             batch_op(wheel, rng, log, r, now, crowded)
             now = wheel.current_ms
             continue
+        if rng.random() < 0.06:  # the group table
+            if rng.random() < 0.5:
+                name = rng.choice(TEMP_NAMES)
+                log(f"B {('G', name)!r}")
+                try:
+                    log(f"E {wheel.group_id(name)!r}")
+                except GroupLimit:
+                    log("E 'limit'")
+            else:
+                gid = rng.randrange(MAX_GROUPS)
+                log(f"B {('F', gid)!r}")
+                log(f"E {wheel.forget_group(gid)!r}")
+            continue
         if r < 0.40:
             key = rng.choice(KEYS)
             delta = rng.choice((rng.randint(-2, 5), rng.randint(0, 100), rng.randint(0, 10_000)))
             tag = rng.getrandbits(32)
             log(f"B {('S', key, now + delta, tag)!r}")
             try:
-                slot, gen = wheel.schedule(key, now + delta, tag=tag)
+                slot, gen = wheel.schedule(key, now + delta, group=group_of(key), tag=tag)
                 log(f"E {(slot, gen)!r}")
             except ArenaFull:
                 log("E 'full'")
         elif r < 0.55:
             key = rng.choice(KEYS)
             log(f"B {('C', key)!r}")
-            log(f"E {wheel.cancel(key)!r}")
+            log(f"E {wheel.cancel(key, group=group_of(key))!r}")
         elif r < 0.75:
             now += rng.choice((0, 1, rng.randint(1, 20), rng.randint(1, 200), 5_000))
             log(f"B {('X', now)!r}")
@@ -149,12 +182,13 @@ def batch_op(wheel: TimerWheel, rng: random.Random, log, r: float, now: int, rel
                   rng.getrandbits(32)) for k in keys]
         log(f"B {('SM', items)!r}")
         slots, gens = wheel.schedule_many([encode_ident(k) for k, _d, _t in items],
-                                          [d for _k, d, _t in items], tags=[t for *_x, t in items])
+                                          [d for _k, d, _t in items], [group_of(k) for k, _d, _t in items],
+                                          tags=[t for *_x, t in items])
         log(f"E {[(int(s), int(g)) if s >= 0 else 'full' for s, g in zip(slots, gens)]!r}")
     elif r < 0.55:
         keys = rng.sample(KEYS, rng.randint(1, 20))
         log(f"B {('CM', keys)!r}")
-        log(f"E {wheel.cancel_many([encode_ident(k) for k in keys]).tolist()!r}")
+        log(f"E {wheel.cancel_many([encode_ident(k) for k in keys], [group_of(k) for k in keys]).tolist()!r}")
     else:
         fired = wheel.fired_slots()
         if fired and (release or rng.random() < 0.4):
@@ -170,21 +204,45 @@ def batch_op(wheel: TimerWheel, rng: random.Random, log, r: float, now: int, rel
 
 # ----------------------------------------------------------------------------- the model
 class Model:
-    """sched: key -> (deadline, slot, gen, tag); fired: slot -> (key, deadline, gen, tag); now."""
+    """sched: key -> (deadline, slot, gen, tag); fired: slot -> (key, deadline, gen, tag); now;
+    groups: the group table, id -> name."""
 
     def __init__(self, now: int) -> None:
         self.sched: dict = {}
         self.fired: dict = {}
         self.now = now
+        self.groups: dict[int, str] = dict(enumerate(TIMER_GROUPS))
 
     def copy(self) -> Model:
         m = Model(self.now)
         m.sched = dict(self.sched)
         m.fired = dict(self.fired)
+        m.groups = dict(self.groups)
         return m
 
     def slots_in_use(self) -> set[int]:
         return {v[1] for v in self.sched.values()} | set(self.fired)
+
+    def live(self) -> list[int]:
+        """Scheduled + fired timers per group id."""
+        out = [0] * MAX_GROUPS
+        for key in self.sched:
+            out[group_of(key)] += 1
+        for key, *_rest in self.fired.values():
+            out[group_of(key)] += 1
+        return out
+
+    def registered(self, name: str) -> int | None:
+        """The id ``group_id(name)`` returns: the registered one, else the lowest free one
+        (no name, no live timer), else None (GroupLimit)."""
+        for gid, n in self.groups.items():
+            if n == name:
+                return gid
+        live = self.live()
+        return next((g for g in range(MAX_GROUPS) if g not in self.groups and not live[g]), None)
+
+    def forgettable(self, gid: int) -> bool:
+        return gid != 0 and gid in self.groups and not self.live()[gid]
 
     def apply(self, op: tuple, result) -> None:
         """A finished operation: check its result against the model, then apply it."""
@@ -200,6 +258,15 @@ class Model:
                 self.apply(("R", slot, gen), one)
         elif kind == "XM":
             self.apply(("X", op[1]), result)
+        elif kind == "G":
+            gid = self.registered(op[1])
+            assert result == ("limit" if gid is None else gid), (op, result, self.groups)
+            if gid is not None:
+                self.groups[gid] = op[1]
+        elif kind == "F":
+            assert result is self.forgettable(op[1]), (op, result, self.groups)
+            if result:
+                del self.groups[op[1]]
         elif kind == "S":
             _, key, deadline, tag = op
             if result == "full":
@@ -241,18 +308,26 @@ class Model:
 
 
 def observe(wheel: TimerWheel) -> Model:
+    """The wheel's state as a model; the per-group live counts must be the timers' (by group)."""
     m = Model(wheel.current_ms)
     states = wheel.records["state"] & L.STATE_MASK
     for slot in range(wheel.first_entry, wheel.n_records):
         st = int(states[slot])
         if st == L.FREE:
             continue
-        key, deadline, _group, tag, _aux, gen = wheel._entry(slot)
+        key, deadline, group, tag, _aux, gen = wheel._entry(slot)
+        assert group == group_of(key), f"{key!r} in group {group}"
         if st == L.SCHEDULED:
             assert key not in m.sched, f"key {key!r} scheduled twice"
             m.sched[key] = (deadline, slot, gen, tag)
         else:
             m.fired[slot] = (key, deadline, gen, tag)
+    m.groups = wheel.groups()
+    assert wheel.group_counts().tolist() == m.live()
+    table = bytes(wheel._seg.buf[L.GROUPS_OFFSET : L.GROUPS_OFFSET + wheel.max_groups * L.GROUP_NAME_BYTES])
+    for gid in range(wheel.max_groups):
+        entry = table[gid * L.GROUP_NAME_BYTES : (gid + 1) * L.GROUP_NAME_BYTES]
+        assert entry[0] or entry == bytes(L.GROUP_NAME_BYTES), f"unused group id {gid} keeps bytes {entry!r}"
     return m
 
 
@@ -274,6 +349,16 @@ def verify_inflight(before: Model, op: tuple | None, seen: Model) -> None:
 
     A batch in flight: each of its items applied or not, any subset.
     """
+    if op is not None and op[0] in ("G", "F"):  # the group table changes, or not; nothing else does
+        assert (seen.sched, seen.fired, seen.now) == (before.sched, before.fired, before.now)
+        after = dict(before.groups)
+        if op[0] == "G" and before.registered(op[1]) is not None:
+            after[before.registered(op[1])] = op[1]
+        elif op[0] == "F" and before.forgettable(op[1]):
+            del after[op[1]]
+        assert seen.groups in (before.groups, after), (op, before.groups, seen.groups)
+        return
+    assert seen.groups == before.groups, "the group table changed"
     if op is not None and op[0] in ("SM", "CM"):
         keys = {item[0] for item in op[1]} if op[0] == "SM" else set(op[1])
         assert seen.fired == before.fired and seen.now == before.now
@@ -460,8 +545,7 @@ def arena_name():
 def test_writer_killed_at_random_points(arena_name, mode):
     rounds = (1500 if LONG else 150)
     base_seed = int(os.environ.get("WHEELD_CRASH_SEED", random.randrange(1 << 30)))  # to replay a failure
-    wheel = TimerWheel.create(CAPACITY, name=arena_name, start_ms=1000, **SHAPE)
-    wheel.close()
+    create_arena(arena_name, CAPACITY).close()
     model = Model(1000)
     outcomes: dict[str, int] = {}
     for n in range(rounds):
@@ -476,11 +560,17 @@ def test_writer_killed_at_random_points(arena_name, mode):
 
 
 # ----------------------------------------------------------------------------- every line, systematically
+def _schedule(wheel: TimerWheel, key, deadline: int, tag: int):
+    return wheel.schedule(key, deadline, group=group_of(key), tag=tag)
+
+
 def _sweep_setup(wheel: TimerWheel) -> None:
-    """A fixed arena: timers on several levels, some due, some fired."""
+    """A fixed arena: timers on several levels and in three groups, some due, some
+    fired; a temporary group name ``t0`` (id 3) without timers."""
     for n in range(12):
-        wheel.schedule(f"k{n}", 1000 + [1, 3, 5, 20, 70, 300, 2_000, 9_000][n % 8] + n, tag=n)
+        _schedule(wheel, f"k{n}", 1000 + [1, 3, 5, 20, 70, 300, 2_000, 9_000][n % 8] + n, tag=n)
     wheel.expire(1003)  # k0, k1 fired
+    assert wheel.group_id("t0") == 3
 
 
 def _sweep_setup_whole_buckets(wheel: TimerWheel) -> None:
@@ -488,10 +578,10 @@ def _sweep_setup_whole_buckets(wheel: TimerWheel) -> None:
     then moves only whole chains (three buckets) to the fired list."""
     _sweep_setup(wheel)
     for n in range(5):
-        wheel.schedule(f"w{n}", 1005, tag=n)  # one level-0 bucket
-        wheel.schedule(f"x{n}", 1006, tag=n)  # the next one
-    wheel.schedule("d0", 1002, tag=1)  # due already: the due list
-    wheel.schedule("d1", 1003, tag=2)
+        _schedule(wheel, f"w{n}", 1005, tag=n)  # one level-0 bucket
+        _schedule(wheel, f"x{n}", 1006, tag=n)  # the next one
+    _schedule(wheel, "d0", 1002, tag=1)  # due already: the due list
+    _schedule(wheel, "d1", 1003, tag=2)
 
 
 def _sweep_setup_next_level1_bucket(wheel: TimerWheel) -> None:
@@ -500,28 +590,32 @@ def _sweep_setup_next_level1_bucket(wheel: TimerWheel) -> None:
     where that bucket comes due next and level 0 reaches 1009: it moves those due
     by 1009 to level 0 and leaves the 1010-1011 ones where they are."""
     _sweep_setup(wheel)
-    wheel.cancel("k1")  # due at 1004: the clock could not move
+    wheel.cancel("k1", group=group_of("k1"))  # due at 1004: the clock could not move
     for n, deadline in enumerate((1008, 1009, 1011, 1009, 1010, 1008, 1011, 1009)):
-        wheel.schedule(f"c{n}", deadline, tag=n)
+        _schedule(wheel, f"c{n}", deadline, tag=n)
 
 
 SWEEP_SETUPS = {"expire_many whole buckets": _sweep_setup_whole_buckets,
                 "cascade_ahead": _sweep_setup_next_level1_bucket}
 
 SWEEP_OPS = {  # name -> (operation description for verify_inflight, call)
-    "schedule new": (("S", "n1", 1010, 7), lambda w: w.schedule("n1", 1010, tag=7)),
-    "schedule re-arm": (("S", "k5", 1001, 9), lambda w: w.schedule("k5", 1001, tag=9)),
-    "cancel": (("C", "k6"), lambda w: w.cancel("k6")),
+    "schedule new": (("S", "n1", 1010, 7), lambda w: _schedule(w, "n1", 1010, tag=7)),
+    "schedule re-arm": (("S", "k5", 1001, 9), lambda w: _schedule(w, "k5", 1001, tag=9)),
+    "cancel": (("C", "k6"), lambda w: w.cancel("k6", group=group_of("k6"))),
     "expire": (("X", 1400), lambda w: w.expire(1400)),
     "schedule_many": (
         ("SM", [("k3", 1500, 1), ("k4", 1004, 2), ("n2", 1006, 3), ("n3", 5000, 4), ("k7", 999, 5)]),
         lambda w: w.schedule_many([encode_ident(k) for k in ("k3", "k4", "n2", "n3", "k7")],
-                                  [1500, 1004, 1006, 5000, 999], tags=[1, 2, 3, 4, 5]),
+                                  [1500, 1004, 1006, 5000, 999], [group_of(k) for k in ("k3", "k4", "n2", "n3", "k7")],
+                                  tags=[1, 2, 3, 4, 5]),
     ),
     "cancel_many": (
         ("CM", ["k2", "k3", "k4", "k10", "zz"]),
-        lambda w: w.cancel_many([encode_ident(k) for k in ("k2", "k3", "k4", "k10", "zz")]),
+        lambda w: w.cancel_many([encode_ident(k) for k in ("k2", "k3", "k4", "k10", "zz")],
+                                [group_of(k) for k in ("k2", "k3", "k4", "k10", "zz")]),
     ),
+    "group_id new": (("G", "t1"), lambda w: w.group_id("t1")),
+    "forget_group": (("F", 3), lambda w: w.forget_group(3)),
     "expire_many": (("XM", 1400), lambda w: w.expire_many(1400)),
     "expire_many whole buckets": (("XM", 1006), lambda w: w.expire_many(1006)),
     "cascade_ahead": (("CA", 1005), lambda w: w.cascade_ahead(1005, 5)),
@@ -577,7 +671,7 @@ def test_kill_at_every_line_of_an_operation(arena_name, operation):
     """From the same arena each time, kill the writer after 1, 2, 3, ... lines of the
     operation until it completes: every intermediate state must attach cleanly and be
     the state before or after the operation (a batch: each item before or after)."""
-    wheel = TimerWheel.create(32, name=arena_name, start_ms=1000, **SHAPE)
+    wheel = create_arena(arena_name, 32)
     SWEEP_SETUPS.get(operation, _sweep_setup)(wheel)
     wheel.close()
     attached = TimerWheel.attach(arena_name)
@@ -593,7 +687,7 @@ def test_kill_at_every_line_of_an_operation(arena_name, operation):
             assert moved >= 1 and wheel._pending_by_level[1] == level1 - moved and wheel.check() == []
         finally:
             wheel.close()
-    kills = open_batch_intents = 0
+    kills = open_batch_intents = torn_names = 0
     for kill_line in range(1, 5000):
         segment = Segment.attach(arena_name)
         try:
@@ -602,6 +696,7 @@ def test_kill_at_every_line_of_an_operation(arena_name, operation):
             segment.close()
         finished = _run_killed(arena_name, call, kill_line)
         open_batch_intents += _check_reports_open_batch_intent(arena_name)
+        torn_names += _torn_group_entries(arena_name)
         wheel = TimerWheel.attach(arena_name)
         try:
             assert wheel.repairs == [], (kill_line, wheel.repairs)
@@ -616,15 +711,32 @@ def test_kill_at_every_line_of_an_operation(arena_name, operation):
         if finished:
             if operation == "cascade_ahead":  # no timer changes: the clock did, and the call moved some
                 assert seen.now == 1005, operation
+            elif description[0] in ("G", "F"):
+                assert seen.groups != before.groups, operation
             else:
                 assert (seen.sched, seen.fired) != (before.sched, before.fired) or operation == "cancel_many", operation
             break
         kills += 1
     else:
         raise AssertionError(f"{operation} did not finish within 5000 lines")
-    assert kills >= 10, f"{operation}: only {kills} kill points"
+    assert kills >= (5 if description[0] in ("G", "F") else 10), f"{operation}: only {kills} kill points"
     if operation == "schedule_many":  # it re-arms three keys: a batch intent must have been caught open
         assert open_batch_intents >= 1
+    if description[0] in ("G", "F"):  # a kill landed between the first byte and the rest of a name
+        assert torn_names >= 1
+
+
+def _torn_group_entries(name: str) -> int:
+    """Group table entries of the arena as the killed writer left it (before an attach
+    clears them) that are unused (first byte 0) yet hold other bytes."""
+    segment = Segment.attach(name, readonly=True)
+    try:
+        max_groups = struct.unpack_from("<I", segment.buf, L.H_MAX_GROUPS)[0]
+        table = bytes(segment.buf[L.GROUPS_OFFSET : L.GROUPS_OFFSET + max_groups * L.GROUP_NAME_BYTES])
+    finally:
+        segment.close()
+    entries = [table[g * L.GROUP_NAME_BYTES : (g + 1) * L.GROUP_NAME_BYTES] for g in range(max_groups)]
+    return sum(1 for e in entries if not e[0] and any(e))
 
 
 def _check_reports_open_batch_intent(name: str) -> int:

@@ -13,6 +13,13 @@ of the tick the deadline falls in):
   with ``tick_ms = 1`` this makes the expired set exactly the model's due set);
 * a timer with ``d <= now < F(d)`` may come out now or at the next advance.
 
+Groups: the wheel has four group ids; timers go to ``default`` (0) or to
+``other``, and rules register and forget names. The model keeps the group
+table (id -> name) and derives the live records per group (scheduled + fired)
+from its timers; after every step ``group_counts()`` and ``groups()`` must be
+the model's. A forgotten id that timers still carry is not handed to a new
+name while they live.
+
 A second machine runs the batch methods (``schedule_many``, ``cancel_many``,
 ``expire_many``, ``release_many``) on one wheel and the scalar methods item by
 item on another, and requires the same results and the same final state.
@@ -41,13 +48,15 @@ from hypothesis.stateful import (
     rule,
 )
 
-from wheeld.protocol.errors import ArenaFull
+from wheeld.protocol.errors import ArenaFull, GroupLimit
 from wheeld.shm import TimerWheel
 from wheeld.shm.arena import unlink
 from wheeld.shm.wheel import encode_ident
 
 LONG = os.environ.get("WHEELD_LONG") == "1"
 CAPACITY = 8
+MAX_GROUPS = 4
+NAMES = st.sampled_from(["other", "x", "y", "z"])
 
 KEYS = st.sampled_from(["a", "b", b"a", 1, -7, "long" * 8, "é"])
 DELTAS = st.one_of(
@@ -81,9 +90,10 @@ class WheelMachine(RuleBasedStateMachine):
     def create(self, start):
         self.wheel = TimerWheel.create(
             CAPACITY, tick_ms=self.tick_ms, wheel_size=self.wheel_size, levels=self.levels,
-            name=self.name, start_ms=start,
+            name=self.name, start_ms=start, max_groups=MAX_GROUPS,
         )
         self.group = self.wheel.group_id("other")
+        self.names = {0: "default", self.group: "other"}  # the model's group table
         self.now = start
         self.scheduled: dict[tuple[int, object], tuple[int, int]] = {}  # (group, key) -> (deadline, tag)
         self.handles: dict[tuple[int, object], tuple[int, int]] = {}  # live handle per scheduled key
@@ -239,6 +249,36 @@ class WheelMachine(RuleBasedStateMachine):
             self.model_add((group, key), self.now + delta, tag)
             self.handles[(group, key)] = (slot, gen)
 
+    def model_live(self) -> list[int]:
+        live = [0] * MAX_GROUPS
+        for group, _key in self.scheduled:
+            live[group] += 1
+        for _key, _deadline, group, _tag, _gen in self.fired.values():
+            live[group] += 1
+        return live
+
+    @rule(name=NAMES)
+    def register(self, name):
+        known = [gid for gid, n in self.names.items() if n == name]
+        live = self.model_live()
+        free = [gid for gid in range(MAX_GROUPS) if gid not in self.names and not live[gid]]
+        if known:
+            assert self.wheel.group_id(name) == known[0]
+        elif not free:
+            with pytest.raises(GroupLimit):
+                self.wheel.group_id(name)
+        else:
+            assert self.wheel.group_id(name) == free[0]  # the lowest free id
+            self.names[free[0]] = name
+
+    @rule(gid=st.integers(0, MAX_GROUPS - 1))
+    def forget(self, gid):
+        """Timers keep using ``self.group`` after it is forgotten (a raw id, no name)."""
+        expected = gid != 0 and gid in self.names and not self.model_live()[gid]
+        assert self.wheel.forget_group(gid) is expected
+        if expected:
+            del self.names[gid]
+
     @rule()
     def reattach(self):
         """The daemon restarts: unmap, map again, rebuild everything from the records."""
@@ -272,6 +312,15 @@ class WheelMachine(RuleBasedStateMachine):
         assert set(self.wheel.fired_slots()) == set(self.fired)
         c = self.wheel.counters()
         assert c["pending"] == len(self.scheduled) and c["fired_unacked"] == len(self.fired)
+
+    @invariant()
+    def group_counts_and_names(self):
+        if self.wheel is None:
+            return
+        live = self.model_live()
+        assert self.wheel.group_counts().tolist() == live
+        assert [self.wheel.group_live(g) for g in range(MAX_GROUPS)] == live
+        assert self.wheel.groups() == self.names
 
 
 SHAPES = [  # tick_ms, wheel_size, levels (None: enough levels for ~35 years)
@@ -378,6 +427,7 @@ class BatchMachine(RuleBasedStateMachine):
                                                                         if w.records["state"][s] & 0x0F))
         assert tags(self.batch) == tags(self.scalar)
         assert self.batch.counters() == self.scalar.counters()
+        assert self.batch.group_counts().tolist() == self.scalar.group_counts().tolist()
         assert self.batch.next_deadline() == self.scalar.next_deadline()
 
 

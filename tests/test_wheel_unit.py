@@ -15,9 +15,11 @@ import numpy as np
 import posix_ipc
 import pytest
 
+from wheeld.protocol import arena_layout as L
 from wheeld.protocol.errors import (
     ArenaFull,
     CorruptArena,
+    GroupLimit,
     InvalidDelay,
     InvalidKey,
     InvalidRequest,
@@ -330,8 +332,8 @@ def test_str_bytes_and_int_keys_are_distinct():
 
 
 # ----------------------------------------------------------------------------- bad input
-def snapshot(wheel: TimerWheel) -> tuple[bytes, set]:
-    return bytes(wheel._seg.buf), pending_set(wheel)
+def snapshot(wheel: TimerWheel) -> tuple[bytes, set, list]:
+    return bytes(wheel._seg.buf), pending_set(wheel), wheel.group_counts().tolist()
 
 
 @pytest.mark.parametrize(
@@ -370,6 +372,13 @@ def snapshot(wheel: TimerWheel) -> tuple[bytes, set]:
         (lambda w: w.cancel_many([encode_ident("a")], groups=[-1]), InvalidRequest),
         (lambda w: w.release_many([1, 2], [1, 2, 3]), InvalidRequest),
         (lambda w: w.expire_many(1.5), InvalidDelay),
+        (lambda w: w.group_id(""), InvalidRequest),
+        (lambda w: w.group_id("x" * 32), InvalidRequest),
+        (lambda w: w.group_id("a\0"), InvalidRequest),  # stored zero padded: it could never be found again
+        (lambda w: w.group_id(b"bytes"), InvalidRequest),
+        (lambda w: w.forget_group(5000), InvalidRequest),
+        (lambda w: w.forget_group(-1), InvalidRequest),
+        (lambda w: w.group_live(1024), InvalidRequest),
     ],
 )
 def test_bad_input_raises_and_changes_nothing(call, exc):
@@ -681,3 +690,259 @@ def test_cascade_ahead_leaves_due_buckets_and_the_clock_to_expire():
         wheel.cascade_ahead(1001, -1)
     with pytest.raises(InvalidDelay):
         wheel.cascade_ahead(1001.0, 1)
+
+
+# ----------------------------------------------------------------------------- group live counts
+def recount(wheel: TimerWheel) -> list[int]:
+    """Live (scheduled or fired) records per group id, counted from the records."""
+    rec = wheel.records[wheel.first_entry :]
+    live = (rec["state"] & 0x0F) != 0
+    return np.bincount(rec["group"][live], minlength=wheel.max_groups).tolist()
+
+
+class Counts:
+    """Expected live counts per group; ``see`` compares them with the wheel after a call."""
+
+    def __init__(self, wheel: TimerWheel) -> None:
+        self.wheel = wheel
+        self.expected = [0] * wheel.max_groups
+
+    def see(self, **changes) -> None:
+        for gid, delta in changes.items():
+            self.expected[int(gid[1:])] += delta
+        wheel = self.wheel
+        assert wheel.group_counts().tolist() == self.expected
+        assert [wheel.group_live(g) for g in range(wheel.max_groups)] == self.expected
+        assert recount(wheel) == self.expected
+        assert wheel.check() == []
+
+
+def test_group_live_counts_on_every_scalar_path():
+    wheel = TimerWheel.create(5, tick_ms=1, wheel_size=4, levels=3, max_groups=4)
+    a, b = wheel.group_id("a"), wheel.group_id("b")
+    assert (a, b) == (1, 2)
+    counts = Counts(wheel)
+    counts.see()
+    h1 = wheel.schedule("k1", 10, group=a)
+    counts.see(g1=+1)
+    assert wheel.schedule("k1", 30, group=a) == h1  # a re-arm: no new record
+    counts.see()
+    wheel.schedule("k1", 11, group=b)  # the same key in another group: a new record
+    counts.see(g2=+1)
+    h2 = wheel.schedule("k2", 400, group=b)
+    wheel.schedule("k3", 12)
+    wheel.schedule("k4", 2000, group=a)
+    counts.see(g0=+1, g1=+1, g2=+1)
+    with pytest.raises(ArenaFull):  # 5 records in use
+        wheel.schedule("k5", 10, group=a)
+    counts.see()
+    assert wheel.cancel("k4", group=a) is True
+    counts.see(g1=-1)
+    assert wheel.cancel("k4", group=a) is False  # a miss
+    assert wheel.cancel("k2", group=a) is False  # k2 is b's
+    counts.see()
+    assert wheel.cancel_handle(h2) is True
+    counts.see(g2=-1)
+    assert wheel.cancel_handle(h2) is False  # stale
+    counts.see()
+    fired = wheel.expire(12)  # k1 of b and k3 fire: fired records stay live until released
+    assert len(fired) == 2
+    counts.see()
+    wheel.cascade_ahead(13, 10)
+    counts.see()
+    by_key = {(wheel.fired(s)[0], wheel.fired(s)[2]): (s, wheel.fired(s)[5]) for s in fired}
+    s_b, gen_b = by_key[("k1", b)]
+    assert wheel.rearm_fired(s_b, gen_b, 500) is True  # fired -> scheduled: still live
+    counts.see()
+    s_0, gen_0 = by_key[("k3", 0)]
+    wheel.schedule("k3", 600)  # the key is armed again meanwhile: a new record
+    counts.see(g0=+1)
+    assert wheel.rearm_fired(s_0, gen_0, 700) is False  # refused
+    counts.see()
+    assert wheel.release(s_0, gen_0 + 1) is False  # stale generation
+    counts.see()
+    assert wheel.release(s_0, gen_0) is True
+    counts.see(g0=-1)
+    assert wheel.release(s_0, gen_0) is False
+    counts.see()
+    with pytest.raises(InvalidDelay):
+        wheel.schedule("k9", 1.5, group=a)
+    counts.see()
+    out = wheel.advance(650)  # k1 of a (30), k1 of b (500), k3 (600): freed by advance
+    assert sorted(d for _k, d in out) == [30, 500, 600]
+    counts.see(g0=-1, g1=-1, g2=-1)
+    assert wheel.group_counts().tolist() == [0, 0, 0, 0] and len(wheel) == 0
+
+
+def test_group_live_counts_on_every_batch_path():
+    wheel = TimerWheel.create(7, tick_ms=1, wheel_size=4, levels=3, max_groups=4)
+    a, b = wheel.group_id("a"), wheel.group_id("b")
+    counts = Counts(wheel)
+    ids = [encode_ident(f"k{n}") for n in range(10)]
+    slots, _ = wheel.schedule_many(ids[:3], [10, 20, 30], groups=a)  # one group
+    counts.see(g1=+3)
+    slots, _ = wheel.schedule_many(ids[:5], [11, 21, 31, 41, 51], groups=[a, b, a, b, 0])  # 2 re-arms, 3 new
+    assert (slots >= 0).all()
+    counts.see(g0=+1, g2=+2)
+    slots, _ = wheel.schedule_many(ids[5:9], [60, 61, 62, 63], groups=[b, a, a, b])  # room for one: 3 refused
+    assert (slots >= 0).tolist() == [True, False, False, False]
+    counts.see(g2=+1)
+    before = wheel.group_counts().tolist()
+    with pytest.raises(InvalidDelay):
+        wheel.schedule_many(ids[6:8], [10, 1.5], groups=a)
+    with pytest.raises(InvalidRequest):
+        wheel.schedule_many(ids[6:8], [10, 10], groups=[a, 9])
+    assert wheel.group_counts().tolist() == before
+    # a key twice in a batch takes the scalar path
+    got = wheel.cancel_many([ids[0], ids[0], ids[1], ids[9]], groups=[a, a, b, b])
+    assert got.tolist() == [True, False, True, False]
+    counts.see(g1=-1, g2=-1)
+    got = wheel.cancel_many([ids[2], ids[3], ids[4], ids[0]], groups=[a, b, 0, a])  # mixed groups
+    assert got.tolist() == [True, True, True, False]
+    counts.see(g0=-1, g1=-1, g2=-1)
+    slots, _ = wheel.schedule_many([ids[0], ids[0]], [5, 6], groups=b)  # duplicate: scalar path
+    counts.see(g2=+1)
+    slots, _ = wheel.schedule_many(ids[1:4], [7, 8, 100], groups=[a, b, a])  # k1 of a: a re-arm
+    counts.see(g1=+1, g2=+1)
+    fired = wheel.expire_many(60)  # everything but k3 (deadline 100) fires
+    assert fired.size == 4
+    counts.see()
+    gens = wheel.records["gen"][fired]
+    got = wheel.release_many(np.r_[fired[:2], fired[:1]], np.r_[gens[:2], gens[:1]])  # a slot twice: once
+    assert got.tolist() == [True, True, False]
+    groups_released = wheel.records["group"][fired[:2]].tolist()
+    counts.see(**{f"g{g}": -groups_released.count(g) for g in set(groups_released)})
+    got = wheel.release_many(fired[2:], gens[2:] + 1)  # stale
+    assert not got.any()
+    counts.see()
+    rest = wheel.records["group"][fired[2:]].tolist()
+    assert wheel.release_many(fired[2:], gens[2:]).all()
+    counts.see(**{f"g{g}": -rest.count(g) for g in set(rest)})
+    assert wheel.group_counts().tolist() == [0, 1, 0, 0]  # k3 of a
+
+
+def test_group_live_counts_are_recounted_on_attach(shm_name):
+    wheel = TimerWheel.create(50, name=shm_name, tick_ms=1, wheel_size=4, levels=3, max_groups=8)
+    gids = [wheel.group_id(f"g{n}") for n in range(5)]
+    for n in range(30):
+        wheel.schedule(f"k{n}", 5 + n, group=gids[n % 5])
+    fired = wheel.expire(20)
+    wheel.release(fired[0], wheel.fired(fired[0])[5])
+    expected = wheel.group_counts().tolist()
+    assert expected == recount(wheel) and sum(expected) == 29
+    wheel.close()
+    again = TimerWheel.attach(shm_name)
+    try:
+        assert again.group_counts().tolist() == expected
+        assert again.check() == []
+        again._group_live[gids[2]] += 1  # the counts are checked against the records
+        assert any(f"group {gids[2]}: live count" in p for p in again.check())
+    finally:
+        again.close()
+
+
+def test_group_counts_is_a_copy():
+    wheel = TimerWheel.create(4)
+    wheel.schedule("a", 10)
+    counts = wheel.group_counts()
+    assert counts.dtype == np.int64 and counts.shape == (wheel.max_groups,) and counts[0] == 1
+    counts[0] = 7
+    assert wheel.group_live(0) == 1
+
+
+# ----------------------------------------------------------------------------- group reclamation
+def test_forget_group_refuses_live_groups_and_frees_idle_ones():
+    wheel = TimerWheel.create(10, tick_ms=1, wheel_size=4, levels=3, max_groups=4)
+    a = wheel.group_id("a")
+    h = wheel.schedule("k", 10, group=a)
+    assert wheel.forget_group(a) is False  # a scheduled record
+    assert wheel.groups() == {0: "default", a: "a"}
+    (slot,) = wheel.expire(10)
+    assert wheel.forget_group(a) is False  # a fired record, not released yet
+    assert wheel.release(slot, h[1]) is True
+    assert wheel.forget_group(0) is False  # the default group stays
+    table = bytes(wheel._seg.buf[L.GROUPS_OFFSET : L.GROUPS_OFFSET + 4 * L.GROUP_NAME_BYTES])
+    assert wheel.forget_group(a) is True
+    assert wheel.groups() == {0: "default"} and wheel.group_name(a) == ""
+    assert bytes(wheel._seg.buf[L.GROUPS_OFFSET + a * 32 : L.GROUPS_OFFSET + a * 32 + 32]) == bytes(32)
+    assert table != bytes(wheel._seg.buf[L.GROUPS_OFFSET : L.GROUPS_OFFSET + 4 * L.GROUP_NAME_BYTES])
+    assert wheel.forget_group(a) is False  # already unused
+    with pytest.raises(KeyError):
+        wheel.group_id("a", create=False)
+    assert wheel.group_id("b") == a  # the id is reused
+    assert wheel.group_id("a") == 2  # the old name registers again, under the next free id
+    assert wheel.groups() == {0: "default", 1: "b", 2: "a"}
+    assert wheel.check() == []
+
+
+def test_forget_idle_groups_keeps_live_groups_and_the_ones_asked():
+    wheel = TimerWheel.create(10, max_groups=8)
+    gids = [wheel.group_id(name) for name in "abcde"]
+    wheel.schedule("k", 10, group=gids[1])
+    assert wheel.forget_idle_groups(keep=[gids[3]]) == [gids[0], gids[2], gids[4]]
+    assert wheel.groups() == {0: "default", gids[1]: "b", gids[3]: "d"}
+    assert wheel.forget_idle_groups() == [gids[3]]
+
+
+def test_register_and_forget_1100_fresh_names_never_hits_the_limit():
+    wheel = TimerWheel.create(4)  # 1024 group ids
+    assert wheel.max_groups == 1024
+    seen = set()
+    for n in range(1100):
+        gid = wheel.group_id(f"client-{n}")
+        seen.add(gid)
+        wheel.schedule("conn", 100 + n, group=gid)
+        assert wheel.group_live(gid) == 1 and wheel.forget_group(gid) is False
+        assert wheel.cancel("conn", group=gid) is True
+        assert wheel.forget_group(gid) is True
+    assert seen == {1}
+    assert wheel.groups() == {0: "default"} and wheel.check() == []
+
+
+def test_group_limit_when_every_id_is_in_use():
+    wheel = TimerWheel.create(10, max_groups=4)
+    gids = [wheel.group_id(name) for name in ("a", "b", "c")]
+    assert gids == [1, 2, 3]
+    with pytest.raises(GroupLimit) as info:
+        wheel.group_id("d")
+    assert isinstance(info.value, ArenaFull)  # callers that handle ArenaFull handle it too
+    assert "all 4 group ids are in use" in str(info.value) and "--max-groups" in str(info.value)
+    assert wheel.group_id("b") == 2  # registered names are still found
+    with pytest.raises(KeyError):
+        wheel.group_id("d", create=False)  # not GroupLimit: nothing was to be registered
+    assert wheel.forget_group(2) is True
+    assert wheel.group_id("d") == 2
+    with pytest.raises(GroupLimit):
+        wheel.group_id("e")
+
+
+def test_an_unnamed_id_that_live_records_carry_is_not_handed_out():
+    wheel = TimerWheel.create(10, max_groups=3)
+    wheel.schedule("k", 10, group=2)  # a raw id, no name registered under it
+    assert wheel.group_id("a") == 1
+    with pytest.raises(GroupLimit):
+        wheel.group_id("b")
+    wheel.cancel("k", group=2)
+    assert wheel.group_id("b") == 2
+
+
+def test_group_table_after_a_writer_killed_mid_register_or_forget(shm_name):
+    """The first byte of a name commits: an entry with leftover bytes after it and a
+    zero first byte is an unused id that no name matches; attach clears it."""
+    wheel = TimerWheel.create(10, name=shm_name, max_groups=4)
+    assert wheel.group_id("abc") == 1 and wheel.group_id("xyz") == 2
+    buf = wheel._seg.buf
+    buf[L.GROUPS_OFFSET + 32] = 0  # forget("abc") killed after its commit point
+    buf[L.GROUPS_OFFSET + 96 + 1 : L.GROUPS_OFFSET + 96 + 4] = b"new"  # register("?new") killed before it
+    assert wheel.groups() == {0: "default", 2: "xyz"}
+    with pytest.raises(KeyError):
+        wheel.group_id("abc", create=False)
+    wheel.close()
+    again = TimerWheel.attach(shm_name)
+    try:
+        assert again.repairs == [] and again.check() == []
+        table = bytes(again._seg.buf[L.GROUPS_OFFSET : L.GROUPS_OFFSET + 4 * 32])
+        assert table[32:64] == bytes(32) and table[96:128] == bytes(32)
+        assert again.group_id("abc") == 1 and again.group_id("new") == 3
+    finally:
+        again.close()

@@ -422,10 +422,63 @@ def test_groups(daemon):
         doc = json.loads(result.stdout)
         by_name = {g["name"]: g for g in doc["groups"]}
         assert by_name["alpha"]["pending"] == 4 and by_name["alpha"]["clients"] == 1
+        assert by_name["alpha"]["live"] == 4 and by_name["alpha"]["fired"] == 0
         assert by_name["beta"]["pending"] == 0 and by_name["beta"]["clients"] == 1
         assert doc["active"] == 2
+        assert doc["in_use"] == 3 and doc["max"] == L.DEFAULT_MAX_GROUPS  # default, alpha, beta
         table = wheelctl(daemon, "groups").stdout
+        assert table.splitlines()[0] == "3 of 1,024 group ids in use"
         assert "alpha" in table and "beta" in table
+        stats_table = wheelctl(daemon, "stats", "--interval", "0").stdout
+        assert "groups   2 active, 3 of 1,024 group ids in use" in stats_table
+        stats_json = json.loads(wheelctl(daemon, "stats", "--json", "--interval", "0").stdout)["groups"]
+        assert (stats_json["in_use"], stats_json["max"], stats_json["registered"]) == (3, L.DEFAULT_MAX_GROUPS, 3)
+        prom = {f.name: f.samples[0].value for f in text_string_to_metric_families(
+            wheelctl(daemon, "stats", "--prometheus", "--interval", "0").stdout)}
+        assert prom["wheeld_groups_in_use"] == 3 and prom["wheeld_groups_max"] == L.DEFAULT_MAX_GROUPS
+
+
+def test_groups_of_an_arena_read_without_a_daemon():
+    """The reader counts live records per group from the records: named groups, a
+    forgotten one, an id that live records carry without a name, and a table entry
+    a writer was killed in the middle of (first byte 0: unused)."""
+    from wheeld.daemon.config import arena_name
+    from wheeld.shm.wheel import TimerWheel
+
+    name = unique_name()
+    wheel = TimerWheel.create(100, name=arena_name(name), max_groups=8, start_ms=1000)
+    try:
+        a, b, gone = wheel.group_id("alpha"), wheel.group_id("beta"), wheel.group_id("gone")
+        for n in range(5):
+            wheel.schedule(f"a{n}", 1010 + n, group=a)
+        wheel.schedule("b0", 5000, group=b)
+        wheel.schedule("raw", 5000, group=6)  # an id without a name
+        fired = wheel.expire(1012)  # a0..a2 fired, not acknowledged
+        assert len(fired) == 3
+        assert wheel.forget_group(gone) is True
+        wheel._seg.buf[L.GROUPS_OFFSET + 7 * L.GROUP_NAME_BYTES + 1 : L.GROUPS_OFFSET + 7 * L.GROUP_NAME_BYTES + 4] = b"xyz"
+        expected_live = wheel.group_counts().tolist()
+        wheel.publish_stats()
+        result = wheelctl(None, "groups", "--json", name=name, socket_path="/nonexistent")
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.stdout)
+        assert doc["in_use"] == 4 and doc["max"] == 8  # default, alpha, beta, and id 6
+        rows = {g["id"]: g for g in doc["groups"]}
+        assert sorted(rows) == [0, a, b, 6]
+        assert rows[a] == {"id": a, "name": "alpha", "live": 5, "pending": 2, "fired": 3, "clients": 0}
+        assert rows[b]["live"] == 1 and rows[6]["name"] == "" and rows[6]["live"] == 1
+        assert [rows.get(g, {"live": 0})["live"] for g in range(8)] == expected_live
+        lines = wheelctl(None, "groups", name=name, socket_path="/nonexistent").stdout.splitlines()
+        assert lines[0] == "4 of 8 group ids in use"
+        assert lines[1].split() == ["id", "group", "live", "pending", "fired", "clients"]
+        assert lines[3].split() == [str(a), "alpha", "5", "2", "3", "0"]
+        assert lines[5].split() == ["6", "(no", "name)", "1", "1", "0", "0"]
+        stats_doc = json.loads(wheelctl(None, "stats", "--json", "--interval", "0", name=name,
+                                        socket_path="/nonexistent").stdout)  # exits 3 (no daemon) after printing
+        assert (stats_doc["groups"]["in_use"], stats_doc["groups"]["max"], stats_doc["groups"]["registered"]) == (4, 8, 3)
+    finally:
+        wheel.close()
+        unlink_segments(name)
 
 
 # ---------------------------------------------------------------------------- tail
@@ -647,5 +700,28 @@ def test_checker_finds_nothing_in_a_sound_wheel_and_catches_each_broken_link(see
             except S.CorruptArena:
                 pass
             buf[offset] = saved
+    finally:
+        wheel.close()
+
+
+def test_checker_flags_a_live_record_outside_the_group_table():
+    from wheeld.shm.wheel import TimerWheel
+
+    wheel = TimerWheel.create(10, max_groups=4, start_ms=1000)
+    try:
+        slot, _gen = wheel.schedule("k", 2000, group=wheel.group_id("g"))
+        wheel.publish_stats()
+        buf = wheel._seg.buf
+        assert S.check_arena(buf) == []
+        info = S._parse_header(buf, len(buf), "w")
+        struct.pack_into("<H", buf, info["header_bytes"] + slot * L.RECORD_BYTES + L.R_GROUP, 4)
+        assert any(p.startswith("bad group: record") for p in S.check_arena(buf))
+        copy = mmap.mmap(-1, len(buf))
+        try:
+            copy[:] = bytes(buf)
+            repairs, after = S.recover_copy(copy, len(buf))
+            assert repairs == [f"record {slot}: invalid state/key/group, freed"] and after == []
+        finally:
+            copy.close()
     finally:
         wheel.close()
