@@ -1113,7 +1113,7 @@ def test_a_forgotten_group_id_reused_by_another_name_is_journaled_under_the_new_
     from wheeld.daemon import journaling
 
     monkeypatch.setattr(journaling, "mono_ms", lambda: 5_000)
-    monkeypatch.setattr(journaling, "wall_ms", lambda: T0)
+    monkeypatch.setattr(journaling, "wall_offset_ms", lambda: T0 - 5_000)
     with _recorder(tmp_path, "forget") as (recorder, wheel):
         gid = wheel.group_id("old")
         recorder.begin()
