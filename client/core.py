@@ -405,11 +405,13 @@ class ClientCore:
             self._rang_epoch = epoch
             self._ring_doorbell(False)
 
-    def add(self, key, delay_ms: int) -> None:
+    def add(self, key, delay_ms: int) -> int:
         """Schedule ``key`` to expire ``delay_ms`` from now; an armed key is re-armed.
 
-        Never early: the expiration is handed over no sooner than ``delay_ms`` of real
-        time after this call (the deadline is the clock in ms rounded up, plus the delay).
+        Returns the deadline (CLOCK_MONOTONIC ms, the ``deadline_ms`` its expiration
+        will carry). Never early: the expiration is handed over no sooner than
+        ``delay_ms`` of real time after this call (the deadline is the clock in ms
+        rounded up, plus the delay).
         """
         # The hot path, inlined: a str key's encoding (encode_key for anything else or
         # anything it would refuse), the arena-full check and _after_push.
@@ -434,9 +436,11 @@ class ClientCore:
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
         tag = self._tag_base | seq
         # the deadline in ms rounded up (ceil_ms, inlined): never early in real time
-        if not self._segment.push_add(kb, meta, delay_ms - (-time.monotonic_ns() // 1_000_000), tag):
+        deadline = delay_ms - (-time.monotonic_ns() // 1_000_000)
+        if not self._segment.push_add(kb, meta, deadline, tag):
             self._wait_for_room()
-            self._push(C.ADD, kb, meta, delay_ms - (-time.monotonic_ns() // 1_000_000), tag)
+            deadline = delay_ms - (-time.monotonic_ns() // 1_000_000)
+            self._push(C.ADD, kb, meta, deadline, tag)
         ident = _META[meta] + kb
         self._latest[hash(ident) & _SHARD_MASK][ident] = tag
         if self._touch_index:
@@ -446,14 +450,16 @@ class ClientCore:
         _fence_release()
         if header is None:
             self._ring_doorbell(False)
-            return
+            return deadline
         epoch = header[_PARKED]
         if epoch and epoch != self._rang_epoch:
             self._rang_epoch = epoch
             self._ring_doorbell(False)
+        return deadline
 
-    def add_idle(self, key, idle_ms: int) -> None:
-        """An idle timer: fires ``idle_ms`` after the last :meth:`touch` of ``key``."""
+    def add_idle(self, key, idle_ms: int) -> int:
+        """An idle timer: fires ``idle_ms`` after the last :meth:`touch` of ``key``.
+        Returns its first deadline (as :meth:`add`); each touch moves it."""
         self._check_open()
         kb, meta = encode_key(key)
         if type(idle_ms) is not int or idle_ms <= 0:
@@ -483,6 +489,7 @@ class ClientCore:
         self._touch_by_key[key] = index
         self._latest[hash(ident) & _SHARD_MASK][ident] = tag
         self._after_push()
+        return deadline
 
     def _release_touch(self, ident: bytes, key) -> None:
         index = self._touch_index.pop(ident, None)

@@ -346,6 +346,7 @@ class Daemon:
         self._groups_of_uid: dict[int, tuple[float, frozenset[int]]] = {}
         self._log_limiter = _LogLimiter()
         self._set_aside: list[str] = []  # unusable segments renamed at start-up
+        self._full_groups: set[int] = set()  # groups at --group-quota (their members were told)
         self._next_lsn: int | None = None  # where the journal continues after a recovery
         self._recovered = None  # the journal's recovered state, when the arena was rebuilt from it
 
@@ -792,7 +793,10 @@ class Daemon:
         flushes = []
         rejects = []
         recorder = self.recorder
-        if good >= _BATCH_MIN:  # with --journal too: the Recorder journals the batch command by command
+        quota = self.config.group_quota
+        if good >= _BATCH_MIN and not (quota and self.wheel.group_live(cs.group) + good > quota):
+            # (with --journal too: the Recorder journals the batch command by command; a group
+            # near its quota goes one by one, where each arm that needs a new record is checked)
             self._apply_batch(cs, records[:good], flushes, rejects)
         elif good:
             ops = records["op"][:good].tolist()
@@ -863,9 +867,15 @@ class Daemon:
         recorder = self.recorder
         if recorder is not None:
             recorder.begin()
+        quota = self.config.group_quota
         for i in range(good):
             op = ops[i]
             try:
+                if quota and (op == C.ADD or op == C.ADD_IDLE) and wheel.group_live(gid) >= quota \
+                        and wheel.lookup_ident(_META[metas[i]] + keys[i], gid) is None:  # a new record: refused
+                    rejects.append(_rejected(seqs[i], keys[i], metas[i], f"group {cs.group_name!r} holds its quota "
+                                             f"of {quota} timers", M.Rejected.QUOTA_EXCEEDED))
+                    continue
                 if recorder is not None and op != C.FLUSH:
                     self._record_command(op, metas[i], keys[i], deadlines[i], seqs[i], aux0[i], aux1[i], cs)
                 elif op == C.ADD:
@@ -1305,6 +1315,34 @@ class Daemon:
             hq[AL.H_LATENESS_SUM_US // 8] += self._lateness_sum_us
             self._lateness_sum_us = 0
         self._stats_pending = len(wheel)
+        if self.config.group_quota:
+            self._publish_group_full()
+
+    def _publish_group_full(self) -> None:
+        """Tell the members of a group at its quota (their ``add`` raises QuotaExceeded at
+        once), and those of a group back under it; written on changes only."""
+        quota, live = self.config.group_quota, self.wheel.group_live
+        full = {gid for gid, members in self.members.items() if members and live(gid) >= quota}
+        for gid in full ^ self._full_groups:
+            for session in self.members.get(gid, ()):
+                session.client.segment.set_group_full(gid in full)
+        self._full_groups = full
+
+    def _reclaim_groups(self) -> None:
+        """Free the id of every group with no member, no client slot, nothing queued and
+        no live record (and forget its owner): the id can go to a new name. Without this
+        each group name ever used would hold one of the arena's ids for good."""
+        keep = {cs.group for cs in self.clients.values()}
+        keep.update(gid for gid, members in self.members.items() if members)
+        keep.update(gid for gid, queue in self.queues.items() if queue)
+        wheel = self.wheel
+        forget = self.recorder.forget_group if self.recorder is not None else wheel.forget_group
+        for gid in list(wheel.groups()):
+            if gid and gid not in keep and wheel.group_live(gid) == 0 and forget(gid):
+                CL.OWNER.pack_into(self._clients_buf, CL.owner_offset(gid), CL.OWNER_NONE, 0)
+                self.members.pop(gid, None)
+                self.queues.pop(gid, None)
+                self.totals["groups_reclaimed_total"] += 1
 
     def _status_line(self) -> str:
         w = self.wheel
@@ -1469,6 +1507,7 @@ class Daemon:
         self._write_client_entry(cs.slot, cs)
         self.members[cs.group].append(session)
         self.totals["clients_total"] += 1
+        cs.segment.set_group_full(cs.group in self._full_groups)
         status = self.status.readonly_fd
         welcome = M.Welcome(
             M.PROTOCOL_VERSION, cs.slot, cs.label, cs.segment.ring_capacity, cs.segment.touch_capacity,
@@ -1628,6 +1667,7 @@ class Daemon:
         restart once ``resume_grace_s`` has passed; a poisoned slot at once."""
         orphans = [cs for cs in self.clients.values() if cs.session is None and now - cs.orphan_since >= _GC_INTERVAL_MS]
         if not orphans:
+            self._reclaim_groups()
             return
         referenced = self._touch_references()
         grace_ms = self.config.resume_grace_s * 1000
@@ -1646,6 +1686,7 @@ class Daemon:
                 if cs.slot in referenced:
                     continue
             self._release_slot(cs, referenced)
+        self._reclaim_groups()
 
     def _touch_references(self) -> set[int]:
         """Client slots whose touch table some live idle timer refers to."""
@@ -1756,7 +1797,7 @@ _DAEMON_TOTALS = (
     "delivered_total", "redelivered_total", "wakeups_total", "loop_iterations_total", "daemon_restarts_total", "daemon_pid",
     "daemon_started_ms", "daemon_heartbeat_ms", "clients_connected", "groups_active", "undelivered",
     "ack_timeouts_total", "arenas_set_aside_total", "accept_pauses_total",
-    "journal_damaged_ranges_total", "journal_damaged_lines_total",
+    "journal_damaged_ranges_total", "journal_damaged_lines_total", "groups_reclaimed_total",
 )
 
 

@@ -166,9 +166,17 @@ COUNTER_NAMES = (
     "accept_pauses_total",  # times the daemon stopped accepting for lack of descriptors
     "journal_damaged_ranges_total",  # damaged journal ranges recovery skipped (daemon/journal.py, "Damage")
     "journal_damaged_lines_total",  # the lines in them
+    "groups_reclaimed_total",  # group ids freed (no member, nothing pending) for new names
 )
 COUNTERS = 64
 assert len(COUNTER_NAMES) <= COUNTERS
+#: the counters the wheel itself keeps and publishes (with pending_level_N and pending_due);
+#: every other name belongs to the daemon, which alone writes it
+WHEEL_COUNTER_NAMES = (
+    "pending", "fired_unacked", "adds_total", "rearms_total", "cancels_total", "cancel_misses_total",
+    "expirations_total", "acks_total", "cascades_total", "idle_rearms_total", "arena_full_total",
+)
+assert set(WHEEL_COUNTER_NAMES) <= set(COUNTER_NAMES)
 COUNTER = {name: index for index, name in enumerate(COUNTER_NAMES)}
 MAX_LEVELS = 15  # levels 0..14; the state byte keeps the level in 4 bits
 DUE_LEVEL = 15

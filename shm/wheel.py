@@ -424,7 +424,7 @@ class TimerWheel:
         self._heap: list[tuple[int, int]] = []
         self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
         self._pending_by_level = [0] * _LEVEL_SLOTS
-        self._counters = dict.fromkeys(L.COUNTER_NAMES, 0)
+        self._counters = dict.fromkeys(L.WHEEL_COUNTER_NAMES, 0)  # only its own: the daemon writes the others
         self._closed = False
         # cascade_ahead's place in the next level-1 bucket: (its expiration, the next
         # record to look at or the sentinel when a pass ended, the clock the pass began at)
@@ -855,6 +855,10 @@ class TimerWheel:
     def lookup(self, key, group: int = 0) -> int | None:
         """Deadline of the pending timer for ``key``, or None."""
         ident, _meta = _ident(key)
+        return self.lookup_ident(ident, group)
+
+    def lookup_ident(self, ident: bytes, group: int = 0) -> int | None:
+        """:meth:`lookup` for an encoded key (meta byte + key bytes)."""
         slot = self._find(ident, hash(ident) ^ self._gmix[group], group)
         return None if slot < 0 else self._q[slot * _QW]
 
@@ -1715,17 +1719,12 @@ class TimerWheel:
         return c
 
     def publish_stats(self) -> None:
-        """Write the counters into the arena header, where wheelctl reads them."""
+        """Write the wheel's counters into the arena header, where wheelctl reads them
+        (the daemon's own counters, in the same table, are left alone)."""
         hq = self._hq
         base = L.H_COUNTERS // 8
         for name, value in self.counters().items():
             hq[base + L.COUNTER[name]] = value
-
-    def set_counter(self, name: str, value: int) -> None:
-        """Set a counter kept by the daemon (not by the wheel) in the header."""
-        if name in self._counters:
-            self._counters[name] = value
-        self._hq[L.H_COUNTERS // 8 + L.COUNTER[name]] = value
 
     def header_words(self) -> memoryview:
         """The header's first page as int64 words (counters, parked flag, histogram)."""

@@ -8,8 +8,8 @@ poll). Runs until the stop file exists and every timer it knows of has been
 received, or until it is killed.
 
 Log lines (one event each, appended, unbuffered; times are CLOCK_MONOTONIC ms):
-    a <key> <deadline_ms>              an arming of key (an add or a re-arm) was pushed;
-                                       deadline_ms may be 1 ms below the library's
+    a <key> <deadline_ms>              an arming of key (an add or a re-arm) is pushed
+    d <key> <deadline_ms>              ...its deadline, as add() returned it, when it differs
     c <key>                            a cancel that returned True was pushed
     A <key> <deadline_ms> <ack_ms>     ...that arming was acknowledged (flush returned)
     C <key> <ack_ms>                   ...that cancel was acknowledged
@@ -79,9 +79,13 @@ def main(args: dict) -> None:
                     seq += 1
                     key = f"{args['group']}-{args['incarnation']}-{seq}"
                 delay = rng.randint(*args["delay_ms"])
-                deadline = ceil_ms() + delay  # as the library computes it (it may read the clock 1 ms later)
-                log.write(f"a {key} {deadline}\n")
-                w.add(key, delay)
+                if key in live:  # a re-arm goes later than the arming it replaces: deadlines tell armings apart
+                    delay = max(delay, live[key] - ceil_ms() + 3)
+                predicted = ceil_ms() + delay
+                log.write(f"a {key} {predicted}\n")  # before: a kill must not hide a pushed command
+                deadline = w.add(key, delay)
+                if deadline != predicted:
+                    log.write(f"d {key} {deadline}\n")
                 live[key] = deadline
                 armed.append((key, deadline))
             started = time.monotonic()
@@ -102,8 +106,8 @@ def main(args: dict) -> None:
             batch_no += 1
             now = mono_ms()
             log.write("".join(f"R {e.key} {e.deadline_ms} {e.fired_ms} {now} {batch_no}\n" for e in got))
-            for e in got:
-                if abs(live.get(e.key, -10) - e.deadline_ms) <= 1:
+            for e in got:  # (a journal recovery may round a deadline up by 1 ms)
+                if 0 <= e.deadline_ms - live.get(e.key, e.deadline_ms + 9) <= 1:
                     del live[e.key]
             pending_batch = batch_no
         elif stopping and os.path.exists(args["stop"] + ".final"):
