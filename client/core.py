@@ -254,6 +254,13 @@ class ClientCore:
         self._owner_pid = os.getpid()
         self._forked = False
         self._former_slots: set[int] = set()  # client ids this client had before a reconnect
+        # Replay after a reboot: the ring position just after the last FLUSH the daemon
+        # acknowledged, and where each FLUSH not yet acknowledged ends (seq -> position).
+        # A daemon that recovers from the journal after a power cut may have lost commands
+        # a previous daemon applied (fsync interval) before answering our flush itself;
+        # it re-applies our ring from here (see _hello_frame).
+        self._replay_from = 0
+        self._flush_positions: dict[int, int] = {}
         self.max_delay_ms = 0
         _live_clients.add(self)
 
@@ -284,8 +291,13 @@ class ClientCore:
         """The Hello frame, and the descriptors to pass with it: our ring, when we have
         one, so that a restarted daemon adopts it (and the commands still in it)."""
         seg = self._segment
+        replay_epoch = replay_from = 0
+        if seg is not None and self._welcome is not None and seg._tail - self._replay_from <= seg.ring_capacity:
+            # everything we pushed since the last acknowledged flush is still in the ring
+            replay_epoch, replay_from = self._welcome.arena_epoch, self._replay_from
         hello = M.Hello(M.PROTOCOL_VERSION, self.group, os.getpid(), self.client_name,
-                        seg.name if seg is not None else "", self._welcome.token if self._welcome else 0)
+                        seg.name if seg is not None else "", self._welcome.token if self._welcome else 0,
+                        replay_epoch, replay_from)
         return M.encode_client_frame(hello), [seg.fd] if seg is not None else []
 
     def _on_welcome(self, welcome: M.Welcome, fds: list[int]) -> None:
@@ -302,7 +314,9 @@ class ClientCore:
                 backlog = []
             else:
                 segment = ClientSegment.attach(ring_fd, welcome.segment_name)  # takes ring_fd
-                backlog = old.unapplied_records() if old is not None else []
+                backlog = old.unapplied_records(self._replay_from) if old is not None else []
+                self._replay_from = 0
+                self._flush_positions.clear()
                 if old is not None:  # the daemon could not take our ring back: start afresh
                     old.close()
                     self._touch_index.clear()
@@ -545,6 +559,7 @@ class ClientCore:
         can no longer produce an expiration on our socket, so we forget them."""
         seq = self._next_tag()
         self._push(C.FLUSH, b"", 0, 0, seq)
+        self._flush_positions[seq] = self._segment._tail
         self._marks.append((seq, self._cancelled_since_mark))
         self._cancelled_since_mark = []
         self._cancels_since_mark = 0
@@ -553,6 +568,7 @@ class ClientCore:
         self._flush_acks()
         seq = self._next_tag()
         self._push(C.FLUSH, b"", 0, 0, seq)
+        self._flush_positions[seq] = self._segment._tail
         self._ring_doorbell()
         return seq
 
@@ -577,6 +593,14 @@ class ClientCore:
             self._on_expirations(message.items)
         elif kind is M.Applied:
             self._applied = message.seq
+            position = self._flush_positions.get(message.seq)
+            if position is not None:  # everything before it is acknowledged: no replay from before
+                self._replay_from = position
+                while self._flush_positions:
+                    seq = next(iter(self._flush_positions))
+                    del self._flush_positions[seq]
+                    if seq == message.seq:
+                        break
             shards = self._latest
             while self._marks and self._marks[0][0] == message.seq:
                 _seq, idents = self._marks.pop(0)

@@ -1565,8 +1565,12 @@ class Daemon:
         label = f"{segment_prefix(cfg.name)}{slot}-{secrets.token_hex(4)}"
         segment = None
         if passed.fd is not None:  # a ring from a daemon that is gone (a reboot): its commands are still to apply
+            # ...and from the client's last acknowledged flush on when that daemon had another arena:
+            # it may have applied some of them without making them durable before the power cut
+            replay = hello.replay_epoch and hello.replay_epoch != self.arena_epoch
             try:
-                segment = ClientSegment.adopt(passed.take(), label, cfg.ring_capacity, cfg.touch_capacity)
+                segment = ClientSegment.adopt(passed.take(), label, cfg.ring_capacity, cfg.touch_capacity,
+                                              rewind_to=hello.replay_from if replay else None)
             except ProtocolError as exc:
                 log.warning("client pid %d handed back an unusable ring (%s); it gets a new one", session.pid, exc)
         resumed = segment is not None

@@ -114,6 +114,11 @@ class Hello(_Message, tag="hello"):
     #: after a daemon restart: the segment this client had, and the token that proves it
     resume_segment: Name = ""
     resume_token: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0
+    #: the arena epoch of the last Welcome, and the ring position just after the last FLUSH
+    #: that arena acknowledged: a daemon with another arena (rebuilt from the journal after a
+    #: power cut) applies the handed-back ring from there; 0, 0: nothing to replay
+    replay_epoch: U32 = 0
+    replay_from: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0  # ring positions never get near 2**63
 
 
 class Doorbell(_Message, tag="doorbell"):

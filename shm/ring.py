@@ -224,7 +224,7 @@ class ClientSegment:
 
     @classmethod
     def adopt(cls, fd: int, name: str, max_ring_capacity: int = layout.MAX_RING_CAPACITY,
-              max_touch_capacity: int = layout.MAX_TOUCH_CAPACITY) -> ClientSegment:
+              max_touch_capacity: int = layout.MAX_TOUCH_CAPACITY, rewind_to: int | None = None) -> ClientSegment:
         """Map, as its consumer, a segment a client handed back (a daemon restarted).
 
         The descriptor comes from the client: it must be a memfd sealed against
@@ -247,6 +247,9 @@ class ClientSegment:
                 raise ProtocolError(f"segment {name!r} has capacities above this daemon's")
             self._head = self._words[_HEAD_WORD]
             self.depth()  # raises ProtocolError if the client left impossible counters
+            tail = self._words[_TAIL_WORD]
+            if rewind_to is not None and 0 <= tail - rewind_to <= self._capacity and rewind_to <= self._head:
+                self._head = rewind_to
         except BaseException:
             self.close()
             raise
@@ -414,18 +417,20 @@ class ClientSegment:
         self._words[_TAIL_WORD] = tail  # publish: the record stores above are visible first
         return True
 
-    def unapplied_records(self) -> list[bytes]:
+    def unapplied_records(self, since: int | None = None) -> list[bytes]:
         """Producer: the records pushed but not yet handed back by a consumer (head .. tail),
-        oldest first: what a daemon that is gone never applied."""
+        oldest first: what a daemon that is gone never applied. With ``since`` (a position
+        at or before head, no more than a ring behind the tail): from there on instead."""
         self._check_open()
         head = self._words[_HEAD_WORD]
-        count = self._tail - head
+        start = head if since is None or not 0 <= self._tail - since <= self._capacity else min(since, head)
+        count = self._tail - start
         if not 0 <= count <= self._capacity:
             return []  # impossible counters: nothing trustworthy to re-send
         out = []
-        for position in range(head, self._tail):
-            start = self._ring_offset + ((position & self._mask) << RECORD_SHIFT)
-            out.append(bytes(self._mm[start : start + RECORD.size]))
+        for position in range(start, self._tail):
+            offset = self._ring_offset + ((position & self._mask) << RECORD_SHIFT)
+            out.append(bytes(self._mm[offset : offset + RECORD.size]))
         return out
 
     def _has_room(self, tail: int) -> bool:

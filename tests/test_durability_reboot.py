@@ -110,3 +110,32 @@ def test_flush_never_waits_past_its_timeout(durable):
         assert time.monotonic() - started < 1.5
         durable.start()
         w.flush(timeout_s=10)  # the daemon is back: the ring (and its FLUSH) is handed back
+
+
+def test_commands_a_lost_daemon_applied_but_did_not_persist_are_applied_again(daemon_factory, tmp_path):
+    """The flush that acknowledges them is answered by the daemon after the power cut:
+    the client hands its ring back rewound to its last acknowledged flush, so what the
+    dead daemon applied (and lost with the page cache) is applied again."""
+    from wheeld.daemon import stats as S
+
+    journal = tmp_path / "journal"
+    d = daemon_factory(extra=["--journal", str(journal), "--fsync", "off"]).start()
+    with wheeld.connect(d.socket_path, group="g") as w:
+        w.add("before", 600_000)
+        w.flush()
+        for i in range(20):
+            w.add(f"k{i}", 1500)  # no flush: applied by this daemon, never made durable
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            with S.ArenaReader(d.name) as reader:
+                if reader.counters()["pending"] == 21:
+                    break
+            time.sleep(0.01)
+        d.kill()
+        unlink_segments(d.name)
+        for segment in journal.glob("journal-*.jsonl"):  # the power cut: nothing was fsynced
+            segment.write_bytes(b"")
+        d.start()
+        w.flush(timeout_s=10)
+        got = collect(w, 20, 15)
+    assert sorted(e.key for e in got) == sorted(f"k{i}" for i in range(20))
