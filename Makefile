@@ -1,31 +1,41 @@
 # Two commands for a newcomer on a fresh machine:
-#   make run    install (once) into .venv and start wheeld in the foreground with defaults
-#   make test   install (once) and run the test suite
+#   make run    install (once) what the daemon needs into .venv and start wheeld in the foreground
+#   make test   install (once) the test, bench and pipeline extras too, and run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+HASH   := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+RUN_STAMP  := $(VENV)/.installed-run-$(HASH)
+TEST_STAMP := $(VENV)/.installed-test-$(HASH)
 
 .PHONY: install run test test-long bench clean
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+
+# what running the daemon needs, nothing more
+$(RUN_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(BIN)/python -m pip install -q -e .
+	rm -f $(VENV)/.installed-run-*; touch $@
+
+# the suite also needs the test, bench and pipeline extras (PySpark is the big one)
+$(TEST_STAMP): pyproject.toml | $(VENV)/bin/python
 	$(BIN)/python -m pip install -q -e '.[test,bench,pipeline]'
-	rm -f $(VENV)/.installed-*; touch $@
+	rm -f $(VENV)/.installed-test-* $(VENV)/.installed-run-*; touch $@ $(RUN_STAMP)
 
-install: $(STAMP)
+install: $(RUN_STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/wheeld
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -n auto -q
 
-test-long: $(STAMP)
+test-long: $(TEST_STAMP)
 	WHEELD_LONG=1 $(BIN)/python -m pytest -n auto -q -m slow
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python -m bench.wheel_core
 
 clean:

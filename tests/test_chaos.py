@@ -201,13 +201,15 @@ class Chaos:
 
     def lost_to_a_power_cut(self, ack_ms: int, window_ms: int) -> bool:
         """Could a command acknowledged at ``ack_ms`` have been lost by a power cut? Only
-        if one came after it with no fsync in between (and within the group-commit window)."""
+        with a group commit (``window_ms`` > 0) and a cut after it with no fsync started
+        in between (an fsync covers what was written before it started; the daemon
+        writes a command's event before it answers the flush). How long fsyncs take on a
+        loaded machine is not bounded here: the cadence is the journal bench's subject."""
         cuts = [r for r in self.reboots if r >= ack_ms]
-        if not cuts:
+        if not window_ms or not cuts:
             return False
         cut = min(cuts)
-        synced_after = [t for t in self.syncs() if ack_ms < t <= cut]
-        return not synced_after and cut - ack_ms <= window_ms + 1000
+        return not [t for t in self.syncs() if ack_ms < t <= cut]
 
     def syncs(self) -> list[int]:
         if not self.durable_log.exists():
@@ -256,6 +258,8 @@ def test_chaos(tmp_path, fsync, window_ms):
         if kind == "arm" and ack_ms is not None and not any(_matches(deadline, r[0]) for r in deliveries):
             if not chaos.lost_to_a_power_cut(ack_ms, window_ms):
                 lost.append(key)
+            else:
+                chaos.events["armings_lost_in_the_fsync_window"] += 1
         for i, (kind, deadline, _ack) in enumerate(cmds):
             if kind != "arm":
                 continue
@@ -289,4 +293,6 @@ def test_chaos(tmp_path, fsync, window_ms):
             ack_not_durable = any(0 <= reboot - received_at <= window_ms + 1250 for reboot in chaos.reboots)
             assert killed_before_ack or ack_not_durable, f"{key} delivered twice: {copies}"
             chaos.events["duplicates_allowed"] += len(copies) - 1
+    syncs = chaos.syncs()
+    chaos.events["max_ms_between_fsyncs"] = max((b - a for a, b in zip(syncs, syncs[1:])), default=0)
     print("chaos:", dict(chaos.events))
