@@ -395,12 +395,13 @@ class ClientCore:
                 raise RingFull(f"the ring stayed full for {self.ring_timeout_s} s; the daemon is not draining it")
             time.sleep(0.0002)
 
-    def _refuse_if_full(self) -> None:
-        """ArenaFull / QuotaExceeded now, when the daemon says it would refuse an add."""
+    def _refuse_if_full(self, ident: bytes) -> None:
+        """ArenaFull / QuotaExceeded now, when the daemon says it would refuse an add (a
+        re-arm of a key this client has armed needs no new record: the quota allows it)."""
         header = self._parked
         if header is not None and header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD]:
             raise ArenaFull("the daemon's arena is full")
-        if self._group_words[_GROUP_FULL]:
+        if self._group_words[_GROUP_FULL] and self._latest[hash(ident) & _SHARD_MASK].get(ident, -1) < 0:
             raise QuotaExceeded(f"group {self.group!r} holds its quota of timers (wheeld --group-quota)")
 
     def _after_push(self) -> None:
@@ -444,9 +445,10 @@ class ClientCore:
         if type(delay_ms) is not int or not 0 <= delay_ms <= self.max_delay_ms:
             self._deadline(delay_ms)  # raises the precise InvalidDelay
         header = self._parked
+        ident = _META[meta] + kb
         if header is None or header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD] \
                 or self._group_words[_GROUP_FULL]:
-            self._refuse_if_full()
+            self._refuse_if_full(ident)
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
         tag = self._tag_base | seq
         # the deadline in ms rounded up (ceil_ms, inlined): never early in real time
@@ -455,7 +457,6 @@ class ClientCore:
             self._wait_for_room()
             deadline = delay_ms - (-time.monotonic_ns() // 1_000_000)
             self._push(C.ADD, kb, meta, deadline, tag)
-        ident = _META[meta] + kb
         self._latest[hash(ident) & _SHARD_MASK][ident] = tag
         if self._touch_index:
             self._release_touch(ident, key)
@@ -483,8 +484,8 @@ class ClientCore:
         self._deadline(idle_ms)  # range check
         if idle_ms > (1 << 31) - 1:
             raise InvalidDelay("idle_ms must fit in 32 bits (about 24 days)")
-        self._refuse_if_full()
         ident = _META[meta] + kb
+        self._refuse_if_full(ident)
         seg = self._segment
         index = self._touch_index.get(ident)
         if index is None:

@@ -91,6 +91,7 @@ from wheeld.protocol import messages as M
 from wheeld.protocol import status_layout as SL
 from wheeld.protocol.errors import (
     ArenaFull,
+    GroupLimit,
     InvalidRequest,
     ProtocolError,
     WheeldError,
@@ -1546,7 +1547,11 @@ class Daemon:
                                   f"join it", M.Refused.NOT_ALLOWED)
             return None
         try:
-            group = existing if existing is not None else self.wheel.group_id(hello.group)
+            try:
+                group = existing if existing is not None else self.wheel.group_id(hello.group)
+            except GroupLimit:
+                self._reclaim_groups()  # groups that went idle since the last periodic pass
+                group = self.wheel.group_id(hello.group)
         except ArenaFull as exc:
             self._refuse(session, f"{exc}: groups with no member and nothing pending are reclaimed; use fewer "
                                   f"group names or a larger --max-groups", M.Refused.GROUP_LIMIT)
