@@ -84,7 +84,7 @@ _GROUP_FULL = RL.GROUP_FULL_WORD
 _FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 _SEQ_BITS = 21
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
-_RECENT = 1 << 17  # the latest expirations handed over, remembered to drop re-sent ones
+_RECENT = 1 << 17  # the latest armings handed over or cancelled, remembered to drop re-sent expirations
 # The per-key bookkeeping is split into this many dicts/sets (by hash). A Python dict or
 # set grows, and under insert/delete churn compacts, by rehashing all its entries at
 # once: 7 ms for one insert among 300k, 46 ms to drop a 131k-entry set (python -m
@@ -311,6 +311,7 @@ class ClientCore:
             old = self._segment
             if welcome.resumed and old is not None and old.same_file(ring_fd):
                 os.close(ring_fd)  # the ring we handed back, kept: its commands will be applied
+                old.name = welcome.segment_name  # its label in this daemon (a reboot relabels it)
                 backlog = []
             else:
                 segment = ClientSegment.attach(ring_fd, welcome.segment_name)  # takes ring_fd
@@ -548,6 +549,11 @@ class ClientCore:
         hit = tag is not None and tag >= 0
         if hit:
             latest[ident] = ~tag
+            # Also among the armings whose expiration is dropped on sight (with those handed
+            # over): after the next mark forgets ~tag, an expiration of this arming can still
+            # come, fired before the cancel reached the daemon and queued there, or sent to a
+            # member that died and then handed to us. The latest _RECENT of both are kept.
+            self._remember((ident, tag))
             self._cancelled_since_mark.append(ident)
             self._cancels_since_mark += 1
             if self._cancels_since_mark >= _CANCEL_MARK_EVERY:
@@ -642,7 +648,7 @@ class ClientCore:
             seen = (ident, seq)
             seen_set = recent[seq & _SHARD_MASK]
             if seen in seen_set:
-                acks_pending.append(handle)  # already handed over before a daemon restart
+                acks_pending.append(handle)  # handed over already (a daemon restart), or cancelled
                 continue
             if seq >> _SEQ_BITS == my_slot or seq >> _SEQ_BITS in former:
                 latest = latest_shards[hash(ident) & _SHARD_MASK]
@@ -661,6 +667,15 @@ class ClientCore:
                 recent[old[1] & _SHARD_MASK].discard(old)
             ready.append(Expired(key, e.deadline_ms, e.fired_ms, e.late))
             handles.append(handle)
+
+    def _remember(self, seen: tuple[bytes, int]) -> None:
+        """Drop an expiration of this (ident, arming tag) on sight from now on (see _on_expirations)."""
+        self._recent[seen[1] & _SHARD_MASK].add(seen)
+        order = self._recent_order
+        order.append(seen)
+        if len(order) > _RECENT:
+            old = order.popleft()
+            self._recent[old[1] & _SHARD_MASK].discard(old)
 
     def _take_ready(self) -> list[Expired]:
         """Hand everything received to the application; acknowledge it at the next call."""
