@@ -435,7 +435,9 @@ def check_isolation(layout: Layout, *, monitors: bool) -> None:
 
     # the same uid may look into A's descriptors (what B meets below is the uid rule), but even
     # it cannot open the ring through them: the memfd is 0600 and belongs to the daemon's uid
-    report = json.loads(layout.finish(probe)[1])
+    code, out, err = layout.finish(probe)
+    assert code == 0, err
+    report = json.loads(out)
     assert {item["what"]: item["outcome"] for item in report["attempts"]} == {
         "list A's /proc/PID/fd": "allowed", "read A's ring link": "allowed", "open A's ring via /proc": "EACCES"}
     assert {item["outcome"] for item in report["reads"]} == {"EACCES"}, report  # the journal is the daemon's
@@ -472,7 +474,9 @@ def check_isolation(layout: Layout, *, monitors: bool) -> None:
     one_line_error(report["stats"], 3, "may not read the wheeld arena")  # not in the monitoring group
 
     # the operator: wheelctl's readers with a monitoring group, exit 3 and one line without
-    runs = json.loads(layout.finish(operator)[1])["runs"]
+    code, out, err = layout.finish(operator)
+    assert code == 0, err
+    runs = json.loads(out)["runs"]
     if monitors:
         for run, word in zip(runs, ("pending", "group ids in use", "ok:")):
             assert (run["code"], run["err"]) == (0, ""), run
@@ -519,6 +523,21 @@ def check_isolation(layout: Layout, *, monitors: bool) -> None:
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (*owner, 0o640), entry
 
 
+def check_daemon_process(layout: Layout) -> None:
+    """The daemon runs with exactly the identity, umask and /proc the unit gives it."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{layout.daemon.pid}/status").read_text().splitlines())
+    identity = layout.daemon_as
+    assert [int(v) for v in status["Uid"].split()] == [identity["uid"]] * 4
+    assert [int(v) for v in status["Gid"].split()] == [identity["gid"]] * 4
+    assert sorted(int(v) for v in status["Groups"].split()) == identity["groups"]
+    assert int(status["Umask"], 8) == identity["umask"]
+    proc_mounts = [line.split() for line in Path(f"/proc/{layout.daemon.pid}/mountinfo").read_text().splitlines()
+                   if line.split()[4] == "/proc"]
+    assert proc_mounts, "the daemon sees no /proc"
+    options = set(proc_mounts[-1][-1].split(","))  # the topmost mount: per-superblock options come last
+    assert set(identity["proc"].split(",")) <= options, proc_mounts[-1]
+
+
 def stop_daemon(layout: Layout) -> None:
     layout.daemon.send_signal(signal.SIGTERM)
     assert layout.daemon.wait(20) == 0, layout.log()
@@ -535,6 +554,8 @@ def test_unit_identities(layout_factory, people):
     assert shm_mode(layout.name, "clients") == (daemon.uid, monitor, 0o640)
     assert shm_mode(layout.name, "lock") == (daemon.uid, daemon.gid, 0o600)
     assert people["clients_gid"] not in layout.daemon_as["groups"]  # the daemon needs no clients group
+    assert monitor in layout.daemon_as["groups"]
+    check_daemon_process(layout)
     check_isolation(layout, monitors=True)
     stop_daemon(layout)
 
@@ -545,5 +566,6 @@ def test_root_daemon(layout_factory):
     layout.start_daemon()
     for segment in ("arena", "clients", "lock"):
         assert shm_mode(layout.name, segment) == (0, 0, 0o600)
+    check_daemon_process(layout)
     check_isolation(layout, monitors=False)
     stop_daemon(layout)
