@@ -246,7 +246,7 @@ class Layout:
         return self.names.get(name, name)
 
     def make_directories(self) -> None:
-        (kind, path, mode, user, group, _age), = [line.split() for line in TMPFILES.read_text().splitlines()
+        (_kind, path, mode, user, group, _age), = [line.split() for line in TMPFILES.read_text().splitlines()
                                                    if line.startswith("d ")]
         assert path == "/run/wheeld"
         self.run_dir = os.path.join(self.base, "run", "wheeld")
