@@ -1,6 +1,6 @@
 """Socket activation: take over the listening socket systemd opened for us.
 
-With ``wheeld.socket`` enabled, systemd binds ``/run/wheeld/wheeld.sock``
+With ``wheeld.socket`` enabled, systemd binds ``/run/wheeld/default.sock``
 (owner, group and mode from the socket unit), listens, and starts the daemon
 with the socket already open. Connections that arrive before the daemon is
 ready, or while it restarts, wait in the listen backlog instead of failing.

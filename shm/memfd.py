@@ -14,7 +14,11 @@ missing pages. So every segment the daemon shares with a client is a memfd:
   client, i.e. its own uid or root);
 * when the daemon must share one page with every client read-only (the status
   page), it hands out a descriptor re-opened ``O_RDONLY`` through
-  ``/proc/self/fd``: ``mmap`` with ``PROT_WRITE`` and ``ftruncate`` both fail on it.
+  ``/proc/self/fd``: ``mmap`` with ``PROT_WRITE`` and ``ftruncate`` both fail on it;
+* made mode ``0600`` at once: a memfd is born ``0777``, and whoever holds a
+  descriptor of it can open it again through ``/proc/self/fd/N`` with the access
+  the *mode* allows, so a client could turn its read-only status page descriptor
+  into a writable one. At ``0600`` only the daemon's uid (and root) can.
 
 A descriptor that comes back from a client (a ring handed back after a daemon
 restart) is checked with :func:`check_sealed` before it is mapped: the seals
@@ -38,6 +42,7 @@ def create_sealed(name: str, size: int) -> int:
     """A new memfd of exactly ``size`` bytes (zero-filled) whose size is sealed; returns the fd."""
     fd = os.memfd_create(name[-249:] or "wheeld", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
+        os.fchmod(fd, 0o600)  # born 0777: see "made mode 0600" above
         os.ftruncate(fd, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS | fcntl.F_SEAL_SEAL)
     except BaseException:
