@@ -44,6 +44,7 @@ from .journal import (
     PendingTimer,
     RecoveredState,
     list_segments,
+    clock_offset_ns_above,
     read_clocks,
     recover,
     wall_to_monotonic_ns,
@@ -61,15 +62,15 @@ def mono_ms() -> int:
 def wall_offset_ms() -> int:
     """Wall-clock ms minus monotonic ms, rounded up: what turns an arena deadline into the journal's.
 
-    The monotonic clock is read first, so ``wall - mono`` in ns is at least the
-    true offset between the clocks; rounding it up keeps every journaled
+    The monotonic clock is read first (the tightest of a few bracketed readings,
+    :func:`~wheeld.daemon.journal.clock_offset_ns_above`), so ``wall - mono`` in ns
+    is at least the true offset between the clocks; rounding it up keeps every journaled
     wall-clock deadline at or after the moment the monotonic deadline stood
     for (at most 1 ms after), and recovery rounds up again on its way back
     (:func:`wheeld.daemon.journal.wall_to_monotonic_ns`): a timer is never
     early across a reboot.
     """
-    mono = time.monotonic_ns()
-    return -((mono - time.time_ns()) // 1_000_000)
+    return -(-clock_offset_ns_above() // 1_000_000)
 
 
 class Recorder:

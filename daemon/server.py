@@ -1590,12 +1590,16 @@ class Daemon:
         """The slot a reconnecting client had, if its token proves it and the ring it handed
         back is that slot's ring (this daemon's, or one to adopt after a restart)."""
         cs = self._by_label.get(hello.resume_segment)
-        if (cs is None or cs.session is not None or cs.poisoned or cs.group != group or cs.uid != session.uid
+        if (cs is None or cs.poisoned or cs.group != group or cs.uid != session.uid
                 or not hmac.compare_digest(self._token(cs.slot, cs.label).to_bytes(8, "little"),
                                            hello.resume_token.to_bytes(8, "little"))):
             return None
         if cs.segment is not None:  # this daemon still drains it: the client lost its connection
-            return cs if cs.segment.same_file(passed.fd) else None
+            if not cs.segment.same_file(passed.fd):
+                return None
+            if cs.session is not None:  # we have not noticed yet: the token and the ring prove it is gone
+                self.close_session(cs.session, "the client reconnected")
+            return cs
         try:
             cs.segment = ClientSegment.adopt(passed.take(), cs.label, self.config.ring_capacity,
                                              self.config.touch_capacity)
