@@ -419,18 +419,41 @@ def load_recovered(wheel: TimerWheel, state: RecoveredState, directory: str = ""
     before its wall-clock deadline; those already past fire at once, late.
     """
     wall_ns, mono_ns = clocks()
+    now_ms = mono_ns // 1_000_000
     loaded = lost = 0
-    entries = [(t.group, t.key, t.deadline_ms, t.seq) for t in state.pending.values()]
-    entries += [(t.group, t.key, t.deadline_ms, t.seq) for t in state.unacked]  # delivered again
-    for group, key, deadline_wall, seq in entries:
+
+    def restore(group: str, key, deadline_ms: int, seq: int) -> bool:
+        nonlocal loaded, lost
         try:
-            gid = wheel.group_id(group)
-            wheel.schedule(key, wall_to_monotonic_ns(deadline_wall, wall_ns, mono_ns), gid, seq & 0xFFFFFFFF)
+            wheel.schedule(key, deadline_ms, wheel.group_id(group), seq & 0xFFFFFFFF)
             loaded += 1
+            return True
         except (ArenaFull, InvalidRequest) as exc:
             lost += 1
             if lost <= 10:
                 log.error("journal recovery: timer %r of group %s not restored: %s", key, group, exc)
+            return False
+
+    # Fired but not acknowledged: delivered again. They go in first, and are fired at once
+    # (they fired before; their deadline is clamped to now), so that they leave the key index
+    # before the pending timers go in: a key can have both, an arming that fired and was not
+    # acknowledged and a later one still pending, and scheduling one would re-arm the other.
+    # Two unacknowledged armings of one key go in separate waves for the same reason.
+    waves: list[list] = []
+    for t in state.unacked:
+        ident = (t.group, t.key)
+        wave = next((w for w in waves if ident not in w[0]), None)
+        if wave is None:
+            wave = (set(), [])
+            waves.append(wave)
+        wave[0].add(ident)
+        wave[1].append(t)
+    for _idents, timers in waves:
+        for t in timers:
+            restore(t.group, t.key, min(wall_to_monotonic_ns(t.deadline_ms, wall_ns, mono_ns), now_ms), t.seq)
+        wheel.expire(max(now_ms, wheel.current_ms))
+    for t in state.pending.values():
+        restore(t.group, t.key, wall_to_monotonic_ns(t.deadline_ms, wall_ns, mono_ns), t.seq)
     damage = (f"; {len(state.damage)} DAMAGED RANGES SKIPPED ({state.damaged_lines} lines, see the errors above; "
               f"wheelctl check --journal {directory})" if state.damage else "")
     log.info("journal recovery from %s: %d timers restored (%d pending, %d to deliver again), snapshot lsn %d, "

@@ -168,3 +168,31 @@ def test_one_big_journaled_batch_journals_the_commands_final_state(daemon_factor
     assert rearms and all(r["pd"] > 0 for r in rearms)
     idle_keys = {line["k"] for line in lines if line["ev"] in ("add", "rearm") and line.get("i") == 90_000}
     assert {key_to_json(k) for k, (_, idle) in model.items() if idle} <= idle_keys
+
+
+def test_a_key_with_a_fired_unacknowledged_arming_and_a_pending_one_keeps_both():
+    """Recovery restores an arming that fired and was not acknowledged (to deliver it
+    again) and a later arming of the same key still pending: neither replaces the other."""
+    from wheeld.daemon.journal import FiredTimer, PendingTimer, RecoveredState
+    from wheeld.daemon.journaling import load_recovered
+    from wheeld.shm.wheel import TimerWheel
+
+    wall_ns, mono_ns = 1_800_000_000_000 * 1_000_000, 5_000 * 1_000_000
+    now_wall = wall_ns // 1_000_000
+    state = RecoveredState(
+        pending={("g", "k"): PendingTimer("g", "k", now_wall + 3_000, 2)},
+        unacked=[FiredTimer("g", "k", now_wall - 500, 1, now_wall - 400, False, 100),
+                 FiredTimer("g", "k", now_wall - 300, 3, now_wall - 200, False, 100),  # fired twice, unacked twice
+                 FiredTimer("g", "other", now_wall - 10, 4, now_wall - 5, False, 5)],
+        last_lsn=10, snapshot_lsn=0, problems=[])
+    wheel = TimerWheel.create(1000, start_ms=4_000)
+    try:
+        assert load_recovered(wheel, state, clocks=lambda: (wall_ns, mono_ns)) == 11
+        gid = wheel.group_id("g")
+        assert wheel.lookup("k", gid) == 5_000 + 3_000  # the pending arming, untouched
+        fired = sorted((wheel.fired(s)[0], wheel.fired(s)[3]) for s in wheel.fired_slots())
+        assert fired == [("k", 1), ("k", 3), ("other", 4)]  # all three to deliver again
+        assert wheel.counters()["pending"] == 1 and wheel.counters()["fired_unacked"] == 3
+        assert wheel.check() == []
+    finally:
+        wheel.close()
