@@ -10,7 +10,8 @@ received, or until it is killed.
 Log lines (one event each, appended, unbuffered; times are CLOCK_MONOTONIC ms):
     a <key> <deadline_ms>              an arming of key (an add or a re-arm) is pushed
     d <key> <deadline_ms>              ...its deadline, as add() returned it, when it differs
-    c <key>                            a cancel that returned True was pushed
+    x <key>                            a cancel is pushed (it reaches the daemon whatever it returns)
+    c <key>                            ...and returned True
     A <key> <deadline_ms> <ack_ms>     ...that arming was acknowledged (flush returned)
     C <key> <ack_ms>                   ...that cancel was acknowledged
     R <key> <deadline_ms> <fired_ms> <recv_ms> <batch>
@@ -70,6 +71,7 @@ def main(args: dict) -> None:
                     key = rng.choice(list(live))
                 elif live and roll < 0.25:  # cancel one of ours
                     key = rng.choice(list(live))
+                    log.write(f"x {key}\n")  # before: a kill must not hide a pushed cancel
                     if w.cancel(key):
                         log.write(f"c {key}\n")
                         cancelled.append(key)

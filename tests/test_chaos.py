@@ -186,12 +186,15 @@ class Chaos:
                         commands[parts[1]].append(["arm", int(parts[2]), None])
                     elif kind == "d" and len(parts) == 3:
                         commands[parts[1]][-1][1] = int(parts[2])
+                    elif kind == "x" and len(parts) == 2:
+                        commands[parts[1]].append(["cancel?", None, None])  # True or False: not known yet
                     elif kind == "c" and len(parts) == 2:
-                        commands[parts[1]].append(["cancel", None, None])
+                        commands[parts[1]][-1][0] = "cancel"
                     elif kind in ("A", "C") and len(parts) == 4 - (kind == "C"):
                         deadline = int(parts[2]) if kind == "A" else None
+                        which = "arm" if kind == "A" else "cancel"
                         for command in commands[parts[1]]:  # the oldest one not acknowledged yet
-                            if command[2] is None and command[1] == deadline:
+                            if command[2] is None and command[0] == which and command[1] == deadline:
                                 command[2] = int(parts[-1])
                                 break
                     elif kind == "R" and len(parts) == 6:
