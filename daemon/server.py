@@ -1189,7 +1189,9 @@ class Daemon:
             waited_ms = now - cs.orphan_since
             return (now + _IDLE_WAIT_MS if waited_ms < self.config.resume_grace_s * 1000 else None), 0
         try:
-            activity = cs.segment.read_activity(aux & CL.TOUCH_INDEX_MASK, now)
+            # the bound for a touch is the clock now, not the iteration's ``now``: the client
+            # may have touched after this iteration read it
+            activity = cs.segment.read_activity(aux & CL.TOUCH_INDEX_MASK, max(now, mono_ms()))
         except ProtocolError as exc:
             self._poison(cs, f"touch table: {exc}")
             return None, 0

@@ -91,3 +91,28 @@ def test_idle_timers_through_the_daemon_are_never_early(daemon):
             _receive(w, received, 1.0)
     assert sorted(e.key for e, _ in received) == sorted(touches_ns)
     assert _early_ones(received, touches_ns, idle_ms) == []
+
+
+def test_a_touch_made_after_the_daemon_read_its_clock_is_not_taken_for_a_bad_value():
+    """The daemon checks a touch against the clock when it reads it, not against the
+    (earlier) clock of its loop iteration: a touch stored in between is legitimate."""
+    import os
+
+    from wheeld.daemon.config import Config
+    from wheeld.daemon.server import ClientSlot, Daemon
+    from wheeld.protocol import clients_layout as CL
+    from wheeld.shm.ring import ClientSegment
+
+    daemon = Daemon(Config(socket_path="/nonexistent/wheeld.sock", name="touch-clock"))
+    segment = ClientSegment.create("touch-clock", 8, 4)
+    try:
+        cs = ClientSlot(2, segment, "touch-clock", 0, "g", os.getpid(), os.getuid())
+        daemon.clients[2] = cs
+        iteration_now = time.monotonic_ns() // 1_000_000 - 50  # the loop read its clock 50 ms ago
+        segment._last_touch[1] = -(-time.monotonic_ns() // 1_000_000)  # the client touched just now
+        segment._idle[1] = 1_000
+        rearm_at, idle_ms = daemon._idle_check(2 << CL.TOUCH_INDEX_BITS | 1, iteration_now)
+        assert not cs.poisoned
+        assert idle_ms == 1_000 and rearm_at >= iteration_now + 1_000
+    finally:
+        segment.close()
