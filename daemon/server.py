@@ -1571,7 +1571,11 @@ class Daemon:
                 log.warning("client pid %d handed back an unusable ring (%s); it gets a new one", session.pid, exc)
         resumed = segment is not None
         if segment is None:
-            segment = ClientSegment.create(label, cfg.ring_capacity, cfg.touch_capacity)
+            try:
+                segment = ClientSegment.create(label, cfg.ring_capacity, cfg.touch_capacity)
+            except OSError as exc:  # out of descriptors (EMFILE) or memory: no ring for anyone right now
+                self._refuse(session, f"cannot make a ring now: {exc.strerror}", M.Refused.BUSY)
+                return None
         cs = ClientSlot(slot, segment, label, group, hello.group, session.pid, session.uid)
         self.clients[slot] = cs
         self._by_label[label] = cs

@@ -79,6 +79,7 @@ def unharmed(d, honest: Honest) -> dict:
     assert published["daemon_pid"] == d.pid and published["daemon_restarts_total"] == 0
     report = S.check(d.name)
     assert report.ok, report.problems
+    assert "Traceback" not in d.log(), d.log()[-5000:]  # nothing escaped a handler
     return result
 
 
@@ -142,7 +143,7 @@ def test_impossible_touch_table_values_poison_only_their_client(hostile, values)
     # read when the idle timer comes due: the client is disconnected with the reason
     wait_until(lambda: peer_closed(attacker._sock), 10, what="the attacker disconnected")
     abandon(attacker)
-    assert "touch table: touch index" in d.log()
+    wait_until(lambda: "touch table: touch index" in d.log(), 5, what="the reason logged")
     assert counters(d.name)["clients_dropped_total"] == 1
     honest.wait_served(50)
     # the idle timer fires as a plain timer, for the next member of its group
@@ -195,4 +196,144 @@ def test_a_client_cannot_resize_its_ring_or_write_the_status_page(hostile):
     finally:
         raw.close()
     honest.wait_served(20)
+    unharmed(d, honest)
+
+
+# ---------------------------------------------------------------------------- slow and oversized frames
+
+PARTIAL_SESSIONS = 200
+#: how much the daemon's RSS may grow while PARTIAL_SESSIONS sessions each hold an
+#: incomplete frame (it buffers at most one 4 KiB frame plus one 64 KiB read per session)
+PARTIAL_RSS_BOUND_KB = 64 * 1024
+
+
+def test_partial_and_oversized_frames_after_hello_are_closed_and_cost_little_memory(hostile):
+    d, honest = hostile(extra=["--frame-timeout-s", "0.5", *SMALL_RINGS])
+    honest.wait_served(20)
+    before_kb = rss_kb(d.pid)
+    big = Raw(d.socket_path)
+    assert isinstance(big.hello("slow")[0], M.Welcome)
+    big.send(framing.HEADER.pack(framing.MAX_FRAME) + bytes(60_000))  # announces 16 MiB
+    assert big.closed_by_peer(5), "a 16 MiB frame announced after Hello was not refused at once"
+    big.close()
+    wait_until(lambda: "peer announced a 16777216-byte frame" in d.log(), 5, what="the reason logged")
+    slow = []
+    try:
+        for i in range(PARTIAL_SESSIONS):
+            raw = Raw(d.socket_path)
+            slow.append(raw)
+            welcome, fds = raw.hello(f"slow{i % 4}")
+            for fd in fds:
+                os.close(fd)
+            assert isinstance(welcome, M.Welcome)
+        started = time.monotonic()
+        for raw in slow:  # a Doorbell-sized frame announced as 4000 bytes, 3000 of them sent
+            raw.send(framing.HEADER.pack(4000) + bytes(3000))
+        peak_kb = rss_kb(d.pid)
+        honest.wait_served(20)
+        for raw in slow:
+            assert raw.closed_by_peer(10), "a session holding a partial frame was never closed"
+        closed_after = time.monotonic() - started
+        assert closed_after >= 0.5  # not before the frame timeout
+        wait_until(lambda: "stayed incomplete" in d.log(), 5, what="the reason logged")
+        peak_kb = max(peak_kb, rss_kb(d.pid))
+    finally:
+        for raw in slow:
+            raw.close()
+    assert peak_kb - before_kb < PARTIAL_RSS_BOUND_KB, (before_kb, peak_kb)
+    # the sessions' rings are released within a collection period: memory falls back or stays flat
+    wait_until(lambda: counters(d.name)["clients_connected"] == 1, 10, what="the slow sessions gone")
+    assert rss_kb(d.pid) <= peak_kb + 4096
+    unharmed(d, honest)
+
+
+def test_connections_that_never_say_hello_are_bounded_per_uid(hostile):
+    d, honest = hostile(extra=SMALL_RINGS)
+    flood = []
+    try:
+        for _ in range(200):
+            raw = Raw(d.socket_path)
+            flood.append(raw)
+            try:
+                raw.send(b"\x10\x00")  # half a frame header, and nothing more
+            except OSError:
+                pass  # already closed: beyond the limit
+        refused = wait_until(lambda: counters(d.name)["clients_refused_total"] >= 200 - 32, 10,
+                             what="connections beyond the handshake limit closed")
+        assert refused
+        held = sum(not raw.closed_by_peer(0.01) for raw in flood)
+        assert held <= 32, held  # max_handshakes_per_uid
+        honest.wait_served(20)
+    finally:
+        for raw in flood:
+            raw.close()
+    assert "connections without a Hello" in d.log()
+    unharmed(d, honest)
+
+
+# ---------------------------------------------------------------------------- out of descriptors
+
+FD_LIMIT = 128
+
+
+def _answered(raw: Raw):
+    """The daemon's first answer on a raw session (descriptors closed), or None if none is queued."""
+    if not select.select([raw.sock], [], [], 0)[0]:
+        return None
+    try:
+        message, fds = raw.reply()
+    except ConnectionResetError:
+        return "closed"  # closed unread (beyond the handshake limit)
+    for fd in fds:
+        os.close(fd)
+    return "closed" if message is None else message
+
+
+def test_out_of_descriptors_the_daemon_pauses_accept_without_spinning(hostile):
+    d, honest = hostile(extra=SMALL_RINGS)
+    resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+    attackers = []
+    try:
+        for i in range(FD_LIMIT + 40):  # each session costs the daemon a socket and a ring
+            raw = Raw(d.socket_path, timeout_s=5)
+            attackers.append(raw)
+            raw.send(M.encode_client_frame(M.Hello(M.PROTOCOL_VERSION, f"fd{i % 8}", os.getpid(), "hostile")))
+        wait_until(lambda: "accept paused" in d.log(), 20, what="accept paused")
+        paused_at = time.monotonic()
+        cpu_before = cpu_s(d.pid)
+        honest.wait_served(20)  # its session was open before: it is served all along
+        wait_until(lambda: time.monotonic() - paused_at >= 2.0, 5, what="2 s")
+        cpu_used = cpu_s(d.pid) - cpu_before
+        held_s = time.monotonic() - paused_at
+        assert cpu_used < 0.5 * held_s, f"the daemon used {cpu_used:.2f} s of CPU in {held_s:.2f} s while paused"
+        pauses = d.log().count("accept paused")
+        assert pauses <= held_s + 2, f"{pauses} 'accept paused' lines in {held_s:.1f} s"
+        assert counters(d.name)["accept_pauses_total"] >= 1
+        answers = [_answered(raw) for raw in attackers]
+        welcomed = [raw for raw, answer in zip(attackers, answers) if isinstance(answer, M.Welcome)]
+        waiting = [raw for raw, answer in zip(attackers, answers) if answer is None]
+        assert welcomed and waiting
+        assert all(a == "closed" or type(a) in (M.Welcome, M.Refused) for a in answers if a is not None), answers
+        # One session ends: its socket is free at once (its ring only at the next collection),
+        # so the next connection is accepted but no ring can be made for it: refused, BUSY.
+        welcomed[0].close()
+        attackers.remove(welcomed[0])
+
+        def refused():
+            for raw in waiting:
+                answer = _answered(raw)
+                if answer is not None:
+                    return answer
+
+        answer = wait_until(refused, 3, what="an answer to a Hello the daemon has no descriptor for")
+        assert isinstance(answer, M.Refused) and answer.code == M.Refused.BUSY, answer
+    finally:
+        for raw in attackers:
+            raw.close()
+    # once the connections close (and their rings are released), a new client connects and is served
+    wait_until(lambda: counters(d.name)["clients_connected"] == 1, 20, what="the attacking sessions gone")
+    wait_until(lambda: len(fd_targets(d.pid)) < FD_LIMIT // 2, 20, what="the rings of the attackers released")
+    with wheeld.connect(d.socket_path, group="late", connect_timeout_s=20) as late:
+        late.add("late", 10)
+        assert [e.key for e in collect(late, 1)] == ["late"]
     unharmed(d, honest)
