@@ -337,3 +337,341 @@ def test_out_of_descriptors_the_daemon_pauses_accept_without_spinning(hostile):
         late.add("late", 10)
         assert [e.key for e in collect(late, 1)] == ["late"]
     unharmed(d, honest)
+
+
+# ---------------------------------------------------------------------------- one group fills the arena
+
+QUOTA = 1000
+
+
+def group_live(name: str, group: str) -> int:
+    """Scheduled + fired records of ``group`` in the arena (``wheelctl groups``)."""
+    with S.ArenaReader(name) as reader:
+        pending, fired = reader.group_counts()
+        gid = reader.group_id(group)
+        return int(pending[gid] + fired[gid])
+
+
+def test_a_group_at_its_quota_is_refused_and_other_groups_keep_adding(hostile):
+    d, honest = hostile(capacity=5000, extra=["--group-quota", str(QUOTA)])
+    with wheeld.connect(d.socket_path, group="hog") as hog:
+        refused_by_add = 0
+        for i in range(2 * QUOTA):
+            try:
+                hog.add(f"hog{i}", 600_000)
+            except wheeld.QuotaExceeded:
+                refused_by_add += 1
+        refused_by_flush = False
+        try:
+            hog.flush()
+        except wheeld.QuotaExceeded:
+            refused_by_flush = True  # adds pushed before the daemon said so
+        assert refused_by_add or refused_by_flush
+        assert group_live(d.name, "hog") == QUOTA
+        # once the daemon has said so, add refuses at once (nothing reaches the ring)
+        wait_until(lambda: hog._segment.group_full, 5, what="the group_full word")
+        tail = hog._segment._tail
+        with pytest.raises(wheeld.QuotaExceeded):
+            hog.add("one-more", 600_000)
+        assert hog._segment._tail == tail
+        # a hostile hog ignores that word and writes ADDs into its ring: the daemon refuses them
+        for i in range(500):
+            kb, meta = encode_key(f"raw{i}")
+            assert hog._segment.try_push(C.ADD, kb, meta, _now_ms() + 600_000, i + 1)
+        with pytest.raises(wheeld.QuotaExceeded, match="500 add"):
+            hog.flush()
+        assert group_live(d.name, "hog") == QUOTA
+        # other groups are untouched: one fills its own quota without a refusal
+        with wheeld.connect(d.socket_path, group="neighbour") as neighbour:
+            for i in range(QUOTA):
+                neighbour.add(i, 600_000)
+            neighbour.flush()
+        assert group_live(d.name, "neighbour") == QUOTA
+        honest.wait_served(50)
+        # the hog cancels some: it may add again
+        for i in range(100):
+            hog.cancel(f"hog{i}")
+        hog.flush()
+        wait_until(lambda: not hog._segment.group_full, 5, what="the group_full word cleared")
+        hog.add("again", 600_000)
+        hog.flush()
+    unharmed(d, honest)
+
+
+# ---------------------------------------------------------------------------- a member that never acknowledges
+
+
+def test_expirations_a_member_never_acknowledges_go_to_another_member(hostile):
+    d, honest = hostile(extra=["--ack-timeout-s", "1"])
+    silent = wheeld.connect(d.socket_path, group="work")  # never polls: never acknowledges
+    try:
+        with wheeld.connect(d.socket_path, group="work") as worker:
+            for i in range(200):  # 200 deadlines: batches go round robin, the silent member gets some
+                worker.add(i, 20 + 10 * i)
+            worker.flush()
+            got = collect(worker, 200, timeout_s=60)
+            assert sorted(e.key for e in got) == list(range(200))
+            assert all(e.fired_ms >= e.deadline_ms for e in got)
+        published = counters(d.name)
+        assert published["ack_timeouts_total"] >= 1 and published["redelivered_total"] >= 1, published
+        wait_until(lambda: "unacknowledged for over" in d.log(), 5, what="the ack timeout logged")
+        assert not peer_closed(silent._sock)  # slow, not hostile: it keeps its session
+    finally:
+        silent.close()
+    unharmed(d, honest)
+
+
+# ---------------------------------------------------------------------------- garbage on the socket
+
+
+def _identity(fd: int) -> str:
+    """What a descriptor points to, as /proc/PID/fd shows it in any process that holds it."""
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def _memfd(name: str, size: int, seals: int = 0, header_from: bytes = b"") -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if header_from:
+        os.pwrite(fd, header_from, 0)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_garbage_bytes_frames_and_descriptors_on_the_socket(hostile, tmp_path):
+    d, honest = hostile(extra=SMALL_RINGS)
+    baseline = len(fd_targets(d.pid))
+    rng = random.Random(7)
+    # random bytes before and after a Hello; frames that decode to nothing a client may send
+    for i in range(40):
+        raw = Raw(d.socket_path)
+        try:
+            if i % 2:
+                welcome, fds = raw.hello(f"junk{i % 3}")
+                assert isinstance(welcome, M.Welcome)
+                for fd in fds:
+                    os.close(fd)
+            junk = [bytes(rng.randrange(256) for _ in range(rng.randint(1, 300))),
+                    framing.encode_frame(bytes(rng.randrange(256) for _ in range(rng.randint(0, 200)))),
+                    M.encode_daemon_frame(M.Applied(5)),  # the other direction's message
+                    M.encode_client_frame(M.Hello(M.PROTOCOL_VERSION, "again", 1, "x"))][i % 4]
+            try:
+                raw.send(junk)
+            except OSError:
+                pass
+            if i % 4 != 3 or i % 2:  # a second Hello is an error only after the first
+                assert raw.closed_by_peer(5)
+        finally:
+            raw.close()
+
+    # a Hello carrying descriptors that are not a ring this daemon may adopt
+    ring_bytes = RL.segment_size(1024, 1024)
+    model = ClientSegment.create("model", 1024, 1024)
+    header = bytes(model._mm[: RL.HEADER_SIZE])
+    model.close()
+    path = tmp_path / "attack-regular-file"
+    path.write_bytes(header + bytes(ring_bytes - len(header)))
+    read_end, write_end = os.pipe()
+    sock_a, sock_b = socket.socketpair()
+    sealed = _memfd("attack-sealed", ring_bytes, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW, header)
+    cases = {
+        "regular file": [os.open(path, os.O_RDWR)],
+        "pipe": [read_end, write_end],
+        "socket": [sock_a.detach()],
+        "directory": [os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)],
+        "unsealed memfd": [_memfd("attack-unsealed", ring_bytes, header_from=header)],
+        "write-sealed memfd": [_memfd("attack-write-sealed", ring_bytes,
+                                      fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE, header)],
+        "sealed memfd, read-only descriptor": [os.open(f"/proc/self/fd/{sealed}", os.O_RDONLY)],
+        "sealed memfd, wrong size": [_memfd("attack-small", 4096, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW, header)],
+        "sealed memfd, not a ring": [_memfd("attack-zeros", ring_bytes, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)],
+        "50 descriptors": [_memfd(f"attack-many-{i}", 4096) for i in range(25)] + [read_end] * 25,
+    }
+    held = []
+    try:
+        for case, fds in cases.items():
+            raw = Raw(d.socket_path)
+            held.append(raw)
+            welcome, got = raw.hello("fds", fds)
+            assert isinstance(welcome, M.Welcome) and not welcome.resumed, case
+            assert _identity(got[0]) not in {_identity(fd) for fd in fds}, case
+            for fd in got:
+                os.close(fd)
+            targets = set(fd_targets(d.pid))
+            kept = {_identity(fd) for fd in fds} & targets
+            assert not kept, f"{case}: the daemon kept {kept}"
+        # the control: a sealed memfd with a ring's header is what a restarted daemon adopts
+        raw = Raw(d.socket_path)
+        held.append(raw)
+        welcome, got = raw.hello("fds", [sealed])
+        assert welcome.resumed and _identity(got[0]) == _identity(sealed)
+        for fd in got:
+            os.close(fd)
+        # ... but not as another client's ring: naming the honest client's ring without its token
+        label = next(line.split("ring ")[1].rstrip(")") for line in d.log().splitlines()
+                     if "joined group 'honest'" in line)
+        raw = Raw(d.socket_path)
+        held.append(raw)
+        other = _memfd("attack-hijack", ring_bytes, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW, header)
+        welcome, got = raw.hello("honest", [other], resume_segment=label, resume_token=12345)
+        assert isinstance(welcome, M.Welcome) and not welcome.resumed and welcome.segment_name != label
+        for fd in got + [other]:
+            os.close(fd)
+        honest.wait_served(50)
+    finally:
+        for raw in held:
+            raw.close()
+        for fds in cases.values():
+            for fd in set(fds):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        os.close(sealed)
+        sock_b.close()
+    # every session is gone and its ring released: the daemon holds what it held before
+    wait_until(lambda: len(fd_targets(d.pid)) == baseline, 15, what=f"the daemon back to {baseline} descriptors")
+    unharmed(d, honest)
+
+
+# ---------------------------------------------------------------------------- garbage in a ring
+
+
+def _with_field(record: bytes, offset: int, value: bytes) -> bytes:
+    """``record`` with bytes at ``offset`` replaced and the check word made right again."""
+    raw = bytearray(record)
+    raw[offset : offset + len(value)] = value
+    check = zlib_crc32(bytes(raw[: C.CHECKED_HEAD_SIZE]) + bytes(raw[C.KEY_OFFSET :]))
+    raw[C.CHECK_OFFSET : C.CHECK_OFFSET + 4] = check.to_bytes(4, "little")
+    return bytes(raw)
+
+
+def zlib_crc32(data: bytes) -> int:
+    import zlib
+
+    return zlib.crc32(data)
+
+
+def _garbage_records(touch_capacity: int) -> dict[str, bytes]:
+    kb, meta = encode_key("x")
+    add = C.encode_add(kb, meta, _now_ms() + 1000, 1)
+    bad_crc = bytearray(add)
+    bad_crc[C.CHECK_OFFSET] ^= 1
+    return {
+        "bad check word": bytes(bad_crc),
+        "random bytes": random.Random(1).randbytes(64),
+        "op 9": C.encode_command(9, kb, meta, 0, 1),
+        "op 0": C.encode_command(0),
+        "reserved bytes set": _with_field(add, C.RESERVED_OFFSET, b"\x01\x00"),
+        "pad bytes set": _with_field(add, C.PAD_OFFSET, b"\x01\x00\x00\x00"),
+        "touch index beyond the table": C.encode_add_idle(kb, meta, _now_ms() + 1000, 100, touch_capacity, 1),
+        "negative idle_ms": C.encode_add_idle(kb, meta, _now_ms() + 1000, -5, 0, 1),
+        "negative ack slot": C.encode_ack(-1, 0),
+        "key longer than 32 bytes": _with_field(add, C.KEY_META_OFFSET, bytes([(1 << 6) | 40])),
+        "str key not UTF-8": C.encode_command(C.ADD, b"\xff", (1 << 6) | 1, _now_ms() + 1000, 1),
+        "bytes after the key": _with_field(add, C.KEY_OFFSET + 5, b"\x07"),
+        "deadline on a cancel": _with_field(C.encode_cancel(kb, meta, 1), C.DEADLINE_OFFSET, (5).to_bytes(8, "little")),
+    }
+
+
+def test_garbage_ring_records_disconnect_only_their_client(hostile):
+    d, honest = hostile(extra=SMALL_RINGS)
+    garbage = _garbage_records(1024)
+    for n, (kind, record) in enumerate(garbage.items(), 1):
+        attacker = wheeld.connect(d.socket_path, group="garbage")
+        attacker.add(f"kept-{n}", 600_000)  # its group's timers stay
+        attacker.flush()
+        assert attacker._segment.try_push_record(record)
+        attacker._ring_doorbell()
+        wait_until(lambda: peer_closed(attacker._sock), 10, what=f"{kind}: the attacker disconnected")
+        abandon(attacker)
+        assert counters(d.name)["clients_dropped_total"] == n, kind
+    poisoned = [line for line in d.log().splitlines() if "invalid command record" in line and "disconnecting it" in line]
+    assert len(poisoned) == len(garbage), poisoned
+    assert group_live(d.name, "garbage") == len(garbage)
+    honest.wait_served(50)
+    unharmed(d, honest)
+
+
+def test_well_formed_records_with_values_the_daemon_must_not_trust(hostile):
+    """Records that pass every check of the format but name impossible deadlines or
+    records that are not the client's: refused or ignored, the client stays."""
+    d, honest = hostile(extra=SMALL_RINGS)
+    with wheeld.connect(d.socket_path, group="liar") as liar:
+        seg = liar._segment
+        for deadline in (2**62, -(2**62), 2**63 - 1, -(2**63)):
+            kb, meta = encode_key(f"far{deadline}")
+            assert seg.try_push_record(C.encode_add(kb, meta, deadline, 1))
+        with pytest.raises(wheeld.InvalidRequest, match="4 command"):
+            liar.flush()
+        # acknowledge another group's fired records, waiting in its queue for a member: the
+        # exact (slot, generation) of each (as if guessed right), stamped and unstamped
+        with wheeld.connect(d.socket_path, group="victim") as victim:
+            for i in range(300):
+                victim.add(i, 10)
+            victim.flush()
+        with S.ArenaReader(d.name) as reader:
+            gid = reader.group_id("victim")
+            wait_until(lambda: reader.group_counts()[1][gid] == 300, 10, what="the victim's timers fired")
+            slots, _states, groups = reader._live()
+            slots = slots[groups == gid]
+            generations = reader.records["gen"][slots].tolist()
+        for stamp in (0, liar._welcome.arena_epoch):
+            for slot, generation in zip(slots.tolist(), generations):
+                while not seg.try_push(C.ACK, b"", 0, 0, stamp, slot, generation):
+                    liar._ring_doorbell()
+        liar.flush()
+        with wheeld.connect(d.socket_path, group="victim") as victim:
+            assert sorted(e.key for e in collect(victim, 300)) == list(range(300))
+        for slot in (2**31 - 1, 10**9):
+            assert seg.try_push(C.ACK, b"", 0, 0, 0, slot, 0)
+        liar.flush()
+        assert not peer_closed(liar._sock)
+        liar.add("liar-still-served", 10)
+        assert [e.key for e in collect(liar, 1)] == ["liar-still-served"]
+    assert counters(d.name)["clients_dropped_total"] == 0
+    unharmed(d, honest)
+
+
+# ---------------------------------------------------------------------------- a client killed mid-write
+
+DYING = """
+import sys, wheeld
+w = wheeld.connect(sys.argv[1], group="dying")
+log = open(sys.argv[2], "w", buffering=1)
+print("ready", flush=True)
+i = 0
+while True:
+    w.add(f"{sys.argv[3]}-{i}", 1 + i % 500)
+    log.write(f"{sys.argv[3]}-{i}\\n")  # after add returned: the record is published
+    i += 1
+"""
+
+
+def test_clients_killed_while_pushing_affect_nobody(hostile, tmp_path):
+    d, honest = hostile(extra=SMALL_RINGS)
+    logged: set[str] = set()
+    for n in range(8):
+        log_path = tmp_path / f"dying-{n}.log"
+        before = counters(d.name)["commands_total"]
+        child = subprocess.Popen([sys.executable, "-c", DYING, d.socket_path, str(log_path), f"d{n}"],
+                                 stdout=subprocess.PIPE)
+        try:
+            assert child.stdout.readline() == b"ready\n"
+            wait_until(lambda: counters(d.name)["commands_total"] >= before + 2000 + n * 500, 20,
+                       what="the child pushing")
+        finally:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(10)
+        logged.update(log_path.read_text().split())
+    honest.wait_served(50)
+    # every add a dead client had published is applied and delivered to the group's next member
+    with wheeld.connect(d.socket_path, group="dying") as heir:
+        got = set()
+        end = time.monotonic() + 30
+        while not logged <= got and time.monotonic() < end:
+            got.update(e.key for e in heir.poll(0.2))
+    assert logged <= got, f"{len(logged - got)} published adds of killed clients were lost"
+    assert counters(d.name)["clients_dropped_total"] == 0  # nobody read a torn record
+    unharmed(d, honest)
