@@ -35,11 +35,9 @@ from __future__ import annotations
 import os
 import random
 import select
-import socket
 import time
 
 import msgspec
-import numpy as np
 import pytest
 
 import wheeld

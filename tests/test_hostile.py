@@ -33,10 +33,9 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
+import zlib
 
-import numpy as np
 import pytest
 
 import wheeld
@@ -542,15 +541,9 @@ def _with_field(record: bytes, offset: int, value: bytes) -> bytes:
     """``record`` with bytes at ``offset`` replaced and the check word made right again."""
     raw = bytearray(record)
     raw[offset : offset + len(value)] = value
-    check = zlib_crc32(bytes(raw[: C.CHECKED_HEAD_SIZE]) + bytes(raw[C.KEY_OFFSET :]))
+    check = zlib.crc32(bytes(raw[: C.CHECKED_HEAD_SIZE]) + bytes(raw[C.KEY_OFFSET :]))
     raw[C.CHECK_OFFSET : C.CHECK_OFFSET + 4] = check.to_bytes(4, "little")
     return bytes(raw)
-
-
-def zlib_crc32(data: bytes) -> int:
-    import zlib
-
-    return zlib.crc32(data)
 
 
 def _garbage_records(touch_capacity: int) -> dict[str, bytes]:
