@@ -143,7 +143,7 @@ def test_impossible_touch_table_values_poison_only_their_client(hostile, values)
     wait_until(lambda: peer_closed(attacker._sock), 10, what="the attacker disconnected")
     abandon(attacker)
     wait_until(lambda: "touch table: touch index" in d.log(), 5, what="the reason logged")
-    assert counters(d.name)["clients_dropped_total"] == 1
+    wait_until(lambda: counters(d.name)["clients_dropped_total"] == 1, 5, what="the drop counted")
     honest.wait_served(50)
     # the idle timer fires as a plain timer, for the next member of its group
     with wheeld.connect(d.socket_path, group="attacker") as member:
@@ -212,7 +212,10 @@ def test_partial_and_oversized_frames_after_hello_are_closed_and_cost_little_mem
     before_kb = rss_kb(d.pid)
     big = Raw(d.socket_path)
     assert isinstance(big.hello("slow")[0], M.Welcome)
-    big.send(framing.HEADER.pack(framing.MAX_FRAME) + bytes(60_000))  # announces 16 MiB
+    try:
+        big.send(framing.HEADER.pack(framing.MAX_FRAME) + bytes(60_000))  # announces 16 MiB
+    except OSError:
+        pass  # refused before all of it was sent
     assert big.closed_by_peer(5), "a 16 MiB frame announced after Hello was not refused at once"
     big.close()
     wait_until(lambda: "peer announced a 16777216-byte frame" in d.log(), 5, what="the reason logged")
@@ -296,7 +299,10 @@ def test_out_of_descriptors_the_daemon_pauses_accept_without_spinning(hostile):
         for i in range(FD_LIMIT + 40):  # each session costs the daemon a socket and a ring
             raw = Raw(d.socket_path, timeout_s=5)
             attackers.append(raw)
-            raw.send(M.encode_client_frame(M.Hello(M.PROTOCOL_VERSION, f"fd{i % 8}", os.getpid(), "hostile")))
+            try:
+                raw.send(M.encode_client_frame(M.Hello(M.PROTOCOL_VERSION, f"fd{i % 8}", os.getpid(), "hostile")))
+            except OSError:
+                pass  # closed at once: beyond the handshake limit
         wait_until(lambda: "accept paused" in d.log(), 20, what="accept paused")
         paused_at = time.monotonic()
         cpu_before = cpu_s(d.pid)
@@ -411,8 +417,8 @@ def test_expirations_a_member_never_acknowledges_go_to_another_member(hostile):
             got = collect(worker, 200, timeout_s=60)
             assert sorted(e.key for e in got) == list(range(200))
             assert all(e.fired_ms >= e.deadline_ms for e in got)
-        published = counters(d.name)
-        assert published["ack_timeouts_total"] >= 1 and published["redelivered_total"] >= 1, published
+        wait_until(lambda: counters(d.name)["ack_timeouts_total"] >= 1, 5, what="ack_timeouts_total counted")
+        assert counters(d.name)["redelivered_total"] >= 1
         wait_until(lambda: "unacknowledged for over" in d.log(), 5, what="the ack timeout logged")
         assert not peer_closed(silent._sock)  # slow, not hostile: it keeps its session
     finally:
@@ -579,7 +585,7 @@ def test_garbage_ring_records_disconnect_only_their_client(hostile):
         attacker._ring_doorbell()
         wait_until(lambda: peer_closed(attacker._sock), 10, what=f"{kind}: the attacker disconnected")
         abandon(attacker)
-        assert counters(d.name)["clients_dropped_total"] == n, kind
+        wait_until(lambda: counters(d.name)["clients_dropped_total"] == n, 5, what=f"{kind}: the drop counted")
     poisoned = [line for line in d.log().splitlines() if "invalid command record" in line and "disconnecting it" in line]
     assert len(poisoned) == len(garbage), poisoned
     assert group_live(d.name, "garbage") == len(garbage)
