@@ -191,7 +191,11 @@ class Session:
     Bounded: a client sends only small messages (Hello, Doorbell, Bye), so a frame
     announcing more than ``CLIENT_MAX_FRAME`` bytes is a protocol error, a frame
     must be complete within ``frame_timeout_s`` of its first byte, and one read
-    takes at most 64 KiB: the input buffer never holds more than ~70 KiB."""
+    takes at most 64 KiB: the input buffer never holds more than ~70 KiB. Output
+    waiting for the client stops growing at ``_HIGH_WATER``, and a client that has
+    not taken a byte of it for ``ack_timeout_s`` is disconnected (``stuck_since``):
+    otherwise every ack timeout would send it its unacknowledged expirations again,
+    and the daemon would hold up to ``_HIGH_WATER`` for each client that never reads."""
 
     def __init__(self, daemon: "Daemon", sock: socket.socket, pid: int, uid: int, gid: int):
         self.daemon = daemon
@@ -201,6 +205,7 @@ class Session:
         self.partial_since = 0.0  # time.monotonic() when an incomplete frame started, 0 at a boundary
         self.passed_fds: list[int] = []  # SCM_RIGHTS descriptors that came with the Hello
         self.out = bytearray()
+        self.stuck_since = 0.0  # time.monotonic() since when out has waited without the client taking a byte
         self.writing = False
         self.closed = False
         self.client: ClientSlot | None = None
@@ -241,6 +246,7 @@ class Session:
             self.out += frame[sent:]
             if not self.writing:
                 self.writing = True
+                self.stuck_since = time.monotonic()
                 self.daemon.loop.add_writer(self.sock.fileno(), self._on_writable)
 
     def _on_writable(self) -> None:
@@ -252,6 +258,8 @@ class Session:
             self.daemon.close_session(self, f"send failed: {exc}")
             return
         del self.out[:sent]
+        if sent:
+            self.stuck_since = time.monotonic()
         if not self.out:
             self.writing = False
             self.out = bytearray()  # give a large buffer back
@@ -1729,6 +1737,9 @@ class Daemon:
         timeout = self.config.frame_timeout_s
         for session in [s for s in self.sessions if s.partial_since and now - s.partial_since > timeout]:
             self.close_session(session, f"a frame stayed incomplete for more than {timeout:.0f} s", goodbye=True)
+        ack_timeout = self.config.ack_timeout_s
+        for session in [s for s in self.sessions if s.writing and now - s.stuck_since > ack_timeout]:
+            self.close_session(session, f"it has not read its socket for {ack_timeout:.0f} s")
         self._resume_accept()
         for cs in self.clients.values():  # ring depths for wheelctl (rings are memfds it cannot map)
             if cs.segment is not None and not cs.poisoned:

@@ -426,6 +426,48 @@ def test_expirations_a_member_never_acknowledges_go_to_another_member(hostile):
     unharmed(d, honest)
 
 
+SILENT_MEMBERS = 16
+SILENT_BACKLOG = 20_000  # fired timers waiting for each silent member's group
+#: how much the daemon may grow while SILENT_MEMBERS sessions do not read what it sends
+SILENT_RSS_BOUND_KB = 64 * 1024
+
+
+def test_members_that_never_read_their_socket_are_closed_and_cost_little_memory(hostile):
+    """Each expiration a member leaves unacknowledged is sent again every ack timeout;
+    to a member that does not read its socket, that piles up in the daemon (up to the
+    8 MiB high-water mark per session). A session that has not taken a byte for
+    ``--ack-timeout-s`` is closed instead: what it held goes back to its group."""
+    d, honest = hostile(capacity=400_000, extra=["--ack-timeout-s", "1", *SMALL_RINGS])
+    before_kb = rss_kb(d.pid)
+    silent = []
+    try:
+        for g in range(SILENT_MEMBERS):
+            member = wheeld.connect(d.socket_path, group=f"deaf{g}")  # never reads its socket
+            silent.append(member)
+            for i in range(SILENT_BACKLOG):
+                member.add(i, 10)
+            member.flush()
+        samples = [rss_kb(d.pid)]
+
+        def closed() -> bool:  # seen from the daemon: reading a silent socket here would drain it
+            samples.append(rss_kb(d.pid))
+            return counters(d.name)["clients_connected"] == 1  # the honest client alone
+
+        wait_until(closed, 30, what="the members that do not read closed")
+        peak_kb = max(samples)
+        wait_until(lambda: "has not read its socket" in d.log(), 5, what="the reason logged")
+        honest.wait_served(50)
+    finally:
+        for member in silent:
+            abandon(member)
+    assert peak_kb - before_kb < SILENT_RSS_BOUND_KB, (before_kb, peak_kb)
+    # what they held went back to their groups: a member that reads gets all of it
+    with wheeld.connect(d.socket_path, group="deaf0") as reader:
+        got = {e.key for e in collect(reader, SILENT_BACKLOG, timeout_s=30)}
+    assert got == set(range(SILENT_BACKLOG))
+    unharmed(d, honest)
+
+
 # ---------------------------------------------------------------------------- garbage on the socket
 
 
