@@ -160,7 +160,7 @@ class ClientSlot:
     again (to any member) and the newer one becomes the older."""
 
     __slots__ = ("slot", "segment", "label", "group", "group_name", "session", "unacked", "unacked_old", "poisoned",
-                 "pid", "uid", "orphan_since")
+                 "pid", "uid", "orphan_since", "unanswered_flush")
 
     def __init__(self, slot: int, segment: ClientSegment | None, label: str, group: int, group_name: str, pid: int,
                  uid: int):
@@ -176,6 +176,7 @@ class ClientSlot:
         self.pid = pid
         self.uid = uid
         self.orphan_since = 0
+        self.unanswered_flush: int | None = None  # a FLUSH applied while no session was open
 
     def take_unacked(self) -> list[tuple[int, int]]:
         """Everything in flight to this client, forgotten here (it goes back to the queue)."""
@@ -826,6 +827,8 @@ class Daemon:
                 session.send(M.encode_daemon_frame(reject))
             for seq in flushes:
                 session.send(M.encode_daemon_frame(M.Applied(seq)))
+        elif flushes:  # its session was closed and it may come back: answered then (_hello)
+            cs.unanswered_flush = flushes[-1]
         if good < n:
             op = int(records["op"][good])
             self._poison(cs, f"invalid command record (op {op}) at ring position {good}")
@@ -1524,6 +1527,9 @@ class Daemon:
             status is not None, resumed,
         )
         session.send_with_fds(M.encode_daemon_frame(welcome), [cs.segment.fd] + ([status] if status is not None else []))
+        if cs.unanswered_flush is not None:  # a client whose session the daemon closed may be waiting for it
+            session.send(M.encode_daemon_frame(M.Applied(cs.unanswered_flush)))
+            cs.unanswered_flush = None
         log.info("client pid %d uid %d joined group %r (slot %d, ring %s%s)", session.pid, session.uid, hello.group,
                  cs.slot, cs.label, ", handed back" if resumed else "")
         self.wake()

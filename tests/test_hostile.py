@@ -468,6 +468,28 @@ def test_members_that_never_read_their_socket_are_closed_and_cost_little_memory(
     unharmed(d, honest)
 
 
+def test_a_flush_applied_while_its_session_was_closed_is_answered_when_it_comes_back(hostile):
+    """The daemon closes a session (here: a frame left incomplete) but goes on draining its
+    ring; a FLUSH applied then is answered on the session the client opens next."""
+    d, honest = hostile(extra=["--frame-timeout-s", "0.5", *SMALL_RINGS])
+    with wheeld.connect(d.socket_path, group="cut") as client:
+        client.add("before", 60_000)
+        client.flush()
+        client._sock.send(b"\x10\x00")  # half a frame header: closed after the frame timeout
+        wait_until(lambda: "stayed incomplete" in d.log(), 10, what="the session closed")
+        seq = client._push_flush()  # the doorbell finds no session; the ring is drained anyway
+        seg = client._segment
+        wait_until(lambda: seg._words[RL.HEAD_WORD] == seg._tail, 5, what="the FLUSH applied")
+        end = time.monotonic() + 10
+        while client._applied != seq and time.monotonic() < end:
+            client._read(0.05, end)  # sees the end of the session, reconnects, hands the ring back
+        assert client._applied == seq, "the FLUSH applied while the client was away was never answered"
+        assert "handed back" in d.log()
+        assert client.cancel("before")
+        client.flush()
+    unharmed(d, honest)
+
+
 # ---------------------------------------------------------------------------- garbage on the socket
 
 
