@@ -1742,10 +1742,10 @@ class Daemon:
         now = time.monotonic()
         timeout = self.config.frame_timeout_s
         for session in [s for s in self.sessions if s.partial_since and now - s.partial_since > timeout]:
-            self.close_session(session, f"a frame stayed incomplete for more than {timeout:.0f} s", goodbye=True)
+            self.close_session(session, f"a frame stayed incomplete for more than {timeout:g} s", goodbye=True)
         ack_timeout = self.config.ack_timeout_s
         for session in [s for s in self.sessions if s.writing and now - s.stuck_since > ack_timeout]:
-            self.close_session(session, f"it has not read its socket for {ack_timeout:.0f} s")
+            self.close_session(session, f"it has not read its socket for {ack_timeout:g} s")
         self._resume_accept()
         for cs in self.clients.values():  # ring depths for wheelctl (rings are memfds it cannot map)
             if cs.segment is not None and not cs.poisoned:
@@ -1769,7 +1769,7 @@ class Daemon:
                 self.totals["ack_timeouts_total"] += len(overdue)
                 self._log_limiter.warning(
                     "ack-timeout", "client slot %d (pid %d, group %s) left %d expirations unacknowledged for over "
-                    "%.0f s; they are sent again", cs.slot, cs.pid, cs.group_name, len(overdue),
+                    "%g s; they are sent again", cs.slot, cs.pid, cs.group_name, len(overdue),
                     self.config.ack_timeout_s / 2)
                 self._requeue(overdue, cs.group)
         self.wake()

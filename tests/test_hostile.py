@@ -484,7 +484,7 @@ def test_a_flush_applied_while_its_session_was_closed_is_answered_when_it_comes_
         while client._applied != seq and time.monotonic() < end:
             client._read(0.05, end)  # sees the end of the session, reconnects, hands the ring back
         assert client._applied == seq, "the FLUSH applied while the client was away was never answered"
-        assert "handed back" in d.log()
+        wait_until(lambda: "handed back" in d.log(), 5, what="the ring handed back")
         assert client.cancel("before")
         client.flush()
     unharmed(d, honest)
