@@ -61,7 +61,8 @@ EXIT_JOURNAL_DAMAGED = 65
               help="Group ids of a new arena (an existing arena keeps its own).")
 @click.option("--ack-timeout-s", type=click.FloatRange(1.0, 86_400.0), default=30.0, show_default=True,
               help="An expiration a client leaves unacknowledged this long is sent again (to any member of "
-                   "its group) and counted.")
+                   "its group) and counted; a client that reads nothing from its socket this long while "
+                   "the daemon has output for it is disconnected.")
 @click.option("--frame-timeout-s", type=click.FloatRange(0.1, 3600.0), default=5.0, show_default=True,
               help="A client that starts a message must finish it within this (else it is disconnected).")
 @click.option("--coalesce-us", type=click.IntRange(0, 10_000), default=500, show_default=True,

@@ -161,7 +161,7 @@ class ClientSlot:
     again (to any member) and the newer one becomes the older."""
 
     __slots__ = ("slot", "segment", "label", "group", "group_name", "session", "unacked", "unacked_old", "poisoned",
-                 "pid", "uid", "orphan_since")
+                 "pid", "uid", "orphan_since", "unanswered_flush")
 
     def __init__(self, slot: int, segment: ClientSegment | None, label: str, group: int, group_name: str, pid: int,
                  uid: int):
@@ -177,6 +177,7 @@ class ClientSlot:
         self.pid = pid
         self.uid = uid
         self.orphan_since = 0
+        self.unanswered_flush: int | None = None  # a FLUSH applied while no session was open
 
     def take_unacked(self) -> list[tuple[int, int]]:
         """Everything in flight to this client, forgotten here (it goes back to the queue)."""
@@ -192,7 +193,11 @@ class Session:
     Bounded: a client sends only small messages (Hello, Doorbell, Bye), so a frame
     announcing more than ``CLIENT_MAX_FRAME`` bytes is a protocol error, a frame
     must be complete within ``frame_timeout_s`` of its first byte, and one read
-    takes at most 64 KiB: the input buffer never holds more than ~70 KiB."""
+    takes at most 64 KiB: the input buffer never holds more than ~70 KiB. Output
+    waiting for the client stops growing at ``_HIGH_WATER``, and a client that has
+    not taken a byte of it for ``ack_timeout_s`` is disconnected (``stuck_since``):
+    otherwise every ack timeout would send it its unacknowledged expirations again,
+    and the daemon would hold up to ``_HIGH_WATER`` for each client that never reads."""
 
     def __init__(self, daemon: "Daemon", sock: socket.socket, pid: int, uid: int, gid: int):
         self.daemon = daemon
@@ -202,6 +207,7 @@ class Session:
         self.partial_since = 0.0  # time.monotonic() when an incomplete frame started, 0 at a boundary
         self.passed_fds: list[int] = []  # SCM_RIGHTS descriptors that came with the Hello
         self.out = bytearray()
+        self.stuck_since = 0.0  # time.monotonic() since when out has waited without the client taking a byte
         self.writing = False
         self.closed = False
         self.client: ClientSlot | None = None
@@ -242,6 +248,7 @@ class Session:
             self.out += frame[sent:]
             if not self.writing:
                 self.writing = True
+                self.stuck_since = time.monotonic()
                 self.daemon.loop.add_writer(self.sock.fileno(), self._on_writable)
 
     def _on_writable(self) -> None:
@@ -253,6 +260,8 @@ class Session:
             self.daemon.close_session(self, f"send failed: {exc}")
             return
         del self.out[:sent]
+        if sent:
+            self.stuck_since = time.monotonic()
         if not self.out:
             self.writing = False
             self.out = bytearray()  # give a large buffer back
@@ -819,6 +828,8 @@ class Daemon:
                 session.send(M.encode_daemon_frame(reject))
             for seq in flushes:
                 session.send(M.encode_daemon_frame(M.Applied(seq)))
+        elif flushes:  # its session was closed and it may come back: answered then (_hello)
+            cs.unanswered_flush = flushes[-1]
         if good < n:
             op = int(records["op"][good])
             self._poison(cs, f"invalid command record (op {op}) at ring position {good}")
@@ -1519,6 +1530,9 @@ class Daemon:
             status is not None, resumed,
         )
         session.send_with_fds(M.encode_daemon_frame(welcome), [cs.segment.fd] + ([status] if status is not None else []))
+        if cs.unanswered_flush is not None:  # a client whose session the daemon closed may be waiting for it
+            session.send(M.encode_daemon_frame(M.Applied(cs.unanswered_flush)))
+            cs.unanswered_flush = None
         log.info("client pid %d uid %d joined group %r (slot %d, ring %s%s)", session.pid, session.uid, hello.group,
                  cs.slot, cs.label, ", handed back" if resumed else "")
         self.wake()
@@ -1582,7 +1596,11 @@ class Daemon:
                 log.warning("client pid %d handed back an unusable ring (%s); it gets a new one", session.pid, exc)
         resumed = segment is not None
         if segment is None:
-            segment = ClientSegment.create(label, cfg.ring_capacity, cfg.touch_capacity)
+            try:
+                segment = ClientSegment.create(label, cfg.ring_capacity, cfg.touch_capacity)
+            except OSError as exc:  # out of descriptors (EMFILE) or memory: no ring for anyone right now
+                self._refuse(session, f"cannot make a ring now: {exc.strerror}", M.Refused.BUSY)
+                return None
         cs = ClientSlot(slot, segment, label, group, hello.group, session.pid, session.uid)
         self.clients[slot] = cs
         self._by_label[label] = cs
@@ -1739,7 +1757,10 @@ class Daemon:
         now = time.monotonic()
         timeout = self.config.frame_timeout_s
         for session in [s for s in self.sessions if s.partial_since and now - s.partial_since > timeout]:
-            self.close_session(session, f"a frame stayed incomplete for more than {timeout:.0f} s", goodbye=True)
+            self.close_session(session, f"a frame stayed incomplete for more than {timeout:g} s", goodbye=True)
+        ack_timeout = self.config.ack_timeout_s
+        for session in [s for s in self.sessions if s.writing and now - s.stuck_since > ack_timeout]:
+            self.close_session(session, f"it has not read its socket for {ack_timeout:g} s")
         self._resume_accept()
         for cs in self.clients.values():  # ring depths for wheelctl (rings are memfds it cannot map)
             if cs.segment is not None and not cs.poisoned:
@@ -1763,7 +1784,7 @@ class Daemon:
                 self.totals["ack_timeouts_total"] += len(overdue)
                 self._log_limiter.warning(
                     "ack-timeout", "client slot %d (pid %d, group %s) left %d expirations unacknowledged for over "
-                    "%.0f s; they are sent again", cs.slot, cs.pid, cs.group_name, len(overdue),
+                    "%g s; they are sent again", cs.slot, cs.pid, cs.group_name, len(overdue),
                     self.config.ack_timeout_s / 2)
                 self._requeue(overdue, cs.group)
         self.wake()

@@ -14,11 +14,15 @@ missing pages. So every segment the daemon shares with a client is a memfd:
   client, i.e. its own uid or root);
 * when the daemon must share one page with every client read-only (the status
   page), it hands out a descriptor re-opened ``O_RDONLY`` through
-  ``/proc/self/fd``: ``mmap`` with ``PROT_WRITE`` and ``ftruncate`` both fail on it;
-* made mode ``0600`` at once: a memfd is born ``0777``, and whoever holds a
-  descriptor of it can open it again through ``/proc/self/fd/N`` with the access
-  the *mode* allows, so a client could turn its read-only status page descriptor
-  into a writable one. At ``0600`` only the daemon's uid (and root) can.
+  ``/proc/self/fd``: ``mmap`` with ``PROT_WRITE`` and ``ftruncate`` both fail on it.
+  That alone is not enough: a memfd's mode is 0777 and a client can open its own
+  ``/proc/self/fd/N`` again with ``O_RDWR``. So once the daemon has mapped the
+  page, it adds ``F_SEAL_FUTURE_WRITE`` (Linux 5.1): from then on no descriptor,
+  however opened, gives a writable mapping or a ``write(2)``; the daemon's own
+  mapping stays writable (``memfd_create(2)``, "File sealing");
+* made mode ``0600`` at once, for the same reason and for every segment: whoever
+  holds a descriptor of a memfd can open it again through ``/proc/self/fd/N`` with
+  the access the *mode* allows; at ``0600`` only the daemon's uid (and root) can.
 
 A descriptor that comes back from a client (a ring handed back after a daemon
 restart) is checked with :func:`check_sealed` before it is mapped: the seals
@@ -34,21 +38,36 @@ import stat
 from wheeld.protocol.errors import ProtocolError
 
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # <linux/fcntl.h>; not in Python 3.11's fcntl
 #: seals that would stop the daemon from mapping the segment writable
-_WRITE_SEALS = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
+_WRITE_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE
 
 
-def create_sealed(name: str, size: int) -> int:
-    """A new memfd of exactly ``size`` bytes (zero-filled) whose size is sealed; returns the fd."""
+def create_sealed(name: str, size: int, final: bool = True) -> int:
+    """A new memfd of exactly ``size`` bytes (zero-filled) whose size is sealed; returns the fd.
+
+    ``final=False`` leaves ``F_SEAL_SEAL`` off, for :func:`seal_writes` after mapping."""
     fd = os.memfd_create(name[-249:] or "wheeld", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.fchmod(fd, 0o600)  # born 0777: see "made mode 0600" above
         os.ftruncate(fd, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS | fcntl.F_SEAL_SEAL)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS | (fcntl.F_SEAL_SEAL if final else 0))
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def seal_writes(fd: int) -> None:
+    """After the creator mapped the memfd ``fd`` writable: nobody writes it any more
+    but through that mapping (``F_SEAL_FUTURE_WRITE``), and no seal changes. On a
+    kernel without that seal (before 5.1) the file is made read-only for everyone
+    instead, which stops other uids (not root, not the daemon's own uid)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+    except OSError:
+        os.fchmod(fd, 0o444)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
 
 
 def check_sealed(fd: int, min_size: int = 0, max_size: int | None = None) -> int:

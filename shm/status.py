@@ -2,8 +2,9 @@
 
 The daemon creates it (:meth:`StatusPage.create`) and writes it; each client maps
 the read-only descriptor it received at the handshake (:meth:`StatusPage.attach`).
-A client that maps it cannot write it, resize it, or learn anything about other
-clients from it.
+A client that maps it cannot write it (not even through a descriptor it opens
+again read-write: the page is write-sealed, see :mod:`wheeld.shm.memfd`), resize
+it, or learn anything about other clients from it.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ class StatusPage:
     @classmethod
     def create(cls, name: str) -> StatusPage:
         """Daemon side: a sealed page and a read-only descriptor of it to hand to clients."""
-        fd = memfd.create_sealed(name, layout.PAGE_BYTES)
+        fd = memfd.create_sealed(name, layout.PAGE_BYTES, final=False)
+        buf = mmap.mmap(fd, layout.PAGE_BYTES)
+        layout.HEADER.pack_into(buf, 0, layout.MAGIC, layout.LAYOUT_VERSION)
+        memfd.seal_writes(fd)  # a client re-opening its descriptor O_RDWR still cannot write
         try:
             readonly_fd = memfd.reopen_readonly(fd)
         except OSError:
             readonly_fd = None  # no /proc: clients get no page and ring the doorbell every time
-        buf = mmap.mmap(fd, layout.PAGE_BYTES)
-        layout.HEADER.pack_into(buf, 0, layout.MAGIC, layout.LAYOUT_VERSION)
         return cls(buf, fd, readonly_fd)
 
     @classmethod

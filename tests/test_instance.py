@@ -102,7 +102,21 @@ def test_a_lock_file_of_another_user_is_refused(tmp_path):
         d.cleanup()
 
 
-def test_a_truncated_arena_is_set_aside_and_rebuilt_from_the_journal(daemon_factory, tmp_path):
+def _damage_arena(path: str, how: str) -> int:
+    """Damage the arena file of a stopped daemon; return its size afterwards."""
+    size = os.stat(path).st_size
+    if how == "emptied":
+        os.truncate(path, 0)
+    elif how == "halved":
+        os.truncate(path, size // 2)
+    else:  # "header scribbled": the size is right, the first page is not an arena's
+        with open(path, "r+b") as f:
+            f.write(os.urandom(4096))
+    return os.stat(path).st_size
+
+
+@pytest.mark.parametrize("how", ["emptied", "halved", "header scribbled"])
+def test_a_truncated_arena_is_set_aside_and_rebuilt_from_the_journal(daemon_factory, tmp_path, how):
     d = daemon_factory(extra=["--journal", str(tmp_path / "journal"), "--fsync", "always"]).start()
     with wheeld.connect(d.socket_path, group="g") as w:
         for i in range(300):
@@ -110,11 +124,11 @@ def test_a_truncated_arena_is_set_aside_and_rebuilt_from_the_journal(daemon_fact
         w.flush()
     d.kill()
     arena = os.path.join(SHM_DIR, f"wheeld-{d.name}-arena")
-    os.truncate(arena, 0)  # what a process of the daemon's own uid could do
+    damaged_size = _damage_arena(arena, how)  # what a process of the daemon's own uid could do
     d.start()
     assert "set aside" in d.log() and "rebuilt from the journal" in d.log()
     aside = [e for e in os.listdir(SHM_DIR) if e.startswith(f"wheeld-{d.name}-arena.unusable-")]
-    assert len(aside) == 1 and os.stat(os.path.join(SHM_DIR, aside[0])).st_size == 0
+    assert len(aside) == 1 and os.stat(os.path.join(SHM_DIR, aside[0])).st_size == damaged_size
     with wheeld.connect(d.socket_path, group="g") as w:
         got = collect(w, 300)
     assert sorted(e.key for e in got) == list(range(300))
