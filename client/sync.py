@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import select
 import socket
 import time
@@ -91,8 +92,7 @@ class Client(ClientCore):
         """Wait up to ``timeout_s`` for frames and handle them; False on timeout."""
         if self._sock is None:
             self._reconnect()
-        ready, _, _ = select.select([self._sock], [], [], timeout_s)
-        if not ready:
+        if not wait_readable(self._sock.fileno(), timeout_s):
             return False
         try:
             data = self._sock.recv(1 << 20)
@@ -180,6 +180,20 @@ class Client(ClientCore):
         self.close()
 
 
+def wait_readable(fd: int, timeout_s: float | None) -> bool:
+    """Wait up to ``timeout_s`` (None: forever) until ``fd`` is readable or hung up.
+
+    ``poll(2)``, not ``select(2)``: select refuses descriptors at or above
+    FD_SETSIZE (1024), which a server holding thousands of sockets reaches before
+    it connects to wheeld. The timeout is rounded up to whole ms (poll's unit), so
+    a sub-millisecond wait does not turn into a busy loop.
+    """
+    poller = select.poll()
+    poller.register(fd, _READABLE)
+    return bool(poller.poll(None if timeout_s is None else math.ceil(max(0.0, timeout_s) * 1000)))
+
+
+_READABLE = select.POLLIN | select.POLLPRI
 _DOORBELL = M.encode_client_frame(M.Doorbell())
 _DOORBELL_URGENT = M.encode_client_frame(M.Doorbell(urgent=True))
 
