@@ -45,9 +45,9 @@ Two backends, one API::
   another member of the group if it dies); give the tracker a client of a group
   that only idle tracking uses, and leave that client's ``poll`` and ``flush``
   to the tracker (``await tracker.flush()``): the asyncio client supports one
-  reader of its socket at a time. An ``add`` that finds the client's ring full
-  (the daemon is not draining it right now) is kept and sent again after a
-  flush, so it never fails for that reason.
+  reader of its socket at a time. An ``add`` or ``remove`` that finds the
+  client's ring full (the daemon is not draining it right now) is kept and sent
+  after a flush, in order, so neither fails for that reason.
 
   One window is the application's to close: the daemon decides a key is idle
   when its timer comes due; activity in the moment between that decision and
@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -125,7 +126,9 @@ class IdleTracker:
                 raise InvalidRequest("IdleTracker needs an asyncio client (await wheeld.connect_async(...))")
             self._wheel = None
             self._keys: set = set()
-            self._unsent: dict[object, None] = {}  # adds that found the ring full, sent after a flush
+            # adds (True) and cancels (False) that found the client's ring full, oldest first; sent
+            # after a flush (the latest per key wins: an add re-arms, a cancel of an unarmed key is a no-op)
+            self._unsent: dict[object, bool] = {}
             self._resend_task: asyncio.Task | None = None
             self.touch = self._make_daemon_touch(client)
             self._task = self._loop.create_task(self._read_expirations(), name="wheeld-idle-expirations")
@@ -163,13 +166,12 @@ class IdleTracker:
         if self._wheel is None:
             if self._unsent:
                 encode_key(key)
-                self._unsent[key] = None  # keep the order: behind the adds already waiting
+                self._defer(key, True)  # behind the commands already waiting
             else:
                 try:
                     self.client.add_idle(key, self.idle_ms)
                 except RingFull:
-                    self._unsent[key] = None
-                    self._start_resend()
+                    self._defer(key, True)
             self._keys.add(key)
             return
         encode_key(key)  # the wheel's key rules, checked before anything changes
@@ -187,10 +189,15 @@ class IdleTracker:
             if key not in self._keys:
                 return False
             self._keys.discard(key)
-            if self._unsent.pop(key, 0) is None:
-                return True  # never sent: nothing to cancel
-            if not self._closed:
-                self.client.cancel(key)
+            if self._closed:
+                return True
+            if self._unsent:
+                self._defer(key, False)
+            else:
+                try:
+                    self.client.cancel(key)
+                except RingFull:
+                    self._defer(key, False)
             return True
         if self._last_ns.pop(key, None) is None:
             return False
@@ -259,14 +266,19 @@ class IdleTracker:
             if self._resend_task is not None:
                 self._resend_task.cancel()
             await self._pause_reader()
-            for key in self._keys:
-                if key not in self._unsent:
-                    self.client.cancel(key)
+            cancels = [key for key, add in self._unsent.items() if not add]
             self._unsent.clear()
             try:
+                for key in itertools.chain(self._keys, cancels):
+                    while True:
+                        try:
+                            self.client.cancel(key)
+                            break
+                        except RingFull:
+                            await self.client.flush()
                 await self.client.flush()
             except Exception:
-                log.debug("idle: flush on close failed", exc_info=True)
+                log.debug("idle: cancelling the daemon timers on close failed", exc_info=True)
         if self._queue is not None:
             self._queue.put_nowait(_CLOSED)
 
@@ -370,13 +382,21 @@ class IdleTracker:
             except (asyncio.CancelledError, Exception):
                 pass
 
+    def _defer(self, key, add: bool) -> None:
+        self._unsent.pop(key, None)
+        self._unsent[key] = add
+        self._start_resend()
+
     def _send_unsent(self) -> None:
-        """Send the adds that found the ring full, oldest first, until the ring is full again."""
-        unsent, add_idle, idle_ms = self._unsent, self.client.add_idle, self.idle_ms
+        """Send the deferred adds and cancels, oldest first, until the ring is full again."""
+        unsent, add_idle, cancel, idle_ms = self._unsent, self.client.add_idle, self.client.cancel, self.idle_ms
         while unsent:
             key = next(iter(unsent))
             try:
-                add_idle(key, idle_ms)
+                if unsent[key]:
+                    add_idle(key, idle_ms)
+                else:
+                    cancel(key)
             except RingFull:
                 return
             del unsent[key]

@@ -112,6 +112,13 @@ class Client(ClientCore):
         return True
 
     # ------------------------------------------------------------------ public
+    def fileno(self) -> int:
+        """The socket expirations arrive on, for a selector/poll loop (-1 between connections).
+
+        When it is readable, ``poll(0)`` returns what arrived. It changes when the
+        client reconnects (inside ``poll``/``flush``): read it again after each call."""
+        return self._sock.fileno() if self._sock is not None else -1
+
     def poll(self, timeout_s: float | None = None) -> list[Expired]:
         """Expirations that came due; waits up to ``timeout_s`` (None: until at least one)."""
         self._check_open()
