@@ -67,6 +67,7 @@ with py-spy during the window.
 from __future__ import annotations
 
 import argparse
+import array
 import asyncio
 import errno
 import json
@@ -90,6 +91,7 @@ KINDS = ("asyncio-none", "asyncio-call-later", "asyncio-wheeld", "sync-none", "s
 SHM_DIR = "/dev/shm"
 PER_SOURCE_IP = 25_000  # connections per source address (ephemeral ports: 32768-60999 by default)
 PROBE_INTERVAL_S = 0.01
+SEND_RING = 32  # send times kept per connection (a power of two)
 HEADROOM = 1024  # descriptors beyond the connections (listener, daemon client, pipes, libraries)
 IP_BIND_ADDRESS_NO_PORT = getattr(socket, "IP_BIND_ADDRESS_NO_PORT", 24)
 
@@ -475,6 +477,11 @@ class Load:
         self.quiet_at_ns = [1 << 62] * n
         self.closed_ns = [0] * n
         self.last_send_ns = [0] * n
+        self.port_index: dict[int, int] = {}  # local port -> connection
+        # the last SEND_RING send times of each connection: a send made after the server had
+        # already closed the connection (before this process saw the EOF) must not count as activity
+        self.send_ring = array.array("q", bytes(8 * n * SEND_RING))
+        self.send_count = [0] * n
         self.sends = 0
         self.send_blocked = 0
         self.connect_failures = 0
@@ -539,6 +546,7 @@ class Load:
                     self.connect_failures += 1
                     continue
                 self.established += 1
+                self.port_index[sock.getsockname()[1]] = i
                 self.epoll.modify(fd, select.EPOLLIN | select.EPOLLRDHUP)
                 self._send(i, time.monotonic_ns())
                 continue
@@ -561,6 +569,9 @@ class Load:
 
     def _send(self, i: int, now_ns: int) -> None:
         self.last_send_ns[i] = now_ns  # before the send: the server reads it later, never earlier
+        count = self.send_count[i]
+        self.send_ring[i * SEND_RING + (count & (SEND_RING - 1))] = now_ns
+        self.send_count[i] = count + 1
         try:
             self.socks[i].send(b"x")
             self.sends += 1
@@ -578,18 +589,58 @@ class Load:
         self.slots[due & 1023].append(i)
 
     def _send_due(self) -> None:
+        """Every send due up to now (the hot loop: ``_send`` inlined)."""
         now_ns = time.monotonic_ns()
         now_ms = now_ns // 1_000_000
-        slots, closed_ns = self.slots, self.closed_ns
+        slots, closed_ns, socks, active = self.slots, self.closed_ns, self.socks, self.active
+        last_send_ns, ring, counts, intervals = self.last_send_ns, self.send_ring, self.send_count, self.intervals
+        quiet_at, quiet_ns, quiet_ms = self.quiet_at_ns, self.quiet_interval_ms * 1_000_000, self.quiet_interval_ms
+        at = self.interval_at
+        sends = blocked = 0
         while self.slot_ms <= now_ms:
-            slot = slots[self.slot_ms & 1023]
+            index = self.slot_ms & 1023
+            slot = slots[index]
             if slot:
-                slots[self.slot_ms & 1023] = []
+                slots[index] = []
                 self.slot_lag_ms.append(now_ms - self.slot_ms)
                 for i in slot:
-                    if not closed_ns[i]:
-                        self._send(i, now_ns)
+                    if closed_ns[i]:
+                        continue
+                    last_send_ns[i] = now_ns  # before the send: the server reads it later, never earlier
+                    count = counts[i]
+                    ring[i * SEND_RING + (count & (SEND_RING - 1))] = now_ns
+                    counts[i] = count + 1
+                    try:
+                        socks[i].send(b"x")
+                        sends += 1
+                    except (BlockingIOError, InterruptedError):
+                        blocked += 1
+                    except OSError:
+                        continue  # reset: the close shows up as an event
+                    if active[i]:
+                        at = (at + 1) & 0xFFFF
+                        due = now_ms + intervals[at]
+                    elif now_ns + quiet_ns < quiet_at[i]:
+                        due = now_ms + quiet_ms
+                    else:
+                        continue  # gone quiet: that was its last byte
+                    slots[due & 1023].append(i)
             self.slot_ms += 1
+        self.interval_at = at
+        self.sends += sends
+        self.send_blocked += blocked
+
+    def last_send_before(self, i: int, t_ns: int) -> int | None:
+        """The latest send of connection ``i`` at or before ``t_ns`` (None: not in the ring any more)."""
+        base, count = i * SEND_RING, self.send_count[i]
+        best = None
+        for k in range(min(count, SEND_RING)):
+            at = self.send_ring[base + k]
+            if at <= t_ns and (best is None or at > best):
+                best = at
+        if best is None or (count > SEND_RING and best == min(self.send_ring[base:base + SEND_RING])):
+            return None  # the ring may have lost a later send before t_ns: undetermined
+        return best
 
     def close_all(self) -> None:
         for i, sock in enumerate(self.socks):
@@ -639,26 +690,55 @@ def load_main(spec: dict) -> int:
         if command(min(0.002, max(0.0, (end - time.monotonic_ns()) / 1e9))) is not None:
             break
     cpu_run = time.process_time() - cpu_run0
-    idle_ns = spec["idle_ms"] * 1_000_000
-    # an active connection closed: wrong if it had sent within idle_ms (the server's fault), a load
-    # stall if this process itself had not sent for idle_ms (it could not keep its schedule)
-    closed_active = [i for i in range(load.n) if load.active[i] and load.closed_ns[i] and load.closed_ns[i] <= end]
-    wrong = [i for i in closed_active if load.closed_ns[i] - load.last_send_ns[i] < idle_ns]
-    stalls = len(closed_active) - len(wrong)
-    missed = sum(1 for i in range(load.n) if not load.active[i] and not load.closed_ns[i])
     lags = sorted(load.slot_lag_ms)
     print(json.dumps({
-        "connections": load.n, "active": sum(load.active), "wrong": len(wrong), "load_stalls": stalls,
-        "missed": missed, "send_lag_ms_p99": percentile(lags, 0.99), "send_lag_ms_max": lags[-1] if lags else None,
-        "closed": sum(1 for c in load.closed_ns if c), "sends": load.sends, "send_blocked": load.send_blocked,
-        "wrong_examples": [{"since_last_send_ms": (load.closed_ns[i] - load.last_send_ns[i]) / 1e6}
-                           for i in wrong[:10]],
-        "cpu_s": time.process_time() - cpu0, "run_cpu_cores": cpu_run / max(1e-9, (end - run["t0"]) / 1e9),
+        "connections": load.n, "active": sum(load.active), "send_lag_ms_p99": percentile(lags, 0.99),
+        "send_lag_ms_max": lags[-1] if lags else None, "closed": sum(1 for c in load.closed_ns if c),
+        "sends": load.sends, "send_blocked": load.send_blocked, "cpu_s": time.process_time() - cpu0,
+        "run_cpu_cores": cpu_run / max(1e-9, (end - run["t0"]) / 1e9),
     }), flush=True)
-    while command(0.01) is None:  # keep sending until the parent has stopped the server
+    closes = None
+    while closes is None:  # keep sending until the parent has stopped the server and sends its closes
+        closes = command(0.01)
+    print(json.dumps(judge_closes(load, closes["closes"], spec["idle_ms"] * 1_000_000, end)), flush=True)
+    while command(0.01) is None:
         pass
     load.close_all()
     return 0
+
+
+def judge_closes(load: Load, closes: list, idle_ns: int, end_ns: int) -> dict:
+    """Each idle close the server made, against what this process sent on that connection.
+
+    ``closes``: [peer port, server's close ns] per close. A connection still in its
+    sending phase when the server closed it (an active one, or a quiet one before its
+    quiet moment) is a *wrong* close when it had sent within ``idle_ms`` before the
+    close, and a *load stall* when this process had not served it for ``idle_ms`` (the
+    machine could not run the load on time). Quiet connections the server never
+    closed are *missed*."""
+    wrong, stalls, undetermined, unknown = [], 0, 0, 0
+    closed = set()
+    for port, close_ns in closes:
+        i = load.port_index.get(port)
+        if i is None:
+            unknown += 1
+            continue
+        closed.add(i)
+        if close_ns > end_ns:
+            continue
+        if not load.active[i] and close_ns >= load.quiet_at_ns[i]:
+            continue  # closed after it went quiet: right (whether early is judged by the server's clock)
+        sent = load.last_send_before(i, close_ns)  # it was still sending: was it on schedule?
+        if sent is None:
+            undetermined += 1
+        elif close_ns - sent < idle_ns:
+            wrong.append((i, (close_ns - sent) / 1e6))
+        else:
+            stalls += 1
+    missed = sum(1 for i in range(load.n) if not load.active[i] and i not in closed)
+    return {"wrong": len(wrong), "load_stalls": stalls, "undetermined": undetermined, "unknown_ports": unknown,
+            "missed": missed, "wrong_examples": [{"active": load.active[i], "since_last_send_ms": ms}
+                                                 for i, ms in wrong[:10]]}
 
 
 # =========================================================================== profiles (--profile DIR)
@@ -771,6 +851,9 @@ def run_kind(kind: str, args, workdir: str) -> dict:
         stop_profilers(profilers)
         load_results = [load.read_json(120) for load in loads]
         reports = [server.stop() for server in servers]
+        for load, report, result in zip(loads, reports, load_results):
+            load.send({"closes": [[c[3], c[2]] for c in report["closed_idle"]]})
+            result.update(load.read_json(300))
         for load in loads:
             load.send({"close": True})
         window_s = (w1 - w0) / 1e9
@@ -797,6 +880,7 @@ def run_kind(kind: str, args, workdir: str) -> dict:
             "idle_closes": len(closes), "closed_seen_by_load": sum(r["closed"] for r in load_results),
             "wrong_closes": sum(r["wrong"] for r in load_results),
             "load_stalls": sum(r["load_stalls"] for r in load_results),
+            "undetermined_closes": sum(r["undetermined"] + r["unknown_ports"] for r in load_results),
             "load_send_lag_ms_p99": max((r["send_lag_ms_p99"] or 0) for r in load_results),
             "load_send_lag_ms_max": max((r["send_lag_ms_max"] or 0) for r in load_results),
             "wrong_examples": [e for r in load_results for e in r["wrong_examples"]][:10],

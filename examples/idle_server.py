@@ -85,7 +85,7 @@ class IdleServer:
         self.connections: dict[int, asyncio.Transport] = {}
         self.fds: dict[int, int] = {}  # key -> socket descriptor (for the unread-bytes check)
         self.last_read_ns: dict[int, int] = {}  # key -> monotonic ns of the last read (or of the accept)
-        self.closed_idle: list[tuple[int, int, int]] = []  # (key, last read ns, close ns)
+        self.closed_idle: list[tuple[int, int, int, int]] = []  # (key, last read ns, close ns, peer port)
         self.accepted = 0
         self.reads = 0
         self.raced = 0  # reports that found a read since: re-armed, not closed
@@ -119,7 +119,7 @@ class IdleServer:
         del self.connections[key]
         del self.last_read_ns[key]
         del self.fds[key]
-        self.closed_idle.append((key, last_ns, now_ns))
+        self.closed_idle.append((key, last_ns, now_ns, (transport.get_extra_info("peername") or ("", 0))[1]))
         if self.log_closes:
             print(json.dumps({"closed_idle": {"key": key, "idle_ms": (now_ns - last_ns) / 1e6,
                                               "peer": transport.get_extra_info("peername")}}), flush=True)

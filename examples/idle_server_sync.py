@@ -89,7 +89,7 @@ class SyncIdleServer:
         self.echo, self.log_closes = echo, log_closes
         self.connections: dict[int, socket.socket] = {}
         self.last_read_ns: dict[int, int] = {}  # key -> monotonic ns of the last read (or of the accept)
-        self.closed_idle: list[tuple[int, int, int]] = []  # (key, last read ns, close ns)
+        self.closed_idle: list[tuple[int, int, int, int]] = []  # (key, last read ns, close ns, peer port)
         self.accepted = 0
         self.reads = 0
         self.raced = 0  # reports that found a read since: re-armed, not closed
@@ -241,8 +241,12 @@ class SyncIdleServer:
             del self.connections[key]
             del self.last_read_ns[key]
             self._selector.unregister(sock)
+            try:
+                peer_port = sock.getpeername()[1]
+            except OSError:
+                peer_port = 0
             sock.close()
-            self.closed_idle.append((key, last_ns, now_ns))
+            self.closed_idle.append((key, last_ns, now_ns, peer_port))
             if self.log_closes:
                 print(json.dumps({"closed_idle": {"key": key, "idle_ms": (now_ns - last_ns) / 1e6}}), flush=True)
         self._watch_client()
