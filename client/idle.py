@@ -130,6 +130,7 @@ class IdleTracker:
             # after a flush (the latest per key wins: an add re-arms, a cancel of an unarmed key is a no-op)
             self._unsent: dict[object, bool] = {}
             self._resend_task: asyncio.Task | None = None
+            self._flush_lock = asyncio.Lock()
             self.touch = self._make_daemon_touch(client)
             self._task = self._loop.create_task(self._read_expirations(), name="wheeld-idle-expirations")
 
@@ -242,15 +243,16 @@ class IdleTracker:
         if self._wheel is not None or self._closed:
             return
         end = time.monotonic() + timeout_s
-        await self._pause_reader()
-        try:
-            await self.client.flush(timeout_s)
-            while self._unsent:  # adds that found the ring full: send them now there is room
-                self._send_unsent()
-                await self.client.flush(max(0.01, end - time.monotonic()))
-        finally:
-            if not self._closed and self.error is None:
-                self._task = self._loop.create_task(self._read_expirations(), name="wheeld-idle-expirations")
+        async with self._flush_lock:  # one flush at a time: the client has one reader
+            await self._pause_reader()
+            try:
+                await self.client.flush(timeout_s)
+                while self._unsent:  # adds/removes that found the ring full: send them now there is room
+                    self._send_unsent()
+                    await self.client.flush(max(0.01, end - time.monotonic()))
+            finally:
+                if not self._closed and self.error is None:
+                    self._task = self._loop.create_task(self._read_expirations(), name="wheeld-idle-expirations")
 
     async def aclose(self) -> None:
         """Stop reporting. Daemon timers of keys still tracked are cancelled (the client stays open).
@@ -265,20 +267,21 @@ class IdleTracker:
         else:
             if self._resend_task is not None:
                 self._resend_task.cancel()
-            await self._pause_reader()
-            cancels = [key for key, add in self._unsent.items() if not add]
-            self._unsent.clear()
-            try:
-                for key in itertools.chain(self._keys, cancels):
-                    while True:
-                        try:
-                            self.client.cancel(key)
-                            break
-                        except RingFull:
-                            await self.client.flush()
-                await self.client.flush()
-            except Exception:
-                log.debug("idle: cancelling the daemon timers on close failed", exc_info=True)
+            async with self._flush_lock:
+                await self._pause_reader()
+                cancels = [key for key, add in self._unsent.items() if not add]
+                self._unsent.clear()
+                try:
+                    for key in itertools.chain(self._keys, cancels):
+                        while True:
+                            try:
+                                self.client.cancel(key)
+                                break
+                            except RingFull:
+                                await self.client.flush()
+                    await self.client.flush()
+                except Exception:
+                    log.debug("idle: cancelling the daemon timers on close failed", exc_info=True)
         if self._queue is not None:
             self._queue.put_nowait(_CLOSED)
 
