@@ -355,6 +355,13 @@ class Daemon:
                 time.sleep(0.02)
         raise RuntimeError("wheeld did not start within 30 s")
 
+    def lateness_counts(self) -> tuple[int, ...]:
+        """The daemon's own fire-lateness histogram (deadline to firing), read from its arena."""
+        from wheeld.daemon.stats import ArenaReader
+
+        with ArenaReader(self.name) as reader:
+            return reader.snapshot(with_records=False).lateness_counts
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
@@ -366,6 +373,15 @@ class Daemon:
                     os.unlink(os.path.join(SHM_DIR, entry))
                 except FileNotFoundError:
                     pass
+
+
+def daemon_lateness(before: tuple[int, ...], after: tuple[int, ...]) -> dict:
+    """p50/p99 of how late the daemon fired the timers that came due between two histograms."""
+    from wheeld.daemon.stats import quantile_us
+
+    counts = [b - a for a, b in zip(before, after)]
+    q = {name: quantile_us(counts, frac) for name, frac in (("p50", 0.5), ("p99", 0.99))}
+    return {"count": sum(counts), **{k: (v / 1000 if v is not None else None) for k, v in q.items()}}
 
 
 # =========================================================================== child processes, seen from here
@@ -839,6 +855,7 @@ def run_kind(kind: str, args, workdir: str) -> dict:
                        "quiet_span": max(1, window_ns - idle_ns // 2 - 250_000_000)})
         sleep_until(warm_end)
         profilers = start_profilers(args, kind, servers, daemon)
+        fired0 = daemon.lateness_counts() if daemon else None
         s0 = [server.stats() for server in servers]
         cpu0 = [proc_cpu_s(server.pid) for server in servers]
         d_cpu0 = proc_cpu_s(daemon.proc.pid) if daemon else 0.0
@@ -848,6 +865,7 @@ def run_kind(kind: str, args, workdir: str) -> dict:
         cpu1 = [proc_cpu_s(server.pid) for server in servers]
         d_cpu1 = proc_cpu_s(daemon.proc.pid) if daemon else 0.0
         s1 = [server.stats() for server in servers]
+        fired1 = daemon.lateness_counts() if daemon else None
         stop_profilers(profilers)
         load_results = [load.read_json(120) for load in loads]
         reports = [server.stop() for server in servers]
@@ -869,6 +887,7 @@ def run_kind(kind: str, args, workdir: str) -> dict:
         if daemon:
             out["daemon_us_per_read"] = (d_cpu1 - d_cpu0) / max(1, reads) * 1e6
             out["daemon_cpu_cores"] = (d_cpu1 - d_cpu0) / window_s
+            out["daemon_fire_lateness_ms"] = daemon_lateness(fired0, fired1)
 
         closes = [c for report in reports for c in report["closed_idle"]]
         early = [c for c in closes if c[2] - c[1] < idle_ns]
@@ -1034,7 +1053,10 @@ def format_row(r: dict) -> str:
             f"load {r['load_cpu_cores']:.2f} cores, cpu/read {r['server_us_per_read']:.2f}{daemon} us, wrong "
             f"{r['wrong_closes']}, early {r['early_closes']}, missed {r['missed']}, idle closes {r['idle_closes']}, "
             f"load stalls {r['load_stalls']} (send lag p99/max {r['load_send_lag_ms_p99']}/{r['load_send_lag_ms_max']} ms), "
-            f"late p50/p99/max {ms(lat['p50'])}/{ms(lat['p99'])}/{ms(lat['max'])} ms, lag p99 {ms(lag['p99'])} ms, "
+            f"late p50/p99/max {ms(lat['p50'])}/{ms(lat['p99'])}/{ms(lat['max'])} ms"
+            + (f" (daemon fired p50/p99 {ms(r['daemon_fire_lateness_ms']['p50'])}/"
+               f"{ms(r['daemon_fire_lateness_ms']['p99'])} ms late)" if "daemon_fire_lateness_ms" in r else "")
+            + f", lag p99 {ms(lag['p99'])} ms, "
             f"rss {r['rss_bytes_per_connection']:.0f} B/conn")
 
 
