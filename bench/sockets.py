@@ -1,8 +1,8 @@
 """Idle detection for 50,000 real loopback TCP connections, per server kind, in one run.
 
-    .venv/bin/python bench/sockets.py                   # 50,000 connections, every kind (~5 minutes)
+    .venv/bin/python bench/sockets.py                   # 50,000 connections, every kind (~6 minutes)
     .venv/bin/python bench/sockets.py --connections 2000 --idle-ms 1000 --max-interval-ms 200 \
-        --duration-s 2 --out /tmp/sockets.json          # the small mode (tests/test_bench_sockets.py)
+        --quiet-span-s 1 --duration-s 1 --out /tmp/sockets.json   # the small mode (tests/test_bench_sockets.py)
 
 A *load* process holds the connections and the *server* runs as its own
 process; for the wheeld kinds a real wheeld daemon is started too. Both need
@@ -32,11 +32,12 @@ Server kinds (each a fresh set of processes, the same load):
 The load: every connection sends a byte when it opens. *Active* ones (half)
 then send a byte every 100-500 ms (uniform) for the whole run; *quiet* ones
 (the other half) send a byte every idle_ms/2 until a moment drawn uniformly
-over the run, then nothing, so their idle closes are spread over the run. The
-idle time is 2 s. From the moment every connection is open and accepted: a
-warm-up of one idle period, then ``--duration-s`` of measurement, then the
-servers are stopped. The asyncio servers run on uvloop (``--loop asyncio``:
-the standard loop).
+over ``--quiet-span-s`` (15 s), then nothing. The idle time is 2 s. From the
+moment every connection is open and accepted, the run has two phases: the
+*close phase* (the quiet span, plus idle_ms and a margin: every quiet
+connection is closed in it) and then the *CPU window* (``--duration-s``, 20 s)
+in which the servers only read and re-arm. Then the servers are stopped. The
+asyncio servers run on uvloop (``--loop asyncio``: the standard loop).
 
 Reported per kind:
 
@@ -48,11 +49,14 @@ Reported per kind:
   last read of it (``time.monotonic_ns()`` taken by the server at the read and
   at the close); must be 0; and quiet connections never closed (*missed*);
 * idle-close *lateness* p50/p99/max: close time - (last read + idle_ms);
-* server *CPU per read* over the measured window (process CPU from /proc over
-  the reads the servers counted), and for the wheeld kinds the daemon's CPU per
+* server *CPU per read* over the CPU window (process CPU from /proc over the
+  reads the servers counted), and for the wheeld kinds the daemon's CPU per
   read; *net*: minus the ``-none`` server of the same family in the same run
-  (plus the daemon's): what idle detection costs per read;
-* *event-loop lag* p99: a probe due every 10 ms in each server's loop (a loop
+  (plus the daemon's): what idle detection costs per read (the close phase's
+  figure, which includes the closes, is in the JSON);
+* the daemon's own *fire lateness* over the close phase (its arena's
+  histogram): how much of the idle-close lateness is the daemon's;
+* *event-loop lag* p99 over both phases: a probe due every 10 ms in each server's loop (a loop
   timer in asyncio, a periodic entry of the selectors loop), how late it ran;
   its floor is the 1 ms resolution of epoll timeouts and libuv timers;
 * *RSS per connection*: the servers' RSS growth from before the first connect
@@ -844,29 +848,39 @@ def run_kind(kind: str, args, workdir: str) -> dict:
         if daemon:
             out["daemon_rss_bytes_per_connection"] = (rss_kb(daemon.proc.pid) - daemon_rss0) * 1024 / n
 
-        # the run: a warm-up of one idle period (every timer re-armed at least once), then the
-        # measured window; quiet connections stop at a moment uniform over the run, early enough
-        # to be closed inside it
-        window_ns = int(args.duration_s * 1e9)
+        # The run. Close phase: quiet connections stop at moments uniform over --quiet-span-s
+        # and are closed idle_ms later (lateness, wrong and early closes, the daemon's fire
+        # lateness). Then, with every quiet connection closed and every active one's timer
+        # re-armed a few times, the CPU window: --duration-s of reads only (CPU per read).
+        idle_s = idle_ms / 1000
         t0 = time.monotonic_ns() + 200_000_000
-        warm_end, window_end = t0 + idle_ns, t0 + idle_ns + window_ns
+        cw0 = t0 + int((args.quiet_span_s + idle_s + max(1.0, idle_s / 2)) * 1e9)
+        end_ns = cw0 + int(args.duration_s * 1e9)
         for load in loads:
-            load.send({"t0": t0, "window_end": window_end,
-                       "quiet_span": max(1, window_ns - idle_ns // 2 - 250_000_000)})
-        sleep_until(warm_end)
-        profilers = start_profilers(args, kind, servers, daemon)
+            load.send({"t0": t0, "window_end": end_ns, "quiet_span": int(args.quiet_span_s * 1e9)})
+        sleep_until(t0)
         fired0 = daemon.lateness_counts() if daemon else None
+        sc0 = [server.stats() for server in servers]
+        cc0 = [proc_cpu_s(server.pid) for server in servers]
+        sleep_until(cw0)
+        fired1 = daemon.lateness_counts() if daemon else None
+        profilers = start_profilers(args, kind, servers, daemon)
         s0 = [server.stats() for server in servers]
         cpu0 = [proc_cpu_s(server.pid) for server in servers]
         d_cpu0 = proc_cpu_s(daemon.proc.pid) if daemon else 0.0
         w0 = time.monotonic_ns()
-        sleep_until(window_end)
+        sleep_until(end_ns)
         w1 = time.monotonic_ns()
         cpu1 = [proc_cpu_s(server.pid) for server in servers]
         d_cpu1 = proc_cpu_s(daemon.proc.pid) if daemon else 0.0
         s1 = [server.stats() for server in servers]
-        fired1 = daemon.lateness_counts() if daemon else None
         stop_profilers(profilers)
+        close_reads = sum(b["reads"] - a["reads"] for a, b in zip(sc0, s0))
+        out["close_phase"] = {
+            "seconds": (cw0 - t0) / 1e9, "reads_per_s": close_reads / ((cw0 - t0) / 1e9),
+            "server_us_per_read": (sum(cpu0) - sum(cc0)) / max(1, close_reads) * 1e6,
+            "idle_closes": sum(b["closed_idle"] - a["closed_idle"] for a, b in zip(sc0, s0)),
+        }
         load_results = [load.read_json(120) for load in loads]
         reports = [server.stop() for server in servers]
         for load, report, result in zip(loads, reports, load_results):
@@ -887,12 +901,12 @@ def run_kind(kind: str, args, workdir: str) -> dict:
         if daemon:
             out["daemon_us_per_read"] = (d_cpu1 - d_cpu0) / max(1, reads) * 1e6
             out["daemon_cpu_cores"] = (d_cpu1 - d_cpu0) / window_s
-            out["daemon_fire_lateness_ms"] = daemon_lateness(fired0, fired1)
+            out["daemon_fire_lateness_ms"] = daemon_lateness(fired0, fired1)  # over the close phase
 
         closes = [c for report in reports for c in report["closed_idle"]]
         early = [c for c in closes if c[2] - c[1] < idle_ns]
         late_ms = sorted((c[2] - c[1] - idle_ns) / 1e6 for c in closes)
-        lag_ms = sorted(lag / 1e6 for report in reports for at, lag in report["lag"] if w0 <= at <= w1)
+        lag_ms = sorted(lag / 1e6 for report in reports for at, lag in report["lag"] if t0 <= at <= w1)
         out.update({
             "active": sum(r["active"] for r in load_results),
             "quiet": n - sum(r["active"] for r in load_results),
@@ -944,7 +958,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", help=argparse.SUPPRESS)
     parser.add_argument("--connections", type=int, default=50_000)
     parser.add_argument("--idle-ms", type=int, default=2000)
-    parser.add_argument("--duration-s", type=float, default=30.0, help="measured window after the warm-up")
+    parser.add_argument("--quiet-span-s", type=float, default=15.0,
+                        help="quiet connections go quiet at moments uniform over this span (the close phase)")
+    parser.add_argument("--duration-s", type=float, default=20.0,
+                        help="the CPU window, after the close phase: reads only")
     parser.add_argument("--min-interval-ms", type=int, default=100)
     parser.add_argument("--max-interval-ms", type=int, default=500)
     parser.add_argument("--kinds", default=",".join(KINDS))
@@ -970,8 +987,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-interval-ms must be below --idle-ms (active connections would look idle)")
     args.processes, plan = plan_processes(args.connections, args.processes)
     print(f"sockets benchmark: {args.connections:,} loopback connections, idle {args.idle_ms} ms, sends every "
-          f"{args.min_interval_ms}-{args.max_interval_ms} ms, window {args.duration_s} s after a {args.idle_ms} ms "
-          f"warm-up, asyncio servers on {args.loop}; {plan}; load average {os.getloadavg()[0]:.2f} on "
+          f"{args.min_interval_ms}-{args.max_interval_ms} ms, quiet ones going quiet over {args.quiet_span_s} s, "
+          f"CPU window {args.duration_s} s, asyncio servers on {args.loop}; {plan}; load average "
+          f"{os.getloadavg()[0]:.2f} on "
           f"{os.cpu_count()} CPUs", flush=True)
     results = []
     started = time.time()
