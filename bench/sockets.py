@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/sockets.py                   # 50,000 connections, every kind (~6 minutes)
     .venv/bin/python bench/sockets.py --connections 2000 --idle-ms 1000 --max-interval-ms 200 \
-        --quiet-span-s 1 --duration-s 1 --out /tmp/sockets.json   # the small mode (tests/test_bench_sockets.py)
+        --duration-s 1 --out /tmp/sockets.json          # the small mode (tests/test_bench_sockets.py)
 
 A *load* process holds the connections and the *server* runs as its own
 process; for the wheeld kinds a real wheeld daemon is started too. Both need
@@ -31,13 +31,16 @@ Server kinds (each a fresh set of processes, the same load):
 
 The load: every connection sends a byte when it opens. *Active* ones (half)
 then send a byte every 100-500 ms (uniform) for the whole run; *quiet* ones
-(the other half) send a byte every idle_ms/2 until a moment drawn uniformly
-over ``--quiet-span-s`` (15 s), then nothing. The idle time is 2 s. From the
-moment every connection is open and accepted, the run has two phases: the
-*close phase* (the quiet span, plus idle_ms and a margin: every quiet
-connection is closed in it) and then the *CPU window* (``--duration-s``, 20 s)
-in which the servers only read and re-arm. Then the servers are stopped. The
-asyncio servers run on uvloop (``--loop asyncio``: the standard loop).
+(the other half) send nothing more, so each is closed idle_ms after it opened,
+while the others are still being opened. The idle time is 2 s. The run has
+two phases: the *close phase*, from the first connect until every quiet
+connection is closed (the opening at ``--connect-rate``, then idle_ms and a
+margin), and the *CPU window* (``--duration-s``, 20 s) in which the servers only
+read and re-arm. Then the servers are stopped. (``--quiet-span-s S``: quiet
+connections send every idle_ms/2 until a moment uniform over S seconds after
+all are open, so they are closed in a steady state; at 50,000 connections that
+extra load saturates a 2-core machine.) The asyncio servers run on uvloop
+(``--loop asyncio``: the standard loop).
 
 Reported per kind:
 
@@ -492,9 +495,10 @@ class Load:
         self.active = [i % 2 == 0 for i in range(n)]
         # quiet ones send a byte every quiet_interval_ms (under idle_ms) until their quiet moment,
         # drawn uniformly over the run when it starts, then nothing
+        # (--quiet-span-s 0: quiet from their first byte on)
         self.quiet_interval_ms = spec["quiet_interval_ms"]
         self.quiet_frac = [rng.random() for _ in range(n)]
-        self.quiet_at_ns = [1 << 62] * n
+        self.quiet_at_ns = [1 << 62 if spec["quiet_span"] else 0] * n
         self.closed_ns = [0] * n
         self.last_send_ns = [0] * n
         self.port_index: dict[int, int] = {}  # local port -> connection
@@ -701,9 +705,10 @@ def load_main(spec: dict) -> int:
     while run is None:
         run = command(0.002)
     end = run["window_end"]
-    for i in range(load.n):
-        if not load.active[i]:
-            load.quiet_at_ns[i] = run["t0"] + int(load.quiet_frac[i] * run["quiet_span"])
+    if spec["quiet_span"]:
+        for i in range(load.n):
+            if not load.active[i]:
+                load.quiet_at_ns[i] = run["t0"] + int(load.quiet_frac[i] * spec["quiet_span"])
     load.slot_lag_ms.clear()
     cpu_run0 = time.process_time()
     while time.monotonic_ns() < end:
@@ -826,10 +831,15 @@ def run_kind(kind: str, args, workdir: str) -> dict:
         rss0 = [rss_kb(server.pid) for server in servers]
         daemon_rss0 = rss_kb(daemon.proc.pid) if daemon else 0
 
+        fired0 = daemon.lateness_counts() if daemon else None  # the close phase starts with the first connect
+        sc0 = [server.stats() for server in servers]
+        cc0 = [proc_cpu_s(server.pid) for server in servers]
+        open_t0 = time.monotonic_ns()
+
         # open: one load process per server, each from its own source address
         for i, (server, share) in enumerate(zip(servers, shares(n, processes))):
             spec = {"connections": share, "port": server.port, "source": f"127.0.0.{1 + i}", "idle_ms": idle_ms,
-                    "quiet_interval_ms": max(1, idle_ms // 2),
+                    "quiet_interval_ms": max(1, idle_ms // 2), "quiet_span": int(args.quiet_span_s * 1e9),
                     "seed": args.seed * 1000 + i, "rate": args.connect_rate / processes,
                     "min_interval_ms": args.min_interval_ms, "max_interval_ms": args.max_interval_ms}
             loads.append(Child("load", spec, os.path.join(workdir, f"{kind}.load{i}.stderr")))
@@ -844,24 +854,25 @@ def run_kind(kind: str, args, workdir: str) -> dict:
                 if time.monotonic() > end:
                     raise RuntimeError(f"a {kind} server accepted fewer than {share} connections in 120 s")
                 time.sleep(0.05)
-        out["rss_bytes_per_connection"] = sum(rss_kb(s.pid) - r for s, r in zip(servers, rss0)) * 1024 / n
+        open_now = sum(server.stats()["open"] for server in servers)
+        # per connection open now (with --quiet-span-s 0 the first quiet ones are closed already)
+        out["rss_bytes_per_connection"] = sum(rss_kb(s.pid) - r for s, r in zip(servers, rss0)) * 1024 / open_now
+        out["open_at_rss"] = open_now
         if daemon:
             out["daemon_rss_bytes_per_connection"] = (rss_kb(daemon.proc.pid) - daemon_rss0) * 1024 / n
 
-        # The run. Close phase: quiet connections stop at moments uniform over --quiet-span-s
-        # and are closed idle_ms later (lateness, wrong and early closes, the daemon's fire
-        # lateness). Then, with every quiet connection closed and every active one's timer
-        # re-armed a few times, the CPU window: --duration-s of reads only (CPU per read).
+        # The run. Close phase: from the first connect until every quiet connection is closed
+        # (lateness, wrong and early closes, the daemon's fire lateness). With --quiet-span-s 0
+        # quiet connections go quiet after their first byte, so they are closed while the others
+        # are still being opened; otherwise they stop at moments uniform over the span after
+        # all are open. Then, with every active timer re-armed at least once, the CPU window:
+        # --duration-s of reads only (CPU per read).
         idle_s = idle_ms / 1000
         t0 = time.monotonic_ns() + 200_000_000
         cw0 = t0 + int((args.quiet_span_s + idle_s + max(1.0, idle_s / 2)) * 1e9)
         end_ns = cw0 + int(args.duration_s * 1e9)
         for load in loads:
-            load.send({"t0": t0, "window_end": end_ns, "quiet_span": int(args.quiet_span_s * 1e9)})
-        sleep_until(t0)
-        fired0 = daemon.lateness_counts() if daemon else None
-        sc0 = [server.stats() for server in servers]
-        cc0 = [proc_cpu_s(server.pid) for server in servers]
+            load.send({"t0": t0, "window_end": end_ns})
         sleep_until(cw0)
         fired1 = daemon.lateness_counts() if daemon else None
         profilers = start_profilers(args, kind, servers, daemon)
@@ -877,7 +888,7 @@ def run_kind(kind: str, args, workdir: str) -> dict:
         stop_profilers(profilers)
         close_reads = sum(b["reads"] - a["reads"] for a, b in zip(sc0, s0))
         out["close_phase"] = {
-            "seconds": (cw0 - t0) / 1e9, "reads_per_s": close_reads / ((cw0 - t0) / 1e9),
+            "seconds": (cw0 - open_t0) / 1e9, "reads_per_s": close_reads / ((cw0 - open_t0) / 1e9),
             "server_us_per_read": (sum(cpu0) - sum(cc0)) / max(1, close_reads) * 1e6,
             "idle_closes": sum(b["closed_idle"] - a["closed_idle"] for a, b in zip(sc0, s0)),
         }
@@ -906,7 +917,7 @@ def run_kind(kind: str, args, workdir: str) -> dict:
         closes = [c for report in reports for c in report["closed_idle"]]
         early = [c for c in closes if c[2] - c[1] < idle_ns]
         late_ms = sorted((c[2] - c[1] - idle_ns) / 1e6 for c in closes)
-        lag_ms = sorted(lag / 1e6 for report in reports for at, lag in report["lag"] if t0 <= at <= w1)
+        lag_ms = sorted(lag / 1e6 for report in reports for at, lag in report["lag"] if open_t0 <= at <= w1)
         out.update({
             "active": sum(r["active"] for r in load_results),
             "quiet": n - sum(r["active"] for r in load_results),
@@ -958,8 +969,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", help=argparse.SUPPRESS)
     parser.add_argument("--connections", type=int, default=50_000)
     parser.add_argument("--idle-ms", type=int, default=2000)
-    parser.add_argument("--quiet-span-s", type=float, default=15.0,
-                        help="quiet connections go quiet at moments uniform over this span (the close phase)")
+    parser.add_argument("--quiet-span-s", type=float, default=0.0,
+                        help="0: quiet connections go quiet after their first byte; else they send every "
+                        "idle_ms/2 until a moment uniform over this span after all are open")
     parser.add_argument("--duration-s", type=float, default=20.0,
                         help="the CPU window, after the close phase: reads only")
     parser.add_argument("--min-interval-ms", type=int, default=100)
@@ -987,7 +999,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-interval-ms must be below --idle-ms (active connections would look idle)")
     args.processes, plan = plan_processes(args.connections, args.processes)
     print(f"sockets benchmark: {args.connections:,} loopback connections, idle {args.idle_ms} ms, sends every "
-          f"{args.min_interval_ms}-{args.max_interval_ms} ms, quiet ones going quiet over {args.quiet_span_s} s, "
+          f"{args.min_interval_ms}-{args.max_interval_ms} ms, quiet ones going quiet "
+          f"{'after their first byte' if not args.quiet_span_s else f'over {args.quiet_span_s} s'}, "
           f"CPU window {args.duration_s} s, asyncio servers on {args.loop}; {plan}; load average "
           f"{os.getloadavg()[0]:.2f} on "
           f"{os.cpu_count()} CPUs", flush=True)
