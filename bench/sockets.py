@@ -589,7 +589,8 @@ class Load:
         self.closed_ns[i] = time.monotonic_ns()
         self.epoll.unregister(fd)
         del self.fd_index[fd]
-        self.socks[i].close()
+        # the socket stays open (CLOSE_WAIT) until the end: its local port is not reused by a
+        # later connection, so the server's close records (by peer port) stay unambiguous
 
     def _send(self, i: int, now_ns: int) -> None:
         self.last_send_ns[i] = now_ns  # before the send: the server reads it later, never earlier
@@ -667,8 +668,8 @@ class Load:
         return best
 
     def close_all(self) -> None:
-        for i, sock in enumerate(self.socks):
-            if sock is not None and not self.closed_ns[i]:
+        for sock in self.socks:
+            if sock is not None:
                 sock.close()
         self.epoll.close()
 
