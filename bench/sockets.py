@@ -248,9 +248,32 @@ def _stats(server, probe_samples: int) -> dict:
             "cpu_s": time.process_time(), "rss_kb": rss_kb(), "probes": probe_samples}
 
 
-def _write_report(path: str, server, probe: _Probe, extra: dict) -> None:
+def _write_report(path: str, server, probe: _Probe, extra: dict, received: dict | None = None) -> None:
     report = {"closed_idle": server.closed_idle, "lag": probe.samples, "summary": server.summary(), **extra}
+    if received is not None:  # wheeld kinds: the path of each idle close, in parts
+        report["received"] = {str(key): value for key, value in received.items()}
     Path(path).write_text(json.dumps(report))
+
+
+def _note_deliveries(client, received: dict, asynchronous: bool) -> None:
+    """Wrap ``client.poll`` to note, per key, the daemon's deadline and firing time (ms) and
+    when the server got it (ns): the idle-close lateness split into its parts."""
+    poll = client.poll
+    if asynchronous:
+        async def noting_poll(timeout_s=None):
+            out = await poll(timeout_s)
+            now = time.monotonic_ns()
+            for e in out:
+                received[e.key] = (e.deadline_ms, e.fired_ms, now)
+            return out
+    else:
+        def noting_poll(timeout_s=None):
+            out = poll(timeout_s)
+            now = time.monotonic_ns()
+            for e in out:
+                received[e.key] = (e.deadline_ms, e.fired_ms, now)
+            return out
+    client.poll = noting_poll
 
 
 def serve(spec: dict) -> int:
@@ -277,8 +300,11 @@ async def _serve_asyncio(spec: dict) -> int:
     kind, idle_ms = spec["kind"], spec["idle_ms"]
     loop = asyncio.get_running_loop()
     client = None
+    received = None
     if kind == "asyncio-wheeld":
         client = await wheeld.connect_async(spec["socket"], group=spec["group"])
+        received = {}
+        _note_deliveries(client, received, asynchronous=True)
         server = mod.IdleServer(idle_ms, client=client, echo=False)
     elif kind == "asyncio-call-later":
         server = mod.IdleServer(idle_ms, tracker=CallLaterTracker, echo=False, recheck=False)
@@ -306,7 +332,7 @@ async def _serve_asyncio(spec: dict) -> int:
                                                           flush=True))
     print(f"listening {server.port} {type(loop).__module__}", flush=True)
     await stop.wait()
-    _write_report(spec["report"], server, probe, {"loop": type(loop).__module__})
+    _write_report(spec["report"], server, probe, {"loop": type(loop).__module__}, received)
     await server.close()
     if client is not None:
         await client.close()
@@ -319,6 +345,10 @@ def _serve_sync(spec: dict) -> int:
     mod = _load_example("idle_server_sync")
     kind, idle_ms = spec["kind"], spec["idle_ms"]
     client = wheeld.connect(spec["socket"], group=spec["group"]) if kind == "sync-wheeld" else NullClient()
+    received = None
+    if kind == "sync-wheeld":
+        received = {}
+        _note_deliveries(client, received, asynchronous=False)
     server = mod.SyncIdleServer(idle_ms, client, echo=False)
     probe = _Probe()
     server.every(PROBE_INTERVAL_S, probe.ran)
@@ -327,7 +357,7 @@ def _serve_sync(spec: dict) -> int:
     print(f"listening {server.port} selectors", flush=True)
     try:
         server.serve_forever()
-        _write_report(spec["report"], server, probe, {"loop": "selectors"})
+        _write_report(spec["report"], server, probe, {"loop": "selectors"}, received)
     finally:
         server.close()
         client.close()
@@ -380,6 +410,32 @@ class Daemon:
                     os.unlink(os.path.join(SHM_DIR, entry))
                 except FileNotFoundError:
                     pass
+
+
+def lateness_parts(reports: list[dict], idle_ns: int) -> dict:
+    """Each idle close's lateness in parts: *rounding* (the deadline is the touch rounded up to
+    the ms, plus idle_ms: 0-1 ms), *daemon* (deadline to firing, both in whole ms), *delivery*
+    (firing to the server's poll returning it: the frame, the socket, the server's loop getting
+    to it; the firing time is floored to the ms, so up to 1 ms of this is the floor), *server*
+    (from there to the close). p50/p99 of each, in ms."""
+    parts: dict[str, list[float]] = {"rounding": [], "daemon": [], "delivery": [], "server": []}
+    for report in reports:
+        received = report.get("received", {})
+        for key, last_ns, close_ns, _port in report["closed_idle"]:
+            got = received.get(str(key))
+            if got is None:
+                continue
+            deadline_ms, fired_ms, recv_ns = got
+            parts["rounding"].append((deadline_ms * 1_000_000 - last_ns - idle_ns) / 1e6)
+            parts["daemon"].append(fired_ms - deadline_ms)
+            parts["delivery"].append((recv_ns - fired_ms * 1_000_000) / 1e6)
+            parts["server"].append((close_ns - recv_ns) / 1e6)
+    out = {}
+    for name, values in parts.items():
+        values.sort()
+        out[name] = {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
+    out["count"] = len(parts["daemon"])
+    return out
 
 
 def daemon_lateness(before: tuple[int, ...], after: tuple[int, ...]) -> dict:
@@ -916,6 +972,8 @@ def run_kind(kind: str, args, workdir: str) -> dict:
             out["daemon_fire_lateness_ms"] = daemon_lateness(fired0, fired1)  # over the close phase
 
         closes = [c for report in reports for c in report["closed_idle"]]
+        if kind.endswith("-wheeld"):
+            out["lateness_parts_ms"] = lateness_parts(reports, idle_ns)
         early = [c for c in closes if c[2] - c[1] < idle_ns]
         late_ms = sorted((c[2] - c[1] - idle_ns) / 1e6 for c in closes)
         lag_ms = sorted(lag / 1e6 for report in reports for at, lag in report["lag"] if open_t0 <= at <= w1)
