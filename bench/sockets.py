@@ -232,10 +232,23 @@ def _load_example(name: str):
 
 
 class _Probe:
-    """Event-loop lag: a callback due every 10 ms; how late it ran (monotonic ns samples)."""
+    """Event-loop lag: a callback due every 10 ms; how late it ran (monotonic ns samples).
+    Also the pauses of Python's cyclic garbage collector (``gc.callbacks``), per generation."""
 
     def __init__(self) -> None:
+        import gc
+
         self.samples: list[tuple[int, int]] = []  # (ran at ns, lag ns)
+        self.gc_pauses: list[tuple[int, int, int]] = []  # (generation, started at ns, took ns)
+        self._gc_start = 0
+
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                self._gc_start = time.monotonic_ns()
+            else:
+                self.gc_pauses.append((info["generation"], self._gc_start, time.monotonic_ns() - self._gc_start))
+
+        gc.callbacks.append(on_gc)
 
     def ran(self, due_ns: int) -> None:
         now = time.monotonic_ns()
@@ -249,7 +262,8 @@ def _stats(server, probe_samples: int) -> dict:
 
 
 def _write_report(path: str, server, probe: _Probe, extra: dict, received: dict | None = None) -> None:
-    report = {"closed_idle": server.closed_idle, "lag": probe.samples, "summary": server.summary(), **extra}
+    report = {"closed_idle": server.closed_idle, "lag": probe.samples, "gc": probe.gc_pauses,
+              "summary": server.summary(), **extra}
     if received is not None:  # wheeld kinds: the path of each idle close, in parts
         report["received"] = {str(key): value for key, value in received.items()}
     Path(path).write_text(json.dumps(report))
@@ -977,6 +991,9 @@ def run_kind(kind: str, args, workdir: str) -> dict:
         early = [c for c in closes if c[2] - c[1] < idle_ns]
         late_ms = sorted((c[2] - c[1] - idle_ns) / 1e6 for c in closes)
         lag_ms = sorted(lag / 1e6 for report in reports for at, lag in report["lag"] if open_t0 <= at <= w1)
+        gc_ms = sorted(took / 1e6 for report in reports for gen, at, took in report["gc"] if gen == 2 and at >= open_t0)
+        out["gc_full_collections"] = {"count": len(gc_ms), "max_ms": gc_ms[-1] if gc_ms else None,
+                                      "total_ms": sum(gc_ms)}
         out.update({
             "active": sum(r["active"] for r in load_results),
             "quiet": n - sum(r["active"] for r in load_results),
