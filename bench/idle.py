@@ -1,24 +1,39 @@
 """Idle-connection detection for 100,000 connections: cost per touch and memory per connection.
 
-    python bench/idle.py                 # 100k connections, ~5 minutes
-    python bench/idle.py --quick         # 20k connections, shorter phases (~1 minute)
-    python bench/idle.py --variants asyncio-timer,wheeld-daemon --repeat 3
+    python bench/idle.py                 # 100k connections, ~8 minutes
+    python bench/idle.py --quick         # 20k connections, shorter phases (~2 minutes)
+    python bench/idle.py --variants asyncio-timer,lazy-timer,wheeld-daemon --repeat 3
 
-The seed-004 problem: N connections, report those that received nothing for
-``idle_ms``. Connections are simulated keys (ints), no sockets. Each variant
-runs in its own process (clean memory figures), in an asyncio event loop:
+N connections; report those that received nothing for ``idle_ms``.
+Connections are simulated keys (ints), no sockets (bench/sockets.py runs real
+ones). Each variant runs in its own process (clean memory figures), in an
+asyncio event loop (the standard one), through the same phases:
 
-* ``asyncio-timer``: the usual server code: one loop timer per connection,
-  re-armed on activity (``handle.cancel()`` + ``loop.call_later``);
+* ``asyncio-timer``: one loop timer per connection, cancelled and re-created on
+  every touch (``handle.cancel()`` + ``loop.call_later``; uvicorn does this with
+  its keep-alive timer on every read);
+* ``lazy-timer``: aiohttp's keep-alive: one loop timer per connection, and a
+  touch only stores the time of the activity (a dict store); when the timer
+  fires it is re-armed at ``last + idle`` if the key was active since
+  (``RequestHandler._next_keepalive_close_time`` / ``_process_keepalive``);
+* ``moving-wheel``: a timing wheel of 1 ms buckets in this process (one level:
+  every deadline is within ``idle_ms``; Varghese and Lauck, SOSP 1987), and a
+  touch *moves* the key to the bucket of its new deadline (two dict operations,
+  O(1)); a loop timer advances it every ms while keys are tracked;
+* ``deque``: gunicorn's gthread worker keeps keep-alive connections in a deque,
+  which a fixed timeout keeps ordered by expiry (appends come in deadline
+  order); it takes an active connection out with ``deque.remove`` (O(n)). Here
+  a touch appends ``(deadline, key)`` and records the key's latest deadline,
+  and a stale entry is skipped when it reaches the head (O(1) per touch, one
+  entry per touch for ``idle_ms``); one loop timer at the head's deadline;
 * ``scan``: a dict of last-activity times (a touch is one dict store) and one
-  task that scans the whole dict every ``--scan-interval-ms`` (seed 004's naive
-  answer: O(N) per scan);
+  task that scans the whole dict every ``--scan-interval-ms`` (O(N) per scan);
+* ``wheel``: :class:`wheeld.idle.IdleTracker` on its in-process wheel (lazy
+  re-arm, a dict store per touch);
 * ``wheeld-daemon``: :class:`wheeld.idle.IdleTracker` on a wheeld daemon
   (``add_idle``; ``touch`` is one 8-byte store into the client's shared touch
   table; the daemon re-arms lazily when the timer comes due). The daemon's CPU
   and memory are added to the variant's;
-* ``wheel``: :class:`wheeld.idle.IdleTracker` on the in-process wheel (same lazy
-  re-arm, a dict store per touch);
 * ``none``: the driver alone (touch does nothing): the harness's own cost,
   subtracted from the all-in figures.
 
@@ -29,25 +44,25 @@ Phases, per variant:
    its arena of 64-byte records is allocated up front and counted as touched).
 2. *touch*: ``--touches`` touches at full speed on random active connections
    (yielding to the loop every 1000, so asyncio's cleanup of cancelled timers is
-   paid): CPU per touch. This is the figure the issue's target is about.
+   paid): CPU per touch.
 3. *steady*: ``--duration-s`` (40 s) at a realistic ``--touch-rate`` (default
    20,000/s: 90% of the connections active, each touched every ~4.5 s
-   round-robin; 10% silent) with the design's ``idle_ms`` of 30 s, so timers
-   come due inside the window: silent keys are reported, active ones re-armed
-   (the wheel variants lazily, once per idle period: ~1 re-arm per 6.7 touches
-   here; the asyncio variant on every touch). All-in CPU (process + daemon) per
-   touch, minus the ``none`` driver; idle reports, and reports earlier than
-   ``idle_ms`` after the key's last touch (must be 0; the scan is up to one scan
-   interval late, never early).
+   round-robin; 10% silent) with ``idle_ms`` of 30 s, so timers come due inside
+   the window: silent keys are reported, active ones re-armed. All-in CPU
+   (process + daemon) per touch, minus the ``none`` driver; idle reports, and
+   *early* reports: reported before ``idle_ms`` of real time since the key's
+   last touch, with no slack (the driver notes ``time.monotonic_ns()`` just
+   *before* each touch, so a variant that is never early by its own clock is
+   never counted early); must be 0. The scan is up to one scan interval late.
 
-Writes bench/results/idle.json and prints a table. Target (issue 5): a wheeld
-touch at least 10x cheaper than re-arming an asyncio timer.
+Writes bench/results/idle.json and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import platform
@@ -57,7 +72,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "idle.json"
-VARIANTS = ("none", "asyncio-timer", "scan", "wheeld-daemon", "wheel")
+VARIANTS = ("none", "asyncio-timer", "lazy-timer", "moving-wheel", "deque", "scan", "wheel", "wheeld-daemon")
 
 
 def rss_kb(pid: int | str = "self") -> int:
@@ -161,6 +176,156 @@ class PeriodicScan(Detector):
         self._task.cancel()
 
 
+class LazyTimers(Detector):
+    """aiohttp's keep-alive: a loop timer per connection; a touch stores the time; the timer re-arms lazily."""
+
+    async def start(self):
+        loop = asyncio.get_running_loop()
+        last: dict[int, float] = {}  # key -> loop time of its last activity
+        handles: dict[int, asyncio.TimerHandle] = {}
+        idle_s, call_at, now = self.idle_ms / 1000, loop.call_at, loop.time
+        self.last, self.handles = last, handles
+
+        def fire(key) -> None:
+            close_time = last[key] + idle_s
+            if now() < close_time:  # active since it was armed: re-arm at the new close time
+                handles[key] = call_at(close_time, fire, key)
+                return
+            del last[key], handles[key]
+            self.on_idle(key)
+
+        def touch(key) -> None:
+            if key in last:
+                last[key] = now()
+
+        def add(key) -> None:
+            t = last[key] = now()
+            old = handles.get(key)
+            if old is not None:
+                old.cancel()
+            handles[key] = call_at(t + idle_s, fire, key)
+
+        self.touch, self.add = touch, add
+        return self
+
+
+class MovingWheel(Detector):
+    """A one-level wheel of 1 ms buckets in this process; a touch moves the key to its new bucket."""
+
+    async def start(self):
+        loop = asyncio.get_running_loop()
+        # at least twice as many buckets as ms in idle_ms: a deadline never lands in a bucket
+        # that the cursor still has to empty for an earlier turn, unless the loop lags > idle_ms
+        size = 1 << max(4, (2 * self.idle_ms).bit_length())
+        mask = size - 1
+        buckets: list[dict[int, None] | None] = [None] * size  # created when first used
+        where: dict[int, int] = {}  # key -> its deadline (ms); its bucket is deadline & mask
+        idle_ms, now_ns = self.idle_ms, time.monotonic_ns
+        self.where, self.buckets = where, buckets
+        self._cursor = -(-now_ns() // 1_000_000)  # the next ms to look at
+        self._timer = None
+
+        def touch(key) -> None:
+            old = where.get(key)
+            if old is not None:
+                deadline = -(-now_ns() // 1_000_000) + idle_ms  # rounded up: never early
+                if deadline != old:
+                    del buckets[old & mask][key]
+                    bucket = buckets[deadline & mask]
+                    if bucket is None:
+                        bucket = buckets[deadline & mask] = {}
+                    bucket[key] = None
+                    where[key] = deadline
+
+        def add(key) -> None:
+            deadline = -(-now_ns() // 1_000_000) + idle_ms
+            where[key] = deadline
+            bucket = buckets[deadline & mask]
+            if bucket is None:
+                bucket = buckets[deadline & mask] = {}
+            bucket[key] = None
+            if self._timer is None:
+                self._cursor = max(self._cursor, now_ns() // 1_000_000)  # nothing was tracked until now
+                self._schedule()
+
+        def tick() -> None:
+            self._timer = None
+            now_ms = now_ns() // 1_000_000
+            while self._cursor <= now_ms:
+                bucket = buckets[self._cursor & mask]
+                if bucket is not None:
+                    buckets[self._cursor & mask] = None
+                    for key in bucket:
+                        if where[key] <= now_ms:
+                            del where[key]
+                            self.on_idle(key)
+                        else:  # a later turn's deadline (only if the loop lagged idle_ms): keep it
+                            kept = buckets[self._cursor & mask]
+                            if kept is None:
+                                kept = buckets[self._cursor & mask] = {}
+                            kept[key] = None
+                self._cursor += 1
+            if where:
+                self._schedule()
+
+        self.touch, self.add, self._tick, self._loop = touch, add, tick, loop
+        return self
+
+    def _schedule(self) -> None:
+        delay_s = max(0.0, (self._cursor * 1_000_000 - time.monotonic_ns()) / 1e9)
+        self._timer = self._loop.call_later(delay_s, self._tick)
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+class ExpiryDeque(Detector):
+    """gunicorn gthread's keep-alive deque, with lazy removal: a touch appends, stale entries are skipped."""
+
+    async def start(self):
+        loop = asyncio.get_running_loop()
+        queue: collections.deque[tuple[int, int]] = collections.deque()  # (deadline ns, key), in deadline order
+        latest: dict[int, int] = {}  # key -> its current deadline (ns)
+        idle_ns, now_ns = self.idle_ms * 1_000_000, time.monotonic_ns
+        self.queue, self.latest = queue, latest
+        self._timer = None
+
+        def touch(key) -> None:
+            if key in latest:
+                deadline = now_ns() + idle_ns
+                latest[key] = deadline
+                queue.append((deadline, key))
+
+        def add(key) -> None:
+            deadline = now_ns() + idle_ns
+            latest[key] = deadline
+            queue.append((deadline, key))
+            if self._timer is None:
+                self._arm(deadline)
+
+        def expire() -> None:
+            self._timer = None
+            now = now_ns()
+            while queue and queue[0][0] <= now:
+                deadline, key = queue.popleft()
+                if latest.get(key) == deadline:  # not touched since this entry: idle
+                    del latest[key]
+                    self.on_idle(key)
+            if queue:
+                self._arm(queue[0][0])
+
+        self.touch, self.add, self._expire, self._loop = touch, add, expire, loop
+        return self
+
+    def _arm(self, deadline_ns: int) -> None:
+        self._timer = self._loop.call_later(max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9), self._expire)
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
 class TrackerDetector(Detector):
     """wheeld.idle.IdleTracker, on the in-process wheel or on a daemon."""
 
@@ -196,6 +361,12 @@ def make_detector(variant: str, spec: dict) -> Detector:
         return NoDetector(spec["idle_ms"])
     if variant == "asyncio-timer":
         return AsyncioTimers(spec["idle_ms"])
+    if variant == "lazy-timer":
+        return LazyTimers(spec["idle_ms"])
+    if variant == "moving-wheel":
+        return MovingWheel(spec["idle_ms"])
+    if variant == "deque":
+        return ExpiryDeque(spec["idle_ms"])
     if variant == "scan":
         return PeriodicScan(spec["idle_ms"], spec["scan_interval_ms"])
     if variant == "wheeld-daemon":
@@ -256,8 +427,8 @@ async def run_variant(spec: dict) -> dict:
     if hasattr(detector, "settle"):
         await detector.settle()
     for key in keys:
+        last_touch_ns[key] = time.monotonic_ns()  # just before the touch: the early check has no slack
         touch(key)
-        last_touch_ns[key] = time.monotonic_ns()  # after the touch: the early check can only be stricter
 
     # ---- phase 3: steady state at a realistic rate
     rate, duration_s = spec["touch_rate"], spec["duration_s"]
@@ -285,8 +456,8 @@ async def run_variant(spec: dict) -> dict:
             position += 1
             if position == n_active:
                 position = 0
+            last_touch_ns[key] = now_ns()  # just before the touch (see the early check)
             touch(key)
-            last_touch_ns[key] = now_ns()
         touches += k
         next_batch += batch_s
         await asyncio.sleep(max(0.0, next_batch - loop.time()))
@@ -295,15 +466,17 @@ async def run_variant(spec: dict) -> dict:
     daemon_cpu = (proc_cpu_s(daemon_pid) - daemon_cpu0) if daemon_pid else 0.0
     reports = detector.reports[reports_before:]
     idle_ns = spec["idle_ms"] * 1_000_000
-    # idle for: from the key's last touch to its report; < idle_ms is early (1 ms slack: the daemon's clock is in ms)
-    idle_for_ms = sorted((at - int(last_touch_ns[key])) / 1e6 for key, at in reports)
-    early = sum(1 for v in idle_for_ms if v * 1e6 < idle_ns - 1_000_000)
+    # idle for: from the key's last touch to its report; anything under idle_ms is early (no slack)
+    idle_for_ns = sorted(at - int(last_touch_ns[key]) for key, at in reports)
+    idle_for_ms = [v / 1e6 for v in idle_for_ns]
+    early = sum(1 for v in idle_for_ns if v < idle_ns)
     silent_reported = sum(1 for key, _at in reports if key > n_active)
     out.update({
         "steady_touches": touches, "steady_wall_s": wall, "steady_cpu_s": cpu, "steady_daemon_cpu_s": daemon_cpu,
         "steady_cpu_cores": (cpu + daemon_cpu) / wall, "steady_us_per_touch": (cpu + daemon_cpu) / touches * 1e6,
         "idle_reports": len(reports), "silent_reported": silent_reported, "silent": n - n_active,
         "active_reported": len(reports) - silent_reported, "early_reports": early,
+        "earliest_report_ms_before_idle": (idle_ns - idle_for_ns[0]) / 1e6 if idle_for_ns else None,
         "report_lateness_ms": {
             "p50": idle_for_ms[len(idle_for_ms) // 2] - spec["idle_ms"] if idle_for_ms else None,
             "p99": idle_for_ms[int(len(idle_for_ms) * 0.99)] - spec["idle_ms"] if idle_for_ms else None,
@@ -433,12 +606,19 @@ def main(argv: list[str] | None = None) -> int:
             r["touch_us_net"] = r["touch_us"] - driver["touch_us"]
             r["steady_us_per_touch_net"] = r["steady_us_per_touch"] - driver["steady_us_per_touch"]
     summary = {}
+    key = "touch_us_net" if driver else "touch_us"
+    steady = "steady_us_per_touch_net" if driver else "steady_us_per_touch"
     base = results.get("asyncio-timer")
     if base:
-        for variant in ("wheeld-daemon", "wheel", "scan"):
-            if variant in results:
-                key = "touch_us_net" if driver else "touch_us"
+        for variant in results:
+            if variant not in ("none", "asyncio-timer"):
                 summary[f"asyncio_rearm_vs_{variant}_touch"] = base[key] / max(results[variant][key], 1e-9)
+    daemon = results.get("wheeld-daemon")
+    if daemon:
+        for variant in results:
+            if variant not in ("none", "wheeld-daemon"):
+                summary[f"{variant}_vs_wheeld_daemon_touch"] = results[variant][key] / max(daemon[key], 1e-9)
+                summary[f"{variant}_vs_wheeld_daemon_steady"] = results[variant][steady] / max(daemon[steady], 1e-9)
     print_table(results, summary)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 from wheeld.daemon.journal import Journal, PendingTimer, recover
-from wheeld.protocol.journal import Ack, Add, Cancel, Fire, encode_event, encode_events, key_to_json
+from wheeld.protocol.journal import Ack, Add, Cancel, Fire, encode_event, encode_events
 
 RESULTS = Path(__file__).resolve().parent / "results" / "journal.json"
 T0 = 1_700_000_000_000

@@ -1,9 +1,11 @@
 """A request purgatory: operations that complete when a condition is met or time out.
 
-This is Kafka's ``DelayedOperationPurgatory`` (../shared/seeds, 000 and 002) in
-Python. A *delayed operation* is something that cannot be answered yet (a
-produce waiting for replicas, a long-poll fetch waiting for data). It completes
-exactly once, by whichever of three paths gets there first:
+This is Kafka's ``DelayedOperationPurgatory`` in Python (the design: Yasuhiro
+Matsuda, "Apache Kafka, Purgatory, and Hierarchical Timing Wheels", Confluent
+blog, 2015, and the Kafka wiki's "Purgatory Redesign Proposal"). A *delayed
+operation* is something that cannot be answered yet (a produce waiting for
+replicas, a long-poll fetch waiting for data). It completes exactly once, by
+whichever path gets there first:
 
 * **condition**: something happened on a key it watches; ``check_and_complete(key)``
   calls its ``try_complete()``, which calls ``force_complete()`` if the condition
@@ -11,9 +13,13 @@ exactly once, by whichever of three paths gets there first:
 * **timeout**: ``delay_ms`` after it was put in the purgatory, the timer calls
   ``force_complete()`` and, if that won, ``on_expiration()``;
 * **cancel**: the application calls ``force_complete()`` itself (shutdown, the
-  client went away).
+  client went away);
+* **the purgatory stops**: ``close()`` completes every pending operation with
+  ``op.error`` set to :class:`wheeld.Closed`; a daemon-backed purgatory whose
+  expiration reader failed for ``fail_after_s`` completes them with
+  :class:`ReaderFailed` (see "Errors" below).
 
-Using it::
+Using it (examples/purgatory_fetch.py is this, runnable)::
 
     class DelayedFetch(DelayedOperation):
         def __init__(self, log, min_bytes, respond):
@@ -22,19 +28,20 @@ Using it::
         def try_complete(self):
             return self.log.available() >= self.min_bytes and self.force_complete()
         def on_complete(self):            # exactly once, on every path
-            self.respond(self.log.read(), timed_out=self.expired)
+            self.respond(self.log.read(), timed_out=self.expired, error=self.error)
         def on_expiration(self):          # only on the timeout path, after on_complete
-            metrics.expired += 1
+            stats["expired"] += 1
 
     purgatory = Purgatory()                           # in-process wheel + clock thread
     purgatory.try_complete_else_watch(op, ["topic-0"])  # True: completed right away
     purgatory.check_and_complete("topic-0")           # after new data: how many completed
-    purgatory.close()
+    purgatory.close()                                 # pending operations complete with op.error set
 
 Callbacks follow Kafka: ``on_complete()`` runs exactly once whatever the path
-(``self.expired`` tells it whether it timed out), and ``on_expiration()`` runs
-after it only when the timeout won. So an operation is either completed by its
-condition/cancel or expired, never both.
+(``self.expired`` tells it whether it timed out, ``self.error`` whether the
+purgatory completed it because it stopped), and ``on_expiration()`` runs after
+it only when the timeout won. So an operation is either completed by its
+condition/cancel, expired, or completed with an error, never two of these.
 
 Exactly once
 ------------
@@ -52,39 +59,45 @@ removed from the timer at once, so the timer holds exactly the pending
 operations:
 
 * ``Purgatory()`` / ``AsyncPurgatory()``: wheeld's own timing wheel
-  (:class:`wheeld.shm.TimerWheel`) on private memory, with Kafka's purgatory
-  parameters (tick 1 ms, 20 buckets per level). ``schedule`` returns a handle
-  (slot, generation) that the operation keeps; completion calls
-  ``cancel_handle(handle)``: unlink from a doubly linked bucket, O(1). The wheel
-  grows (a new wheel twice the size, pending operations moved over) when full.
-  The clock is driven the way the seeds drive it: the wheel knows its earliest
-  non-empty bucket (``next_deadline``); the clock thread (sync) or a loop timer
-  (asyncio) sleeps until then and is woken early only by an operation whose
-  deadline is earlier than the one it sleeps for. An idle purgatory makes no
-  wake-ups. With the default 200 ms-ish timeouts each new deadline is later than
-  the ones already queued, so an add almost never wakes the clock.
-* ``Purgatory(client=wheeld.connect(...))``: the timeouts live in a wheeld daemon
-  (``client.add(op_id, delay_ms)``; completion is ``client.cancel(op_id)``, O(1) in
-  the daemon's wheel). An expiration thread (asyncio: a task) reads the
-  expirations. Give the purgatory a client of its own group: an expiration goes
-  to *one* member of a group, and only this purgatory knows its operations.
-  Operation ids are random-prefixed ints, so two purgatories never collide. The
-  purgatory owns the client while it runs: do not ``poll`` or ``flush`` it
-  yourself (the asyncio client supports one reader of its socket at a time).
-  What it costs: an add and a cancel are a 64-byte ring record each (~2 us of
-  client CPU), but every operation's timer now also costs the daemon's CPU, and
-  an expiration crosses a socket; bench/purgatory.py measures both sides.
+  (:class:`wheeld.shm.TimerWheel`, a hierarchical timing wheel after Varghese
+  and Lauck, "Hashed and Hierarchical Timing Wheels", SOSP 1987) on private
+  memory, with Kafka's purgatory parameters (tick 1 ms, 20 buckets per level).
+  ``schedule`` returns a handle (slot, generation) that the operation keeps;
+  completion calls ``cancel_handle(handle)``: unlink from a doubly linked
+  bucket, O(1). The wheel grows (a new wheel twice the size, pending operations
+  moved over) when full. The clock is driven the way Kafka drives it: the wheel
+  knows its earliest non-empty bucket (``next_deadline``; Kafka keeps the
+  buckets in a DelayQueue); the clock thread (sync) or a loop timer (asyncio)
+  sleeps until then and is woken early only by an operation whose deadline is
+  earlier than the one it sleeps for. An idle purgatory makes no wake-ups. With
+  the default 200 ms-ish timeouts each new deadline is later than the ones
+  already queued, so an add almost never wakes the clock.
+* ``Purgatory.connect(name)`` / ``Purgatory(client=wheeld.connect(...))``: the
+  timeouts live in a wheeld daemon (``client.add(op_id, delay_ms)``; completion
+  is ``client.cancel(op_id)``, O(1) in the daemon's wheel). An expiration
+  thread (asyncio: a task) reads the expirations. The client must be in a group
+  of its own: an expiration goes to *one* member of a group, and only this
+  purgatory knows its operations (see :func:`default_group`). Operation ids are
+  random-prefixed ints, so two purgatories never collide, and an expiration of
+  an id this purgatory did not create (timers left by an earlier process of the
+  same group, or a second process wrongly sharing it) is dropped and counted in
+  ``foreign_expirations``. The purgatory owns the client while it runs: do not
+  ``poll`` or ``flush`` it yourself (the asyncio client supports one reader of
+  its socket at a time). What it costs: an add and a cancel are a 64-byte ring
+  record each (~2 us of client CPU), but every operation's timer now also costs
+  the daemon's CPU, and an expiration crosses a socket; bench/purgatory.py
+  measures both sides.
 
 Watch lists: exact removal, not purge
 -------------------------------------
-The seeds describe two ways to stop watch lists from filling up with completed
-operations. The old purgatory purged every list when their total size passed a
-threshold (so it purged even when nothing was completed: the CPU spikes of the
-high-timeout case); the new one purges when an *estimate* of completed-but-still-
-watched operations passes the threshold (E = watched entries counted on insert,
-reset to the timer size before each purge).
+Kafka describes two ways to stop watch lists from filling up with completed
+operations. The old purgatory (0.8) purged every list when their total size
+passed a threshold (so it purged even when nothing was completed: the CPU
+spikes when many requests time out); the redesigned one purges when an
+*estimate* of completed-but-still-watched operations passes the threshold
+(watched entries counted on insert, less the operations still on the timer).
 
-This module does the other thing the seeds discuss: **exact removal on
+This module does what the redesign discussion set aside: **exact removal on
 completion**. A watch list is a dict used as an insertion-ordered set
 (``{op: None}``), so removing one operation is one O(1) ``pop``; the operation
 remembers its keys, and whoever completes it removes it from each of them (and
@@ -92,14 +105,14 @@ drops a list that became empty). Why, here:
 
 * memory is exact: the watch lists hold exactly the pending operations, at every
   instant, with no threshold to tune and no purge pass that scans everything
-  (Kafka's estimate can also over-count and purge for nothing);
+  (an estimate can also over-count and purge for nothing);
 * the cost is O(keys of that operation) dict pops in the completing thread,
-  which is what the reviewer in seed 002 worried about for operations watching
-  thousands of keys; Kafka's operations watch a handful (its benchmark: 3).
-  An application whose operations watch thousands of keys pays that per
-  completion instead of in a background purge;
-* Kafka gave up exact removal because concurrent doubly linked watch lists were
-  "messy and hard to reason"; a dict under one short lock is neither.
+  which matters for operations watching thousands of keys; Kafka's operations
+  watch a handful (its purgatory benchmark: 3). An application whose
+  operations watch thousands of keys pays that per completion instead of in a
+  background purge;
+* Kafka kept lazy purging because exact removal from concurrent doubly linked
+  watch lists is hard to get right; a dict under one short lock is not.
 
 Locking and threads
 -------------------
@@ -115,11 +128,24 @@ operations completed, from any number of threads (sync) or from tasks and
 threads (asyncio: calls that touch the event loop are handed to it with
 ``call_soon_threadsafe``).
 
+Errors
+------
+The clock thread, the expiration thread and the expiration task never spin and
+never stay silent (:mod:`wheeld._background`): after a failure they back off
+(10 ms, doubling up to 1 s), log the first failure with its traceback and then
+at most one line per 10 s with a count, and when they have failed without a
+single success for ``fail_after_s`` (default 30 s; None: never give up) the
+purgatory *fails*: every pending operation completes with ``op.error`` set to a
+:class:`ReaderFailed` (its ``__cause__`` is the last error; ``on_expiration``
+is not called), ``purgatory.error`` holds it, and the next
+``try_complete_else_watch`` raises it. ``close()`` does not raise.
+
 Guarantees: exactly-once completion; a timeout never fires before ``delay_ms``
 has passed since the operation was watched (the in-process clock rounds the
-start up to the next ms; a daemon-backed timer is at ms granularity); after
-``close()`` pending operations are neither completed nor expired (complete them
-yourself if they must answer).
+start up to the next ms; the daemon client does the same, see
+``wheeld.core.ceil_ms``); every operation put in the purgatory completes,
+including on ``close()`` (``op.error`` is a :class:`wheeld.Closed` then, and its
+callbacks run in the thread that called ``close()``).
 """
 
 from __future__ import annotations
@@ -127,7 +153,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
+import re
 import secrets
 import select
 import socket
@@ -139,7 +165,9 @@ from wheeld.protocol.errors import ArenaFull, Closed, InvalidRequest
 from wheeld.protocol.keys import KEY_BYTES, encode_key
 from wheeld.shm.wheel import TimerWheel
 
-__all__ = ["DelayedOperation", "Purgatory", "AsyncPurgatory"]
+from ._background import Backoff, ReaderFailed
+
+__all__ = ["DelayedOperation", "Purgatory", "AsyncPurgatory", "ReaderFailed", "default_group"]
 
 log = logging.getLogger("wheeld.purgatory")
 
@@ -147,9 +175,13 @@ _NEVER = 1 << 62  # "the clock sleeps with no deadline": any add wakes it
 _BUSY = -(1 << 62)  # "the clock is awake and will look again": no add wakes it
 _INT_KEY_META = bytes((encode_key(1)[1],))  # op ids are positive ints below 2**62
 _KEY_PAD = bytes(KEY_BYTES - 8)
+_ID_SHIFT = 32  # an op id is (random 30-bit base << 32) | counter
 KAFKA_TICK_MS = 1
 KAFKA_WHEEL_SIZE = 20
 DEFAULT_CAPACITY = 1 << 16
+DEFAULT_FAIL_AFTER_S = 30.0
+_READ_WAIT_S = 1.0  # the expiration thread's longest wait on the socket (it re-reads the fd after)
+_READABLE = select.POLLIN | select.POLLPRI
 
 
 def _ceil_ms() -> int:
@@ -167,10 +199,13 @@ class DelayedOperation:
     Subclass it: ``try_complete()`` checks the condition and returns
     ``self.force_complete()`` if it holds (False otherwise); ``on_complete()``
     does the work of completing (exactly once); ``on_expiration()`` runs after
-    ``on_complete()`` when the timeout completed it.
+    ``on_complete()`` when the timeout completed it. ``error`` is None, or the
+    exception the purgatory completed it with when it stopped (``wheeld.Closed``
+    from ``close()``, :class:`ReaderFailed` when timeouts could no longer be
+    delivered); it is set before ``on_complete()`` runs.
     """
 
-    __slots__ = ("delay_ms", "expired", "_once", "_check_lock", "_purgatory", "_op_id", "_handle",
+    __slots__ = ("delay_ms", "expired", "error", "_once", "_check_lock", "_purgatory", "_op_id", "_handle",
                  "_deadline_ms", "_watch_keys")
 
     def __init__(self, delay_ms: int) -> None:
@@ -178,6 +213,7 @@ class DelayedOperation:
             raise InvalidRequest(f"delay_ms must be a non-negative int, not {delay_ms!r}")
         self.delay_ms = delay_ms
         self.expired = False  # True once the timeout path completed it (set before on_complete)
+        self.error: BaseException | None = None  # set when the purgatory completed it on close or failure
         self._once = threading.Lock()  # one-shot flag: held by whoever completed the operation
         self._check_lock = threading.Lock()  # serialises try_complete (Kafka's safeTryComplete)
         self._purgatory: _PurgatoryBase | None = None
@@ -223,12 +259,21 @@ class DelayedOperation:
         self._finish()
         self.on_expiration()
 
+    def _abort(self, error: BaseException) -> bool:
+        """The purgatory stopped (close or failure): complete with ``error`` set."""
+        if not self._once.acquire(False):
+            return False
+        self.error = error
+        self._finish()
+        return True
+
     def _safe_try_complete(self) -> bool:
         with self._check_lock:
             return bool(self.try_complete())
 
     def __repr__(self) -> str:
-        state = "expired" if self.expired else "completed" if self.is_completed else "pending"
+        state = ("expired" if self.expired else f"failed ({type(self.error).__name__})" if self.error is not None
+                 else "completed" if self.is_completed else "pending")
         return f"<{type(self).__name__} delay_ms={self.delay_ms} {state}>"
 
 
@@ -241,6 +286,7 @@ class _WheelClock:
         self.tick_ms, self.wheel_size = tick_ms, wheel_size
         self.wheel = TimerWheel.create(capacity, tick_ms=tick_ms, wheel_size=wheel_size, start_ms=_floor_ms())
         self._wake_at_ms = _BUSY
+        self._backoff = Backoff(log, f"purgatory {purgatory.name!r}: the clock", purgatory.fail_after_s)
 
     # called with the purgatory lock held
     def add(self, op: DelayedOperation) -> None:
@@ -293,7 +339,8 @@ class _ThreadWheelClock(_WheelClock):
         super().__init__(purgatory, tick_ms, wheel_size, capacity)
         self._cond = threading.Condition(purgatory._lock)
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="wheeld-purgatory-clock", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"wheeld-purgatory-clock-{purgatory.name}",
+                                        daemon=True)
         self._thread.start()
 
     def _wake_early(self, deadline_ms: int) -> None:
@@ -301,18 +348,35 @@ class _ThreadWheelClock(_WheelClock):
         self._cond.notify()
 
     def _run(self) -> None:
-        cond, purgatory = self._cond, self._p
+        cond, purgatory, backoff = self._cond, self._p, self._backoff
         while True:
             with cond:
                 if self._closed:
                     return
-                ops, next_ms = self._collect()
-                if not ops:
-                    self._wake_at_ms = _NEVER if next_ms is None else next_ms
-                    timeout_s = None if next_ms is None else max(0.0, (next_ms * 1_000_000 - time.monotonic_ns()) / 1e9)
-                    cond.wait(timeout_s)
-                    self._wake_at_ms = _BUSY
-                    continue
+                try:
+                    ops, next_ms = self._collect()
+                except Exception as exc:
+                    delay_s = backoff.failure(exc)
+                    if delay_s is None:
+                        failed = True
+                    else:
+                        failed = False
+                        self._wake_at_ms = _BUSY
+                        cond.wait(delay_s)
+                        continue
+                else:
+                    failed = False
+                    backoff.success()
+                    if not ops:
+                        self._wake_at_ms = _NEVER if next_ms is None else next_ms
+                        timeout_s = (None if next_ms is None
+                                     else max(0.0, (next_ms * 1_000_000 - time.monotonic_ns()) / 1e9))
+                        cond.wait(timeout_s)
+                        self._wake_at_ms = _BUSY
+                        continue
+            if failed:
+                purgatory._fail(backoff.give_up_error(f"purgatory {purgatory.name!r}: the clock thread stopped"))
+                return
             purgatory._run_expirations(ops)
 
     def close(self) -> None:
@@ -358,24 +422,58 @@ class _LoopWheelClock(_WheelClock):
             if self.wheel is None:
                 return
             self._timer = None
-            ops, next_ms = self._collect()
-            self._arm(next_ms)  # a loop timer may fire early: then nothing was due and we re-arm
+            try:
+                ops, next_ms = self._collect()
+            except Exception as exc:
+                delay_s = self._backoff.failure(exc)
+                if delay_s is not None:  # try again later; adds meanwhile do not re-arm earlier
+                    self._wake_at_ms = _BUSY
+                    self._timer = self._loop.call_later(delay_s, self._fire)
+                    return
+                ops = None
+            else:
+                self._backoff.success()
+                self._arm(next_ms)  # a loop timer may fire early: then nothing was due and we re-arm
+        if ops is None:
+            self._p._fail(self._backoff.give_up_error(f"purgatory {self._p.name!r}: the clock stopped"))
+            return
         self._p._run_expirations(ops)
 
     def close(self) -> None:
         with self._p._lock:
             if self._timer is not None:
                 self._timer.cancel()
-            super().close()
+            if self.wheel is not None:
+                super().close()
             self.wheel = None
 
 
 def _client_fileno(client) -> int | None:
+    """The daemon client's socket (it changes when the client reconnects; None meanwhile)."""
     fileno = getattr(client, "fileno", None)
     if callable(fileno):
-        return fileno()
+        fd = fileno()
+        return fd if fd is not None and fd >= 0 else None
     sock = getattr(client, "_sock", None)
     return sock.fileno() if sock is not None else None
+
+
+def _wait_readable(fds: list[int], timeout_s: float) -> None:
+    """Wait until one of ``fds`` is readable (or hung up), up to ``timeout_s``.
+
+    ``poll(2)``: unlike ``select(2)`` it takes descriptors of any number (select
+    refuses those at or above FD_SETSIZE, 1024, which a process serving thousands
+    of sockets reaches)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, _READABLE)
+    poller.poll(max(0, int(timeout_s * 1000 + 0.999)))
+
+
+def _client_closed_error(purgatory, exc: BaseException) -> ReaderFailed:
+    error = ReaderFailed(f"purgatory {purgatory.name!r}: its wheeld client was closed while the purgatory ran")
+    error.__cause__ = exc
+    return error
 
 
 class _DaemonClock:
@@ -386,7 +484,11 @@ class _DaemonClock:
         self.client = client
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
-        self._thread = threading.Thread(target=self._run, name="wheeld-purgatory-expirations", daemon=True)
+        self._wake_r.setblocking(False)
+        self._stop = threading.Event()
+        self._backoff = Backoff(log, f"purgatory {purgatory.name!r}: reading expirations", purgatory.fail_after_s)
+        self._thread = threading.Thread(target=self._run, name=f"wheeld-purgatory-expirations-{purgatory.name}",
+                                        daemon=True)
         self._thread.start()
 
     def add(self, op: DelayedOperation) -> None:  # lock held
@@ -396,34 +498,44 @@ class _DaemonClock:
         self.client.cancel(op._op_id)
 
     def _run(self) -> None:
-        purgatory, lock, client = self._p, self._p._lock, self.client
+        purgatory, lock, client, backoff = self._p, self._p._lock, self.client, self._backoff
+        wake = self._wake_r.fileno()
         while not self._closed:
-            fd = None
             try:
                 fd = _client_fileno(client)
-                if fd is not None:
-                    select.select([fd, self._wake_r], [], [], 1.0)
-            except (OSError, ValueError):
-                fd = None  # the client is reconnecting: poll under the lock for a moment instead
-            if self._closed:
-                return
-            with lock:
+                # fd None: the client is between connections; poll() below reconnects it
+                _wait_readable([wake] if fd is None else [fd, wake], _READ_WAIT_S if fd is not None else 0.01)
                 if self._closed:
                     return
-                try:
-                    expired = client.poll(0 if fd is not None else 0.01)
-                except Closed:
+                with lock:
+                    if self._closed:
+                        return
+                    expired = client.poll(0)
+                    timed = purgatory._timed
+                    ops = [op for op in (timed.pop(e.key, None) for e in expired) if op is not None]
+                    if len(ops) != len(expired):
+                        purgatory._count_foreign(expired)
+            except Closed as exc:  # the application closed the client under us: no timeout can come
+                if not self._closed:
+                    purgatory._fail(_client_closed_error(purgatory, exc))
+                return
+            except Exception as exc:
+                if self._closed:
                     return
-                except Exception:  # a broken daemon: keep trying, the client reconnects
-                    log.exception("purgatory: reading expirations failed")
-                    expired = []
-                timed = purgatory._timed
-                ops = [op for op in (timed.pop(e.key, None) for e in expired) if op is not None]
+                delay_s = backoff.failure(exc)
+                if delay_s is None:
+                    purgatory._fail(backoff.give_up_error(
+                        f"purgatory {purgatory.name!r}: the expiration reader stopped"))
+                    return
+                self._stop.wait(delay_s)  # not the socket wait: that may be what fails
+                continue
+            backoff.success()
             if ops:
                 purgatory._run_expirations(ops)
 
     def close(self) -> None:
         self._closed = True
+        self._stop.set()
         try:
             self._wake_w.send(b"x")
         except OSError:
@@ -442,7 +554,8 @@ class _AsyncDaemonClock:
         self.client = client
         self._loop = loop
         self._loop_thread = threading.get_ident()
-        self._task = loop.create_task(self._run(), name="wheeld-purgatory-expirations")
+        self._backoff = Backoff(log, f"purgatory {purgatory.name!r}: reading expirations", purgatory.fail_after_s)
+        self._task = loop.create_task(self._run(), name=f"wheeld-purgatory-expirations-{purgatory.name}")
 
     def _call(self, fn, *args) -> None:
         if threading.get_ident() == self._loop_thread:
@@ -457,21 +570,29 @@ class _AsyncDaemonClock:
         self._call(self.client.cancel, op._op_id)
 
     async def _run(self) -> None:
-        purgatory = self._p
+        purgatory, backoff = self._p, self._backoff
         while True:
             try:
                 expired = await self.client.poll(None)
             except asyncio.CancelledError:
                 raise
-            except Closed:
+            except Closed as exc:
+                purgatory._fail(_client_closed_error(purgatory, exc))
                 return
-            except Exception:
-                log.exception("purgatory: reading expirations failed")
-                await asyncio.sleep(0.05)
+            except Exception as exc:
+                delay_s = backoff.failure(exc)
+                if delay_s is None:
+                    purgatory._fail(backoff.give_up_error(
+                        f"purgatory {purgatory.name!r}: the expiration reader stopped"))
+                    return
+                await asyncio.sleep(delay_s)
                 continue
+            backoff.success()
             with purgatory._lock:
                 timed = purgatory._timed
                 ops = [op for op in (timed.pop(e.key, None) for e in expired) if op is not None]
+                if len(ops) != len(expired):
+                    purgatory._count_foreign(expired)
             purgatory._run_expirations(ops)
 
     def close(self) -> None:
@@ -482,16 +603,22 @@ class _AsyncDaemonClock:
 class _PurgatoryBase:
     """Watch lists, the op-id map and the completion protocol; the subclasses choose the timer."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, fail_after_s: float | None) -> None:
+        self.name = name
+        self.fail_after_s = fail_after_s
         self._lock = threading.Lock()
         self._watchers: dict[Hashable, dict[DelayedOperation, None]] = {}
         self._timed: dict[int, DelayedOperation] = {}  # op id -> operation, while on the timer
-        self._id_base = secrets.randbits(30) << 32  # daemon keys are per group: avoid collisions
+        self._id_base = secrets.randbits(30) << _ID_SHIFT  # daemon keys are per group: avoid collisions
         self._ids = itertools.count(1)
         self._clock = None
         self._closed = False
+        self._owns_client = False
+        self.error: ReaderFailed | None = None  # set when the purgatory failed (see "Errors")
         self.expired_total = 0
         self.completed_total = 0  # by condition or cancel
+        self.errored_total = 0  # completed with op.error set (close or failure)
+        self.foreign_expirations = 0  # daemon expirations of ids this purgatory did not create
 
     # ------------------------------------------------------------------ the API
     def try_complete_else_watch(self, op: DelayedOperation, watch_keys: Iterable[Hashable]) -> bool:
@@ -500,10 +627,11 @@ class _PurgatoryBase:
         True if this call completed it. Kafka's order: check; watch; check again (an
         event between the first check and the watch is not missed). The timer is set
         together with the watch, under one lock acquisition, rather than after the
-        second check: if that check succeeds, the O(1) removal undoes it.
+        second check: if that check succeeds, the O(1) removal undoes it. Raises
+        ``wheeld.Closed`` after ``close()`` and :class:`ReaderFailed` once the
+        purgatory failed (nothing is changed then).
         """
-        if self._closed:
-            raise Closed("this purgatory is closed")
+        self._check_usable()
         keys = tuple(dict.fromkeys(watch_keys))
         if not keys:
             raise InvalidRequest("a delayed operation must watch at least one key")
@@ -515,6 +643,9 @@ class _PurgatoryBase:
         with self._lock:
             if op.is_completed:  # completed by another thread (or cancelled) meanwhile
                 return False
+            if self._closed or self.error is not None:
+                op._purgatory = None
+                self._check_usable()
             watchers = self._watchers
             for key in keys:
                 ops = watchers.get(key)
@@ -563,19 +694,32 @@ class _PurgatoryBase:
 
     __len__ = delayed
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise Closed(f"purgatory {self.name!r} is closed")
+        error = self.error
+        if error is not None:
+            raise ReaderFailed(f"purgatory {self.name!r} failed: {error}") from error.__cause__
+
     # ------------------------------------------------------------------ completion bookkeeping
     def _forget(self, op: DelayedOperation) -> None:
         """Called once by the path that completed ``op``, after it set the one-shot flag."""
         with self._lock:
             op_id = op._op_id
             if op_id is not None:
-                if self._timed.pop(op_id, None) is not None and not self._closed:
+                if self._timed.pop(op_id, None) is not None and not self._closed and self.error is None:
                     self._clock.remove(op)  # O(1): cancel_handle, or a CANCEL record to the daemon
                 op._op_id = None
             if op._watch_keys:
                 self._unwatch(op)
             if op.expired:
                 self.expired_total += 1
+            elif op.error is not None:
+                self.errored_total += 1
             else:
                 self.completed_total += 1
 
@@ -594,26 +738,78 @@ class _PurgatoryBase:
             try:
                 op._expire()
             except Exception:
-                log.exception("purgatory: %r raised while expiring", op)
+                log.exception("purgatory %r: %r raised while expiring", self.name, op)
 
-    def _pending_for_close(self) -> list[DelayedOperation]:
+    def _abort_all(self, ops: list[DelayedOperation], error: BaseException) -> None:
+        for op in ops:
+            try:
+                op._abort(error)
+            except Exception:
+                log.exception("purgatory %r: %r raised while completing with %r", self.name, op, error)
+
+    def _count_foreign(self, expired) -> None:
+        """Expirations of ids this purgatory did not create (lock held): dropped, counted, logged rarely."""
+        base = self._id_base >> _ID_SHIFT
+        foreign = sum(1 for e in expired if not (type(e.key) is int and e.key >> _ID_SHIFT == base))
+        if foreign:
+            if not self.foreign_expirations:
+                log.warning("purgatory %r: dropped %d expiration(s) of operations it did not create: timers "
+                            "left by an earlier process of its group, or another process using the same "
+                            "group (give each one its own name)", self.name, foreign)
+            self.foreign_expirations += foreign
+
+    def _fail(self, error: ReaderFailed) -> None:
+        """A background loop gave up: every pending operation completes with ``error``."""
+        with self._lock:
+            if self._closed or self.error is not None:
+                return
+            self.error = error
+            pending = list(self._timed.values())
+        self._abort_all(pending, error)
+
+    def _take_pending_for_close(self) -> list[tuple[int, DelayedOperation]]:
         with self._lock:
             self._closed = True
-            return list(self._timed.values())
+            return list(self._timed.items())
+
+
+def _group_part(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def default_group(name: str = "default") -> str:
+    """The daemon group of a purgatory called ``name``: ``"purgatory." + name``.
+
+    Stable on purpose: the daemon keeps a group id for every group name it has
+    seen (at most 1,024), so a name that changes with every process (a pid, a
+    random suffix) takes one more id at each start, forever; a stable name reuses
+    its id. It must still be private to one *running* process: an expiration goes
+    to one member of the group, and only the purgatory that set a timer knows the
+    operation. So give each process that runs a purgatory a name of its own that
+    its replacement reuses, e.g. ``f"fetch-{worker_index}"``; a replacement then
+    also receives the timers its predecessor left (dropped, and counted in
+    ``foreign_expirations``).
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest(f"a purgatory name must be a non-empty str, not {name!r}")
+    return "purgatory." + _group_part(name)
 
 
 class Purgatory(_PurgatoryBase):
     """A purgatory for threaded code.
 
     ``Purgatory()`` times operations out on an in-process wheel driven by its own
-    clock thread; ``Purgatory(client=wheeld.connect(socket_path, group=...))`` on
-    a wheeld daemon, read by an expiration thread. ``close()`` stops the thread
-    (and cancels the daemon timers of pending operations; the client stays open).
+    clock thread; ``Purgatory.connect(name)`` (or ``Purgatory(client=wheeld.connect(
+    group=default_group(name)), name=name)``) on a wheeld daemon, read by an
+    expiration thread. ``close()`` stops the thread, completes every pending
+    operation with ``op.error`` set to ``wheeld.Closed``, cancels their daemon
+    timers and closes the client if the purgatory opened it.
     """
 
-    def __init__(self, client=None, *, tick_ms: int = KAFKA_TICK_MS, wheel_size: int = KAFKA_WHEEL_SIZE,
-                 capacity: int = DEFAULT_CAPACITY) -> None:
-        super().__init__()
+    def __init__(self, client=None, *, name: str = "default", tick_ms: int = KAFKA_TICK_MS,
+                 wheel_size: int = KAFKA_WHEEL_SIZE, capacity: int = DEFAULT_CAPACITY,
+                 fail_after_s: float | None = DEFAULT_FAIL_AFTER_S) -> None:
+        super().__init__(name, fail_after_s)
         if client is None:
             self._clock = _ThreadWheelClock(self, tick_ms, wheel_size, capacity)
         else:
@@ -621,24 +817,45 @@ class Purgatory(_PurgatoryBase):
                 raise InvalidRequest("an asyncio client needs AsyncPurgatory")
             self._clock = _DaemonClock(self, client)
 
+    @classmethod
+    def connect(cls, name: str = "default", socket_path: str | None = None, *,
+                fail_after_s: float | None = DEFAULT_FAIL_AFTER_S, **client_options) -> "Purgatory":
+        """A daemon-backed purgatory with a client of its own, in group :func:`default_group` (``name``).
+        ``close()`` closes that client too."""
+        import wheeld
+
+        client = wheeld.connect(socket_path, group=default_group(name), **client_options)
+        try:
+            purgatory = cls(client, name=name, fail_after_s=fail_after_s)
+        except BaseException:
+            client.close()
+            raise
+        purgatory._owns_client = True
+        return purgatory
+
     @property
     def client(self):
         return getattr(self._clock, "client", None)
 
     def close(self) -> None:
+        """Stop the clock; pending operations complete with ``op.error`` a ``wheeld.Closed``
+        (their callbacks run in this thread). Does not raise for a failed purgatory."""
         if self._closed:
             return
-        pending = self._pending_for_close()
+        pending = self._take_pending_for_close()
         self._clock.close()
+        self._abort_all([op for _op_id, op in pending], Closed(f"purgatory {self.name!r} was closed"))
         if isinstance(self._clock, _DaemonClock):
-            with self._lock:
-                for op in pending:
-                    if op._op_id is not None:
-                        self._clock.client.cancel(op._op_id)
-                try:
-                    self._clock.client.flush()
-                except Exception:  # the daemon is gone: its timers went with it or will not reach us
-                    log.debug("purgatory: flush on close failed", exc_info=True)
+            client = self._clock.client
+            try:
+                with self._lock:
+                    for op_id, _op in pending:
+                        client.cancel(op_id)
+                client.flush()
+            except Exception:  # the daemon is gone: its timers went with it or will not reach us
+                log.debug("purgatory %r: cancelling the daemon timers on close failed", self.name, exc_info=True)
+            if self._owns_client:
+                client.close()
 
     def __enter__(self) -> "Purgatory":
         return self
@@ -651,15 +868,18 @@ class AsyncPurgatory(_PurgatoryBase):
     """A purgatory for asyncio code; construct it inside the running loop.
 
     ``AsyncPurgatory()`` drives an in-process wheel with one loop timer;
-    ``AsyncPurgatory(client=await wheeld.connect_async(...))`` uses the daemon,
-    with a task reading expirations. Callbacks run on the loop (timeouts) or in
-    whichever task or thread completed the operation. Conditions may also be
-    checked from other threads.
+    ``await AsyncPurgatory.connect(name)`` (or ``AsyncPurgatory(client=await
+    wheeld.connect_async(group=default_group(name)), name=name)``) uses the
+    daemon, with a task reading expirations. Callbacks run on the loop
+    (timeouts) or in whichever task or thread completed the operation.
+    Conditions may also be checked from other threads. ``await aclose()``
+    completes pending operations with ``op.error`` set to ``wheeld.Closed``.
     """
 
-    def __init__(self, client=None, *, tick_ms: int = KAFKA_TICK_MS, wheel_size: int = KAFKA_WHEEL_SIZE,
-                 capacity: int = DEFAULT_CAPACITY) -> None:
-        super().__init__()
+    def __init__(self, client=None, *, name: str = "default", tick_ms: int = KAFKA_TICK_MS,
+                 wheel_size: int = KAFKA_WHEEL_SIZE, capacity: int = DEFAULT_CAPACITY,
+                 fail_after_s: float | None = DEFAULT_FAIL_AFTER_S) -> None:
+        super().__init__(name, fail_after_s)
         loop = asyncio.get_running_loop()
         if client is None:
             self._clock = _LoopWheelClock(self, tick_ms, wheel_size, capacity, loop)
@@ -668,31 +888,51 @@ class AsyncPurgatory(_PurgatoryBase):
                 raise InvalidRequest("a blocking client needs Purgatory, not AsyncPurgatory")
             self._clock = _AsyncDaemonClock(self, client, loop)
 
+    @classmethod
+    async def connect(cls, name: str = "default", socket_path: str | None = None, *,
+                      fail_after_s: float | None = DEFAULT_FAIL_AFTER_S, **client_options) -> "AsyncPurgatory":
+        """A daemon-backed purgatory with a client of its own, in group :func:`default_group` (``name``).
+        ``aclose()`` closes that client too."""
+        import wheeld
+
+        client = await wheeld.connect_async(socket_path, group=default_group(name), **client_options)
+        try:
+            purgatory = cls(client, name=name, fail_after_s=fail_after_s)
+        except BaseException:
+            await client.close()
+            raise
+        purgatory._owns_client = True
+        return purgatory
+
     @property
     def client(self):
         return getattr(self._clock, "client", None)
 
     async def aclose(self) -> None:
+        """Stop the clock; pending operations complete with ``op.error`` a ``wheeld.Closed``."""
         if self._closed:
             return
-        pending = self._pending_for_close()
+        pending = self._take_pending_for_close()
         self._clock.close()
         if isinstance(self._clock, _AsyncDaemonClock):
-            for op in pending:
-                if op._op_id is not None:
-                    self._clock.client.cancel(op._op_id)
             try:
-                await self._clock.client.flush()
+                await self._clock._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._abort_all([op for _op_id, op in pending], Closed(f"purgatory {self.name!r} was closed"))
+        if isinstance(self._clock, _AsyncDaemonClock):
+            client = self._clock.client
+            try:
+                for op_id, _op in pending:
+                    client.cancel(op_id)
+                await client.flush()
             except Exception:
-                log.debug("purgatory: flush on close failed", exc_info=True)
+                log.debug("purgatory %r: cancelling the daemon timers on close failed", self.name, exc_info=True)
+            if self._owns_client:
+                await client.close()
 
     async def __aenter__(self) -> "AsyncPurgatory":
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
-
-
-def default_group() -> str:
-    """A group name private to this process, for a daemon-backed purgatory's client."""
-    return f"purgatory-{os.getpid()}-{secrets.token_hex(3)}"

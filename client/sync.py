@@ -12,6 +12,7 @@ timeout (``flush``, ``poll``) never waits past that timeout for it.
 from __future__ import annotations
 
 import array
+import math
 import os
 import select
 import socket
@@ -142,8 +143,7 @@ class Client(ClientCore):
             self._reconnect(until)
             if self._sock is None:
                 return False
-        ready, _, _ = select.select([self._sock], [], [], timeout_s)
-        if not ready:
+        if not wait_readable(self._sock.fileno(), timeout_s):
             return False
         try:
             data = self._sock.recv(1 << 20)
@@ -163,6 +163,13 @@ class Client(ClientCore):
         return True
 
     # ------------------------------------------------------------------ public
+    def fileno(self) -> int:
+        """The socket expirations arrive on, for a selector/poll loop (-1 between connections).
+
+        When it is readable, ``poll(0)`` returns what arrived. It changes when the
+        client reconnects (inside ``poll``/``flush``): read it again after each call."""
+        return self._sock.fileno() if self._sock is not None else -1
+
     def poll(self, timeout_s: float | None = None) -> list[Expired]:
         """Expirations that came due; waits up to ``timeout_s`` (None: until at least one)."""
         self._check_open()
@@ -240,6 +247,20 @@ def _close_quietly(fd: int) -> None:
         pass
 
 
+def wait_readable(fd: int, timeout_s: float | None) -> bool:
+    """Wait up to ``timeout_s`` (None: forever) until ``fd`` is readable or hung up.
+
+    ``poll(2)``, not ``select(2)``: select refuses descriptors at or above
+    FD_SETSIZE (1024), which a server holding thousands of sockets reaches before
+    it connects to wheeld. The timeout is rounded up to whole ms (poll's unit), so
+    a sub-millisecond wait does not turn into a busy loop.
+    """
+    poller = select.poll()
+    poller.register(fd, _READABLE)
+    return bool(poller.poll(None if timeout_s is None else math.ceil(max(0.0, timeout_s) * 1000)))
+
+
+_READABLE = select.POLLIN | select.POLLPRI
 _DOORBELL = M.encode_client_frame(M.Doorbell())
 _DOORBELL_URGENT = M.encode_client_frame(M.Doorbell(urgent=True))
 

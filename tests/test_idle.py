@@ -176,3 +176,43 @@ def test_load_script_against_the_example_server():
     assert out.returncode == 0, (result, out.stderr)
     assert result["ok"] and result["silent_closed"] == 20 and result["active_closed"] == 0
     assert result["close_after_last_send_ms"]["min"] >= 300
+
+
+def test_daemon_tracker_keeps_adds_and_removes_that_find_the_ring_full(daemon):
+    """The asyncio client raises RingFull at once when its ring is full; the tracker keeps
+    those adds and removes and sends them, in order, after a flush: nothing is lost."""
+
+    async def main():
+        client = await wheeld.connect_async(daemon.socket_path, group="idle-ringfull")
+        reported: list = []
+        tracker = IdleTracker(200, on_idle=reported.append, client=client)
+        real_add_idle, real_cancel = client.add_idle, client.cancel
+        full = {"left": 3}
+
+        def flaky(real):
+            def call(*args):
+                if full["left"] > 0:
+                    full["left"] -= 1
+                    raise wheeld.RingFull("the ring is full (injected)")
+                return real(*args)
+            return call
+
+        client.add_idle, client.cancel = flaky(real_add_idle), flaky(real_cancel)
+        try:
+            for key in ("a", "b", "c", "d", "e"):
+                tracker.add(key)  # a, b, c find the ring full; d and e queue behind them
+            assert len(tracker) == 5 and list(tracker._unsent) == ["a", "b", "c", "d", "e"]
+            tracker.remove("e")  # never sent: a cancel queued behind its add (harmless)
+            await tracker.flush()
+            assert not tracker._unsent
+            for _ in range(500):
+                if len(reported) == 4:
+                    break
+                await asyncio.sleep(0.01)
+            assert sorted(reported) == ["a", "b", "c", "d"]
+        finally:
+            await tracker.aclose()
+            del client.add_idle, client.cancel
+            await client.close()
+
+    asyncio.run(main())

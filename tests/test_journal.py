@@ -22,7 +22,6 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from wheeld.daemon import journal as daemon_journal
 from wheeld.daemon.journal import (
     FiredTimer,
     FsyncPolicy,

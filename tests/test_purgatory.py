@@ -18,7 +18,7 @@ import time
 import pytest
 import wheeld
 from wheeld.protocol.errors import InvalidRequest
-from wheeld.purgatory import AsyncPurgatory, DelayedOperation, Purgatory
+from wheeld.purgatory import AsyncPurgatory, DelayedOperation, Purgatory, default_group
 
 
 def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.005) -> bool:
@@ -178,16 +178,125 @@ def test_completed_by_another_thread_while_being_watched_leaks_nothing(purgatory
     assert purgatory.watched() == 0 and len(purgatory) == 0 and len(purgatory._clock.wheel) == 0
 
 
-def test_close_stops_the_clock():
+def _park_five(p) -> list[Op]:
+    ops = [Op(60_000) for _ in range(5)]
+    for i, op in enumerate(ops):
+        assert p.try_complete_else_watch(op, [f"k{i % 2}"]) is False
+    assert len(p) == 5 and p.watched() == 5
+    return ops
+
+
+def _assert_completed_by_close(p, ops: list[Op]) -> None:
+    for op in ops:
+        assert op.completions == [False], "on_complete must run exactly once, not as a timeout"
+        assert op.expirations == 0 and not op.expired
+        assert isinstance(op.error, wheeld.Closed)
+        assert op.force_complete() is False
+    assert p.watched() == 0 and p.watch_keys() == 0 and len(p) == 0
+    assert p.errored_total == 5 and p.completed_total == 0 and p.expired_total == 0
+
+
+def test_close_completes_every_parked_operation_in_process():
     p = Purgatory()
-    op = Op(50)
-    p.try_complete_else_watch(op, ["k"])
+    ops = _park_five(p)
     p.close()
-    time.sleep(0.15)
-    assert not op.is_completed  # documented: pending operations are left to the application
+    _assert_completed_by_close(p, ops)
     assert not p._clock._thread.is_alive()
     with pytest.raises(wheeld.Closed):
         p.try_complete_else_watch(Op(10), ["k"])
+    p.close()  # idempotent
+
+
+def test_close_completes_every_parked_operation_in_process_asyncio():
+    async def main():
+        p = AsyncPurgatory()
+        ops = _park_five(p)
+        await p.aclose()
+        _assert_completed_by_close(p, ops)
+        with pytest.raises(wheeld.Closed):
+            p.try_complete_else_watch(Op(10), ["k"])
+
+    asyncio.run(main())
+
+
+def _pending_in_daemon(client) -> int:
+    """Timers pending in the daemon's arena (its header's counter, read through the client's mapping)."""
+    from wheeld import core
+
+    return client._parked[core._PENDING]
+
+
+def test_close_completes_every_parked_operation_on_a_daemon(daemon):
+    client = wheeld.connect(daemon.socket_path, group=default_group("close-test"))
+    try:
+        p = Purgatory(client, name="close-test")
+        ops = _park_five(p)
+        assert wait_until(lambda: _pending_in_daemon(client) == 5)  # the daemon applied the five adds
+        p.close()
+        _assert_completed_by_close(p, ops)
+        assert not p._clock._thread.is_alive()
+        client.flush()
+        assert wait_until(lambda: _pending_in_daemon(client) == 0)  # ...and close() cancelled their timers
+    finally:
+        client.close()
+
+
+def test_close_completes_every_parked_operation_on_a_daemon_asyncio(daemon):
+    async def main():
+        client = await wheeld.connect_async(daemon.socket_path, group=default_group("close-async"))
+        try:
+            p = AsyncPurgatory(client, name="close-async")
+            ops = _park_five(p)
+            for _ in range(1000):
+                if _pending_in_daemon(client) == 5:
+                    break
+                await asyncio.sleep(0.01)
+            assert _pending_in_daemon(client) == 5
+            await p.aclose()
+            _assert_completed_by_close(p, ops)
+            await client.flush()
+            for _ in range(1000):
+                if _pending_in_daemon(client) == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert _pending_in_daemon(client) == 0
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_connect_owns_its_client_and_close_closes_it(daemon):
+    p = Purgatory.connect("owned", daemon.socket_path)
+    client = p.client
+    assert client.group == "purgatory.owned"
+    ops = _park_five(p)
+    p.close()
+    _assert_completed_by_close(p, ops)
+    with pytest.raises(wheeld.Closed):
+        client.add("x", 10)
+
+
+def test_default_group_is_stable_and_private_to_a_name():
+    assert default_group("fetch-3") == default_group("fetch-3") == "purgatory.fetch-3"
+    assert default_group("fetch-3") != default_group("fetch-4")
+    assert default_group("a b/c") == "purgatory.a_b_c"
+    with pytest.raises(InvalidRequest):
+        default_group("")
+
+
+def test_expirations_of_operations_it_did_not_create_are_dropped_and_counted(daemon):
+    group = default_group("left-behind")
+    with wheeld.connect(daemon.socket_path, group=group) as earlier:  # an earlier process of the same name
+        earlier.add((12345 << 32) | 1, 20)
+        earlier.add("not-an-op-id", 20)
+        earlier.flush()
+    with Purgatory.connect("left-behind", daemon.socket_path) as p:
+        assert wait_until(lambda: p.foreign_expirations == 2)
+        op = Op(20)
+        p.try_complete_else_watch(op, ["k"])
+        assert wait_until(lambda: op.is_completed)
+        assert op.expired and p.foreign_expirations == 2
 
 
 # --------------------------------------------------------------------------- races
