@@ -380,7 +380,8 @@ def _serve_sync(spec: dict) -> int:
 
 # =========================================================================== the daemon
 class Daemon:
-    def __init__(self, connections: int, workdir: str) -> None:
+    def __init__(self, connections: int, workdir: str, nice: int = 0) -> None:
+        self.nice = nice
         self.name = f"bench-sockets-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.socket_path = os.path.join(workdir, "wheeld.sock")
         self.capacity = max(1 << 17, 4 * connections)
@@ -393,7 +394,8 @@ class Daemon:
                "--capacity", str(self.capacity), "--touch-capacity", str(self.touch_capacity),
                "--log-level", "WARNING"]
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None)
         end = time.monotonic() + 30
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -892,7 +894,7 @@ def run_kind(kind: str, args, workdir: str) -> dict:
     out: dict = {"kind": kind, "connections": n, "idle_ms": idle_ms, "processes": processes}
     try:
         if kind.endswith("-wheeld"):
-            daemon = Daemon(n, workdir).start()
+            daemon = Daemon(n, workdir, args.daemon_nice).start()
         for i, share in enumerate(shares(n, processes)):
             spec = {"kind": kind, "idle_ms": idle_ms, "nofile": share + HEADROOM, "loop": args.loop,
                     "report": os.path.join(workdir, f"{kind}.{i}.report.json"), "group": f"bench-sockets-{i}",
@@ -1059,6 +1061,9 @@ def main(argv: list[str] | None = None) -> int:
                         "RLIMIT_NOFILE requires when it cannot be raised)")
     parser.add_argument("--connect-rate", type=int, default=4000, help="connections opened per second (all loads)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--daemon-nice", type=int, default=0, metavar="N",
+                        help="run the daemon at this niceness (negative: ahead of the servers and the load; "
+                        "the unit's Nice=)")
     parser.add_argument("--profile", metavar="DIR", help="sample the servers and daemons with py-spy into DIR")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)

@@ -957,21 +957,28 @@ class CheckReport:
                 "after_recovery": self.after_recovery, "daemon_alive": self.daemon_alive}
 
 
-def _private_copy(reader: ArenaReader) -> tuple[mmap.mmap, bool]:
-    """(a private copy of the arena, whether nothing wrote it while we copied)."""
+def _private_copy(reader: ArenaReader, budget_s: float = 0.5) -> tuple[mmap.mmap, bool]:
+    """(a private copy of the arena, whether nothing wrote it while we copied).
+
+    The daemon writes nothing while parked, so copies are taken until one starts
+    and ends with the daemon parked and the header unchanged, for up to
+    ``budget_s`` (a busy daemon parks for moments; a reader preempted during a
+    copy misses one of them and tries again); the last copy is returned either way.
+    """
     size = reader.info["bytes"]
     buf = reader.buf
     parked_at = L.H_PARKED
-    # prefer to copy while the daemon sleeps: it writes nothing while parked
-    end = time.monotonic() + 0.05
-    while struct.unpack_from("<q", buf, parked_at)[0] == 0 and time.monotonic() < end:
-        time.sleep(0.001)
-    before = bytes(buf[: L.GROUPS_OFFSET])
     copy = mmap.mmap(-1, size)
-    memoryview(copy)[:size] = memoryview(buf)[:size]
-    after = bytes(buf[: L.GROUPS_OFFSET])
-    parked = struct.unpack_from("<q", before, parked_at)[0] != 0
-    return copy, parked and before == after
+    end = time.monotonic() + budget_s
+    while True:
+        while struct.unpack_from("<q", buf, parked_at)[0] == 0 and time.monotonic() < end:
+            time.sleep(0.0005)
+        before = bytes(buf[: L.GROUPS_OFFSET])
+        memoryview(copy)[:size] = memoryview(buf)[:size]
+        after = bytes(buf[: L.GROUPS_OFFSET])
+        quiet = struct.unpack_from("<q", before, parked_at)[0] != 0 and before == after
+        if quiet or time.monotonic() >= end:
+            return copy, quiet
 
 
 def check(name: str, attempts: int = 5, interval_s: float = 0.05) -> CheckReport:
