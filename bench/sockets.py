@@ -128,10 +128,13 @@ def raise_nofile(needed: int) -> tuple[bool, str]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, new_hard))
         return True, f"RLIMIT_NOFILE raised from {soft} to {needed}"
     except (ValueError, OSError) as exc:
-        who = "root" if os.geteuid() == 0 else f"uid {os.geteuid()} (not root)"
+        if os.geteuid() == 0:
+            who, hint = "root", "root without CAP_SYS_RESOURCE here (a container?): raise the hard limit outside"
+        else:
+            who, hint = f"uid {os.geteuid()} (not root)", "run as root, or raise the hard limit"
         return False, (f"need {needed} open files per process (connections + headroom) but RLIMIT_NOFILE is "
-                       f"{soft} (hard {hard}) and cannot be raised as {who}: {exc}. Run as root, raise the hard "
-                       f"limit (ulimit -Hn, LimitNOFILE=), or use fewer --connections "
+                       f"{soft} (hard {hard}) and cannot be raised as {who}: {exc}. To hold them in one "
+                       f"process: {hint} (ulimit -Hn, LimitNOFILE=), or use fewer --connections "
                        f"(fs.nr_open is {Path('/proc/sys/fs/nr_open').read_text().strip()})")
 
 
@@ -574,9 +577,12 @@ class Load:
         self.closed_ns = [0] * n
         self.last_send_ns = [0] * n
         self.port_index: dict[int, int] = {}  # local port -> connection
-        # the last SEND_RING send times of each connection: a send made after the server had
-        # already closed the connection (before this process saw the EOF) must not count as activity
+        # the last SEND_RING sends of each connection, each as the time just before the send
+        # call and the time it returned (the byte reached the server's socket in between): a
+        # send made after the server had closed the connection (before this process saw the
+        # EOF), or one the process was preempted in, must not count as activity before the close
         self.send_ring = array.array("q", bytes(8 * n * SEND_RING))
+        self.sent_ring = array.array("q", bytes(8 * n * SEND_RING))
         self.send_count = [0] * n
         self.sends = 0
         self.send_blocked = 0
@@ -667,10 +673,13 @@ class Load:
     def _send(self, i: int, now_ns: int) -> None:
         self.last_send_ns[i] = now_ns  # before the send: the server reads it later, never earlier
         count = self.send_count[i]
-        self.send_ring[i * SEND_RING + (count & (SEND_RING - 1))] = now_ns
+        at = i * SEND_RING + (count & (SEND_RING - 1))
+        self.send_ring[at] = now_ns
+        self.sent_ring[at] = 1 << 62  # until the send returns
         self.send_count[i] = count + 1
         try:
             self.socks[i].send(b"x")
+            self.sent_ring[at] = time.monotonic_ns()
             self.sends += 1
         except (BlockingIOError, InterruptedError):
             self.send_blocked += 1
@@ -691,6 +700,7 @@ class Load:
         now_ms = now_ns // 1_000_000
         slots, closed_ns, socks, active = self.slots, self.closed_ns, self.socks, self.active
         last_send_ns, ring, counts, intervals = self.last_send_ns, self.send_ring, self.send_count, self.intervals
+        sent_ring, monotonic_ns = self.sent_ring, time.monotonic_ns
         quiet_at, quiet_ns, quiet_ms = self.quiet_at_ns, self.quiet_interval_ms * 1_000_000, self.quiet_interval_ms
         at = self.interval_at
         sends = blocked = 0
@@ -703,12 +713,16 @@ class Load:
                 for i in slot:
                     if closed_ns[i]:
                         continue
-                    last_send_ns[i] = now_ns  # before the send: the server reads it later, never earlier
+                    # each send's own times (a batch of thousands, or a preemption, takes ms)
+                    last_send_ns[i] = before = monotonic_ns()  # the server reads it later, never earlier
                     count = counts[i]
-                    ring[i * SEND_RING + (count & (SEND_RING - 1))] = now_ns
+                    slot_at = i * SEND_RING + (count & (SEND_RING - 1))
+                    ring[slot_at] = before
+                    sent_ring[slot_at] = 1 << 62  # until the send returns
                     counts[i] = count + 1
                     try:
                         socks[i].send(b"x")
+                        sent_ring[slot_at] = monotonic_ns()
                         sends += 1
                     except (BlockingIOError, InterruptedError):
                         blocked += 1
@@ -727,17 +741,17 @@ class Load:
         self.sends += sends
         self.send_blocked += blocked
 
-    def last_send_before(self, i: int, t_ns: int) -> int | None:
-        """The latest send of connection ``i`` at or before ``t_ns`` (None: not in the ring any more)."""
+    def last_send_before(self, i: int, t_ns: int) -> tuple[int, int] | None:
+        """(before, returned) of the latest send of connection ``i`` that returned at or before
+        ``t_ns`` (None: not in the ring any more, or none)."""
         base, count = i * SEND_RING, self.send_count[i]
         best = None
         for k in range(min(count, SEND_RING)):
-            at = self.send_ring[base + k]
-            if at <= t_ns and (best is None or at > best):
-                best = at
-        if best is None or (count > SEND_RING and best == min(self.send_ring[base:base + SEND_RING])):
+            if self.sent_ring[base + k] <= t_ns and (best is None or self.send_ring[base + k] > self.send_ring[best]):
+                best = base + k
+        if best is None or (count > SEND_RING and self.send_ring[best] == min(self.send_ring[base:base + SEND_RING])):
             return None  # the ring may have lost a later send before t_ns: undetermined
-        return best
+        return self.send_ring[best], self.sent_ring[best]
 
     def close_all(self) -> None:
         for sock in self.socks:
@@ -810,8 +824,9 @@ def judge_closes(load: Load, closes: list, idle_ns: int, end_ns: int) -> dict:
 
     ``closes``: [peer port, server's close ns] per close. A connection still in its
     sending phase when the server closed it (an active one, or a quiet one before its
-    quiet moment) is a *wrong* close when it had sent within ``idle_ms`` before the
-    close, and a *load stall* when this process had not served it for ``idle_ms`` (the
+    quiet moment) is a *wrong* close when a send that had returned before the close
+    started within ``idle_ms`` before it (the byte was in the server's socket), and a
+    *load stall* when no send of this process had reached it for ``idle_ms`` (the
     machine could not run the load on time). Quiet connections the server never
     closed are *missed*."""
     wrong, stalls, undetermined, unknown = [], 0, 0, 0
@@ -829,10 +844,12 @@ def judge_closes(load: Load, closes: list, idle_ns: int, end_ns: int) -> dict:
         sent = load.last_send_before(i, close_ns)  # it was still sending: was it on schedule?
         if sent is None:
             undetermined += 1
-        elif close_ns - sent < idle_ns:
-            wrong.append((i, (close_ns - sent) / 1e6))
-        else:
+        elif close_ns - sent[0] < idle_ns:  # the byte was in the server's socket within idle_ms
+            wrong.append((i, (close_ns - sent[0]) / 1e6))
+        elif close_ns - sent[1] >= idle_ns:  # nothing reached the server for idle_ms: the load's fault
             stalls += 1
+        else:
+            undetermined += 1  # the send call straddled the moment idle_ms before the close
     missed = sum(1 for i in range(load.n) if not load.active[i] and i not in closed)
     return {"wrong": len(wrong), "load_stalls": stalls, "undetermined": undetermined, "unknown_ports": unknown,
             "missed": missed, "wrong_examples": [{"active": load.active[i], "since_last_send_ms": ms}
