@@ -148,7 +148,7 @@ class SyncIdleServer:
     # ------------------------------------------------------------------ the loop
     def serve_forever(self) -> None:
         select, monotonic_ns = self._selector.select, time.monotonic_ns
-        connections, last_read_ns = self.connections, self.last_read_ns
+        last_read_ns = self.last_read_ns
         touch, echo = self.client.touch, self.echo
         periodic = self._periodic
         while not self._stopping:
