@@ -264,9 +264,33 @@ def _stats(server, probe_samples: int) -> dict:
             "cpu_s": time.process_time(), "rss_kb": rss_kb(), "probes": probe_samples}
 
 
+def _overdue(server, received: dict | None) -> dict:
+    """Connections still open although the server has read nothing from them for idle_ms + 2 s:
+    how many, and where each one's idle timer stands (still tracked, waiting in the tracker's
+    unsent adds, an expiration ever received for its key)."""
+    now = time.monotonic_ns()
+    limit = server.idle_ns + 2_000_000_000
+    tracker = getattr(server, "tracker", None)
+    keys = getattr(tracker, "_keys", None)
+    unsent = getattr(tracker, "_unsent", None)
+    out = {"count": 0, "tracked": 0, "unsent": 0, "expired_received": 0, "examples": []}
+    for key in list(server.connections):
+        last = server.last_read_ns.get(key)
+        if last is None or now - last < limit:
+            continue
+        out["count"] += 1
+        out["tracked"] += int(keys is not None and key in keys)
+        out["unsent"] += int(unsent is not None and key in unsent)
+        out["expired_received"] += int(received is not None and key in received)
+        if len(out["examples"]) < 10:
+            out["examples"].append({"key": key, "silent_ms": (now - last) / 1e6,
+                                    "received": (received or {}).get(key)})
+    return out
+
+
 def _write_report(path: str, server, probe: _Probe, extra: dict, received: dict | None = None) -> None:
     report = {"closed_idle": server.closed_idle, "lag": probe.samples, "gc": probe.gc_pauses,
-              "summary": server.summary(), **extra}
+              "summary": server.summary(), "overdue": _overdue(server, received), **extra}
     if received is not None:  # wheeld kinds: the path of each idle close, in parts
         report["received"] = {str(key): value for key, value in received.items()}
     Path(path).write_text(json.dumps(report))
@@ -1025,6 +1049,10 @@ def run_kind(kind: str, args, workdir: str) -> dict:
             "wrong_examples": [e for r in load_results for e in r["wrong_examples"]][:10],
             "early_closes": len(early), "early_examples_ms": [round((c[2] - c[1]) / 1e6, 3) for c in early[:10]],
             "missed": sum(r["missed"] for r in load_results),
+            # open past idle_ms + 2 s of silence at the end, as the servers saw them (a missed close's why)
+            "overdue_open": {k: sum(report.get("overdue", {}).get(k, 0) for report in reports)
+                             for k in ("count", "tracked", "unsent", "expired_received")},
+            "overdue_examples": [e for report in reports for e in report.get("overdue", {}).get("examples", [])][:10],
             "raced_reports": sum(report["summary"].get("raced", 0) for report in reports),
             "lateness_ms": {"p50": percentile(late_ms, 0.5), "p99": percentile(late_ms, 0.99),
                             "max": late_ms[-1] if late_ms else None},
