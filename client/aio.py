@@ -135,10 +135,12 @@ class AsyncClient(ClientCore):
             await self._reconnect(until)
             if self._sock is None:
                 return False
-        try:
-            data = await asyncio.wait_for(loop.sock_recv(self._sock, 1 << 20), timeout_s)
-        except asyncio.TimeoutError:
+        if not await _readable(loop, self._sock, timeout_s):
             return False
+        try:
+            data = self._sock.recv(1 << 20)  # ready: does not block, and no await until it is handled
+        except (BlockingIOError, InterruptedError):
+            return True  # woken without data (another reader took it)
         except OSError:
             data = b""
         if not data:
@@ -216,6 +218,32 @@ class AsyncClient(ClientCore):
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket, timeout_s: float | None) -> bool:
+    """Wait until ``sock`` is readable (True) or ``timeout_s`` has passed (False); reads nothing.
+
+    Not ``loop.sock_recv``: it reads in the loop's callback, and a task cancelled after that
+    callback but before it resumed drops the bytes (a reader paused for a flush lost whole
+    batches of expirations). Nor ``asyncio.wait_for``: on Python 3.11 it can swallow a
+    cancellation when the awaited future is already done, and the task that was cancelled
+    keeps reading. A cancellation here can only end the wait.
+    """
+    ready = loop.create_future()
+    fd = sock.fileno()
+    loop.add_reader(fd, _resolve, ready, True)
+    timer = None if timeout_s is None else loop.call_later(max(0.0, timeout_s), _resolve, ready, False)
+    try:
+        return await ready
+    finally:
+        loop.remove_reader(fd)
+        if timer is not None:
+            timer.cancel()
+
+
+def _resolve(future: asyncio.Future, value: bool) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 async def _wait_ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, until: float, write: bool, op):
