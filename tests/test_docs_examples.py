@@ -1,4 +1,5 @@
-"""Every Python block in docs/use-cases.md, and examples/purgatory_fetch.py, runs as it is.
+"""Every Python block in docs/use-cases.md, the README's worker snippet, and
+examples/purgatory_fetch.py, run as they are.
 
 Each block is written to a file and run in a fresh interpreter with
 ``WHEELD_SOCKET`` pointing at a real daemon (the ``daemon`` fixture, killed and
@@ -36,6 +37,21 @@ def test_doc_example_runs(index, daemon, tmp_path):
     script.write_text(BLOCKS[index])
     out = run([str(script)], daemon)
     assert out.returncode == 0, f"block {index} failed:\n{BLOCKS[index]}\n--- stderr:\n{out.stderr}"
+
+
+def test_readme_worker_snippet(daemon, tmp_path):
+    """The README's snippet gets both of its expirations, and leaves nothing behind for the
+    next run of it (a timer still pending at the end would be delivered to the next run)."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Using it from a worker"):]
+    snippet = re.search(r"^```python\n(.*?)^```", section, flags=re.S | re.M).group(1)
+    script = tmp_path / "readme_worker.py"
+    script.write_text(snippet)
+    for _ in range(2):
+        out = run([str(script)], daemon, timeout_s=30)
+        assert out.returncode == 0, out.stderr
+        keys = [line.split()[0] for line in out.stdout.splitlines()]
+        assert keys == ["req-18", "sock-3"], out.stdout
 
 
 @pytest.mark.parametrize("backend", ["in-process", "daemon"])
