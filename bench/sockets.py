@@ -854,6 +854,7 @@ def judge_closes(load: Load, closes: list, idle_ns: int, end_ns: int) -> dict:
     machine could not run the load on time). Quiet connections the server never
     closed are *missed*."""
     wrong, stalls, undetermined, unknown = [], 0, 0, 0
+    stall_examples = []
     closed = set()
     for port, close_ns in closes:
         i = load.port_index.get(port)
@@ -872,11 +873,21 @@ def judge_closes(load: Load, closes: list, idle_ns: int, end_ns: int) -> dict:
             wrong.append((i, (close_ns - sent[0]) / 1e6))
         elif close_ns - sent[1] >= idle_ns:  # nothing reached the server for idle_ms: the load's fault
             stalls += 1
+            if len(stall_examples) < 10:
+                base = i * SEND_RING
+                tried = sorted(load.send_ring[base + k] for k in range(min(load.send_count[i], SEND_RING)))
+                stall_examples.append({
+                    "since_last_send_ms": (close_ns - sent[0]) / 1e6, "sends": load.send_count[i],
+                    "load_saw_close_ms": (load.closed_ns[i] - close_ns) / 1e6 if load.closed_ns[i] else None,
+                    "failed_sends_after": sum(1 for k in range(min(load.send_count[i], SEND_RING))
+                                              if load.send_ring[base + k] > sent[0]
+                                              and load.sent_ring[base + k] == 1 << 62),
+                    "send_gaps_ms": [round((b - a) / 1e6, 1) for a, b in zip(tried, tried[1:])][-6:]})
         else:
             undetermined += 1  # the send call straddled the moment idle_ms before the close
     missed = sum(1 for i in range(load.n) if not load.active[i] and i not in closed)
     return {"wrong": len(wrong), "load_stalls": stalls, "undetermined": undetermined, "unknown_ports": unknown,
-            "missed": missed, "wrong_examples": [{"active": load.active[i], "since_last_send_ms": ms}
+            "missed": missed, "stall_examples": stall_examples, "wrong_examples": [{"active": load.active[i], "since_last_send_ms": ms}
                                                  for i, ms in wrong[:10]]}
 
 
@@ -1047,6 +1058,7 @@ def run_kind(kind: str, args, workdir: str) -> dict:
             "load_send_lag_ms_p99": max((r["send_lag_ms_p99"] or 0) for r in load_results),
             "load_send_lag_ms_max": max((r["send_lag_ms_max"] or 0) for r in load_results),
             "wrong_examples": [e for r in load_results for e in r["wrong_examples"]][:10],
+            "stall_examples": [e for r in load_results for e in r.get("stall_examples", [])][:10],
             "early_closes": len(early), "early_examples_ms": [round((c[2] - c[1]) / 1e6, 3) for c in early[:10]],
             "missed": sum(r["missed"] for r in load_results),
             # open past idle_ms + 2 s of silence at the end, as the servers saw them (a missed close's why)
