@@ -42,14 +42,14 @@ always, none, ...) so a change of machine load hits them alike; the table
 shows the best run and the spread (min-max) of ``--repeat`` runs, and the
 ratios of the bests to ``none`` and to ``off``.
 
-Recovery (issue 6's other figures): with ``--recovery N`` (1M by default, 0 to
+Recovery: with ``--recovery N`` (1M by default, 0 to
 skip) the same run writes a journal of N adds (no snapshot, the worst case
 before the first snapshot) and times :func:`wheeld.daemon.journal.recover`
 over it; the recovery and bytes-per-timer figures of ``bench/journal.py``
 (``bench/results/journal.json``: 1M and 10M pending, snapshot plus tail) are
 copied into the summary with their source named.
 
-Targets (issue 6): ``interval=10`` at least 0.5x the ``none`` add throughput
+Targets: ``interval=10`` at least 0.5x the ``none`` add throughput
 (checked for each batch size, on the best runs); recovery of 1M pending timers
 in under 5 s.
 """

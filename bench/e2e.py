@@ -75,7 +75,7 @@ CPU accounting: each client reports ``time.process_time()`` for the burst
 phase; the daemon's CPU time comes from psutil; both as us per operation, which
 is where the wall time of a 2-core machine goes.
 
-Targets (issue 3): >= 500,000 timer ops/s end to end; >= 2.5x the pipelined
+Targets: >= 500,000 timer ops/s end to end; >= 2.5x the pipelined
 Redis baseline (best wheeld run / best Redis run); steady-phase lateness p99
 <= 2 ms with ~100k pending (recv figure); ``w.touch`` <= 0.5 us. The table
 marks each met / NOT met from the best of the repeats, and shows the spread.

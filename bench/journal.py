@@ -25,7 +25,7 @@ What is measured (best of ``--repeat`` runs, and the median):
   (1M) pending timers, two ways: a snapshot of all of them plus 100k journal
   events after it (the steady state with periodic snapshots), and a journal
   of 1M adds with no snapshot (the worst case before the first snapshot).
-  Target (issue 6): 1M pending timers recovered in under 5 s. With ``--big``
+  Target: 1M pending timers recovered in under 5 s. With ``--big``
   the same at 10M.
 
 The fsync cost is the disk's: on this machine's virtual disk one fsync of a

@@ -836,8 +836,8 @@ def test_recovered_deadlines_are_never_early(tmp_path, monkeypatch, wall_phase_n
     """Wall-clock deadlines become monotonic ones rounded up: at the instant the wheel
     fires (CLOCK_MONOTONIC reaches the deadline's ms) the wall clock has reached the
     journaled deadline; and the journaled deadline is not before the wall-clock time
-    the arena's deadline stood for. Clocks are frozen at chosen sub-ms phases (the
-    truncation to whole ms used to hide up to 1 ms in each direction)."""
+    the arena's deadline stood for. Clocks are frozen at chosen sub-ms phases (a
+    truncation to whole ms would hide up to 1 ms in each direction)."""
     import time as time_module
 
     from wheeld.daemon import journaling
