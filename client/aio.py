@@ -135,14 +135,15 @@ class AsyncClient(ClientCore):
             await self._reconnect(until)
             if self._sock is None:
                 return False
-        if not await _readable(loop, self._sock, timeout_s):
-            return False
-        try:
-            data = self._sock.recv(1 << 20)  # ready: does not block, and no await until it is handled
-        except (BlockingIOError, InterruptedError):
-            return True  # woken without data (another reader took it)
-        except OSError:
-            data = b""
+        # bytes already waiting are taken at once; otherwise wait, then read with no await
+        # between the read and handling what it got (see _readable)
+        data = _recv_now(self._sock)
+        if data is None:
+            if not await _readable(loop, self._sock, timeout_s):
+                return False
+            data = _recv_now(self._sock)
+            if data is None:
+                return True  # woken without data (another reader took it)
         if not data:
             await self._reconnect(until)
             return True
@@ -239,6 +240,16 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket, timeou
         loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
+
+
+def _recv_now(sock: socket.socket) -> bytes | None:
+    """What ``sock`` holds now (b"": closed or failed), or None when nothing is waiting."""
+    try:
+        return sock.recv(1 << 20)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return b""
 
 
 def _resolve(future: asyncio.Future, value: bool) -> None:
