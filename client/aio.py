@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import array
 import asyncio
-import os
 import socket
 import time
 
 from wheeld.protocol import messages as M
-from wheeld.protocol.errors import BrokenPeer, DaemonNotRunning, NotAllowed, ProtocolError, RingFull, Timeout
+from wheeld.protocol.errors import BrokenPeer, DaemonNotRunning, NotAllowed, RingFull, Timeout
 from wheeld.protocol.framing import FrameReader
 
-from .core import _FDS_SPACE, ClientCore, Expired, decode_daemon_body, passed_fds
+from .core import _FDS_SPACE, ClientCore, Expired, close_quietly, decode_daemon_body, passed_fds
 
 _DOORBELL = M.encode_client_frame(M.Doorbell())
 _DOORBELL_URGENT = M.encode_client_frame(M.Doorbell(urgent=True))
@@ -84,17 +83,13 @@ class AsyncClient(ClientCore):
                 frames = reader.feed(data)
                 if frames:
                     break
-            message = decode_daemon_body(frames[0])
-            if type(message) is M.Refused:
-                self._on_message(message)  # raises the refusal's error
-            if type(message) is not M.Welcome:
-                raise ProtocolError(f"expected Welcome, got {type(message).__name__}")
+            welcome = self._welcome_of(frames[0])
             taken, received = received, []
-            self._on_welcome(message, taken)
+            self._on_welcome(welcome, taken)
         except BaseException:
             sock.close()
             for fd in received:
-                os.close(fd)
+                close_quietly(fd)
             raise
         if self._sock is not None:
             self._sock.close()

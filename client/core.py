@@ -197,6 +197,14 @@ def passed_fds(ancillary) -> list[int]:
     return list(fds)
 
 
+def close_quietly(fd: int) -> None:
+    """Close a descriptor we were handed, on a path that is already failing."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def refusal_error(message: M.Refused) -> Exception:
     """The WheeldError a Refused message stands for."""
     text = f"the daemon refused the session: {message.reason}"
@@ -299,6 +307,15 @@ class ClientCore:
                         seg.name if seg is not None else "", self._welcome.token if self._welcome else 0,
                         replay_epoch, replay_from)
         return M.encode_client_frame(hello), [seg.fd] if seg is not None else []
+
+    def _welcome_of(self, body: bytes) -> M.Welcome:
+        """The daemon's answer to Hello: its Welcome, or the refusal's error raised."""
+        message = decode_daemon_body(body)
+        if type(message) is M.Refused:
+            self._on_message(message)  # raises the refusal's error
+        if type(message) is not M.Welcome:
+            raise ProtocolError(f"expected Welcome, got {type(message).__name__}")
+        return message
 
     def _on_welcome(self, welcome: M.Welcome, fds: list[int]) -> None:
         """Take the session the daemon opened: ``fds`` are the descriptors that came with

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import array
 import math
-import os
 import select
 import socket
 import time
 
 from wheeld.protocol import messages as M
-from wheeld.protocol.errors import BrokenPeer, DaemonNotRunning, NotAllowed, ProtocolError, Timeout, WheeldError
+from wheeld.protocol.errors import BrokenPeer, DaemonNotRunning, NotAllowed, Timeout, WheeldError
 from wheeld.protocol.framing import FrameReader
 
-from .core import _FDS_SPACE, ClientCore, Expired, decode_daemon_body, passed_fds
+from .core import _FDS_SPACE, ClientCore, Expired, close_quietly, decode_daemon_body, passed_fds
 
 
 class Client(ClientCore):
@@ -86,18 +85,14 @@ class Client(ClientCore):
                 frames = reader.feed(data)
                 if frames:
                     break
-            message = decode_daemon_body(frames[0])
-            if type(message) is M.Refused:
-                self._on_message(message)  # raises the refusal's error
-            if type(message) is not M.Welcome:
-                raise ProtocolError(f"expected Welcome, got {type(message).__name__}")
+            welcome = self._welcome_of(frames[0])
             taken, received = received, []
-            self._on_welcome(message, taken)
+            self._on_welcome(welcome, taken)
             sock.setblocking(False)
         except BaseException:
             sock.close()
             for fd in received:
-                _close_quietly(fd)
+                close_quietly(fd)
             raise
         if self._sock is not None:
             self._sock.close()
@@ -238,13 +233,6 @@ class Client(ClientCore):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
 
 
 def wait_readable(fd: int, timeout_s: float | None) -> bool:
