@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: a plain-text table and a JSON result file.
+"""Helpers shared by the benchmarks: a plain-text table, a JSON result file, /proc
+readings of a process, and waiting for a starting daemon.
 
 Every result file carries the machine it was measured on and the load average
 at the start: the project's machines have 2 cores shared by several engineers,
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -64,3 +67,35 @@ def write_json(name: str, payload: dict) -> Path:
     data = {"benchmark": name, "machine": machine_info(), **payload}
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def rss_kb(pid: int | str = "self") -> int:
+    """VmRSS of ``pid`` in KiB (0 when the kernel gives none)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_listening(proc: subprocess.Popen, socket_path: str, timeout_s: float, log=lambda: "") -> None:
+    """Return once the starting wheeld ``proc`` accepts connections on ``socket_path``;
+    RuntimeError (with ``log()`` appended) if it exits or has not listened within ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"wheeld exited with {proc.returncode}{log()}")
+        with socket.socket(socket.AF_UNIX) as probe:
+            try:
+                probe.connect(socket_path)
+                return
+            except OSError:
+                time.sleep(0.02)
+    raise RuntimeError(f"wheeld did not listen within {timeout_s} s{log()}")

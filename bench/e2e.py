@@ -104,7 +104,6 @@ import random
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -117,6 +116,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+if __package__ in (None, ""):  # python bench/e2e.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import wait_until_listening  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "e2e.json"
 SHM_DIR = "/dev/shm"
@@ -396,19 +400,8 @@ class Daemon:
         env.pop("NOTIFY_SOCKET", None)
         env.pop("WATCHDOG_USEC", None)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"wheeld exited with {self.proc.returncode}:\n{self.log()}")
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(self.socket_path)
-                return self
-            except OSError:
-                time.sleep(0.02)
-            finally:
-                probe.close()
-        raise RuntimeError(f"wheeld did not listen within {timeout_s} s:\n{self.log()}")
+        wait_until_listening(self.proc, self.socket_path, timeout_s, lambda: ":\n" + self.log())
+        return self
 
     def log(self) -> str:
         try:

@@ -71,22 +71,15 @@ import sys
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):  # python bench/idle.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import proc_cpu_s, rss_kb, wait_until_listening  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results" / "idle.json"
 VARIANTS = ("none", "asyncio-timer", "lazy-timer", "moving-wheel", "deque", "scan", "wheel", "wheeld-daemon")
 
 
-def rss_kb(pid: int | str = "self") -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
-def proc_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # =========================================================================== variants
@@ -500,23 +493,15 @@ class Daemon:
         self.proc = None
 
     def start(self) -> Daemon:
-        import socket
-
         cmd = [sys.executable, "-m", "wheeld.daemon.cli", "--socket", self.socket_path, "--name", self.name,
                "--capacity", str(self.capacity), "--touch-capacity", str(1 << 17), "--log-level", "WARNING"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        end = time.monotonic() + 20
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"wheeld exited with {self.proc.returncode}")
-            try:
-                with socket.socket(socket.AF_UNIX) as probe:
-                    probe.connect(self.socket_path)
-                return self
-            except OSError:
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError("wheeld did not start")
+        try:
+            wait_until_listening(self.proc, self.socket_path, 20)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
         import shutil

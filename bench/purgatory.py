@@ -67,7 +67,6 @@ import platform
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -75,6 +74,11 @@ import threading
 import time
 import uuid
 from pathlib import Path
+
+if __package__ in (None, ""):  # python bench/purgatory.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import wait_until_listening  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TIMEOUT_MS = 200
@@ -448,18 +452,12 @@ class BenchDaemon:
                "--tick-ms", str(TICK_MS), "--wheel-size", str(WHEEL_SIZE), "--capacity", str(1 << 20),
                "--log-level", "WARNING"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        end = time.monotonic() + 20
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"wheeld exited with {self.proc.returncode}")
-            try:
-                with socket.socket(socket.AF_UNIX) as probe:
-                    probe.connect(self.socket_path)
-                return self
-            except OSError:
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError("wheeld did not start")
+        try:
+            wait_until_listening(self.proc, self.socket_path, 20)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
 
     def cpu_s(self) -> float:
         with open(f"/proc/{self.proc.pid}/stat") as f:

@@ -91,6 +91,11 @@ import time
 import uuid
 from pathlib import Path
 
+if __package__ in (None, ""):  # python bench/sockets.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import proc_cpu_s, rss_kb, wait_until_listening  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "sockets.json"
 EXAMPLES = ROOT / "examples"
@@ -104,18 +109,6 @@ IP_BIND_ADDRESS_NO_PORT = getattr(socket, "IP_BIND_ADDRESS_NO_PORT", 24)
 
 
 # =========================================================================== shared helpers
-def rss_kb(pid: int | str = "self") -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
-def proc_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def raise_nofile(needed: int) -> tuple[bool, str]:
@@ -423,17 +416,8 @@ class Daemon:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None)
-        end = time.monotonic() + 30
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"wheeld exited with {self.proc.returncode}: {Path(self.log_path).read_text()}")
-            try:
-                with socket.socket(socket.AF_UNIX) as probe:
-                    probe.connect(self.socket_path)
-                return self
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("wheeld did not start within 30 s")
+        wait_until_listening(self.proc, self.socket_path, 30, lambda: ": " + Path(self.log_path).read_text())
+        return self
 
     def lateness_counts(self) -> tuple[int, ...]:
         """The daemon's own fire-lateness histogram (deadline to firing), read from its arena."""
