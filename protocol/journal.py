@@ -561,6 +561,14 @@ def _classify_decode_failure(body: bytes) -> tuple[str, str]:
     return BAD_JSON, "undecodable"  # pragma: no cover - decode succeeded alone
 
 
+def _skip_events(lines: list[bytes], skip: int) -> tuple[list[bytes], int]:
+    """``lines`` without the ``skip`` event lines after the header line, and the bytes those
+    take in the file (newlines included)."""
+    if not skip:
+        return lines, 0
+    return lines[:1] + lines[1 + skip :], sum(map(len, lines[1 : 1 + skip])) + skip
+
+
 def scan_segment(
     data: bytes, path: str = "<bytes>", skip_events: int = 0
 ) -> tuple[list[Event], int, Defect | None]:
@@ -594,12 +602,7 @@ def scan_segment(
     # a file ending in "\n" splits into [..., b""]; anything else is a torn tail
     tail = lines.pop()
     skip = max(0, min(skip_events, len(lines) - 1))
-    if skip:
-        skipped_bytes = sum(map(len, lines[1 : 1 + skip])) + skip
-        checked = lines[:1] + lines[1 + skip :]
-    else:
-        skipped_bytes = 0
-        checked = lines
+    checked, skipped_bytes = _skip_events(lines, skip)
 
     def real_index(index: int) -> int:  # index in ``checked`` -> line index in the file
         return index + skip if index >= 1 else index
@@ -782,12 +785,7 @@ def scan_lines(data: bytes, path: str = "<bytes>", skip_events: int = 0) -> Segm
     skip = max(0, min(skip_events, len(lines) - 1))
     if tail:
         lines.append(tail)  # a piece without its newline is a line too, and never a record
-    if skip:
-        skipped_bytes = sum(map(len, lines[1 : 1 + skip])) + skip
-        checked = lines[:1] + lines[1 + skip :]
-    else:
-        skipped_bytes = 0
-        checked = lines
+    checked, skipped_bytes = _skip_events(lines, skip)
     count = len(checked)
     size = len(data)
     if not count:
