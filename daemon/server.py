@@ -288,6 +288,7 @@ class Session:
         del self.passed_fds[keep:]
 
     def on_readable(self) -> None:
+        self.daemon.arena_busy()  # what follows may write the arena while the loop is parked
         try:
             data = self._recv()
         except (BlockingIOError, InterruptedError):
@@ -641,7 +642,7 @@ class Daemon:
         loop = self.loop
         wheel = self.wheel
         hq = wheel.header_words()
-        parked_word = AL.H_PARKED // 8  # wheelctl reads it from the arena
+        parked_word = AL.H_PARKED // 8  # wheelctl's "at rest" word (the clients use the status page's)
         status_words = self.status.words  # the clients from the status page
         status_parked = SL.PARKED_WORD
         park_epoch = hq[AL.H_WAKE_SEQ // 8]
@@ -665,9 +666,6 @@ class Daemon:
             now = mono_ms()
             self._expire(now)
             self._dispatch()
-            if now != last_publish:  # at most once per ms (and before a longer park, below)
-                last_publish = now
-                self._publish(now)
             if now != last_ahead:  # after this iteration's expirations went out; at most once per ms
                 last_ahead = now
                 wheel.cascade_ahead(now, _CASCADE_AHEAD)
@@ -680,6 +678,12 @@ class Daemon:
             if now - self._last_gc >= _GC_INTERVAL_MS:
                 self._last_gc = now
                 self._collect_orphans(now)
+            # after everything this iteration writes into the arena, so that a park right
+            # after it leaves counters that match the records (see the parked word below)
+            published = now != last_publish  # at most once per ms (and before a longer park)
+            if published:
+                last_publish = now
+                self._publish(now)
             if commands >= _BUSY_COMMANDS or (commands and not coalesce_ns):
                 await asyncio.sleep(0)  # let sockets in, then drain again
                 continue
@@ -688,12 +692,11 @@ class Daemon:
             # handful of commands as it trickled in kept the daemon busy ~70% of a core.
             park_epoch += 1  # a new epoch: each client rings at most once per park
             hq[AL.H_WAKE_SEQ // 8] = park_epoch
-            hq[parked_word] = park_epoch
             status_words[status_parked] = park_epoch
             _full_fence()
             gather = self._rings_pending()
             if gather and not coalesce_ns:
-                hq[parked_word] = status_words[status_parked] = 0
+                status_words[status_parked] = 0
                 continue
             next_deadline = wheel.next_deadline()
             now = mono_ms()
@@ -702,9 +705,14 @@ class Daemon:
                 timeout_ms = min(timeout_ms, int(watchdog_s * 1000))
             if self.recorder is not None and self.recorder.sync_due_ms() is not None:
                 timeout_ms = min(timeout_ms, self.recorder.sync_due_ms() - now)
-            if timeout_ms > 1:  # a longer sleep: leave wheelctl and the clients current counters
+            if timeout_ms > 1 and not published:  # a longer sleep: leave current counters
                 last_publish = now
                 self._publish(now)
+                published = True
+            if published:
+                # for wheelctl: the arena is at rest and its counters match its records, until
+                # the loop wakes or a callback clears it (arena_busy) before writing the arena
+                hq[parked_word] = park_epoch
             # wake at the start of the due millisecond, not timeout_ms after "now"
             # (mono_ms() is floored: that would add up to 1 ms to every parked expiry),
             # with the timerfd: the loop's timer has whole-ms resolution (see alarm.py)
@@ -1303,6 +1311,13 @@ class Daemon:
 
     # ------------------------------------------------------------------ stats
 
+    def arena_busy(self) -> None:
+        """A callback that may write the arena outside the loop's iteration (a client's
+        message, a closed session, maintenance) calls this first: the arena stops
+        counting as at rest for wheelctl's copies (:func:`wheeld.daemon.stats.check`) until
+        the loop parks again with its counters published."""
+        self.wheel.header_words()[AL.H_PARKED // 8] = 0
+
     def _publish(self, now: int) -> None:
         """Counters into the arena header: the wheel's own, then the daemon's."""
         wheel = self.wheel
@@ -1653,6 +1668,7 @@ class Daemon:
     def close_session(self, session: Session, reason: str, goodbye: bool = False, resume: bool = False) -> None:
         if session.closed:
             return
+        self.arena_busy()
         if goodbye:
             try:
                 session.sock.send(M.encode_daemon_frame(M.Goodbye(reason[:200] or "closed")))
@@ -1754,6 +1770,7 @@ class Daemon:
     def _maintain(self) -> None:
         """Frames that never complete, expirations nobody acknowledges, a paused accept."""
         self._maintain_handle = self.loop.call_later(_MAINTAIN_S, self._maintain)
+        self.arena_busy()
         now = time.monotonic()
         timeout = self.config.frame_timeout_s
         for session in [s for s in self.sessions if s.partial_since and now - s.partial_since > timeout]:

@@ -47,8 +47,10 @@ The checker (:func:`check_arena`) verifies the arena's invariants on a
 *private copy* of the segment: ``TimerWheel.attach`` repairs and rebuilds, which
 writes, and nothing but the daemon may write a live arena. A copy of an arena
 the daemon is writing at that moment can be inconsistent, so :func:`check`
-takes copies while the daemon is parked, and with a live daemon calls the arena
-broken only when the same problems show in every copy it took.
+takes copies while the daemon is parked at rest (its parked word: set only for a
+park with the counters published, cleared before anything writes the arena), and
+otherwise calls the arena broken only when the same problems show in every copy
+it took.
 """
 
 from __future__ import annotations
@@ -960,8 +962,10 @@ class CheckReport:
 def _private_copy(reader: ArenaReader, budget_s: float = 0.5) -> tuple[mmap.mmap, bool]:
     """(a private copy of the arena, whether nothing wrote it while we copied).
 
-    The daemon writes nothing while parked, so copies are taken until one starts
-    and ends with the daemon parked and the header unchanged, for up to
+    The daemon sets the arena's parked word only when it parks with its counters
+    published, and clears it before anything writes the arena (``Daemon.arena_busy``),
+    so copies are taken until one starts and ends with that word set and the header
+    unchanged, for up to
     ``budget_s`` (a busy daemon parks for moments; a reader preempted during a
     copy misses one of them and tries again); the last copy is returned either way.
     """

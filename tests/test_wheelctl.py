@@ -537,6 +537,41 @@ def test_check_passes_on_the_live_arena_and_never_writes_it(daemon):
     assert before == after, "check wrote into the live arena"
 
 
+def test_check_is_clean_on_a_daemon_firing_every_millisecond(daemon):
+    """Timers fire every ms and a client acknowledges them while ``check`` runs, so the
+    daemon parks for a millisecond at a time, often without publishing its counters. A
+    copy counts as taken at rest only when the arena's parked word is set, which the
+    daemon does only when it parks with its counters published: no copy may show
+    counters that disagree with the records."""
+    import threading
+
+    reports = []
+    with wheeld.connect(daemon.socket_path, group="busy") as w:
+        for i in range(3000):
+            w.add(i, 200 + i)  # one due every ms for 3 s
+        w.flush()
+        stop = threading.Event()
+
+        def check_repeatedly():
+            while not stop.is_set():
+                reports.append(S.check(daemon.name, attempts=3, interval_s=0.01))
+
+        thread = threading.Thread(target=check_repeatedly)
+        thread.start()
+        try:
+            got = set()
+            end = time.monotonic() + 10
+            while len(got) < 3000 and time.monotonic() < end:
+                got.update(e.key for e in w.poll(timeout_s=0.2))
+        finally:
+            stop.set()
+            thread.join()
+    assert len(got) == 3000
+    assert len(reports) >= 2, len(reports)
+    broken = [(r.quiet, r.copies, r.problems) for r in reports if not r.ok and not r.inconclusive]
+    assert not broken, broken[:3]
+
+
 def _scheduled_slots(buf, info):
     first = info["levels"] * info["wheel_size"] + 2
     rec = np.frombuffer(buf, dtype=L.RECORD_DTYPE, count=first + info["capacity"], offset=info["header_bytes"])
