@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(shapes) - set(SHAPES)
     if unknown:
         parser.error(f"unknown shapes: {', '.join(sorted(unknown))} (known: {', '.join(SHAPES)})")
-    _raise_nofile(2 * args.connections + 64)
+    _raise_nofile(args.connections + 64)  # per process: the server and the load each hold one end
     info = machine_info()
     rows = [measure(shape, args.connections, args.window_s, args.seed) for shape in shapes]
     print(format_table(rows, ["shape", "connections", "reads_per_s", "reads_per_wait", "user_us_per_read",
