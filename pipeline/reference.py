@@ -31,8 +31,9 @@ Line status, in this order of precedence
     ``ok``                   a valid timer event: the only lines that count.
 
     The pipeline is per line: a bad line is skipped and counted, the lines
-    after it still count. (Recovery, in ``daemon.journal``, must stop at the
-    first bad line because later state depends on earlier; statistics do not.)
+    after it still count. (Recovery, in ``protocol.journal_recovery``, skips a
+    bad line too, but its state depends on every event, so it charges the events
+    a bad line held to it by their lsns; statistics need no such accounting.)
 
 Host of a segment
     The ``host`` of its header if the file's *first* line is a complete, valid

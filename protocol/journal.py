@@ -3,8 +3,8 @@
 The daemon records every change to its timers in a write-ahead journal so
 that timers survive a reboot (``wheeld --journal DIR``). The same files are the
 input of the fleet analytics pipeline (``wheeld.pipeline``). This module is the
-one place that defines the bytes; the daemon's writer
-(:mod:`wheeld.daemon.journal`), the recovery code, the fleet generator and the
+one place that defines the bytes; the writer (:mod:`wheeld.protocol.journal_files`),
+recovery (:mod:`wheeld.protocol.journal_recovery`), the fleet generator and the
 pipeline all import it.
 
 Why JSON Lines
@@ -143,7 +143,7 @@ Snapshot files
 reader checks a whole snapshot with one pass of ``zlib.crc32`` (GB/s) instead
 of a check per line. A snapshot without a valid ``end`` line is not a
 snapshot. Snapshots are written to a temporary name, fsynced, renamed and the
-directory fsynced (see :mod:`wheeld.daemon.journal`).
+directory fsynced (see :mod:`wheeld.protocol.journal_files`).
 
 Versioning
 ==========
@@ -265,7 +265,7 @@ class _Line(msgspec.Struct, tag_field="ev", kw_only=True):
 
 
 class _TimerEvent(_Line, kw_only=True):
-    n: int = 0  # assigned by the writer (daemon.journal.Journal.append)
+    n: int = 0  # assigned by the writer (journal_files.Journal.append)
     t: int
     g: str
     k: JsonKey
@@ -743,7 +743,7 @@ class SegmentScan(msgspec.Struct):
     The header is not in ``parts``: ``header`` is None when the first line is
     damaged (or is an event). ``good_end`` is the offset just past the last
     good line (0: none). Lsns are not checked here: the reader knows which lsn
-    it expects next (``daemon.journal.recover`` does).
+    it expects next (``journal_recovery.recover`` does).
     """
 
     path: str

@@ -50,6 +50,7 @@ import time
 
 import click
 
+from wheeld.daemon import stats as S
 from wheeld.protocol import arena_layout as AL
 from wheeld.protocol.errors import (
     ArenaFull,
@@ -61,9 +62,7 @@ from wheeld.protocol.errors import (
     WheeldError,
 )
 from wheeld.protocol.keys import encode_key
-
-from . import stats as S
-from .config import arena_name, default_name, default_socket_path
+from wheeld.protocol.naming import SHM_DIR, arena_name, default_name, default_socket_path, shm_prefix
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -364,7 +363,7 @@ def _sample(ctl: Ctl, stale_after_s: float) -> S.Snapshot:
 
 def _emit(snap: S.Snapshot, rate, as_json: bool, prometheus: bool, compact: bool = False) -> None:
     if prometheus:
-        from .metrics import render
+        from wheeld.daemon.metrics import render
 
         click.echo(render(snap), nl=False)
     elif as_json:
@@ -685,23 +684,23 @@ def destroy(ctl: Ctl, instance: str | None) -> None:
     Refused (exit 1, nothing removed) while a daemon holds the instance's lock.
     Every pending timer in the arena goes with it; a journal (--journal DIR) is
     not touched, so a daemon started with it later rebuilds them from there."""
-    from . import instance as I
+    from wheeld.protocol.instance_lock import holder
 
     name = instance or ctl.name
     try:
-        holder = I.holder(name)
+        pid = holder(name)
     except PermissionError:
         raise CtlError(f"may not read the lock of wheeld instance {name!r}: run as the daemon's user or root",
                        EXIT_NO_DAEMON) from None
-    if holder is not None:
-        who = f"pid {holder}" if holder else "another process"
+    if pid is not None:
+        who = f"pid {pid}" if pid else "another process"
         raise CtlError(f"wheeld instance {name!r} is running ({who} holds its lock); stop it first", EXIT_FAILED)
-    prefix = f"wheeld-{name}-"
+    prefix = shm_prefix(name)
     removed = []
-    for entry in sorted(os.listdir(I.SHM_DIR)):
+    for entry in sorted(os.listdir(SHM_DIR)):
         if entry.startswith(prefix):
             try:
-                os.unlink(os.path.join(I.SHM_DIR, entry))
+                os.unlink(os.path.join(SHM_DIR, entry))
                 removed.append(entry)
             except FileNotFoundError:
                 pass
@@ -711,11 +710,11 @@ def destroy(ctl: Ctl, instance: str | None) -> None:
     if removed:
         click.echo(f"removed {len(removed)} segment(s) of wheeld instance {name!r}: {', '.join(removed)}")
     else:
-        click.echo(f"nothing to remove: no segment of wheeld instance {name!r} in {I.SHM_DIR}")
+        click.echo(f"nothing to remove: no segment of wheeld instance {name!r} in {SHM_DIR}")
 
 
 def _check_journal(directory: str, as_json: bool) -> None:
-    from .journal import check_journal
+    from wheeld.protocol.journal_recovery import check_journal
 
     try:
         report = check_journal(directory)
