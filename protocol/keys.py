@@ -32,6 +32,21 @@ _INT_MAX = (1 << 63) - 1
 Key = str | bytes | int
 
 
+def make_key_meta(kind: int, size: int) -> int:
+    """The key meta byte of a key of type ``kind`` (TYPE_*) and ``size`` encoded bytes."""
+    return (kind << _TYPE_SHIFT) | size
+
+
+def key_meta_size(key_meta: int) -> int:
+    """The encoded length of the key a key meta byte describes."""
+    return key_meta & _LEN_MASK
+
+
+def key_meta_type(key_meta: int) -> int:
+    """The type (TYPE_BYTES, TYPE_STR or TYPE_INT) of the key a key meta byte describes."""
+    return key_meta >> _TYPE_SHIFT
+
+
 def encode_key(key: Key) -> tuple[bytes, int]:
     """Return ``(key_bytes, key_meta)`` for a user key; raise InvalidKey if unusable."""
     cls = type(key)
