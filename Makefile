@@ -8,7 +8,7 @@ HASH   := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 RUN_STAMP  := $(VENV)/.installed-run-$(HASH)
 TEST_STAMP := $(VENV)/.installed-test-$(HASH)
 
-.PHONY: install run test test-long bench clean
+.PHONY: install run test test-long lint bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ test: $(TEST_STAMP)
 
 test-long: $(TEST_STAMP)
 	WHEELD_LONG=1 $(BIN)/python -m pytest -n auto -q -m slow
+
+# the import contracts of pyproject.toml ([tool.importlinter]): which layer may import which
+lint: $(TEST_STAMP)
+	$(BIN)/python .ci/lint_imports.py
 
 bench: $(TEST_STAMP)
 	$(BIN)/python -m bench.wheel_core

@@ -444,7 +444,7 @@ def unlink_segments(name: str) -> list[str]:
 
 def arena_reader(name: str):
     """(read pending, read a counter by name, close) over the daemon's arena header, read-only."""
-    from wheeld.daemon.config import arena_name
+    from wheeld.protocol.naming import arena_name
     from wheeld.protocol import arena_layout as AL
     from wheeld.shm.arena import Segment
 

@@ -46,7 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from wheeld.daemon.journal import Journal, PendingTimer, recover
+from wheeld.protocol.journal_files import Journal, PendingTimer
+from wheeld.protocol.journal_recovery import recover
 from wheeld.protocol.journal import Ack, Add, Cancel, Fire, encode_event, encode_events
 
 RESULTS = Path(__file__).resolve().parent / "results" / "journal.json"

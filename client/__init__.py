@@ -7,35 +7,72 @@
         w.cancel("req-17")            # True: this arming will not be delivered here
         for expired in w.poll(timeout_s=1.0):
             print(expired.key, expired.deadline_ms, expired.fired_ms)
+
+The names below are loaded on first use (PEP 562): ``wheeld`` is also the root
+of ``wheeld.daemon``, ``wheeld.shm``, ``wheeld.protocol`` and ``wheeld.pipeline``,
+and importing one of those must not load the client (nor posix_ipc and numpy).
 """
 
-from wheeld.protocol.errors import (
-    ArenaFull,
-    BackPressure,
-    BrokenPeer,
-    Closed,
-    CorruptArena,
-    DaemonNotRunning,
-    ForkedClient,
-    GroupLimit,
-    InvalidDelay,
-    InvalidKey,
-    InvalidRequest,
-    NotAllowed,
-    ProtocolError,
-    QuotaExceeded,
-    RingFull,
-    Timeout,
-    WheeldError,
-)
+from __future__ import annotations
 
-from .aio import AsyncClient, connect_async
-from .core import Expired
-from .sync import Client, connect
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "connect", "connect_async", "Client", "AsyncClient", "Expired",
-    "WheeldError", "InvalidRequest", "InvalidKey", "InvalidDelay", "BackPressure", "RingFull", "ArenaFull",
-    "QuotaExceeded", "GroupLimit", "Timeout", "ProtocolError", "NotAllowed", "Closed", "ForkedClient", "BrokenPeer",
-    "DaemonNotRunning", "CorruptArena",
-]
+_ERRORS = "wheeld.protocol.errors"
+
+#: public name -> the module that defines it
+_EXPORTS = {
+    "connect": "wheeld.sync",
+    "Client": "wheeld.sync",
+    "connect_async": "wheeld.aio",
+    "AsyncClient": "wheeld.aio",
+    "Expired": "wheeld.core",
+    **dict.fromkeys(
+        (
+            "WheeldError", "InvalidRequest", "InvalidKey", "InvalidDelay", "BackPressure", "RingFull", "ArenaFull",
+            "QuotaExceeded", "GroupLimit", "Timeout", "ProtocolError", "NotAllowed", "Closed", "ForkedClient",
+            "BrokenPeer", "DaemonNotRunning", "CorruptArena",
+        ),
+        _ERRORS,
+    ),
+}  # fmt: skip
+
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ loads these
+    from wheeld.protocol.errors import (
+        ArenaFull,
+        BackPressure,
+        BrokenPeer,
+        Closed,
+        CorruptArena,
+        DaemonNotRunning,
+        ForkedClient,
+        GroupLimit,
+        InvalidDelay,
+        InvalidKey,
+        InvalidRequest,
+        NotAllowed,
+        ProtocolError,
+        QuotaExceeded,
+        RingFull,
+        Timeout,
+        WheeldError,
+    )
+
+    from .aio import AsyncClient, connect_async
+    from .core import Expired
+    from .sync import Client, connect
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wheeld' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup does not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -65,6 +65,7 @@ from wheeld.protocol.keys import (
     TYPE_STR,
     decode_key,
     encode_key,
+    key_meta_of,
     valid_key_meta,
 )
 from wheeld.protocol.naming import default_socket_path
@@ -75,7 +76,7 @@ _META = [bytes((m,)) for m in range(256)]
 _fence = threading.Lock()
 _fence_acquire = _fence.acquire
 _fence_release = _fence.release
-_STR_META = TYPE_STR << 6
+_STR_META = key_meta_of(TYPE_STR, 0)  # | the key's length
 _PARKED = SL.PARKED_WORD
 _PENDING = SL.PENDING_WORD
 _FIRED_UNACKED = SL.FIRED_UNACKED_WORD

@@ -15,8 +15,10 @@ import sys
 import click
 
 from wheeld.protocol.errors import WheeldError
+from wheeld.protocol.journal_recovery import DAMAGE_POLICIES, JournalDamaged
+from wheeld.protocol.naming import default_name, default_socket_path
 
-from .config import JOURNAL_DAMAGE_POLICIES, Config, default_name, default_socket_path
+from .config import Config
 
 #: ``--journal-damage refuse`` found damage (sysexits.h: "the input data was incorrect").
 EXIT_JOURNAL_DAMAGED = 65
@@ -37,7 +39,7 @@ EXIT_JOURNAL_DAMAGED = 65
 @click.option("--metrics", default=None, metavar="ADDR:PORT", help="Serve Prometheus metrics over HTTP (off by default).")
 @click.option("--journal", "journal_dir", default=None, metavar="DIR", help="Write-ahead journal directory (off by default).")
 @click.option("--fsync", default="interval=10", show_default=True, metavar="POLICY", help="always | interval=N (ms) | off")
-@click.option("--journal-damage", type=click.Choice(JOURNAL_DAMAGE_POLICIES), default="skip", show_default=True,
+@click.option("--journal-damage", type=click.Choice(DAMAGE_POLICIES), default="skip", show_default=True,
               help="When the arena is gone and is rebuilt from the journal: skip damaged journal lines (their "
                    "events are lost, each damaged range is logged as an error and counted in wheelctl stats) or "
                    f"refuse to start (exit {EXIT_JOURNAL_DAMAGED}, nothing on disk changed; see wheelctl check "
@@ -90,7 +92,6 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
         group_owners=tuple(_group_owner(spec) for spec in group_owners),
         group_quota=group_quota, max_groups=max_groups, ack_timeout_s=ack_timeout_s, frame_timeout_s=frame_timeout_s,
     )
-    from .journal import JournalDamaged
     from .server import run
 
     try:

@@ -4,17 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from wheeld.protocol.naming import (  # noqa: F401 - the daemon's names, re-exported
-    DEFAULT_NAME,
-    arena_name,
-    clients_name,
-    default_name,
-    default_socket_path,
-    segment_prefix,
-)
-
-#: ``--journal-damage``: what recovery does with damaged journal lines (daemon/journal.py, "Damage").
-JOURNAL_DAMAGE_POLICIES = ("skip", "refuse")
+from wheeld.protocol.naming import default_name, default_socket_path
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,8 @@ import stat
 import time
 
 from wheeld.protocol.errors import WheeldError
-
-SHM_DIR = "/dev/shm"
-_PID_FIELD = 32  # the lock file: the holder's pid, then the secret
-_SECRET_BYTES = 32
+from wheeld.protocol.instance_lock import PID_FIELD, SECRET_BYTES, read_pid
+from wheeld.protocol.naming import lock_path, shm_path
 
 
 class AlreadyRunning(WheeldError):
@@ -47,15 +45,6 @@ class AlreadyRunning(WheeldError):
 
 class UntrustedSegment(WheeldError):
     """A segment of this instance belongs to another user and cannot be set aside."""
-
-
-def lock_path(name: str) -> str:
-    return os.path.join(SHM_DIR, f"wheeld-{name}-lock")
-
-
-def shm_path(segment_name: str) -> str:
-    """The file behind a POSIX shared-memory name (Linux keeps them in /dev/shm)."""
-    return os.path.join(SHM_DIR, segment_name.lstrip("/"))
 
 
 class InstanceLock:
@@ -79,17 +68,17 @@ class InstanceLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                pid = _read_pid(fd)
+                pid = read_pid(fd)
                 holder = f"pid {pid}" if pid else "another process"
                 raise AlreadyRunning(
                     f"another wheeld ({holder}) is running instance {name!r} (lock {path}); nothing was changed. "
                     f"Stop it first, or pick another --name") from None
             os.fchmod(fd, 0o600)
-            secret = os.pread(fd, _SECRET_BYTES, _PID_FIELD)
-            if len(secret) != _SECRET_BYTES:
-                secret = secrets.token_bytes(_SECRET_BYTES)
-                os.pwrite(fd, secret, _PID_FIELD)
-            os.pwrite(fd, f"{os.getpid()}\n".encode().ljust(_PID_FIELD, b" "), 0)
+            secret = os.pread(fd, SECRET_BYTES, PID_FIELD)
+            if len(secret) != SECRET_BYTES:
+                secret = secrets.token_bytes(SECRET_BYTES)
+                os.pwrite(fd, secret, PID_FIELD)
+            os.pwrite(fd, f"{os.getpid()}\n".encode().ljust(PID_FIELD, b" "), 0)
         except BaseException:
             os.close(fd)
             raise
@@ -99,30 +88,6 @@ class InstanceLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor drops the flock
             self._fd = None
-
-
-def holder(name: str) -> int | None:
-    """The pid of the daemon holding instance ``name``'s lock, 0 if the holder is
-    unknown, or None when nobody holds it (or there is no lock file)."""
-    try:
-        fd = os.open(lock_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _read_pid(fd)
-        return None
-    finally:
-        os.close(fd)
-
-
-def _read_pid(fd: int) -> int:
-    try:
-        return int(os.pread(fd, _PID_FIELD, 0).split()[0])
-    except (ValueError, IndexError, OSError):
-        return 0
 
 
 def check_owned(segment_name: str) -> str | None:

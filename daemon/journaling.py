@@ -38,17 +38,16 @@ from wheeld.protocol.keys import decode_key
 from wheeld.protocol.errors import ArenaFull, InvalidRequest
 from wheeld.shm.wheel import TimerWheel
 
-from .journal import (
+from wheeld.protocol.journal_files import (
     FiredTimer,
     Journal,
     PendingTimer,
-    RecoveredState,
-    list_segments,
     clock_offset_ns_above,
+    list_segments,
     read_clocks,
-    recover,
     wall_to_monotonic_ns,
 )
+from wheeld.protocol.journal_recovery import RecoveredState, recover
 
 log = logging.getLogger("wheeld.journal")
 

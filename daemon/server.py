@@ -98,6 +98,7 @@ from wheeld.protocol.errors import (
 )
 from wheeld.protocol.framing import FrameReader
 from wheeld.protocol.keys import decode_key
+from wheeld.protocol.naming import arena_name, clients_name, segment_prefix
 from wheeld.shm.arena import unlink as unlink_segment
 from wheeld.shm.ring import ClientSegment
 from wheeld.shm.status import StatusPage
@@ -105,7 +106,7 @@ from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
 
 from .activation import listen_fds, unix_stream_listener
 from .alarm import Alarm
-from .config import Config, arena_name, clients_name, segment_prefix
+from .config import Config
 from .instance import InstanceLock, check_owned, set_aside, shm_path
 from .sdnotify import Notifier
 

@@ -69,9 +69,9 @@ from wheeld.protocol import arena_layout as L
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol.errors import BrokenPeer, CorruptArena, WheeldError
 from wheeld.protocol.keys import TYPE_BYTES, TYPE_INT, TYPE_STR, decode_key, encode_key
+from wheeld.protocol.naming import arena_name, clients_name
 from wheeld.shm.arena import Segment
 
-from .config import arena_name, clients_name
 
 __all__ = [
     "NoArena", "ArenaReader", "Snapshot", "build_snapshot", "RingStat", "GroupStat", "Timer", "CheckReport",

@@ -7,8 +7,8 @@
 writes ``OUT/host-000/journal-0000000000000001.jsonl``, ... one folder per
 host, in exactly the format the daemon writes: the events are the structs of
 :mod:`wheeld.protocol.journal` and the files are written by the daemon's own
-:class:`wheeld.daemon.journal.Journal` (lsns, segment headers, rotation), with
-``fsync="off"`` and simulated clocks.
+writer, :class:`wheeld.protocol.journal_files.Journal` (lsns, segment headers,
+rotation), with ``fsync="off"`` and simulated clocks.
 
 What a host does over its simulated day
 =======================================
@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import math
 import os
 import sys
@@ -75,7 +76,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wheeld.daemon.journal import DEFAULT_SEGMENT_BYTES, Journal
+from wheeld.protocol.journal_files import DEFAULT_SEGMENT_BYTES, Journal
 from wheeld.protocol.journal import Ack, Add, Cancel, Fire, IdleRearm, Rearm, key_to_json
 
 __all__ = ["FleetInfo", "generate_fleet", "generate_host", "main"]
@@ -396,20 +397,20 @@ def _keys(group: np.ndarray, host_index: int) -> list:
     return keys
 
 
+def _open_journal(directory: Path, host: str, segment_bytes: int, next_lsn: int, clock: _SimClock) -> Journal:
+    """The journal a (simulated) daemon process writes, with the daemon's own writer."""
+    return Journal(directory, fsync="off", segment_bytes=segment_bytes, host=host, name=DAEMON_NAME,
+                   next_lsn=next_lsn, wall_ms=clock.wall_ms, mono_ms=clock.mono_ms)
+
+
 def _write(directory: Path, host: str, columns, seq, group, idle_of_op, keys, outage, rng, segment_bytes, start_ms) -> None:
-    ops = columns["op"].tolist()
-    times = columns["t"].tolist()
-    kinds = columns["kind"].tolist()
-    deadlines = columns["d"].tolist()
-    previous = columns["pd"].tolist()
-    lateness = columns["lat"].tolist()
-    lates = columns["late"].tolist()
+    ops, times, kinds, deadlines, previous, lateness, lates = (
+        columns[name].tolist() for name in ("op", "t", "kind", "d", "pd", "lat", "late"))
     seqs = seq.tolist()
     group_names = [GROUPS[index] for index in group.tolist()]
     idle_values = idle_of_op.tolist()
     clock = _SimClock(start_ms, int(rng.integers(3_600_000, 90 * 86_400_000)))
-    journal = Journal(directory, fsync="off", segment_bytes=segment_bytes, host=host, name=DAEMON_NAME,
-                      next_lsn=1, wall_ms=clock.wall_ms, mono_ms=clock.mono_ms)
+    journal = _open_journal(directory, host, segment_bytes, 1, clock)
     restart_at = outage[1] if outage else None
     batch: list = []
     append = batch.append
@@ -420,11 +421,9 @@ def _write(directory: Path, host: str, columns, seq, group, idle_of_op, keys, ou
             if batch:
                 journal.append(batch)
                 batch.clear()
-            next_lsn = journal.last_lsn + 1
             journal.close()
             clock = _SimClock(restart_at, int(rng.integers(20_000, 60_000)))
-            journal = Journal(directory, fsync="off", segment_bytes=segment_bytes, host=host, name=DAEMON_NAME,
-                              next_lsn=next_lsn, wall_ms=clock.wall_ms, mono_ms=clock.mono_ms)
+            journal = _open_journal(directory, host, segment_bytes, journal.last_lsn + 1, clock)
             restart_at = None
         op = ops[index]
         kind = kinds[index]
@@ -557,48 +556,27 @@ def generate_fleet(
     restarted = set(np.flatnonzero(root.random(hosts) < restart_fraction).tolist())
     torn = set(root.choice(hosts, min(torn_tail_hosts, hosts), replace=False).tolist()) if torn_tail_hosts else set()
     seeds = np.random.SeedSequence(seed).spawn(hosts)
+    common = {"events": events_per_host, "start_wall_ms": start_wall_ms, "duration_ms": duration_ms,
+              "segment_bytes": segment_bytes}
     jobs = [
-        {
-            "directory": out_dir / name,
-            "host": name,
-            "events": events_per_host,
-            "seed": seeds[index],
-            "slow": index in slow,
-            "restart": index in restarted,
-            "start_wall_ms": start_wall_ms,
-            "duration_ms": duration_ms,
-            "segment_bytes": segment_bytes,
-            "host_index": index,
-            "torn_tail": index in torn,
-        }
+        {"directory": out_dir / name, "host": name, "seed": seeds[index], "slow": index in slow,
+         "restart": index in restarted, "host_index": index, "torn_tail": index in torn, **common}
         for index, name in enumerate(names)
     ]
     info = FleetInfo(
-        out_dir=out_dir,
-        hosts=names,
-        slow_hosts=[names[index] for index in sorted(slow)],
-        restarted_hosts=[names[index] for index in sorted(restarted)],
-        events_per_host=events_per_host,
-        seed=seed,
+        out_dir=out_dir, hosts=names, slow_hosts=[names[index] for index in sorted(slow)],
+        restarted_hosts=[names[index] for index in sorted(restarted)], events_per_host=events_per_host, seed=seed,
         start_wall_ms=start_wall_ms,
     )
-
-    def report(done: int, name: str) -> None:
-        if progress:
-            elapsed = time.perf_counter() - started
-            rate = done * events_per_host / elapsed if elapsed else 0
-            print(f"  {done}/{hosts} hosts ({name}), {rate / 1e3:.0f}k events/s", file=sys.stderr, flush=True)
-
-    if workers > 1:
-        with concurrent.futures.ProcessPoolExecutor(workers) as pool:
-            for done, (name, summary) in enumerate(pool.map(_generate_host_job, jobs), 1):
-                info.per_host[name] = summary
-                report(done, name)
-    else:
-        for done, job in enumerate(jobs, 1):
-            name, summary = _generate_host_job(job)
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(workers)) if workers > 1 else None
+        results = pool.map(_generate_host_job, jobs) if pool is not None else map(_generate_host_job, jobs)
+        for done, (name, summary) in enumerate(results, 1):
             info.per_host[name] = summary
-            report(done, name)
+            if progress:
+                elapsed = time.perf_counter() - started
+                rate = done * events_per_host / elapsed if elapsed else 0
+                print(f"  {done}/{hosts} hosts ({name}), {rate / 1e3:.0f}k events/s", file=sys.stderr, flush=True)
     for name in names:
         for path in (out_dir / name).glob("journal-*.jsonl"):
             info.bytes_written += path.stat().st_size

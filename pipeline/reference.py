@@ -31,8 +31,9 @@ Line status, in this order of precedence
     ``ok``                   a valid timer event: the only lines that count.
 
     The pipeline is per line: a bad line is skipped and counted, the lines
-    after it still count. (Recovery, in ``daemon.journal``, must stop at the
-    first bad line because later state depends on earlier; statistics do not.)
+    after it still count. (Recovery, in ``protocol.journal_recovery``, skips a
+    bad line too, but its state depends on every event, so it charges the events
+    a bad line held to it by their lsns; statistics need no such accounting.)
 
 Host of a segment
     The ``host`` of its header if the file's *first* line is a complete, valid
@@ -335,6 +336,24 @@ def tables_from_events(
         for e in events
         if e["event"] == "fire"
     ]
+    tables = _lateness_tables(fires)
+    tables["throughput_over_time"] = _throughput_table(events, width)
+    for scope in ("group", "host"):
+        tables[f"timeout_rate_by_{scope}"] = _timeout_rate_table(events, scope)
+    tables["idle_churn_by_group"] = _idle_churn_table(events)
+    ranked = [row for row in tables["lateness_by_host"] if row["fires"] > 0]
+    ranked.sort(key=lambda r: (-r["p99_ms"], -r["max_ms"], r["host"]))
+    tables["slowest_hosts"] = [
+        {"rank": rank, **row} for rank, row in enumerate(ranked[:top_n], start=1)
+    ]
+    tables["noisiest_groups"] = _noisiest_groups_table(events, top_n)
+    tables["segments"] = sorted(segments, key=lambda r: r["segment"])
+    tables["summary"] = [_summary(events, segments, fires, width)]
+    tables["events"] = events
+    return tables
+
+
+def _lateness_tables(fires: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     tables: dict[str, list[dict[str, Any]]] = {}
     tables["lateness_by_host_group"] = _lateness_table(fires, ("host", "group"))
     tables["lateness_by_host"] = _lateness_table(fires, ("host",))
@@ -346,7 +365,10 @@ def tables_from_events(
         {k: row[k] for k in ("host", "hour_ms", "fires", "overdue_fires", "p99_ms", "max_ms")}
         for row in by_hour
     ]
+    return tables
 
+
+def _throughput_table(events: list[dict[str, Any]], width: int) -> list[dict[str, Any]]:
     per_bucket: dict[int, Counter] = defaultdict(Counter)
     for event in events:
         per_bucket[_bucket(event["t_ms"], width)][event["event"]] += 1
@@ -359,28 +381,31 @@ def tables_from_events(
         for column in ("adds", "cancels", "fires"):
             row[f"{column}_per_s"] = row[column] / (width / 1000)
         throughput.append(row)
-    tables["throughput_over_time"] = throughput
+    return throughput
 
-    for scope in ("group", "host"):
-        ended: dict[str, Counter] = defaultdict(Counter)
-        for event in events:
-            if event["event"] == "fire":
-                ended[event[scope]]["fired"] += 1
-            elif event["event"] == "cancel":
-                ended[event[scope]]["cancelled_hit" if event["hit"] else "cancelled_miss"] += 1
-        rows = []
-        for name in sorted(ended):
-            counts = ended[name]
-            fired, hit = counts["fired"], counts["cancelled_hit"]
-            rows.append({
-                scope: name,
-                "fired": fired,
-                "cancelled_hit": hit,
-                "cancelled_miss": counts["cancelled_miss"],
-                "timeout_rate": fired / (fired + hit) if fired + hit else None,
-            })
-        tables[f"timeout_rate_by_{scope}"] = rows
 
+def _timeout_rate_table(events: list[dict[str, Any]], scope: str) -> list[dict[str, Any]]:
+    ended: dict[str, Counter] = defaultdict(Counter)
+    for event in events:
+        if event["event"] == "fire":
+            ended[event[scope]]["fired"] += 1
+        elif event["event"] == "cancel":
+            ended[event[scope]]["cancelled_hit" if event["hit"] else "cancelled_miss"] += 1
+    rows = []
+    for name in sorted(ended):
+        counts = ended[name]
+        fired, hit = counts["fired"], counts["cancelled_hit"]
+        rows.append({
+            scope: name,
+            "fired": fired,
+            "cancelled_hit": hit,
+            "cancelled_miss": counts["cancelled_miss"],
+            "timeout_rate": fired / (fired + hit) if fired + hit else None,
+        })
+    return rows
+
+
+def _idle_churn_table(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     idle: dict[str, Counter] = defaultdict(Counter)
     for event in events:
         if event["event"] == "idle_rearm":
@@ -389,7 +414,7 @@ def tables_from_events(
             idle[event["group"]]["idle_arms"] += 1
         elif event["idle_ms"] is not None and event["event"] == "fire":
             idle[event["group"]]["idle_fires"] += 1
-    tables["idle_churn_by_group"] = [
+    return [
         {
             "group": name,
             "idle_arms": idle[name]["idle_arms"],
@@ -402,12 +427,8 @@ def tables_from_events(
         for name in sorted(idle)
     ]
 
-    ranked = [row for row in tables["lateness_by_host"] if row["fires"] > 0]
-    ranked.sort(key=lambda r: (-r["p99_ms"], -r["max_ms"], r["host"]))
-    tables["slowest_hosts"] = [
-        {"rank": rank, **row} for rank, row in enumerate(ranked[:top_n], start=1)
-    ]
 
+def _noisiest_groups_table(events: list[dict[str, Any]], top_n: int) -> list[dict[str, Any]]:
     per_group: dict[str, Counter] = defaultdict(Counter)
     hosts_of: dict[str, set] = defaultdict(set)
     for event in events:
@@ -416,7 +437,7 @@ def tables_from_events(
         counts[event["event"]] += 1
         hosts_of[event["group"]].add(event["host"])
     noisy = sorted(per_group, key=lambda g: (-per_group[g]["events"], g))[:top_n]
-    tables["noisiest_groups"] = [
+    return [
         {
             "rank": rank,
             "group": name,
@@ -432,13 +453,15 @@ def tables_from_events(
         for rank, name in enumerate(noisy, start=1)
     ]
 
-    tables["segments"] = sorted(segments, key=lambda r: r["segment"])
+
+def _summary(events: list[dict[str, Any]], segments: list[dict[str, Any]], fires: list[dict[str, Any]],
+             width: int) -> dict[str, Any]:
     fleet = lateness_figures(
         f["lateness_ms"] for f in fires if not f["overdue"]
     )
     fired = len(fires)
     hit = sum(1 for e in events if e["event"] == "cancel" and e["hit"])
-    tables["summary"] = [{
+    return {
         "hosts": len({e["host"] for e in events}),
         "groups": len({e["group"] for e in events}),
         "segments": len(segments),
@@ -454,9 +477,7 @@ def tables_from_events(
         "bad_lines": sum(s["bad_lines"] for s in segments),
         "damaged_segments": sum(1 for s in segments if s["status"] == "damaged"),
         "unreadable_segments": sum(1 for s in segments if s["status"] in ("unreadable",)),
-    }]
-    tables["events"] = events
-    return tables
+    }
 
 
 _THROUGHPUT_COLUMNS = (

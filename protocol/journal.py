@@ -3,8 +3,8 @@
 The daemon records every change to its timers in a write-ahead journal so
 that timers survive a reboot (``wheeld --journal DIR``). The same files are the
 input of the fleet analytics pipeline (``wheeld.pipeline``). This module is the
-one place that defines the bytes; the daemon's writer
-(:mod:`wheeld.daemon.journal`), the recovery code, the fleet generator and the
+one place that defines the bytes; the writer (:mod:`wheeld.protocol.journal_files`),
+recovery (:mod:`wheeld.protocol.journal_recovery`), the fleet generator and the
 pipeline all import it.
 
 Why JSON Lines
@@ -143,7 +143,7 @@ Snapshot files
 reader checks a whole snapshot with one pass of ``zlib.crc32`` (GB/s) instead
 of a check per line. A snapshot without a valid ``end`` line is not a
 snapshot. Snapshots are written to a temporary name, fsynced, renamed and the
-directory fsynced (see :mod:`wheeld.daemon.journal`).
+directory fsynced (see :mod:`wheeld.protocol.journal_files`).
 
 Versioning
 ==========
@@ -265,7 +265,7 @@ class _Line(msgspec.Struct, tag_field="ev", kw_only=True):
 
 
 class _TimerEvent(_Line, kw_only=True):
-    n: int = 0  # assigned by the writer (daemon.journal.Journal.append)
+    n: int = 0  # assigned by the writer (journal_files.Journal.append)
     t: int
     g: str
     k: JsonKey
@@ -569,6 +569,52 @@ def _skip_events(lines: list[bytes], skip: int) -> tuple[list[bytes], int]:
     return lines[:1] + lines[1 + skip :], sum(map(len, lines[1 : 1 + skip])) + skip
 
 
+class _Lines:
+    """A segment's bytes cut into the lines to check: the header line, then the lines after
+    the ``skip_events`` skipped ones; indexes into ``checked`` map back to file offsets and
+    line numbers. ``keep_tail``: a last piece without its newline is a line too."""
+
+    def __init__(self, data: bytes, skip_events: int, keep_tail: bool) -> None:
+        lines = data.split(b"\n")
+        # a file ending in "\n" splits into [..., b""]; anything else is a torn tail
+        self.tail = lines.pop()
+        self.skip = max(0, min(skip_events, len(lines) - 1))
+        if keep_tail and self.tail:
+            lines.append(self.tail)  # never a record: its verdict is always bad
+        self.data = data
+        self.total = len(lines)
+        self.checked, self.skipped_bytes = _skip_events(lines, self.skip)
+        self._starts: list[int] | None = None
+
+    def offset_of(self, index: int) -> int:
+        """Byte offset of ``checked[index]`` in the file (``index == len(checked)``: the end)."""
+        if self._starts is None:  # computed only when something bad needs placing
+            self._starts = list(accumulate(map(len, self.checked), initial=0))
+        return min(len(self.data), self._starts[index] + index + (self.skipped_bytes if index >= 1 else 0))
+
+    def file_line(self, index: int) -> int:
+        """1-based line number in the file of ``checked[index]``."""
+        return (index + self.skip if index >= 1 else index) + 1
+
+
+def _body(line: bytes) -> bytes:
+    """What a line's crc covers: the line up to its last ``,"crc":``, closed with ``}``."""
+    return line[: line.rfind(_CRC_SEP)] + b"}"
+
+
+def _verify(lines: list[bytes]) -> tuple[list[bytes], list[bool]]:
+    """Every line's body and whether its crc matches, checked in bulk (list comprehensions
+    and map run in C loops): a line must end with exactly the suffix the writer would have
+    produced for its body; one with no ``,"crc":`` gets a body whose suffix it cannot end with."""
+    bodies = [line[: line.rfind(_CRC_SEP)] + b"}" for line in lines]
+    verdicts = list(map(bytes.endswith, lines, [b',"crc":%d}' % crc for crc in map(zlib.crc32, bodies)]))
+    return bodies, verdicts
+
+
+#: where a strict read stops: (index in the lines checked, reason, detail)
+_Stop = tuple[int, str, str]
+
+
 def scan_segment(
     data: bytes, path: str = "<bytes>", skip_events: int = 0
 ) -> tuple[list[Event], int, Defect | None]:
@@ -598,90 +644,79 @@ def scan_segment(
     loops); the good lines are then decoded in one ``msgspec`` call
     (``decode_lines``).
     """
-    lines = data.split(b"\n")
-    # a file ending in "\n" splits into [..., b""]; anything else is a torn tail
-    tail = lines.pop()
-    skip = max(0, min(skip_events, len(lines) - 1))
-    checked, skipped_bytes = _skip_events(lines, skip)
-
-    def real_index(index: int) -> int:  # index in ``checked`` -> line index in the file
-        return index + skip if index >= 1 else index
-
-    def offset_of(index: int) -> int:  # byte offset of checked[index] in the file
-        return sum(map(len, checked[:index])) + index + (skipped_bytes if index >= 1 else 0)
-
-    bad_index = -1
-    reason = detail = ""
-    # Check every line in bulk (list comprehensions and map run in C loops):
-    # the body is the line up to its last ',"crc":' plus '}', and the line must
-    # end with exactly the suffix the writer would have produced for that body.
-    # A line with no ',"crc":' gets a body whose suffix it cannot end with.
-    sep = _CRC_SEP
-    bodies = [line[: line.rfind(sep)] + b"}" for line in checked]
-    expected = [b',"crc":%d}' % crc for crc in map(zlib.crc32, bodies)]
-    verdicts = list(map(bytes.endswith, checked, expected))
-    del bodies, expected
-    try:
-        bad_index = verdicts.index(False)
-    except ValueError:
-        good_end = len(data) - len(tail)
-    else:
-        reason, detail = CHECKSUM, f"line does not match its crc: {checked[bad_index][:60]!r}"
-        good_end = offset_of(bad_index)
-    good_count = len(checked) if bad_index < 0 else bad_index
-    defect_index = good_count
-    if bad_index < 0 and tail:
-        bad_index = len(checked)
-        reason, detail = TORN, f"last line has no newline ({len(tail)} bytes)"
-    elif bad_index >= 0 and not data[good_end:].strip(b"\x00"):
-        reason, detail = TORN, f"{len(data) - good_end} NUL bytes at the end"
-
+    lines = _Lines(data, skip_events, keep_tail=False)
+    good_count, stop, good_end = _crc_prefix(lines)
     events: list[Event] = []
     if good_count:
-        rest_start = len(checked[0]) + 1 + skipped_bytes
-        try:
-            events = [_event_decoder.decode(checked[0][: checked[0].rfind(sep)] + b"}")]
-            if good_count > 1:
-                events += _event_decoder.decode_lines(memoryview(data)[rest_start:good_end])
-        except msgspec.DecodeError:
-            # find the first crc-valid line that is not a version-1 event
-            events = []
-            for index in range(good_count):
-                line = checked[index]
-                body = line[: line.rfind(sep)] + b"}"
-                try:
-                    events.append(_event_decoder.decode(body))
-                except msgspec.DecodeError:
-                    bad_index = defect_index = index
-                    reason, detail = _classify_decode_failure(body)
-                    good_end = offset_of(index)
-                    break
-
-    # structure: a header, then consecutive lsns
+        events, found, good_end = _decode_prefix(lines, good_count, good_end)
+        stop = found or stop
     if events:
-        header = events[0]
-        if type(header) is not SegmentHeader:
-            bad_index = defect_index = 0
-            reason, detail = BAD_HEADER, f"first line is {type(header).__name__}, not a segment header"
-            events, good_end = [], 0
-        else:
-            expect = header.lsn if not skip or len(events) < 2 else getattr(events[1], "n", -1)
-            for index in range(1, len(events)):
-                event = events[index]
-                if type(event) is SegmentHeader or event.n != expect:
-                    got = "a second header" if type(event) is SegmentHeader else f"lsn {event.n}"
-                    bad_index = defect_index = index
-                    reason, detail = LSN_GAP, f"expected lsn {expect}, found {got}"
-                    good_end = offset_of(index)
-                    del events[index:]
-                    break
-                expect += 1
-
-    if bad_index < 0:
+        found, good_end = _check_sequence(lines, events, good_end)
+        stop = found or stop
+    if stop is None:
         return events, good_end, None
-    line_index = real_index(defect_index)
-    lines_after = max(0, len(lines) - line_index - 1)
-    return events, good_end, Defect(path, good_end, line_index + 1, reason, detail, lines_after)
+    index, reason, detail = stop
+    line = lines.file_line(index)
+    return events, good_end, Defect(path, good_end, line, reason, detail, max(0, lines.total - line))
+
+
+def _crc_prefix(lines: _Lines) -> tuple[int, _Stop | None, int]:
+    """The lines before the first bad crc: ``(count, stop, good_end)``. A last line with no
+    newline, or only NUL bytes from the bad line on, is a torn tail."""
+    checked, data = lines.checked, lines.data
+    _, verdicts = _verify(checked)
+    try:
+        bad = verdicts.index(False)
+    except ValueError:
+        good_end = len(data) - len(lines.tail)
+        if lines.tail:
+            return len(checked), (len(checked), TORN, f"last line has no newline ({len(lines.tail)} bytes)"), good_end
+        return len(checked), None, good_end
+    good_end = lines.offset_of(bad)
+    if not data[good_end:].strip(b"\x00"):
+        return bad, (bad, TORN, f"{len(data) - good_end} NUL bytes at the end"), good_end
+    return bad, (bad, CHECKSUM, f"line does not match its crc: {checked[bad][:60]!r}"), good_end
+
+
+def _decode_prefix(lines: _Lines, good_count: int, good_end: int) -> tuple[list[Event], _Stop | None, int]:
+    """Decode the first ``good_count`` lines (their crcs match) in one call; if that fails,
+    line by line up to the first that is not a version-1 event: ``(events, stop, good_end)``."""
+    checked = lines.checked
+    try:
+        events = [_event_decoder.decode(_body(checked[0]))]
+        if good_count > 1:
+            rest_start = len(checked[0]) + 1 + lines.skipped_bytes
+            events += _event_decoder.decode_lines(memoryview(lines.data)[rest_start:good_end])
+        return events, None, good_end
+    except msgspec.DecodeError:
+        pass
+    events = []
+    for index in range(good_count):
+        body = _body(checked[index])
+        try:
+            events.append(_event_decoder.decode(body))
+        except msgspec.DecodeError:
+            reason, detail = _classify_decode_failure(body)
+            return events, (index, reason, detail), lines.offset_of(index)
+    return events, None, good_end
+
+
+def _check_sequence(lines: _Lines, events: list[Event], good_end: int) -> tuple[_Stop | None, int]:
+    """A header, then consecutive lsns: ``(stop, good_end)``; ``events`` is cut at the first
+    event out of sequence (emptied when the first line is not a header)."""
+    header = events[0]
+    if type(header) is not SegmentHeader:
+        events.clear()
+        return (0, BAD_HEADER, f"first line is {type(header).__name__}, not a segment header"), 0
+    expect = header.lsn if not lines.skip or len(events) < 2 else getattr(events[1], "n", -1)
+    for index in range(1, len(events)):
+        event = events[index]
+        if type(event) is SegmentHeader or event.n != expect:
+            got = "a second header" if type(event) is SegmentHeader else f"lsn {event.n}"
+            del events[index:]
+            return (index, LSN_GAP, f"expected lsn {expect}, found {got}"), lines.offset_of(index)
+        expect += 1
+    return None, good_end
 
 
 def iter_segment(path: str | os.PathLike[str]) -> tuple[list[Event], Defect | None]:
@@ -743,7 +778,7 @@ class SegmentScan(msgspec.Struct):
     The header is not in ``parts``: ``header`` is None when the first line is
     damaged (or is an event). ``good_end`` is the offset just past the last
     good line (0: none). Lsns are not checked here: the reader knows which lsn
-    it expects next (``daemon.journal.recover`` does).
+    it expects next (``journal_recovery.recover`` does).
     """
 
     path: str
@@ -780,90 +815,98 @@ def scan_lines(data: bytes, path: str = "<bytes>", skip_events: int = 0) -> Segm
     ``decode_lines`` call); the offsets of lines are computed only when there
     is something bad to place.
     """
-    lines = data.split(b"\n")
-    tail = lines.pop()  # b"" when the file ends with a newline
-    skip = max(0, min(skip_events, len(lines) - 1))
-    if tail:
-        lines.append(tail)  # a piece without its newline is a line too, and never a record
-    checked, skipped_bytes = _skip_events(lines, skip)
-    count = len(checked)
+    lines = _Lines(data, skip_events, keep_tail=True)
     size = len(data)
-    if not count:
+    if not lines.checked:
         return SegmentScan(path, size, None, [], 0)
-
-    sep = _CRC_SEP
-    bodies = [line[: line.rfind(sep)] + b"}" for line in checked]
-    verdicts = list(map(bytes.endswith, checked, [b',"crc":%d}' % crc for crc in map(zlib.crc32, bodies)]))
-    if tail:
+    bodies, verdicts = _verify(lines.checked)
+    if lines.tail:
         verdicts[-1] = False
-
-    header: SegmentHeader | None = None
-    first_event = 1  # index of the first line that should be an event
-    reasons: dict[int, tuple[str, str]] = {}  # index in ``checked`` -> why it is bad
-    if verdicts[0]:
-        try:
-            first = _event_decoder.decode(bodies[0])
-        except msgspec.DecodeError:
-            reasons[0] = _classify_decode_failure(bodies[0])
-        else:
-            if type(first) is SegmentHeader:
-                header = first
-            else:
-                first_event = 0  # no header: the first line is an event (kept, like any good line)
+    header, first_event, header_fault = _first_line(bodies[0], verdicts[0])
     del bodies
+    if all(verdicts) and header_fault is None:  # the common case: every line good, one bulk decode
+        run = _decode_clean(lines, first_event)
+        if run is not None:
+            return SegmentScan(path, size, header, [run] if run else [], size)
+    parts, good_end = _Placing(lines, path, verdicts, first_event, header_fault).parts(header is not None)
+    return SegmentScan(path, size, header, parts, good_end)
 
-    if all(verdicts) and not reasons:  # the common case: every line good, one bulk decode
-        rest_start = (len(checked[0]) + 1 + skipped_bytes) if first_event else 0
-        try:
-            run = _event_decoder.decode_lines(memoryview(data)[rest_start:size]) if count > first_event else []
-        except msgspec.DecodeError:
-            pass
-        else:
-            if SegmentHeader not in map(type, run):
-                return SegmentScan(path, size, header, [run] if run else [], size)
 
-    # something is bad: place it
-    starts = list(accumulate(map(len, checked), initial=0))
+def _first_line(body: bytes, good: bool) -> tuple[SegmentHeader | None, int, tuple[str, str] | None]:
+    """The first line read: ``(header, index of the first event line, why it is bad)``; a good
+    first line that is an event, not a header, is kept like any good line."""
+    if not good:
+        return None, 1, None
+    try:
+        first = _event_decoder.decode(body)
+    except msgspec.DecodeError:
+        return None, 1, _classify_decode_failure(body)
+    if type(first) is SegmentHeader:
+        return first, 1, None
+    return None, 0, None
 
-    def offset_of(index: int) -> int:  # byte offset of checked[index]; index == count: the end
-        return min(size, starts[index] + index + (skipped_bytes if index >= 1 else 0))
 
-    def file_line(index: int) -> int:  # 1-based line number in the file
-        return (index + skip if index >= 1 else index) + 1
+def _decode_clean(lines: _Lines, first_event: int) -> list | None:
+    """Every event line in one ``decode_lines`` call; None if that fails or meets a header."""
+    checked = lines.checked
+    rest_start = (len(checked[0]) + 1 + lines.skipped_bytes) if first_event else 0
+    try:
+        run = _event_decoder.decode_lines(memoryview(lines.data)[rest_start:]) if len(checked) > first_event else []
+    except msgspec.DecodeError:
+        return None
+    return None if SegmentHeader in map(type, run) else run
 
-    for index, good in enumerate(verdicts):
-        if not good:
-            if tail and index == count - 1:
-                reasons[index] = (TORN, f"last line has no newline ({len(tail)} bytes)")
+
+class _Placing:
+    """:func:`scan_lines` once something is bad: why each bad line is bad, the good runs
+    between them (decoded in bulk, line by line where that fails), then the parts."""
+
+    def __init__(self, lines: _Lines, path: str, verdicts: list[bool], first_event: int,
+                 header_fault: tuple[str, str] | None) -> None:
+        self.lines = lines
+        self.path = path
+        self.reasons: dict[int, tuple[str, str]] = {} if header_fault is None else {0: header_fault}
+        last = len(lines.checked) - 1
+        for index, good in enumerate(verdicts):
+            if good:
+                continue
+            if lines.tail and index == last:
+                self.reasons[index] = (TORN, f"last line has no newline ({len(lines.tail)} bytes)")
             else:
-                reasons[index] = (CHECKSUM, f"line does not match its crc: {checked[index][:60]!r}")
+                self.reasons[index] = (CHECKSUM, f"line does not match its crc: {lines.checked[index][:60]!r}")
+        self.items: list = []  # file order: (low, high, events) for a good run, an int for a bad line
+        if first_event == 1 and 0 in self.reasons:
+            self.items.append(0)
+        position = first_event
+        for index in sorted(i for i in self.reasons if i >= first_event):
+            self._decode_run(position, index)
+            self.items.append(index)
+            position = index + 1
+        self._decode_run(position, len(lines.checked))
 
-    items: list = []  # file order: (low, high, events) for good runs, an int for a bad line
-
-    def decode_run(low: int, high: int) -> None:
+    def _decode_run(self, low: int, high: int) -> None:
         """Good-crc lines low..high-1 into ``items``, per line if the bulk decode fails."""
         if low >= high:
             return
+        lines, items = self.lines, self.items
         try:
-            run = _event_decoder.decode_lines(memoryview(data)[offset_of(low) : offset_of(high)])
-            if SegmentHeader in map(type, run):
-                raise msgspec.DecodeError("a segment header inside a segment")
-            items.append((low, high, run))
-            return
+            run = _event_decoder.decode_lines(memoryview(lines.data)[lines.offset_of(low) : lines.offset_of(high)])
+            if SegmentHeader not in map(type, run):
+                items.append((low, high, run))
+                return
         except msgspec.DecodeError:
             pass
         run, run_low = [], low
         for index in range(low, high):
-            line = checked[index]
-            body = line[: line.rfind(sep)] + b"}"
+            body = _body(lines.checked[index])
             try:
                 event = _event_decoder.decode(body)
             except msgspec.DecodeError:
                 event = None
-                reasons[index] = _classify_decode_failure(body)
+                self.reasons[index] = _classify_decode_failure(body)
             if type(event) is SegmentHeader:
                 event = None
-                reasons[index] = (BAD_HEADER, "a segment header after the first line")
+                self.reasons[index] = (BAD_HEADER, "a segment header after the first line")
             if event is None:
                 if run:
                     items.append((run_low, index, run))
@@ -874,50 +917,50 @@ def scan_lines(data: bytes, path: str = "<bytes>", skip_events: int = 0) -> Segm
         if run:
             items.append((run_low, high, run))
 
-    if first_event == 1 and 0 in reasons:
-        items.append(0)
-    position = first_event
-    for index in sorted(i for i in reasons if i >= first_event):
-        decode_run(position, index)
-        items.append(index)
-        position = index + 1
-    decode_run(position, count)
+    def parts(self, has_header: bool) -> tuple[list, int]:
+        """``(parts, good_end)``: runs of events and :class:`BadLines` in file order, consecutive
+        bad lines in one run (not across the skipped events), and the end of the last good line."""
+        parts: list = []
+        good_end = self.lines.offset_of(1) if has_header else 0
+        bad: list[int] | None = None  # first and last index of the bad run being built
+        for item in self.items:
+            if type(item) is int:
+                if bad is not None and item == bad[1] + 1 and not (self.lines.skip and bad[1] == 0):
+                    bad[1] = item
+                    continue
+                if bad is not None:
+                    parts.append(self._bad_lines(*bad))
+                bad = [item, item]
+            else:
+                if bad is not None:
+                    parts.append(self._bad_lines(*bad))
+                    bad = None
+                low, high, run = item
+                parts.append(run)
+                good_end = self.lines.offset_of(high)
+        if bad is not None:
+            parts.append(self._bad_lines(*bad))
+        _mark_at_end(parts, self.lines.data)
+        return parts, good_end
 
-    parts: list = []
-    good_end = offset_of(1) if header is not None else 0
-    bad_first = bad_last = -1  # the bad run being built
+    def _bad_lines(self, first: int, last: int) -> BadLines:
+        lines = self.lines
+        reason, detail = self.reasons[first]
+        first_line = lines.file_line(first)
+        return BadLines(self.path, lines.offset_of(first), lines.offset_of(last + 1), first_line,
+                        lines.file_line(last) - first_line + 1, reason, detail)
 
-    def close_bad() -> None:
-        reason, detail = reasons[bad_first]
-        start, end = offset_of(bad_first), offset_of(bad_last + 1)
-        lines_spanned = file_line(bad_last) - file_line(bad_first) + 1
-        parts.append(BadLines(path, start, end, file_line(bad_first), lines_spanned, reason, detail))
 
-    for item in items:
-        if type(item) is int:
-            if bad_first >= 0 and item == bad_last + 1 and not (skip and bad_last == 0):
-                bad_last = item
-                continue
-            if bad_first >= 0:
-                close_bad()
-            bad_first = bad_last = item
-        else:
-            if bad_first >= 0:
-                close_bad()
-                bad_first = -1
-            low, high, run = item
-            parts.append(run)
-            good_end = offset_of(high)
-    if bad_first >= 0:
-        close_bad()
-    for index in range(len(parts) - 1, -1, -1):  # the bad runs after the last good event
+def _mark_at_end(parts: list, data: bytes) -> None:
+    """The bad runs after the last good event are ``at_end``; ``torn-tail`` when only NUL bytes
+    follow their start (a file that grew but whose data never reached the disk)."""
+    for index in range(len(parts) - 1, -1, -1):
         part = parts[index]
         if type(part) is list:
             break
         if not data[part.start :].strip(b"\x00"):
-            part = msgspec.structs.replace(part, reason=TORN, detail=f"{size - part.start} NUL bytes at the end")
+            part = msgspec.structs.replace(part, reason=TORN, detail=f"{len(data) - part.start} NUL bytes at the end")
         parts[index] = msgspec.structs.replace(part, at_end=True)
-    return SegmentScan(path, size, header, parts, good_end)
 
 
 # --------------------------------------------------------------------------- #

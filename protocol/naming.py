@@ -13,6 +13,7 @@ import os
 
 DEFAULT_NAME = "default"
 SYSTEM_SOCKET_DIR = "/run/wheeld"
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory names
 
 
 def default_name() -> str:
@@ -58,3 +59,13 @@ def segment_prefix(name: str) -> str:
 def shm_prefix(name: str) -> str:
     """Every file the instance keeps in /dev/shm starts with this."""
     return f"wheeld-{name}-"
+
+
+def lock_path(name: str) -> str:
+    """The instance lock (:mod:`wheeld.protocol.instance_lock`): ``/dev/shm/wheeld-<name>-lock``."""
+    return os.path.join(SHM_DIR, f"{shm_prefix(name)}lock")
+
+
+def shm_path(segment_name: str) -> str:
+    """The file behind a POSIX shared-memory name (Linux keeps them in /dev/shm)."""
+    return os.path.join(SHM_DIR, segment_name.lstrip("/"))

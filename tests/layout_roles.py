@@ -56,7 +56,7 @@ import wheeld.protocol
 import wheeld.shm
 from wheeld.protocol import naming
 
-for _package in (wheeld.daemon, wheeld.shm, wheeld.protocol):
+for _package in (wheeld, wheeld.daemon, wheeld.shm, wheeld.protocol):  # wheeld: the client's modules
     for _module in pkgutil.iter_modules(_package.__path__, _package.__name__ + "."):
         __import__(_module.name)
 import grp  # noqa: E402,F401
@@ -64,7 +64,8 @@ import linecache  # noqa: E402,F401
 import pwd  # noqa: E402,F401
 import tokenize  # noqa: E402,F401
 
-from wheeld.daemon import cli, ctl  # noqa: E402
+from wheeld import ctl  # noqa: E402
+from wheeld.daemon import cli  # noqa: E402
 from wheeld.shm.status import StatusPage  # noqa: E402
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -39,7 +39,7 @@ import time
 import pytest
 
 from daemon_harness import DaemonProcess, unlink_segments
-from wheeld.daemon.config import arena_name
+from wheeld.protocol.naming import arena_name
 from wheeld.shm import TimerWheel
 
 LONG = os.environ.get("WHEELD_LONG") == "1"

@@ -600,7 +600,7 @@ def test_loop_iterations_and_commands_are_counted_in_the_arena(daemon):
 
 
 def _arena_counters(name: str) -> dict[str, int]:
-    from wheeld.daemon.config import arena_name
+    from wheeld.protocol.naming import arena_name
     from wheeld.protocol import arena_layout as AL
     from wheeld.shm.arena import Segment
 

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 import wheeld
-from wheeld.daemon.ctl import main as wheelctl_main
+from wheeld.ctl import main as wheelctl_main
 
 
 def wheelctl(daemon, *args):

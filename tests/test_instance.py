@@ -16,8 +16,8 @@ from click.testing import CliRunner
 import wheeld
 from daemon_harness import DaemonProcess, unlink_segments
 from wheeld.daemon import stats as S
-from wheeld.daemon.ctl import main as wheelctl_main
-from wheeld.daemon.instance import SHM_DIR, lock_path
+from wheeld.ctl import main as wheelctl_main
+from wheeld.protocol.naming import SHM_DIR, lock_path
 
 
 def wheelctl(name: str, socket_path: str, *args):

@@ -1,4 +1,4 @@
-"""Tests of the journal format (protocol/journal.py) and its writer/recovery (daemon/journal.py).
+"""Tests of the journal format (protocol/journal.py) and its writer/recovery (protocol/journal_files.py, protocol/journal_recovery.py).
 
 Layers: round trips of every line type; checksums against every single-byte
 change; torn tails cut at random points (hypothesis); a reference dict model
@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from wheeld.daemon.journal import (
+from wheeld.protocol.journal_files import (
     FiredTimer,
     FsyncPolicy,
     Journal,
@@ -30,8 +30,8 @@ from wheeld.daemon.journal import (
     list_segments,
     list_snapshots,
     parse_fsync_policy,
-    recover,
 )
+from wheeld.protocol.journal_recovery import recover
 from wheeld.protocol import journal as pj
 from wheeld.protocol.errors import Closed, InvalidKey, InvalidRequest
 from wheeld.protocol.journal import (

@@ -39,16 +39,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wheeld.daemon.journal import (
-    DIR_MODE,
-    FILE_MODE,
-    Journal,
-    JournalDamaged,
-    check_journal,
-    list_segments,
-    list_snapshots,
-    recover,
-)
+from wheeld.protocol.journal_files import DIR_MODE, FILE_MODE, Journal, list_segments, list_snapshots
+from wheeld.protocol.journal_recovery import JournalDamaged, check_journal, recover
 from wheeld.protocol import journal as pj
 from wheeld.protocol.journal import Ack, Add, Cancel, Fire, IdleRearm, Rearm, key_to_json
 
@@ -483,7 +475,7 @@ def _snapshot_history(tmp_path):
     """Two snapshots, compaction, events after each: returns the journal's final pending keys."""
     pending: dict = {}
     journal = make_journal(tmp_path, segment_bytes=600)
-    from wheeld.daemon.journal import PendingTimer
+    from wheeld.protocol.journal_files import PendingTimer
 
     for round_number in range(3):
         batch = [Add(t=T0, g="g", k=f"r{round_number}-{i}", d=T0 + i, s=i) for i in range(8)]
@@ -561,7 +553,7 @@ def test_refuse_raises_and_changes_nothing(tmp_path):
 
 
 def test_check_journal_lists_damage_recovery_does_not_read(tmp_path):
-    from wheeld.daemon.journal import PendingTimer
+    from wheeld.protocol.journal_files import PendingTimer
 
     journal = make_journal(tmp_path)
     journal.append([Add(t=T0, g="g", k=index, d=T0, s=index) for index in range(10)])
@@ -592,7 +584,7 @@ def _mode(path: Path) -> int:
 
 @pytest.mark.parametrize("umask", [0o000, 0o022, 0o077])
 def test_journal_files_are_0640_and_the_directory_0750_whatever_the_umask(tmp_path, umask):
-    from wheeld.daemon.journal import PendingTimer
+    from wheeld.protocol.journal_files import PendingTimer
 
     directory = tmp_path / "a" / "journal"
     old = os.umask(umask)
@@ -643,7 +635,7 @@ def test_an_existing_wide_directory_and_its_files_are_tightened(tmp_path, caplog
 def _check(directory: Path, *args: str):
     from click.testing import CliRunner
 
-    from wheeld.daemon.ctl import main
+    from wheeld.ctl import main
 
     return CliRunner().invoke(main, ["check", "--journal", str(directory), *args], catch_exceptions=False)
 
@@ -681,7 +673,7 @@ def test_wheelctl_check_journal_lists_ranges_and_exits_1_on_damage(tmp_path):
 def _wheelctl(daemon, *args):
     from click.testing import CliRunner
 
-    from wheeld.daemon.ctl import main
+    from wheeld.ctl import main
 
     return CliRunner().invoke(main, ["--socket", daemon.socket_path, "--name", daemon.name, *args],
                               catch_exceptions=False)

@@ -396,7 +396,7 @@ def test_module_command_line(spark, tmp_path, capsys):
 def test_wheelctl_report_command(spark, tmp_path):
     from click.testing import CliRunner
 
-    from wheeld.daemon.ctl_report import report
+    from wheeld.ctl_report import report
 
     fleet = clean_fleet(tmp_path / "fleet", seed=4)
     out = tmp_path / "out"

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import wheeld
 from wheeld.daemon import stats as S
-from wheeld.daemon.ctl import main
+from wheeld.ctl import main
 from wheeld.protocol import arena_layout as L
 
 pytestmark = pytest.mark.timeout(120)
@@ -231,7 +231,7 @@ def test_stats_answers_while_the_daemon_is_stopped(daemon):
         added = wheelctl(daemon, "--timeout", "0.5", "add", "x", "10")
         assert added.exit_code == 4 and "does not respond" in added.stderr
         # a real wheelctl process, to cover the script's entry point
-        proc = subprocess.run([sys.executable, "-m", "wheeld.daemon.ctl", "--socket", daemon.socket_path,
+        proc = subprocess.run([sys.executable, "-m", "wheeld.ctl", "--socket", daemon.socket_path,
                                "--name", daemon.name, "stats", "--interval", "0", "--stale-after", "0.3"],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 4 and "NOT RESPONDING" in proc.stdout
@@ -350,7 +350,7 @@ def test_add_and_cancel_give_back_expirations_they_never_read(daemon):
     must go back to the group. The library acknowledges only what it handed to the
     application, so a plain close() gives unread expirations back, and so does
     ctl._leave; what the application did take is acknowledged and gone."""
-    from wheeld.daemon.ctl import _leave
+    from wheeld.ctl import _leave
 
     _expirations_waiting(daemon, "control", 3)
     client = wheeld.connect(daemon.socket_path, group="control")
@@ -442,7 +442,7 @@ def test_groups_of_an_arena_read_without_a_daemon():
     """The reader counts live records per group from the records: named groups, a
     forgotten one, an id that live records carry without a name, and a table entry
     a writer was killed in the middle of (first byte 0: unused)."""
-    from wheeld.daemon.config import arena_name
+    from wheeld.protocol.naming import arena_name
     from wheeld.shm.wheel import TimerWheel
 
     name = unique_name()
@@ -484,7 +484,7 @@ def test_groups_of_an_arena_read_without_a_daemon():
 # ---------------------------------------------------------------------------- tail
 def test_tail_prints_the_groups_expirations(daemon):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "wheeld.daemon.ctl", "--socket", daemon.socket_path, "--name", daemon.name,
+        [sys.executable, "-m", "wheeld.ctl", "--socket", daemon.socket_path, "--name", daemon.name,
          "tail", "--group", "watched", "--count", "3", "--duration", "30"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -647,7 +647,7 @@ def test_check_with_a_live_pid_needs_the_problem_in_every_copy(daemon):
 # ---------------------------------------------------------------------------- watch
 def test_stats_watch_redraws_until_interrupted(daemon):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "wheeld.daemon.ctl", "--socket", daemon.socket_path, "--name", daemon.name,
+        [sys.executable, "-m", "wheeld.ctl", "--socket", daemon.socket_path, "--name", daemon.name,
          "stats", "--watch", "0.2", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

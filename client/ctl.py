@@ -50,6 +50,7 @@ import time
 
 import click
 
+from wheeld.daemon import stats as S
 from wheeld.protocol import arena_layout as AL
 from wheeld.protocol.errors import (
     ArenaFull,
@@ -61,9 +62,7 @@ from wheeld.protocol.errors import (
     WheeldError,
 )
 from wheeld.protocol.keys import encode_key
-
-from . import stats as S
-from .config import arena_name, default_name, default_socket_path
+from wheeld.protocol.naming import SHM_DIR, arena_name, default_name, default_socket_path, shm_prefix
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -279,14 +278,20 @@ def _fmt_rate(rate) -> str:
 
 
 def render_table(snap: S.Snapshot, rate: dict[str, float] | None) -> str:
+    """``wheelctl stats``: the daemon and its arena, the timers, lateness, clients and groups."""
+    return "\n".join([
+        *_daemon_lines(snap), "", *_timer_lines(snap, rate), "", *_lateness_lines(snap), "", *_client_lines(snap),
+    ])  # fmt: skip
+
+
+def _daemon_lines(snap: S.Snapshot) -> list[str]:
     c = snap.counters
-    lines = []
     state = {"ok": "ok", "stuck": "NOT RESPONDING", "down": "NOT RUNNING"}[snap.health]
     pid = snap.daemon_pid
     daemon = (f"pid {pid} {'alive' if snap.daemon_alive else 'gone'}" if pid > 0
               else "no daemon (stopped cleanly or never published)")
-    lines.append(f"wheeld {snap.name!r}: {state}   {daemon}, heartbeat {_fmt_ms(snap.heartbeat_age_ms)} ago, "
-                 f"up {_fmt_ms(snap.uptime_ms)}, restarts {c['daemon_restarts_total']}")
+    lines = [f"wheeld {snap.name!r}: {state}   {daemon}, heartbeat {_fmt_ms(snap.heartbeat_age_ms)} ago, "
+             f"up {_fmt_ms(snap.uptime_ms)}, restarts {c['daemon_restarts_total']}"]
     use = snap.used / snap.capacity * 100 if snap.capacity else 0.0
     lines.append(f"arena  {snap.segment}  {snap.arena_bytes / 1e6:.1f} MB, capacity {_fmt_int(snap.capacity)} timers, "
                  f"used {_fmt_int(snap.used)} ({use:.1f} %), tick {snap.tick_ms} ms, "
@@ -296,10 +301,13 @@ def render_table(snap: S.Snapshot, rate: dict[str, float] | None) -> str:
         lines.append(f"journal  DAMAGED: the recovery that built this arena skipped {_fmt_int(ranges)} damaged "
                      f"range{'s' if ranges != 1 else ''} ({_fmt_int(damaged)} line{'s' if damaged != 1 else ''}) of "
                      f"the journal; their events are lost (the daemon's log lists them; wheelctl check --journal DIR)")
-    lines.append("")
+    return lines
+
+
+def _timer_lines(snap: S.Snapshot, rate: dict[str, float] | None) -> list[str]:
+    c = snap.counters
     width = 24
-    lines.append(f"{'timers':<{width}}{'total':>14}  {'rate':>12}")
-    lines.append(f"{'  pending':<{width}}{_fmt_int(c['pending']):>14}")
+    lines = [f"{'timers':<{width}}{'total':>14}  {'rate':>12}", f"{'  pending':<{width}}{_fmt_int(c['pending']):>14}"]
     for level, count in snap.pending_by_level.items():
         label = "    due" if level == "due" else f"    level {level}"
         lines.append(f"{label:<{width}}{_fmt_int(count):>14}")
@@ -309,14 +317,17 @@ def render_table(snap: S.Snapshot, rate: dict[str, float] | None) -> str:
     lines.append(f"{'  undelivered':<{width}}{_fmt_int(snap.undelivered):>14}  "
                  "(fired, waiting for a live group member)")
     lines.append(f"{'  unacknowledged':<{width}}{_fmt_int(snap.unacknowledged):>14}  (sent, not acknowledged yet)")
-    lines.append("")
+    return lines
+
+
+def _lateness_lines(snap: S.Snapshot) -> list[str]:
     n = snap.lateness_count
     q = snap.lateness_quantiles()
     mean = snap.lateness_sum_us / n if n else None
     top = ">" if snap.lateness_counts[-1] else "<="
-    lines.append(f"lateness (expiration - deadline), {_fmt_int(n)} expirations: p50 {_fmt_us(q['p50_us'])}, "
-                 f"p99 {_fmt_us(q['p99_us'])}, p99.9 {_fmt_us(q['p999_us'])}, "
-                 f"max {top} {_fmt_us(q['max_us'])}, mean {_fmt_us(mean)}")
+    lines = [f"lateness (expiration - deadline), {_fmt_int(n)} expirations: p50 {_fmt_us(q['p50_us'])}, "
+             f"p99 {_fmt_us(q['p99_us'])}, p99.9 {_fmt_us(q['p999_us'])}, "
+             f"max {top} {_fmt_us(q['max_us'])}, mean {_fmt_us(mean)}"]
     counts = snap.lateness_counts
     highest = max((i for i, k in enumerate(counts) if k), default=-1)
     peak = max(counts) or 1
@@ -325,9 +336,13 @@ def render_table(snap: S.Snapshot, rate: dict[str, float] | None) -> str:
             f">= {_fmt_us(AL.LATENESS_BOUNDS_US[-1])}"
         bar = "#" * max(1 if counts[i] else 0, round(40 * counts[i] / peak))
         lines.append(f"  {bound:>12} {_fmt_int(counts[i]):>12}  {bar}")
-    lines.append("")
-    lines.append(f"clients  {c['clients_connected']} connected (accepted {c['clients_total']}, refused "
-                 f"{c['clients_refused_total']}, dropped {c['clients_dropped_total']})")
+    return lines
+
+
+def _client_lines(snap: S.Snapshot) -> list[str]:
+    c = snap.counters
+    lines = [f"clients  {c['clients_connected']} connected (accepted {c['clients_total']}, refused "
+             f"{c['clients_refused_total']}, dropped {c['clients_dropped_total']})"]
     if snap.rings is None:
         lines.append(f"rings    ? (the client table is not readable), full events {c['ring_full_total']}")
     else:
@@ -341,7 +356,7 @@ def render_table(snap: S.Snapshot, rate: dict[str, float] | None) -> str:
                              f"{'alive' if r.client_alive else 'gone'}")
     lines.append(f"groups   {c['groups_active']} active, {_groups_in_use(snap)}")
     lines.append(_groups_table(snap.groups, indent="  "))
-    return "\n".join(lines)
+    return lines
 
 
 def _groups_in_use(snap: S.Snapshot) -> str:
@@ -364,7 +379,7 @@ def _sample(ctl: Ctl, stale_after_s: float) -> S.Snapshot:
 
 def _emit(snap: S.Snapshot, rate, as_json: bool, prometheus: bool, compact: bool = False) -> None:
     if prometheus:
-        from .metrics import render
+        from wheeld.daemon.metrics import render
 
         click.echo(render(snap), nl=False)
     elif as_json:
@@ -685,23 +700,23 @@ def destroy(ctl: Ctl, instance: str | None) -> None:
     Refused (exit 1, nothing removed) while a daemon holds the instance's lock.
     Every pending timer in the arena goes with it; a journal (--journal DIR) is
     not touched, so a daemon started with it later rebuilds them from there."""
-    from . import instance as I
+    from wheeld.protocol.instance_lock import holder
 
     name = instance or ctl.name
     try:
-        holder = I.holder(name)
+        pid = holder(name)
     except PermissionError:
         raise CtlError(f"may not read the lock of wheeld instance {name!r}: run as the daemon's user or root",
                        EXIT_NO_DAEMON) from None
-    if holder is not None:
-        who = f"pid {holder}" if holder else "another process"
+    if pid is not None:
+        who = f"pid {pid}" if pid else "another process"
         raise CtlError(f"wheeld instance {name!r} is running ({who} holds its lock); stop it first", EXIT_FAILED)
-    prefix = f"wheeld-{name}-"
+    prefix = shm_prefix(name)
     removed = []
-    for entry in sorted(os.listdir(I.SHM_DIR)):
+    for entry in sorted(os.listdir(SHM_DIR)):
         if entry.startswith(prefix):
             try:
-                os.unlink(os.path.join(I.SHM_DIR, entry))
+                os.unlink(os.path.join(SHM_DIR, entry))
                 removed.append(entry)
             except FileNotFoundError:
                 pass
@@ -711,11 +726,11 @@ def destroy(ctl: Ctl, instance: str | None) -> None:
     if removed:
         click.echo(f"removed {len(removed)} segment(s) of wheeld instance {name!r}: {', '.join(removed)}")
     else:
-        click.echo(f"nothing to remove: no segment of wheeld instance {name!r} in {I.SHM_DIR}")
+        click.echo(f"nothing to remove: no segment of wheeld instance {name!r} in {SHM_DIR}")
 
 
 def _check_journal(directory: str, as_json: bool) -> None:
-    from .journal import check_journal
+    from wheeld.protocol.journal_recovery import check_journal
 
     try:
         report = check_journal(directory)
