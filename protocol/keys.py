@@ -63,14 +63,28 @@ def encode_key(key: Key) -> tuple[bytes, int]:
         raise InvalidKey("a key must not be empty")
     if size > KEY_BYTES:
         raise InvalidKey(f"key is {size} bytes encoded; at most {KEY_BYTES} are supported")
-    return data, (kind << _TYPE_SHIFT) | size
+    return data, key_meta_of(kind, size)
+
+
+def key_meta_of(kind: int, length: int) -> int:
+    """The key meta byte of a key of type ``kind`` (TYPE_*) and ``length`` encoded bytes."""
+    return (kind << _TYPE_SHIFT) | length
+
+
+def key_length(key_meta):
+    """Encoded length of the key a meta byte describes (an int, or a numpy array of them)."""
+    return key_meta & _LEN_MASK
+
+
+def key_type(key_meta):
+    """Type (TYPE_BYTES, TYPE_STR, TYPE_INT) of the key a meta byte describes (int or numpy array)."""
+    return key_meta >> _TYPE_SHIFT
 
 
 def decode_key(data: bytes, key_meta: int) -> Key:
     """Inverse of :func:`encode_key`; ``data`` may carry zero padding after the key."""
-    size = key_meta & _LEN_MASK
     kind = key_meta >> _TYPE_SHIFT
-    raw = data[:size]
+    raw = data[: key_meta & _LEN_MASK]
     if kind == TYPE_STR:
         return raw.decode("utf-8")
     if kind == TYPE_INT:
@@ -83,3 +97,8 @@ def valid_key_meta(key_meta: int) -> bool:
     size = key_meta & _LEN_MASK
     kind = key_meta >> _TYPE_SHIFT
     return 1 <= size <= KEY_BYTES and kind in (TYPE_BYTES, TYPE_STR, TYPE_INT) and (kind != TYPE_INT or size == 8)
+
+
+#: :func:`valid_key_meta` of every byte value: index it with a meta byte (or, as a numpy
+#: array, with an array of them) to check many at once
+VALID_KEY_METAS = tuple(valid_key_meta(meta) for meta in range(256))

@@ -216,9 +216,14 @@ import numpy as np
 
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol.errors import ArenaFull, CorruptArena, GroupLimit, InvalidDelay, InvalidKey, InvalidRequest
-from wheeld.protocol.keys import decode_key, encode_key, valid_key_meta
+from wheeld.protocol.keys import VALID_KEY_METAS, decode_key, encode_key, key_meta_of
 
+from . import fsck
 from .arena import Segment
+from .arrays import first_of_each, has_duplicates, run_starts
+from .header import parse_header
+from .keyindex import KeyIndex
+from .placement import Placement
 
 __all__ = ["DEFAULT_WHEEL_SIZE", "MAX_DELAY_MS", "TimerWheel", "encode_ident"]
 
@@ -234,11 +239,10 @@ _FREE = L.FREE
 _SCHEDULED = L.SCHEDULED
 _FIRED = L.FIRED
 _STATE_MASK = L.STATE_MASK
-_DUE_STATE = (L.DUE_LEVEL << L.LEVEL_SHIFT) | _SCHEDULED
+_LEVEL_SHIFT = L.LEVEL_SHIFT
 _META = [bytes((m,)) for m in range(256)]
 _PAD = [b"\0" * (L.KEY_BYTES - n) for n in range(L.KEY_BYTES + 1)]
-_GROUP_MIX = 0x9E3779B97F4A7C15
-_EMPTY = -1  # key index: never used
+_VALID_META = np.array(VALID_KEY_METAS, dtype=bool)
 # word indices into the arena views (see wheeld.protocol.arena_layout)
 _CUR = L.H_CURRENT_MS // 8
 _FREE_HEAD = L.H_FREE_HEAD // 4
@@ -247,9 +251,11 @@ _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP = L.I_PREV, L.I_NEXT, L.I_GEN, L.I_TAG, L
 _GNB = L.GROUP_NAME_BYTES
 _ST, _KM, _KEY = L.R_STATE, L.R_KEY_META, L.R_KEY
 _LEVEL_SLOTS = L.DUE_LEVEL + 1  # per-level counters: levels 0..14 and the due list
-_WINDOW = 8  # vectorized key-index probing gathers this many cells per key at once
-_WINDOW_STEPS = np.arange(_WINDOW, dtype=np.int64)
-_TAIL_CELLS = 16  # cluster-end search: cells looked at per freed cell before walking
+#: the wheel's own counter words (the daemon writes the rest): the per-level ones are
+#: computed from _pending_by_level, the others kept in TimerWheel._counters
+_LEVEL_COUNTERS = tuple(f"pending_level_{level}" for level in range(L.MAX_LEVELS)) + ("pending_due",)
+_OWN_COUNTERS = tuple(name for name in L.WHEEL_COUNTER_NAMES if name not in _LEVEL_COUNTERS)
+_TOTALS = tuple(name for name in _OWN_COUNTERS if name.endswith("_total"))  # survive restarts
 
 
 def _default_levels(tick_ms: int, wheel_size: int) -> int:
@@ -258,11 +264,6 @@ def _default_levels(tick_ms: int, wheel_size: int) -> int:
         levels += 1
         span *= wheel_size
     return levels
-
-
-def _signed64(value: int) -> int:
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _ident(key) -> tuple[bytes, int]:
@@ -344,37 +345,47 @@ class TimerWheel:
 
     def __init__(self, seg: Segment) -> None:
         self._seg = seg
-        buf = seg.buf
-        if seg.size < L.GROUPS_OFFSET:
-            raise CorruptArena("segment too small for a wheeld arena header")
-        (magic, version, record_bytes, capacity, tick_ms, wheel_size, levels, start_ms, _cur,
-         _free, max_groups, created_wall_ms) = L.HEADER_FIXED.unpack_from(buf, 0)
-        if magic != L.MAGIC:
-            raise CorruptArena("not a wheeld arena (bad magic)")
-        if version != L.LAYOUT_VERSION:
-            raise CorruptArena(f"arena layout version {version}, this wheeld reads {L.LAYOUT_VERSION}")
-        if record_bytes != L.RECORD_BYTES or not (1 <= levels <= L.MAX_LEVELS) or wheel_size < 2 or tick_ms < 1:
-            raise CorruptArena("arena header parameters are inconsistent")
-        expected = L.segment_bytes(capacity, levels, wheel_size, max_groups)
-        if seg.size < expected:
-            raise CorruptArena(f"segment is {seg.size} bytes, header describes {expected}")
-        self.capacity = capacity
-        self.tick_ms = tick_ms
-        self.wheel_size = wheel_size
-        self.levels = levels
-        self.start_ms = start_ms
-        self.max_groups = max_groups
-        self.created_wall_ms = created_wall_ms
+        info = parse_header(seg.buf, seg.size, seg.name or "arena")
+        self.capacity = info["capacity"]
+        self.tick_ms = info["tick_ms"]
+        self.wheel_size = info["wheel_size"]
+        self.levels = info["levels"]
+        self.start_ms = info["start_ms"]
+        self.max_groups = info["max_groups"]
+        self.created_wall_ms = info["created_wall_ms"]
         self.name = seg.name
-        self._header_bytes = L.header_bytes(max_groups)
-        self.due_list = levels * wheel_size
+        self._header_bytes = info["header_bytes"]
+        self.due_list = self.levels * self.wheel_size
         self.fired_list = self.due_list + 1
         self.first_entry = self.due_list + 2
-        self.n_records = self.first_entry + capacity
-        self._ticks = [tick_ms * wheel_size**lvl for lvl in range(levels)]
-        self._ticks_np = np.array(self._ticks, dtype=np.int64)
-        self._top_base = (levels - 1) * wheel_size
+        self.n_records = self.first_entry + self.capacity
+        self._placement = Placement(self.tick_ms, self.wheel_size, self.levels)
+        self._bucket_for = self._placement.bucket_for
+        self._buckets_for = self._placement.buckets_for
+        self._ticks = self._placement.ticks
+        self._map_views(seg.buf)
+        self._index = KeyIndex(self.records, self.capacity, self.max_groups)
+        self._key_hash = self._index.key_hash
+        # Free entry records: a stack of slot numbers in this process (derived state,
+        # like the key index; rebuilt from the records' states on attach).
+        self._free_np = np.zeros(self.capacity, dtype=np.int32)
+        self._free_stack = memoryview(self._free_np)
+        self._free_top = 0
+        # Live records (SCHEDULED or FIRED) per group id: derived state of this process,
+        # like the key index, recounted from the records on attach. A list: the scalar
+        # paths add to one item (cheaper than through a memoryview of an array).
+        self._group_live = [0] * self.max_groups
+        self._heap: list[tuple[int, int]] = []
+        self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
+        self._pending_by_level = [0] * _LEVEL_SLOTS
+        self._counters = dict.fromkeys(_OWN_COUNTERS, 0)
+        self._closed = False
+        # cascade_ahead's place in the next level-1 bucket: (its expiration, the next
+        # record to look at or the sentinel when a pass ended, the clock the pass began at)
+        self._ahead: tuple[int, int, int] | None = None
 
+    def _map_views(self, buf) -> None:
+        """The views of the arena every path reads and writes through."""
         mv = memoryview(buf)
         self._hq = mv[: L.GROUPS_OFFSET].cast("q")
         self._hi = mv[: L.GROUPS_OFFSET].cast("i")
@@ -388,47 +399,15 @@ class TimerWheel:
         self._raw = np.ndarray(shape=(self.n_records,), dtype=f"V{L.RECORD_BYTES}", buffer=buf, offset=self._header_bytes)
         self._next = memoryview(self.records["next"])  # strided: record s's next link is _next[s]
         self._intent_batch = np.ndarray(
-            shape=(L.INTENT_BATCH_MAX,), dtype=L.INTENT_DTYPE, buffer=buf, offset=L.intent_batch_offset(max_groups)
+            shape=(L.INTENT_BATCH_MAX,), dtype=L.INTENT_DTYPE, buffer=buf, offset=L.intent_batch_offset(self.max_groups)
         )
-
-        table_size = 16
-        while table_size < 2 * capacity:
-            table_size *= 2
-        self._gmix = [_signed64(g * _GROUP_MIX) for g in range(max_groups)]
-        self._table_np = np.full(table_size, _EMPTY, dtype=np.int32)
-        self._table = memoryview(self._table_np)
-        self._table_rows = np.lib.stride_tricks.sliding_window_view(self._table_np, _TAIL_CELLS)  # a view
-        self._mask = table_size - 1
-        self._hash_np = np.zeros(self.n_records, dtype=np.int64)
-        self._hash = memoryview(self._hash_np)
-        self._pos_np = np.full(self.n_records, -1, dtype=np.int32)
-        self._pos = memoryview(self._pos_np)
-        self._used = 0  # occupied table cells (= scheduled timers)
-        # Free entry records: a stack of slot numbers in this process (derived state,
-        # like the key index; rebuilt from the records' states on attach).
-        self._free_np = np.zeros(capacity, dtype=np.int32)
-        self._free_stack = memoryview(self._free_np)
-        self._free_top = 0
         # The 33 bytes (key meta + key) of every record, for vectorized key compares.
         self._idents = np.ndarray(
             shape=(self.n_records,), dtype="V33", buffer=buf, offset=self._header_bytes + _KM, strides=(L.RECORD_BYTES,)
         )
-        self._gmix_np = np.array(self._gmix, dtype=np.int64) if max_groups else np.zeros(1, np.int64)
-        # Live records (SCHEDULED or FIRED) per group id: derived state of this process,
-        # like the key index, recounted from the records on attach. A list: the scalar
-        # paths add to one item (cheaper than through a memoryview of an array).
-        self._group_live = [0] * max_groups
         # The group table in the arena: whole names (for compares) and their bytes.
-        self._group_names = np.ndarray(shape=(max_groups,), dtype=f"V{_GNB}", buffer=buf, offset=L.GROUPS_OFFSET)
-        self._group_bytes = np.ndarray(shape=(max_groups, _GNB), dtype=np.uint8, buffer=buf, offset=L.GROUPS_OFFSET)
-        self._heap: list[tuple[int, int]] = []
-        self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
-        self._pending_by_level = [0] * _LEVEL_SLOTS
-        self._counters = dict.fromkeys(L.WHEEL_COUNTER_NAMES, 0)  # only its own: the daemon writes the others
-        self._closed = False
-        # cascade_ahead's place in the next level-1 bucket: (its expiration, the next
-        # record to look at or the sentinel when a pass ended, the clock the pass began at)
-        self._ahead: tuple[int, int, int] | None = None
+        self._group_names = np.ndarray(shape=(self.max_groups,), dtype=f"V{_GNB}", buffer=buf, offset=L.GROUPS_OFFSET)
+        self._group_bytes = np.ndarray(shape=(self.max_groups, _GNB), dtype=np.uint8, buffer=buf, offset=L.GROUPS_OFFSET)
 
     def close(self) -> None:
         """Unmap (the arena stays in shared memory)."""
@@ -446,6 +425,7 @@ class TimerWheel:
         self._group_bytes = None
         self._next.release()
         self._free_stack.release()
+        self._index.close()
         self._seg.close()
 
     def unlink(self) -> None:
@@ -587,109 +567,11 @@ class TimerWheel:
         for gid, count in zip(present.tolist(), counts[present].tolist()):
             live[gid] += sign * count
 
-    # ------------------------------------------------------------------ key index
-    def _find(self, ident: bytes, h: int, group: int) -> int:
-        """Slot of the scheduled timer (group, ident), or -1."""
-        table, hashes, rb, mask = self._table, self._hash, self._rb, self._mask
-        p = h & mask
-        while True:
-            s = table[p]
-            if s == _EMPTY:
-                return -1
-            if s >= 0 and hashes[s] == h:
-                base = s * _RB
-                if rb[base + _KM : base + _RB] == ident and self._h[s * _HW + _GROUP] == group:
-                    return s
-            p = (p + 1) & mask
-
-    def _index_add(self, slot: int, h: int) -> None:
-        table, mask = self._table, self._mask
-        p = h & mask
-        while table[p] >= 0:
-            p = (p + 1) & mask
-        self._used += 1
-        table[p] = slot
-        self._hash[slot] = h
-        self._pos[slot] = p
-
-    def _index_remove(self, slot: int) -> None:
-        """Delete without a tombstone: move later keys of the cluster back into the hole.
-
-        A key at cell q (home cell h) may fill the hole p if p lies on its probe
-        path h..q; then the hole moves to q. Ends at an empty cell.
-        """
-        table, hashes, pos, mask = self._table, self._hash, self._pos, self._mask
-        p = pos[slot]
-        pos[slot] = -1
-        q = p
-        while True:
-            q = (q + 1) & mask
-            s = table[q]
-            if s == _EMPTY:
-                break
-            if (q - hashes[s]) & mask >= (q - p) & mask:
-                table[p] = s
-                pos[s] = p
-                p = q
-        table[p] = _EMPTY
-        self._used -= 1
-
-    def _rebuild_index(self) -> None:
-        """Build the table from the per-slot hashes of the scheduled records (on attach)."""
-        table = self._table_np
-        table.fill(_EMPTY)
-        self._pos_np.fill(-1)
-        rec = self.records
-        slots = np.flatnonzero((rec["state"] & _STATE_MASK) == _SCHEDULED).astype(np.int32)
-        slots = slots[slots >= self.first_entry]
-        self._used = int(slots.size)
-        if not slots.size:
-            return
-        pos = (self._hash_np[slots] & self._mask).astype(np.int64)
-        pending = np.arange(slots.size)
-        while pending.size:
-            p = pos[pending]
-            open_cells = table[p] == _EMPTY
-            candidates = pending[open_cells]
-            cells, first = np.unique(p[open_cells], return_index=True)
-            winners = candidates[first]
-            table[cells] = slots[winners]
-            self._pos_np[slots[winners]] = cells
-            placed = np.zeros(slots.size, dtype=bool)
-            placed[winners] = True
-            pending = pending[~placed[pending]]
-            pos[pending] = (pos[pending] + 1) & self._mask
-
-    # ------------------------------------------------------------------ placement
-    def _place(self, deadline: int, cur: int) -> tuple[int, int, int]:
-        """(sentinel, bucket expiration, level) for a deadline > cur."""
-        ws = self.wheel_size
-        t = self.tick_ms
-        v = -(-deadline // t)
-        if v - cur // t <= ws:  # <=: level 0 rounds up, see "Placing a timer"
-            return v % ws, v * t, 0
-        ticks = self._ticks
-        c = cur // t
-        for level in range(1, self.levels):
-            t = ticks[level]
-            v = deadline // t
-            c = cur // t
-            if v - c < ws:
-                return level * ws + v % ws, v * t, level
-        v = c + ws - 1  # clamp into the farthest bucket of the top level
-        return self._top_base + v % ws, v * t, self.levels - 1
-
+    # ------------------------------------------------------------------ links
     def _link(self, slot: int, deadline: int, cur: int) -> int:
         """Link a record into the bucket for its deadline; return the state byte to store."""
         i = self._i
-        if deadline <= cur:
-            b = self.due_list
-            state = _DUE_STATE
-            level = L.DUE_LEVEL
-            expiration = cur
-        else:
-            b, expiration, level = self._place(deadline, cur)
-            state = (level << 4) | _SCHEDULED
+        b, expiration, level = self._bucket_for(deadline, cur)
         bp = b * _IW
         tail = i[bp + _PREV]
         if tail == b:  # bucket was empty: (re)set its expiration and queue it
@@ -703,7 +585,7 @@ class TimerWheel:
         i[tail * _IW + _NEXT] = slot
         i[bp + _PREV] = slot
         self._pending_by_level[level] += 1
-        return state
+        return (level << _LEVEL_SHIFT) | _SCHEDULED
 
     def _unlink(self, slot: int) -> None:
         i = self._i
@@ -734,8 +616,8 @@ class TimerWheel:
             raise InvalidRequest(f"group id {group} out of range")
         if not 0 <= tag <= 0xFFFFFFFF or not -(1 << 31) <= aux < (1 << 31):
             raise InvalidRequest("tag is u32, aux is i32")
-        h = hash(ident) ^ self._gmix[group]
-        slot = self._find(ident, h, group)
+        h = self._key_hash(ident, group)
+        slot = self._index.find(ident, h, group)
         rb = self._rb
         if slot >= 0:
             self._rearm(slot, deadline_ms, tag, cur)
@@ -744,7 +626,7 @@ class TimerWheel:
         if not top:
             self._counters["arena_full_total"] += 1
             raise ArenaFull(f"all {self.capacity} entry records are in use")
-        if len(ident) != 33 or not valid_key_meta(ident[0]):
+        if len(ident) != 33 or not VALID_KEY_METAS[ident[0]]:
             raise InvalidKey("malformed encoded key")
         slot = self._free_stack[top - 1]
         self._free_top = top - 1
@@ -760,7 +642,7 @@ class TimerWheel:
         rb[base + _KM : base + _RB] = ident
         state = self._link(slot, deadline_ms, cur)
         rb[base + _ST] = state  # commit point: the timer exists from here on
-        self._index_add(slot, h)
+        self._index.add(slot, h)
         self._group_live[group] += 1
         c = self._counters
         c["pending"] += 1
@@ -771,7 +653,7 @@ class TimerWheel:
         """Move a scheduled record: a multi-field update of a live record, so through the intent."""
         old_state = self._rb[slot * _RB + _ST]
         self._unlink(slot)
-        self._pending_by_level[old_state >> 4] -= 1
+        self._pending_by_level[old_state >> _LEVEL_SHIFT] -= 1
         new_state = self._link(slot, deadline_ms, cur)
         self._apply_with_intent(slot, new_state, deadline_ms, tag)
         self._counters["rearms_total"] += 1
@@ -818,7 +700,7 @@ class TimerWheel:
         return self.cancel_ident(ident, group)
 
     def cancel_ident(self, ident: bytes, group: int = 0) -> bool:
-        slot = self._find(ident, hash(ident) ^ self._gmix[group], group)
+        slot = self._index.find(ident, self._key_hash(ident, group), group)
         if slot < 0:
             self._counters["cancel_misses_total"] += 1
             return False
@@ -842,8 +724,8 @@ class TimerWheel:
         state = rb[slot * _RB + _ST]
         self._unlink(slot)
         rb[slot * _RB + _ST] = _FREE  # commit point
-        self._pending_by_level[state >> 4] -= 1
-        self._index_remove(slot)
+        self._pending_by_level[state >> _LEVEL_SHIFT] -= 1
+        self._index.remove(slot)
         self._free(slot)
         self._group_live[group] -= 1
         self._counters["pending"] -= 1
@@ -859,7 +741,7 @@ class TimerWheel:
 
     def lookup_ident(self, ident: bytes, group: int = 0) -> int | None:
         """:meth:`lookup` for an encoded key (meta byte + key bytes)."""
-        slot = self._find(ident, hash(ident) ^ self._gmix[group], group)
+        slot = self._index.find(ident, self._key_hash(ident, group), group)
         return None if slot < 0 else self._q[slot * _QW]
 
     def next_deadline(self) -> int | None:
@@ -911,7 +793,7 @@ class TimerWheel:
         for s in slots:
             deadline = q[s * _QW]
             state = rb[s * _RB + _ST]
-            by_level[state >> 4] -= 1
+            by_level[state >> _LEVEL_SHIFT] -= 1
             if deadline <= now_ms:
                 fire(s)
                 fired += 1
@@ -932,13 +814,13 @@ class TimerWheel:
         """
         out: list[tuple[object, int]] = []
         append = out.append
-        rb, q, free, index_remove = self._rb, self._q, self._free, self._index_remove
+        rb, q, free, index_remove = self._rb, self._q, self._free, self._index.remove
         hw, live = self._h, self._group_live
 
         def fire(s: int) -> None:
             base = s * _RB
             meta = rb[base + _KM]
-            append((decode_key(bytes(rb[base + _KEY : base + _KEY + (meta & 0x3F)]), meta), q[s * _QW]))
+            append((decode_key(bytes(rb[base + _KEY : base + _RB]), meta), q[s * _QW]))
             rb[base + _ST] = _FREE
             index_remove(s)
             free(s)
@@ -955,7 +837,7 @@ class TimerWheel:
         """
         out: list[int] = []
         append = out.append
-        rb, i, index_remove = self._rb, self._i, self._index_remove
+        rb, i, index_remove = self._rb, self._i, self._index.remove
         fl = self.fired_list
         flp = fl * _IW
 
@@ -983,7 +865,7 @@ class TimerWheel:
         rb = self._rb
         base = slot * _RB
         meta = rb[base + _KM]
-        key = decode_key(bytes(rb[base + _KEY : base + _KEY + (meta & 0x3F)]), meta)
+        key = decode_key(bytes(rb[base + _KEY : base + _RB]), meta)
         sp = slot * _IW
         return key, self._q[slot * _QW], self._h[slot * _HW + _GROUP], self._u[sp + _TAG], self._i[sp + _AUX], self._u[sp + _GEN]
 
@@ -1028,13 +910,13 @@ class TimerWheel:
         base = slot * _RB
         ident = bytes(rb[base + _KM : base + _RB])
         group = self._h[slot * _HW + _GROUP]
-        h = hash(ident) ^ self._gmix[group]
-        if self._find(ident, h, group) >= 0:
+        h = self._key_hash(ident, group)
+        if self._index.find(ident, h, group) >= 0:
             return False
         self._unlink(slot)
         state = self._link(slot, deadline_ms, self._hq[_CUR])
         self._apply_with_intent(slot, state, deadline_ms, self._u[slot * _IW + _TAG])
-        self._index_add(slot, h)
+        self._index.add(slot, h)
         c = self._counters
         c["fired_unacked"] -= 1
         c["pending"] += 1
@@ -1076,11 +958,6 @@ class TimerWheel:
             raise exc(f"{what} out of range [{low}, {high}]")
         return array
 
-    def _batch_hashes(self, idents: list[bytes], groups: np.ndarray) -> np.ndarray:
-        """The key-index hash of every item: the scalar path's ``hash(ident) ^ mix(group)``."""
-        hashes = np.fromiter(map(hash, idents), dtype=np.int64, count=len(idents))
-        return hashes ^ self._gmix_np[groups]
-
     def schedule_many(self, idents, deadlines_ms, groups=0, tags=0, auxs=-1) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`schedule_ident` for a batch: arrays (or scalars) of equal length.
 
@@ -1100,10 +977,10 @@ class TimerWheel:
         gens_out = np.zeros(n, dtype=np.uint32)
         if not n:
             return slots_out, gens_out
-        if not self._valid_meta(ident_arr.view(np.uint8)[::33]).all():
+        if not _VALID_META[ident_arr.view(np.uint8)[::33]].all():
             raise InvalidKey("malformed encoded key")
-        hashes = self._batch_hashes(ident_list, groups)
-        if self._has_duplicates(hashes):  # a key twice: keep the order of the scalar path
+        hashes = self._index.key_hashes(ident_list, groups)
+        if has_duplicates(hashes):  # a key twice: keep the order of the scalar path
             for j in range(n):
                 try:
                     slots_out[j], gens_out[j] = self.schedule_ident(
@@ -1111,7 +988,7 @@ class TimerWheel:
                 except ArenaFull:
                     pass
             return slots_out, gens_out
-        found = self._find_many(ident_arr, hashes, groups)
+        found = self._index.find_many(ident_arr, hashes, groups)
         rearm = np.flatnonzero(found >= 0)
         if rearm.size:
             self._rearm_many(found[rearm], deadlines[rearm], tags[rearm], cur)
@@ -1133,12 +1010,12 @@ class TimerWheel:
             rec["group"][slots] = groups[new]
             rec["deadline"][slots] = d
             self._idents[slots] = ident_arr[new]
-            buckets, expirations, levels = self._place_many(d, cur)
+            buckets, expirations, levels = self._buckets_for(d, cur)
             self._splice_many(slots, buckets, expirations)
             rec["state"][slots] = (levels << L.LEVEL_SHIFT) | _SCHEDULED  # commit points
             self._free_top = top - k
             self._count_levels(levels, +1)
-            self._index_add_many(slots, hashes[new])
+            self._index.add_many(slots, hashes[new])
             self._count_groups(groups[new], +1)
             slots_out[new] = slots
             c = self._counters
@@ -1154,10 +1031,10 @@ class TimerWheel:
         groups = self._batch_column(groups, n, 0, self.max_groups - 1, "group id")
         if not n:
             return np.zeros(0, dtype=bool)
-        hashes = self._batch_hashes(ident_list, groups)
-        if self._has_duplicates(hashes):
+        hashes = self._index.key_hashes(ident_list, groups)
+        if has_duplicates(hashes):
             return np.array([self.cancel_ident(ident_list[j], int(groups[j])) for j in range(n)], dtype=bool)
-        found = self._find_many(ident_arr, hashes, groups)
+        found = self._index.find_many(ident_arr, hashes, groups)
         hit = found >= 0
         slots = found[hit]
         self._remove_scheduled_many(slots)
@@ -1200,7 +1077,7 @@ class TimerWheel:
             again = slots[~due]
             fired = np.concatenate((fired, fired_one_by_one))
         if fired.size:
-            self._index_remove_many(fired)
+            self._index.remove_many(fired)
             i, fl = self._i, self.fired_list
             flp = fl * _IW
             for head, tail in chains:  # a whole bucket joins the fired list as one chain
@@ -1213,7 +1090,7 @@ class TimerWheel:
                 self._append_run(fl, fired_one_by_one)
             rec["state"][fired] = _FIRED  # commit points
         if again.size:
-            buckets, expirations, levels = self._place_many(deadlines[~due], int(self._hq[_CUR]))
+            buckets, expirations, levels = self._buckets_for(deadlines[~due], int(self._hq[_CUR]))
             self._splice_many(again, buckets, expirations)
             rec["state"][again] = (levels << L.LEVEL_SHIFT) | _SCHEDULED
             self._count_levels(levels, +1)
@@ -1341,7 +1218,7 @@ class TimerWheel:
         rec = self.records
         slots = np.array(examined, dtype=np.int64)
         deadlines = rec["deadline"][slots]
-        buckets, expirations, levels = self._place_many(deadlines, cur)
+        buckets, expirations, levels = self._buckets_for(deadlines, cur)
         fit = levels == 0
         moved = int(np.count_nonzero(fit))
         if not moved:
@@ -1377,10 +1254,10 @@ class TimerWheel:
         else:
             inside = slots[ok]
             ok[ok] = (rec["state"][inside] == _FIRED) & (rec["gen"][inside] == generations[ok])
-        if ok.any() and self._has_duplicates(slots[ok]):  # a slot named twice is released once
+        if ok.any() and has_duplicates(slots[ok]):  # a slot named twice is released once
             index = np.flatnonzero(ok)
             ok[:] = False
-            ok[index[self._first_of_each(slots[index])]] = True
+            ok[index[first_of_each(slots[index])]] = True
         released = slots[ok]
         if released.size:
             rec["state"][released] = _FREE  # commit points (the lists are derived: unlinked after)
@@ -1397,28 +1274,6 @@ class TimerWheel:
         return self._raw[np.asarray(slots, dtype=np.int64)].view(L.RECORD_DTYPE)  # whole-record copies: fast
 
     # ------------------------------------------------------------------ batch helpers
-    @staticmethod
-    def _run_starts(values: np.ndarray) -> np.ndarray:
-        """Indices where a run of equal values starts (the first is 0); values non-empty."""
-        change = np.empty(values.size, dtype=bool)
-        change[0] = True
-        np.not_equal(values[1:], values[:-1], out=change[1:])
-        return np.flatnonzero(change)
-
-    @staticmethod
-    def _has_duplicates(values: np.ndarray) -> bool:
-        ordered = np.sort(values)
-        return bool((ordered[1:] == ordered[:-1]).any())
-
-    @staticmethod
-    def _first_of_each(values: np.ndarray) -> np.ndarray:
-        """Indices of the first occurrence of each distinct value (np.unique is slow on small arrays)."""
-        order = np.argsort(values, kind="stable")
-        ordered = values[order]
-        head = np.ones(values.size, dtype=bool)
-        head[1:] = ordered[1:] != ordered[:-1]
-        return order[head]
-
     def _count_levels(self, levels: np.ndarray, sign: int) -> None:
         counts = np.bincount(levels, minlength=_LEVEL_SLOTS).tolist()
         by_level = self._pending_by_level
@@ -1445,7 +1300,7 @@ class TimerWheel:
             k = part.size
             self._count_levels((rec["state"][part] >> L.LEVEL_SHIFT).astype(np.int64), -1)
             self._unlink_many(part, linked=True)
-            buckets, expirations, levels = self._place_many(d, cur)
+            buckets, expirations, levels = self._buckets_for(d, cur)
             self._splice_many(part, buckets, expirations)
             intent = self._intent_batch
             intent["slot"][:k] = part
@@ -1467,7 +1322,7 @@ class TimerWheel:
         self._count_levels((rec["state"][slots] >> L.LEVEL_SHIFT).astype(np.int64), -1)
         rec["state"][slots] = _FREE  # commit points (the lists are derived: unlinked after)
         self._unlink_many(slots)
-        self._index_remove_many(slots)
+        self._index.remove_many(slots)
         self._free_many(slots)
         self._counters["pending"] -= int(slots.size)
 
@@ -1529,7 +1384,7 @@ class TimerWheel:
         chain = slots[order]
         owner = sentinels[order]
         n = chain.size
-        starts = self._run_starts(owner)
+        starts = run_starts(owner)
         ends = np.empty_like(starts)
         ends[:-1] = starts[1:] - 1
         ends[-1] = n - 1
@@ -1559,129 +1414,6 @@ class TimerWheel:
                 if queued[b] != expiration:
                     queued[b] = expiration
                     heapq.heappush(heap, (expiration, b))
-
-    def _find_many(self, idents: np.ndarray, hashes: np.ndarray, groups: np.ndarray) -> np.ndarray:
-        """Vectorized :meth:`_find`: one gather of each item's first ``_WINDOW`` probe cells.
-
-        A key is absent if an EMPTY cell comes before any cell holding it; the
-        items whose window holds neither an EMPTY cell nor their key (rare at the
-        table's load) are finished one by one.
-        """
-        n = hashes.size
-        found = np.full(n, -1, dtype=np.int64)
-        cells = self._table_np[(hashes & self._mask)[:, None] + _WINDOW_STEPS & self._mask]
-        empty = cells == _EMPTY
-        first_empty = np.where(empty.any(axis=1), empty.argmax(axis=1), _WINDOW)
-        row, col = np.nonzero((cells >= 0) & (_WINDOW_STEPS < first_empty[:, None]))
-        if row.size:
-            slot = cells[row, col].astype(np.int64)
-            same = self._hash_np[slot] == hashes[row]
-            row, slot = row[same], slot[same]
-            same = (self._idents[slot] == idents[row]) & (self.records["group"][slot] == groups[row])
-            found[row[same]] = slot[same]
-        for j in np.flatnonzero((first_empty == _WINDOW) & (found < 0)).tolist():
-            found[j] = self._find(bytes(idents[j]), int(hashes[j]), int(groups[j]))
-        return found
-
-    def _index_add_many(self, slots: np.ndarray, hashes: np.ndarray) -> None:
-        """Vectorized :meth:`_index_add` of keys known to be absent.
-
-        Each item takes the first open (EMPTY or deleted) cell of its probe window;
-        where two items want the same cell, or a window has no open cell, the later
-        items go one by one.
-        """
-        table, mask = self._table_np, self._mask
-        self._hash_np[slots] = hashes
-        cells = table[(hashes & mask)[:, None] + _WINDOW_STEPS & mask]
-        open_cells = cells < 0
-        has_open = open_cells.any(axis=1)
-        offset = open_cells.argmax(axis=1)
-        target = (hashes + offset) & mask
-        rows = np.flatnonzero(has_open)
-        winners = rows[self._first_of_each(target[rows])]
-        won = target[winners]
-        table[won] = slots[winners]
-        self._pos_np[slots[winners]] = won
-        self._used += int(winners.size)
-        placed = np.zeros(slots.size, dtype=bool)
-        placed[winners] = True
-        for j in np.flatnonzero(~placed).tolist():
-            self._index_add(int(slots[j]), int(hashes[j]))
-
-    def _index_remove_many(self, slots: np.ndarray) -> None:
-        """Vectorized :meth:`_index_remove`: backward-shift deletion of a whole batch.
-
-        A key's probe path (home cell .. its cell) must hold no EMPTY cell. Freeing
-        cells breaks that only for keys after a freed cell in its cluster (the run of
-        occupied cells up to the next EMPTY). So for each cluster that loses keys,
-        the *region* from its first freed cell to its end is emptied and its
-        remaining keys are put back by linear probing in the order of their home
-        cells (a home before the region counts as the region's start): then key k
-        lands on ``max(home_k, cell_{k-1} + 1)``, one running maximum
-        (``np.maximum.accumulate``) over all regions in table order (regions are
-        separated by EMPTY cells, so one cannot push into the next). Keys only move
-        back, never out of their region, and the table is as sound as after
-        one-by-one deletions (though cells may differ). Cells are counted
-        "unrolled" (a region that wraps past the last cell goes on above it) and
-        masked when used.
-        """
-        if not slots.size:
-            return
-        table, mask = self._table_np, self._mask
-        cells = np.sort(self._pos_np[slots]).astype(np.int64)
-        dist = self._cluster_tails(cells)  # to the first EMPTY cell; freed cells still occupied
-        self._pos_np[slots] = -1
-        table[cells] = _EMPTY
-        self._used -= int(slots.size)
-        # one region per cluster, from its first freed cell (in table order) to its end
-        ends = cells + dist  # unrolled: past the last cell for a cluster that wraps
-        masked = ends & mask
-        heads = self._run_starts(masked)
-        if heads.size > 1 and masked[0] == masked[-1]:  # a wrapping cluster: its cells at the top are the last
-            heads = heads[1:]  # run, the run of its cells at the bottom is covered by it
-        length = np.maximum.reduceat(dist, heads)
-        start = np.maximum.reduceat(ends, heads) - length
-        offset = np.cumsum(length) - length  # where each region's cells start in the gathered run
-        cell = np.repeat(start - offset, length) + np.arange(int(offset[-1] + length[-1]))  # unrolled
-        content = table[cell & mask]
-        live = content >= 0
-        if not live.any():
-            return
-        moved = content[live].astype(np.int64)
-        cell = cell[live]
-        home = np.maximum(cell - ((cell - self._hash_np[moved]) & mask), np.repeat(start, length)[live])
-        if moved.size > 1 and (home[1:] < home[:-1]).any():
-            order = np.argsort(home, kind="stable")
-            moved, home = moved[order], home[order]
-        rank = np.arange(moved.size)
-        placed = (rank + np.maximum.accumulate(home - rank)) & mask
-        table[cell & mask] = _EMPTY
-        table[placed] = moved
-        self._pos_np[moved] = placed
-
-    def _cluster_tails(self, cells: np.ndarray) -> np.ndarray:
-        """For each occupied cell: how many cells on is the first EMPTY one (>= 1).
-
-        One row of the following ``_TAIL_CELLS`` cells per cell (a strided view of
-        the table, no copy of it); the rare longer tails, and cells near the table's
-        end, are walked one by one."""
-        rows = self._table_rows
-        start = cells + 1
-        inside = start < rows.shape[0]
-        start[~inside] = 0
-        empty = rows[start] == _EMPTY
-        dist = empty.argmax(axis=1)
-        found = empty[np.arange(cells.size), dist] & inside
-        dist += 1
-        if not found.all():
-            table, mask = self._table, self._mask
-            for j in np.flatnonzero(~found).tolist():
-                p = int(cells[j])
-                d = 1
-                while table[(p + d) & mask] != _EMPTY:
-                    d += 1
-                dist[j] = d
-        return dist
 
     def _append_run(self, sentinel: int, run: np.ndarray) -> None:
         """Append distinct records, in order, to the tail of one list."""
@@ -1732,111 +1464,90 @@ class TimerWheel:
 
     # ------------------------------------------------------------------ rebuild
     def _rebuild(self) -> None:
-        """Derive links, free list, key index, bucket heap and counters from the records."""
+        """Derive links, free list, key index, bucket heap and counts from the records."""
         rec = self.records
         first = self.first_entry
-        cur = int(self._hq[_CUR])
-        entries = rec[first:]
-        states = entries["state"] & _STATE_MASK
-        bad = np.flatnonzero((states > _FIRED) | ((states != _FREE) & (
-            ~self._valid_meta(entries["key_meta"]) | (entries["group"] >= self.max_groups))))
-        if bad.size:
-            # Not something an interrupted writer can leave: corruption. Free them, loudly.
-            self.repairs = [f"record {first + s}: invalid state/key/group, freed" for s in bad.tolist()]
-            entries["state"][bad] = _FREE
-            states = entries["state"] & _STATE_MASK
-        else:
-            self.repairs = []
-        # sentinels: empty circular lists
-        idx = np.arange(first, dtype=np.int32)
+        self.repairs = self._free_invalid()
+        idx = np.arange(first, dtype=np.int32)  # sentinels: empty circular lists
         rec["prev"][:first] = idx
         rec["next"][:first] = idx
         rec["deadline"][:first] = -1
         rec["state"][:first] = 0
-        slots_all = np.arange(first, self.n_records, dtype=np.int64)
-        # free slots: a stack that hands out the lowest slot first
-        free_slots = slots_all[states == _FREE]
-        self._free_np[: free_slots.size] = free_slots[::-1]
+        slots = np.arange(first, self.n_records, dtype=np.int64)
+        states = rec["state"][first:] & _STATE_MASK
+        free_slots = slots[states == _FREE]
+        self._free_np[: free_slots.size] = free_slots[::-1]  # a stack that hands out the lowest slot first
         self._free_top = int(free_slots.size)
         self._hi[_FREE_HEAD] = -1  # unused: the free list is kept in the owning process
-        # fired list, in deadline order
-        fired = slots_all[states == _FIRED]
-        fired = fired[np.argsort(rec["deadline"][fired], kind="stable")]
-        self._chain(self.fired_list, fired)
-        # scheduled: the bucket each deadline maps to, relative to the stored clock
-        sched = slots_all[states == _SCHEDULED]
-        deadlines = rec["deadline"][sched]
-        buckets, expirations, levels = self._place_many(deadlines, cur)
-        rec["state"][sched] = ((levels << 4) | _SCHEDULED).astype(np.uint8)
-        order = np.lexsort((sched, buckets))
-        sched, buckets, expirations, levels = sched[order], buckets[order], expirations[order], levels[order]
-        self._heap = []
-        self._queued = [-1] * first
-        self._pending_by_level = [0] * _LEVEL_SLOTS
-        if sched.size:
-            starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])
-            ends = np.r_[starts[1:], sched.size]
-            for a, z in zip(starts.tolist(), ends.tolist()):
-                b = int(buckets[a])
-                self._chain(b, sched[a:z])
-                expiration = int(expirations[a]) if b != self.due_list else cur
-                rec["deadline"][b] = expiration
-                self._queued[b] = expiration
-                self._heap.append((expiration, b))
-            heapq.heapify(self._heap)
-        # key index: hashes of the scheduled records' (meta + key) bytes and group
-        if sched.size:
-            ident_view = np.ndarray(
-                shape=(self.n_records,), dtype="V33", buffer=self._seg.buf,
-                offset=self._header_bytes + _KM, strides=(L.RECORD_BYTES,),
-            )
-            idents = ident_view[sched].tolist()
-            groups = rec["group"][sched].astype(np.uint64)
-            hashes = np.fromiter(map(hash, idents), dtype=np.int64, count=len(idents))
-            mixed = (groups * np.uint64(_GROUP_MIX)).view(np.int64)
-            self._hash_np[sched] = hashes ^ mixed
-            # duplicates (never produced by a writer, but the index must stay sound)
-            key_tuples = list(zip(idents, rec["group"][sched].tolist()))
-            if len(set(key_tuples)) != len(key_tuples):
-                seen: dict = {}
-                for s, k, d in zip(sched.tolist(), key_tuples, rec["deadline"][sched].tolist()):
-                    if k in seen:
-                        self.repairs.append(f"record {s}: duplicate key of record {seen[k]}, cancelled")
-                        self._unlink(s)
-                        rec["state"][s] = _FREE
-                        self._free(s)
-                    else:
-                        seen[k] = s
-        self._rebuild_index()
-        c = self._counters
-        c["pending"] = int(np.count_nonzero((rec["state"][first:] & _STATE_MASK) == _SCHEDULED))
-        c["fired_unacked"] = int(fired.size)
-        states_now = rec["state"][first:]
-        levels_now = (states_now[(states_now & _STATE_MASK) == _SCHEDULED] >> 4).astype(np.int64)
-        self._pending_by_level = [int(x) for x in np.bincount(levels_now, minlength=_LEVEL_SLOTS)]
-        live = (states_now & _STATE_MASK) != _FREE
-        self._group_live = np.bincount(rec["group"][first:][live], minlength=self.max_groups).tolist()
+        fired = slots[states == _FIRED]
+        self._chain(self.fired_list, fired[np.argsort(rec["deadline"][fired], kind="stable")])  # in deadline order
+        sched = slots[states == _SCHEDULED]
+        self._rebuild_buckets(sched)
+        for s, kept in self._index.rebuild(sched):  # never written by a wheel, but the index must stay sound
+            self.repairs.append(f"record {s}: duplicate key of record {kept}, cancelled")
+            self._unlink(s)
+            rec["state"][s] = _FREE
+            self._free(s)
+        self._recount()
         # an unused group id (first byte 0) keeps no bytes: what a writer killed while
         # registering or forgetting a name left behind is cleared
         table = self._group_bytes
         unused = table[:, 0] == 0
         if table[unused].any():
             table[unused] = 0
-        self._load_counters()
         self.publish_stats()
 
-    def _load_counters(self) -> None:
-        """Totals survive a restart: read them back from the header."""
-        base = L.H_COUNTERS // 8
-        for name in ("adds_total", "rearms_total", "cancels_total", "cancel_misses_total", "expirations_total",
-                     "acks_total", "cascades_total", "idle_rearms_total", "arena_full_total"):
-            self._counters[name] = max(self._counters[name], self._hq[base + L.COUNTER[name]])
+    def _free_invalid(self) -> list[str]:
+        """Free the live records with an unknown state, a malformed key or a group id outside
+        the table: not something an interrupted writer can leave, but corruption. Returns
+        the repairs made (the daemon logs them)."""
+        entries = self.records[self.first_entry :]
+        states = entries["state"] & _STATE_MASK
+        bad = np.flatnonzero((states > _FIRED) | ((states != _FREE) & (
+            ~_VALID_META[entries["key_meta"]] | (entries["group"] >= self.max_groups))))
+        entries["state"][bad] = _FREE
+        return [f"record {self.first_entry + s}: invalid state/key/group, freed" for s in bad.tolist()]
 
-    @staticmethod
-    def _valid_meta(meta: np.ndarray) -> np.ndarray:
-        size = meta & 0x3F
-        kind = meta >> 6
-        return (size >= 1) & (size <= L.KEY_BYTES) & (kind <= 2) & ((kind != 2) | (size == 8))
+    def _rebuild_buckets(self, sched: np.ndarray) -> None:
+        """Link the scheduled records into the buckets their deadlines map to relative to the
+        stored clock (level bits included) and queue every non-empty bucket."""
+        rec = self.records
+        cur = int(self._hq[_CUR])
+        buckets, expirations, levels = self._buckets_for(rec["deadline"][sched], cur)
+        rec["state"][sched] = ((levels << _LEVEL_SHIFT) | _SCHEDULED).astype(np.uint8)
+        order = np.lexsort((sched, buckets))
+        sched, buckets, expirations = sched[order], buckets[order], expirations[order]
+        self._heap = []
+        self._queued = [-1] * self.first_entry
+        if not sched.size:
+            return
+        starts = run_starts(buckets)
+        ends = np.r_[starts[1:], sched.size]
+        for a, z in zip(starts.tolist(), ends.tolist()):
+            b = int(buckets[a])
+            self._chain(b, sched[a:z])
+            expiration = int(expirations[a])
+            rec["deadline"][b] = expiration
+            self._queued[b] = expiration
+            self._heap.append((expiration, b))
+        heapq.heapify(self._heap)
+
+    def _recount(self) -> None:
+        """The counts this process keeps, from the records' states: pending, fired, per
+        level, per group; the totals from the header (they survive restarts)."""
+        states = self.records["state"][self.first_entry :]
+        low = states & _STATE_MASK
+        levels = (states[low == _SCHEDULED] >> _LEVEL_SHIFT).astype(np.int64)
+        self._pending_by_level = np.bincount(levels, minlength=_LEVEL_SLOTS).tolist()
+        live = low != _FREE
+        self._group_live = np.bincount(self.records["group"][self.first_entry :][live],
+                                       minlength=self.max_groups).tolist()
+        c = self._counters
+        c["pending"] = int(levels.size)
+        c["fired_unacked"] = int(np.count_nonzero(low == _FIRED))
+        base = L.H_COUNTERS // 8
+        for name in _TOTALS:
+            c[name] = max(c[name], self._hq[base + L.COUNTER[name]])
 
     def _chain(self, sentinel: int, slots: np.ndarray) -> None:
         rec = self.records
@@ -1848,184 +1559,37 @@ class TimerWheel:
         rec["next"][ring] = np.roll(ring, -1)
         rec["prev"][ring] = np.roll(ring, 1)
 
-    def _place_many(self, deadlines: np.ndarray, cur: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Vectorized :meth:`_link` placement: (sentinel, bucket expiration, level) per deadline.
-
-        Level by level, from level 0 up, over the deadlines not placed yet (usually
-        all of a batch fit one or two levels): each takes the lowest level it fits
-        in, the top level clamps, and deadlines <= cur go to the due list.
-        """
-        n = deadlines.size
-        ws = self.wheel_size
-        buckets = np.empty(n, dtype=np.int64)
-        expirations = np.empty(n, dtype=np.int64)
-        levels = np.empty(n, dtype=np.int64)
-        due = deadlines <= cur
-        if due.any():
-            buckets[due] = self.due_list
-            expirations[due] = cur
-            levels[due] = L.DUE_LEVEL
-            rest = np.flatnonzero(~due)
-            left = deadlines[rest]
-        else:
-            rest = None  # every item
-            left = deadlines
-        top = self.levels - 1
-        for level, t in enumerate(self._ticks):
-            if not left.size:
-                break
-            c = cur // t
-            if level == 0:
-                v = -(-left // t)  # level 0 rounds up, see "Placing a timer"
-                fit = v - c <= ws
-            else:
-                v = left // t
-                fit = v - c < ws
-            if level == top:
-                v[~fit] = c + ws - 1  # clamp into the farthest bucket of the top level
-            elif not fit.all():
-                where = np.flatnonzero(fit)
-                placed = where if rest is None else rest[where]
-                v = v[where]
-                buckets[placed] = level * ws + v % ws
-                expirations[placed] = v * t
-                levels[placed] = level
-                keep = np.flatnonzero(~fit)
-                rest = keep if rest is None else rest[keep]
-                left = left[keep]
-                continue
-            if rest is None:
-                buckets[:] = level * ws + v % ws
-                expirations[:] = v * t
-                levels[:] = level
-            else:
-                buckets[rest] = level * ws + v % ws
-                expirations[rest] = v * t
-                levels[rest] = level
-            break
-        return buckets, expirations, levels
-
     # ------------------------------------------------------------------ invariants
     def check(self) -> list[str]:
-        """Verify every invariant of the arena; return a list of problems (empty if sound)."""
-        problems: list[str] = []
-        rec = self.records
-        n, first, ws = self.n_records, self.first_entry, self.wheel_size
-        nxt = rec["next"].tolist()
-        prv = rec["prev"].tolist()
-        state = rec["state"].tolist()
-        deadline = rec["deadline"].tolist()
-        cur = self.current_ms
-        owner = [-1] * n
-        for b in range(first):
-            steps = 0
-            prev_node = b
-            s = nxt[b]
-            non_empty = s != b
-            while s != b:
-                if not first <= s < n:
-                    problems.append(f"list {b}: link to {s}, not an entry record")
-                    break
-                if owner[s] != -1:
-                    problems.append(f"record {s} is in list {owner[s]} and list {b}")
-                    break
-                owner[s] = b
-                if prv[s] != prev_node:
-                    problems.append(f"record {s}: prev is {prv[s]}, expected {prev_node} (list {b})")
-                st = state[s] & _STATE_MASK
-                level = state[s] >> 4
-                d = deadline[s]
-                if b == self.fired_list:
-                    if state[s] != _FIRED:
-                        problems.append(f"record {s} on the fired list has state {state[s]}")
-                elif b == self.due_list:
-                    if state[s] != _DUE_STATE:
-                        problems.append(f"record {s} on the due list has state {state[s]}")
-                    if d > cur:
-                        problems.append(f"record {s} on the due list is not due ({d} > {cur})")
-                else:
-                    blevel, j = divmod(b, ws)
-                    t = self._ticks[blevel]
-                    exp = deadline[b]
-                    v = exp // t
-                    if st != _SCHEDULED or level != blevel:
-                        problems.append(f"record {s} in level-{blevel} bucket {j} has state {st} level {level}")
-                    if exp % t or v % ws != j:
-                        problems.append(f"bucket {b}: expiration {exp} does not map to it")
-                    reach = -(-d // t) if blevel == 0 else d // t  # level 0 rounds up
-                    right = reach >= v if blevel == self.levels - 1 else reach == v  # the top level clamps
-                    if not right:
-                        problems.append(f"record {s}: deadline {d} does not belong in level-{blevel} bucket {j} (exp {exp})")
-                    if exp <= cur:
-                        problems.append(f"bucket {b}: expiration {exp} is not after the clock {cur}")
-                    if v - cur // t > (ws if blevel == 0 else ws - 1):
-                        problems.append(f"bucket {b}: expiration {exp} is beyond level {blevel}'s reach from {cur}")
-                prev_node = s
-                s = nxt[s]
-                steps += 1
-                if steps > n:
-                    problems.append(f"list {b} does not close")
-                    break
-            if prv[b] != prev_node:
-                problems.append(f"list {b}: sentinel prev {prv[b]}, expected {prev_node}")
-            if non_empty and b != self.fired_list:
-                exp = deadline[b]
-                if self._queued[b] != exp:
-                    problems.append(f"bucket {b} (expiration {exp}) is not in the bucket queue")
-        free_stack = self._free_np[: self._free_top]
-        free_seen = len(set(free_stack.tolist()))
-        if free_seen != free_stack.size:
-            problems.append("free list: a slot is listed twice")
-        for s in free_stack.tolist():
-            if not first <= s < n:
-                problems.append(f"free list: {s} is not an entry record")
-            elif state[s] != _FREE:
-                problems.append(f"free list: record {s} has state {state[s]}")
-        n_free = n_sched = n_fired = 0
-        per_level = [0] * _LEVEL_SLOTS
-        for s in range(first, n):
-            st = state[s] & _STATE_MASK
-            if st == _FREE:
-                n_free += 1
-            elif st == _SCHEDULED:
-                n_sched += 1
-                per_level[state[s] >> 4] += 1
-                if owner[s] == -1 or owner[s] >= self.fired_list:
-                    problems.append(f"scheduled record {s} is in no bucket")
-                elif self._find(bytes(self._rb[s * _RB + _KM : s * _RB + _RB]), self._hash[s], self._h[s * _HW + _GROUP]) != s:
-                    problems.append(f"scheduled record {s} is not found by its key")
-            elif st == _FIRED:
-                n_fired += 1
-                if owner[s] != self.fired_list:
-                    problems.append(f"fired record {s} is not on the fired list")
-            else:
-                problems.append(f"record {s}: unknown state {state[s]}")
-        if free_seen != n_free:
-            problems.append(f"free list holds {free_seen} records, {n_free} are free")
-        table = self._table_np
-        live = table[table >= 0]
-        if live.size != n_sched or self._used != n_sched:
-            problems.append(f"key index holds {live.size} entries (counted {self._used}), {n_sched} timers are scheduled")
-        elif live.size and np.any((rec["state"][live] & _STATE_MASK) != _SCHEDULED):
-            problems.append("key index points at records that are not scheduled")
-        c = self.counters()
-        if c["pending"] != n_sched:
-            problems.append(f"counter pending={c['pending']}, {n_sched} are scheduled")
-        if c["fired_unacked"] != n_fired:
-            problems.append(f"counter fired_unacked={c['fired_unacked']}, {n_fired} are fired")
-        if per_level != self._pending_by_level:
-            problems.append(f"per-level counters {self._pending_by_level}, actual {per_level}")
-        entries = rec[first:]
-        live_groups = entries["group"][(entries["state"] & _STATE_MASK) != _FREE].astype(np.int64)
-        if live_groups.size and int(live_groups.max()) >= self.max_groups:
-            problems.append(f"a live record carries group id {int(live_groups.max())} >= max_groups")
-        else:
-            recount = np.bincount(live_groups, minlength=self.max_groups)
-            counts = self.group_counts()
+        """Every invariant; a list of problems, [] when sound.
+
+        The arena's (:func:`wheeld.shm.fsck.fsck`, against this process's counters,
+        published or not), then those of the state only this process keeps: the key
+        index, the free stack, the bucket queue and the live count of each group.
+        """
+        problems = fsck.fsck(self._seg.buf, self._seg.size, self.name or "arena", counters=self.counters())
+        states = self.records["state"] & _STATE_MASK
+        entry = np.arange(self.n_records) >= self.first_entry
+        problems += self._index.problems(np.flatnonzero(entry & (states == _SCHEDULED)))
+        problems += self._free_stack_problems(np.flatnonzero(entry & (states == _FREE)))
+        i, queued = self._i, self._queued
+        for b in range(self.fired_list):
+            if i[b * _IW + _NEXT] != b and queued[b] != self._q[b * _QW]:
+                problems.append(f"bucket {b} (expiration {self._q[b * _QW]}) is not in the bucket queue")
+        live = (states != _FREE) & entry
+        recount = np.bincount(self.records["group"][live].astype(np.int64), minlength=self.max_groups)
+        counts = self.group_counts()
+        if recount.size == counts.size:  # else fsck reported a live record outside the group table
             for gid in np.flatnonzero(recount != counts)[:10].tolist():
                 problems.append(f"group {gid}: live count {counts[gid]}, {recount[gid]} records are live")
-        if self._hi[L.H_INTENT_SLOT // 4] != -1:
-            problems.append("an update intent is still open")
-        if self._hi[L.H_INTENT_COUNT // 4] != 0:
-            problems.append("a batch intent is still open")
         return problems
+
+    def _free_stack_problems(self, free: np.ndarray) -> list[str]:
+        """The free stack holds exactly the free records, each once."""
+        stack = self._free_np[: self._free_top]
+        if np.array_equal(np.sort(stack), free):
+            return []
+        if has_duplicates(stack):
+            return ["free list: a slot is listed twice"]
+        return [f"free list holds {stack.size} records, {free.size} are free; "
+                f"{np.setdiff1d(stack, free).size} of them are not free records"]
