@@ -175,7 +175,7 @@ _COUNTER_WORDS = struct.Struct(f"<{COUNTERS}q")
 def read_counters(buf) -> dict[str, int]:
     """Every named counter of an arena header (a buffer that starts at the header)."""
     words = _COUNTER_WORDS.unpack_from(buf, H_COUNTERS)
-    return {name: words[index] for index, name in COUNTER.items()}
+    return {name: words[index] for name, index in COUNTER.items()}
 
 
 # Fire lateness histogram: bucket i counts lateness in [LATENESS_BOUNDS_US[i-1], LATENESS_BOUNDS_US[i]) us,

@@ -333,7 +333,13 @@ class TimerWheel:
     @classmethod
     def attach(cls, name: str) -> TimerWheel:
         """Map an existing arena, repair what an interrupted writer left, rebuild the rest."""
-        seg = Segment.attach(name)
+        return cls.recover(Segment.attach(name))
+
+    @classmethod
+    def recover(cls, seg: Segment) -> TimerWheel:
+        """The wheel over the arena in ``seg`` after the recovery a restart makes: an open
+        intent replayed, every list, the key index and the counts rebuilt from the records
+        (``repairs`` lists the records freed as corrupt). The wheel owns ``seg`` from here."""
         try:
             wheel = cls(seg)
             wheel._replay_intent()
