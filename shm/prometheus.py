@@ -125,6 +125,20 @@ def _value(value: float | int) -> str:
     return str(int(value))
 
 
+def _lateness_samples(snap: Snapshot) -> list:
+    """The histogram's samples: cumulative ``le`` buckets in seconds, ``+Inf``, sum and count."""
+    cumulative = 0
+    samples = []
+    for bound_us, count in zip(L.LATENESS_BOUNDS_US, snap.lateness_counts):
+        cumulative += count
+        samples.append(("_bucket", (("le", _value(bound_us / 1e6)),), cumulative))
+    total = sum(snap.lateness_counts)
+    samples.append(("_bucket", (("le", "+Inf"),), total))
+    samples.append(("_sum", (), snap.lateness_sum_us / 1e6))
+    samples.append(("_count", (), total))
+    return samples
+
+
 def render(snap: Snapshot) -> str:
     """The text exposition (format 0.0.4) of one snapshot."""
     out: list[str] = []
@@ -147,17 +161,8 @@ def render(snap: Snapshot) -> str:
            [("", (), snap.undelivered)])
     metric("wheeld_expirations_unacknowledged", "gauge", "Expirations sent to a client and not acknowledged yet.",
            [("", (), snap.unacknowledged)])
-    cumulative = 0
-    buckets = []
-    for bound_us, count in zip(L.LATENESS_BOUNDS_US, snap.lateness_counts):
-        cumulative += count
-        buckets.append(("_bucket", (("le", _value(bound_us / 1e6)),), cumulative))
-    total = sum(snap.lateness_counts)
-    buckets.append(("_bucket", (("le", "+Inf"),), total))
-    buckets.append(("_sum", (), snap.lateness_sum_us / 1e6))
-    buckets.append(("_count", (), total))
     metric("wheeld_fire_lateness_seconds", "histogram",
-           "Time from a timer's deadline to its expiration being handed to delivery.", buckets)
+           "Time from a timer's deadline to its expiration being handed to delivery.", _lateness_samples(snap))
     depth = snap.ring_depth
     metric("wheeld_ring_depth", "gauge", "Commands waiting in client rings.",
            [("", (), c["ring_depth"] if depth is None else depth)])

@@ -4,8 +4,11 @@ This is Kafka's purgatory timer (``TimingWheel``/``SystemTimer`` in
 apache/kafka, ``server-common/src/main/java/org/apache/kafka/server/util/timer/``;
 the design is described in Confluent's "Apache Kafka, Purgatory, and
 Hierarchical Timing Wheels", 2015) laid out in fixed-size records so that it
-outlives the process that owns it. No I/O, no clock: every call takes
-``now_ms`` or a deadline.
+outlives the process that owns it. The operations do no I/O and read no clock:
+each takes ``now_ms`` or a deadline. Only setting up touches the outside:
+``create`` makes the arena (shared memory, or private memory with ``name=None``)
+and stamps it with the wall-clock time it was made (``created_wall_ms``);
+``attach`` maps an existing one.
 
 Levels and buckets
 ------------------
@@ -19,7 +22,8 @@ With the defaults (``tick_ms=1``, ``wheel_size=256``) the levels span 256 ms,
 list of records headed by a sentinel record; links are record indices, so an
 entry is unlinked in O(1) without knowing its bucket.
 
-Placing a timer (``cur`` is the wheel's clock, ``d`` the deadline)::
+Placing a timer (``cur`` is the wheel's clock, ``d`` the deadline; the rule is
+written once, ``Placement.bucket_for`` in :mod:`wheeld.shm.placement`)::
 
     d <= cur                       -> the due list (comes out at the next advance)
     level 0: v = ceil(d / tick0)   -> if v - cur//tick0 <= wheel_size: bucket v % wheel_size
@@ -84,12 +88,12 @@ Records, keys and handles
 -------------------------
 A timer is one 64-byte record (layout in ``wheeld.protocol.arena_layout``).
 Keys (str/bytes/int, at most 32 bytes encoded) are unique per group. The key
-index is an open-addressing hash table (linear probing; a deletion moves the
-rest of its cluster back, so there are no tombstones to pile up and no
-rebuilds while running) that lives in the owning process, holding record
-indices only: 8-16 bytes of table (at least two cells per record, a power of
-two) and 12 bytes of per-slot hash/position per timer, instead of a Python
-dict's ~100 bytes. Free records are a stack of slot numbers in the owning
+index (:mod:`wheeld.shm.keyindex`) is an open-addressing hash table (linear
+probing; a deletion moves the rest of its cluster back, so there are no
+tombstones to pile up and no rebuilds while running) that lives in the owning
+process, holding record indices only: 8-16 bytes of table (at least two cells
+per record, a power of two) and 12 bytes of per-slot hash/position per timer,
+instead of a Python dict's ~100 bytes. Free records are a stack of slot numbers in the owning
 process too (4 bytes per record). With the 64-byte record that is about 90-100
 bytes per timer in all (``python -m bench.wheel_core``). A handle is
 ``(slot, generation)``; the generation is bumped whenever a record is
@@ -142,7 +146,7 @@ fields, the placement level by level, key-index probing (an 8-cell probe window
 gathered per key), splicing whole chains into buckets, unlinking runs of
 neighbours (pointer jumping), and deleting a batch of keys from the index (each
 cluster that loses keys has its tail re-placed at once, see
-``_index_remove_many``). ``expire_many`` moves a due level-0 bucket (and the due
+``KeyIndex.remove_many``). ``expire_many`` moves a due level-0 bucket (and the due
 list) to the fired list whole: every timer in it is due, because level 0 rounds
 up (checked anyway), so the bucket's chain is spliced onto the fired list with
 four link stores and its records change state with one numpy store; only
@@ -154,13 +158,18 @@ batch of 1000 costs about 0.5-0.8 us per insert, cancel or expiration, against
 2-4 us for the scalar methods (``python -m bench.wheel_core``; measured figures
 in docs/wheel.md).
 
-Record life (the only legal steps; anything else raises and changes nothing)::
+Record life (the only legal steps)::
 
     FREE --schedule--> SCHEDULED --cancel--> FREE
                        SCHEDULED --schedule (re-arm)--> SCHEDULED
                        SCHEDULED --advance--> FREE            (caller takes the result)
                        SCHEDULED --expire--> FIRED --release--> FREE
                                              FIRED --rearm_fired--> SCHEDULED
+
+Any other step changes nothing, and says so: a step named by handle (``cancel_handle``,
+``release``, ``rearm_fired``) returns False when the handle is stale or the record is
+not in the state the step starts from (so does ``cancel`` of a key that is not
+pending); bad input (a key, deadline, group, tag or slot out of range) raises.
 
 Crash consistency
 -----------------
@@ -198,8 +207,9 @@ batch (or an ``advance`` firing many timers) commits record by record: each of
 its items happened or did not, not necessarily a prefix; none is torn. The
 daemon re-applies unacknowledged ring commands after a restart, and every
 command is idempotent, so this is enough. ``tests/test_wheel_crash.py`` kills a
-writer hundreds of times, also between any two lines of this module, and checks
-exactly this.
+writer hundreds of times, also between any two lines of this module (the only one
+that writes the arena), and checks exactly this. ``check()`` verifies every invariant
+(:mod:`wheeld.shm.fsck`, plus the derived state of the owning process).
 
 Threading: one writer process at a time (the daemon); readers (``wheelctl``)
 may map the arena read-only and read counters and records.
@@ -750,6 +760,16 @@ class TimerWheel:
         slot = self._index.find(ident, self._key_hash(ident, group), group)
         return None if slot < 0 else self._q[slot * _QW]
 
+    def lookup_many(self, idents, group: int = 0) -> list[int | None]:
+        """:meth:`lookup_ident` of distinct encoded keys of one group, found in one pass."""
+        ident_list, ident_arr = self._batch_idents(idents)
+        if not ident_list:
+            return []
+        groups = np.full(len(ident_list), self._check_gid(group), dtype=np.int64)
+        found = self._index.find_many(ident_arr, self._index.key_hashes(ident_list, groups), groups)
+        deadlines = self.records["deadline"][np.where(found >= 0, found, 0)].tolist()
+        return [None if slot < 0 else d for slot, d in zip(found.tolist(), deadlines)]
+
     def next_deadline(self) -> int | None:
         """Expiration of the earliest non-empty bucket: when ``advance`` next has work.
 
@@ -1000,35 +1020,39 @@ class TimerWheel:
             self._rearm_many(found[rearm], deadlines[rearm], tags[rearm], cur)
             slots_out[rearm] = found[rearm]
         new = np.flatnonzero(found < 0)
-        top = self._free_top
-        if new.size > top:
-            self._counters["arena_full_total"] += int(new.size - top)
-            new = new[:top]
-        k = new.size
-        if k:
-            rec = self.records
-            slots = self._free_np[top - k : top][::-1].astype(np.int64)
-            d = deadlines[new]
-            gens = (rec["gen"][slots] + np.uint32(1)) & np.uint32(GENERATION_MASK)  # wraps like the scalar path
-            rec["gen"][slots] = gens
-            rec["tag"][slots] = tags[new]
-            rec["aux"][slots] = auxs[new]
-            rec["group"][slots] = groups[new]
-            rec["deadline"][slots] = d
-            self._idents[slots] = ident_arr[new]
-            buckets, expirations, levels = self._buckets_for(d, cur)
-            self._splice_many(slots, buckets, expirations)
-            rec["state"][slots] = (levels << L.LEVEL_SHIFT) | _SCHEDULED  # commit points
-            self._free_top = top - k
-            self._count_levels(levels, +1)
-            self._index.add_many(slots, hashes[new])
-            self._count_groups(groups[new], +1)
-            slots_out[new] = slots
-            c = self._counters
-            c["pending"] += k
-            c["adds_total"] += k
+        if new.size > self._free_top:
+            self._counters["arena_full_total"] += int(new.size - self._free_top)
+            new = new[: self._free_top]
+        if new.size:
+            slots_out[new] = self._add_many(ident_arr[new], hashes[new], deadlines[new], groups[new], tags[new],
+                                            auxs[new], cur)
         gens_out[slots_out >= 0] = self.records["gen"][slots_out[slots_out >= 0]]
         return slots_out, gens_out
+
+    def _add_many(self, idents: np.ndarray, hashes: np.ndarray, deadlines: np.ndarray, groups: np.ndarray,
+                  tags: np.ndarray, auxs: np.ndarray, cur: int) -> np.ndarray:
+        """New timers for absent keys, as many as there are free records: fields, links, then
+        each state byte (its commit point); returns their slots."""
+        rec = self.records
+        top, k = self._free_top, idents.size
+        slots = self._free_np[top - k : top][::-1].astype(np.int64)
+        rec["gen"][slots] = (rec["gen"][slots] + np.uint32(1)) & np.uint32(GENERATION_MASK)  # wraps like the scalar path
+        rec["tag"][slots] = tags
+        rec["aux"][slots] = auxs
+        rec["group"][slots] = groups
+        rec["deadline"][slots] = deadlines
+        self._idents[slots] = idents
+        buckets, expirations, levels = self._buckets_for(deadlines, cur)
+        self._splice_many(slots, buckets, expirations)
+        rec["state"][slots] = (levels << _LEVEL_SHIFT) | _SCHEDULED  # commit points
+        self._free_top = top - k
+        self._count_levels(levels, +1)
+        self._index.add_many(slots, hashes)
+        self._count_groups(groups, +1)
+        c = self._counters
+        c["pending"] += k
+        c["adds_total"] += k
+        return slots
 
     def cancel_many(self, idents, groups=0) -> np.ndarray:
         """:meth:`cancel_ident` for a batch; returns a bool array (True: a timer was removed)."""
@@ -1098,7 +1122,7 @@ class TimerWheel:
         if again.size:
             buckets, expirations, levels = self._buckets_for(deadlines[~due], int(self._hq[_CUR]))
             self._splice_many(again, buckets, expirations)
-            rec["state"][again] = (levels << L.LEVEL_SHIFT) | _SCHEDULED
+            rec["state"][again] = (levels << _LEVEL_SHIFT) | _SCHEDULED
             self._count_levels(levels, +1)
         c = self._counters
         c["expirations_total"] += int(fired.size)
@@ -1152,7 +1176,7 @@ class TimerWheel:
         due at ``T`` itself. While the clock ``cur`` runs through ``[T - tick(1), T)``,
         every timer of that bucket whose deadline is already within level 0's reach
         (``ceil(d / tick_ms) - cur // tick_ms <= wheel_size``, exactly the test
-        :meth:`_place` makes first) can go to its level-0 bucket now: that is the
+        ``bucket_for`` makes first) can go to its level-0 bucket now: that is the
         bucket a cascade at ``T`` would give it (level-0 buckets do not depend on the
         clock once a deadline fits), so nothing fires earlier or later than it would
         have; at ``T`` only the rest is left to cascade.
@@ -1185,30 +1209,17 @@ class TimerWheel:
                 cur = now_ms
         if self.levels < 2 or max_entries == 0:
             return 0
-        ws, t, t1 = self.wheel_size, self.tick_ms, self._ticks[1]
+        t1 = self._ticks[1]
         v1 = cur // t1 + 1  # the level-1 bucket that comes due next (v1 - 1 is always empty)
         expiration = v1 * t1
-        b = ws + v1 % ws
-        i = self._i
-        if self._queued[b] != expiration or i[b * _IW + _NEXT] == b:
+        b = self.wheel_size + v1 % self.wheel_size
+        if self._queued[b] != expiration or self._i[b * _IW + _NEXT] == b:
             return 0
-        limit = (cur // t + ws) * t  # the latest deadline level 0 reaches now
-        if limit < expiration:
-            return 0  # nothing of this bucket fits yet
-        head = i[b * _IW + _NEXT]
-        start, pass_cur = head, cur
-        ahead = self._ahead
-        if ahead is not None and ahead[0] == expiration:
-            at = ahead[1]
-            if at == b:  # the last pass ended
-                if ahead[2] == cur:
-                    return 0
-            elif (
-                self.first_entry <= at < self.n_records
-                and self._rb[at * _RB + _ST] == (1 << L.LEVEL_SHIFT) | _SCHEDULED
-                and self._q[at * _QW] // t1 == v1
-            ):  # still in this bucket: continue the pass
-                start, pass_cur = at, ahead[2]
+        if not self._placement.level_value(expiration, cur, 0)[1]:
+            return 0  # level 0 does not reach this bucket's first ms yet: nothing of it fits
+        start, pass_cur = self._ahead_start(b, v1, cur)
+        if start == b:
+            return 0
         nxt = self._next
         examined: list[int] = []
         append = examined.append
@@ -1219,22 +1230,45 @@ class TimerWheel:
             append(s)
             s = nxt[s]
         self._ahead = (expiration, s, pass_cur)
-        if not examined:
+        return self._move_to_level0(np.array(examined, dtype=np.int64), s, cur)
+
+    def _ahead_start(self, b: int, v1: int, cur: int) -> tuple[int, int]:
+        """(the record of level-1 bucket ``b`` a pass of :meth:`cascade_ahead` looks at first, the
+        clock its pass began at): where the last call stopped while that record is still
+        in the bucket, else the bucket's head; ``b`` itself when the last pass over the
+        bucket ended and the clock has not moved since it began."""
+        t1 = self._ticks[1]
+        head = self._i[b * _IW + _NEXT]
+        ahead = self._ahead
+        if ahead is None or ahead[0] != v1 * t1:
+            return head, cur
+        at = ahead[1]
+        if at == b:  # the last pass ended
+            return (b, cur) if ahead[2] == cur else (head, cur)
+        if (self.first_entry <= at < self.n_records
+                and self._rb[at * _RB + _ST] == (1 << _LEVEL_SHIFT) | _SCHEDULED
+                and self._q[at * _QW] // t1 == v1):  # still in this bucket: continue the pass
+            return at, ahead[2]
+        return head, cur
+
+    def _move_to_level0(self, slots: np.ndarray, after: int, cur: int) -> int:
+        """Move the records of a run of a level-1 bucket (``slots``, in list order, ``after``
+        the record that follows the run) whose deadlines level 0 reaches from ``cur`` to
+        their level-0 buckets; the others stay in place. Returns how many moved."""
+        if not slots.size:
             return 0
-        rec = self.records
-        slots = np.array(examined, dtype=np.int64)
-        deadlines = rec["deadline"][slots]
-        buckets, expirations, levels = self._buckets_for(deadlines, cur)
+        rec, i = self.records, self._i
+        buckets, expirations, levels = self._buckets_for(rec["deadline"][slots], cur)
         fit = levels == 0
         moved = int(np.count_nonzero(fit))
         if not moved:
             return 0
-        # the examined run, minus the moved records, stays in place between its neighbours
+        # the run, minus the moved records, stays in place between its neighbours
         kept = slots[~fit]
         chain = np.empty(kept.size + 2, dtype=np.int64)
-        chain[0] = i[start * _IW + _PREV]
+        chain[0] = i[int(slots[0]) * _IW + _PREV]
         chain[1:-1] = kept
-        chain[-1] = s
+        chain[-1] = after
         rec["next"][chain[:-1]] = chain[1:]
         rec["prev"][chain[1:]] = chain[:-1]
         going = slots[fit]
@@ -1304,7 +1338,7 @@ class TimerWheel:
             d = deadlines[at : at + L.INTENT_BATCH_MAX]
             t = tags[at : at + L.INTENT_BATCH_MAX]
             k = part.size
-            self._count_levels((rec["state"][part] >> L.LEVEL_SHIFT).astype(np.int64), -1)
+            self._count_levels((rec["state"][part] >> _LEVEL_SHIFT).astype(np.int64), -1)
             self._unlink_many(part, linked=True)
             buckets, expirations, levels = self._buckets_for(d, cur)
             self._splice_many(part, buckets, expirations)
@@ -1315,7 +1349,7 @@ class TimerWheel:
             hi[L.H_INTENT_COUNT // 4] = k  # commit the batch
             rec["deadline"][part] = d
             rec["tag"][part] = t
-            rec["state"][part] = (levels << L.LEVEL_SHIFT) | _SCHEDULED
+            rec["state"][part] = (levels << _LEVEL_SHIFT) | _SCHEDULED
             hi[L.H_INTENT_COUNT // 4] = 0  # done
             self._count_levels(levels, +1)
             self._counters["rearms_total"] += k
@@ -1325,7 +1359,7 @@ class TimerWheel:
         if not slots.size:
             return
         rec = self.records
-        self._count_levels((rec["state"][slots] >> L.LEVEL_SHIFT).astype(np.int64), -1)
+        self._count_levels((rec["state"][slots] >> _LEVEL_SHIFT).astype(np.int64), -1)
         rec["state"][slots] = _FREE  # commit points (the lists are derived: unlinked after)
         self._unlink_many(slots)
         self._index.remove_many(slots)
