@@ -55,6 +55,7 @@ import numpy as np
 import psutil
 
 from wheeld.protocol import arena_layout as L
+from wheeld.protocol.keys import TYPE_INT, key_meta_of
 from wheeld.shm import TimerWheel
 
 from bench.common import format_table, write_json
@@ -66,7 +67,7 @@ IDLE_MS = (2_000, 62_000)  # inserted and re-armed timers: 2-62 s ahead
 DUE_AHEAD_MS = 300  # expiring timers are scheduled this far ahead (beyond level 0: one cascade)
 DUE_SPREAD_MS = 2
 ROUNDS = 100
-INT_META = (2 << 6) | 8  # wheeld.protocol.keys: type int, 8 bytes
+INT_META = key_meta_of(TYPE_INT, 8)
 
 
 def int_idents(first: int, count: int) -> np.ndarray:

@@ -226,7 +226,7 @@ import numpy as np
 
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol.errors import ArenaFull, CorruptArena, GroupLimit, InvalidDelay, InvalidKey, InvalidRequest
-from wheeld.protocol.keys import VALID_KEY_METAS, decode_key, encode_key, key_meta_of
+from wheeld.protocol.keys import VALID_KEY_METAS, decode_key, encode_key
 
 from . import fsck
 from .arena import Segment
