@@ -300,19 +300,27 @@ class KeyIndex:
 
     def problems(self, slots: np.ndarray) -> list[str]:
         """How the index differs from one over exactly the records ``slots`` (the scheduled
-        ones); [] when each is found by its key and nothing else is indexed."""
-        slots = np.asarray(slots, dtype=np.int64)
+        ones); [] when each is found by its key and nothing else is indexed.
+
+        A record is found by its key when its hash is the key's, its cell holds it, and no
+        EMPTY cell lies between its home cell and its cell (linear probing stops there):
+        one running count of EMPTY cells over the table, unrolled once for wrapping paths.
+        """
+        slots = np.sort(np.asarray(slots, dtype=np.int64))
         indexed = self.table[self.table >= 0]
         if indexed.size != slots.size or self.used != slots.size:
             return [f"key index holds {indexed.size} entries (counted {self.used}), {slots.size} timers are scheduled"]
         if not np.array_equal(np.sort(indexed), slots):
             return ["key index points at records that are not scheduled"]
         out = []
-        groups = self._groups[slots].astype(np.int64)
-        hashes = self.key_hashes(self._idents[slots].tolist(), groups)
+        hashes = self.key_hashes(self._idents[slots].tolist(), self._groups[slots].astype(np.int64))
         for s in slots[hashes != self.hashes[slots]][:10].tolist():
             out.append(f"scheduled record {s}: the key index holds a stale hash")
-        found = self.find_many(self._idents[slots], hashes, groups)
-        for s in slots[found != slots][:10].tolist():
+        cell = self.cells[slots].astype(np.int64)
+        home = hashes & self.mask
+        empty_before = np.concatenate(([0], np.cumsum(np.tile(self.table == EMPTY, 2))))  # EMPTY cells in [0, i)
+        end = np.where(cell >= home, cell, cell + self.table.size)  # unrolled
+        lost = (self.table[cell] != slots) | (empty_before[end] != empty_before[home])
+        for s in slots[lost][:10].tolist():
             out.append(f"scheduled record {s} is not found by its key")
         return out

@@ -187,3 +187,31 @@ def test_wheel_lookups_agree_with_a_dict_across_reattach(ops):
         assert wheel.check() == []
     finally:
         wheel.close()
+
+
+def test_problems_names_a_key_that_probing_cannot_reach_and_a_stale_hash():
+    records = np.zeros(20, dtype=L.RECORD_DTYPE)
+    index = KeyIndex(records, 16, max_groups=1)
+    try:
+        slots = []
+        for slot, key in enumerate(range(10), start=4):
+            ident = encode_ident(key)
+            records["key_meta"][slot] = ident[0]
+            records["key"][slot] = np.void(ident[1:])
+            index.add(slot, index.key_hash(ident, 0))
+            slots.append(slot)
+        assert index.problems(np.array(slots)) == []
+        victim = slots[3]
+        cell = int(index.cells[victim])
+        home = int(index.hashes[victim] & index.mask)
+        empty = next(c for c in range(index.table.size) if index.table[(home - 1 - c) & index.mask] == -1)
+        away = (home - 1 - empty) & index.mask  # an EMPTY cell just before its home: probing never gets there
+        index.table[cell], index.table[away] = -1, victim
+        index.cells[victim] = away
+        assert index.problems(np.array(slots)) == [f"scheduled record {victim} is not found by its key"]
+        index.table[away], index.table[cell] = -1, victim
+        index.cells[victim] = cell
+        index.hashes[slots[0]] ^= 1 << 40
+        assert f"scheduled record {slots[0]}: the key index holds a stale hash" in index.problems(np.array(slots))
+    finally:
+        index.close()
