@@ -946,3 +946,22 @@ def test_group_table_after_a_writer_killed_mid_register_or_forget(shm_name):
         assert again.group_id("abc") == 1 and again.group_id("new") == 3
     finally:
         again.close()
+
+
+def test_publish_stats_writes_only_the_wheels_own_counter_words():
+    """Each counter word has one writer: the wheel never touches the daemon's words."""
+    wheel = TimerWheel.create(10, start_ms=0)
+    try:
+        words = wheel.header_words()
+        base = L.H_COUNTERS // 8
+        for name in L.DAEMON_COUNTER_NAMES:
+            words[base + L.COUNTER[name]] = 1000 + L.COUNTER[name]
+        wheel.schedule("k", 5)
+        wheel.expire(10)
+        wheel.publish_stats()
+        assert all(words[base + L.COUNTER[n]] == 1000 + L.COUNTER[n] for n in L.DAEMON_COUNTER_NAMES)
+        published = L.read_counters(bytes(wheel._seg.buf[: L.GROUPS_OFFSET]))
+        assert published["expirations_total"] == published["fired_unacked"] == 1
+        assert set(L.WHEEL_COUNTER_NAMES).isdisjoint(L.DAEMON_COUNTER_NAMES)
+    finally:
+        wheel.close()
