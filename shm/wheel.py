@@ -226,7 +226,7 @@ import numpy as np
 
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol.errors import ArenaFull, CorruptArena, GroupLimit, InvalidDelay, InvalidKey, InvalidRequest
-from wheeld.protocol.keys import VALID_KEY_METAS, decode_key, encode_key
+from wheeld.protocol.keys import VALID_KEY_METAS, decode_key, encode_key, key_length
 
 from . import fsck
 from .arena import Segment
@@ -253,6 +253,7 @@ _LEVEL_SHIFT = L.LEVEL_SHIFT
 _META = [bytes((m,)) for m in range(256)]
 _PAD = [b"\0" * (L.KEY_BYTES - n) for n in range(L.KEY_BYTES + 1)]
 _VALID_META = np.array(VALID_KEY_METAS, dtype=bool)
+_KEY_END = [L.R_KEY + key_length(meta) for meta in range(256)]  # where a record's key ends, by meta byte
 # word indices into the arena views (see wheeld.protocol.arena_layout)
 _CUR = L.H_CURRENT_MS // 8
 _FREE_HEAD = L.H_FREE_HEAD // 4
@@ -382,6 +383,7 @@ class TimerWheel:
         self._map_views(seg.buf)
         self._index = KeyIndex(self.records, self.capacity, self.max_groups)
         self._key_hash = self._index.key_hash
+        self._find, self._index_add, self._index_remove = self._index.find, self._index.add, self._index.remove
         # Free entry records: a stack of slot numbers in this process (derived state,
         # like the key index; rebuilt from the records' states on attach).
         self._free_np = np.zeros(self.capacity, dtype=np.int32)
@@ -633,7 +635,7 @@ class TimerWheel:
         if not 0 <= tag <= 0xFFFFFFFF or not -(1 << 31) <= aux < (1 << 31):
             raise InvalidRequest("tag is u32, aux is i32")
         h = self._key_hash(ident, group)
-        slot = self._index.find(ident, h, group)
+        slot = self._find(ident, h, group)
         rb = self._rb
         if slot >= 0:
             self._rearm(slot, deadline_ms, tag, cur)
@@ -658,7 +660,7 @@ class TimerWheel:
         rb[base + _KM : base + _RB] = ident
         state = self._link(slot, deadline_ms, cur)
         rb[base + _ST] = state  # commit point: the timer exists from here on
-        self._index.add(slot, h)
+        self._index_add(slot, h)
         self._group_live[group] += 1
         c = self._counters
         c["pending"] += 1
@@ -716,7 +718,7 @@ class TimerWheel:
         return self.cancel_ident(ident, group)
 
     def cancel_ident(self, ident: bytes, group: int = 0) -> bool:
-        slot = self._index.find(ident, self._key_hash(ident, group), group)
+        slot = self._find(ident, self._key_hash(ident, group), group)
         if slot < 0:
             self._counters["cancel_misses_total"] += 1
             return False
@@ -741,7 +743,7 @@ class TimerWheel:
         self._unlink(slot)
         rb[slot * _RB + _ST] = _FREE  # commit point
         self._pending_by_level[state >> _LEVEL_SHIFT] -= 1
-        self._index.remove(slot)
+        self._index_remove(slot)
         self._free(slot)
         self._group_live[group] -= 1
         self._counters["pending"] -= 1
@@ -757,7 +759,7 @@ class TimerWheel:
 
     def lookup_ident(self, ident: bytes, group: int = 0) -> int | None:
         """:meth:`lookup` for an encoded key (meta byte + key bytes)."""
-        slot = self._index.find(ident, self._key_hash(ident, group), group)
+        slot = self._find(ident, self._key_hash(ident, group), group)
         return None if slot < 0 else self._q[slot * _QW]
 
     def lookup_many(self, idents, group: int = 0) -> list[int | None]:
@@ -846,7 +848,7 @@ class TimerWheel:
         def fire(s: int) -> None:
             base = s * _RB
             meta = rb[base + _KM]
-            append((decode_key(bytes(rb[base + _KEY : base + _RB]), meta), q[s * _QW]))
+            append((decode_key(bytes(rb[base + _KEY : base + _KEY_END[meta]]), meta), q[s * _QW]))
             rb[base + _ST] = _FREE
             index_remove(s)
             free(s)
@@ -891,7 +893,7 @@ class TimerWheel:
         rb = self._rb
         base = slot * _RB
         meta = rb[base + _KM]
-        key = decode_key(bytes(rb[base + _KEY : base + _RB]), meta)
+        key = decode_key(bytes(rb[base + _KEY : base + _KEY_END[meta]]), meta)
         sp = slot * _IW
         return key, self._q[slot * _QW], self._h[slot * _HW + _GROUP], self._u[sp + _TAG], self._i[sp + _AUX], self._u[sp + _GEN]
 
@@ -937,12 +939,12 @@ class TimerWheel:
         ident = bytes(rb[base + _KM : base + _RB])
         group = self._h[slot * _HW + _GROUP]
         h = self._key_hash(ident, group)
-        if self._index.find(ident, h, group) >= 0:
+        if self._find(ident, h, group) >= 0:
             return False
         self._unlink(slot)
         state = self._link(slot, deadline_ms, self._hq[_CUR])
         self._apply_with_intent(slot, state, deadline_ms, self._u[slot * _IW + _TAG])
-        self._index.add(slot, h)
+        self._index_add(slot, h)
         c = self._counters
         c["fired_unacked"] -= 1
         c["pending"] += 1
