@@ -1202,13 +1202,7 @@ class TimerWheel:
             raise InvalidDelay("now_ms is an integer number of ms")
         if type(max_entries) is not int or max_entries < 0:
             raise InvalidRequest("max_entries must be an integer >= 0")
-        hq = self._hq
-        cur = int(hq[_CUR])
-        if now_ms > cur:
-            due = self.next_deadline()
-            if due is None or due > now_ms:
-                hq[_CUR] = now_ms  # nothing is due: the clock moves, as in expire()
-                cur = now_ms
+        cur = self._move_idle_clock(now_ms)
         if self.levels < 2 or max_entries == 0:
             return 0
         t1 = self._ticks[1]
@@ -1233,6 +1227,18 @@ class TimerWheel:
             s = nxt[s]
         self._ahead = (expiration, s, pass_cur)
         return self._move_to_level0(np.array(examined, dtype=np.int64), s, cur)
+
+    def _move_idle_clock(self, now_ms: int) -> int:
+        """Move the clock to ``now_ms`` if no bucket is due by then (as :meth:`expire` would);
+        returns the clock."""
+        hq = self._hq
+        cur = int(hq[_CUR])
+        if now_ms > cur:
+            due = self.next_deadline()
+            if due is None or due > now_ms:
+                hq[_CUR] = now_ms  # nothing is due: the clock moves, as in expire()
+                return now_ms
+        return cur
 
     def _ahead_start(self, b: int, v1: int, cur: int) -> tuple[int, int]:
         """(the record of level-1 bucket ``b`` a pass of :meth:`cascade_ahead` looks at first, the
