@@ -421,7 +421,7 @@ class Daemon:
 
     def lateness_counts(self) -> tuple[int, ...]:
         """The daemon's own fire-lateness histogram (deadline to firing), read from its arena."""
-        from wheeld.daemon.stats import ArenaReader
+        from wheeld.shm.reader import ArenaReader
 
         with ArenaReader(self.name) as reader:
             return reader.snapshot(with_records=False).lateness_counts
@@ -467,7 +467,7 @@ def lateness_parts(reports: list[dict], idle_ns: int) -> dict:
 
 def daemon_lateness(before: tuple[int, ...], after: tuple[int, ...]) -> dict:
     """p50/p99 of how late the daemon fired the timers that came due between two histograms."""
-    from wheeld.daemon.stats import quantile_us
+    from wheeld.shm.snapshot import quantile_us
 
     counts = [b - a for a, b in zip(before, after)]
     q = {name: quantile_us(counts, frac) for name, frac in (("p50", 0.5), ("p99", 0.99))}

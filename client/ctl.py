@@ -3,7 +3,7 @@
 Two kinds of subcommands:
 
 * **Readers** (``stats``, ``dump``, ``groups``, ``check``) map the daemon's arena
-  read-only and never talk to the daemon (:mod:`wheeld.daemon.stats`). They
+  read-only and never talk to the daemon (:mod:`wheeld.shm.reader`). They
   answer when the daemon is stuck or dead, and they cannot disturb it.
 * **Clients** (``add``, ``cancel``, ``tail``) connect to the socket like any
   worker, as a member of ``--group``. They need a live daemon.
@@ -50,7 +50,6 @@ import time
 
 import click
 
-from wheeld.daemon import stats as S
 from wheeld.protocol import arena_layout as AL
 from wheeld.protocol.errors import (
     ArenaFull,
@@ -63,6 +62,9 @@ from wheeld.protocol.errors import (
 )
 from wheeld.protocol.keys import encode_key
 from wheeld.protocol.naming import SHM_DIR, arena_name, default_name, default_socket_path, shm_prefix
+from wheeld.shm import check as CK
+from wheeld.shm import reader as R
+from wheeld.shm import snapshot as SN
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -105,18 +107,18 @@ class Ctl:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
 
-    def reader(self) -> S.ArenaReader:
+    def reader(self) -> R.ArenaReader:
         try:
-            return S.ArenaReader(self.name)
-        except S.NoArena as exc:
+            return R.ArenaReader(self.name)
+        except R.NoArena as exc:
             raise CtlError(str(exc), EXIT_NO_DAEMON) from None
         except CorruptArena as exc:
             raise CtlError(f"{arena_name(self.name)}: {exc}", EXIT_FAILED) from None
 
-    def optional_reader(self) -> S.ArenaReader | None:
+    def optional_reader(self) -> R.ArenaReader | None:
         try:
-            return S.ArenaReader(self.name)
-        except (S.NoArena, CorruptArena):
+            return R.ArenaReader(self.name)
+        except (R.NoArena, CorruptArena):
             return None
 
     def probe(self) -> None:
@@ -277,14 +279,14 @@ def _fmt_rate(rate) -> str:
     return f"{rate:,.1f}/s"
 
 
-def render_table(snap: S.Snapshot, rate: dict[str, float] | None) -> str:
+def render_table(snap: SN.Snapshot, rate: dict[str, float] | None) -> str:
     """``wheelctl stats``: the daemon and its arena, the timers, lateness, clients and groups."""
     return "\n".join([
         *_daemon_lines(snap), "", *_timer_lines(snap, rate), "", *_lateness_lines(snap), "", *_client_lines(snap),
     ])  # fmt: skip
 
 
-def _daemon_lines(snap: S.Snapshot) -> list[str]:
+def _daemon_lines(snap: SN.Snapshot) -> list[str]:
     c = snap.counters
     state = {"ok": "ok", "stuck": "NOT RESPONDING", "down": "NOT RUNNING"}[snap.health]
     pid = snap.daemon_pid
@@ -304,14 +306,14 @@ def _daemon_lines(snap: S.Snapshot) -> list[str]:
     return lines
 
 
-def _timer_lines(snap: S.Snapshot, rate: dict[str, float] | None) -> list[str]:
+def _timer_lines(snap: SN.Snapshot, rate: dict[str, float] | None) -> list[str]:
     c = snap.counters
     width = 24
     lines = [f"{'timers':<{width}}{'total':>14}  {'rate':>12}", f"{'  pending':<{width}}{_fmt_int(c['pending']):>14}"]
     for level, count in snap.pending_by_level.items():
         label = "    due" if level == "due" else f"    level {level}"
         lines.append(f"{label:<{width}}{_fmt_int(count):>14}")
-    for name in S.RATE_COUNTERS:
+    for name in SN.RATE_COUNTERS:
         value = rate.get(name) if rate else None
         lines.append(f"{'  ' + name:<{width}}{_fmt_int(c[name]):>14}  {_fmt_rate(value):>12}")
     lines.append(f"{'  undelivered':<{width}}{_fmt_int(snap.undelivered):>14}  "
@@ -320,7 +322,7 @@ def _timer_lines(snap: S.Snapshot, rate: dict[str, float] | None) -> list[str]:
     return lines
 
 
-def _lateness_lines(snap: S.Snapshot) -> list[str]:
+def _lateness_lines(snap: SN.Snapshot) -> list[str]:
     n = snap.lateness_count
     q = snap.lateness_quantiles()
     mean = snap.lateness_sum_us / n if n else None
@@ -339,7 +341,7 @@ def _lateness_lines(snap: S.Snapshot) -> list[str]:
     return lines
 
 
-def _client_lines(snap: S.Snapshot) -> list[str]:
+def _client_lines(snap: SN.Snapshot) -> list[str]:
     c = snap.counters
     lines = [f"clients  {c['clients_connected']} connected (accepted {c['clients_total']}, refused "
              f"{c['clients_refused_total']}, dropped {c['clients_dropped_total']})"]
@@ -359,7 +361,7 @@ def _client_lines(snap: S.Snapshot) -> list[str]:
     return lines
 
 
-def _groups_in_use(snap: S.Snapshot) -> str:
+def _groups_in_use(snap: SN.Snapshot) -> str:
     return f"{_fmt_int(snap.groups_in_use)} of {_fmt_int(snap.max_groups)} group ids in use"
 
 
@@ -372,14 +374,14 @@ def _groups_table(groups, indent: str = "") -> str:
     return "\n".join(lines)
 
 
-def _sample(ctl: Ctl, stale_after_s: float) -> S.Snapshot:
+def _sample(ctl: Ctl, stale_after_s: float) -> SN.Snapshot:
     with ctl.reader() as reader:
         return reader.snapshot(stale_after_s=stale_after_s)
 
 
-def _emit(snap: S.Snapshot, rate, as_json: bool, prometheus: bool, compact: bool = False) -> None:
+def _emit(snap: SN.Snapshot, rate, as_json: bool, prometheus: bool, compact: bool = False) -> None:
     if prometheus:
-        from wheeld.daemon.metrics import render
+        from wheeld.shm.prometheus import render
 
         click.echo(render(snap), nl=False)
     elif as_json:
@@ -389,7 +391,7 @@ def _emit(snap: S.Snapshot, rate, as_json: bool, prometheus: bool, compact: bool
         click.echo(render_table(snap, rate))
 
 
-def _health_exit(snap: S.Snapshot) -> None:
+def _health_exit(snap: SN.Snapshot) -> None:
     if snap.health == "down":
         pid = snap.daemon_pid
         who = f"wheeld (pid {pid}) is not running" if pid > 0 else "no wheeld is running"
@@ -406,7 +408,7 @@ def _health_exit(snap: S.Snapshot) -> None:
               help="Redraw every SECONDS until Ctrl-C (exits 0).")
 @click.option("--interval", type=click.FloatRange(0, 60), default=1.0, show_default=True, metavar="SECONDS",
               help="Time between the two samples the rates come from; 0: no rates.")
-@click.option("--stale-after", type=click.FloatRange(0.01, 3600), default=S.DEFAULT_STALE_AFTER_S,
+@click.option("--stale-after", type=click.FloatRange(0.01, 3600), default=SN.DEFAULT_STALE_AFTER_S,
               show_default=True, metavar="SECONDS",
               help="A daemon whose loop has not published for this long counts as not responding (exit 4).")
 @click.pass_obj
@@ -425,7 +427,7 @@ def stats(ctl: Ctl, as_json: bool, prometheus: bool, watch: float | None, interv
         if interval > 0:
             time.sleep(interval)
             snap = _sample(ctl, stale_after)
-            rate = S.rates(first, snap)
+            rate = SN.rates(first, snap)
         _emit(snap, rate, as_json, prometheus)
         _health_exit(snap)
         return
@@ -441,7 +443,7 @@ def stats(ctl: Ctl, as_json: bool, prometheus: bool, watch: float | None, interv
                 click.echo(f"wheelctl: {exc.message} (retrying every {watch:g} s, Ctrl-C to stop)")
                 previous = None
             else:
-                rate = S.rates(previous, snap) if previous is not None else None
+                rate = SN.rates(previous, snap) if previous is not None else None
                 if clear:
                     click.clear()
                 _emit(snap, rate, as_json, prometheus, compact=True)
@@ -473,7 +475,7 @@ def add(ctl: Ctl, key: str, delay_ms: int, group: str, key_type: str) -> None:
         client = ctl.connect(group)
         try:
             with _daemon_errors(ctl):
-                start = S.mono_ms()
+                start = SN.mono_ms()
                 client.add(user_key, delay_ms)
                 client.flush(timeout_s=ctl.timeout_s)
         finally:
@@ -511,7 +513,7 @@ def cancel(ctl: Ctl, key: str, group: str, key_type: str) -> None:
                 client.flush(timeout_s=ctl.timeout_s)
         finally:
             _leave(client)
-        applied_ms = S.mono_ms()
+        applied_ms = SN.mono_ms()
         shown = f"{_show_key(user_key)} in group {group!r}"
         if reader is None:
             click.echo(f"cancel of {shown} applied; the arena is not readable here, so whether a timer was "
@@ -561,10 +563,10 @@ def tail(ctl: Ctl, group: str, count: int | None, duration: float | None) -> Non
             while (count is None or seen < count) and (end is None or time.monotonic() < end):
                 wait = 0.5 if end is None else max(0.0, min(0.5, end - time.monotonic()))
                 batch = client.poll(wait)
-                received = S.mono_ms()
+                received = SN.mono_ms()
                 for expired in batch:
                     click.echo(json.dumps({
-                        "key": S.key_json(expired.key), "key_type": S.key_type_name(expired.key), "group": group,
+                        "key": R.key_json(expired.key), "key_type": R.key_type_name(expired.key), "group": group,
                         "deadline_ms": expired.deadline_ms, "fired_ms": expired.fired_ms,
                         "late_ms": expired.fired_ms - expired.deadline_ms, "late": expired.late,
                         "received_ms": received,
@@ -591,7 +593,7 @@ def dump(ctl: Ctl, limit: int, group: str | None, fired: bool, as_json: bool) ->
         if group is not None and reader.group_id(group) is None:
             raise CtlError(f"no group {group!r} in {reader.segment_name}", EXIT_FAILED)
         total, timers = reader.timers(limit, group, fired)
-        now = S.mono_ms()
+        now = SN.mono_ms()
     if as_json:
         click.echo(json.dumps({"now_ms": now, "total": total, "shown": len(timers),
                                "timers": [t.to_dict(now) for t in timers]}, indent=2))
@@ -657,11 +659,11 @@ def check(ctl: Ctl, as_json: bool, attempts: int, journal_dir: str | None) -> No
         _check_journal(journal_dir, as_json)
         return
     try:
-        report = S.check(ctl.name, attempts=attempts)
-    except S.NoArena as exc:
+        report = CK.check(ctl.name, attempts=attempts)
+    except R.NoArena as exc:
         raise CtlError(str(exc), EXIT_NO_DAEMON) from None
     except CorruptArena as exc:
-        report = S.CheckReport([str(exc)], 1, True, [], [])
+        report = CK.CheckReport([str(exc)], 1, True, [], [])
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -1315,7 +1315,7 @@ class Daemon:
     def arena_busy(self) -> None:
         """A callback that may write the arena outside the loop's iteration (a client's
         message, a closed session, maintenance) calls this first: the arena stops
-        counting as at rest for wheelctl's copies (:func:`wheeld.daemon.stats.check`) until
+        counting as at rest for wheelctl's copies (:func:`wheeld.shm.check.check`) until
         the loop parks again with its counters published."""
         self.wheel.header_words()[AL.H_PARKED // 8] = 0
 

@@ -111,75 +111,72 @@ HEADER_FIXED = struct.Struct("<QIIIIIIqqiIq")
 assert HEADER_FIXED.size == 64, HEADER_FIXED.size
 
 # ---- counters ---------------------------------------------------------------
-# Written by the owner of the wheel (the daemon); read by anyone (wheelctl).
-COUNTER_NAMES = (
-    "pending",  # scheduled timers now
-    "fired_unacked",  # fired, awaiting acknowledgement by a client
-    "adds_total",  # new timers scheduled
-    "rearms_total",  # schedules of a key already pending
-    "cancels_total",  # cancels that removed a pending timer
-    "cancel_misses_total",  # cancels of a key that was not pending
-    "expirations_total",  # timers that came due
-    "acks_total",  # fired timers acknowledged and freed
-    "cascades_total",  # entries moved down a level
-    "idle_rearms_total",  # idle timers found touched when due and re-armed
-    "delivered_total",  # expirations sent to clients
-    "redelivered_total",  # expirations sent again after a client died
-    "late_total",  # expirations delivered after a daemon restart (marked late)
-    "ring_full_total",  # times a client found its ring full (reported by clients)
-    "rejected_total",  # commands refused (bad input, arena full)
-    "arena_full_total",  # adds refused because the arena was full
-    "clients_connected",
-    "clients_total",  # sessions accepted since start
-    "clients_refused_total",
-    "clients_dropped_total",  # disconnected for a protocol violation
-    "groups_active",
-    "ring_depth",  # commands waiting in all rings at the last drain
-    "daemon_pid",
-    "daemon_started_ms",  # arena clock when the daemon started
-    "daemon_heartbeat_ms",  # arena clock of the daemon's last loop iteration
-    "daemon_restarts_total",
-    "undelivered",  # fired timers waiting for a live group member
-    "wakeups_total",  # times the daemon woke from park
-    "loop_iterations_total",
-    "commands_total",  # ring commands applied
-    "journal_lsn",
-    "journal_durable_lsn",
-    "pending_level_0",  # pending per level (index by level); the due list is level 15
-    "pending_level_1",
-    "pending_level_2",
-    "pending_level_3",
-    "pending_level_4",
-    "pending_level_5",
-    "pending_level_6",
-    "pending_level_7",
-    "pending_level_8",
-    "pending_level_9",
-    "pending_level_10",
-    "pending_level_11",
-    "pending_level_12",
-    "pending_level_13",
-    "pending_level_14",
-    "pending_due",
-    "ack_timeouts_total",  # expirations sent again because their client left them unacknowledged
-    "arenas_set_aside_total",  # unusable arenas renamed out of the way at start-up
-    "accept_pauses_total",  # times the daemon stopped accepting for lack of descriptors
-    "journal_damaged_ranges_total",  # damaged journal ranges recovery skipped (daemon/journal.py, "Damage")
-    "journal_damaged_lines_total",  # the lines in them
-    "groups_reclaimed_total",  # group ids freed (no member, nothing pending) for new names
-)
-COUNTERS = 64
-assert len(COUNTER_NAMES) <= COUNTERS
-#: the counters the wheel itself keeps and publishes (with pending_level_N and pending_due);
-#: every other name belongs to the daemon, which alone writes it
-WHEEL_COUNTER_NAMES = (
-    "pending", "fired_unacked", "adds_total", "rearms_total", "cancels_total", "cancel_misses_total",
-    "expirations_total", "acks_total", "cascades_total", "idle_rearms_total", "arena_full_total",
-)
-assert set(WHEEL_COUNTER_NAMES) <= set(COUNTER_NAMES)
-COUNTER = {name: index for index, name in enumerate(COUNTER_NAMES)}
+# One u64 word each, at H_COUNTERS + 8 * index; read by anyone (wheelctl). Each word has
+# one writer: the wheel (``TimerWheel.publish_stats``) or the daemon (``Daemon._publish``),
+# and neither ever writes the other's words. None marks a word no one writes (kept so
+# the words after it keep their places).
+WHEEL = "wheel"
+DAEMON = "daemon"
 MAX_LEVELS = 15  # levels 0..14; the state byte keeps the level in 4 bits
 DUE_LEVEL = 15
+_COUNTER_TABLE = (
+    ("pending", WHEEL),  # scheduled timers now
+    ("fired_unacked", WHEEL),  # fired, awaiting acknowledgement by a client
+    ("adds_total", WHEEL),  # new timers scheduled
+    ("rearms_total", WHEEL),  # schedules of a key already pending
+    ("cancels_total", WHEEL),  # cancels that removed a pending timer
+    ("cancel_misses_total", WHEEL),  # cancels of a key that was not pending
+    ("expirations_total", WHEEL),  # timers that came due
+    ("acks_total", WHEEL),  # fired timers acknowledged and freed
+    ("cascades_total", WHEEL),  # entries moved down a level
+    ("idle_rearms_total", WHEEL),  # idle timers found touched when due and re-armed
+    ("delivered_total", DAEMON),  # expirations sent to clients
+    ("redelivered_total", DAEMON),  # expirations sent again after a client died
+    ("late_total", DAEMON),  # expirations delivered late (see wheeld_expirations_late_total)
+    ("ring_full_total", DAEMON),  # times a client found its ring full (reported by clients)
+    ("rejected_total", DAEMON),  # commands refused (bad input, arena full)
+    ("arena_full_total", WHEEL),  # adds refused because the arena was full
+    ("clients_connected", DAEMON),
+    ("clients_total", DAEMON),  # sessions accepted since start
+    ("clients_refused_total", DAEMON),
+    ("clients_dropped_total", DAEMON),  # disconnected for a protocol violation
+    ("groups_active", DAEMON),
+    ("ring_depth", DAEMON),  # commands waiting in all rings at the last drain
+    ("daemon_pid", DAEMON),
+    ("daemon_started_ms", DAEMON),  # arena clock when the daemon started
+    ("daemon_heartbeat_ms", DAEMON),  # arena clock of the daemon's last loop iteration
+    ("daemon_restarts_total", DAEMON),
+    ("undelivered", DAEMON),  # fired timers waiting for a live group member
+    ("wakeups_total", DAEMON),  # times the daemon woke from park
+    ("loop_iterations_total", DAEMON),
+    ("commands_total", DAEMON),  # ring commands applied
+    (None, None),  # unused
+    (None, None),  # unused
+    *((f"pending_level_{level}", WHEEL) for level in range(MAX_LEVELS)),  # pending per level
+    ("pending_due", WHEEL),  # pending in the due list (DUE_LEVEL)
+    ("ack_timeouts_total", DAEMON),  # expirations sent again because their client left them unacknowledged
+    ("arenas_set_aside_total", DAEMON),  # unusable arenas renamed out of the way at start-up
+    ("accept_pauses_total", DAEMON),  # times the daemon stopped accepting for lack of descriptors
+    ("journal_damaged_ranges_total", DAEMON),  # damaged journal ranges recovery skipped (daemon/journal.py, "Damage")
+    ("journal_damaged_lines_total", DAEMON),  # the lines in them
+    ("groups_reclaimed_total", DAEMON),  # group ids freed (no member, nothing pending) for new names
+)
+COUNTERS = 64
+assert len(_COUNTER_TABLE) <= COUNTERS
+#: name of each counter word, by index (None: unused)
+COUNTER_NAMES = tuple(name for name, _writer in _COUNTER_TABLE)
+COUNTER = {name: index for index, name in enumerate(COUNTER_NAMES) if name is not None}
+#: the words the wheel writes (per-level ones included), and those the daemon writes
+WHEEL_COUNTER_NAMES = tuple(name for name, writer in _COUNTER_TABLE if writer == WHEEL)
+DAEMON_COUNTER_NAMES = tuple(name for name, writer in _COUNTER_TABLE if writer == DAEMON)
+_COUNTER_WORDS = struct.Struct(f"<{COUNTERS}q")
+
+
+def read_counters(buf) -> dict[str, int]:
+    """Every named counter of an arena header (a buffer that starts at the header)."""
+    words = _COUNTER_WORDS.unpack_from(buf, H_COUNTERS)
+    return {name: words[index] for name, index in COUNTER.items()}
+
 
 # Fire lateness histogram: bucket i counts lateness in [LATENESS_BOUNDS_US[i-1], LATENESS_BOUNDS_US[i]) us,
 # the last bucket everything above. Bounds in microseconds, roughly x2 apart.

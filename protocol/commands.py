@@ -67,7 +67,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .errors import InvalidKey, InvalidRequest, ProtocolError
-from .keys import KEY_BYTES, TYPE_STR, Key, decode_key, valid_key_meta
+from .keys import KEY_BYTES, TYPE_STR, VALID_KEY_METAS, Key, decode_key, key_length, key_type
 
 # --------------------------------------------------------------------------- layout
 
@@ -163,11 +163,6 @@ _pack_record_into = RECORD.pack_into
 _crc32 = zlib.crc32
 
 
-def check_word(op: int, key_bytes: bytes, key_meta: int, deadline_ms: int, seq: int, aux0: int, aux1: int) -> int:
-    """The check word a record with these fields must carry."""
-    return _crc32(_pack_checked(op, key_meta, seq, deadline_ms, aux0, aux1, key_bytes))
-
-
 def pack_command_into(
     buffer,
     offset: int,
@@ -233,10 +228,10 @@ def encode_flush(seq: int) -> bytes:
 
 # --------------------------------------------------------------------------- decoding
 
-#: key meta byte -> valid for a keyed op (built from keys.valid_key_meta, the one authority)
-_VALID_KEY_META = np.array([valid_key_meta(meta) for meta in range(256)], dtype=bool)
-_KEY_LENGTH = np.arange(256, dtype=np.uint8) & 0x3F
-_KEY_TYPE = np.arange(256, dtype=np.uint8) >> 6
+#: key meta byte -> valid for a keyed op, key length, key type (from wheeld.protocol.keys, the one authority)
+_VALID_KEY_META = np.array(VALID_KEY_METAS, dtype=bool)
+_KEY_LENGTH = key_length(np.arange(256, dtype=np.uint8))
+_KEY_TYPE = key_type(np.arange(256, dtype=np.uint8))
 _WORDS_PER_RECORD = RECORD_SIZE // 8
 _KEY_FIRST_WORD = KEY_OFFSET // 8
 assert KEY_OFFSET % 8 == 0 and KEY_FIELD_SIZE == 4 * 8  # _any_word ORs the key's four words
@@ -310,7 +305,8 @@ def records_from_buffer(data) -> np.ndarray:
 
 _unpack_head = struct.Struct("<BBHIqiiII").unpack_from
 assert struct.calcsize("<BBHIqiiII") == KEY_OFFSET
-_VALID_KEY_META_TUPLE = tuple(valid_key_meta(meta) for meta in range(256))
+_KEY_LENGTH_TUPLE = tuple(_KEY_LENGTH.tolist())
+_KEY_TYPE_TUPLE = tuple(_KEY_TYPE.tolist())
 _ZERO_TAILS = tuple(bytes(KEY_FIELD_SIZE - length) for length in range(KEY_FIELD_SIZE + 1))
 #: below this many records the per-record loop beats ~30 vectorised numpy passes
 _VECTOR_VALIDATE_MIN_RECORDS = 64
@@ -326,9 +322,9 @@ def _validate_each(records: np.ndarray, touch_capacity: int | None) -> np.ndarra
         if reserved or pad:
             continue
         if op == ADD or op == ADD_IDLE or op == CANCEL:
-            if not _VALID_KEY_META_TUPLE[key_meta]:
+            if not VALID_KEY_METAS[key_meta]:
                 continue
-            length = key_meta & 0x3F
+            length = _KEY_LENGTH_TUPLE[key_meta]
         elif op == ACK or op == FLUSH:
             if key_meta:
                 continue
@@ -348,7 +344,7 @@ def _validate_each(records: np.ndarray, touch_capacity: int | None) -> np.ndarra
             continue
         if _crc32(key, _crc32(raw[start : start + CHECKED_HEAD_SIZE])) != check:
             continue
-        if length and key_meta >> 6 == TYPE_STR:
+        if length and _KEY_TYPE_TUPLE[key_meta] == TYPE_STR:
             try:
                 key[:length].decode("utf-8")
             except UnicodeDecodeError:

@@ -316,12 +316,6 @@ class ClientSegment:
             os.close(self._fd)
             self._fd = None
 
-    def forget_descriptor(self) -> None:
-        """Unmap without closing the descriptor's number: in a forked child, whose fd
-        table is a copy, the number may be reused by the time it closes."""
-        self._fd = None
-        self.close()
-
     def __enter__(self) -> ClientSegment:
         return self
 

@@ -4,8 +4,11 @@ This is Kafka's purgatory timer (``TimingWheel``/``SystemTimer`` in
 apache/kafka, ``server-common/src/main/java/org/apache/kafka/server/util/timer/``;
 the design is described in Confluent's "Apache Kafka, Purgatory, and
 Hierarchical Timing Wheels", 2015) laid out in fixed-size records so that it
-outlives the process that owns it. No I/O, no clock: every call takes
-``now_ms`` or a deadline.
+outlives the process that owns it. The operations do no I/O and read no clock:
+each takes ``now_ms`` or a deadline. Only setting up touches the outside:
+``create`` makes the arena (shared memory, or private memory with ``name=None``)
+and stamps it with the wall-clock time it was made (``created_wall_ms``);
+``attach`` maps an existing one.
 
 Levels and buckets
 ------------------
@@ -19,7 +22,8 @@ With the defaults (``tick_ms=1``, ``wheel_size=256``) the levels span 256 ms,
 list of records headed by a sentinel record; links are record indices, so an
 entry is unlinked in O(1) without knowing its bucket.
 
-Placing a timer (``cur`` is the wheel's clock, ``d`` the deadline)::
+Placing a timer (``cur`` is the wheel's clock, ``d`` the deadline; the rule is
+written once, ``Placement.bucket_for`` in :mod:`wheeld.shm.placement`)::
 
     d <= cur                       -> the due list (comes out at the next advance)
     level 0: v = ceil(d / tick0)   -> if v - cur//tick0 <= wheel_size: bucket v % wheel_size
@@ -84,12 +88,12 @@ Records, keys and handles
 -------------------------
 A timer is one 64-byte record (layout in ``wheeld.protocol.arena_layout``).
 Keys (str/bytes/int, at most 32 bytes encoded) are unique per group. The key
-index is an open-addressing hash table (linear probing; a deletion moves the
-rest of its cluster back, so there are no tombstones to pile up and no
-rebuilds while running) that lives in the owning process, holding record
-indices only: 8-16 bytes of table (at least two cells per record, a power of
-two) and 12 bytes of per-slot hash/position per timer, instead of a Python
-dict's ~100 bytes. Free records are a stack of slot numbers in the owning
+index (:mod:`wheeld.shm.keyindex`) is an open-addressing hash table (linear
+probing; a deletion moves the rest of its cluster back, so there are no
+tombstones to pile up and no rebuilds while running) that lives in the owning
+process, holding record indices only: 8-16 bytes of table (at least two cells
+per record, a power of two) and 12 bytes of per-slot hash/position per timer,
+instead of a Python dict's ~100 bytes. Free records are a stack of slot numbers in the owning
 process too (4 bytes per record). With the 64-byte record that is about 90-100
 bytes per timer in all (``python -m bench.wheel_core``). A handle is
 ``(slot, generation)``; the generation is bumped whenever a record is
@@ -142,7 +146,7 @@ fields, the placement level by level, key-index probing (an 8-cell probe window
 gathered per key), splicing whole chains into buckets, unlinking runs of
 neighbours (pointer jumping), and deleting a batch of keys from the index (each
 cluster that loses keys has its tail re-placed at once, see
-``_index_remove_many``). ``expire_many`` moves a due level-0 bucket (and the due
+``KeyIndex.remove_many``). ``expire_many`` moves a due level-0 bucket (and the due
 list) to the fired list whole: every timer in it is due, because level 0 rounds
 up (checked anyway), so the bucket's chain is spliced onto the fired list with
 four link stores and its records change state with one numpy store; only
@@ -154,13 +158,18 @@ batch of 1000 costs about 0.5-0.8 us per insert, cancel or expiration, against
 2-4 us for the scalar methods (``python -m bench.wheel_core``; measured figures
 in docs/wheel.md).
 
-Record life (the only legal steps; anything else raises and changes nothing)::
+Record life (the only legal steps)::
 
     FREE --schedule--> SCHEDULED --cancel--> FREE
                        SCHEDULED --schedule (re-arm)--> SCHEDULED
                        SCHEDULED --advance--> FREE            (caller takes the result)
                        SCHEDULED --expire--> FIRED --release--> FREE
                                              FIRED --rearm_fired--> SCHEDULED
+
+Any other step changes nothing, and says so: a step named by handle (``cancel_handle``,
+``release``, ``rearm_fired``) returns False when the handle is stale or the record is
+not in the state the step starts from (so does ``cancel`` of a key that is not
+pending); bad input (a key, deadline, group, tag or slot out of range) raises.
 
 Crash consistency
 -----------------
@@ -198,8 +207,9 @@ batch (or an ``advance`` firing many timers) commits record by record: each of
 its items happened or did not, not necessarily a prefix; none is torn. The
 daemon re-applies unacknowledged ring commands after a restart, and every
 command is idempotent, so this is enough. ``tests/test_wheel_crash.py`` kills a
-writer hundreds of times, also between any two lines of this module, and checks
-exactly this.
+writer hundreds of times, also between any two lines of this module (the only one
+that writes the arena), and checks exactly this. ``check()`` verifies every invariant
+(:mod:`wheeld.shm.fsck`, plus the derived state of the owning process).
 
 Threading: one writer process at a time (the daemon); readers (``wheelctl``)
 may map the arena read-only and read counters and records.
@@ -216,9 +226,14 @@ import numpy as np
 
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol.errors import ArenaFull, CorruptArena, GroupLimit, InvalidDelay, InvalidKey, InvalidRequest
-from wheeld.protocol.keys import decode_key, encode_key, valid_key_meta
+from wheeld.protocol.keys import VALID_KEY_METAS, decode_key, encode_key, key_length
 
+from . import fsck
 from .arena import Segment
+from .arrays import first_of_each, has_duplicates, run_starts
+from .header import parse_header
+from .keyindex import KeyIndex
+from .placement import Placement
 
 __all__ = ["DEFAULT_WHEEL_SIZE", "MAX_DELAY_MS", "TimerWheel", "encode_ident"]
 
@@ -234,11 +249,11 @@ _FREE = L.FREE
 _SCHEDULED = L.SCHEDULED
 _FIRED = L.FIRED
 _STATE_MASK = L.STATE_MASK
-_DUE_STATE = (L.DUE_LEVEL << L.LEVEL_SHIFT) | _SCHEDULED
+_LEVEL_SHIFT = L.LEVEL_SHIFT
 _META = [bytes((m,)) for m in range(256)]
 _PAD = [b"\0" * (L.KEY_BYTES - n) for n in range(L.KEY_BYTES + 1)]
-_GROUP_MIX = 0x9E3779B97F4A7C15
-_EMPTY = -1  # key index: never used
+_VALID_META = np.array(VALID_KEY_METAS, dtype=bool)
+_KEY_END = [L.R_KEY + key_length(meta) for meta in range(256)]  # where a record's key ends, by meta byte
 # word indices into the arena views (see wheeld.protocol.arena_layout)
 _CUR = L.H_CURRENT_MS // 8
 _FREE_HEAD = L.H_FREE_HEAD // 4
@@ -247,9 +262,11 @@ _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP = L.I_PREV, L.I_NEXT, L.I_GEN, L.I_TAG, L
 _GNB = L.GROUP_NAME_BYTES
 _ST, _KM, _KEY = L.R_STATE, L.R_KEY_META, L.R_KEY
 _LEVEL_SLOTS = L.DUE_LEVEL + 1  # per-level counters: levels 0..14 and the due list
-_WINDOW = 8  # vectorized key-index probing gathers this many cells per key at once
-_WINDOW_STEPS = np.arange(_WINDOW, dtype=np.int64)
-_TAIL_CELLS = 16  # cluster-end search: cells looked at per freed cell before walking
+#: the wheel's own counter words (the daemon writes the rest): the per-level ones are
+#: computed from _pending_by_level, the others kept in TimerWheel._counters
+_LEVEL_COUNTERS = tuple(f"pending_level_{level}" for level in range(L.MAX_LEVELS)) + ("pending_due",)
+_OWN_COUNTERS = tuple(name for name in L.WHEEL_COUNTER_NAMES if name not in _LEVEL_COUNTERS)
+_TOTALS = tuple(name for name in _OWN_COUNTERS if name.endswith("_total"))  # survive restarts
 
 
 def _default_levels(tick_ms: int, wheel_size: int) -> int:
@@ -258,11 +275,6 @@ def _default_levels(tick_ms: int, wheel_size: int) -> int:
         levels += 1
         span *= wheel_size
     return levels
-
-
-def _signed64(value: int) -> int:
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _ident(key) -> tuple[bytes, int]:
@@ -332,7 +344,13 @@ class TimerWheel:
     @classmethod
     def attach(cls, name: str) -> TimerWheel:
         """Map an existing arena, repair what an interrupted writer left, rebuild the rest."""
-        seg = Segment.attach(name)
+        return cls.recover(Segment.attach(name))
+
+    @classmethod
+    def recover(cls, seg: Segment) -> TimerWheel:
+        """The wheel over the arena in ``seg`` after the recovery a restart makes: an open
+        intent replayed, every list, the key index and the counts rebuilt from the records
+        (``repairs`` lists the records freed as corrupt). The wheel owns ``seg`` from here."""
         try:
             wheel = cls(seg)
             wheel._replay_intent()
@@ -344,37 +362,48 @@ class TimerWheel:
 
     def __init__(self, seg: Segment) -> None:
         self._seg = seg
-        buf = seg.buf
-        if seg.size < L.GROUPS_OFFSET:
-            raise CorruptArena("segment too small for a wheeld arena header")
-        (magic, version, record_bytes, capacity, tick_ms, wheel_size, levels, start_ms, _cur,
-         _free, max_groups, created_wall_ms) = L.HEADER_FIXED.unpack_from(buf, 0)
-        if magic != L.MAGIC:
-            raise CorruptArena("not a wheeld arena (bad magic)")
-        if version != L.LAYOUT_VERSION:
-            raise CorruptArena(f"arena layout version {version}, this wheeld reads {L.LAYOUT_VERSION}")
-        if record_bytes != L.RECORD_BYTES or not (1 <= levels <= L.MAX_LEVELS) or wheel_size < 2 or tick_ms < 1:
-            raise CorruptArena("arena header parameters are inconsistent")
-        expected = L.segment_bytes(capacity, levels, wheel_size, max_groups)
-        if seg.size < expected:
-            raise CorruptArena(f"segment is {seg.size} bytes, header describes {expected}")
-        self.capacity = capacity
-        self.tick_ms = tick_ms
-        self.wheel_size = wheel_size
-        self.levels = levels
-        self.start_ms = start_ms
-        self.max_groups = max_groups
-        self.created_wall_ms = created_wall_ms
+        info = parse_header(seg.buf, seg.size, seg.name or "arena")
+        self.capacity = info["capacity"]
+        self.tick_ms = info["tick_ms"]
+        self.wheel_size = info["wheel_size"]
+        self.levels = info["levels"]
+        self.start_ms = info["start_ms"]
+        self.max_groups = info["max_groups"]
+        self.created_wall_ms = info["created_wall_ms"]
         self.name = seg.name
-        self._header_bytes = L.header_bytes(max_groups)
-        self.due_list = levels * wheel_size
+        self._header_bytes = info["header_bytes"]
+        self.due_list = self.levels * self.wheel_size
         self.fired_list = self.due_list + 1
         self.first_entry = self.due_list + 2
-        self.n_records = self.first_entry + capacity
-        self._ticks = [tick_ms * wheel_size**lvl for lvl in range(levels)]
-        self._ticks_np = np.array(self._ticks, dtype=np.int64)
-        self._top_base = (levels - 1) * wheel_size
+        self.n_records = self.first_entry + self.capacity
+        self._placement = Placement(self.tick_ms, self.wheel_size, self.levels)
+        self._bucket_for = self._placement.bucket_for
+        self._buckets_for = self._placement.buckets_for
+        self._ticks = self._placement.ticks
+        self._map_views(seg.buf)
+        self._index = KeyIndex(self.records, self.capacity, self.max_groups)
+        self._key_hash = self._index.key_hash
+        self._find, self._index_add, self._index_remove = self._index.find, self._index.add, self._index.remove
+        # Free entry records: a stack of slot numbers in this process (derived state,
+        # like the key index; rebuilt from the records' states on attach).
+        self._free_np = np.zeros(self.capacity, dtype=np.int32)
+        self._free_stack = memoryview(self._free_np)
+        self._free_top = 0
+        # Live records (SCHEDULED or FIRED) per group id: derived state of this process,
+        # like the key index, recounted from the records on attach. A list: the scalar
+        # paths add to one item (cheaper than through a memoryview of an array).
+        self._group_live = [0] * self.max_groups
+        self._heap: list[tuple[int, int]] = []
+        self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
+        self._pending_by_level = [0] * _LEVEL_SLOTS
+        self._counters = dict.fromkeys(_OWN_COUNTERS, 0)
+        self._closed = False
+        # cascade_ahead's place in the next level-1 bucket: (its expiration, the next
+        # record to look at or the sentinel when a pass ended, the clock the pass began at)
+        self._ahead: tuple[int, int, int] | None = None
 
+    def _map_views(self, buf) -> None:
+        """The views of the arena every path reads and writes through."""
         mv = memoryview(buf)
         self._hq = mv[: L.GROUPS_OFFSET].cast("q")
         self._hi = mv[: L.GROUPS_OFFSET].cast("i")
@@ -388,47 +417,15 @@ class TimerWheel:
         self._raw = np.ndarray(shape=(self.n_records,), dtype=f"V{L.RECORD_BYTES}", buffer=buf, offset=self._header_bytes)
         self._next = memoryview(self.records["next"])  # strided: record s's next link is _next[s]
         self._intent_batch = np.ndarray(
-            shape=(L.INTENT_BATCH_MAX,), dtype=L.INTENT_DTYPE, buffer=buf, offset=L.intent_batch_offset(max_groups)
+            shape=(L.INTENT_BATCH_MAX,), dtype=L.INTENT_DTYPE, buffer=buf, offset=L.intent_batch_offset(self.max_groups)
         )
-
-        table_size = 16
-        while table_size < 2 * capacity:
-            table_size *= 2
-        self._gmix = [_signed64(g * _GROUP_MIX) for g in range(max_groups)]
-        self._table_np = np.full(table_size, _EMPTY, dtype=np.int32)
-        self._table = memoryview(self._table_np)
-        self._table_rows = np.lib.stride_tricks.sliding_window_view(self._table_np, _TAIL_CELLS)  # a view
-        self._mask = table_size - 1
-        self._hash_np = np.zeros(self.n_records, dtype=np.int64)
-        self._hash = memoryview(self._hash_np)
-        self._pos_np = np.full(self.n_records, -1, dtype=np.int32)
-        self._pos = memoryview(self._pos_np)
-        self._used = 0  # occupied table cells (= scheduled timers)
-        # Free entry records: a stack of slot numbers in this process (derived state,
-        # like the key index; rebuilt from the records' states on attach).
-        self._free_np = np.zeros(capacity, dtype=np.int32)
-        self._free_stack = memoryview(self._free_np)
-        self._free_top = 0
         # The 33 bytes (key meta + key) of every record, for vectorized key compares.
         self._idents = np.ndarray(
             shape=(self.n_records,), dtype="V33", buffer=buf, offset=self._header_bytes + _KM, strides=(L.RECORD_BYTES,)
         )
-        self._gmix_np = np.array(self._gmix, dtype=np.int64) if max_groups else np.zeros(1, np.int64)
-        # Live records (SCHEDULED or FIRED) per group id: derived state of this process,
-        # like the key index, recounted from the records on attach. A list: the scalar
-        # paths add to one item (cheaper than through a memoryview of an array).
-        self._group_live = [0] * max_groups
         # The group table in the arena: whole names (for compares) and their bytes.
-        self._group_names = np.ndarray(shape=(max_groups,), dtype=f"V{_GNB}", buffer=buf, offset=L.GROUPS_OFFSET)
-        self._group_bytes = np.ndarray(shape=(max_groups, _GNB), dtype=np.uint8, buffer=buf, offset=L.GROUPS_OFFSET)
-        self._heap: list[tuple[int, int]] = []
-        self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
-        self._pending_by_level = [0] * _LEVEL_SLOTS
-        self._counters = dict.fromkeys(L.WHEEL_COUNTER_NAMES, 0)  # only its own: the daemon writes the others
-        self._closed = False
-        # cascade_ahead's place in the next level-1 bucket: (its expiration, the next
-        # record to look at or the sentinel when a pass ended, the clock the pass began at)
-        self._ahead: tuple[int, int, int] | None = None
+        self._group_names = np.ndarray(shape=(self.max_groups,), dtype=f"V{_GNB}", buffer=buf, offset=L.GROUPS_OFFSET)
+        self._group_bytes = np.ndarray(shape=(self.max_groups, _GNB), dtype=np.uint8, buffer=buf, offset=L.GROUPS_OFFSET)
 
     def close(self) -> None:
         """Unmap (the arena stays in shared memory)."""
@@ -446,6 +443,7 @@ class TimerWheel:
         self._group_bytes = None
         self._next.release()
         self._free_stack.release()
+        self._index.close()
         self._seg.close()
 
     def unlink(self) -> None:
@@ -587,109 +585,11 @@ class TimerWheel:
         for gid, count in zip(present.tolist(), counts[present].tolist()):
             live[gid] += sign * count
 
-    # ------------------------------------------------------------------ key index
-    def _find(self, ident: bytes, h: int, group: int) -> int:
-        """Slot of the scheduled timer (group, ident), or -1."""
-        table, hashes, rb, mask = self._table, self._hash, self._rb, self._mask
-        p = h & mask
-        while True:
-            s = table[p]
-            if s == _EMPTY:
-                return -1
-            if s >= 0 and hashes[s] == h:
-                base = s * _RB
-                if rb[base + _KM : base + _RB] == ident and self._h[s * _HW + _GROUP] == group:
-                    return s
-            p = (p + 1) & mask
-
-    def _index_add(self, slot: int, h: int) -> None:
-        table, mask = self._table, self._mask
-        p = h & mask
-        while table[p] >= 0:
-            p = (p + 1) & mask
-        self._used += 1
-        table[p] = slot
-        self._hash[slot] = h
-        self._pos[slot] = p
-
-    def _index_remove(self, slot: int) -> None:
-        """Delete without a tombstone: move later keys of the cluster back into the hole.
-
-        A key at cell q (home cell h) may fill the hole p if p lies on its probe
-        path h..q; then the hole moves to q. Ends at an empty cell.
-        """
-        table, hashes, pos, mask = self._table, self._hash, self._pos, self._mask
-        p = pos[slot]
-        pos[slot] = -1
-        q = p
-        while True:
-            q = (q + 1) & mask
-            s = table[q]
-            if s == _EMPTY:
-                break
-            if (q - hashes[s]) & mask >= (q - p) & mask:
-                table[p] = s
-                pos[s] = p
-                p = q
-        table[p] = _EMPTY
-        self._used -= 1
-
-    def _rebuild_index(self) -> None:
-        """Build the table from the per-slot hashes of the scheduled records (on attach)."""
-        table = self._table_np
-        table.fill(_EMPTY)
-        self._pos_np.fill(-1)
-        rec = self.records
-        slots = np.flatnonzero((rec["state"] & _STATE_MASK) == _SCHEDULED).astype(np.int32)
-        slots = slots[slots >= self.first_entry]
-        self._used = int(slots.size)
-        if not slots.size:
-            return
-        pos = (self._hash_np[slots] & self._mask).astype(np.int64)
-        pending = np.arange(slots.size)
-        while pending.size:
-            p = pos[pending]
-            open_cells = table[p] == _EMPTY
-            candidates = pending[open_cells]
-            cells, first = np.unique(p[open_cells], return_index=True)
-            winners = candidates[first]
-            table[cells] = slots[winners]
-            self._pos_np[slots[winners]] = cells
-            placed = np.zeros(slots.size, dtype=bool)
-            placed[winners] = True
-            pending = pending[~placed[pending]]
-            pos[pending] = (pos[pending] + 1) & self._mask
-
-    # ------------------------------------------------------------------ placement
-    def _place(self, deadline: int, cur: int) -> tuple[int, int, int]:
-        """(sentinel, bucket expiration, level) for a deadline > cur."""
-        ws = self.wheel_size
-        t = self.tick_ms
-        v = -(-deadline // t)
-        if v - cur // t <= ws:  # <=: level 0 rounds up, see "Placing a timer"
-            return v % ws, v * t, 0
-        ticks = self._ticks
-        c = cur // t
-        for level in range(1, self.levels):
-            t = ticks[level]
-            v = deadline // t
-            c = cur // t
-            if v - c < ws:
-                return level * ws + v % ws, v * t, level
-        v = c + ws - 1  # clamp into the farthest bucket of the top level
-        return self._top_base + v % ws, v * t, self.levels - 1
-
+    # ------------------------------------------------------------------ links
     def _link(self, slot: int, deadline: int, cur: int) -> int:
         """Link a record into the bucket for its deadline; return the state byte to store."""
         i = self._i
-        if deadline <= cur:
-            b = self.due_list
-            state = _DUE_STATE
-            level = L.DUE_LEVEL
-            expiration = cur
-        else:
-            b, expiration, level = self._place(deadline, cur)
-            state = (level << 4) | _SCHEDULED
+        b, expiration, level = self._bucket_for(deadline, cur)
         bp = b * _IW
         tail = i[bp + _PREV]
         if tail == b:  # bucket was empty: (re)set its expiration and queue it
@@ -703,7 +603,7 @@ class TimerWheel:
         i[tail * _IW + _NEXT] = slot
         i[bp + _PREV] = slot
         self._pending_by_level[level] += 1
-        return state
+        return (level << _LEVEL_SHIFT) | _SCHEDULED
 
     def _unlink(self, slot: int) -> None:
         i = self._i
@@ -734,7 +634,7 @@ class TimerWheel:
             raise InvalidRequest(f"group id {group} out of range")
         if not 0 <= tag <= 0xFFFFFFFF or not -(1 << 31) <= aux < (1 << 31):
             raise InvalidRequest("tag is u32, aux is i32")
-        h = hash(ident) ^ self._gmix[group]
+        h = self._key_hash(ident, group)
         slot = self._find(ident, h, group)
         rb = self._rb
         if slot >= 0:
@@ -744,7 +644,7 @@ class TimerWheel:
         if not top:
             self._counters["arena_full_total"] += 1
             raise ArenaFull(f"all {self.capacity} entry records are in use")
-        if len(ident) != 33 or not valid_key_meta(ident[0]):
+        if len(ident) != 33 or not VALID_KEY_METAS[ident[0]]:
             raise InvalidKey("malformed encoded key")
         slot = self._free_stack[top - 1]
         self._free_top = top - 1
@@ -771,7 +671,7 @@ class TimerWheel:
         """Move a scheduled record: a multi-field update of a live record, so through the intent."""
         old_state = self._rb[slot * _RB + _ST]
         self._unlink(slot)
-        self._pending_by_level[old_state >> 4] -= 1
+        self._pending_by_level[old_state >> _LEVEL_SHIFT] -= 1
         new_state = self._link(slot, deadline_ms, cur)
         self._apply_with_intent(slot, new_state, deadline_ms, tag)
         self._counters["rearms_total"] += 1
@@ -818,7 +718,7 @@ class TimerWheel:
         return self.cancel_ident(ident, group)
 
     def cancel_ident(self, ident: bytes, group: int = 0) -> bool:
-        slot = self._find(ident, hash(ident) ^ self._gmix[group], group)
+        slot = self._find(ident, self._key_hash(ident, group), group)
         if slot < 0:
             self._counters["cancel_misses_total"] += 1
             return False
@@ -842,7 +742,7 @@ class TimerWheel:
         state = rb[slot * _RB + _ST]
         self._unlink(slot)
         rb[slot * _RB + _ST] = _FREE  # commit point
-        self._pending_by_level[state >> 4] -= 1
+        self._pending_by_level[state >> _LEVEL_SHIFT] -= 1
         self._index_remove(slot)
         self._free(slot)
         self._group_live[group] -= 1
@@ -859,8 +759,18 @@ class TimerWheel:
 
     def lookup_ident(self, ident: bytes, group: int = 0) -> int | None:
         """:meth:`lookup` for an encoded key (meta byte + key bytes)."""
-        slot = self._find(ident, hash(ident) ^ self._gmix[group], group)
+        slot = self._find(ident, self._key_hash(ident, group), group)
         return None if slot < 0 else self._q[slot * _QW]
+
+    def lookup_many(self, idents, group: int = 0) -> list[int | None]:
+        """:meth:`lookup_ident` of distinct encoded keys of one group, found in one pass."""
+        ident_list, ident_arr = self._batch_idents(idents)
+        if not ident_list:
+            return []
+        groups = np.full(len(ident_list), self._check_gid(group), dtype=np.int64)
+        found = self._index.find_many(ident_arr, self._index.key_hashes(ident_list, groups), groups)
+        deadlines = self.records["deadline"][np.where(found >= 0, found, 0)].tolist()
+        return [None if slot < 0 else d for slot, d in zip(found.tolist(), deadlines)]
 
     def next_deadline(self) -> int | None:
         """Expiration of the earliest non-empty bucket: when ``advance`` next has work.
@@ -911,7 +821,7 @@ class TimerWheel:
         for s in slots:
             deadline = q[s * _QW]
             state = rb[s * _RB + _ST]
-            by_level[state >> 4] -= 1
+            by_level[state >> _LEVEL_SHIFT] -= 1
             if deadline <= now_ms:
                 fire(s)
                 fired += 1
@@ -932,13 +842,13 @@ class TimerWheel:
         """
         out: list[tuple[object, int]] = []
         append = out.append
-        rb, q, free, index_remove = self._rb, self._q, self._free, self._index_remove
+        rb, q, free, index_remove = self._rb, self._q, self._free, self._index.remove
         hw, live = self._h, self._group_live
 
         def fire(s: int) -> None:
             base = s * _RB
             meta = rb[base + _KM]
-            append((decode_key(bytes(rb[base + _KEY : base + _KEY + (meta & 0x3F)]), meta), q[s * _QW]))
+            append((decode_key(bytes(rb[base + _KEY : base + _KEY_END[meta]]), meta), q[s * _QW]))
             rb[base + _ST] = _FREE
             index_remove(s)
             free(s)
@@ -955,7 +865,7 @@ class TimerWheel:
         """
         out: list[int] = []
         append = out.append
-        rb, i, index_remove = self._rb, self._i, self._index_remove
+        rb, i, index_remove = self._rb, self._i, self._index.remove
         fl = self.fired_list
         flp = fl * _IW
 
@@ -983,7 +893,7 @@ class TimerWheel:
         rb = self._rb
         base = slot * _RB
         meta = rb[base + _KM]
-        key = decode_key(bytes(rb[base + _KEY : base + _KEY + (meta & 0x3F)]), meta)
+        key = decode_key(bytes(rb[base + _KEY : base + _KEY_END[meta]]), meta)
         sp = slot * _IW
         return key, self._q[slot * _QW], self._h[slot * _HW + _GROUP], self._u[sp + _TAG], self._i[sp + _AUX], self._u[sp + _GEN]
 
@@ -1028,7 +938,7 @@ class TimerWheel:
         base = slot * _RB
         ident = bytes(rb[base + _KM : base + _RB])
         group = self._h[slot * _HW + _GROUP]
-        h = hash(ident) ^ self._gmix[group]
+        h = self._key_hash(ident, group)
         if self._find(ident, h, group) >= 0:
             return False
         self._unlink(slot)
@@ -1076,11 +986,6 @@ class TimerWheel:
             raise exc(f"{what} out of range [{low}, {high}]")
         return array
 
-    def _batch_hashes(self, idents: list[bytes], groups: np.ndarray) -> np.ndarray:
-        """The key-index hash of every item: the scalar path's ``hash(ident) ^ mix(group)``."""
-        hashes = np.fromiter(map(hash, idents), dtype=np.int64, count=len(idents))
-        return hashes ^ self._gmix_np[groups]
-
     def schedule_many(self, idents, deadlines_ms, groups=0, tags=0, auxs=-1) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`schedule_ident` for a batch: arrays (or scalars) of equal length.
 
@@ -1100,10 +1005,10 @@ class TimerWheel:
         gens_out = np.zeros(n, dtype=np.uint32)
         if not n:
             return slots_out, gens_out
-        if not self._valid_meta(ident_arr.view(np.uint8)[::33]).all():
+        if not _VALID_META[ident_arr.view(np.uint8)[::33]].all():
             raise InvalidKey("malformed encoded key")
-        hashes = self._batch_hashes(ident_list, groups)
-        if self._has_duplicates(hashes):  # a key twice: keep the order of the scalar path
+        hashes = self._index.key_hashes(ident_list, groups)
+        if has_duplicates(hashes):  # a key twice: keep the order of the scalar path
             for j in range(n):
                 try:
                     slots_out[j], gens_out[j] = self.schedule_ident(
@@ -1111,41 +1016,45 @@ class TimerWheel:
                 except ArenaFull:
                     pass
             return slots_out, gens_out
-        found = self._find_many(ident_arr, hashes, groups)
+        found = self._index.find_many(ident_arr, hashes, groups)
         rearm = np.flatnonzero(found >= 0)
         if rearm.size:
             self._rearm_many(found[rearm], deadlines[rearm], tags[rearm], cur)
             slots_out[rearm] = found[rearm]
         new = np.flatnonzero(found < 0)
-        top = self._free_top
-        if new.size > top:
-            self._counters["arena_full_total"] += int(new.size - top)
-            new = new[:top]
-        k = new.size
-        if k:
-            rec = self.records
-            slots = self._free_np[top - k : top][::-1].astype(np.int64)
-            d = deadlines[new]
-            gens = (rec["gen"][slots] + np.uint32(1)) & np.uint32(GENERATION_MASK)  # wraps like the scalar path
-            rec["gen"][slots] = gens
-            rec["tag"][slots] = tags[new]
-            rec["aux"][slots] = auxs[new]
-            rec["group"][slots] = groups[new]
-            rec["deadline"][slots] = d
-            self._idents[slots] = ident_arr[new]
-            buckets, expirations, levels = self._place_many(d, cur)
-            self._splice_many(slots, buckets, expirations)
-            rec["state"][slots] = (levels << L.LEVEL_SHIFT) | _SCHEDULED  # commit points
-            self._free_top = top - k
-            self._count_levels(levels, +1)
-            self._index_add_many(slots, hashes[new])
-            self._count_groups(groups[new], +1)
-            slots_out[new] = slots
-            c = self._counters
-            c["pending"] += k
-            c["adds_total"] += k
+        if new.size > self._free_top:
+            self._counters["arena_full_total"] += int(new.size - self._free_top)
+            new = new[: self._free_top]
+        if new.size:
+            slots_out[new] = self._add_many(ident_arr[new], hashes[new], deadlines[new], groups[new], tags[new],
+                                            auxs[new], cur)
         gens_out[slots_out >= 0] = self.records["gen"][slots_out[slots_out >= 0]]
         return slots_out, gens_out
+
+    def _add_many(self, idents: np.ndarray, hashes: np.ndarray, deadlines: np.ndarray, groups: np.ndarray,
+                  tags: np.ndarray, auxs: np.ndarray, cur: int) -> np.ndarray:
+        """New timers for absent keys, as many as there are free records: fields, links, then
+        each state byte (its commit point); returns their slots."""
+        rec = self.records
+        top, k = self._free_top, idents.size
+        slots = self._free_np[top - k : top][::-1].astype(np.int64)
+        rec["gen"][slots] = (rec["gen"][slots] + np.uint32(1)) & np.uint32(GENERATION_MASK)  # wraps like the scalar path
+        rec["tag"][slots] = tags
+        rec["aux"][slots] = auxs
+        rec["group"][slots] = groups
+        rec["deadline"][slots] = deadlines
+        self._idents[slots] = idents
+        buckets, expirations, levels = self._buckets_for(deadlines, cur)
+        self._splice_many(slots, buckets, expirations)
+        rec["state"][slots] = (levels << _LEVEL_SHIFT) | _SCHEDULED  # commit points
+        self._free_top = top - k
+        self._count_levels(levels, +1)
+        self._index.add_many(slots, hashes)
+        self._count_groups(groups, +1)
+        c = self._counters
+        c["pending"] += k
+        c["adds_total"] += k
+        return slots
 
     def cancel_many(self, idents, groups=0) -> np.ndarray:
         """:meth:`cancel_ident` for a batch; returns a bool array (True: a timer was removed)."""
@@ -1154,10 +1063,10 @@ class TimerWheel:
         groups = self._batch_column(groups, n, 0, self.max_groups - 1, "group id")
         if not n:
             return np.zeros(0, dtype=bool)
-        hashes = self._batch_hashes(ident_list, groups)
-        if self._has_duplicates(hashes):
+        hashes = self._index.key_hashes(ident_list, groups)
+        if has_duplicates(hashes):
             return np.array([self.cancel_ident(ident_list[j], int(groups[j])) for j in range(n)], dtype=bool)
-        found = self._find_many(ident_arr, hashes, groups)
+        found = self._index.find_many(ident_arr, hashes, groups)
         hit = found >= 0
         slots = found[hit]
         self._remove_scheduled_many(slots)
@@ -1200,7 +1109,7 @@ class TimerWheel:
             again = slots[~due]
             fired = np.concatenate((fired, fired_one_by_one))
         if fired.size:
-            self._index_remove_many(fired)
+            self._index.remove_many(fired)
             i, fl = self._i, self.fired_list
             flp = fl * _IW
             for head, tail in chains:  # a whole bucket joins the fired list as one chain
@@ -1213,9 +1122,9 @@ class TimerWheel:
                 self._append_run(fl, fired_one_by_one)
             rec["state"][fired] = _FIRED  # commit points
         if again.size:
-            buckets, expirations, levels = self._place_many(deadlines[~due], int(self._hq[_CUR]))
+            buckets, expirations, levels = self._buckets_for(deadlines[~due], int(self._hq[_CUR]))
             self._splice_many(again, buckets, expirations)
-            rec["state"][again] = (levels << L.LEVEL_SHIFT) | _SCHEDULED
+            rec["state"][again] = (levels << _LEVEL_SHIFT) | _SCHEDULED
             self._count_levels(levels, +1)
         c = self._counters
         c["expirations_total"] += int(fired.size)
@@ -1269,7 +1178,7 @@ class TimerWheel:
         due at ``T`` itself. While the clock ``cur`` runs through ``[T - tick(1), T)``,
         every timer of that bucket whose deadline is already within level 0's reach
         (``ceil(d / tick_ms) - cur // tick_ms <= wheel_size``, exactly the test
-        :meth:`_place` makes first) can go to its level-0 bucket now: that is the
+        ``bucket_for`` makes first) can go to its level-0 bucket now: that is the
         bucket a cascade at ``T`` would give it (level-0 buckets do not depend on the
         clock once a deadline fits), so nothing fires earlier or later than it would
         have; at ``T`` only the rest is left to cascade.
@@ -1293,39 +1202,20 @@ class TimerWheel:
             raise InvalidDelay("now_ms is an integer number of ms")
         if type(max_entries) is not int or max_entries < 0:
             raise InvalidRequest("max_entries must be an integer >= 0")
-        hq = self._hq
-        cur = int(hq[_CUR])
-        if now_ms > cur:
-            due = self.next_deadline()
-            if due is None or due > now_ms:
-                hq[_CUR] = now_ms  # nothing is due: the clock moves, as in expire()
-                cur = now_ms
+        cur = self._move_idle_clock(now_ms)
         if self.levels < 2 or max_entries == 0:
             return 0
-        ws, t, t1 = self.wheel_size, self.tick_ms, self._ticks[1]
+        t1 = self._ticks[1]
         v1 = cur // t1 + 1  # the level-1 bucket that comes due next (v1 - 1 is always empty)
         expiration = v1 * t1
-        b = ws + v1 % ws
-        i = self._i
-        if self._queued[b] != expiration or i[b * _IW + _NEXT] == b:
+        b = self.wheel_size + v1 % self.wheel_size
+        if self._queued[b] != expiration or self._i[b * _IW + _NEXT] == b:
             return 0
-        limit = (cur // t + ws) * t  # the latest deadline level 0 reaches now
-        if limit < expiration:
-            return 0  # nothing of this bucket fits yet
-        head = i[b * _IW + _NEXT]
-        start, pass_cur = head, cur
-        ahead = self._ahead
-        if ahead is not None and ahead[0] == expiration:
-            at = ahead[1]
-            if at == b:  # the last pass ended
-                if ahead[2] == cur:
-                    return 0
-            elif (
-                self.first_entry <= at < self.n_records
-                and self._rb[at * _RB + _ST] == (1 << L.LEVEL_SHIFT) | _SCHEDULED
-                and self._q[at * _QW] // t1 == v1
-            ):  # still in this bucket: continue the pass
-                start, pass_cur = at, ahead[2]
+        if not self._placement.level_value(expiration, cur, 0)[1]:
+            return 0  # level 0 does not reach this bucket's first ms yet: nothing of it fits
+        start, pass_cur = self._ahead_start(b, v1, cur)
+        if start == b:
+            return 0
         nxt = self._next
         examined: list[int] = []
         append = examined.append
@@ -1336,22 +1226,57 @@ class TimerWheel:
             append(s)
             s = nxt[s]
         self._ahead = (expiration, s, pass_cur)
-        if not examined:
+        return self._move_to_level0(np.array(examined, dtype=np.int64), s, cur)
+
+    def _move_idle_clock(self, now_ms: int) -> int:
+        """Move the clock to ``now_ms`` if no bucket is due by then (as :meth:`expire` would);
+        returns the clock."""
+        hq = self._hq
+        cur = int(hq[_CUR])
+        if now_ms > cur:
+            due = self.next_deadline()
+            if due is None or due > now_ms:
+                hq[_CUR] = now_ms  # nothing is due: the clock moves, as in expire()
+                return now_ms
+        return cur
+
+    def _ahead_start(self, b: int, v1: int, cur: int) -> tuple[int, int]:
+        """(the record of level-1 bucket ``b`` a pass of :meth:`cascade_ahead` looks at first, the
+        clock its pass began at): where the last call stopped while that record is still
+        in the bucket, else the bucket's head; ``b`` itself when the last pass over the
+        bucket ended and the clock has not moved since it began."""
+        t1 = self._ticks[1]
+        head = self._i[b * _IW + _NEXT]
+        ahead = self._ahead
+        if ahead is None or ahead[0] != v1 * t1:
+            return head, cur
+        at = ahead[1]
+        if at == b:  # the last pass ended
+            return (b, cur) if ahead[2] == cur else (head, cur)
+        if (self.first_entry <= at < self.n_records
+                and self._rb[at * _RB + _ST] == (1 << _LEVEL_SHIFT) | _SCHEDULED
+                and self._q[at * _QW] // t1 == v1):  # still in this bucket: continue the pass
+            return at, ahead[2]
+        return head, cur
+
+    def _move_to_level0(self, slots: np.ndarray, after: int, cur: int) -> int:
+        """Move the records of a run of a level-1 bucket (``slots``, in list order, ``after``
+        the record that follows the run) whose deadlines level 0 reaches from ``cur`` to
+        their level-0 buckets; the others stay in place. Returns how many moved."""
+        if not slots.size:
             return 0
-        rec = self.records
-        slots = np.array(examined, dtype=np.int64)
-        deadlines = rec["deadline"][slots]
-        buckets, expirations, levels = self._place_many(deadlines, cur)
+        rec, i = self.records, self._i
+        buckets, expirations, levels = self._buckets_for(rec["deadline"][slots], cur)
         fit = levels == 0
         moved = int(np.count_nonzero(fit))
         if not moved:
             return 0
-        # the examined run, minus the moved records, stays in place between its neighbours
+        # the run, minus the moved records, stays in place between its neighbours
         kept = slots[~fit]
         chain = np.empty(kept.size + 2, dtype=np.int64)
-        chain[0] = i[start * _IW + _PREV]
+        chain[0] = i[int(slots[0]) * _IW + _PREV]
         chain[1:-1] = kept
-        chain[-1] = s
+        chain[-1] = after
         rec["next"][chain[:-1]] = chain[1:]
         rec["prev"][chain[1:]] = chain[:-1]
         going = slots[fit]
@@ -1377,10 +1302,10 @@ class TimerWheel:
         else:
             inside = slots[ok]
             ok[ok] = (rec["state"][inside] == _FIRED) & (rec["gen"][inside] == generations[ok])
-        if ok.any() and self._has_duplicates(slots[ok]):  # a slot named twice is released once
+        if ok.any() and has_duplicates(slots[ok]):  # a slot named twice is released once
             index = np.flatnonzero(ok)
             ok[:] = False
-            ok[index[self._first_of_each(slots[index])]] = True
+            ok[index[first_of_each(slots[index])]] = True
         released = slots[ok]
         if released.size:
             rec["state"][released] = _FREE  # commit points (the lists are derived: unlinked after)
@@ -1397,28 +1322,6 @@ class TimerWheel:
         return self._raw[np.asarray(slots, dtype=np.int64)].view(L.RECORD_DTYPE)  # whole-record copies: fast
 
     # ------------------------------------------------------------------ batch helpers
-    @staticmethod
-    def _run_starts(values: np.ndarray) -> np.ndarray:
-        """Indices where a run of equal values starts (the first is 0); values non-empty."""
-        change = np.empty(values.size, dtype=bool)
-        change[0] = True
-        np.not_equal(values[1:], values[:-1], out=change[1:])
-        return np.flatnonzero(change)
-
-    @staticmethod
-    def _has_duplicates(values: np.ndarray) -> bool:
-        ordered = np.sort(values)
-        return bool((ordered[1:] == ordered[:-1]).any())
-
-    @staticmethod
-    def _first_of_each(values: np.ndarray) -> np.ndarray:
-        """Indices of the first occurrence of each distinct value (np.unique is slow on small arrays)."""
-        order = np.argsort(values, kind="stable")
-        ordered = values[order]
-        head = np.ones(values.size, dtype=bool)
-        head[1:] = ordered[1:] != ordered[:-1]
-        return order[head]
-
     def _count_levels(self, levels: np.ndarray, sign: int) -> None:
         counts = np.bincount(levels, minlength=_LEVEL_SLOTS).tolist()
         by_level = self._pending_by_level
@@ -1443,9 +1346,9 @@ class TimerWheel:
             d = deadlines[at : at + L.INTENT_BATCH_MAX]
             t = tags[at : at + L.INTENT_BATCH_MAX]
             k = part.size
-            self._count_levels((rec["state"][part] >> L.LEVEL_SHIFT).astype(np.int64), -1)
+            self._count_levels((rec["state"][part] >> _LEVEL_SHIFT).astype(np.int64), -1)
             self._unlink_many(part, linked=True)
-            buckets, expirations, levels = self._place_many(d, cur)
+            buckets, expirations, levels = self._buckets_for(d, cur)
             self._splice_many(part, buckets, expirations)
             intent = self._intent_batch
             intent["slot"][:k] = part
@@ -1454,7 +1357,7 @@ class TimerWheel:
             hi[L.H_INTENT_COUNT // 4] = k  # commit the batch
             rec["deadline"][part] = d
             rec["tag"][part] = t
-            rec["state"][part] = (levels << L.LEVEL_SHIFT) | _SCHEDULED
+            rec["state"][part] = (levels << _LEVEL_SHIFT) | _SCHEDULED
             hi[L.H_INTENT_COUNT // 4] = 0  # done
             self._count_levels(levels, +1)
             self._counters["rearms_total"] += k
@@ -1464,10 +1367,10 @@ class TimerWheel:
         if not slots.size:
             return
         rec = self.records
-        self._count_levels((rec["state"][slots] >> L.LEVEL_SHIFT).astype(np.int64), -1)
+        self._count_levels((rec["state"][slots] >> _LEVEL_SHIFT).astype(np.int64), -1)
         rec["state"][slots] = _FREE  # commit points (the lists are derived: unlinked after)
         self._unlink_many(slots)
-        self._index_remove_many(slots)
+        self._index.remove_many(slots)
         self._free_many(slots)
         self._counters["pending"] -= int(slots.size)
 
@@ -1529,7 +1432,7 @@ class TimerWheel:
         chain = slots[order]
         owner = sentinels[order]
         n = chain.size
-        starts = self._run_starts(owner)
+        starts = run_starts(owner)
         ends = np.empty_like(starts)
         ends[:-1] = starts[1:] - 1
         ends[-1] = n - 1
@@ -1559,129 +1462,6 @@ class TimerWheel:
                 if queued[b] != expiration:
                     queued[b] = expiration
                     heapq.heappush(heap, (expiration, b))
-
-    def _find_many(self, idents: np.ndarray, hashes: np.ndarray, groups: np.ndarray) -> np.ndarray:
-        """Vectorized :meth:`_find`: one gather of each item's first ``_WINDOW`` probe cells.
-
-        A key is absent if an EMPTY cell comes before any cell holding it; the
-        items whose window holds neither an EMPTY cell nor their key (rare at the
-        table's load) are finished one by one.
-        """
-        n = hashes.size
-        found = np.full(n, -1, dtype=np.int64)
-        cells = self._table_np[(hashes & self._mask)[:, None] + _WINDOW_STEPS & self._mask]
-        empty = cells == _EMPTY
-        first_empty = np.where(empty.any(axis=1), empty.argmax(axis=1), _WINDOW)
-        row, col = np.nonzero((cells >= 0) & (_WINDOW_STEPS < first_empty[:, None]))
-        if row.size:
-            slot = cells[row, col].astype(np.int64)
-            same = self._hash_np[slot] == hashes[row]
-            row, slot = row[same], slot[same]
-            same = (self._idents[slot] == idents[row]) & (self.records["group"][slot] == groups[row])
-            found[row[same]] = slot[same]
-        for j in np.flatnonzero((first_empty == _WINDOW) & (found < 0)).tolist():
-            found[j] = self._find(bytes(idents[j]), int(hashes[j]), int(groups[j]))
-        return found
-
-    def _index_add_many(self, slots: np.ndarray, hashes: np.ndarray) -> None:
-        """Vectorized :meth:`_index_add` of keys known to be absent.
-
-        Each item takes the first open (EMPTY or deleted) cell of its probe window;
-        where two items want the same cell, or a window has no open cell, the later
-        items go one by one.
-        """
-        table, mask = self._table_np, self._mask
-        self._hash_np[slots] = hashes
-        cells = table[(hashes & mask)[:, None] + _WINDOW_STEPS & mask]
-        open_cells = cells < 0
-        has_open = open_cells.any(axis=1)
-        offset = open_cells.argmax(axis=1)
-        target = (hashes + offset) & mask
-        rows = np.flatnonzero(has_open)
-        winners = rows[self._first_of_each(target[rows])]
-        won = target[winners]
-        table[won] = slots[winners]
-        self._pos_np[slots[winners]] = won
-        self._used += int(winners.size)
-        placed = np.zeros(slots.size, dtype=bool)
-        placed[winners] = True
-        for j in np.flatnonzero(~placed).tolist():
-            self._index_add(int(slots[j]), int(hashes[j]))
-
-    def _index_remove_many(self, slots: np.ndarray) -> None:
-        """Vectorized :meth:`_index_remove`: backward-shift deletion of a whole batch.
-
-        A key's probe path (home cell .. its cell) must hold no EMPTY cell. Freeing
-        cells breaks that only for keys after a freed cell in its cluster (the run of
-        occupied cells up to the next EMPTY). So for each cluster that loses keys,
-        the *region* from its first freed cell to its end is emptied and its
-        remaining keys are put back by linear probing in the order of their home
-        cells (a home before the region counts as the region's start): then key k
-        lands on ``max(home_k, cell_{k-1} + 1)``, one running maximum
-        (``np.maximum.accumulate``) over all regions in table order (regions are
-        separated by EMPTY cells, so one cannot push into the next). Keys only move
-        back, never out of their region, and the table is as sound as after
-        one-by-one deletions (though cells may differ). Cells are counted
-        "unrolled" (a region that wraps past the last cell goes on above it) and
-        masked when used.
-        """
-        if not slots.size:
-            return
-        table, mask = self._table_np, self._mask
-        cells = np.sort(self._pos_np[slots]).astype(np.int64)
-        dist = self._cluster_tails(cells)  # to the first EMPTY cell; freed cells still occupied
-        self._pos_np[slots] = -1
-        table[cells] = _EMPTY
-        self._used -= int(slots.size)
-        # one region per cluster, from its first freed cell (in table order) to its end
-        ends = cells + dist  # unrolled: past the last cell for a cluster that wraps
-        masked = ends & mask
-        heads = self._run_starts(masked)
-        if heads.size > 1 and masked[0] == masked[-1]:  # a wrapping cluster: its cells at the top are the last
-            heads = heads[1:]  # run, the run of its cells at the bottom is covered by it
-        length = np.maximum.reduceat(dist, heads)
-        start = np.maximum.reduceat(ends, heads) - length
-        offset = np.cumsum(length) - length  # where each region's cells start in the gathered run
-        cell = np.repeat(start - offset, length) + np.arange(int(offset[-1] + length[-1]))  # unrolled
-        content = table[cell & mask]
-        live = content >= 0
-        if not live.any():
-            return
-        moved = content[live].astype(np.int64)
-        cell = cell[live]
-        home = np.maximum(cell - ((cell - self._hash_np[moved]) & mask), np.repeat(start, length)[live])
-        if moved.size > 1 and (home[1:] < home[:-1]).any():
-            order = np.argsort(home, kind="stable")
-            moved, home = moved[order], home[order]
-        rank = np.arange(moved.size)
-        placed = (rank + np.maximum.accumulate(home - rank)) & mask
-        table[cell & mask] = _EMPTY
-        table[placed] = moved
-        self._pos_np[moved] = placed
-
-    def _cluster_tails(self, cells: np.ndarray) -> np.ndarray:
-        """For each occupied cell: how many cells on is the first EMPTY one (>= 1).
-
-        One row of the following ``_TAIL_CELLS`` cells per cell (a strided view of
-        the table, no copy of it); the rare longer tails, and cells near the table's
-        end, are walked one by one."""
-        rows = self._table_rows
-        start = cells + 1
-        inside = start < rows.shape[0]
-        start[~inside] = 0
-        empty = rows[start] == _EMPTY
-        dist = empty.argmax(axis=1)
-        found = empty[np.arange(cells.size), dist] & inside
-        dist += 1
-        if not found.all():
-            table, mask = self._table, self._mask
-            for j in np.flatnonzero(~found).tolist():
-                p = int(cells[j])
-                d = 1
-                while table[(p + d) & mask] != _EMPTY:
-                    d += 1
-                dist[j] = d
-        return dist
 
     def _append_run(self, sentinel: int, run: np.ndarray) -> None:
         """Append distinct records, in order, to the tail of one list."""
@@ -1732,111 +1512,90 @@ class TimerWheel:
 
     # ------------------------------------------------------------------ rebuild
     def _rebuild(self) -> None:
-        """Derive links, free list, key index, bucket heap and counters from the records."""
+        """Derive links, free list, key index, bucket heap and counts from the records."""
         rec = self.records
         first = self.first_entry
-        cur = int(self._hq[_CUR])
-        entries = rec[first:]
-        states = entries["state"] & _STATE_MASK
-        bad = np.flatnonzero((states > _FIRED) | ((states != _FREE) & (
-            ~self._valid_meta(entries["key_meta"]) | (entries["group"] >= self.max_groups))))
-        if bad.size:
-            # Not something an interrupted writer can leave: corruption. Free them, loudly.
-            self.repairs = [f"record {first + s}: invalid state/key/group, freed" for s in bad.tolist()]
-            entries["state"][bad] = _FREE
-            states = entries["state"] & _STATE_MASK
-        else:
-            self.repairs = []
-        # sentinels: empty circular lists
-        idx = np.arange(first, dtype=np.int32)
+        self.repairs = self._free_invalid()
+        idx = np.arange(first, dtype=np.int32)  # sentinels: empty circular lists
         rec["prev"][:first] = idx
         rec["next"][:first] = idx
         rec["deadline"][:first] = -1
         rec["state"][:first] = 0
-        slots_all = np.arange(first, self.n_records, dtype=np.int64)
-        # free slots: a stack that hands out the lowest slot first
-        free_slots = slots_all[states == _FREE]
-        self._free_np[: free_slots.size] = free_slots[::-1]
+        slots = np.arange(first, self.n_records, dtype=np.int64)
+        states = rec["state"][first:] & _STATE_MASK
+        free_slots = slots[states == _FREE]
+        self._free_np[: free_slots.size] = free_slots[::-1]  # a stack that hands out the lowest slot first
         self._free_top = int(free_slots.size)
         self._hi[_FREE_HEAD] = -1  # unused: the free list is kept in the owning process
-        # fired list, in deadline order
-        fired = slots_all[states == _FIRED]
-        fired = fired[np.argsort(rec["deadline"][fired], kind="stable")]
-        self._chain(self.fired_list, fired)
-        # scheduled: the bucket each deadline maps to, relative to the stored clock
-        sched = slots_all[states == _SCHEDULED]
-        deadlines = rec["deadline"][sched]
-        buckets, expirations, levels = self._place_many(deadlines, cur)
-        rec["state"][sched] = ((levels << 4) | _SCHEDULED).astype(np.uint8)
-        order = np.lexsort((sched, buckets))
-        sched, buckets, expirations, levels = sched[order], buckets[order], expirations[order], levels[order]
-        self._heap = []
-        self._queued = [-1] * first
-        self._pending_by_level = [0] * _LEVEL_SLOTS
-        if sched.size:
-            starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])
-            ends = np.r_[starts[1:], sched.size]
-            for a, z in zip(starts.tolist(), ends.tolist()):
-                b = int(buckets[a])
-                self._chain(b, sched[a:z])
-                expiration = int(expirations[a]) if b != self.due_list else cur
-                rec["deadline"][b] = expiration
-                self._queued[b] = expiration
-                self._heap.append((expiration, b))
-            heapq.heapify(self._heap)
-        # key index: hashes of the scheduled records' (meta + key) bytes and group
-        if sched.size:
-            ident_view = np.ndarray(
-                shape=(self.n_records,), dtype="V33", buffer=self._seg.buf,
-                offset=self._header_bytes + _KM, strides=(L.RECORD_BYTES,),
-            )
-            idents = ident_view[sched].tolist()
-            groups = rec["group"][sched].astype(np.uint64)
-            hashes = np.fromiter(map(hash, idents), dtype=np.int64, count=len(idents))
-            mixed = (groups * np.uint64(_GROUP_MIX)).view(np.int64)
-            self._hash_np[sched] = hashes ^ mixed
-            # duplicates (never produced by a writer, but the index must stay sound)
-            key_tuples = list(zip(idents, rec["group"][sched].tolist()))
-            if len(set(key_tuples)) != len(key_tuples):
-                seen: dict = {}
-                for s, k, d in zip(sched.tolist(), key_tuples, rec["deadline"][sched].tolist()):
-                    if k in seen:
-                        self.repairs.append(f"record {s}: duplicate key of record {seen[k]}, cancelled")
-                        self._unlink(s)
-                        rec["state"][s] = _FREE
-                        self._free(s)
-                    else:
-                        seen[k] = s
-        self._rebuild_index()
-        c = self._counters
-        c["pending"] = int(np.count_nonzero((rec["state"][first:] & _STATE_MASK) == _SCHEDULED))
-        c["fired_unacked"] = int(fired.size)
-        states_now = rec["state"][first:]
-        levels_now = (states_now[(states_now & _STATE_MASK) == _SCHEDULED] >> 4).astype(np.int64)
-        self._pending_by_level = [int(x) for x in np.bincount(levels_now, minlength=_LEVEL_SLOTS)]
-        live = (states_now & _STATE_MASK) != _FREE
-        self._group_live = np.bincount(rec["group"][first:][live], minlength=self.max_groups).tolist()
+        fired = slots[states == _FIRED]
+        self._chain(self.fired_list, fired[np.argsort(rec["deadline"][fired], kind="stable")])  # in deadline order
+        sched = slots[states == _SCHEDULED]
+        self._rebuild_buckets(sched)
+        for s, kept in self._index.rebuild(sched):  # never written by a wheel, but the index must stay sound
+            self.repairs.append(f"record {s}: duplicate key of record {kept}, cancelled")
+            self._unlink(s)
+            rec["state"][s] = _FREE
+            self._free(s)
+        self._recount()
         # an unused group id (first byte 0) keeps no bytes: what a writer killed while
         # registering or forgetting a name left behind is cleared
         table = self._group_bytes
         unused = table[:, 0] == 0
         if table[unused].any():
             table[unused] = 0
-        self._load_counters()
         self.publish_stats()
 
-    def _load_counters(self) -> None:
-        """Totals survive a restart: read them back from the header."""
-        base = L.H_COUNTERS // 8
-        for name in ("adds_total", "rearms_total", "cancels_total", "cancel_misses_total", "expirations_total",
-                     "acks_total", "cascades_total", "idle_rearms_total", "arena_full_total"):
-            self._counters[name] = max(self._counters[name], self._hq[base + L.COUNTER[name]])
+    def _free_invalid(self) -> list[str]:
+        """Free the live records with an unknown state, a malformed key or a group id outside
+        the table: not something an interrupted writer can leave, but corruption. Returns
+        the repairs made (the daemon logs them)."""
+        entries = self.records[self.first_entry :]
+        states = entries["state"] & _STATE_MASK
+        bad = np.flatnonzero((states > _FIRED) | ((states != _FREE) & (
+            ~_VALID_META[entries["key_meta"]] | (entries["group"] >= self.max_groups))))
+        entries["state"][bad] = _FREE
+        return [f"record {self.first_entry + s}: invalid state/key/group, freed" for s in bad.tolist()]
 
-    @staticmethod
-    def _valid_meta(meta: np.ndarray) -> np.ndarray:
-        size = meta & 0x3F
-        kind = meta >> 6
-        return (size >= 1) & (size <= L.KEY_BYTES) & (kind <= 2) & ((kind != 2) | (size == 8))
+    def _rebuild_buckets(self, sched: np.ndarray) -> None:
+        """Link the scheduled records into the buckets their deadlines map to relative to the
+        stored clock (level bits included) and queue every non-empty bucket."""
+        rec = self.records
+        cur = int(self._hq[_CUR])
+        buckets, expirations, levels = self._buckets_for(rec["deadline"][sched], cur)
+        rec["state"][sched] = ((levels << _LEVEL_SHIFT) | _SCHEDULED).astype(np.uint8)
+        order = np.lexsort((sched, buckets))
+        sched, buckets, expirations = sched[order], buckets[order], expirations[order]
+        self._heap = []
+        self._queued = [-1] * self.first_entry
+        if not sched.size:
+            return
+        starts = run_starts(buckets)
+        ends = np.r_[starts[1:], sched.size]
+        for a, z in zip(starts.tolist(), ends.tolist()):
+            b = int(buckets[a])
+            self._chain(b, sched[a:z])
+            expiration = int(expirations[a])
+            rec["deadline"][b] = expiration
+            self._queued[b] = expiration
+            self._heap.append((expiration, b))
+        heapq.heapify(self._heap)
+
+    def _recount(self) -> None:
+        """The counts this process keeps, from the records' states: pending, fired, per
+        level, per group; the totals from the header (they survive restarts)."""
+        states = self.records["state"][self.first_entry :]
+        low = states & _STATE_MASK
+        levels = (states[low == _SCHEDULED] >> _LEVEL_SHIFT).astype(np.int64)
+        self._pending_by_level = np.bincount(levels, minlength=_LEVEL_SLOTS).tolist()
+        live = low != _FREE
+        self._group_live = np.bincount(self.records["group"][self.first_entry :][live],
+                                       minlength=self.max_groups).tolist()
+        c = self._counters
+        c["pending"] = int(levels.size)
+        c["fired_unacked"] = int(np.count_nonzero(low == _FIRED))
+        base = L.H_COUNTERS // 8
+        for name in _TOTALS:
+            c[name] = max(c[name], self._hq[base + L.COUNTER[name]])
 
     def _chain(self, sentinel: int, slots: np.ndarray) -> None:
         rec = self.records
@@ -1848,184 +1607,37 @@ class TimerWheel:
         rec["next"][ring] = np.roll(ring, -1)
         rec["prev"][ring] = np.roll(ring, 1)
 
-    def _place_many(self, deadlines: np.ndarray, cur: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Vectorized :meth:`_link` placement: (sentinel, bucket expiration, level) per deadline.
-
-        Level by level, from level 0 up, over the deadlines not placed yet (usually
-        all of a batch fit one or two levels): each takes the lowest level it fits
-        in, the top level clamps, and deadlines <= cur go to the due list.
-        """
-        n = deadlines.size
-        ws = self.wheel_size
-        buckets = np.empty(n, dtype=np.int64)
-        expirations = np.empty(n, dtype=np.int64)
-        levels = np.empty(n, dtype=np.int64)
-        due = deadlines <= cur
-        if due.any():
-            buckets[due] = self.due_list
-            expirations[due] = cur
-            levels[due] = L.DUE_LEVEL
-            rest = np.flatnonzero(~due)
-            left = deadlines[rest]
-        else:
-            rest = None  # every item
-            left = deadlines
-        top = self.levels - 1
-        for level, t in enumerate(self._ticks):
-            if not left.size:
-                break
-            c = cur // t
-            if level == 0:
-                v = -(-left // t)  # level 0 rounds up, see "Placing a timer"
-                fit = v - c <= ws
-            else:
-                v = left // t
-                fit = v - c < ws
-            if level == top:
-                v[~fit] = c + ws - 1  # clamp into the farthest bucket of the top level
-            elif not fit.all():
-                where = np.flatnonzero(fit)
-                placed = where if rest is None else rest[where]
-                v = v[where]
-                buckets[placed] = level * ws + v % ws
-                expirations[placed] = v * t
-                levels[placed] = level
-                keep = np.flatnonzero(~fit)
-                rest = keep if rest is None else rest[keep]
-                left = left[keep]
-                continue
-            if rest is None:
-                buckets[:] = level * ws + v % ws
-                expirations[:] = v * t
-                levels[:] = level
-            else:
-                buckets[rest] = level * ws + v % ws
-                expirations[rest] = v * t
-                levels[rest] = level
-            break
-        return buckets, expirations, levels
-
     # ------------------------------------------------------------------ invariants
     def check(self) -> list[str]:
-        """Verify every invariant of the arena; return a list of problems (empty if sound)."""
-        problems: list[str] = []
-        rec = self.records
-        n, first, ws = self.n_records, self.first_entry, self.wheel_size
-        nxt = rec["next"].tolist()
-        prv = rec["prev"].tolist()
-        state = rec["state"].tolist()
-        deadline = rec["deadline"].tolist()
-        cur = self.current_ms
-        owner = [-1] * n
-        for b in range(first):
-            steps = 0
-            prev_node = b
-            s = nxt[b]
-            non_empty = s != b
-            while s != b:
-                if not first <= s < n:
-                    problems.append(f"list {b}: link to {s}, not an entry record")
-                    break
-                if owner[s] != -1:
-                    problems.append(f"record {s} is in list {owner[s]} and list {b}")
-                    break
-                owner[s] = b
-                if prv[s] != prev_node:
-                    problems.append(f"record {s}: prev is {prv[s]}, expected {prev_node} (list {b})")
-                st = state[s] & _STATE_MASK
-                level = state[s] >> 4
-                d = deadline[s]
-                if b == self.fired_list:
-                    if state[s] != _FIRED:
-                        problems.append(f"record {s} on the fired list has state {state[s]}")
-                elif b == self.due_list:
-                    if state[s] != _DUE_STATE:
-                        problems.append(f"record {s} on the due list has state {state[s]}")
-                    if d > cur:
-                        problems.append(f"record {s} on the due list is not due ({d} > {cur})")
-                else:
-                    blevel, j = divmod(b, ws)
-                    t = self._ticks[blevel]
-                    exp = deadline[b]
-                    v = exp // t
-                    if st != _SCHEDULED or level != blevel:
-                        problems.append(f"record {s} in level-{blevel} bucket {j} has state {st} level {level}")
-                    if exp % t or v % ws != j:
-                        problems.append(f"bucket {b}: expiration {exp} does not map to it")
-                    reach = -(-d // t) if blevel == 0 else d // t  # level 0 rounds up
-                    right = reach >= v if blevel == self.levels - 1 else reach == v  # the top level clamps
-                    if not right:
-                        problems.append(f"record {s}: deadline {d} does not belong in level-{blevel} bucket {j} (exp {exp})")
-                    if exp <= cur:
-                        problems.append(f"bucket {b}: expiration {exp} is not after the clock {cur}")
-                    if v - cur // t > (ws if blevel == 0 else ws - 1):
-                        problems.append(f"bucket {b}: expiration {exp} is beyond level {blevel}'s reach from {cur}")
-                prev_node = s
-                s = nxt[s]
-                steps += 1
-                if steps > n:
-                    problems.append(f"list {b} does not close")
-                    break
-            if prv[b] != prev_node:
-                problems.append(f"list {b}: sentinel prev {prv[b]}, expected {prev_node}")
-            if non_empty and b != self.fired_list:
-                exp = deadline[b]
-                if self._queued[b] != exp:
-                    problems.append(f"bucket {b} (expiration {exp}) is not in the bucket queue")
-        free_stack = self._free_np[: self._free_top]
-        free_seen = len(set(free_stack.tolist()))
-        if free_seen != free_stack.size:
-            problems.append("free list: a slot is listed twice")
-        for s in free_stack.tolist():
-            if not first <= s < n:
-                problems.append(f"free list: {s} is not an entry record")
-            elif state[s] != _FREE:
-                problems.append(f"free list: record {s} has state {state[s]}")
-        n_free = n_sched = n_fired = 0
-        per_level = [0] * _LEVEL_SLOTS
-        for s in range(first, n):
-            st = state[s] & _STATE_MASK
-            if st == _FREE:
-                n_free += 1
-            elif st == _SCHEDULED:
-                n_sched += 1
-                per_level[state[s] >> 4] += 1
-                if owner[s] == -1 or owner[s] >= self.fired_list:
-                    problems.append(f"scheduled record {s} is in no bucket")
-                elif self._find(bytes(self._rb[s * _RB + _KM : s * _RB + _RB]), self._hash[s], self._h[s * _HW + _GROUP]) != s:
-                    problems.append(f"scheduled record {s} is not found by its key")
-            elif st == _FIRED:
-                n_fired += 1
-                if owner[s] != self.fired_list:
-                    problems.append(f"fired record {s} is not on the fired list")
-            else:
-                problems.append(f"record {s}: unknown state {state[s]}")
-        if free_seen != n_free:
-            problems.append(f"free list holds {free_seen} records, {n_free} are free")
-        table = self._table_np
-        live = table[table >= 0]
-        if live.size != n_sched or self._used != n_sched:
-            problems.append(f"key index holds {live.size} entries (counted {self._used}), {n_sched} timers are scheduled")
-        elif live.size and np.any((rec["state"][live] & _STATE_MASK) != _SCHEDULED):
-            problems.append("key index points at records that are not scheduled")
-        c = self.counters()
-        if c["pending"] != n_sched:
-            problems.append(f"counter pending={c['pending']}, {n_sched} are scheduled")
-        if c["fired_unacked"] != n_fired:
-            problems.append(f"counter fired_unacked={c['fired_unacked']}, {n_fired} are fired")
-        if per_level != self._pending_by_level:
-            problems.append(f"per-level counters {self._pending_by_level}, actual {per_level}")
-        entries = rec[first:]
-        live_groups = entries["group"][(entries["state"] & _STATE_MASK) != _FREE].astype(np.int64)
-        if live_groups.size and int(live_groups.max()) >= self.max_groups:
-            problems.append(f"a live record carries group id {int(live_groups.max())} >= max_groups")
-        else:
-            recount = np.bincount(live_groups, minlength=self.max_groups)
-            counts = self.group_counts()
+        """Every invariant; a list of problems, [] when sound.
+
+        The arena's (:func:`wheeld.shm.fsck.fsck`, against this process's counters,
+        published or not), then those of the state only this process keeps: the key
+        index, the free stack, the bucket queue and the live count of each group.
+        """
+        problems = fsck.fsck(self._seg.buf, self._seg.size, self.name or "arena", counters=self.counters())
+        states = self.records["state"] & _STATE_MASK
+        entry = np.arange(self.n_records) >= self.first_entry
+        problems += self._index.problems(np.flatnonzero(entry & (states == _SCHEDULED)))
+        problems += self._free_stack_problems(np.flatnonzero(entry & (states == _FREE)))
+        i, queued = self._i, self._queued
+        for b in range(self.fired_list):
+            if i[b * _IW + _NEXT] != b and queued[b] != self._q[b * _QW]:
+                problems.append(f"bucket {b} (expiration {self._q[b * _QW]}) is not in the bucket queue")
+        live = (states != _FREE) & entry
+        recount = np.bincount(self.records["group"][live].astype(np.int64), minlength=self.max_groups)
+        counts = self.group_counts()
+        if recount.size == counts.size:  # else fsck reported a live record outside the group table
             for gid in np.flatnonzero(recount != counts)[:10].tolist():
                 problems.append(f"group {gid}: live count {counts[gid]}, {recount[gid]} records are live")
-        if self._hi[L.H_INTENT_SLOT // 4] != -1:
-            problems.append("an update intent is still open")
-        if self._hi[L.H_INTENT_COUNT // 4] != 0:
-            problems.append("a batch intent is still open")
         return problems
+
+    def _free_stack_problems(self, free: np.ndarray) -> list[str]:
+        """The free stack holds exactly the free records, each once."""
+        stack = self._free_np[: self._free_top]
+        if np.array_equal(np.sort(stack), free):
+            return []
+        if has_duplicates(stack):
+            return ["free list: a slot is listed twice"]
+        return [f"free list holds {stack.size} records, {free.size} are free; "
+                f"{np.setdiff1d(stack, free).size} of them are not free records"]

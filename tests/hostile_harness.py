@@ -17,9 +17,9 @@ import subprocess
 import sys
 import time
 
-from wheeld.daemon import stats as S
 from wheeld.protocol import framing
 from wheeld.protocol import messages as M
+from wheeld.shm import reader as R
 
 WORKER = os.path.join(os.path.dirname(__file__), "honest_worker.py")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -71,7 +71,7 @@ def fd_targets(pid: int) -> list[str]:
 
 def counters(name: str) -> dict[str, int]:
     """The arena's published counters (what ``wheelctl stats`` shows)."""
-    with S.ArenaReader(name) as reader:
+    with R.ArenaReader(name) as reader:
         return reader.counters()
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import wheeld
-from wheeld.daemon import stats as S
+from wheeld.shm import reader as R
 
 
 def wait_until(predicate, timeout_s: float = 10.0) -> None:
@@ -17,7 +17,7 @@ def wait_until(predicate, timeout_s: float = 10.0) -> None:
 
 
 def delivered_total(name: str) -> int:
-    with S.ArenaReader(name) as reader:
+    with R.ArenaReader(name) as reader:
         return reader.counters()["delivered_total"]
 
 

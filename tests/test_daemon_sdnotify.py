@@ -29,7 +29,7 @@ import pytest
 
 import wheeld
 from daemon_harness import unique_name, unlink_segments
-from wheeld.daemon import stats as S
+from wheeld.shm import reader as R
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,7 +121,7 @@ def test_ready_status_watchdog_stall_and_stopping(notified_daemon):
         probe.close()
     starter.join(30)
     assert not errors, errors
-    with S.ArenaReader(proc.name) as reader:
+    with R.ArenaReader(proc.name) as reader:
         assert reader.info["capacity"] == proc.capacity
     with wheeld.connect(proc.socket_path, group="n") as w:
         w.add("k", 600_000)

@@ -116,7 +116,7 @@ def test_commands_a_lost_daemon_applied_but_did_not_persist_are_applied_again(da
     """The flush that acknowledges them is answered by the daemon after the power cut:
     the client hands its ring back rewound to its last acknowledged flush, so what the
     dead daemon applied (and lost with the page cache) is applied again."""
-    from wheeld.daemon import stats as S
+    from wheeld.shm import reader as R
 
     journal = tmp_path / "journal"
     d = daemon_factory(extra=["--journal", str(journal), "--fsync", "off"]).start()
@@ -127,7 +127,7 @@ def test_commands_a_lost_daemon_applied_but_did_not_persist_are_applied_again(da
             w.add(f"k{i}", 1500)  # no flush: applied by this daemon, never made durable
         end = time.monotonic() + 10
         while time.monotonic() < end:
-            with S.ArenaReader(d.name) as reader:
+            with R.ArenaReader(d.name) as reader:
                 if reader.counters()["pending"] == 21:
                     break
             time.sleep(0.01)

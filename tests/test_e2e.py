@@ -337,7 +337,7 @@ def test_one_big_batch_with_repeated_keys_applies_in_order(daemon):
 
     Checked in the arena itself (read-only): the client drops expirations of armings it
     cancelled, so deliveries alone would hide a daemon that failed to cancel."""
-    from wheeld.daemon.stats import ArenaReader
+    from wheeld.shm.reader import ArenaReader
 
     rng = random.Random(11)
     model: dict[str, int | None] = {}

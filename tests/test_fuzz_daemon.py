@@ -44,13 +44,13 @@ import pytest
 
 import wheeld
 from hostile_harness import Honest, Raw, counters, rss_kb, wait_until
-from wheeld.daemon import stats as S
 from wheeld.protocol import commands as C
 from wheeld.protocol import framing
 from wheeld.protocol import messages as M
 from wheeld.protocol import ring_layout as RL
 from wheeld.protocol.errors import WheeldError
 from wheeld.protocol.keys import encode_key
+from wheeld.shm import check as CK
 
 RING_CAPACITY = 1024
 TOUCH_CAPACITY = 1024
@@ -311,7 +311,7 @@ def fuzz(tmp_path, daemon_factory, seed: int, records: int, frames: int) -> dict
         growth_kb = fuzzer.rss_peak_kb - start_kb
         assert growth_kb < RSS_GROWTH_BOUND_KB, (start_kb, fuzzer.rss_peak_kb)
         assert "Traceback" not in d.log(), d.log()[-5000:]
-        report = S.check(d.name)
+        report = CK.check(d.name)
         assert report.ok, report.problems
         wait_until(lambda: counters(d.name)["clients_dropped_total"] >= fuzzer.stats["dirty"], 10,
                    what="every dirty ring dropped")

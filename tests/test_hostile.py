@@ -40,13 +40,14 @@ import pytest
 
 import wheeld
 from hostile_harness import Honest, Raw, counters, cpu_s, fd_targets, rss_kb, wait_until
-from wheeld.daemon import stats as S
 from wheeld.protocol import commands as C
 from wheeld.protocol import framing
 from wheeld.protocol import messages as M
 from wheeld.protocol import ring_layout as RL
 from wheeld.protocol import status_layout as SL
 from wheeld.protocol.keys import encode_key
+from wheeld.shm import check as CK
+from wheeld.shm import reader as R
 from wheeld.shm.ring import ClientSegment
 
 SMALL_RINGS = ["--ring-capacity", "1024", "--touch-capacity", "1024"]
@@ -76,7 +77,7 @@ def unharmed(d, honest: Honest) -> dict:
     assert d.proc.poll() is None, f"the daemon exited:\n{d.log()[-3000:]}"
     published = counters(d.name)
     assert published["daemon_pid"] == d.pid and published["daemon_restarts_total"] == 0
-    report = S.check(d.name)
+    report = CK.check(d.name)
     assert report.ok, report.problems
     assert "Traceback" not in d.log(), d.log()[-5000:]  # nothing escaped a handler
     return result
@@ -351,7 +352,7 @@ QUOTA = 1000
 
 def group_live(name: str, group: str) -> int:
     """Scheduled + fired records of ``group`` in the arena (``wheelctl groups``)."""
-    with S.ArenaReader(name) as reader:
+    with R.ArenaReader(name) as reader:
         pending, fired = reader.group_counts()
         gid = reader.group_id(group)
         return int(pending[gid] + fired[gid])
@@ -674,7 +675,7 @@ def test_well_formed_records_with_values_the_daemon_must_not_trust(hostile):
             for i in range(300):
                 victim.add(i, 10)
             victim.flush()
-        with S.ArenaReader(d.name) as reader:
+        with R.ArenaReader(d.name) as reader:
             gid = reader.group_id("victim")
             wait_until(lambda: reader.group_counts()[1][gid] == 300, 10, what="the victim's timers fired")
             slots, _states, groups = reader._live()

@@ -15,9 +15,10 @@ from click.testing import CliRunner
 
 import wheeld
 from daemon_harness import DaemonProcess, unlink_segments
-from wheeld.daemon import stats as S
 from wheeld.ctl import main as wheelctl_main
 from wheeld.protocol.naming import SHM_DIR, lock_path
+from wheeld.shm import check as CK
+from wheeld.shm import reader as R
 
 
 def wheelctl(name: str, socket_path: str, *args):
@@ -63,7 +64,7 @@ def test_a_second_daemon_of_the_same_name_changes_nothing(daemon, tmp_path, same
         assert not os.path.exists(tmp_path / "other.sock")
         after = os.stat(os.path.join(SHM_DIR, f"wheeld-{daemon.name}-arena"))
         assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
-        report = S.check(daemon.name)
+        report = CK.check(daemon.name)
         assert report.ok, report.problems
         got = collect(w, 5000)
     assert sorted(e.key for e in got) == list(range(5000))
@@ -132,7 +133,7 @@ def test_a_truncated_arena_is_set_aside_and_rebuilt_from_the_journal(daemon_fact
     with wheeld.connect(d.socket_path, group="g") as w:
         got = collect(w, 300)
     assert sorted(e.key for e in got) == list(range(300))
-    with S.ArenaReader(d.name) as reader:
+    with R.ArenaReader(d.name) as reader:
         assert reader.counters()["arenas_set_aside_total"] == 1
 
 
@@ -159,7 +160,7 @@ def test_a_daemon_killed_while_rebuilding_its_arena_rebuilds_it_again(daemon_fac
     finally:
         proc.wait(10)
     d.start(timeout_s=60)
-    with S.ArenaReader(d.name) as reader:
+    with R.ArenaReader(d.name) as reader:
         assert reader.counters()["pending"] == 150_000
     assert not os.path.exists(os.path.join(SHM_DIR, f"wheeld-{d.name}-arena.new"))
 

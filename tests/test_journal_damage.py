@@ -789,9 +789,9 @@ def test_journal_damage_refuse_exits_with_one_line_and_changes_nothing(daemon_fa
     d = daemon_factory(extra=["--journal", str(journal), "--journal-damage", "skip"], name=name).start()
     _wait_for(lambda: json.loads(_wheelctl(d, "stats", "--json", "--interval", "0").stdout)["journal"]
               ["damaged_ranges_total"] == 1, 10.0, "the damage counter")
-    from wheeld.daemon import stats as S
+    from wheeld.shm import reader as R
 
-    with S.ArenaReader(d.name) as reader:
+    with R.ArenaReader(d.name) as reader:
         assert reader.counters()["pending"] == 49
 
 

@@ -10,10 +10,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import wheeld
-from wheeld.daemon import stats as S
-from wheeld.daemon.metrics import CONTENT_TYPE, MAX_REQUEST_BYTES, parse_address, render
+from wheeld.daemon.metrics import MAX_REQUEST_BYTES, parse_address
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol.errors import InvalidRequest
+from wheeld.shm import reader as R
+from wheeld.shm import snapshot as SN
+from wheeld.shm.prometheus import CONTENT_TYPE, render
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,15 +26,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def fake_snapshot(lateness_counts=None, lateness_sum_us=0, **counters) -> S.Snapshot:
+def fake_snapshot(lateness_counts=None, lateness_sum_us=0, **counters) -> SN.Snapshot:
     values = dict.fromkeys(L.COUNTER_NAMES, 0)
     values.update(counters)
     counts = tuple(lateness_counts or (0,) * L.LATENESS_BUCKETS)
-    return S.Snapshot(
+    return SN.Snapshot(
         name="t", segment="/wheeld-t-arena", taken_ms=10_000, capacity=1000, tick_ms=1, wheel_size=256, levels=5,
         max_groups=1024, arena_bytes=1 << 20, clock_ms=9_000, created_wall_ms=0, parked=True, counters=values,
         lateness_counts=counts, lateness_sum_us=lateness_sum_us,
-        groups=[S.GroupStat(0, "default", 0, 0, 0)], rings=[], daemon_alive=False,
+        groups=[SN.GroupStat(0, "default", 0, 0, 0)], rings=[], daemon_alive=False,
     )
 
 
@@ -62,8 +64,8 @@ def test_render_names_types_and_values():
 
 def test_group_ids_in_use_and_max_are_gauges():
     snap = fake_snapshot(groups_active=1)
-    snap.groups = [S.GroupStat(0, "default", 0, 0, 0), S.GroupStat(1, "conns", 4, 1, 1),
-                   S.GroupStat(5, "", 2, 0, 0)]  # an id live records carry without a name
+    snap.groups = [SN.GroupStat(0, "default", 0, 0, 0), SN.GroupStat(1, "conns", 4, 1, 1),
+                   SN.GroupStat(5, "", 2, 0, 0)]  # an id live records carry without a name
     fams = families(render(snap))
     for name, value in (("wheeld_groups_in_use", 3), ("wheeld_groups_max", 1024), ("wheeld_groups_registered", 2),
                         ("wheeld_groups_active", 1)):
@@ -89,18 +91,18 @@ def test_lateness_is_a_cumulative_histogram_in_seconds():
 
 def test_quantiles_from_the_histogram():
     counts = [0] * L.LATENESS_BUCKETS
-    assert S.quantile_us(counts, 0.5) is None and S.max_us(counts) is None
+    assert SN.quantile_us(counts, 0.5) is None and SN.max_us(counts) is None
     counts[0] = 100  # 100 samples in [0, 50) us
-    assert S.quantile_us(counts, 0.5) == pytest.approx(25.0)
-    assert S.max_us(counts) == 50
+    assert SN.quantile_us(counts, 0.5) == pytest.approx(25.0)
+    assert SN.max_us(counts) == 50
     counts[5] = 100  # and 100 in [1000, 2000) us
-    assert S.quantile_us(counts, 0.5) == pytest.approx(50.0)  # the top of the first bucket
-    assert S.quantile_us(counts, 0.75) == pytest.approx(1500.0)
-    assert S.quantile_us(counts, 0.999) == pytest.approx(1998.0)
-    assert S.max_us(counts) == 2000
+    assert SN.quantile_us(counts, 0.5) == pytest.approx(50.0)  # the top of the first bucket
+    assert SN.quantile_us(counts, 0.75) == pytest.approx(1500.0)
+    assert SN.quantile_us(counts, 0.999) == pytest.approx(1998.0)
+    assert SN.max_us(counts) == 2000
     counts[-1] = 1  # open-ended: the estimate is the bucket's floor
-    assert S.quantile_us(counts, 1.0) == L.LATENESS_BOUNDS_US[-1]
-    assert S.max_us(counts) == L.LATENESS_BOUNDS_US[-1]
+    assert SN.quantile_us(counts, 1.0) == L.LATENESS_BOUNDS_US[-1]
+    assert SN.max_us(counts) == L.LATENESS_BOUNDS_US[-1]
 
 
 def test_parse_address():
@@ -183,7 +185,7 @@ def test_metrics_endpoint_serves_what_the_daemon_did(metrics_daemon):
         assert hist["wheeld_fire_lateness_seconds_count"] == 4
         assert fams["wheeld_daemon_uptime_seconds"].samples[0].value > 0
     # the same names as wheelctl stats --prometheus, which reads the arena instead
-    with S.ArenaReader(daemon.name) as reader:
+    with R.ArenaReader(daemon.name) as reader:
         from_arena = families(render(reader.snapshot()))
     assert set(from_arena) == set(scrape(port))
 

@@ -49,13 +49,14 @@ import zlib
 
 import pytest
 
-import wheeld.shm.wheel as wheel_module
-from wheeld.daemon import stats
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol.errors import ArenaFull, CorruptArena, GroupLimit
 from wheeld.shm import TimerWheel
 from wheeld.shm.arena import Segment, unlink
+from wheeld.shm.check import recover_copy
+from wheeld.shm.fsck import fsck
 from wheeld.shm.wheel import encode_ident
+import wheeld.shm.wheel as wheel_module
 
 LONG = os.environ.get("WHEELD_LONG") == "1"
 CAPACITY = 48
@@ -756,8 +757,8 @@ def _check_reports_open_batch_intent(name: str) -> int:
     copy = mmap.mmap(-1, size)
     try:
         copy[:] = image
-        assert f"a batch intent of {count} re-arms is open" in "\n".join(stats.check_arena(copy, size))
-        repairs, after = stats.recover_copy(copy, size)
+        assert f"a batch intent of {count} re-arms is open" in "\n".join(fsck(copy, size))
+        repairs, after = recover_copy(copy, size)
         assert f"batch intent of {count} re-arms replayed" in repairs and after == []
     finally:
         copy.close()
@@ -775,7 +776,7 @@ def test_check_reports_a_batch_intent_no_writer_can_leave():
         image = bytes(wheel._seg.buf[:size])
     finally:
         wheel.close()
-    assert stats.check_arena(image, size) == []
+    assert fsck(image, size) == []
     for count, slot in ((L.INTENT_BATCH_MAX + 1, None), (2, 0)):
         copy = mmap.mmap(-1, size)
         try:
@@ -783,9 +784,9 @@ def test_check_reports_a_batch_intent_no_writer_can_leave():
             struct.pack_into("<I", copy, L.H_INTENT_COUNT, count)
             if slot is not None:
                 struct.pack_into("<i", copy, L.intent_batch_offset(L.DEFAULT_MAX_GROUPS) + L.INTENT_ENTRY.size, slot)
-            problems = stats.check_arena(copy, size)
+            problems = fsck(copy, size)
             assert any("batch intent" in p and "corrupt" in p for p in problems), problems
             with pytest.raises(CorruptArena):
-                stats.recover_copy(copy, size)
+                recover_copy(copy, size)
         finally:
             copy.close()

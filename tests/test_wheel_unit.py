@@ -503,7 +503,7 @@ def test_key_index_churn_leaves_no_tombstones(batch):
     """Many add/cancel cycles on a small capacity: deletions move keys back, so the
     table holds exactly the scheduled keys and every one is still found."""
     wheel = TimerWheel.create(8, tick_ms=1, wheel_size=4, levels=2)
-    table_cells = len(wheel._table_np)
+    table_cells = len(wheel._index.table)
     live: dict[str, int] = {}
     for i in range(0, 5000, 4):
         keys = [f"key-{j}" for j in range(i, i + 4)]
@@ -520,10 +520,10 @@ def test_key_index_churn_leaves_no_tombstones(batch):
             assert all(wheel.cancel(k) for k in victims)
         for key in victims:
             del live[key]
-        assert np.count_nonzero(wheel._table_np >= 0) == len(live) == wheel._used
+        assert np.count_nonzero(wheel._index.table >= 0) == len(live) == wheel._index.used
         if i % 400 == 0:
             assert wheel.check() == []
-    assert len(wheel._table_np) == table_cells
+    assert len(wheel._index.table) == table_cells
     assert wheel.check() == []
     for key, d in live.items():
         assert wheel.lookup(key) == d
@@ -537,7 +537,7 @@ def test_key_index_long_cluster_deletions(batch):
     deleting from its front must keep every later key reachable (scalar: moving keys
     back; batch: inserting the rest of the cluster again, walking past the window)."""
     wheel = TimerWheel.create(64, tick_ms=1, wheel_size=4, levels=2)
-    crowd = [i for i in range(200_000) if (hash(encode_ident(i)) ^ wheel._gmix[0]) & wheel._mask < 4][:30]
+    crowd = [i for i in range(200_000) if (hash(encode_ident(i)) ^ wheel._index.gmix[0]) & wheel._index.mask < 4][:30]
     assert len(crowd) == 30
     for n, key in enumerate(crowd):
         wheel.schedule(key, 100 + n)
@@ -551,7 +551,7 @@ def test_key_index_long_cluster_deletions(batch):
         assert wheel.lookup(key) == (None if key in gone else 100 + n)
     expired = dict(wheel.advance(1000))
     assert expired == {key: 100 + n for n, key in enumerate(crowd) if key not in gone}
-    assert wheel.check() == [] and wheel._used == 0
+    assert wheel.check() == [] and wheel._index.used == 0
 
 
 def test_key_index_under_collisions_of_many_keys():
@@ -574,8 +574,8 @@ def test_key_index_batch_deletions_across_the_table_end(seed):
     reachable and the table holding exactly the scheduled keys."""
     rng = np.random.default_rng(seed)
     wheel = TimerWheel.create(64, tick_ms=1, wheel_size=8, levels=3)
-    mask = wheel._mask
-    homes = {i: (hash(encode_ident(i)) ^ wheel._gmix[0]) & mask for i in range(400_000)}
+    mask = wheel._index.mask
+    homes = {i: (hash(encode_ident(i)) ^ wheel._index.gmix[0]) & mask for i in range(400_000)}
     crowd = [i for i, h in homes.items() if h >= mask - 3 or h < 2][:40]
     others = [f"o{i}" for i in range(20)]
     assert len(crowd) == 40
@@ -602,7 +602,7 @@ def test_key_index_batch_deletions_across_the_table_end(seed):
         for key in due:
             del live[key]
         assert wheel.check() == [], round_number
-        assert np.count_nonzero(wheel._table_np >= 0) == len(live) == wheel._used
+        assert np.count_nonzero(wheel._index.table >= 0) == len(live) == wheel._index.used
         for key in crowd + others:
             assert wheel.lookup(key) == live.get(key)
 
@@ -946,3 +946,22 @@ def test_group_table_after_a_writer_killed_mid_register_or_forget(shm_name):
         assert again.group_id("abc") == 1 and again.group_id("new") == 3
     finally:
         again.close()
+
+
+def test_publish_stats_writes_only_the_wheels_own_counter_words():
+    """Each counter word has one writer: the wheel never touches the daemon's words."""
+    wheel = TimerWheel.create(10, start_ms=0)
+    try:
+        words = wheel.header_words()
+        base = L.H_COUNTERS // 8
+        for name in L.DAEMON_COUNTER_NAMES:
+            words[base + L.COUNTER[name]] = 1000 + L.COUNTER[name]
+        wheel.schedule("k", 5)
+        wheel.expire(10)
+        wheel.publish_stats()
+        assert all(words[base + L.COUNTER[n]] == 1000 + L.COUNTER[n] for n in L.DAEMON_COUNTER_NAMES)
+        published = L.read_counters(bytes(wheel._seg.buf[: L.GROUPS_OFFSET]))
+        assert published["expirations_total"] == published["fired_unacked"] == 1
+        assert set(L.WHEEL_COUNTER_NAMES).isdisjoint(L.DAEMON_COUNTER_NAMES)
+    finally:
+        wheel.close()

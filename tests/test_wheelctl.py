@@ -27,9 +27,14 @@ from daemon_harness import unique_name, unlink_segments
 from prometheus_client.parser import text_string_to_metric_families
 
 import wheeld
-from wheeld.daemon import stats as S
 from wheeld.ctl import main
 from wheeld.protocol import arena_layout as L
+from wheeld.protocol.errors import CorruptArena
+from wheeld.shm import check as CK
+from wheeld.shm import reader as R
+from wheeld.shm import snapshot as SN
+from wheeld.shm.fsck import fsck
+from wheeld.shm.header import parse_header
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,16 +46,16 @@ def wheelctl(daemon, *args, name=None, socket_path=None):
     return runner.invoke(main, argv, catch_exceptions=False)
 
 
-def settle(name: str, timeout_s: float = 5.0) -> S.Snapshot:
+def settle(name: str, timeout_s: float = 5.0) -> SN.Snapshot:
     """A snapshot published by a daemon iteration that began after this call.
 
     The daemon answers a flush before it publishes the counters of that
     iteration, so a test waits for the next heartbeat before it compares.
     """
-    after = S.mono_ms()
+    after = SN.mono_ms()
     end = time.monotonic() + timeout_s
     while True:
-        with S.ArenaReader(name) as reader:
+        with R.ArenaReader(name) as reader:
             snap = reader.snapshot()
         if snap.counters["daemon_heartbeat_ms"] > after:
             return snap
@@ -79,7 +84,7 @@ def stop_while_parked(daemon, timeout_s: float = 10.0) -> None:
     """
     words = ("daemon_heartbeat_ms", "wakeups_total")
     end = time.monotonic() + timeout_s
-    with S.ArenaReader(daemon.name) as reader:
+    with R.ArenaReader(daemon.name) as reader:
         def state():
             counters = reader.counters()
             return (struct.unpack_from("<qq", reader.buf, L.H_PARKED), tuple(counters[w] for w in words))
@@ -102,7 +107,7 @@ def stop_while_parked(daemon, timeout_s: float = 10.0) -> None:
 def copy_arena(source_name: str) -> tuple[str, mmap.mmap]:
     """Copy a live arena into a new segment of a fresh instance name; returns (name, writable mapping)."""
     copy_name = unique_name()
-    with S.ArenaReader(source_name) as reader:
+    with R.ArenaReader(source_name) as reader:
         size = reader.info["bytes"]
         data = bytes(reader.buf[:size])
     shm = posix_ipc.SharedMemory(f"/wheeld-{copy_name}-arena", posix_ipc.O_CREX, mode=0o600, size=size)
@@ -158,14 +163,14 @@ def test_stats_figures_agree_with_what_the_test_did(daemon):
 
 
 def test_stats_rates_and_table(daemon):
-    with S.ArenaReader(daemon.name) as reader:
+    with R.ArenaReader(daemon.name) as reader:
         before = reader.snapshot()
     with wheeld.connect(daemon.socket_path, group="rates") as w:
         for i in range(200):
             w.add(i, 600_000)
         w.flush()
         after = settle(daemon.name)
-        rates = S.rates(before, after)
+        rates = SN.rates(before, after)
         elapsed_s = (after.taken_ms - before.taken_ms) / 1000
         assert rates["adds_total"] == pytest.approx(200 / elapsed_s)
         assert rates["cancels_total"] == 0
@@ -175,7 +180,7 @@ def test_stats_rates_and_table(daemon):
         assert "adds_total" in table.stdout and "200" in table.stdout and "/s" in table.stdout
         assert "1 connected" in table.stdout  # this client
         as_json = json.loads(wheelctl(daemon, "stats", "--json", "--interval", "0.2").stdout)
-        assert set(as_json["rates_per_s"]) == set(S.RATE_COUNTERS)
+        assert set(as_json["rates_per_s"]) == set(SN.RATE_COUNTERS)
         assert as_json["rings"]["count"] == 1 and as_json["rings"]["depth"] == 0
         assert as_json["rings"]["rings"][0]["group"] == "rates" and as_json["rings"]["rings"][0]["client_alive"]
 
@@ -246,7 +251,7 @@ def test_stats_answers_while_the_daemon_is_stopped(daemon):
 
 
 def test_daemon_liveness_sees_through_a_recycled_pid(daemon):
-    assert S.daemon_alive(daemon.pid)
+    assert SN.daemon_alive(daemon.pid)
     other = subprocess.Popen(["sleep", "30"])  # what a recycled pid would look like
     try:
         # between fork and exec the child still shows our own command line: wait for the exec
@@ -256,11 +261,11 @@ def test_daemon_liveness_sees_through_a_recycled_pid(daemon):
                 if f.read().startswith(b"sleep"):
                     break
             time.sleep(0.01)
-        assert S.pid_alive(other.pid) and not S.daemon_alive(other.pid)
+        assert SN.pid_alive(other.pid) and not SN.daemon_alive(other.pid)
     finally:
         other.kill()
         other.wait()
-    assert not S.pid_alive(other.pid) and not S.daemon_alive(0)
+    assert not SN.pid_alive(other.pid) and not SN.daemon_alive(0)
 
 
 def test_nothing_running_gives_exit_3_and_says_why(tmp_path):
@@ -304,8 +309,8 @@ def test_add_and_cancel(daemon):
     assert wheelctl(daemon, "add", "--key-type", "int", "42", "60000", "-g", "ops").exit_code == 0
     snap = settle(daemon.name)
     assert snap.counters["adds_total"] == 2 and snap.counters["rearms_total"] == 1
-    with S.ArenaReader(daemon.name) as reader:
-        assert reader.lookup("job-1", "ops").deadline_ms > S.mono_ms() + 100_000
+    with R.ArenaReader(daemon.name) as reader:
+        assert reader.lookup("job-1", "ops").deadline_ms > SN.mono_ms() + 100_000
         assert reader.lookup(42, "ops") is not None and reader.lookup("42", "ops") is None
 
     cancelled = wheelctl(daemon, "cancel", "job-1", "--group", "ops")
@@ -526,7 +531,7 @@ def test_check_passes_on_the_live_arena_and_never_writes_it(daemon):
     assert result.stdout.startswith("ok:")
     stop_while_parked(daemon)
     try:
-        with S.ArenaReader(daemon.name) as reader:
+        with R.ArenaReader(daemon.name) as reader:
             size = reader.info["bytes"]
             before = bytes(reader.buf[:size])
             result = wheelctl(daemon, "check", "--json")
@@ -554,7 +559,7 @@ def test_check_is_clean_on_a_daemon_firing_every_millisecond(daemon):
 
         def check_repeatedly():
             while not stop.is_set():
-                reports.append(S.check(daemon.name, attempts=3, interval_s=0.01))
+                reports.append(CK.check(daemon.name, attempts=3, interval_s=0.01))
 
         thread = threading.Thread(target=check_repeatedly)
         thread.start()
@@ -588,7 +593,7 @@ def test_check_catches_a_corrupted_arena_copy(daemon, damage):
     settle(daemon.name)
     copy_name, buf = copy_arena(daemon.name)
     try:
-        info = S._parse_header(buf, len(buf), "copy")
+        info = parse_header(buf, len(buf), "copy")
         struct.pack_into("<q", buf, L.H_COUNTERS + 8 * L.COUNTER["daemon_pid"], 0)  # no live writer
         assert wheelctl(daemon, "check", name=copy_name).exit_code == 0  # the copy itself is sound
         slots = _scheduled_slots(buf, info)
@@ -635,7 +640,7 @@ def test_check_with_a_live_pid_needs_the_problem_in_every_copy(daemon):
     try:
         struct.pack_into("<q", buf, L.H_PARKED, 0)  # looks busy: never a quiet copy
         struct.pack_into("<q", buf, L.H_COUNTERS + 8 * L.COUNTER["pending_level_0"], 999)
-        report = S.check(copy_name, attempts=3, interval_s=0.01)
+        report = CK.check(copy_name, attempts=3, interval_s=0.01)
         assert report.daemon_alive and not report.quiet and report.copies == 3
         assert report.problems == [next(p for p in report.problems if "pending_level_0=999" in p)]
         assert not report.ok and not report.inconclusive
@@ -707,8 +712,8 @@ def test_checker_finds_nothing_in_a_sound_wheel_and_catches_each_broken_link(see
     wheel = _exercised_wheel(seed)
     try:
         buf = wheel._seg.buf
-        assert S.check_arena(buf) == [] and wheel.check() == []
-        info = S._parse_header(buf, len(buf), "w")
+        assert fsck(buf) == [] and wheel.check() == []
+        info = parse_header(buf, len(buf), "w")
         first = wheel.first_entry
         rec = np.frombuffer(buf, dtype=L.RECORD_DTYPE, count=wheel.n_records, offset=info["header_bytes"])
         live = np.flatnonzero((rec["state"][first:] & L.STATE_MASK) != L.FREE) + first
@@ -722,17 +727,17 @@ def test_checker_finds_nothing_in_a_sound_wheel_and_catches_each_broken_link(see
                 if bad == saved:
                     continue
                 struct.pack_into(fmt, buf, base + field, bad)
-                assert S.check_arena(buf), f"record {slot}: field at {field} = {bad} went unnoticed"
+                assert fsck(buf), f"record {slot}: field at {field} = {bad} went unnoticed"
                 struct.pack_into(fmt, buf, base + field, saved)
-        assert S.check_arena(buf) == []
+        assert fsck(buf) == []
         # any byte anywhere in the records: a list of problems or CorruptArena, never a crash
         for _ in range(200):
             offset = int(rng.integers(0, len(buf)))
             saved = buf[offset]
             buf[offset] = int(rng.integers(0, 256))
             try:
-                assert isinstance(S.check_arena(buf), list)
-            except S.CorruptArena:
+                assert isinstance(fsck(buf), list)
+            except CorruptArena:
                 pass
             buf[offset] = saved
     finally:
@@ -747,14 +752,14 @@ def test_checker_flags_a_live_record_outside_the_group_table():
         slot, _gen = wheel.schedule("k", 2000, group=wheel.group_id("g"))
         wheel.publish_stats()
         buf = wheel._seg.buf
-        assert S.check_arena(buf) == []
-        info = S._parse_header(buf, len(buf), "w")
+        assert fsck(buf) == []
+        info = parse_header(buf, len(buf), "w")
         struct.pack_into("<H", buf, info["header_bytes"] + slot * L.RECORD_BYTES + L.R_GROUP, 4)
-        assert any(p.startswith("bad group: record") for p in S.check_arena(buf))
+        assert any(p.startswith("bad group: record") for p in fsck(buf))
         copy = mmap.mmap(-1, len(buf))
         try:
             copy[:] = bytes(buf)
-            repairs, after = S.recover_copy(copy, len(buf))
+            repairs, after = CK.recover_copy(copy, len(buf))
             assert repairs == [f"record {slot}: invalid state/key/group, freed"] and after == []
         finally:
             copy.close()

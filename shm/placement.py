@@ -1,0 +1,110 @@
+"""Where a timer goes: the one placement rule of the wheel (``bucket_for``).
+
+Level *L* has ``wheel_size`` buckets of ``tick(L) = tick_ms * wheel_size ** L``
+ms each. A deadline ``d`` has, at level *L*, the bucket number::
+
+    v = ceil(d / tick(0))      at level 0 (rounded up: nothing fires early)
+    v = d // tick(L)           at the higher levels (their buckets cascade)
+
+and that bucket is within the level's reach from the clock ``c`` when::
+
+    v - c // tick(0) <= wheel_size       at level 0
+    v - c // tick(L) <  wheel_size       at the higher levels
+
+A deadline ``d <= c`` goes to the due list; otherwise to the lowest level whose
+reach holds it, bucket ``v % wheel_size`` with expiration ``v * tick(L)`` (always
+after ``c``); beyond the top level, into the top level's farthest bucket
+(``v = c // tick(top) + wheel_size - 1``), to be placed again when it comes due.
+The module docstring of :mod:`wheeld.shm.wheel` explains why level 0 reaches
+one bucket further than the others.
+
+:meth:`Placement.level_value` is that rule at one level, for an int or a numpy
+array; :meth:`Placement.bucket_for` (one deadline, the wheel's scalar paths),
+:meth:`Placement.buckets_for` (arrays, the batch paths and the rebuild) and the
+invariant checker (:mod:`wheeld.shm.fsck`, which checks that every record sits
+where its deadline maps to at its bucket's level) all use it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from wheeld.protocol import arena_layout as L
+
+__all__ = ["Placement"]
+
+
+class Placement:
+    """The placement rule of one wheel's geometry. Sentinels are numbered as in the arena:
+    level *L*'s bucket *j* is ``L * wheel_size + j``, the due list ``levels * wheel_size``."""
+
+    def __init__(self, tick_ms: int, wheel_size: int, levels: int) -> None:
+        self.tick_ms = tick_ms
+        self.wheel_size = wheel_size
+        self.levels = levels
+        self.due_list = levels * wheel_size
+        self.ticks = [tick_ms * wheel_size**level for level in range(levels)]
+        # per level: (level, tick, what to add before dividing (rounds level 0 up), reach)
+        self._rules = [(level, t, t - 1 if level == 0 else 0, wheel_size if level == 0 else wheel_size - 1)
+                       for level, t in enumerate(self.ticks)]
+        self._top = self._rules[-1]
+
+    def level_value(self, deadline, clock, level: int):
+        """``(v, fits)`` at ``level``: the bucket number of ``deadline`` (expiration ``v * tick``)
+        and whether it is within the level's reach from ``clock``. Ints or numpy arrays."""
+        _level, t, up, reach = self._rules[level]
+        v = (deadline + up) // t
+        return v, v - clock // t <= reach
+
+    def bucket_for(self, deadline: int, clock: int) -> tuple[int, int, int]:
+        """``(sentinel, bucket expiration, level)`` of one deadline; the due list has
+        expiration ``clock`` and level :data:`~wheeld.protocol.arena_layout.DUE_LEVEL`."""
+        if deadline <= clock:
+            return self.due_list, clock, L.DUE_LEVEL
+        ws = self.wheel_size
+        for level, t, up, reach in self._rules:  # level_value, written out: the scalar hot path
+            v = (deadline + up) // t
+            if v - clock // t <= reach:
+                return level * ws + v % ws, v * t, level
+        level, t, _up, _reach = self._top
+        v = clock // t + ws - 1  # clamp into the farthest bucket of the top level
+        return level * ws + v % ws, v * t, level
+
+    def buckets_for(self, deadlines: np.ndarray, clock: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`bucket_for` of every deadline: int64 arrays (sentinel, expiration, level).
+
+        Level by level over the deadlines not placed yet (a batch usually fits one
+        or two levels): each takes the lowest level whose reach holds it.
+        """
+        n = deadlines.size
+        buckets = np.empty(n, dtype=np.int64)
+        expirations = np.empty(n, dtype=np.int64)
+        levels = np.empty(n, dtype=np.int64)
+        rest = np.flatnonzero(deadlines > clock)
+        if rest.size < n:
+            due = np.flatnonzero(deadlines <= clock)
+            buckets[due], expirations[due], levels[due] = self.due_list, clock, L.DUE_LEVEL
+            left = deadlines[rest]
+        else:
+            rest, left = None, deadlines  # every item: no index arrays
+        for level, t, _up, _reach in self._rules:
+            if not left.size:
+                break
+            v, fit = self.level_value(left, clock, level)
+            if level == self.levels - 1:
+                v[~fit] = clock // t + self.wheel_size - 1  # clamp into the farthest bucket of the top level
+            elif not fit.all():
+                where = np.flatnonzero(fit)
+                self._store(buckets, expirations, levels, where if rest is None else rest[where], v[where], level)
+                keep = np.flatnonzero(~fit)
+                rest = keep if rest is None else rest[keep]
+                left = left[keep]
+                continue
+            self._store(buckets, expirations, levels, slice(None) if rest is None else rest, v, level)
+            break
+        return buckets, expirations, levels
+
+    def _store(self, buckets, expirations, levels, at, v: np.ndarray, level: int) -> None:
+        buckets[at] = level * self.wheel_size + v % self.wheel_size
+        expirations[at] = v * self.ticks[level]
+        levels[at] = level
