@@ -11,6 +11,7 @@ from wheeld.daemon.client_table import ClientSlot
 from wheeld.daemon.config import Config
 from wheeld.daemon.delivery import Delivery, Lateness
 from wheeld.protocol import arena_layout as AL
+from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import messages as M
 from wheeld.protocol.framing import FrameReader
 from wheeld.shm.wheel import TimerWheel
@@ -105,7 +106,7 @@ def test_expiry_by_columns_delivers_what_expiry_by_rows_delivers():
         r = random.Random(9)
         for j, ident in enumerate(idents):
             gid = list(members)[j % 2]
-            aux = (cs.slot << 20 | j % 1000) if j % 7 == 0 and gid == cs.group else -1
+            aux = (cs.slot << CL.TOUCH_INDEX_BITS | j % 1000) if j % 7 == 0 and gid == cs.group else -1
             d.wheel.schedule_ident(ident, 1001 + r.randrange(3000), gid, j, aux)
         for index in range(0, 1000, 3):  # touched idle timers come back on the wheel
             cs.segment.touched[index] = 2500

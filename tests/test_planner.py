@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from wheeld.daemon.client_table import ClientSlot
 from wheeld.daemon.executor import Executor
 from wheeld.daemon.planner import plan_batch
+from wheeld.protocol import arena_layout as AL
+from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import commands as C
 from wheeld.protocol import messages as M
 from wheeld.protocol.keys import encode_key
@@ -66,9 +68,9 @@ def _with_fired(executor: Executor, cs: ClientSlot) -> list[int]:
 
 def _wheel_state(wheel: TimerWheel) -> dict:
     rec = wheel.records[wheel.first_entry:]
-    state = rec["state"] & 0x0F
+    state = rec["state"] & AL.STATE_MASK
     out = {}
-    for name, code in (("scheduled", 1), ("fired", 2)):
+    for name, code in (("scheduled", AL.SCHEDULED), ("fired", AL.FIRED)):
         live = rec[state == code]
         out[name] = sorted(zip(live["key_meta"].tolist(), live["key"].tolist(), live["deadline"].tolist(),
                                live["tag"].tolist(), live["aux"].tolist()))
@@ -90,7 +92,7 @@ def test_a_plan_keeps_the_last_operation_per_key():
         (C.ADD, *y, 2500, 5), (C.CANCEL, *z, 0, 6), (C.FLUSH, b"", 0, 0, 7), (C.ACK, b"", 0, 0, EPOCH, 40, 2),
         (C.ADD, *z, 1000 + MAX_DELAY_MS + 1, 8), (C.FLUSH, b"", 0, 0, 9),
     ])
-    plan = plan_batch(records, 1000, MAX_DELAY_MS, 3 << 20)
+    plan = plan_batch(records, 1000, MAX_DELAY_MS, SLOT << CL.TOUCH_INDEX_BITS)
     assert plan.flushes == [7, 9]
     assert plan.acks == ([40], [2], [EPOCH])
     assert [(r.seq, r.code) for r in plan.rejections] == [(8, M.Rejected.INVALID_DEADLINE)]
@@ -98,7 +100,7 @@ def test_a_plan_keeps_the_last_operation_per_key():
     arms = {ident: (d, s, a) for ident, d, s, a in zip(plan.arms.idents.tolist(), plan.arms.deadlines.tolist(),
                                                         plan.arms.seqs.tolist(), plan.arms.aux.tolist())}
     # x: the last arm's deadline and tag, the touch index of the arm after the last cancel
-    assert arms == {_ident(*x): (4000, 4, 3 << 20 | 7), _ident(*y): (2500, 5, -1)}
+    assert arms == {_ident(*x): (4000, 4, SLOT << CL.TOUCH_INDEX_BITS | 7), _ident(*y): (2500, 5, -1)}
     assert plan.previous is None and plan.log(set()) is None
 
 
@@ -132,7 +134,7 @@ def test_a_plan_keeps_the_last_arming_and_reports_a_full_arena():
                 (C.FLUSH, b"", 0, 0, 7)]
     flushes, rejects = _planned(executor, cs, _records(commands))
     state = _wheel_state(executor.wheel)
-    assert (x[1], x[0].ljust(32, b"\0"), 4000, 4, SLOT << 20 | 7) in state["scheduled"]
+    assert (x[1], x[0].ljust(32, b"\0"), 4000, 4, SLOT << CL.TOUCH_INDEX_BITS | 7) in state["scheduled"]
     assert len(state["scheduled"]) == 3 and not state["problems"]
     assert [(r.seq, r.code) for r in rejects] == [(9, M.Rejected.ARENA_FULL), (10, M.Rejected.ARENA_FULL)]
     assert flushes == [7]
