@@ -158,6 +158,7 @@ class Daemon:
         self.delivery = Delivery(wheel, self.clients, cfg, totals, now, poison, self.clock, self.recorder)
         self.executor = Executor(wheel, self.clients, self.arena_epoch, cfg.group_quota, totals, poison, self.clock,
                                  self.recorder)
+        self.sessions.attach(wheel, self.delivery, self.executor, self.arena_epoch, self.recorder)
         for s in wheel.fired_slots():  # every fired-but-unacknowledged timer is delivered again
             _key, deadline, group, _tag, _aux, gen = wheel.fired(s)
             self.delivery.queues[group].append((s, gen, now, deadline < now))
@@ -181,8 +182,7 @@ class Daemon:
             self._close_listener()
             raise
         self.status = StatusPage.create(f"wheeld-{self.config.name}-status")
-        self.sessions.attach(self.wheel, self.delivery, self.executor, self.status, self.arena_epoch,
-                             self.lock.secret, self.recorder)
+        self.sessions.serve(self.status, self.lock.secret)
         self._maintain_handle = self.loop.call_later(MAINTAIN_S, self._maintain)
         # Everything allocated so far lives as long as the daemon: move it out of the
         # collector's reach, so a full collection (3-7 ms over the ~30k objects of the

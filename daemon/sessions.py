@@ -57,7 +57,7 @@ class Sessions:
 
     ``daemon`` provides the loop and its hooks: ``loop``, ``wake()``, ``soft_wake()``,
     ``arena_busy()``, ``stopping``, ``listener``; after the arena is open,
-    :meth:`attach` hands over what a session works with."""
+    :meth:`attach` and :meth:`serve` hand over what a session works with."""
 
     def __init__(self, config, totals: dict, daemon):
         self.config = config
@@ -77,9 +77,14 @@ class Sessions:
         self.arena_epoch = 0
         self.secret = b""
 
-    def attach(self, wheel, delivery, executor, status, arena_epoch: int, secret: bytes, recorder=None) -> None:
-        self.wheel, self.delivery, self.executor, self.status = wheel, delivery, executor, status
-        self.arena_epoch, self.secret, self.recorder = arena_epoch, secret, recorder
+    def attach(self, wheel, delivery, executor, arena_epoch: int, recorder=None) -> None:
+        """What sessions work with once the arena is open."""
+        self.wheel, self.delivery, self.executor = wheel, delivery, executor
+        self.arena_epoch, self.recorder = arena_epoch, recorder
+
+    def serve(self, status, secret: bytes) -> None:
+        """What a Welcome hands out: the status page, and resume tokens under the instance secret."""
+        self.status, self.secret = status, secret
 
     @property
     def loop(self):
