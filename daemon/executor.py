@@ -39,6 +39,7 @@ APPLY_CHUNK = 4096  # applied, then committed, at a time
 # + ~1.2 us/command, one by one ~3.5-4 us/command (crossover ~130-190, measured by
 # python -m bench.daemon_paths). At 64 the paced steady phase paid ~7 us per command.
 BATCH_MIN = 192
+_ADD, _ADD_IDLE, _CANCEL, _ACK = C.ADD, C.ADD_IDLE, C.CANCEL, C.ACK
 
 
 class Executor:
@@ -197,23 +198,27 @@ class Executor:
         keys = np.ascontiguousarray(records["key"]).view("V32").ravel().tolist()
         command_log = self._in_order_log(gid, ops, metas, keys) if recorder is not None else None
         flushes, rejects = [], []
-        for i, op in enumerate(ops):
-            if op == C.FLUSH:
-                flushes.append(seqs[i])
-                continue
-            if op == C.ACK:
-                self.release_one(cs, aux0[i], aux1[i], seqs[i])
-                continue
-            ident = _META[metas[i]] + keys[i]
+        for i in range(len(ops)):
+            op = ops[i]
             try:
-                if op == C.CANCEL:
-                    cancel(ident, gid)
-                elif quota and wheel.group_live(gid) >= quota and wheel.lookup_ident(ident, gid) is None:
-                    rejects.append(rejection(seqs[i], keys[i], metas[i], f"group {cs.group_name!r} holds its quota "
-                                             f"of {quota} timers", M.Rejected.QUOTA_EXCEEDED))
+                if op == _ADD:  # the commonest first
+                    if quota and self._over_quota(cs, _META[metas[i]] + keys[i]):
+                        rejects.append(self._quota_rejection(cs, seqs[i], keys[i], metas[i]))
+                        continue
+                    schedule(_META[metas[i]] + keys[i], deadlines[i], gid, seqs[i])
+                elif op == _CANCEL:
+                    cancel(_META[metas[i]] + keys[i], gid)
+                elif op == _ACK:
+                    self.release_one(cs, aux0[i], aux1[i], seqs[i])
                     continue
-                else:
-                    schedule(ident, deadlines[i], gid, seqs[i], touch_base | aux1[i] if op == C.ADD_IDLE else -1)
+                elif op == _ADD_IDLE:
+                    if quota and self._over_quota(cs, _META[metas[i]] + keys[i]):
+                        rejects.append(self._quota_rejection(cs, seqs[i], keys[i], metas[i]))
+                        continue
+                    schedule(_META[metas[i]] + keys[i], deadlines[i], gid, seqs[i], touch_base | aux1[i])
+                else:  # FLUSH (validated records hold no other op)
+                    flushes.append(seqs[i])
+                    continue
             except ArenaFull as exc:
                 rejects.append(rejection(seqs[i], keys[i], metas[i], str(exc), M.Rejected.ARENA_FULL))
                 continue
@@ -221,10 +226,19 @@ class Executor:
                 rejects.append(rejection(seqs[i], keys[i], metas[i], str(exc), M.Rejected.INVALID_DEADLINE))
                 continue
             if command_log is not None:
-                _log_command(command_log, ident, op, deadlines[i], seqs[i], aux0[i])
+                _log_command(command_log, _META[metas[i]] + keys[i], op, deadlines[i], seqs[i], aux0[i])
         if command_log is not None and command_log.idents:
             recorder.commands(gid, command_log)
         return flushes, rejects
+
+    def _over_quota(self, cs, ident: bytes) -> bool:
+        """An arm that needs a new record in a group at its ``--group-quota``."""
+        wheel = self.wheel
+        return wheel.group_live(cs.group) >= self.group_quota and wheel.lookup_ident(ident, cs.group) is None
+
+    def _quota_rejection(self, cs, seq: int, raw_key: bytes, meta: int) -> M.Rejected:
+        return rejection(seq, raw_key, meta, f"group {cs.group_name!r} holds its quota of {self.group_quota} timers",
+                         M.Rejected.QUOTA_EXCEEDED)
 
     def _in_order_log(self, gid: int, ops: list, metas: list, keys: list) -> CommandLog:
         """An empty log of the keyed commands to come, with the deadlines their keys have now."""
