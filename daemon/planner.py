@@ -149,26 +149,28 @@ def plan_batch(records: np.ndarray, clock_ms: int, max_delay_ms: int, touch_base
     return plan
 
 
-def _in_range(plan: Plan, records: np.ndarray, keyed_at: np.ndarray, clock_ms: int, max_delay_ms: int) -> np.ndarray:
-    """The keyed commands that take part: arms with a deadline out of range are rejected."""
+def _in_range(plan: Plan, records: np.ndarray, keyed_at: np.ndarray, clock_ms: int,
+              max_delay_ms: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(positions, ops, deadlines) of the keyed commands that take part: arms with a
+    deadline out of range are rejected."""
+    ops = records["op"][keyed_at]
     deadlines = records["deadline_ms"][keyed_at]
-    bad = (records["op"][keyed_at] != C.CANCEL) & (
-        (deadlines > clock_ms + max_delay_ms) | (deadlines < clock_ms - max_delay_ms))
+    bad = (ops != C.CANCEL) & ((deadlines > clock_ms + max_delay_ms) | (deadlines < clock_ms - max_delay_ms))
     if not bad.any():
-        return keyed_at
+        return keyed_at, ops, deadlines
     for i in keyed_at[bad].tolist():
         r = records[i]
         plan.rejections.append(rejection(int(r["seq"]), r["key"].tobytes(), int(r["key_meta"]),
                                          f"deadline {int(r['deadline_ms'])} is more than {max_delay_ms} ms "
                                          f"from the clock ({clock_ms})", M.Rejected.INVALID_DEADLINE))
-    return keyed_at[~bad]
+    keep = ~bad
+    return keyed_at[keep], ops[keep], deadlines[keep]
 
 
 def _plan_keyed(plan: Plan, records: np.ndarray, keyed_at: np.ndarray, clock_ms: int, max_delay_ms: int,
                 touch_base: int, lookup: Lookup | None) -> None:
-    at = _in_range(plan, records, keyed_at, clock_ms, max_delay_ms)
+    at, ops, deadlines = _in_range(plan, records, keyed_at, clock_ms, max_delay_ms)
     k = at.size
-    ops = records["op"][at]
     idents = np.empty((k, 33), dtype=np.uint8)
     idents[:, 0] = records["key_meta"][at]
     idents[:, 1:] = records["key"][at]
@@ -177,8 +179,7 @@ def _plan_keyed(plan: Plan, records: np.ndarray, keyed_at: np.ndarray, clock_ms:
     arm = ops != C.CANCEL
     cancel_at = np.flatnonzero(~arm).tolist()
     last_cancel = dict(zip([ident_list[j] for j in cancel_at], cancel_at))
-    keyed = plan.keyed = Keyed(at, ops, idents, ident_list, arm, records["deadline_ms"][at], records["seq"][at],
-                               last_cancel)
+    keyed = plan.keyed = Keyed(at, ops, idents, ident_list, arm, deadlines, records["seq"][at], last_cancel)
     last = dict(zip(ident_list, range(k)))  # ident -> j of its last keyed command
     if last_cancel:
         plan.cancels = idents[np.fromiter(last_cancel.values(), dtype=np.int64, count=len(last_cancel))]

@@ -55,7 +55,7 @@ _LOG_EVERY_S = 1.0  # a repeated warning is logged at most this often, with a co
 class Sessions:
     """The connections, the client slots and who may use what.
 
-    ``daemon`` provides the loop and its hooks: ``loop``, ``wake()``, ``soft_wake()``,
+    ``daemon`` provides the loop and its hooks: ``loop``, ``clock()``, ``wake()``, ``soft_wake()``,
     ``arena_busy()``, ``stopping``, ``listener``; after the arena is open,
     :meth:`attach` and :meth:`serve` hand over what a session works with."""
 
