@@ -3,12 +3,12 @@
     python -m bench.daemon_paths            # ~30 s: three tables + bench/results/daemon_paths.json
     python -m bench.daemon_paths --quick    # seconds
 
-1. **apply paths** (``daemon/server.py`` ``_BATCH_MIN``): the daemon applies a
-   drained batch either collapsed (``_apply_batch``: numpy, last operation per
-   key) or command by command (``_apply_one_by_one``). Both on a private-memory
+1. **apply paths** (``daemon/executor.py`` ``BATCH_MIN``): the daemon applies a
+   drained batch either planned (``plan_batch`` + ``Executor.apply_plan``: numpy,
+   last operation per key) or command by command (``Executor.apply_in_order``). Both on a private-memory
    wheel with ~65k pending, the e2e bench's mix (60% add of a new key, 20%
    re-arm, 20% cancel), validation included; us per command per batch size.
-   The crossover is where ``_BATCH_MIN`` belongs.
+   The crossover is where ``BATCH_MIN`` belongs.
 2. **park precision** (``daemon/alarm.py``): how long after the start of the
    next millisecond a parked uvloop wakes, with ``loop.call_later(delay)`` (the
    baseline; "early" counts wake-ups before the boundary, after which a parked
@@ -39,17 +39,17 @@ from bench.common import format_table, write_json
 # --------------------------------------------------------------------------- 1. apply paths
 
 
-def _private_daemon(capacity: int):
-    from wheeld.daemon.config import Config
-    from wheeld.daemon.server import ClientSlot, Daemon
+def _private_executor(capacity: int):
+    import collections
+
+    from wheeld.daemon.client_table import ClientSlot
+    from wheeld.daemon.executor import Executor
     from wheeld.shm.wheel import TimerWheel
 
-    daemon = Daemon(Config(socket_path="/nonexistent/wheeld.sock", name="bench-paths"))
-    daemon.wheel = TimerWheel.create(capacity, start_ms=1000)
-    daemon.arena_epoch = 77
-    slot = ClientSlot(3, None, "bench", daemon.wheel.group_id("g"), "g", os.getpid(), os.getuid())
-    daemon.clients[3] = slot
-    return daemon, slot
+    wheel = TimerWheel.create(capacity, start_ms=1000)
+    slot = ClientSlot(3, None, "bench", wheel.group_id("g"), "g", os.getpid(), os.getuid())
+    executor = Executor(wheel, {3: slot}, 77, 0, collections.Counter(), lambda cs, reason: None, lambda: 1000)
+    return executor, slot
 
 
 class _Plan:
@@ -89,25 +89,23 @@ class _Plan:
 def apply_paths(sizes: list[int], commands_per_point: int) -> list[dict]:
     from wheeld.protocol import commands as C
 
-    daemon, slot = _private_daemon(600_000)
+    executor, slot = _private_executor(600_000)
     plan = _Plan(1)
     for _ in range(40):  # ~65k pending after the cancels
-        daemon._apply_batch(slot, plan.batch(4096), [], [])
+        records = plan.batch(4096)
+        executor.apply_plan(slot, executor.plan(slot, records), records)
     rows = []
     for n in sizes:
-        row = {"batch_size": n, "pending": len(daemon.wheel)}
+        row = {"batch_size": n, "pending": len(executor.wheel)}
         for path in ("collapsed", "one_by_one"):
             batches = [plan.batch(n) for _ in range(max(3, commands_per_point // n))]
             t0 = time.perf_counter()
             for records in batches:
                 C.validate_records(records, 1 << 17)
                 if path == "collapsed":
-                    daemon._apply_batch(slot, records, [], [])
+                    executor.apply_plan(slot, executor.plan(slot, records), records)
                 else:
-                    keys = np.ascontiguousarray(records["key"]).view("V32").ravel().tolist()
-                    daemon._apply_one_by_one(slot, n, records["op"].tolist(), records["key_meta"].tolist(), keys,
-                                             records["deadline_ms"].tolist(), records["seq"].tolist(),
-                                             records["aux0"].tolist(), records["aux1"].tolist(), [], [])
+                    executor.apply_in_order(slot, records)
             row[f"{path}_us_per_cmd"] = round((time.perf_counter() - t0) / (len(batches) * n) * 1e6, 2)
         rows.append(row)
     return rows

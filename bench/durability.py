@@ -376,11 +376,15 @@ def daemon_source() -> dict:
     what it was (compare with ``git rev-parse HEAD:daemon/server.py``)."""
     import subprocess
 
-    import wheeld.daemon.journaling
+    import wheeld.daemon.delivery
+    import wheeld.daemon.executor
+    import wheeld.daemon.planner
+    import wheeld.daemon.recorder
     import wheeld.daemon.server
 
     out = {}
-    for module in (wheeld.daemon.server, wheeld.daemon.journaling):
+    for module in (wheeld.daemon.server, wheeld.daemon.planner, wheeld.daemon.executor, wheeld.daemon.delivery,
+                   wheeld.daemon.recorder):
         path = module.__file__
         blob = subprocess.run(["git", "hash-object", path], capture_output=True, text=True, check=False).stdout.strip()
         out[module.__name__] = {"path": path, "blob": blob}

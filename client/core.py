@@ -38,7 +38,6 @@ import socket
 import threading
 import time
 import weakref
-from typing import Annotated
 
 import msgspec
 from wheeld.protocol import commands as C
@@ -63,11 +62,10 @@ from wheeld.protocol.errors import (
 from wheeld.protocol.keys import (
     KEY_BYTES,
     TYPE_STR,
-    decode_key,
     encode_key,
     key_meta_of,
-    valid_key_meta,
 )
+from wheeld.protocol.messages import decode_daemon_body
 from wheeld.protocol.naming import default_socket_path
 from wheeld.shm.ring import ClientSegment
 from wheeld.shm.status import StatusPage
@@ -117,54 +115,6 @@ class Expired(msgspec.Struct, frozen=True, gc=False):
     deadline_ms: int
     fired_ms: int
     late: bool = False
-
-
-# The client's receive path decodes Expirations frames with its own typed decoder:
-# the same wire form as wheeld.protocol.messages.Expirations (a msgpack array
-# ["expirations", [[key_bytes, key_meta, deadline_ms, fired_ms, seq, slot,
-# generation, late], ...]]) and the same field constraints, checked in msgspec's C
-# code, but without Expiry.__post_init__'s per-item Python call. The one check that
-# __post_init__ makes, that key_bytes is a key of key_meta, is made in
-# _on_expirations (a table lookup; a str key's UTF-8 is checked by decoding it).
-# Every other message goes through the protocol's decoder.
-_U8 = Annotated[int, msgspec.Meta(ge=0, le=0xFF)]
-_U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
-_I32 = Annotated[int, msgspec.Meta(ge=-(1 << 31), le=(1 << 31) - 1)]
-_I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
-_SLOT = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
-_KEY_BYTES_FIELD = Annotated[bytes, msgspec.Meta(max_length=KEY_BYTES)]
-_KEY_LENGTH_FOR_META = tuple((meta & 0x3F) if valid_key_meta(meta) else -1 for meta in range(256))
-
-
-class _Item(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    key_bytes: _KEY_BYTES_FIELD
-    key_meta: _U8
-    deadline_ms: _I64
-    fired_ms: _I64
-    seq: _U32
-    slot: _SLOT
-    generation: _I32
-    late: bool
-
-
-class _Expirations(msgspec.Struct, frozen=True, array_like=True, tag=M.Expirations.__struct_config__.tag):
-    items: list[_Item]
-
-
-_expirations_decoder = msgspec.msgpack.Decoder(_Expirations)
-_EXPIRATIONS_PREFIX = msgspec.msgpack.encode(M.Expirations([]))[:-1]  # array header + tag
-
-
-def decode_daemon_body(body) -> object:
-    """A daemon frame body as a message: Expirations through the client's own decoder
-    (see above), anything else through :func:`wheeld.protocol.messages.decode_daemon_message`.
-    Raises ProtocolError on invalid input, like the protocol's decoder."""
-    if body[: len(_EXPIRATIONS_PREFIX)] == _EXPIRATIONS_PREFIX:
-        try:
-            return _expirations_decoder.decode(body)
-        except (msgspec.MsgspecError, ValueError) as exc:
-            raise ProtocolError(f"invalid daemon message: {exc}") from None
-    return M.decode_daemon_message(body)
 
 
 _live_clients: weakref.WeakSet = weakref.WeakSet()
@@ -614,7 +564,7 @@ class ClientCore:
 
     def _on_message(self, message) -> None:
         kind = type(message)
-        if kind is _Expirations or kind is M.Expirations:
+        if kind is M.ExpirationRows or kind is M.Expirations:
             self._on_expirations(message.items)
         elif kind is M.Applied:
             self._applied = message.seq
@@ -642,16 +592,7 @@ class ClientCore:
             raise refusal_error(message)
 
     def _on_expirations(self, items) -> None:
-        # First the check Expiry.__post_init__ would have made (see decode_daemon_body), for
-        # the whole frame before anything changes: a frame is taken whole or refused.
-        key_length = _KEY_LENGTH_FOR_META
-        try:
-            keys = [decode_key(e.key_bytes, e.key_meta) for e in items
-                    if key_length[e.key_meta] == len(e.key_bytes)]
-        except UnicodeDecodeError:
-            raise ProtocolError("invalid daemon message: a str key must be UTF-8") from None
-        if len(keys) != len(items):
-            raise ProtocolError("invalid daemon message: key_bytes do not match key_meta")
+        keys = M.expiry_keys(items)  # checked for the whole frame before anything changes
         my_slot = self._tag_base >> _SEQ_BITS
         former = self._former_slots
         epoch = self._welcome.arena_epoch  # handles name records of this arena only

@@ -39,7 +39,8 @@ Constraints (``msgspec.Meta``) are checked when decoding, not when constructing.
 Extra trailing fields are ignored (msgspec's default for ``array_like``), which
 leaves room to append optional fields without a new protocol version.
 
-Size: an Expiry with a 10-byte key is about 33 bytes.
+Size: an Expiry with a 10-byte key is about 33 bytes. ``Expirations`` has a codec of
+its own for both ends (see "the Expirations codec" below).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import msgspec
 
 from . import framing
 from .errors import InvalidKey, InvalidRequest, ProtocolError
-from .keys import KEY_BYTES, TYPE_STR, Key, decode_key, encode_key, valid_key_meta
+from .keys import KEY_BYTES, TYPE_STR, Key, decode_key, encode_key, key_length, key_type, valid_key_meta
 from .ring_layout import MAX_RING_CAPACITY, MAX_TOUCH_CAPACITY, MIN_RING_CAPACITY
 
 #: 2: rings are sealed memfds passed with SCM_RIGHTS alongside Hello/Welcome, a
@@ -70,9 +71,7 @@ Code = Annotated[str, msgspec.Meta(max_length=64)]
 KeyBytes = Annotated[bytes, msgspec.Meta(max_length=KEY_BYTES)]
 
 #: key meta -> the key length it announces, or -1 if no key can have that meta
-_KEY_LENGTH_FOR_META = tuple((meta & 0x3F) if valid_key_meta(meta) else -1 for meta in range(256))
-_STR_META_LOW = TYPE_STR << 6
-_STR_META_HIGH = (TYPE_STR + 1) << 6
+_KEY_LENGTH_FOR_META = tuple(key_length(meta) if valid_key_meta(meta) else -1 for meta in range(256))
 
 
 def _check_key(key_bytes: bytes, key_meta: int, optional: bool) -> None:
@@ -85,7 +84,7 @@ def _check_key(key_bytes: bytes, key_meta: int, optional: bool) -> None:
         return
     if _KEY_LENGTH_FOR_META[key_meta] != len(key_bytes):
         raise InvalidKey(f"key_bytes of length {len(key_bytes)} do not match key_meta {key_meta:#x}")
-    if _STR_META_LOW <= key_meta < _STR_META_HIGH:
+    if key_type(key_meta) == TYPE_STR:
         try:
             key_bytes.decode("utf-8")
         except UnicodeDecodeError:
@@ -185,8 +184,10 @@ class Refused(_Message, tag="refused"):
     BUSY: ClassVar[str] = "busy"  # too many clients
 
 
-class Expiry(msgspec.Struct, frozen=True, array_like=True):
-    """One timer that fired. ``late`` is True when it fired later than the daemon's promise."""
+class ExpiryFields(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The fields of one expiration as they travel (an ``Expirations`` item), each
+    constrained; :class:`Expiry` adds the check that ``key_bytes`` is a key of ``key_meta``.
+    """
 
     key_bytes: KeyBytes
     key_meta: U8
@@ -196,6 +197,10 @@ class Expiry(msgspec.Struct, frozen=True, array_like=True):
     slot: NonNegativeI32
     generation: I32
     late: bool
+
+
+class Expiry(ExpiryFields):
+    """One timer that fired. ``late`` is True when it fired later than the daemon's promise."""
 
     def __post_init__(self) -> None:
         _check_key(self.key_bytes, self.key_meta, optional=False)
@@ -310,6 +315,63 @@ def decode_daemon_message(body) -> DaemonMessage:
         return _daemon_decoder.decode(body)
     except _DECODE_ERRORS as exc:
         raise ProtocolError(f"invalid daemon message: {exc}") from None
+
+
+# --------------------------------------------------------------------------- the Expirations codec
+#
+# An ``Expirations`` message is the msgpack array
+#     ["expirations", [[key_bytes, key_meta, deadline_ms, fired_ms, seq, slot, generation, late], ...]]
+# (``array_like`` structs). The daemon encodes it from tuples in that field order, without
+# building ``Expiry`` objects; the client decodes it as ``ExpirationRows`` (the same field
+# constraints, checked in msgspec's C code, without ``Expiry.__post_init__``'s per-item
+# Python call) and makes the one check that call makes, for the whole frame, in
+# :func:`expiry_keys`.
+
+
+class ExpirationRows(_Message, tag=Expirations.__struct_config__.tag):
+    """An ``Expirations`` frame as the client decodes it (see :func:`decode_daemon_body`)."""
+
+    items: list[ExpiryFields]
+
+
+_expiration_rows_decoder = msgspec.msgpack.Decoder(ExpirationRows)
+_EXPIRATIONS_PREFIX = msgspec.msgpack.encode(Expirations([]))[:-1]  # array header + tag
+_EXPIRATIONS_TAG = Expirations.__struct_config__.tag
+
+
+def encode_expirations_frame(items: list[tuple]) -> bytearray:
+    """A length-prefixed ``Expirations`` frame from item tuples in ``ExpiryFields`` order
+    (msgspec encodes an ``array_like`` struct and a tuple of its fields alike)."""
+    buffer = bytearray(framing.HEADER_SIZE)
+    _encoder.encode_into((_EXPIRATIONS_TAG, items), buffer, framing.HEADER_SIZE)
+    framing.write_header(buffer, len(buffer) - framing.HEADER_SIZE)
+    return buffer
+
+
+def decode_daemon_body(body) -> DaemonMessage | ExpirationRows:
+    """A daemon frame body as a message: ``Expirations`` as :class:`ExpirationRows`,
+    anything else through :func:`decode_daemon_message`. Raises ProtocolError on
+    invalid input, like :func:`decode_daemon_message`."""
+    if body[: len(_EXPIRATIONS_PREFIX)] == _EXPIRATIONS_PREFIX:
+        try:
+            return _expiration_rows_decoder.decode(body)
+        except _DECODE_ERRORS as exc:
+            raise ProtocolError(f"invalid daemon message: {exc}") from None
+    return decode_daemon_message(body)
+
+
+def expiry_keys(items) -> list[Key]:
+    """The keys of a frame's items, after the check ``Expiry.__post_init__`` makes (the
+    bytes are a key of the meta byte, a str key is UTF-8) for every item; ProtocolError
+    if one fails: a frame is taken whole or refused."""
+    key_length = _KEY_LENGTH_FOR_META
+    try:
+        keys = [decode_key(e.key_bytes, e.key_meta) for e in items if key_length[e.key_meta] == len(e.key_bytes)]
+    except UnicodeDecodeError:
+        raise ProtocolError("invalid daemon message: a str key must be UTF-8") from None
+    if len(keys) != len(items):
+        raise ProtocolError("invalid daemon message: key_bytes do not match key_meta")
+    return keys
 
 
 def _encode_frame(message) -> bytes:

@@ -177,7 +177,7 @@ def test_a_key_with_a_fired_unacknowledged_arming_and_a_pending_one_keeps_both()
     again) and a later arming of the same key still pending: neither replaces the other."""
     from wheeld.protocol.journal_files import FiredTimer, PendingTimer
     from wheeld.protocol.journal_recovery import RecoveredState
-    from wheeld.daemon.journaling import load_recovered
+    from wheeld.daemon.recovery import load_recovered
     from wheeld.shm.wheel import TimerWheel
 
     wall_ns, mono_ns = 1_800_000_000_000 * 1_000_000, 5_000 * 1_000_000

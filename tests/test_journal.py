@@ -1021,7 +1021,7 @@ def _recorder(tmp_path, name: str):
     """A Recorder over a fresh arena (unlinked on exit) and a journal in ``tmp_path``."""
     import uuid
 
-    from wheeld.daemon.journaling import Recorder
+    from wheeld.daemon.recorder import Recorder
     from wheeld.shm.wheel import TimerWheel
 
     wheel = TimerWheel.create(1000, tick_ms=1, wheel_size=64, name=f"/wheeld-test-{os.getpid()}-{uuid.uuid4().hex[:8]}",
@@ -1045,7 +1045,7 @@ def _ident(key) -> bytes:
 
 
 def test_ident_to_json_equals_key_to_json():
-    from wheeld.daemon.journaling import _ident_to_json
+    from wheeld.daemon.recorder import _ident_to_json
 
     for key in _BATCH_KEYS:
         value = _ident_to_json(_ident(key))
@@ -1055,10 +1055,10 @@ def test_ident_to_json_equals_key_to_json():
 def test_batch_methods_journal_exactly_what_the_scalar_methods_do(tmp_path, monkeypatch):
     """Same commands, same clock: armed_many/cancelled_many write the bytes that
     armed/cancelled write one command at a time (add vs rearm, cancel hit vs miss)."""
-    from wheeld.daemon import journaling
+    from wheeld.daemon import recorder as recorder_module
 
-    monkeypatch.setattr(journaling, "mono_ms", lambda: 5_000)
-    monkeypatch.setattr(journaling, "wall_offset_ms", lambda: T0 - 5_000)
+    monkeypatch.setattr(recorder_module, "mono_ms", lambda: 5_000)
+    monkeypatch.setattr(recorder_module, "wall_offset_ms", lambda: T0 - 5_000)
     keys = _BATCH_KEYS
     files = {}
     for mode in ("scalar", "batch"):
@@ -1109,10 +1109,10 @@ def test_previous_deadlines_of_an_empty_batch_and_of_absent_keys(tmp_path):
 
 
 def test_a_forgotten_group_id_reused_by_another_name_is_journaled_under_the_new_name(tmp_path, monkeypatch):
-    from wheeld.daemon import journaling
+    from wheeld.daemon import recorder as recorder_module
 
-    monkeypatch.setattr(journaling, "mono_ms", lambda: 5_000)
-    monkeypatch.setattr(journaling, "wall_offset_ms", lambda: T0 - 5_000)
+    monkeypatch.setattr(recorder_module, "mono_ms", lambda: 5_000)
+    monkeypatch.setattr(recorder_module, "wall_offset_ms", lambda: T0 - 5_000)
     with _recorder(tmp_path, "forget") as (recorder, wheel):
         gid = wheel.group_id("old")
         recorder.begin()
@@ -1225,10 +1225,10 @@ def test_commands_many_journals_a_batch_with_repeated_keys_as_in_order(tmp_path,
     """A batch applied collapsed (last operation per key) is journaled command by command:
     the same bytes as applying and recording each command in order; arms the arena
     refused after a key's last cancel leave no event."""
-    from wheeld.daemon import journaling
+    from wheeld.daemon import recorder as recorder_module
 
-    monkeypatch.setattr(journaling, "mono_ms", lambda: 5_000)
-    monkeypatch.setattr(journaling, "wall_offset_ms", lambda: T0 - 5_000)
+    monkeypatch.setattr(recorder_module, "mono_ms", lambda: 5_000)
+    monkeypatch.setattr(recorder_module, "wall_offset_ms", lambda: T0 - 5_000)
     rng = random.Random(3)
     keys = ["a", "b", 7, b"c", "str:d"]
     commands = [(rng.choice(keys), rng.random() < 0.7, 10_000 + j, 100 + j, 9_000 if j % 4 == 0 else None)

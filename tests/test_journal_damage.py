@@ -63,7 +63,7 @@ def no_fsync():
 def write_recorded_journal(directory: Path, timers: int = TIMERS, seed: int = 7) -> None:
     """``timers`` adds (str, int and bytes keys, two groups) with re-arms, cancels, fires and
     acks, through ``Recorder`` over a real arena; 64 KiB segments; a snapshot half-way."""
-    from wheeld.daemon.journaling import Recorder
+    from wheeld.daemon.recorder import Recorder
     from wheeld.shm.wheel import TimerWheel
 
     rng = random.Random(seed)
@@ -832,7 +832,8 @@ def test_recovered_deadlines_are_never_early(tmp_path, monkeypatch, wall_phase_n
     truncation to whole ms would hide up to 1 ms in each direction)."""
     import time as time_module
 
-    from wheeld.daemon import journaling
+    from wheeld.daemon import recovery
+    from wheeld.daemon.recorder import Recorder
     from wheeld.shm.wheel import TimerWheel
 
     wall_ns = 1_700_000_000_123 * 1_000_000 + wall_phase_ns
@@ -846,8 +847,8 @@ def test_recovered_deadlines_are_never_early(tmp_path, monkeypatch, wall_phase_n
     try:
         monkeypatch.setattr(time_module, "time_ns", lambda: wall_ns)
         monkeypatch.setattr(time_module, "monotonic_ns", lambda: mono_ns)
-        journaling.recover_into(wheel, str(tmp_path / "journal"))
-        recorder = journaling.Recorder(make_journal(tmp_path / "other"), wheel)
+        recovery.recover_into(wheel, str(tmp_path / "journal"))
+        recorder = Recorder(make_journal(tmp_path / "other"), wheel)
         recorder.begin()
         recorder.armed(wheel.group_id("g"), "x", 5_000_250, 1, None, None)
         recorded = recorder.events[0].d

@@ -98,21 +98,29 @@ def test_a_touch_made_after_the_daemon_read_its_clock_is_not_taken_for_a_bad_val
     (earlier) clock of its loop iteration: a touch stored in between is legitimate."""
     import os
 
+    from wheeld.daemon.client_table import ClientSlot
     from wheeld.daemon.config import Config
-    from wheeld.daemon.server import ClientSlot, Daemon
+    from wheeld.daemon.delivery import Delivery
     from wheeld.protocol import clients_layout as CL
     from wheeld.shm.ring import ClientSegment
 
-    daemon = Daemon(Config(socket_path="/nonexistent/wheeld.sock", name="touch-clock"))
     segment = ClientSegment.create("touch-clock", 8, 4)
     try:
         cs = ClientSlot(2, segment, "touch-clock", 0, "g", os.getpid(), os.getuid())
-        daemon.clients[2] = cs
+        config = Config(socket_path="/nonexistent/wheeld.sock", name="touch-clock")
+        delivery = Delivery(_NoWheel(), {2: cs}, config, {}, 0, lambda cs, reason: setattr(cs, "poisoned", True),
+                            lambda: time.monotonic_ns() // 1_000_000)
         iteration_now = time.monotonic_ns() // 1_000_000 - 50  # the loop read its clock 50 ms ago
         segment._last_touch[1] = -(-time.monotonic_ns() // 1_000_000)  # the client touched just now
         segment._idle[1] = 1_000
-        rearm_at, idle_ms = daemon._idle_check(2 << CL.TOUCH_INDEX_BITS | 1, iteration_now)
+        rearm_at, idle_ms = delivery.idle_check(2 << CL.TOUCH_INDEX_BITS | 1, iteration_now)
         assert not cs.poisoned
         assert idle_ms == 1_000 and rearm_at >= iteration_now + 1_000
     finally:
         segment.close()
+
+
+class _NoWheel:
+    """Delivery's wheel, for a test that only checks touches."""
+
+    tick_ms, wheel_size = 1, 256

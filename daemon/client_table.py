@@ -1,0 +1,184 @@
+"""The client slots and the client table that keeps them across daemon restarts.
+
+``/wheeld-NAME-clients`` (:mod:`wheeld.protocol.clients_layout`) holds, per client
+slot, its group, pid, uid, ring label and last ring depth (wheelctl shows them:
+rings are memfds it cannot map), and per group id its owner. A restarted daemon
+finds the slots its clients had; they wait ``resume_grace_s`` for their client
+to hand the ring back.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+
+import posix_ipc
+
+from wheeld.protocol import clients_layout as CL
+from wheeld.protocol.errors import ProtocolError
+from wheeld.shm.ring import ClientSegment
+
+from wheeld.protocol.naming import clients_name, segment_prefix
+from .instance import check_owned, set_aside
+from .startup import hand_to_monitors
+
+log = logging.getLogger("wheeld")
+
+
+class ClientSlot:
+    """A client's ring segment, drained whether or not its client is connected.
+
+    ``segment`` is None while a slot found in the client table after a daemon
+    restart waits for its client to hand the ring back (``resume_grace_s``).
+    ``unacked`` holds what was sent to this client and not yet acknowledged, in two
+    generations: every ``ack_timeout_s / 2`` what is still in the older one is sent
+    again (to any member) and the newer one becomes the older."""
+
+    __slots__ = ("slot", "segment", "label", "group", "group_name", "session", "unacked", "unacked_old", "poisoned",
+                 "pid", "uid", "orphan_since", "unanswered_flush")
+
+    def __init__(self, slot: int, segment: ClientSegment | None, label: str, group: int, group_name: str, pid: int,
+                 uid: int):
+        self.slot = slot
+        self.segment = segment
+        self.label = label
+        self.group = group
+        self.group_name = group_name
+        self.session = None  # its connection.Session while connected
+        self.unacked: dict[int, int] = {}  # fired slot -> generation, sent to this client
+        self.unacked_old: dict[int, int] = {}
+        self.poisoned = False
+        self.pid = pid
+        self.uid = uid
+        self.orphan_since = 0
+        self.unanswered_flush: int | None = None  # a FLUSH applied while no session was open
+
+    def take_unacked(self) -> list[tuple[int, int]]:
+        """Everything in flight to this client, forgotten here (it goes back to the queue)."""
+        pairs = list(self.unacked_old.items()) + list(self.unacked.items())
+        self.unacked_old.clear()
+        self.unacked.clear()
+        return pairs
+
+
+class ClientTable:
+    """The client slots in use (``clients``: slot -> ClientSlot, also by ring label)
+    and their shared-memory table."""
+
+    def __init__(self, config, clients: dict[int, ClientSlot]):
+        self.config = config
+        self.clients = clients
+        self.by_label: dict[str, ClientSlot] = {}  # ring label -> its slot (resume looks them up)
+        self._next_slot = 0  # slots are handed out round robin: a freed slot is reused last
+        self._static_owners = {name: (CL.OWNER_UID if kind == "uid" else CL.OWNER_GID, ident)
+                               for name, kind, ident in config.group_owners}
+        self._buf = None
+
+    def open(self, wheel, now: int) -> None:
+        """Map the client table; a restarted daemon finds the slots its clients had (they
+        wait ``resume_grace_s`` for their client to hand the ring back) and the group owners."""
+        name = clients_name(self.config.name)
+        untrusted = check_owned(name)
+        if untrusted is not None:
+            moved = set_aside(name)
+            log.error("client table %s set aside as %s because %s", name, moved, untrusted)
+        mode = self.config.arena_mode
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT, mode=mode, size=CL.SEGMENT_BYTES)
+        try:
+            if os.fstat(shm.fd).st_size != CL.SEGMENT_BYTES:
+                os.ftruncate(shm.fd, 0)
+                os.ftruncate(shm.fd, CL.SEGMENT_BYTES)
+            os.fchmod(shm.fd, mode)
+            self._buf = mmap.mmap(shm.fd, CL.SEGMENT_BYTES)
+        finally:
+            shm.close_fd()
+        hand_to_monitors(self.config, name)
+        buf = self._buf
+        magic, arena_created = CL.HEADER.unpack_from(buf, 0)
+        if magic != CL.MAGIC or arena_created != wheel.created_wall_ms:
+            buf[: CL.SEGMENT_BYTES] = bytes(CL.SEGMENT_BYTES)  # another arena's table (or none)
+            CL.HEADER.pack_into(buf, 0, CL.MAGIC, wheel.created_wall_ms)
+            return
+        self._restore(wheel, now)
+
+    def _restore(self, wheel, now: int) -> None:
+        for slot in range(CL.MAX_CLIENTS):
+            in_use, group, pid, uid, _depth, _capacity, raw = CL.ENTRY.unpack_from(self._buf, CL.entry_offset(slot))
+            if not in_use:
+                continue
+            label = raw.rstrip(b"\0").decode("utf-8", "replace")
+            cs = ClientSlot(slot, None, label, group, wheel.group_name(group), pid, uid)
+            cs.orphan_since = now
+            self.clients[slot] = cs
+            self.by_label[label] = cs
+            log.info("client slot %d (pid %d, group %s): waiting up to %.0f s for its client to hand ring %s back",
+                     slot, pid, cs.group_name, self.config.resume_grace_s, label)
+
+    # ------------------------------------------------------------------ slots
+    def add(self, cs: ClientSlot) -> None:
+        self.clients[cs.slot] = cs
+        self.by_label[cs.label] = cs
+
+    def remove(self, cs: ClientSlot) -> None:
+        del self.clients[cs.slot]
+        self.by_label.pop(cs.label, None)
+        self.write_entry(cs.slot, None)
+
+    def write_entry(self, slot: int, cs: ClientSlot | None) -> None:
+        if cs is None:
+            CL.ENTRY.pack_into(self._buf, CL.entry_offset(slot), 0, 0, 0, 0, 0, 0, b"")
+            return
+        capacity = cs.segment.ring_capacity if cs.segment is not None else 0
+        CL.ENTRY.pack_into(self._buf, CL.entry_offset(slot), 1, cs.group, cs.pid, cs.uid, 0, capacity,
+                           cs.label.encode("utf-8")[:104])
+
+    def write_depths(self) -> None:
+        """Ring depths for wheelctl (rings are memfds it cannot map)."""
+        for cs in self.clients.values():
+            if cs.segment is not None and not cs.poisoned:
+                try:
+                    depth = cs.segment.depth()
+                except ProtocolError:
+                    continue
+                CL.DEPTH.pack_into(self._buf, CL.entry_offset(cs.slot) + CL.DEPTH_OFFSET, depth)
+
+    def free_slot_number(self, previous_label: str) -> int | None:
+        """A free client slot: the one the label names when free (a ring from before a
+        reboot keeps its slot, and so its arming tags), else the next one round robin."""
+        limit = min(self.config.max_clients, CL.MAX_CLIENTS)
+        prefix = segment_prefix(self.config.name)
+        if previous_label.startswith(prefix):
+            wanted = previous_label[len(prefix):].partition("-")[0]
+            if wanted.isdigit() and int(wanted) < limit and int(wanted) not in self.clients:
+                return int(wanted)
+        for offset in range(limit):
+            slot = (self._next_slot + offset) % limit
+            if slot not in self.clients:
+                self._next_slot = slot + 1
+                return slot
+        return None
+
+    # ------------------------------------------------------------------ group owners
+    def group_owner(self, group_name: str, group: int | None) -> tuple[int, int] | None:
+        """(kind, id) of whoever owns a group: ``--group-owner``, else the first uid that
+        joined it (kept in the client table), else nobody yet."""
+        static = self._static_owners.get(group_name)
+        if static is not None:
+            return static
+        if group is None:
+            return None
+        kind, ident = CL.OWNER.unpack_from(self._buf, CL.owner_offset(group))
+        return None if kind == CL.OWNER_NONE else (kind, ident)
+
+    def claim(self, group_name: str, group: int, uid: int) -> bool:
+        """Record ``uid`` as the owner of a group nobody owns (not one ``--group-owner`` names)."""
+        if group_name in self._static_owners:
+            return False
+        if CL.OWNER.unpack_from(self._buf, CL.owner_offset(group))[0] != CL.OWNER_NONE:
+            return False
+        CL.OWNER.pack_into(self._buf, CL.owner_offset(group), CL.OWNER_UID, uid)
+        return True
+
+    def forget_owner(self, group: int) -> None:
+        CL.OWNER.pack_into(self._buf, CL.owner_offset(group), CL.OWNER_NONE, 0)

@@ -1,0 +1,286 @@
+"""Delivery: what comes due leaves the wheel and reaches a member of its group.
+
+* **Expire** (:meth:`Delivery.expire`): a level-1 cascade or a backlog goes through
+  the wheel's batch ``expire_many`` and, from ``COLUMNS_MIN`` timers on, the
+  records' numpy columns; a level-0 bucket of a few timers through the scalar
+  ``expire`` and record tuples (*rows*). With ``--journal`` the rows are what the
+  Recorder observes: every fire and idle re-arm becomes an event.
+* **Idle timers**: one that comes due and was touched since it was armed goes back
+  on the wheel at ``last touch + idle time`` (:meth:`Delivery.idle_check` reads the
+  client's touch table), or is released when its key was armed again meanwhile.
+* **Queues**: what fired waits in its group's queue (slot, generation, fired_ms,
+  late) until a member can take it; what a client had in flight when it went goes
+  back to the front (:meth:`Delivery.requeue`).
+* **Lateness**: fired - deadline of every expiration, as the arena header's histogram
+  (published by the daemon) and ``late_total``, the timers fired more than a tick late.
+* **Dispatch** (:meth:`Delivery.dispatch`): queues go to live members round robin,
+  one ``Expirations`` frame per ``--delivery-batch``, built straight from record
+  fields (:func:`wheeld.protocol.messages.encode_expirations_frame`). A queued entry
+  no longer FIRED with its generation (acknowledged meanwhile, e.g. by an ack left
+  in a ring across a restart) is dropped.
+
+Never early: ``expire(now)`` returns only timers with ``deadline <= now``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from itertools import repeat
+from typing import Callable
+
+import numpy as np
+
+from wheeld.protocol import arena_layout as AL
+from wheeld.protocol import clients_layout as CL
+from wheeld.protocol import messages as M
+from wheeld.protocol.errors import ProtocolError
+from wheeld.protocol.keys import decode_key, key_length
+from wheeld.shm.wheel import TimerWheel
+
+EXPIRE_MANY_MIN = 24  # see Delivery.expire (expire_many ~30 us per call, expire ~1.7 us per timer)
+COLUMNS_MIN = 256  # expirations handled per column (numpy) from this many on, per row below
+IDLE_WAIT_MS = 100  # an idle timer whose client has not come back after a restart waits this long
+_LATENESS_BOUNDS_US = np.array(AL.LATENESS_BOUNDS_US, dtype=np.int64)
+
+
+class Lateness:
+    """How late expirations fire, until the daemon publishes it (:meth:`publish`)."""
+
+    def __init__(self, tick_ms: int):
+        self.counts = [0] * AL.LATENESS_BUCKETS
+        self.sum_us = 0
+        self.beyond_tick = 0  # fired more than a tick after the deadline (late_total)
+        self._tick_us = tick_ms * 1000
+
+    def add(self, late_us) -> None:
+        """Count expirations fired ``late_us`` after their deadline: a list, or an int64
+        array for many. Bucket i counts lateness <= bounds[i], like Prometheus ``le``
+        (``bisect_left``, and ``searchsorted(side="left")`` for the array)."""
+        counts = self.counts
+        if isinstance(late_us, np.ndarray):
+            self.sum_us += int(late_us.sum())
+            self.beyond_tick += int(np.count_nonzero(late_us > self._tick_us))
+            buckets = np.bincount(np.searchsorted(_LATENESS_BOUNDS_US, late_us, side="left"),
+                                  minlength=AL.LATENESS_BUCKETS)
+            for i, count in enumerate(buckets.tolist()):
+                if count:
+                    counts[i] += count
+            return
+        bounds, tick_us = AL.LATENESS_BOUNDS_US, self._tick_us
+        for us in late_us:
+            counts[bisect.bisect_left(bounds, us)] += 1
+            if us > tick_us:
+                self.beyond_tick += 1
+        self.sum_us += sum(late_us)
+
+    def publish(self, words, totals: dict) -> None:
+        """Add what was counted since the last call to the arena header's histogram."""
+        base = AL.H_LATENESS // 8
+        counts = self.counts
+        for i, count in enumerate(counts):
+            if count:
+                words[base + i] += count
+                counts[i] = 0
+        if self.sum_us:
+            words[AL.H_LATENESS_SUM_US // 8] += self.sum_us
+            self.sum_us = 0
+        totals["late_total"] += self.beyond_tick
+        self.beyond_tick = 0
+
+
+class Delivery:
+    """Fired timers from the wheel to group members (see the module docstring).
+
+    ``clients`` is the daemon's client table (idle timers read their client's touch
+    table); ``members`` gid -> the sessions of that group, filled by the sessions."""
+
+    def __init__(self, wheel: TimerWheel, clients: dict, config, totals: dict, started_ms: int,
+                 poison: Callable, clock: Callable[[], int], recorder=None):
+        self.wheel = wheel
+        self.clients = clients
+        self.config = config
+        self.totals = totals
+        self.started_ms = started_ms  # a timer due before this fires marked late (the daemon was down)
+        self.poison = poison
+        self.clock = clock
+        self.recorder = recorder
+        self.queues: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self.members: dict[int, list] = collections.defaultdict(list)
+        self.lateness = Lateness(wheel.tick_ms)
+        self._rr = 0
+        self._last_expired = 0  # timers the last expire fired (chooses the wheel method)
+        self._level1_tick_ms = wheel.tick_ms * wheel.wheel_size
+
+    # ------------------------------------------------------------------ expire
+    def expire(self, now: int) -> None:
+        """Fire what is due at ``now``: idle timers that were touched go back on the wheel,
+        the rest join their group's queue (and the lateness counts)."""
+        # expire_many costs tens of us per call and less per timer; expire the reverse. A
+        # level-1 bucket (its expiration a multiple of tick_ms * wheel_size) cascades
+        # thousands of timers, a backlog (the clock ran more than a tick past the first
+        # due bucket) covers many buckets, and a rate of many per level-0 bucket shows
+        # in the previous call: batch methods then; one level-0 bucket of a few, per item.
+        wheel = self.wheel
+        due = wheel.next_deadline()
+        if due is None or due > now:
+            wheel.expire(now)  # nothing is due: only moves the clock
+            return
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.begin()
+        if self._last_expired < EXPIRE_MANY_MIN and now - due <= wheel.tick_ms and due % self._level1_tick_ms:
+            slots = wheel.expire(now)
+            self._last_expired = len(slots)
+            if slots:
+                self._queue_rows(slots, wheel.records_of(slots).tolist(), now)
+        else:
+            slots = wheel.expire_many(now)
+            self._last_expired = slots.size
+            if slots.size >= COLUMNS_MIN and recorder is None:
+                self._queue_columns(slots, wheel.records_of(slots), now)
+            elif slots.size:
+                self._queue_rows(slots.tolist(), wheel.records_of(slots).tolist(), now)
+        if recorder is not None:
+            recorder.commit(now)
+
+    def _queue_rows(self, slots: list, rows: list, now: int) -> None:
+        """Expired timers as record tuples: idle re-arms, queues, lateness, journal."""
+        queues, started, recorder = self.queues, self.started_ms, self.recorder
+        late_us = []
+        for s, row in zip(slots, rows):
+            deadline, _prev, _next, gen, tag, aux, group, _state, meta, key = row
+            idle_ms = 0  # journaled with the fire: an idle timer's idle_ms is in its client's touch table
+            if aux >= 0:  # an idle timer: was it touched since it was armed?
+                rearm_at, idle_ms = self.idle_check(aux, now)
+                if rearm_at is not None:
+                    self._rearm_idle(s, row, rearm_at, idle_ms)
+                    continue
+            late_us.append((now - deadline) * 1000)
+            late = deadline < started
+            queues[group].append((s, gen, now, late))
+            if recorder is not None:
+                recorder.fired(group, decode_key(key, meta), deadline, tag, now, late, idle_ms or None)
+        self.lateness.add(late_us)
+
+    def _queue_columns(self, slots: np.ndarray, records: np.ndarray, now: int) -> None:
+        """:meth:`_queue_rows` for many timers, from the records' numpy columns (no journal)."""
+        idle = records["aux"] >= 0
+        if idle.any():
+            keep = np.ones(slots.size, dtype=bool)
+            for j in np.flatnonzero(idle).tolist():
+                row = records[j].item()
+                rearm_at, idle_ms = self.idle_check(row[5], now)
+                if rearm_at is not None:
+                    self._rearm_idle(int(slots[j]), row, rearm_at, idle_ms)
+                    keep[j] = False
+            if not keep.all():
+                slots, records = slots[keep], records[keep]
+                if not slots.size:
+                    return
+        deadlines = records["deadline"]
+        self.lateness.add((now - deadlines) * 1000)
+        late = (deadlines < self.started_ms).tolist()
+        groups = records["group"]
+        first = int(groups[0])
+        if (groups == first).all():
+            self.queues[first].extend(zip(slots.tolist(), records["gen"].tolist(), repeat(now), late))
+            return
+        queues = self.queues
+        for slot, gen, group, is_late in zip(slots.tolist(), records["gen"].tolist(), groups.tolist(), late):
+            queues[group].append((slot, gen, now, is_late))
+
+    def _rearm_idle(self, slot: int, row: tuple, rearm_at: int, idle_ms: int) -> None:
+        """An idle timer touched since it was armed goes back on the wheel at ``rearm_at``
+        (or is released: its key was armed again meanwhile)."""
+        deadline, _prev, _next, gen, tag, _aux, group, _state, meta, key = row
+        if not self.wheel.rearm_fired(slot, gen, rearm_at):
+            self.wheel.release(slot, gen)
+        elif self.recorder is not None:
+            self.recorder.idle_rearmed(group, decode_key(key, meta), deadline, rearm_at, tag, idle_ms)
+
+    def idle_check(self, aux: int, now: int) -> tuple[int | None, int]:
+        """For an idle timer that came due at ``now``: (when it must fire instead, or None
+        to fire it now; its idle_ms, 0 when unknown).
+
+        The last touch and the idle time are read from the client's touch table,
+        which the client writes: impossible values poison that client (its session
+        ends; the timer fires now). A client that has not handed its ring back since
+        a daemon restart has its touches out of reach for a while: its idle timers
+        wait ``IDLE_WAIT_MS`` at a time, up to ``resume_grace_s``, rather than
+        firing for connections that may well be active."""
+        cs = self.clients.get(aux >> CL.TOUCH_INDEX_BITS)
+        if cs is None or cs.poisoned:
+            return None, 0
+        if cs.segment is None:
+            waited_ms = now - cs.orphan_since
+            return (now + IDLE_WAIT_MS if waited_ms < self.config.resume_grace_s * 1000 else None), 0
+        try:
+            # the bound for a touch is the clock now, not the iteration's ``now``: the client
+            # may have touched after this iteration read it
+            activity = cs.segment.read_activity(aux & CL.TOUCH_INDEX_MASK, max(now, self.clock()))
+        except ProtocolError as exc:
+            self.poison(cs, f"touch table: {exc}")
+            return None, 0
+        if activity is None:
+            return None, 0
+        touched, idle_ms = activity
+        return (touched + idle_ms if touched + idle_ms > now else None), idle_ms
+
+    # ------------------------------------------------------------------ queues
+    def requeue(self, pairs: list[tuple[int, int]], group: int) -> None:
+        """Expirations in flight to a client that is gone (or too slow) go to the front of its group's queue."""
+        if pairs:
+            now = self.clock()
+            self.queues[group].extendleft((s, gen, now, False) for s, gen in reversed(pairs))
+            self.totals["redelivered_total"] += len(pairs)
+
+    def undelivered(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self) -> None:
+        """Send queued expirations to live group members, round robin, one frame per batch."""
+        batch = self.config.delivery_batch
+        for gid, queue in self.queues.items():
+            if not queue:
+                continue
+            members = [m for m in self.members.get(gid, ()) if not m.congested and not m.closed]
+            while queue and members:
+                self._rr += 1
+                member = members[self._rr % len(members)]
+                popleft = queue.popleft
+                taken = [popleft() for _ in range(min(batch, len(queue)))]
+                items = self._items_from_columns(taken) if len(taken) >= COLUMNS_MIN else self._items_from_rows(taken)
+                if items:
+                    member.client.unacked.update([(item[5], item[6]) for item in items])
+                    member.send(M.encode_expirations_frame(items))
+                    self.totals["delivered_total"] += len(items)
+                members = [m for m in members if not m.congested and not m.closed]
+
+    def _items_from_rows(self, taken: list) -> list[tuple]:
+        """``Expirations`` items (``M.ExpiryFields`` order) for queued (slot, gen, fired_ms, late)
+        entries still FIRED with that generation; a few at a time, from record tuples."""
+        rows = self.wheel.records_of([entry[0] for entry in taken]).tolist()
+        fired = AL.FIRED
+        return [
+            (key[: key_length(meta)], meta, deadline, fired_ms, tag, s, gen, late)
+            for (s, gen, fired_ms, late), (deadline, _p, _n, rgen, tag, _aux, _g, state, meta, key) in zip(taken, rows)
+            if state == fired and rgen == gen
+        ]
+
+    def _items_from_columns(self, taken: list) -> list[tuple]:
+        """:meth:`_items_from_rows` for a large batch, from the records' columns."""
+        slot_list, gen_list, fired_list, late_list = zip(*taken)
+        records = self.wheel.records_of(slot_list)
+        ok = (records["state"] == AL.FIRED) & (records["gen"] == np.array(gen_list, dtype=np.int64))
+        if not ok.all():
+            keep = np.flatnonzero(ok).tolist()
+            records = records[ok]
+            slot_list = [slot_list[j] for j in keep]
+            gen_list = [gen_list[j] for j in keep]
+            fired_list = [fired_list[j] for j in keep]
+            late_list = [late_list[j] for j in keep]
+        keys = [raw[:length] for raw, length in zip(records["key"].tolist(), key_length(records["key_meta"]).tolist())]
+        return list(zip(keys, records["key_meta"].tolist(), records["deadline"].tolist(), fired_list,
+                        records["tag"].tolist(), slot_list, gen_list, late_list))

@@ -1,0 +1,578 @@
+"""Sessions: who is connected, who may join which group, and the client slots.
+
+A client connects to the Unix socket and sends ``Hello`` (protocol version,
+group). The daemon checks it (the allow-lists, the group's owner), records its
+SO_PEERCRED, gives it a client slot and a ring (a sealed memfd, or the ring it
+handed back) and answers ``Welcome`` with a resume *token*. The socket then
+carries ``Doorbell`` frames one way and ``Expirations``/``Applied``/``Rejected``
+frames the other (:mod:`wheeld.daemon.connection`).
+
+A client's slot outlives its session: its ring is drained until it is empty
+and no idle timer refers to its touch table (so a touch made before a crash
+still counts), and a client reconnecting after a daemon restart resumes its
+slot by presenting the token. The client table (``/wheeld-NAME-clients``) keeps
+the slots and the group owners across daemon restarts. Orphaned slots are
+collected every ``GC_INTERVAL_MS``, idle groups reclaimed with them.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import hmac
+import logging
+import os
+import secrets
+import socket
+import struct
+import time
+
+import numpy as np
+
+from wheeld.protocol import arena_layout as AL
+from wheeld.protocol import clients_layout as CL
+from wheeld.protocol import messages as M
+from wheeld.protocol.errors import ArenaFull, GroupLimit, InvalidRequest, ProtocolError
+from wheeld.shm.ring import ClientSegment
+from wheeld.shm.wheel import MAX_DELAY_MS
+
+from .client_table import ClientSlot, ClientTable
+from wheeld.protocol.naming import segment_prefix
+from .connection import Session
+
+log = logging.getLogger("wheeld")
+
+_PEERCRED = struct.Struct("3i")
+MAINTAIN_S = 1.0  # period of the bookkeeping timer (frame and ack timeouts, accept pauses)
+GC_INTERVAL_MS = 2000  # orphaned client slots and idle groups are looked for this often
+# The longest delay a client may ask for: the wheel takes deadlines up to MAX_DELAY_MS past
+# its own clock, which lags real time by up to a park; a day of margin means a delay the
+# client accepted is never refused later (at flush) for being a few ms too far out.
+CLIENT_MAX_DELAY_MS = MAX_DELAY_MS - 86_400_000
+_LOG_EVERY_S = 1.0  # a repeated warning is logged at most this often, with a count
+
+
+class Sessions:
+    """The connections, the client slots and who may use what.
+
+    ``daemon`` provides the loop and its hooks: ``loop``, ``clock()``, ``wake()``, ``soft_wake()``,
+    ``arena_busy()``, ``stopping``, ``listener``; after the arena is open,
+    :meth:`attach` and :meth:`serve` hand over what a session works with."""
+
+    def __init__(self, config, totals: dict, daemon):
+        self.config = config
+        self.totals = totals
+        self.daemon = daemon
+        self.clients: dict[int, ClientSlot] = {}  # client slot -> ClientSlot (shared with delivery, executor)
+        self.sessions: set[Session] = set()
+        self.table = ClientTable(config, self.clients)
+        self._handshaking: collections.Counter = collections.Counter()  # uid -> sessions before Hello
+        self._accept_paused = False
+        self._groups_of_uid: dict[int, tuple[float, frozenset[int]]] = {}
+        self._log_limiter = _LogLimiter()
+        self._last_ack_rotation = 0.0
+        self._last_collect = 0
+        self._full_groups: set[int] = set()  # groups at --group-quota (their members were told)
+        self.wheel = self.delivery = self.executor = self.status = self.recorder = None
+        self.arena_epoch = 0
+        self.secret = b""
+
+    def attach(self, wheel, delivery, executor, arena_epoch: int, recorder=None) -> None:
+        """What sessions work with once the arena is open."""
+        self.wheel, self.delivery, self.executor = wheel, delivery, executor
+        self.arena_epoch, self.recorder = arena_epoch, recorder
+
+    def serve(self, status, secret: bytes) -> None:
+        """What a Welcome hands out: the status page, and resume tokens under the instance secret."""
+        self.status, self.secret = status, secret
+
+    @property
+    def loop(self):
+        return self.daemon.loop
+
+    def wake(self) -> None:
+        self.daemon.wake()
+
+    def arena_busy(self) -> None:
+        self.daemon.arena_busy()
+
+    def connected(self) -> int:
+        return sum(1 for s in self.sessions if s.client is not None)
+
+    # ------------------------------------------------------------------ accept
+    def on_accept(self) -> None:
+        listener = self.daemon.listener
+        for _ in range(64):
+            try:
+                sock, _addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._pause_accept(exc)
+                else:
+                    self._log_limiter.warning("accept", "accept: %s", exc)
+                return
+            sock.setblocking(False)
+            try:
+                pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            except OSError:
+                pid = uid = gid = -1
+            if self._handshaking[uid] >= self.config.max_handshakes_per_uid:
+                self._log_limiter.warning("handshakes", "uid %d has %d connections without a Hello; closing more",
+                                          uid, self._handshaking[uid])
+                self.totals["clients_refused_total"] += 1
+                sock.close()
+                continue
+            self._handshaking[uid] += 1
+            session = Session(self, sock, pid, uid, gid)
+            self.sessions.add(session)
+            self.loop.add_reader(sock.fileno(), session.on_readable)
+            self.loop.call_later(self.config.handshake_timeout_s, self._handshake_deadline, session)
+
+    def _pause_accept(self, exc: OSError) -> None:
+        """Out of descriptors: stop accepting (the listening socket would stay readable and
+        spin the loop) until a session closes or a second has passed."""
+        if self._accept_paused:
+            return
+        self._accept_paused = True
+        self.totals["accept_pauses_total"] += 1
+        self.loop.remove_reader(self.daemon.listener.fileno())
+        self._log_limiter.error("accept-paused", "accept paused: %s (%d sessions); resuming when a session closes "
+                                "or in %.0f s", exc.strerror, len(self.sessions), MAINTAIN_S)
+
+    def _resume_accept(self) -> None:
+        if self._accept_paused and not self.daemon.stopping:
+            self._accept_paused = False
+            self.loop.add_reader(self.daemon.listener.fileno(), self.on_accept)
+
+    def _handshake_deadline(self, session: Session) -> None:
+        if not session.closed and session.client is None:
+            self.close(session, "no Hello within the handshake timeout", goodbye=True)
+
+    def _refuse(self, session: Session, reason: str, code: str) -> None:
+        log.warning("refusing client pid %d uid %d: %s", session.pid, session.uid, reason)
+        self.totals["clients_refused_total"] += 1
+        session.send(M.encode_daemon_frame(M.Refused(reason, code)))
+        self.close(session, reason)
+
+    def on_message(self, session: Session, message) -> None:
+        if type(message) is M.Doorbell:
+            if message.urgent or not self.config.coalesce_us:
+                self.wake()
+            else:
+                self.daemon.soft_wake()
+            return
+        if type(message) is M.Hello:
+            if session.client is not None:
+                raise ProtocolError("Hello sent twice")
+            fd = session.passed_fds.pop(0) if session.passed_fds else None
+            try:
+                self._hello(session, message, fd)
+            finally:
+                session.close_passed_fds()
+            return
+        if session.client is None:
+            raise ProtocolError(f"{type(message).__name__} before Hello")
+        if type(message) is M.Bye:
+            cs = session.client
+            self.close(session, "client said bye")
+            if cs is not None:
+                cs.orphan_since = -GC_INTERVAL_MS  # a clean goodbye: release its ring at the next check
+                self._last_collect = 0
+            return
+        raise ProtocolError(f"unexpected {type(message).__name__}")
+
+    # ------------------------------------------------------------------ who may do what
+    def _privileged(self, session: Session) -> bool:
+        """Root and the daemon's own uid may use any group (they can read the arena anyway)."""
+        return session.uid == 0 or session.uid == os.geteuid()
+
+    def _gids_of(self, session: Session) -> frozenset[int]:
+        """The peer's primary gid and the supplementary groups of its user (SO_PEERCRED
+        carries only the primary one), cached for a minute."""
+        now = time.monotonic()
+        cached = self._groups_of_uid.get(session.uid)
+        if cached is None or now - cached[0] > 60:
+            try:
+                import pwd
+
+                entry = pwd.getpwuid(session.uid)
+                gids = frozenset(os.getgrouplist(entry.pw_name, entry.pw_gid))
+            except (KeyError, OSError):
+                gids = frozenset()
+            cached = self._groups_of_uid[session.uid] = (now, gids)
+        return cached[1] | {session.gid}
+
+    def _allowed(self, session: Session) -> bool:
+        cfg = self.config
+        if self._privileged(session):
+            return True
+        if cfg.allowed_uids is None and cfg.allowed_gids is None:
+            return True
+        if cfg.allowed_uids is not None and session.uid in cfg.allowed_uids:
+            return True
+        return cfg.allowed_gids is not None and not cfg.allowed_gids.isdisjoint(self._gids_of(session))
+
+    def _may_join(self, session: Session, owner: tuple[int, int] | None) -> bool:
+        if owner is None or self._privileged(session):
+            return True
+        kind, ident = owner
+        if kind == CL.OWNER_UID:
+            return session.uid == ident
+        return ident in self._gids_of(session)
+
+    def _claim(self, session: Session, group_name: str, group: int) -> None:
+        if not self._privileged(session) and self.table.claim(group_name, group, session.uid):
+            log.info("group %r (id %d) now belongs to uid %d", group_name, group, session.uid)
+
+    # ------------------------------------------------------------------ the handshake
+    def _hello(self, session: Session, hello: M.Hello, fd: int | None) -> None:
+        """Open a session: checks, the group, the ring (resumed, adopted or new), Welcome.
+        ``fd`` is the ring the client handed back, if any; it is consumed or closed."""
+        passed = _Passed(fd)
+        try:
+            admitted = self._admit(session, hello, passed)
+        finally:
+            passed.close()
+        if admitted is None:
+            return
+        cs, resumed = admitted
+        self._handshaking[session.uid] -= 1
+        cs.pid = session.pid
+        cs.session = session
+        session.client = cs
+        self.table.write_entry(cs.slot, cs)
+        self.delivery.members[cs.group].append(session)
+        self.totals["clients_total"] += 1
+        cs.segment.set_group_full(cs.group in self._full_groups)
+        self._welcome(session, cs, resumed)
+        log.info("client pid %d uid %d joined group %r (slot %d, ring %s%s)", session.pid, session.uid, hello.group,
+                 cs.slot, cs.label, ", handed back" if resumed else "")
+        self.wake()
+
+    def _welcome(self, session: Session, cs: ClientSlot, resumed: bool) -> None:
+        status = self.status.readonly_fd
+        welcome = M.Welcome(
+            M.PROTOCOL_VERSION, cs.slot, cs.label, cs.segment.ring_capacity, cs.segment.touch_capacity,
+            self.wheel.name or "", self.wheel.tick_ms, CLIENT_MAX_DELAY_MS, self._token(cs.slot, cs.label),
+            self.arena_epoch, status is not None, resumed,
+        )
+        session.send_with_fds(M.encode_daemon_frame(welcome), [cs.segment.fd] + ([status] if status is not None else []))
+        if cs.unanswered_flush is not None:  # a client whose session the daemon closed may be waiting for it
+            session.send(M.encode_daemon_frame(M.Applied(cs.unanswered_flush)))
+            cs.unanswered_flush = None
+
+    def _admit(self, session: Session, hello: M.Hello, passed: _Passed) -> tuple[ClientSlot, bool] | None:
+        """The checks of a Hello and (the client slot it gets, whether the ring it handed
+        back is that slot's ring), or None when it is refused."""
+        if hello.protocol_version != M.PROTOCOL_VERSION:
+            self._refuse(session, f"protocol version {hello.protocol_version} not supported (this daemon speaks "
+                                  f"{M.PROTOCOL_VERSION}); upgrade the client library", M.Refused.VERSION)
+            return None
+        if not self._allowed(session):
+            self._refuse(session, f"uid {session.uid} gid {session.gid} is not allowed to use this wheeld",
+                         M.Refused.NOT_ALLOWED)
+            return None
+        group = self._join_group(session, hello.group)
+        if group is None:
+            return None
+        if passed.fd is not None:
+            cs = self._resumed_slot(session, hello, group, passed)
+            if cs is not None:
+                return cs, True
+            if hello.resume_segment in self.table.by_label:
+                passed.close()  # a ring this daemon knows, not proven to be the caller's: never adopted
+        return self._new_slot(session, hello, group, passed)
+
+    def _join_group(self, session: Session, name: str) -> int | None:
+        """The id of group ``name`` for this session (made if new), or None when refused."""
+        try:
+            existing = self.wheel.group_id(name, create=False)
+        except KeyError:
+            existing = None
+        except InvalidRequest as exc:
+            self._refuse(session, str(exc), M.Refused.BAD_REQUEST)
+            return None
+        owner = self.table.group_owner(name, existing)
+        if not self._may_join(session, owner):
+            kind = "uid" if owner[0] == CL.OWNER_UID else "group id"
+            self._refuse(session, f"group {name!r} belongs to {kind} {owner[1]}; uid {session.uid} may not "
+                                  f"join it", M.Refused.NOT_ALLOWED)
+            return None
+        try:
+            try:
+                group = existing if existing is not None else self.wheel.group_id(name)
+            except GroupLimit:
+                self.reclaim_groups()  # groups that went idle since the last periodic pass
+                group = self.wheel.group_id(name)
+        except ArenaFull as exc:
+            self._refuse(session, f"{exc}: groups with no member and nothing pending are reclaimed; use fewer "
+                                  f"group names or a larger --max-groups", M.Refused.GROUP_LIMIT)
+            return None
+        self._claim(session, name, group)
+        return group
+
+    def _new_slot(self, session: Session, hello: M.Hello, group: int, passed: _Passed) -> tuple[ClientSlot, bool] | None:
+        """A free slot with a new ring, or with the ring handed back when it comes from a
+        daemon that is gone (a reboot): its commands are still to apply."""
+        cfg = self.config
+        slot = self.table.free_slot_number(hello.resume_segment)
+        if slot is None:
+            self._refuse(session, "too many clients", M.Refused.BUSY)
+            return None
+        label = f"{segment_prefix(cfg.name)}{slot}-{secrets.token_hex(4)}"
+        segment = None
+        if passed.fd is not None:
+            # ...from the client's last acknowledged flush on when that daemon had another arena:
+            # it may have applied some of them without making them durable before the power cut
+            replay = hello.replay_epoch and hello.replay_epoch != self.arena_epoch
+            try:
+                segment = ClientSegment.adopt(passed.take(), label, cfg.ring_capacity, cfg.touch_capacity,
+                                              rewind_to=hello.replay_from if replay else None)
+            except ProtocolError as exc:
+                log.warning("client pid %d handed back an unusable ring (%s); it gets a new one", session.pid, exc)
+        resumed = segment is not None
+        if segment is None:
+            try:
+                segment = ClientSegment.create(label, cfg.ring_capacity, cfg.touch_capacity)
+            except OSError as exc:  # out of descriptors (EMFILE) or memory: no ring for anyone right now
+                self._refuse(session, f"cannot make a ring now: {exc.strerror}", M.Refused.BUSY)
+                return None
+        cs = ClientSlot(slot, segment, label, group, hello.group, session.pid, session.uid)
+        self.table.add(cs)
+        return cs, resumed
+
+    def _resumed_slot(self, session: Session, hello: M.Hello, group: int, passed: _Passed) -> ClientSlot | None:
+        """The slot a reconnecting client had, if its token proves it and the ring it handed
+        back is that slot's ring (this daemon's, or one to adopt after a restart)."""
+        cs = self.table.by_label.get(hello.resume_segment)
+        if (cs is None or cs.poisoned or cs.group != group or cs.uid != session.uid
+                or not hmac.compare_digest(self._token(cs.slot, cs.label).to_bytes(8, "little"),
+                                           hello.resume_token.to_bytes(8, "little"))):
+            return None
+        if cs.segment is not None:  # this daemon still drains it: the client lost its connection
+            if not cs.segment.same_file(passed.fd):
+                return None
+            if cs.session is not None:  # we have not noticed yet: the token and the ring prove it is gone
+                self.close(cs.session, "the client reconnected")
+            return cs
+        try:
+            cs.segment = ClientSegment.adopt(passed.take(), cs.label, self.config.ring_capacity,
+                                             self.config.touch_capacity)
+        except ProtocolError as exc:
+            log.warning("client slot %d: the ring handed back is unusable (%s)", cs.slot, exc)
+            self.release_slot(cs)
+            return None
+        return cs
+
+    def _token(self, slot: int, label: str) -> int:
+        """The resume token of a slot: an HMAC under the instance secret, never stored."""
+        digest = hmac.new(self.secret, f"{slot}:{label}".encode(), "sha256").digest()
+        return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+    # ------------------------------------------------------------------ the end of a session
+    def close(self, session: Session, reason: str, goodbye: bool = False, resume: bool = False) -> None:
+        if session.closed:
+            return
+        self.arena_busy()
+        if goodbye:
+            try:
+                session.sock.send(M.encode_daemon_frame(M.Goodbye(reason[:200] or "closed")))
+            except OSError:
+                pass
+        session.closed = True
+        session.close_passed_fds()
+        self.sessions.discard(session)
+        fd = session.sock.fileno()
+        if fd >= 0:
+            self.loop.remove_reader(fd)
+            if session.writing:
+                self.loop.remove_writer(fd)
+        session.sock.close()
+        self._resume_accept()
+        cs = session.client
+        if cs is None:
+            self._handshaking[session.uid] -= 1
+            if self._handshaking[session.uid] <= 0:
+                del self._handshaking[session.uid]
+            log.info("connection from pid %d closed before the handshake: %s", session.pid, reason)
+            return
+        log.info("client pid %d (slot %d, group %s) left: %s", session.pid, cs.slot, cs.group_name, reason)
+        members = self.delivery.members.get(cs.group)
+        if members and session in members:
+            members.remove(session)
+        cs.session = None
+        cs.orphan_since = self.daemon.clock()
+        if not cs.poisoned and not resume:
+            self.executor.apply_ring(cs)  # acks it pushed before it went are applied before we redeliver
+        self.delivery.requeue(cs.take_unacked(), cs.group)
+        self.wake()
+
+    def poison(self, cs: ClientSlot, reason: str) -> None:
+        log.warning("client slot %d (pid %d): %s; disconnecting it, its group's timers stay", cs.slot, cs.pid, reason)
+        cs.poisoned = True
+        self.totals["clients_dropped_total"] += 1
+        if cs.session is not None:
+            self.close(cs.session, reason, goodbye=True)
+
+    # ------------------------------------------------------------------ orphans and idle groups
+    def maybe_collect(self, now: int) -> None:
+        """Every ``GC_INTERVAL_MS`` (sooner after a Bye): :meth:`collect_orphans`."""
+        if now - self._last_collect >= GC_INTERVAL_MS:
+            self._last_collect = now
+            self.collect_orphans(now)
+
+    def collect_orphans(self, now: int) -> None:
+        """Forget client slots whose client is gone: once the ring is drained and no idle
+        timer refers to the touch table any more; a slot waiting for its client after a
+        restart once ``resume_grace_s`` has passed; a poisoned slot at once."""
+        orphans = [cs for cs in self.clients.values() if cs.session is None and now - cs.orphan_since >= GC_INTERVAL_MS]
+        if orphans:
+            referenced = self._touch_references()
+            for cs in orphans:
+                if self._collectable(cs, now, referenced):
+                    self.release_slot(cs, referenced)
+        self.reclaim_groups()
+
+    def _collectable(self, cs: ClientSlot, now: int, referenced: set[int]) -> bool:
+        if cs.segment is None:
+            if now - cs.orphan_since < self.config.resume_grace_s * 1000:
+                return False
+            log.warning("client slot %d (pid %d) did not come back within %.0f s; its ring is forgotten",
+                        cs.slot, cs.pid, self.config.resume_grace_s)
+            return True
+        if cs.poisoned:
+            return True
+        try:
+            if cs.segment.depth():
+                return False
+        except ProtocolError:
+            pass
+        return cs.slot not in referenced
+
+    def _idle_records(self) -> tuple[np.ndarray, np.ndarray]:
+        """(aux column, mask of the live idle timers) of the arena's entries."""
+        rec = self.wheel.records
+        first = self.wheel.first_entry
+        aux = rec["aux"][first:]
+        return aux, (aux >= 0) & ((rec["state"][first:] & AL.STATE_MASK) != AL.FREE)
+
+    def _touch_references(self) -> set[int]:
+        """Client slots whose touch table some live idle timer refers to."""
+        aux, idle = self._idle_records()
+        return set(np.unique(aux[idle] >> CL.TOUCH_INDEX_BITS).tolist())
+
+    def release_slot(self, cs: ClientSlot, referenced: set[int] | None = None) -> None:
+        """Forget a client slot. Idle timers that still refer to its touch table become
+        plain timers (their deadline stays): the slot may be given to another client."""
+        if referenced is None:
+            referenced = self._touch_references()
+        if cs.slot in referenced:
+            aux, idle = self._idle_records()
+            mine = idle & ((aux >> CL.TOUCH_INDEX_BITS) == cs.slot)
+            aux[mine] = -1
+            log.info("client slot %d: %d idle timers lose their touch table and fire at their deadline",
+                     cs.slot, int(mine.sum()))
+        log.info("client slot %d (pid %d) released", cs.slot, cs.pid)
+        if cs.segment is not None:
+            cs.segment.close()
+        self.table.remove(cs)
+
+    def reclaim_groups(self) -> None:
+        """Free the id of every group with no member, no client slot, nothing queued and
+        no live record (and forget its owner): the id can go to a new name. Without this
+        each group name ever used would hold one of the arena's ids for good."""
+        members, queues = self.delivery.members, self.delivery.queues
+        keep = {cs.group for cs in self.clients.values()}
+        keep.update(gid for gid, sessions in members.items() if sessions)
+        keep.update(gid for gid, queue in queues.items() if queue)
+        wheel = self.wheel
+        forget = self.recorder.forget_group if self.recorder is not None else wheel.forget_group
+        for gid in list(wheel.groups()):
+            if gid and gid not in keep and wheel.group_live(gid) == 0 and forget(gid):
+                self.table.forget_owner(gid)
+                members.pop(gid, None)
+                queues.pop(gid, None)
+                self.totals["groups_reclaimed_total"] += 1
+
+    def publish_group_full(self) -> None:
+        """Tell the members of a group at its quota (their ``add`` raises QuotaExceeded at
+        once), and those of a group back under it; written on changes only."""
+        quota, live, members = self.config.group_quota, self.wheel.group_live, self.delivery.members
+        full = {gid for gid, sessions in members.items() if sessions and live(gid) >= quota}
+        for gid in full ^ self._full_groups:
+            for session in members.get(gid, ()):
+                session.client.segment.set_group_full(gid in full)
+        self._full_groups = full
+
+    # ------------------------------------------------------------------ bookkeeping, once a second
+    def maintain(self) -> None:
+        """Frames that never complete, expirations nobody acknowledges, a paused accept."""
+        self.arena_busy()
+        now = time.monotonic()
+        timeout = self.config.frame_timeout_s
+        for session in [s for s in self.sessions if s.partial_since and now - s.partial_since > timeout]:
+            self.close(session, f"a frame stayed incomplete for more than {timeout:g} s", goodbye=True)
+        ack_timeout = self.config.ack_timeout_s
+        for session in [s for s in self.sessions if s.writing and now - s.stuck_since > ack_timeout]:
+            self.close(session, f"it has not read its socket for {ack_timeout:g} s")
+        self._resume_accept()
+        self.table.write_depths()
+        if now - self._last_ack_rotation >= self.config.ack_timeout_s / 2:
+            self._last_ack_rotation = now
+            self._rotate_unacked()
+
+    def _rotate_unacked(self) -> None:
+        """Whatever a client left unacknowledged for ``ack_timeout_s / 2 .. ack_timeout_s``
+        is sent again, to any member of its group (the client library drops a repeat it
+        already handed over), and counted."""
+        for cs in self.clients.values():
+            overdue = list(cs.unacked_old.items())
+            cs.unacked_old, cs.unacked = cs.unacked, {}
+            if overdue:
+                self.totals["ack_timeouts_total"] += len(overdue)
+                self._log_limiter.warning(
+                    "ack-timeout", "client slot %d (pid %d, group %s) left %d expirations unacknowledged for over "
+                    "%g s; they are sent again", cs.slot, cs.pid, cs.group_name, len(overdue),
+                    self.config.ack_timeout_s / 2)
+                self.delivery.requeue(overdue, cs.group)
+        self.wake()
+
+
+class _Passed:
+    """A descriptor a client passed: taken by whoever keeps it, else closed."""
+
+    def __init__(self, fd: int | None):
+        self.fd = fd
+
+    def take(self) -> int:
+        fd, self.fd = self.fd, None
+        return fd
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.take())
+
+
+class _LogLimiter:
+    """At most one line per ``_LOG_EVERY_S`` per topic, saying how many were held back."""
+
+    def __init__(self):
+        self._last: dict[str, float] = {}
+        self._held: collections.Counter = collections.Counter()
+
+    def warning(self, topic: str, message: str, *args) -> None:
+        self._log(logging.WARNING, topic, message, args)
+
+    def error(self, topic: str, message: str, *args) -> None:
+        self._log(logging.ERROR, topic, message, args)
+
+    def _log(self, level: int, topic: str, message: str, args) -> None:
+        now = time.monotonic()
+        if now - self._last.get(topic, -_LOG_EVERY_S) < _LOG_EVERY_S:
+            self._held[topic] += 1
+            return
+        self._last[topic] = now
+        held = self._held.pop(topic, 0)
+        log.log(level, message + (f" ({held} more like this since the last one)" if held else ""), *args)

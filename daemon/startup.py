@@ -1,0 +1,147 @@
+"""Start-up: the arena (attached, or made and rebuilt from the journal) and the socket.
+
+Called with the instance lock held (:class:`wheeld.daemon.instance.InstanceLock`).
+An arena that cannot be trusted or used is set aside (see
+:mod:`wheeld.daemon.instance`), never refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+from dataclasses import dataclass, field
+
+from wheeld.protocol.errors import InvalidRequest, WheeldError
+from wheeld.protocol.naming import arena_name, shm_path
+from wheeld.shm.arena import unlink as unlink_segment
+from wheeld.shm.wheel import TimerWheel
+
+from .activation import listen_fds, unix_stream_listener
+from .config import Config
+from .instance import check_owned, set_aside
+
+log = logging.getLogger("wheeld")
+
+
+@dataclass
+class OpenedArena:
+    wheel: TimerWheel
+    fresh: bool  # made now (else attached)
+    set_aside: list[str] = field(default_factory=list)  # unusable segments renamed on the way
+    recovered: object = None  # the journal's RecoveredState, when a new arena was rebuilt from it
+    next_lsn: int | None = None  # where the journal continues after that recovery
+
+
+def open_arena(cfg: Config, now: int) -> OpenedArena:
+    """Attach the instance's arena, or create one (rebuilt from the journal when there is one)."""
+    name = arena_name(cfg.name)
+    aside: list[str] = []
+    wheel = _attach_arena(cfg, name, aside)
+    if wheel is None:
+        opened = _new_arena(cfg, name, now)
+        opened.set_aside = aside
+        return opened
+    log.info(
+        "attached existing arena %s: %d pending, %d fired awaiting delivery (tick %d ms, wheel %d, capacity %d)",
+        name, len(wheel), wheel.counters()["fired_unacked"], wheel.tick_ms, wheel.wheel_size, wheel.capacity,
+    )
+    for problem in wheel.repairs:
+        log.warning("arena repair: %s", problem)
+    if (wheel.tick_ms, wheel.wheel_size, wheel.capacity) != (cfg.tick_ms, cfg.wheel_size, cfg.capacity):
+        log.warning("arena parameters differ from the command line; the arena's are used")
+    return OpenedArena(wheel, False, aside)
+
+
+def _attach_arena(cfg: Config, name: str, aside: list[str]) -> TimerWheel | None:
+    """The existing arena, or None when there is none or it was set aside."""
+    untrusted = check_owned(name)
+    if untrusted is None:
+        try:
+            return TimerWheel.attach(name)
+        except FileNotFoundError:
+            return None
+        except (WheeldError, ValueError, OSError) as exc:
+            reason = f"it cannot be used: {exc}"
+    else:
+        reason = untrusted
+    moved = set_aside(name)  # raises UntrustedSegment when it is not ours to move
+    if moved:
+        aside.append(moved)
+        log.error("arena %s set aside as /dev/shm/%s because %s; a new arena is made%s", name, moved, reason,
+                  " and rebuilt from the journal" if cfg.journal_dir else " (no journal: its timers are lost)")
+    return None
+
+
+def _new_arena(cfg: Config, name: str, now: int) -> OpenedArena:
+    """A new arena, rebuilt from the journal when there is one. It is built under a
+    temporary name and renamed into place only when complete: a daemon killed in the
+    middle of a recovery leaves no half-filled arena that the next start would take
+    for the real one (it starts the recovery over)."""
+    recovered = next_lsn = None
+    if cfg.journal_dir:  # before the arena exists: a refusal (--journal-damage refuse) leaves nothing
+        from .recovery import recover_journal
+
+        recovered = recover_journal(cfg.journal_dir, cfg.journal_damage)
+    building = f"{name}.new"
+    if unlink_segment(building):
+        log.warning("removed %s, left by a daemon that died while building its arena", building)
+    wheel = TimerWheel.create(
+        cfg.capacity, tick_ms=cfg.tick_ms, wheel_size=cfg.wheel_size, name=building, start_ms=now,
+        max_groups=cfg.max_groups, mode=cfg.arena_mode,
+    )
+    try:
+        hand_to_monitors(cfg, building)
+        if recovered is not None:
+            from .recovery import load_recovered
+
+            next_lsn = load_recovered(wheel, recovered, cfg.journal_dir)
+        wheel._seg.rename(name)
+        wheel.name = name
+    except BaseException:
+        wheel.close()
+        unlink_segment(building)
+        raise
+    log.info("created arena %s (capacity %d, tick %d ms, wheel %d, %d levels)",
+             name, cfg.capacity, cfg.tick_ms, cfg.wheel_size, wheel.levels)
+    return OpenedArena(wheel, True, recovered=recovered, next_lsn=next_lsn)
+
+
+def hand_to_monitors(cfg: Config, segment_name: str) -> None:
+    """Give a segment the daemon created to the monitoring group (``--monitor-group``)."""
+    gid = cfg.monitor_gid
+    if gid is not None:
+        path = shm_path(segment_name)
+        os.chown(path, -1, gid)
+        os.chmod(path, 0o640)
+
+
+def open_socket(cfg: Config) -> tuple[socket.socket, bool]:
+    """The listening socket (systemd's, else bound at ``--socket``) and whether the
+    daemon owns its path (removes it when it stops)."""
+    inherited = listen_fds()
+    if inherited:
+        listener = unix_stream_listener(inherited)
+        log.info("using the socket passed by systemd (fd %d)", listener.fileno())
+        listener.setblocking(False)
+        return listener, False
+    path = cfg.socket_path
+    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise InvalidRequest(f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+            raise InvalidRequest(f"another wheeld is listening on {path}")
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)  # stale socket of a dead daemon
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    os.chmod(path, cfg.socket_mode)
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock, True

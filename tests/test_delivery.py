@@ -1,0 +1,176 @@
+"""Delivery in process, on private-memory wheels: expiry, idle re-arms, queues,
+lateness and the frames it builds, without a daemon or a socket."""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+
+from wheeld.daemon.client_table import ClientSlot
+from wheeld.daemon.config import Config
+from wheeld.daemon.delivery import Delivery, Lateness
+from wheeld.protocol import arena_layout as AL
+from wheeld.protocol import clients_layout as CL
+from wheeld.protocol import messages as M
+from wheeld.protocol.framing import FrameReader
+from wheeld.shm.wheel import TimerWheel
+
+
+class _TouchTable:
+    """What delivery reads of a client segment when an idle timer comes due."""
+
+    def __init__(self):
+        self.touched, self.idle = {}, {}
+
+    def read_activity(self, index, now_ms):
+        touched, idle_ms = self.touched.get(index, 0), self.idle.get(index, 0)
+        return (touched, idle_ms) if touched and idle_ms else None
+
+
+class _Journal:
+    """Stands in for the Recorder: what delivery journals of the rows it expires."""
+
+    def __init__(self):
+        self.events = []
+
+    def begin(self):
+        pass
+
+    def commit(self, now_ms):
+        pass
+
+    def fired(self, group, key, deadline, tag, now, late, idle_ms):
+        self.events.append(("fired", group, key, deadline, tag, now, late))
+
+    def idle_rearmed(self, group, key, deadline, new_deadline, tag, idle_ms):
+        self.events.append(("idle", group, key, new_deadline))
+
+
+class _Member:
+    congested = closed = False
+
+    def __init__(self, client):
+        self.client = client
+        self.reader = FrameReader()
+        self.items = []
+
+    def send(self, frame):
+        for body in self.reader.feed(bytes(frame)):
+            message = M.decode_daemon_message(body)  # the checked decoder accepts the frame
+            self.items.extend(tuple(getattr(e, f) for f in e.__struct_fields__) for e in message.items)
+
+
+def _poison(cs, reason):
+    raise AssertionError(f"poisoned: {reason}")
+
+
+def _delivery(capacity: int, recorder=None) -> tuple[Delivery, ClientSlot]:
+    wheel = TimerWheel.create(capacity, start_ms=1000)
+    cs = ClientSlot(3, _TouchTable(), "test", wheel.group_id("g"), "g", os.getpid(), os.getuid())
+    config = Config(socket_path="/nonexistent/wheeld.sock", name="delivery")
+    delivery = Delivery(wheel, {3: cs}, config, collections.Counter(), 1000, _poison, lambda: 1000, recorder)
+    return delivery, cs
+
+
+def _wheel_state(wheel: TimerWheel) -> dict:
+    rec = wheel.records[wheel.first_entry:]
+    state = rec["state"] & AL.STATE_MASK
+    out = {}
+    for name, code in (("scheduled", AL.SCHEDULED), ("fired", AL.FIRED)):
+        live = rec[state == code]
+        out[name] = sorted(zip(live["key_meta"].tolist(), live["key"].tolist(), live["deadline"].tolist(),
+                               live["tag"].tolist(), live["aux"].tolist()))
+    out["problems"] = wheel.check()
+    return out
+
+
+def test_expiry_by_columns_delivers_what_expiry_by_rows_delivers():
+    """Cascades, backlogs, idle timers touched or not, several groups, an ack racing the
+    queue: the column path (no journal) and the row path (journaled) deliver the same
+    frames, in-flight tables, lateness and wheel, and the journal sees every fire."""
+    rng = random.Random(5)
+    setups = []
+    for journal in (None, _Journal()):
+        d, cs = _delivery(60_000, journal)
+        groups = [cs.group, d.wheel.group_id("other")]
+        members = {}
+        for gid in groups:
+            other = cs if gid == cs.group else ClientSlot(4, _TouchTable(), "other", gid, "other", 1, 0)
+            d.clients[other.slot] = other
+            members[gid] = _Member(other)
+            d.members[gid].append(members[gid])
+        setups.append((d, cs, members))
+    idents = [bytes((0x40 | 9,)) + f"key-{i:05d}".encode().ljust(32, b"\0") for i in range(40_000)]
+    for d, cs, members in setups:
+        r = random.Random(9)
+        for j, ident in enumerate(idents):
+            gid = list(members)[j % 2]
+            aux = (cs.slot << CL.TOUCH_INDEX_BITS | j % 1000) if j % 7 == 0 and gid == cs.group else -1
+            d.wheel.schedule_ident(ident, 1001 + r.randrange(3000), gid, j, aux)
+        for index in range(0, 1000, 3):  # touched idle timers come back on the wheel
+            cs.segment.touched[index] = 2500
+            cs.segment.idle[index] = 400
+    now, acked = 1000, None
+    while now < 4200:
+        now += rng.choice([1, 1, 1, 2, 5, 40])  # sometimes a backlog
+        for d, cs, members in setups:
+            d.expire(now)
+            if acked is None and d.queues[cs.group]:  # an entry released before it is sent: dropped
+                acked = d.queues[cs.group][0][:2]
+            if acked is not None:
+                d.wheel.release(*acked)
+            d.dispatch()
+    (a, _, ma), (b, _, mb) = setups
+    for gid in ma:
+        assert ma[gid].items == mb[gid].items
+        assert ma[gid].client.unacked == mb[gid].client.unacked
+    la, lb = a.lateness, b.lateness
+    assert (la.counts, la.sum_us, la.beyond_tick) == (lb.counts, lb.sum_us, lb.beyond_tick)
+    assert _wheel_state(a.wheel) == _wheel_state(b.wheel)
+    assert acked is not None and acked not in {(item[5], item[6]) for m in ma.values() for item in m.items}
+    delivered = sum(len(m.items) for m in ma.values())
+    assert delivered > 30_000 and a.wheel.counters()["idle_rearms_total"] > 100
+    assert all(item[3] >= item[2] for m in ma.values() for item in m.items), "fired before its deadline"
+    fires = [e for e in b.recorder.events if e[0] == "fired"]
+    assert len(fires) == delivered + 1  # the entry released before it was sent fired too
+    assert sum(1 for e in b.recorder.events if e[0] == "idle") == a.wheel.counters()["idle_rearms_total"]
+
+
+def test_lateness_counts_buckets_like_prometheus_le_and_what_is_over_a_tick_late():
+    import numpy as np
+
+    for as_array in (False, True):
+        lateness = Lateness(tick_ms=1)
+        values = [0, 50, 51, 1_000, 1_001, 99_999_999]
+        lateness.add(np.array(values, dtype=np.int64) if as_array else values)
+        bounds = AL.LATENESS_BOUNDS_US
+        assert lateness.counts[0] == 2 and lateness.counts[1] == 1  # <= 50 us, then <= 100 us
+        assert lateness.counts[bounds.index(1_000)] == 1 and lateness.counts[bounds.index(2_000)] == 1
+        assert lateness.counts[-1] == 1 and lateness.sum_us == sum(values)
+        assert lateness.beyond_tick == 2  # more than 1 ms late
+        words = [0] * (AL.H_LATENESS_SUM_US // 8 + 1)
+        totals = {"late_total": 5}
+        lateness.publish(words, totals)
+        assert totals["late_total"] == 7 and words[AL.H_LATENESS_SUM_US // 8] == sum(values)
+        assert lateness.beyond_tick == 0 and not any(lateness.counts)
+
+
+def test_a_timer_expired_more_than_a_tick_late_counts_as_late():
+    d, cs = _delivery(1000)
+    d.members[cs.group].append(_Member(cs))
+    d.wheel.schedule("on-time", 1005, cs.group)
+    d.wheel.schedule("late", 1006, cs.group)
+    d.expire(1005)
+    d.expire(1010)  # 4 ms after the second deadline: the loop was held up
+    d.dispatch()
+    assert d.lateness.beyond_tick == 1
+    assert d.undelivered() == 0
+
+
+def test_requeued_expirations_go_to_the_front_and_count_as_redelivered():
+    d, cs = _delivery(1000)
+    d.queues[cs.group].append((50, 1, 1000, False))
+    d.requeue([(7, 2), (8, 3)], cs.group)
+    assert [entry[:2] for entry in d.queues[cs.group]] == [(7, 2), (8, 3), (50, 1)]
+    assert d.totals["redelivered_total"] == 2
