@@ -77,14 +77,7 @@ _CASCADE_AHEAD = 256  # records of the next level-1 bucket looked at per ms (Tim
 _PARKED_WORD = AL.H_PARKED // 8  # wheelctl's "at rest" word (the clients read the status page's)
 
 #: the counters the daemon writes into the arena header (the wheel writes its own: TimerWheel.publish_stats)
-DAEMON_TOTALS = (
-    "ring_depth", "ring_full_total", "commands_total", "rejected_total", "clients_total", "clients_refused_total",
-    "clients_dropped_total", "delivered_total", "redelivered_total", "late_total", "wakeups_total",
-    "loop_iterations_total", "daemon_restarts_total", "daemon_pid", "daemon_started_ms", "daemon_heartbeat_ms",
-    "clients_connected", "groups_active", "undelivered", "ack_timeouts_total", "arenas_set_aside_total",
-    "accept_pauses_total", "journal_lsn", "journal_durable_lsn", "journal_damaged_ranges_total",
-    "journal_damaged_lines_total", "groups_reclaimed_total",
-)
+DAEMON_TOTALS = AL.DAEMON_COUNTER_NAMES
 
 
 def mono_ms() -> int:

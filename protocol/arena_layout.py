@@ -113,8 +113,7 @@ assert HEADER_FIXED.size == 64, HEADER_FIXED.size
 # ---- counters ---------------------------------------------------------------
 # One u64 word each, at H_COUNTERS + 8 * index; read by anyone (wheelctl). Each word has
 # one writer: the wheel (``TimerWheel.publish_stats``) or the daemon (``Daemon._publish``),
-# and neither ever writes the other's words. None marks a word no one writes (kept so
-# the words after it keep their places).
+# and neither ever writes the other's words.
 WHEEL = "wheel"
 DAEMON = "daemon"
 MAX_LEVELS = 15  # levels 0..14; the state byte keeps the level in 4 bits
@@ -132,7 +131,7 @@ _COUNTER_TABLE = (
     ("idle_rearms_total", WHEEL),  # idle timers found touched when due and re-armed
     ("delivered_total", DAEMON),  # expirations sent to clients
     ("redelivered_total", DAEMON),  # expirations sent again after a client died
-    ("late_total", DAEMON),  # expirations delivered late (see wheeld_expirations_late_total)
+    ("late_total", DAEMON),  # timers fired more than one tick after their deadline
     ("ring_full_total", DAEMON),  # times a client found its ring full (reported by clients)
     ("rejected_total", DAEMON),  # commands refused (bad input, arena full)
     ("arena_full_total", WHEEL),  # adds refused because the arena was full
@@ -150,8 +149,8 @@ _COUNTER_TABLE = (
     ("wakeups_total", DAEMON),  # times the daemon woke from park
     ("loop_iterations_total", DAEMON),
     ("commands_total", DAEMON),  # ring commands applied
-    (None, None),  # unused
-    (None, None),  # unused
+    ("journal_lsn", DAEMON),  # the last journal line appended (0 without --journal)
+    ("journal_durable_lsn", DAEMON),  # the last journal line known to be on disk
     *((f"pending_level_{level}", WHEEL) for level in range(MAX_LEVELS)),  # pending per level
     ("pending_due", WHEEL),  # pending in the due list (DUE_LEVEL)
     ("ack_timeouts_total", DAEMON),  # expirations sent again because their client left them unacknowledged
@@ -163,9 +162,9 @@ _COUNTER_TABLE = (
 )
 COUNTERS = 64
 assert len(_COUNTER_TABLE) <= COUNTERS
-#: name of each counter word, by index (None: unused)
+#: name of each counter word, by index
 COUNTER_NAMES = tuple(name for name, _writer in _COUNTER_TABLE)
-COUNTER = {name: index for index, name in enumerate(COUNTER_NAMES) if name is not None}
+COUNTER = {name: index for index, name in enumerate(COUNTER_NAMES)}
 #: the words the wheel writes (per-level ones included), and those the daemon writes
 WHEEL_COUNTER_NAMES = tuple(name for name, writer in _COUNTER_TABLE if writer == WHEEL)
 DAEMON_COUNTER_NAMES = tuple(name for name, writer in _COUNTER_TABLE if writer == DAEMON)

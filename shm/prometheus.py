@@ -96,7 +96,7 @@ _COUNTERS = (
     ("wheeld_timers_cascaded_total", "Timers moved down a wheel level.", "cascades_total"),
     ("wheeld_expirations_delivered_total", "Expirations sent to clients.", "delivered_total"),
     ("wheeld_expirations_redelivered_total", "Expirations sent again after their client died.", "redelivered_total"),
-    ("wheeld_expirations_late_total", "Expirations delivered late because the daemon was down.", "late_total"),
+    ("wheeld_expirations_late_total", "Timers fired more than one tick after their deadline.", "late_total"),
     ("wheeld_expirations_acknowledged_total", "Expirations acknowledged by clients.", "acks_total"),
     ("wheeld_commands_total", "Ring commands applied.", "commands_total"),
     ("wheeld_commands_rejected_total", "Commands refused (bad input, arena full).", "rejected_total"),
