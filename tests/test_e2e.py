@@ -180,7 +180,9 @@ def test_daemon_sigkill_under_load_loses_nothing(daemon):
     assert set(counts) == set(deadlines), f"lost {len(set(deadlines) - set(counts))} timers\n{daemon.log()[-3000:]}"
     assert max(counts.values()) == 1, "a timer reached the application twice"
     assert all(e.fired_ms >= e.deadline_ms >= deadlines[e.key] for e in got)
-    assert "attached existing arena" in daemon.log()
+    log = daemon.log()
+    assert "attached existing arena" in log
+    assert "arena checked after attach" in log and ": sound" in log, log[-3000:]  # fsck over the rebuilt arena
 
 
 def test_garbage_in_a_ring_disconnects_only_that_client(daemon):
