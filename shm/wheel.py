@@ -634,8 +634,7 @@ class TimerWheel:
             raise InvalidRequest(f"group id {group} out of range")
         if not 0 <= tag <= 0xFFFFFFFF or not -(1 << 31) <= aux < (1 << 31):
             raise InvalidRequest("tag is u32, aux is i32")
-        h = self._key_hash(ident, group)
-        slot = self._find(ident, h, group)
+        slot = self._find(ident, group)
         rb = self._rb
         if slot >= 0:
             self._rearm(slot, deadline_ms, tag, cur)
@@ -660,7 +659,7 @@ class TimerWheel:
         rb[base + _KM : base + _RB] = ident
         state = self._link(slot, deadline_ms, cur)
         rb[base + _ST] = state  # commit point: the timer exists from here on
-        self._index_add(slot, h)
+        self._index_add(slot, self._key_hash(ident, group))
         self._group_live[group] += 1
         c = self._counters
         c["pending"] += 1
@@ -718,7 +717,7 @@ class TimerWheel:
         return self.cancel_ident(ident, group)
 
     def cancel_ident(self, ident: bytes, group: int = 0) -> bool:
-        slot = self._find(ident, self._key_hash(ident, group), group)
+        slot = self._find(ident, group)
         if slot < 0:
             self._counters["cancel_misses_total"] += 1
             return False
@@ -759,7 +758,7 @@ class TimerWheel:
 
     def lookup_ident(self, ident: bytes, group: int = 0) -> int | None:
         """:meth:`lookup` for an encoded key (meta byte + key bytes)."""
-        slot = self._find(ident, self._key_hash(ident, group), group)
+        slot = self._find(ident, group)
         return None if slot < 0 else self._q[slot * _QW]
 
     def lookup_many(self, idents, group: int = 0) -> list[int | None]:
@@ -938,13 +937,12 @@ class TimerWheel:
         base = slot * _RB
         ident = bytes(rb[base + _KM : base + _RB])
         group = self._h[slot * _HW + _GROUP]
-        h = self._key_hash(ident, group)
-        if self._find(ident, h, group) >= 0:
+        if self._find(ident, group) >= 0:
             return False
         self._unlink(slot)
         state = self._link(slot, deadline_ms, self._hq[_CUR])
         self._apply_with_intent(slot, state, deadline_ms, self._u[slot * _IW + _TAG])
-        self._index_add(slot, h)
+        self._index_add(slot, self._key_hash(ident, group))
         c = self._counters
         c["fired_unacked"] -= 1
         c["pending"] += 1
