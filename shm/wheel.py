@@ -813,19 +813,19 @@ class TimerWheel:
         slots = self._collect(now_ms)
         if not slots:
             return 0
-        q, rb = self._q, self._rb
+        q, rb, link, shift = self._q, self._rb, self._link, _LEVEL_SHIFT
         by_level = self._pending_by_level
         cur = self._hq[_CUR]
         fired = cascaded = 0
         for s in slots:
             deadline = q[s * _QW]
             state = rb[s * _RB + _ST]
-            by_level[state >> _LEVEL_SHIFT] -= 1
+            by_level[state >> shift] -= 1
             if deadline <= now_ms:
                 fire(s)
                 fired += 1
             else:
-                rb[s * _RB + _ST] = self._link(s, deadline, cur)
+                rb[s * _RB + _ST] = link(s, deadline, cur)
                 cascaded += 1
         c = self._counters
         c["expirations_total"] += fired
@@ -841,13 +841,13 @@ class TimerWheel:
         """
         out: list[tuple[object, int]] = []
         append = out.append
-        rb, q, free, index_remove = self._rb, self._q, self._free, self._index.remove
+        rb, q, free, index_remove, key_end = self._rb, self._q, self._free, self._index_remove, _KEY_END
         hw, live = self._h, self._group_live
 
         def fire(s: int) -> None:
             base = s * _RB
             meta = rb[base + _KM]
-            append((decode_key(bytes(rb[base + _KEY : base + _KEY_END[meta]]), meta), q[s * _QW]))
+            append((decode_key(bytes(rb[base + _KEY : base + key_end[meta]]), meta), q[s * _QW]))
             rb[base + _ST] = _FREE
             index_remove(s)
             free(s)
