@@ -85,8 +85,9 @@ class KeyIndex:
         return hashes ^ self._gmix_np[groups]
 
     # ------------------------------------------------------------------ one key
-    def find(self, ident: bytes, h: int, group: int) -> int:
-        """Slot of the indexed record with key (group, ident) and hash ``h``, or -1."""
+    def find(self, ident: bytes, group: int) -> int:
+        """Slot of the indexed record with key (group, ident), or -1."""
+        h = hash(ident) ^ self.gmix[group]  # key_hash, written out: the scalar hot path
         table, hashes, rb, mask = self._table, self._hash, self._rb, self.mask
         p = h & mask
         while True:
@@ -150,7 +151,7 @@ class KeyIndex:
             same = (self._idents[slot] == idents[row]) & (self._groups[slot] == groups[row])
             found[row[same]] = slot[same]
         for j in np.flatnonzero((first_empty == _WINDOW) & (found < 0)).tolist():
-            found[j] = self.find(bytes(idents[j]), int(hashes[j]), int(groups[j]))
+            found[j] = self.find(bytes(idents[j]), int(groups[j]))
         return found
 
     def add_many(self, slots: np.ndarray, hashes: np.ndarray) -> None:

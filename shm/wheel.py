@@ -634,8 +634,7 @@ class TimerWheel:
             raise InvalidRequest(f"group id {group} out of range")
         if not 0 <= tag <= 0xFFFFFFFF or not -(1 << 31) <= aux < (1 << 31):
             raise InvalidRequest("tag is u32, aux is i32")
-        h = self._key_hash(ident, group)
-        slot = self._find(ident, h, group)
+        slot = self._find(ident, group)
         rb = self._rb
         if slot >= 0:
             self._rearm(slot, deadline_ms, tag, cur)
@@ -660,7 +659,7 @@ class TimerWheel:
         rb[base + _KM : base + _RB] = ident
         state = self._link(slot, deadline_ms, cur)
         rb[base + _ST] = state  # commit point: the timer exists from here on
-        self._index_add(slot, h)
+        self._index_add(slot, self._key_hash(ident, group))
         self._group_live[group] += 1
         c = self._counters
         c["pending"] += 1
@@ -718,7 +717,7 @@ class TimerWheel:
         return self.cancel_ident(ident, group)
 
     def cancel_ident(self, ident: bytes, group: int = 0) -> bool:
-        slot = self._find(ident, self._key_hash(ident, group), group)
+        slot = self._find(ident, group)
         if slot < 0:
             self._counters["cancel_misses_total"] += 1
             return False
@@ -759,7 +758,7 @@ class TimerWheel:
 
     def lookup_ident(self, ident: bytes, group: int = 0) -> int | None:
         """:meth:`lookup` for an encoded key (meta byte + key bytes)."""
-        slot = self._find(ident, self._key_hash(ident, group), group)
+        slot = self._find(ident, group)
         return None if slot < 0 else self._q[slot * _QW]
 
     def lookup_many(self, idents, group: int = 0) -> list[int | None]:
@@ -814,19 +813,19 @@ class TimerWheel:
         slots = self._collect(now_ms)
         if not slots:
             return 0
-        q, rb = self._q, self._rb
+        q, rb, link, shift = self._q, self._rb, self._link, _LEVEL_SHIFT
         by_level = self._pending_by_level
         cur = self._hq[_CUR]
         fired = cascaded = 0
         for s in slots:
             deadline = q[s * _QW]
             state = rb[s * _RB + _ST]
-            by_level[state >> _LEVEL_SHIFT] -= 1
+            by_level[state >> shift] -= 1
             if deadline <= now_ms:
                 fire(s)
                 fired += 1
             else:
-                rb[s * _RB + _ST] = self._link(s, deadline, cur)
+                rb[s * _RB + _ST] = link(s, deadline, cur)
                 cascaded += 1
         c = self._counters
         c["expirations_total"] += fired
@@ -842,13 +841,13 @@ class TimerWheel:
         """
         out: list[tuple[object, int]] = []
         append = out.append
-        rb, q, free, index_remove = self._rb, self._q, self._free, self._index.remove
+        rb, q, free, index_remove, key_end = self._rb, self._q, self._free, self._index_remove, _KEY_END
         hw, live = self._h, self._group_live
 
         def fire(s: int) -> None:
             base = s * _RB
             meta = rb[base + _KM]
-            append((decode_key(bytes(rb[base + _KEY : base + _KEY_END[meta]]), meta), q[s * _QW]))
+            append((decode_key(bytes(rb[base + _KEY : base + key_end[meta]]), meta), q[s * _QW]))
             rb[base + _ST] = _FREE
             index_remove(s)
             free(s)
@@ -938,13 +937,12 @@ class TimerWheel:
         base = slot * _RB
         ident = bytes(rb[base + _KM : base + _RB])
         group = self._h[slot * _HW + _GROUP]
-        h = self._key_hash(ident, group)
-        if self._find(ident, h, group) >= 0:
+        if self._find(ident, group) >= 0:
             return False
         self._unlink(slot)
         state = self._link(slot, deadline_ms, self._hq[_CUR])
         self._apply_with_intent(slot, state, deadline_ms, self._u[slot * _IW + _TAG])
-        self._index_add(slot, h)
+        self._index_add(slot, self._key_hash(ident, group))
         c = self._counters
         c["fired_unacked"] -= 1
         c["pending"] += 1

@@ -101,10 +101,10 @@ class IndexAgainstDict(RuleBasedStateMachine):
         for group in range(4):
             for key in KEYS[::7]:
                 ident = self._ident(key)
-                assert self.index.find(ident, self.index.key_hash(ident, group), group) == self.model.get((group, key), -1)
+                assert self.index.find(ident, group) == self.model.get((group, key), -1)
         for (group, key), slot in self.model.items():
             ident = self._ident(key)
-            assert self.index.find(ident, self.index.key_hash(ident, group), group) == slot
+            assert self.index.find(ident, group) == slot
         assert self.index.used == len(self.model)
         assert self.index.problems(np.array(sorted(self.model.values()), dtype=np.int64)) == []
 
@@ -127,7 +127,7 @@ def test_rebuild_keeps_the_first_of_a_duplicated_key():
     index = KeyIndex(records, 8, max_groups=1)
     try:
         assert index.rebuild(np.array([4, 7])) == [(7, 4)]
-        assert index.find(ident, index.key_hash(ident, 0), 0) == 4 and index.used == 1
+        assert index.find(ident, 0) == 4 and index.used == 1
     finally:
         index.close()
 
@@ -210,7 +210,7 @@ def test_problems_names_a_key_that_probing_cannot_reach_and_a_stale_hash():
         index.cells[victim] = away
         problems = index.problems(np.array(slots))  # emptying its old cell may cut other keys' paths too
         assert f"scheduled record {victim} is not found by its key" in problems
-        unreachable = [s for s in slots if index.find(encode_ident(s - 4), int(index.hashes[s]), 0) != s]
+        unreachable = [s for s in slots if index.find(encode_ident(s - 4), 0) != s]
         assert problems == [f"scheduled record {s} is not found by its key" for s in unreachable]
         index.table[away], index.table[cell] = -1, victim
         index.cells[victim] = cell
