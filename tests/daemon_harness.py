@@ -13,6 +13,7 @@ sleeping a fixed time and hoping the thing happened meanwhile.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -45,6 +46,19 @@ def wait_until(condition: Callable[[], T], timeout: float = 10.0, what: str | No
             message = f"waited {timeout} s for {what or getattr(condition, '__name__', 'a condition')}"
             raise AssertionError(message + (f"\n{detail()}" if detail else ""))
         time.sleep(interval)
+
+
+async def wait_until_async(condition: Callable[[], T], timeout: float = 10.0, what: str | None = None, *,
+                           interval: float = 0.005) -> T:
+    """``wait_until`` for a coroutine: polls with ``asyncio.sleep`` so the loop runs meanwhile."""
+    end = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= end:
+            raise AssertionError(f"waited {timeout} s for {what or getattr(condition, '__name__', 'a condition')}")
+        await asyncio.sleep(interval)
 
 
 def mono_ms() -> int:

@@ -42,8 +42,9 @@ import time
 import msgspec
 import pytest
 
+from daemon_harness import wait_until
 import wheeld
-from hostile_harness import Honest, Raw, counters, rss_kb, wait_until
+from hostile_harness import Honest, Raw, counters, rss_kb
 from wheeld.daemon import stats as S
 from wheeld.protocol import commands as C
 from wheeld.protocol import framing

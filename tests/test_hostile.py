@@ -38,8 +38,9 @@ import zlib
 
 import pytest
 
+from daemon_harness import wait_until
 import wheeld
-from hostile_harness import Honest, Raw, counters, cpu_s, fd_targets, rss_kb, wait_until
+from hostile_harness import Honest, Raw, counters, cpu_s, fd_targets, rss_kb
 from wheeld.daemon import stats as S
 from wheeld.protocol import commands as C
 from wheeld.protocol import framing
