@@ -15,8 +15,8 @@ import signal
 import socket
 import subprocess
 import sys
-
 from daemon_harness import wait_until
+
 from wheeld.daemon import stats as S
 from wheeld.protocol import framing
 from wheeld.protocol import messages as M

@@ -3,8 +3,8 @@ also when its expiration comes back later from another member."""
 
 from __future__ import annotations
 
-
 from daemon_harness import wait_until
+
 import wheeld
 from wheeld.daemon import stats as S
 

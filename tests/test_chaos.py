@@ -37,8 +37,8 @@ import sys
 import time
 
 import pytest
-
 from daemon_harness import DaemonProcess, unlink_segments
+
 from wheeld.daemon.config import arena_name
 from wheeld.shm import TimerWheel
 

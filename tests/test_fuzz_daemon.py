@@ -41,8 +41,8 @@ import time
 
 import msgspec
 import pytest
-
 from daemon_harness import wait_until
+
 import wheeld
 from hostile_harness import Honest, Raw, counters, rss_kb
 from wheeld.daemon import stats as S

@@ -37,8 +37,8 @@ import time
 import zlib
 
 import pytest
-
 from daemon_harness import wait_until
+
 import wheeld
 from hostile_harness import Honest, Raw, counters, cpu_s, fd_targets, rss_kb
 from wheeld.daemon import stats as S

@@ -38,8 +38,8 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from daemon_harness import wait_until
+
 from wheeld.daemon.journal import (
     DIR_MODE,
     FILE_MODE,
