@@ -55,7 +55,7 @@ async def _run(socket_path: str) -> tuple[set, int]:
             rng = random.Random(7)
             while not stop.is_set():
                 kick_w.send(b"k")
-                time.sleep(rng.random() * 0.0005)
+                time.sleep(rng.random() * 0.0005)  # kicks at random moments: the race
 
         def on_kick():
             try:

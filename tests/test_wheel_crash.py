@@ -479,9 +479,9 @@ def run_round(name: str, model: Model, seed: int, mode: str) -> tuple[Model, str
         if mode == "sleep":
             if rng.random() < 0.8:  # mostly aim at the operations, sometimes at the attach
                 head = wait_for_attached(read_fd, pid)
-                time.sleep(rng.uniform(0, 0.004))
+                time.sleep(rng.uniform(0, 0.004))  # a random kill point: the subject
             else:
-                time.sleep(rng.uniform(0, 0.012))
+                time.sleep(rng.uniform(0, 0.012))  # a random kill point: the subject
         else:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:  # the child kills itself (or finishes)
