@@ -659,7 +659,8 @@ def test_stats_watch_redraws_until_interrupted(daemon):
         assert doc["totals"]["adds_total"] == 1 and first["totals"]["adds_total"] == 0
         assert doc["rates_per_s"] is not None  # from the previous redraw
         os.kill(proc.pid, signal.SIGINT)
-        proc.wait(10)
+        # keep reading: redraws left in a full pipe would block its exit (the final flush)
+        proc.communicate(timeout=10)
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
