@@ -73,7 +73,7 @@ async def _run(socket_path: str) -> tuple[set, int]:
         try:
             end = time.monotonic() + 8.0  # well under the daemon's 30 s ack timeout: no redelivery helps
             while len(seen) < N and time.monotonic() < end:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # the loop runs the readers meanwhile; the count is checked after
         finally:
             stop.set()
             thread.join()

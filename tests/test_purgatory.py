@@ -306,14 +306,14 @@ def test_exactly_once_under_concurrent_completion_timeout_and_cancel(purgatory):
                     for _ in range(3):  # the condition becomes true at a random moment
                         ops[r.randrange(watched_upto)].ready = True
                 purgatory.check_and_complete(r.choice(keys))
-                time.sleep(0.0002)
+                time.sleep(0.0002)  # checks at random moments: the concurrency under test
 
         def canceller() -> None:
             r = random.Random(99)
             while not produced.is_set():
                 if watched_upto:
                     ops[r.randrange(watched_upto)].cancel()
-                time.sleep(0.0005)
+                time.sleep(0.0005)  # cancels at random moments: the concurrency under test
 
         threads = [threading.Thread(target=checker, args=(s,)) for s in range(4)]
         threads.append(threading.Thread(target=canceller))
@@ -324,7 +324,7 @@ def test_exactly_once_under_concurrent_completion_timeout_and_cancel(purgatory):
             completed_at_once += purgatory.try_complete_else_watch(op, rng.sample(keys, 3))
             watched_upto = i + 1
             if i % 200 == 0:
-                time.sleep(0.002)
+                time.sleep(0.002)  # lets the checkers and the clock interleave with the producer
         produced.set()
         assert wait_until(lambda: all(op.is_completed for op in ops), timeout=30.0)
         for t in threads:

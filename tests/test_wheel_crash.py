@@ -488,7 +488,7 @@ def run_round(name: str, model: Model, seed: int, mode: str) -> tuple[Model, str
                 done, _status = os.waitpid(pid, os.WNOHANG)
                 if done:
                     break
-                time.sleep(0.0005)
+                time.sleep(0.0005)  # poll interval: the child kills itself at its line
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
