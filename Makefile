@@ -32,8 +32,9 @@ run: $(RUN_STAMP)
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -n auto -q
 
+# the long chaos/scale/fuzz variants (marked slow), which `make test` leaves out
 test-long: $(TEST_STAMP)
-	WHEELD_LONG=1 $(BIN)/python -m pytest -n auto -q -m slow
+	$(BIN)/python -m pytest -n auto -q -m slow
 
 # the import contracts of pyproject.toml ([tool.importlinter]): which layer may import which
 lint: $(TEST_STAMP)

@@ -1,5 +1,7 @@
 """Helpers shared by the benchmarks: a plain-text table, a JSON result file, /proc
-readings of a process, and waiting for a starting daemon.
+readings of a process, and the daemon harness the tests use (tests/daemon_harness.py:
+start a wheeld on a private socket and name, wait until it is ready, stop it, unlink
+its segments).
 
 Every result file carries the machine it was measured on and the load average
 at the start: the project's machines have 2 cores shared by several engineers,
@@ -11,12 +13,15 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from tests.daemon_harness import DaemonProcess, unique_name, unlink_segments
+
+__all__ = ["DaemonProcess", "format_table", "machine_info", "proc_cpu_s", "rss_kb", "unique_name",
+           "unlink_segments", "write_json"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -84,18 +89,3 @@ def proc_cpu_s(pid: int) -> float:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-
-def wait_until_listening(proc: subprocess.Popen, socket_path: str, timeout_s: float, log=lambda: "") -> None:
-    """Return once the starting wheeld ``proc`` accepts connections on ``socket_path``;
-    RuntimeError (with ``log()`` appended) if it exits or has not listened within ``timeout_s``."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"wheeld exited with {proc.returncode}{log()}")
-        with socket.socket(socket.AF_UNIX) as probe:
-            try:
-                probe.connect(socket_path)
-                return
-            except OSError:
-                time.sleep(0.02)
-    raise RuntimeError(f"wheeld did not listen within {timeout_s} s{log()}")

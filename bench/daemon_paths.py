@@ -1,4 +1,4 @@
-"""Three small measurements behind session-3 choices in the daemon and the client.
+"""Four small measurements behind choices in the daemon and the client.
 
     python -m bench.daemon_paths            # ~30 s: three tables + bench/results/daemon_paths.json
     python -m bench.daemon_paths --quick    # seconds
@@ -17,6 +17,12 @@
    insert into one dict of str-key idents (rehash pauses) against 64 dicts by
    hash, and the cost of dropping a 2^17-entry set of ``(ident, tag)`` at once
    against forgetting the oldest entry one at a time.
+4. **coalescing** (``--coalesce-us``, ``daemon/server.py`` ``_soft_wake``): a
+   real daemon, parked, gets one add every ~0.5 ms for a while with no flush:
+   its wake-ups per add (one per window when gathered, about one per add
+   without); then a flush right after an add on the parked daemon: how long it
+   waits for its answer (an urgent doorbell wakes the daemon at once, not at
+   the end of the window).
 
 Run from the repository root holding the shared lock
 (``flock /tmp/wheeld-bench.lock python -m bench.daemon_paths``).
@@ -29,11 +35,13 @@ import asyncio
 import collections
 import os
 import random
+import statistics
+import tempfile
 import time
 
 import numpy as np
 
-from bench.common import format_table, write_json
+from bench.common import DaemonProcess, format_table, write_json
 
 
 # --------------------------------------------------------------------------- 1. apply paths
@@ -210,6 +218,58 @@ def bookkeeping_pauses(count: int, recent: int) -> list[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------- 4. coalescing
+
+
+def _paced_adds(daemon: DaemonProcess, client, trickle_ms: int) -> dict:
+    """Adds every ~0.5 ms for ``trickle_ms`` on a parked daemon, no flush: wake-ups per add."""
+    before = daemon.wait_parked()
+    start_ns = time.monotonic_ns()
+    n = 0
+    while time.monotonic_ns() - start_ns < trickle_ms * 1_000_000:
+        client.add(f"k{n}", 600_000)
+        n += 1
+        time.sleep(0.0005)
+    after = daemon.wait_parked()
+    return {"adds": n, "wakeups": after["wakeups_total"] - before["wakeups_total"],
+            "ms": (time.monotonic_ns() - start_ns) / 1e6}
+
+
+def _flush_latency_ms(daemon: DaemonProcess, client, flushes: int) -> list[float]:
+    """An add then a flush on a parked daemon, ``flushes`` times: ms until each flush returned."""
+    out = []
+    for i in range(flushes):
+        daemon.wait_parked()
+        client.add(f"f{i}", 600_000)
+        t = time.monotonic_ns()
+        client.flush()
+        out.append((time.monotonic_ns() - t) / 1e6)
+    return out
+
+
+def coalescing(trickle_ms: int, flushes: int) -> list[dict]:
+    import wheeld
+
+    rows = []
+    for window_us in (0, 10_000):
+        with tempfile.TemporaryDirectory(prefix="wheeld-bench-") as workdir:
+            daemon = DaemonProcess(workdir, name=f"bench-paths-{os.getpid()}", capacity=100_000,
+                                   extra=["--coalesce-us", str(window_us)])
+            try:
+                daemon.start(20)
+                with wheeld.connect(daemon.socket_path, group="coalesce") as client:
+                    client.flush()
+                    paced = _paced_adds(daemon, client, trickle_ms)
+                    latency = _flush_latency_ms(daemon, client, flushes)
+            finally:
+                daemon.cleanup()
+        rows.append({"coalesce_us": window_us, "adds": paced["adds"], "wakeups": paced["wakeups"],
+                     "wakeups_per_add": round(paced["wakeups"] / paced["adds"], 3),
+                     "windows": round(paced["ms"] / (window_us / 1000), 1) if window_us else None,
+                     "flush_p50_ms": round(statistics.median(latency), 3), "flush_max_ms": round(max(latency), 3)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
@@ -225,9 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     pause_rows = bookkeeping_pauses(20_000 if quick else 300_000, 1 << (12 if quick else 17))
     print("\n3. client bookkeeping pauses")
     print(format_table(pause_rows, ["what", "longest_us", "mean_ns_per_op"]))
+    coalesce_rows = coalescing(200 if quick else 2_000, 15 if quick else 200)
+    print("\n4. coalescing: paced adds on a parked daemon, then flushes")
+    print(format_table(coalesce_rows, ["coalesce_us", "adds", "wakeups", "wakeups_per_add", "windows",
+                                       "flush_p50_ms", "flush_max_ms"]))
     if not quick:
-        path = write_json("daemon_paths", {"apply_paths": apply_rows,
-                                           "park_precision": park_rows, "bookkeeping_pauses": pause_rows})
+        path = write_json("daemon_paths", {"apply_paths": apply_rows, "park_precision": park_rows,
+                                           "bookkeeping_pauses": pause_rows, "coalescing": coalesce_rows})
         print(f"\nwrote {path}")
     return 0
 

@@ -141,15 +141,16 @@ def run_policy(policy: str, batch: int, clients: int, adds_per_client: int, capa
                name_prefix: str, workdir: Path, profile_dir: str | None = None) -> dict:
     import psutil
 
-    from bench.e2e import Daemon, start_pyspy, stop_pyspy, unique_name
+    from bench.common import unique_name
+    from bench.e2e import bench_daemon, start_pyspy, stop_pyspy
 
     name = unique_name(name_prefix)
     journal_dir = None
-    extra = ["--log-level", "INFO", "--ring-capacity", str(1 << 14)]
+    extra = ["--ring-capacity", str(1 << 14)]
     if policy != "none":
         journal_dir = workdir / f"journal-{name}"
         extra += ["--journal", str(journal_dir), "--fsync", policy]
-    daemon = Daemon(workdir, name, capacity, extra_args=tuple(extra))
+    daemon = bench_daemon(workdir, name, capacity, extra_args=tuple(extra), log_level="INFO")
     ctx = multiprocessing.get_context("fork")
     ready, results = ctx.Queue(), ctx.Queue()
     go = ctx.Event()
@@ -158,7 +159,7 @@ def run_policy(policy: str, batch: int, clients: int, adds_per_client: int, capa
     spies: list = []
     loadavg = list(os.getloadavg())
     try:
-        daemon.start()
+        daemon.start(timeout_s=20)
         daemon_ps = psutil.Process(daemon.proc.pid)
         procs = [ctx.Process(target=client_process, daemon=True,
                              args=(c, daemon.socket_path, adds_per_client, batch, ready, go, start_ns, results))
@@ -192,7 +193,7 @@ def run_policy(policy: str, batch: int, clients: int, adds_per_client: int, capa
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(5)
-        daemon.cleanup()  # SIGTERM: the journal logs its fsync count as it closes
+        daemon.cleanup(signal.SIGTERM)  # the journal logs its fsync count as it closes
         log_text = daemon.log()
         if journal_dir is not None:
             shutil.rmtree(journal_dir, ignore_errors=True)

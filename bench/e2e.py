@@ -111,7 +111,6 @@ import tempfile
 import threading
 import time
 import traceback
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,10 +119,9 @@ import numpy as np
 if __package__ in (None, ""):  # python bench/e2e.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import wait_until_listening  # noqa: E402
+from bench.common import DaemonProcess, unique_name  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "e2e.json"
-SHM_DIR = "/dev/shm"
 
 OP_ADD, OP_REARM, OP_CANCEL = 0, 1, 2
 POLL_EVERY = 1024  # burst phase: receive expirations every this many ops
@@ -373,73 +371,13 @@ def mono_ms() -> int:
 # --------------------------------------------------------------------------- wheeld: the daemon
 
 
-class Daemon:
-    """A real wheeld process on a private socket and instance name (segments
-    ``/wheeld-<name>-*``), stopped by pid and cleaned by name in :meth:`cleanup`.
-    The logic of tests/daemon_harness.py, plus an optional cProfile wrapper."""
-
-    def __init__(self, workdir: Path, name: str, capacity: int, cprofile_path: str | None = None,
-                 extra_args: tuple = ()):
-        self.name = name
-        self.extra_args = list(extra_args)
-        self.socket_path = str(workdir / f"{name}.sock")
-        self.log_path = workdir / f"{name}.log"
-        self.capacity = capacity
-        self.cprofile_path = cprofile_path
-        self.proc: subprocess.Popen | None = None
-        self._log = None
-
-    def start(self, timeout_s: float = 20.0) -> "Daemon":
-        self._log = open(self.log_path, "ab")
-        prefix = [sys.executable]
-        if self.cprofile_path:
-            prefix += ["-m", "cProfile", "-o", self.cprofile_path]
-        cmd = prefix + ["-m", "wheeld.daemon.cli", "--socket", self.socket_path, "--name", self.name,
-                        "--capacity", str(self.capacity), "--log-level", "WARNING", *self.extra_args]
-        env = dict(os.environ)
-        env.pop("NOTIFY_SOCKET", None)
-        env.pop("WATCHDOG_USEC", None)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        wait_until_listening(self.proc, self.socket_path, timeout_s, lambda: ":\n" + self.log())
-        return self
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def stop(self) -> None:
-        """SIGTERM (a graceful stop writes the cProfile stats), SIGKILL if it hangs."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def cleanup(self) -> None:
-        try:
-            self.stop()
-        finally:
-            unlink_segments(self.name)
-
-
-def unlink_segments(name: str) -> list[str]:
-    removed = []
-    prefix = f"wheeld-{name}-"
-    for entry in os.listdir(SHM_DIR):
-        if entry.startswith(prefix):
-            try:
-                os.unlink(os.path.join(SHM_DIR, entry))
-                removed.append(entry)
-            except FileNotFoundError:
-                pass
-    return removed
+def bench_daemon(workdir: Path, name: str, capacity: int, cprofile_path: str | None = None,
+                 extra_args: tuple = (), log_level: str = "WARNING") -> DaemonProcess:
+    """A wheeld on a private socket and instance name (the tests' harness), optionally
+    under cProfile (stopped with SIGTERM by ``cleanup(signal.SIGTERM)``, which writes the stats)."""
+    prefix = ["-m", "cProfile", "-o", cprofile_path] if cprofile_path else []
+    return DaemonProcess(workdir, name=name, capacity=capacity, extra=extra_args, log_level=log_level,
+                         prefix=prefix)
 
 
 def arena_reader(name: str):
@@ -647,25 +585,21 @@ def measure_touch(w, sizes: Sizes) -> dict:
 # --------------------------------------------------------------------------- wheeld: the parent
 
 
-def unique_name(prefix: str) -> str:
-    return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
 def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir: str | None = None,
                cprofile: bool = False, raw_dir: str | None = None, daemon_args: tuple = ()) -> dict:
     ctx = multiprocessing.get_context("fork")
     names = ["preload", "burst", "steady", "touch"]
     workdir = Path(tempfile.mkdtemp(prefix="wheeld-e2e-"))
     name = unique_name(name_prefix)
-    daemon = Daemon(workdir, name, sizes.capacity,
-                    cprofile_path=os.path.join(profile_dir, "daemon.prof") if profile_dir and cprofile else None,
-                    extra_args=daemon_args)
+    daemon = bench_daemon(workdir, name, sizes.capacity,
+                          cprofile_path=os.path.join(profile_dir, "daemon.prof") if profile_dir and cprofile else None,
+                          extra_args=daemon_args)
     procs = []
     sampler = None
     close_arena = None
     spies = []
     try:
-        daemon.start()
+        daemon.start(timeout_s=20)
         import psutil
 
         daemon_ps = psutil.Process(daemon.proc.pid)
@@ -728,7 +662,7 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
         stop_processes(procs)
         if close_arena is not None:
             close_arena()
-        daemon.cleanup()
+        daemon.cleanup(signal.SIGTERM)  # a graceful stop writes the cProfile stats
         log_text = daemon.log()
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -66,15 +66,17 @@ import collections
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # python bench/idle.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import proc_cpu_s, rss_kb, wait_until_listening  # noqa: E402
+from bench.common import DaemonProcess, proc_cpu_s, rss_kb, unique_name  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "idle.json"
 VARIANTS = ("none", "asyncio-timer", "lazy-timer", "moving-wheel", "deque", "scan", "wheel", "wheeld-daemon")
@@ -481,42 +483,10 @@ async def run_variant(spec: dict) -> dict:
 
 
 # =========================================================================== parent
-class Daemon:
-    def __init__(self, connections: int) -> None:
-        import tempfile
-        import uuid
-
-        self.name = f"bench-idle-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.dir = tempfile.mkdtemp(prefix="wheeld-bench-")
-        self.socket_path = os.path.join(self.dir, "wheeld.sock")
-        self.capacity = max(1 << 17, 2 * connections)
-        self.proc = None
-
-    def start(self) -> Daemon:
-        cmd = [sys.executable, "-m", "wheeld.daemon.cli", "--socket", self.socket_path, "--name", self.name,
-               "--capacity", str(self.capacity), "--touch-capacity", str(1 << 17), "--log-level", "WARNING"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_until_listening(self.proc, self.socket_path, 20)
-        except RuntimeError:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        import shutil
-
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        prefix = f"wheeld-{self.name}-"
-        for entry in os.listdir("/dev/shm"):
-            if entry.startswith(prefix):
-                try:
-                    os.unlink(os.path.join("/dev/shm", entry))
-                except FileNotFoundError:
-                    pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+def start_daemon(connections: int, workdir: str) -> DaemonProcess:
+    """A wheeld with room for ``connections`` idle timers, on a socket in ``workdir``."""
+    return DaemonProcess(workdir, name=unique_name("bench-idle"), capacity=max(1 << 17, 2 * connections),
+                         extra=["--touch-capacity", str(1 << 17)], log_level="WARNING").start(20)
 
 
 def run_child(spec: dict) -> dict:
@@ -530,11 +500,15 @@ def run_child(spec: dict) -> dict:
 def measure(spec: dict) -> dict:
     if spec["variant"] != "wheeld-daemon":
         return run_child(spec)
-    daemon = Daemon(spec["connections"]).start()
+    workdir = tempfile.mkdtemp(prefix="wheeld-bench-")
     try:
-        return run_child({**spec, "socket": daemon.socket_path, "daemon_pid": daemon.proc.pid})
+        daemon = start_daemon(spec["connections"], workdir)
+        try:
+            return run_child({**spec, "socket": daemon.socket_path, "daemon_pid": daemon.pid})
+        finally:
+            daemon.cleanup()
     finally:
-        daemon.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

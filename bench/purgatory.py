@@ -66,19 +66,17 @@ import os
 import platform
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 if __package__ in (None, ""):  # python bench/purgatory.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import wait_until_listening  # noqa: E402
+from bench.common import DaemonProcess, proc_cpu_s, rss_kb, unique_name  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TIMEOUT_MS = 200
@@ -438,54 +436,19 @@ def run_point(spec: dict) -> dict:
 
 
 # =========================================================================== the daemon
-class BenchDaemon:
-    """A wheeld daemon with the purgatory's wheel parameters; its segments are removed on stop."""
+def start_daemon(workdir: str) -> DaemonProcess:
+    """A wheeld with the purgatory's wheel parameters, on a socket in ``workdir``."""
+    return DaemonProcess(workdir, name=unique_name("bench"), capacity=1 << 20, log_level="WARNING",
+                         extra=["--tick-ms", str(TICK_MS), "--wheel-size", str(WHEEL_SIZE)]).start(20)
 
-    def __init__(self) -> None:
-        self.name = f"bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.dir = tempfile.mkdtemp(prefix="wheeld-bench-")
-        self.socket_path = os.path.join(self.dir, "wheeld.sock")
-        self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "BenchDaemon":
-        cmd = [sys.executable, "-m", "wheeld.daemon.cli", "--socket", self.socket_path, "--name", self.name,
-               "--tick-ms", str(TICK_MS), "--wheel-size", str(WHEEL_SIZE), "--capacity", str(1 << 20),
-               "--log-level", "WARNING"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_until_listening(self.proc, self.socket_path, 20)
-        except RuntimeError:
-            self.stop()
-            raise
-        return self
-
-    def cpu_s(self) -> float:
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def memory_kb(self) -> tuple[int, int]:
-        rss = hwm = 0
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1])
-                elif line.startswith("VmHWM:"):
-                    hwm = int(line.split()[1])
-        return rss, hwm
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-        prefix = f"wheeld-{self.name}-"
-        for entry in os.listdir("/dev/shm"):
-            if entry.startswith(prefix):
-                try:
-                    os.unlink(os.path.join("/dev/shm", entry))
-                except FileNotFoundError:
-                    pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+def peak_rss_kb(pid: int) -> int:
+    """VmHWM of ``pid`` in KiB: the most resident memory it has had."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
 
 
 # =========================================================================== the sweep (parent)
@@ -500,15 +463,19 @@ def run_child(spec: dict) -> dict:
 def measure(spec: dict) -> dict:
     if spec["variant"] != "daemon":
         return run_child(spec)
-    daemon = BenchDaemon().start()
+    workdir = tempfile.mkdtemp(prefix="wheeld-bench-")
+    daemon = None
     try:
-        rss0_kb, _ = daemon.memory_kb()
-        cpu0 = daemon.cpu_s()
+        daemon = start_daemon(workdir)
+        rss0_kb = rss_kb(daemon.pid)
+        cpu0 = proc_cpu_s(daemon.pid)
         result = run_child({**spec, "socket": daemon.socket_path})
-        daemon_cpu = daemon.cpu_s() - cpu0
-        _rss, hwm_kb = daemon.memory_kb()
+        daemon_cpu = proc_cpu_s(daemon.pid) - cpu0
+        hwm_kb = peak_rss_kb(daemon.pid)
     finally:
-        daemon.stop()
+        if daemon is not None:
+            daemon.cleanup()
+        shutil.rmtree(workdir, ignore_errors=True)
     result["daemon_cpu_s"] = daemon_cpu
     result["daemon_peak_rss_mb"] = hwm_kb / 1024
     result["daemon_peak_rss_growth_mb"] = (hwm_kb - rss0_kb) / 1024

@@ -88,19 +88,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 if __package__ in (None, ""):  # python bench/sockets.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import proc_cpu_s, rss_kb, wait_until_listening  # noqa: E402
+from bench.common import DaemonProcess, proc_cpu_s, rss_kb, unique_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "sockets.json"
 EXAMPLES = ROOT / "examples"
 KINDS = ("asyncio-none", "asyncio-call-later", "asyncio-wheeld", "sync-none", "sync-wheeld")
-SHM_DIR = "/dev/shm"
 PER_SOURCE_IP = 25_000  # connections per source address (ephemeral ports: 32768-60999 by default)
 PROBE_INTERVAL_S = 0.01
 SEND_RING = 32  # send times kept per connection (a power of two)
@@ -399,44 +397,19 @@ def _serve_sync(spec: dict) -> int:
 
 
 # =========================================================================== the daemon
-class Daemon:
-    def __init__(self, connections: int, workdir: str, nice: int = 0) -> None:
-        self.nice = nice
-        self.name = f"bench-sockets-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.socket_path = os.path.join(workdir, "wheeld.sock")
-        self.capacity = max(1 << 17, 4 * connections)
-        self.touch_capacity = 1 << max(17, (2 * connections - 1).bit_length())
-        self.log_path = os.path.join(workdir, "wheeld.log")
-        self.proc: subprocess.Popen | None = None
+def start_daemon(connections: int, workdir: str, nice: int = 0) -> DaemonProcess:
+    """A wheeld with room for ``connections`` idle timers, on a socket in ``workdir``."""
+    touch_capacity = 1 << max(17, (2 * connections - 1).bit_length())
+    return DaemonProcess(workdir, name=unique_name("bench-sockets"), capacity=max(1 << 17, 4 * connections),
+                         extra=["--touch-capacity", str(touch_capacity)], log_level="WARNING", nice=nice).start(30)
 
-    def start(self) -> Daemon:
-        cmd = [sys.executable, "-m", "wheeld.daemon.cli", "--socket", self.socket_path, "--name", self.name,
-               "--capacity", str(self.capacity), "--touch-capacity", str(self.touch_capacity),
-               "--log-level", "WARNING"]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None)
-        wait_until_listening(self.proc, self.socket_path, 30, lambda: ": " + Path(self.log_path).read_text())
-        return self
 
-    def lateness_counts(self) -> tuple[int, ...]:
-        """The daemon's own fire-lateness histogram (deadline to firing), read from its arena."""
-        from wheeld.shm.reader import ArenaReader
+def lateness_counts(daemon: DaemonProcess) -> tuple[int, ...]:
+    """The daemon's own fire-lateness histogram (deadline to firing), read from its arena."""
+    from wheeld.shm.reader import ArenaReader
 
-        with ArenaReader(self.name) as reader:
-            return reader.snapshot(with_records=False).lateness_counts
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        prefix = f"wheeld-{self.name}-"
-        for entry in os.listdir(SHM_DIR):
-            if entry.startswith(prefix):
-                try:
-                    os.unlink(os.path.join(SHM_DIR, entry))
-                except FileNotFoundError:
-                    pass
+    with ArenaReader(daemon.name) as reader:
+        return reader.snapshot(with_records=False).lateness_counts
 
 
 def lateness_parts(reports: list[dict], idle_ns: int) -> dict:
@@ -890,7 +863,7 @@ def start_profilers(args, kind: str, servers: list, daemon) -> list[subprocess.P
     Path(args.profile).mkdir(parents=True, exist_ok=True)
     targets = [(f"server{i}", server.pid) for i, server in enumerate(servers)]
     if daemon:
-        targets.append(("daemon", daemon.proc.pid))
+        targets.append(("daemon", daemon.pid))
     procs = []
     for name, pid in targets:
         out = os.path.join(args.profile, f"{kind}.{name}.txt")
@@ -930,7 +903,7 @@ def run_kind(kind: str, args, workdir: str) -> dict:
     out: dict = {"kind": kind, "connections": n, "idle_ms": idle_ms, "processes": processes}
     try:
         if kind.endswith("-wheeld"):
-            daemon = Daemon(n, workdir, args.daemon_nice).start()
+            daemon = start_daemon(n, workdir, args.daemon_nice)
         for i, share in enumerate(shares(n, processes)):
             spec = {"kind": kind, "idle_ms": idle_ms, "nofile": share + HEADROOM, "loop": args.loop,
                     "report": os.path.join(workdir, f"{kind}.{i}.report.json"), "group": f"bench-sockets-{i}",
@@ -938,9 +911,9 @@ def run_kind(kind: str, args, workdir: str) -> dict:
             servers.append(ServerProcess(spec, workdir))
         out["loop"] = servers[0].loop
         rss0 = [rss_kb(server.pid) for server in servers]
-        daemon_rss0 = rss_kb(daemon.proc.pid) if daemon else 0
+        daemon_rss0 = rss_kb(daemon.pid) if daemon else 0
 
-        fired0 = daemon.lateness_counts() if daemon else None  # the close phase starts with the first connect
+        fired0 = lateness_counts(daemon) if daemon else None  # the close phase starts with the first connect
         sc0 = [server.stats() for server in servers]
         cc0 = [proc_cpu_s(server.pid) for server in servers]
         open_t0 = time.monotonic_ns()
@@ -968,7 +941,7 @@ def run_kind(kind: str, args, workdir: str) -> dict:
         out["rss_bytes_per_connection"] = sum(rss_kb(s.pid) - r for s, r in zip(servers, rss0)) * 1024 / open_now
         out["open_at_rss"] = open_now
         if daemon:
-            out["daemon_rss_bytes_per_connection"] = (rss_kb(daemon.proc.pid) - daemon_rss0) * 1024 / n
+            out["daemon_rss_bytes_per_connection"] = (rss_kb(daemon.pid) - daemon_rss0) * 1024 / n
 
         # The run. Close phase: from the first connect until every quiet connection is closed
         # (lateness, wrong and early closes, the daemon's fire lateness). With --quiet-span-s 0
@@ -983,16 +956,16 @@ def run_kind(kind: str, args, workdir: str) -> dict:
         for load in loads:
             load.send({"t0": t0, "window_end": end_ns})
         sleep_until(cw0)
-        fired1 = daemon.lateness_counts() if daemon else None
+        fired1 = lateness_counts(daemon) if daemon else None
         profilers = start_profilers(args, kind, servers, daemon)
         s0 = [server.stats() for server in servers]
         cpu0 = [proc_cpu_s(server.pid) for server in servers]
-        d_cpu0 = proc_cpu_s(daemon.proc.pid) if daemon else 0.0
+        d_cpu0 = proc_cpu_s(daemon.pid) if daemon else 0.0
         w0 = time.monotonic_ns()
         sleep_until(end_ns)
         w1 = time.monotonic_ns()
         cpu1 = [proc_cpu_s(server.pid) for server in servers]
-        d_cpu1 = proc_cpu_s(daemon.proc.pid) if daemon else 0.0
+        d_cpu1 = proc_cpu_s(daemon.pid) if daemon else 0.0
         s1 = [server.stats() for server in servers]
         stop_profilers(profilers)
         close_reads = sum(b["reads"] - a["reads"] for a, b in zip(sc0, s0))
@@ -1061,7 +1034,7 @@ def run_kind(kind: str, args, workdir: str) -> dict:
         for child in loads + servers:
             child.kill()
         if daemon is not None:
-            daemon.stop()
+            daemon.cleanup()
 
 
 # =========================================================================== parent

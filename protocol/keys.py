@@ -92,16 +92,6 @@ def decode_key(data: bytes, key_meta: int) -> Key:
     return bytes(raw)
 
 
-def key_length(key_meta: int) -> int:
-    """The length in bytes of the key a meta byte describes (the low six bits)."""
-    return key_meta & _LEN_MASK
-
-
-def key_type(key_meta: int) -> int:
-    """The type a meta byte describes: TYPE_BYTES, TYPE_STR or TYPE_INT (the top two bits)."""
-    return key_meta >> _TYPE_SHIFT
-
-
 def valid_key_meta(key_meta: int) -> bool:
     """True if ``key_meta`` could have come from :func:`encode_key`."""
     size = key_meta & _LEN_MASK

@@ -49,7 +49,7 @@ def connect(args: dict) -> wheeld.Client:
         except wheeld.DaemonNotRunning:
             if time.monotonic() > end:
                 raise
-            time.sleep(0.05)
+            time.sleep(0.05)  # the daemon is down for a while: retry the connect
 
 
 def main(args: dict) -> None:

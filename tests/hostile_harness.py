@@ -15,7 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+from daemon_harness import wait_until
 
 from wheeld.protocol import framing
 from wheeld.protocol import messages as M
@@ -24,18 +24,6 @@ from wheeld.shm import reader as R
 WORKER = os.path.join(os.path.dirname(__file__), "honest_worker.py")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 _FDS_SPACE = socket.CMSG_SPACE(8 * array.array("i").itemsize)
-
-
-def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.01, what: str = "condition"):
-    """Poll ``predicate`` until it returns something true; AssertionError after ``timeout_s``."""
-    end = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= end:
-            raise AssertionError(f"{what} not met within {timeout_s} s")
-        time.sleep(interval_s)
 
 
 # ---------------------------------------------------------------------------- /proc
@@ -109,7 +97,7 @@ class Honest:
                 raise AssertionError(f"the honest client exited: {self.proc.stderr.read().decode()[-2000:]}")
             return self.delivered() >= start + more
 
-        wait_until(served, timeout_s, 0.02, f"{more} more deliveries to the honest client")
+        wait_until(served, timeout_s, f"{more} more deliveries to the honest client", interval=0.02)
         return self.delivered()
 
     def finish(self, timeout_s: float = 60.0) -> dict:

@@ -55,7 +55,7 @@ async def _run(socket_path: str) -> tuple[set, int]:
             rng = random.Random(7)
             while not stop.is_set():
                 kick_w.send(b"k")
-                time.sleep(rng.random() * 0.0005)
+                time.sleep(rng.random() * 0.0005)  # kicks at random moments: the race
 
         def on_kick():
             try:
@@ -73,7 +73,7 @@ async def _run(socket_path: str) -> tuple[set, int]:
         try:
             end = time.monotonic() + 8.0  # well under the daemon's 30 s ack timeout: no redelivery helps
             while len(seen) < N and time.monotonic() < end:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # the loop runs the readers meanwhile; the count is checked after
         finally:
             stop.set()
             thread.join()

@@ -20,6 +20,7 @@ import threading
 import time
 
 import pytest
+from daemon_harness import wait_until, wait_until_async
 import wheeld
 import wheeld.purgatory as purgatory_mod
 import wheeld.sync as sync_mod
@@ -69,24 +70,6 @@ def records(monkeypatch):
     finally:
         for logger in loggers:
             logger.removeHandler(handler)
-
-
-def wait_until(predicate, timeout_s: float = 20.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
-async def async_wait_until(predicate, timeout_s: float = 20.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        await asyncio.sleep(0.01)
-    return predicate()
 
 
 def thread_cpu_s(thread: threading.Thread) -> float:
@@ -214,7 +197,7 @@ def test_async_purgatory_expiration_task_backs_off_and_fails_the_operations(daem
             p._clock._task.cancel()  # restart the reader on a client whose poll always fails
             p.client.poll = failing_poll
             p._clock._task = asyncio.get_running_loop().create_task(p._clock._run())
-            assert await async_wait_until(lambda: all(op.is_completed for op in ops))
+            assert await wait_until_async(lambda: all(op.is_completed for op in ops))
             failing_s = time.monotonic() - t0
             assert attempts <= MAX_ATTEMPTS
             assert time.process_time() - cpu0 < 0.25 * failing_s
@@ -272,7 +255,7 @@ def test_idle_tracker_expiration_task_backs_off_and_the_next_add_raises(daemon, 
             client.poll = failing_poll
             cpu0, t0 = time.process_time(), time.monotonic()
             tracker._task = asyncio.get_running_loop().create_task(tracker._read_expirations())
-            assert await async_wait_until(lambda: tracker.error is not None)
+            assert await wait_until_async(lambda: tracker.error is not None)
             failing_s = time.monotonic() - t0
             assert attempts <= MAX_ATTEMPTS
             assert time.process_time() - cpu0 < 0.25 * failing_s

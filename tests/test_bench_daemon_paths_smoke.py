@@ -20,3 +20,10 @@ def test_the_timerfd_park_never_wakes_before_its_deadline():
 def test_bookkeeping_rows_cover_both_layouts():
     rows = daemon_paths.bookkeeping_pauses(2_000, 256)
     assert len(rows) == 4 and all(r["longest_us"] >= 0 for r in rows)
+
+
+def test_coalescing_rows_count_wakeups_and_flushes_for_both_windows():
+    rows = {r["coalesce_us"]: r for r in daemon_paths.coalescing(50, 3)}
+    assert set(rows) == {0, 10_000}
+    for row in rows.values():
+        assert 0 < row["wakeups"] <= row["adds"] and row["flush_max_ms"] >= row["flush_p50_ms"] > 0

@@ -3,17 +3,10 @@ also when its expiration comes back later from another member."""
 
 from __future__ import annotations
 
-import time
+from daemon_harness import wait_until
 
 import wheeld
 from wheeld.shm import reader as R
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < end, "condition not met in time"
-        time.sleep(0.01)
 
 
 def delivered_total(name: str) -> int:

@@ -10,6 +10,7 @@ import socket
 import time
 
 import pytest
+from daemon_harness import wait_until
 
 import wheeld
 from wheeld.protocol import status_layout as SL
@@ -129,15 +130,11 @@ def test_add_refuses_at_once_when_the_arena_is_full(daemon_factory):
             w.add(i, 600_000)
         w.flush()
         status = w._parked
-        end = time.monotonic() + 5
-        while status[SL.PENDING_WORD] < 50 and time.monotonic() < end:  # published at the next iteration
-            time.sleep(0.01)
+        wait_until(lambda: status[SL.PENDING_WORD] >= 50, 5, "the status page to show 50 pending")  # published at the next iteration
         with pytest.raises(wheeld.ArenaFull):
             w.add("one-more", 10)
         assert w.cancel(0)
         w.flush()
-        end = time.monotonic() + 5
-        while status[SL.PENDING_WORD] >= 50 and time.monotonic() < end:
-            time.sleep(0.01)
+        wait_until(lambda: status[SL.PENDING_WORD] < 50, 5, "the status page to show the cancel")
         w.add("one-more", 600_000)  # room again
         w.flush()

@@ -7,7 +7,7 @@ import json
 import time
 
 import wheeld
-from daemon_harness import unlink_segments
+from daemon_harness import unlink_segments, wait_for_clock
 
 
 def mono_ms() -> int:
@@ -41,7 +41,7 @@ def test_reboot_recovers_every_flushed_timer_and_marks_late_ones(daemon_factory,
     d.kill()
     removed = unlink_segments(d.name)  # the reboot: shared memory is gone
     assert any(name.endswith("-arena") for name in removed)
-    time.sleep(0.6)
+    wait_for_clock(max(deadlines[i] for i in range(1, 2000, 2)), "the 300 ms timers to come due while the host is down")
     d.start()
     assert "journal recovery" in d.log()
     with wheeld.connect(d.socket_path, group="durable") as w:
@@ -94,6 +94,7 @@ def test_acks_for_a_rebooted_arena_release_nothing(daemon_factory, tmp_path):
     d = daemon_factory(extra=["--journal", str(tmp_path / "journal"), "--fsync", "always"]).start()
     w = wheeld.connect(d.socket_path, group="durable")
     w.add("a", 20)
+    b_due = mono_ms() + 700
     w.add("b", 700)
     w.flush()
     assert [e.key for e in collect(w, 1, 5.0)] == ["a"]
@@ -101,7 +102,7 @@ def test_acks_for_a_rebooted_arena_release_nothing(daemon_factory, tmp_path):
     assert old_epoch > 0
     d.kill()
     unlink_segments(d.name)  # the reboot
-    time.sleep(0.8)  # "b" comes due while the host is down
+    wait_for_clock(b_due, '"b" to come due while the host is down')
     d.start()
     out = subprocess.run([sys.executable, "-c", _STALE_ACKER, d.socket_path, str(old_epoch)],
                          capture_output=True, text=True, timeout=60)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import wheeld
-from daemon_harness import unlink_segments
+from daemon_harness import unlink_segments, wait_until
 
 
 def collect(client, want: int, timeout_s: float) -> list:
@@ -116,7 +116,6 @@ def test_commands_a_lost_daemon_applied_but_did_not_persist_are_applied_again(da
     """The flush that acknowledges them is answered by the daemon after the power cut:
     the client hands its ring back rewound to its last acknowledged flush, so what the
     dead daemon applied (and lost with the page cache) is applied again."""
-    from wheeld.shm import reader as R
 
     journal = tmp_path / "journal"
     d = daemon_factory(extra=["--journal", str(journal), "--fsync", "off"]).start()
@@ -125,12 +124,7 @@ def test_commands_a_lost_daemon_applied_but_did_not_persist_are_applied_again(da
         w.flush()
         for i in range(20):
             w.add(f"k{i}", 1500)  # no flush: applied by this daemon, never made durable
-        end = time.monotonic() + 10
-        while time.monotonic() < end:
-            with R.ArenaReader(d.name) as reader:
-                if reader.counters()["pending"] == 21:
-                    break
-            time.sleep(0.01)
+        wait_until(lambda: d.counters()["pending"] == 21, 10, "the 20 unflushed adds applied")
         d.kill()
         unlink_segments(d.name)
         for segment in journal.glob("journal-*.jsonl"):  # the power cut: nothing was fsynced

@@ -41,9 +41,10 @@ import time
 
 import msgspec
 import pytest
+from daemon_harness import wait_until
 
 import wheeld
-from hostile_harness import Honest, Raw, counters, rss_kb, wait_until
+from hostile_harness import Honest, Raw, counters, rss_kb
 from wheeld.protocol import commands as C
 from wheeld.protocol import framing
 from wheeld.protocol import messages as M
@@ -62,7 +63,6 @@ GROUPS = 8
 RSS_GROWTH_BOUND_KB = 64 * 1024
 #: how late (fired_ms - deadline_ms) the daemon may fire an honest timer during the fuzz
 LATE_BOUND_MS = 1000
-LONG = os.environ.get("WHEELD_LONG") == "1"
 
 
 def now_ms() -> int:
@@ -333,8 +333,6 @@ def test_fuzz_one_daemon_with_random_records_touches_and_frames(tmp_path, daemon
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_fuzz_long(tmp_path, daemon_factory, request):
-    if not LONG and "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("the long fuzz runs with -m slow or WHEELD_LONG=1 (make test-long)")
+def test_fuzz_long(tmp_path, daemon_factory):
     summary = fuzz(tmp_path, daemon_factory, 2, records=1_000_000, frames=30_000)
     assert summary["records"] >= 1_000_000

@@ -4,10 +4,10 @@ new name, running out is GroupLimit with a hint, owners and quotas hold."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from click.testing import CliRunner
+from daemon_harness import wait_until
 
 import wheeld
 from wheeld.ctl import main as wheelctl_main
@@ -46,15 +46,16 @@ def test_running_out_of_group_ids_is_group_limit_with_a_hint(daemon_factory):
         with wheeld.connect(d.socket_path, group="busy-5") as w:  # an existing group: fine
             assert w.cancel("k") is False  # armed by another member; the cancel still goes out
             w.flush()
-        end = time.monotonic() + 10
-        while True:  # busy-5 is now empty and memberless once its client leaves
-            clients[5].close()
+        clients[5].close()  # busy-5 is now empty and memberless
+
+        def a_group_is_free() -> bool:
             try:
                 wheeld.connect(d.socket_path, group="one-too-many").close()
-                break
+                return True
             except wheeld.GroupLimit:
-                assert time.monotonic() < end
-                time.sleep(0.05)
+                return False
+
+        wait_until(a_group_is_free, 10, "busy-5's id freed once its client left", interval=0.05)
     finally:
         for w in clients:
             w.close()
@@ -70,27 +71,29 @@ def test_a_group_at_its_quota_is_refused_and_the_others_are_not(daemon_factory):
         for i in range(50):
             greedy.add(i, 700_000)  # re-arms need no new record: allowed at the quota
         greedy.flush()
-        end = time.monotonic() + 5
-        while True:  # the daemon tells the group's members at its next publication
+
+        def refused_by_the_client() -> bool:  # the daemon tells the group's members at its next publication
             try:
                 greedy.add("more", 600_000)
             except wheeld.QuotaExceeded:
-                break
+                return True
             with pytest.raises(wheeld.QuotaExceeded):
                 greedy.flush()  # refused by the daemon if it got there first
-            assert time.monotonic() < end
-            time.sleep(0.01)
+            return False
+
+        wait_until(refused_by_the_client, 5, "the client to refuse an add over the quota", interval=0.01)
         for i in range(100):  # another group has its own quota, untouched by greedy's
             modest.add(i, 600_000)
         modest.flush()
         assert greedy.cancel(0)
         greedy.flush()
-        end = time.monotonic() + 5
-        while True:  # back under the quota: adds go through again
+
+        def accepted() -> bool:  # back under the quota: adds go through again
             try:
                 greedy.add("more", 600_000)
                 greedy.flush()
-                break
+                return True
             except wheeld.QuotaExceeded:
-                assert time.monotonic() < end
-                time.sleep(0.01)
+                return False
+
+        wait_until(accepted, 5, "an add accepted again under the quota", interval=0.01)

@@ -37,9 +37,10 @@ import time
 import zlib
 
 import pytest
+from daemon_harness import wait_until
 
 import wheeld
-from hostile_harness import Honest, Raw, counters, cpu_s, fd_targets, rss_kb, wait_until
+from hostile_harness import Honest, Raw, counters, cpu_s, fd_targets, rss_kb
 from wheeld.protocol import commands as C
 from wheeld.protocol import framing
 from wheeld.protocol import messages as M

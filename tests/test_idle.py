@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from daemon_harness import wait_until_async
 import wheeld
 from wheeld.idle import IdleTracker
 from wheeld.protocol.errors import InvalidRequest
@@ -47,15 +48,14 @@ def test_tracker_reports_idle_keys_once_never_early_and_rearms_lazily():
         assert len(tracker) == 6 and len(tracker._wheel) == 6
         tracker.remove(5)  # removed: never reported
         for _ in range(25):  # keys 0 and 1 stay active for ~400 ms: many touches, one timer each
-            await asyncio.sleep(0.015)
+            await asyncio.sleep(0.015)  # the pace of the activity: well under the idle time
             for key in (0, 1):
                 last_activity[key] = time.monotonic_ns()
                 tracker.touch(key)
             assert len(tracker._wheel) <= 5
         tracker.touch("never-added")  # ignored
         assert set(reported) == {2, 3, 4}
-        await asyncio.sleep(0.45)
-        assert set(reported) == {0, 1, 2, 3, 4}
+        await wait_until_async(lambda: set(reported) == {0, 1, 2, 3, 4}, 5, "keys 0 and 1 reported once quiet")
         for key, at_ns in reported.items():
             assert at_ns - last_activity[key] >= 200_000_000, f"key {key} reported early"
         assert tracker.idle_total == 5 and len(tracker) == 0 and len(tracker._wheel) == 0
@@ -205,10 +205,7 @@ def test_daemon_tracker_keeps_adds_and_removes_that_find_the_ring_full(daemon):
             tracker.remove("e")  # never sent: a cancel queued behind its add (harmless)
             await tracker.flush()
             assert not tracker._unsent
-            for _ in range(500):
-                if len(reported) == 4:
-                    break
-                await asyncio.sleep(0.01)
+            await wait_until_async(lambda: len(reported) == 4, 5, "four keys reported idle")
             assert sorted(reported) == ["a", "b", "c", "d"]
         finally:
             await tracker.aclose()

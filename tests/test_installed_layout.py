@@ -46,7 +46,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_harness import unique_name, unlink_segments
+from daemon_harness import unique_name, unlink_segments, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 GUIDE = REPO / "docs" / "operating.md"
@@ -115,7 +115,7 @@ def shadow(argv: list[str]) -> None:
             return
         if "lock" not in result.stderr.lower():
             break
-        time.sleep(0.1)
+        time.sleep(0.1)  # another process holds the lock: try again
     raise AssertionError(f"{shlex.join(argv)} failed ({result.returncode}): {result.stderr.strip()}")
 
 
@@ -333,11 +333,13 @@ class Layout:
         self.procs.append(self.daemon)
         self.listener.close()  # the daemon has it now, as with systemd... which keeps its own copy;
         self.listener = None   # here nothing else listens, so a dead daemon shows as ECONNREFUSED
-        end = time.monotonic() + 20
-        while " ready on " not in self.log():
-            if self.daemon.poll() is not None or time.monotonic() > end:
-                raise AssertionError(f"wheeld did not start (exit {self.daemon.poll()}):\n{self.log()}")
-            time.sleep(0.02)
+
+        def ready() -> bool:
+            if self.daemon.poll() is not None:
+                raise AssertionError(f"wheeld exited with {self.daemon.poll()}:\n{self.log()}")
+            return " ready on " in self.log()
+
+        wait_until(ready, 20, "the installed wheeld to log that it is ready", interval=0.02, detail=self.log)
 
     def log(self) -> str:
         try:

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 import wheeld
-from daemon_harness import DaemonProcess, unlink_segments
+from daemon_harness import DaemonProcess, unlink_segments, wait_until
 from wheeld.ctl import main as wheelctl_main
 from wheeld.protocol.naming import SHM_DIR, lock_path
 from wheeld.shm import check as CK
@@ -23,16 +23,6 @@ from wheeld.shm import reader as R
 
 def wheelctl(name: str, socket_path: str, *args):
     return CliRunner().invoke(wheelctl_main, ["--socket", socket_path, "--name", name, *args], catch_exceptions=False)
-
-
-def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.01):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 def collect(client, want: int, timeout_s: float = 20.0) -> list:
@@ -155,7 +145,7 @@ def test_a_daemon_killed_while_rebuilding_its_arena_rebuilds_it_again(daemon_fac
     try:
         arena = os.path.join(SHM_DIR, f"wheeld-{d.name}-arena")
         wait_until(lambda: os.path.exists(arena) or os.path.exists(arena + ".new") or proc.poll() is not None,
-                   timeout_s=30, interval_s=0.001)
+                   timeout=30, what="the recovery to begin (or the daemon to exit)", interval=0.001)
         os.kill(proc.pid, signal.SIGKILL)  # in the middle of the recovery
     finally:
         proc.wait(10)

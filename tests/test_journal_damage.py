@@ -38,6 +38,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from daemon_harness import wait_until
 
 from wheeld.protocol.journal_files import DIR_MODE, FILE_MODE, Journal, list_segments, list_snapshots
 from wheeld.protocol.journal_recovery import JournalDamaged, check_journal, recover
@@ -687,16 +688,6 @@ def _collect(client, keys: set, timeout_s: float) -> list:
     return got
 
 
-def _wait_for(condition, timeout_s: float, what: str):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _journal_lines(directory: Path) -> list[tuple[Path, int, dict]]:
     """(segment, offset, decoded line) of every line of every segment."""
     found = []
@@ -787,8 +778,8 @@ def test_journal_damage_refuse_exits_with_one_line_and_changes_nothing(daemon_fa
     assert _tree(journal) == before and not (tmp_path / "refuse.sock").exists()
 
     d = daemon_factory(extra=["--journal", str(journal), "--journal-damage", "skip"], name=name).start()
-    _wait_for(lambda: json.loads(_wheelctl(d, "stats", "--json", "--interval", "0").stdout)["journal"]
-              ["damaged_ranges_total"] == 1, 10.0, "the damage counter")
+    wait_until(lambda: json.loads(_wheelctl(d, "stats", "--json", "--interval", "0").stdout)["journal"]
+               ["damaged_ranges_total"] == 1, 10.0, "the damage counter")
     from wheeld.shm import reader as R
 
     with R.ArenaReader(d.name) as reader:
@@ -809,9 +800,9 @@ def test_an_idle_timers_fire_is_journaled_as_idle_and_reported_as_idle(daemon_fa
         client.flush()
         got = _collect(client, {"idle-1", "idle-2", "plain"}, 10.0)
     assert {expired.key for expired in got} == {"idle-1", "idle-2", "plain"}
-    fires = _wait_for(lambda: {line["k"]: line for _, _, line in _journal_lines(journal) if line["ev"] == "fire"}
-                      if len([1 for _, _, line in _journal_lines(journal) if line["ev"] == "fire"]) == 3 else None,
-                      10.0, "three fire events")
+    fires = wait_until(lambda: {line["k"]: line for _, _, line in _journal_lines(journal) if line["ev"] == "fire"}
+                       if len([1 for _, _, line in _journal_lines(journal) if line["ev"] == "fire"]) == 3 else None,
+                       10.0, "three fire events")
     assert fires["idle-1"]["i"] == 150 and fires["idle-2"]["i"] == 200 and "i" not in fires["plain"]
     tables = reference.compute(str(journal))
     (row,) = [row for row in tables["idle_churn_by_group"] if row["group"] == "sockets"]

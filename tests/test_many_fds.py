@@ -17,6 +17,7 @@ import threading
 import time
 
 import pytest
+from daemon_harness import wait_until_async
 import wheeld
 from wheeld.purgatory import AsyncPurgatory, DelayedOperation, Purgatory
 
@@ -98,10 +99,7 @@ def test_async_client_and_purgatory_above_fd_setsize(daemon, many_fds):
             assert p.client._sock.fileno() > HELD
             op = Op(30)
             p.try_complete_else_watch(op, ["k"])
-            for _ in range(1000):
-                if op.done.is_set():
-                    break
-                await asyncio.sleep(0.01)
+            await wait_until_async(lambda: op.done.is_set(), 10, "the operation to expire")
             assert op.expired and op.error is None
         finally:
             await p.aclose()

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from daemon_harness import wait_until
 
 import wheeld
 from wheeld.daemon.metrics import MAX_REQUEST_BYTES, parse_address
@@ -121,14 +122,15 @@ def metrics_daemon(daemon_factory):
     port = free_port()
     proc = daemon_factory(extra=["--metrics", f"127.0.0.1:{port}"])
     proc.start()
-    end = time.monotonic() + 10
-    while True:  # the endpoint starts right after the socket
+
+    def listening() -> bool:  # the endpoint starts right after the socket
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
+            return True
         except OSError:
-            assert time.monotonic() < end, proc.log()
-            time.sleep(0.02)
+            return False
+
+    wait_until(listening, 10, "the metrics endpoint", interval=0.02, detail=proc.log)
     return proc, port
 
 
@@ -151,12 +153,11 @@ def scrape(port: int) -> dict:
 
 def wait_for(port: int, name: str, value: float, timeout_s: float = 5.0) -> dict:
     """Scrape until ``name`` shows ``value`` (the daemon publishes once per iteration)."""
-    end = time.monotonic() + timeout_s
-    while True:
+    def showing() -> dict | None:
         fams = scrape(port)
-        if fams[name].samples[0].value == value or time.monotonic() > end:
-            return fams
-        time.sleep(0.02)
+        return fams if fams[name].samples[0].value == value else None
+
+    return wait_until(showing, timeout_s, f"{name} = {value} in a scrape", interval=0.02)
 
 
 def test_metrics_endpoint_serves_what_the_daemon_did(metrics_daemon):

@@ -70,7 +70,7 @@ def test_idle_timers_through_the_daemon_are_never_early(daemon):
             key = f"quiet-{i}"
             touches_ns[key] = [time.monotonic_ns()]
             w.add_idle(key, idle_ms)
-            time.sleep(rng.random() / 5000)
+            time.sleep(rng.random() / 5000)  # adds at sub-millisecond offsets: the load
         # active for a while (a touch every few ms, at sub-millisecond offsets), then quiet
         active = [f"active-{i}" for i in range(300)]
         for key in active:

@@ -16,18 +16,10 @@ import threading
 import time
 
 import pytest
+from daemon_harness import wait_until, wait_until_async
 import wheeld
 from wheeld.protocol.errors import InvalidRequest
 from wheeld.purgatory import AsyncPurgatory, DelayedOperation, Purgatory, default_group
-
-
-def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.005) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
 
 
 class Op(DelayedOperation):
@@ -119,7 +111,7 @@ def test_cancel_is_the_third_path(purgatory):
     op = Op(100)
     purgatory.try_complete_else_watch(op, ["k"])
     assert op.cancel() is True
-    time.sleep(0.2)
+    time.sleep(0.2)  # past the deadline it no longer has: it must not expire
     assert op.completions == [False] and op.expirations == 0 and op.won_by_cancel == 1
     assert purgatory.watched() == 0 and len(purgatory) == 0
 
@@ -127,10 +119,11 @@ def test_cancel_is_the_third_path(purgatory):
 def test_an_earlier_deadline_wakes_a_clock_sleeping_for_a_later_one(purgatory):
     late, early = Op(60_000), Op(30)
     purgatory.try_complete_else_watch(late, ["k"])
-    time.sleep(0.05)  # the clock thread is now asleep until the 60 s bucket
+    wait_until(lambda: purgatory._clock._wake_at_ms > time.monotonic_ns() // 1_000_000 + 30_000,
+               what="the clock thread asleep until the 60 s bucket")
     early.watched_ns = time.monotonic_ns()
     purgatory.try_complete_else_watch(early, ["k"])
-    assert wait_until(lambda: early.is_completed, timeout_s=5.0)
+    assert wait_until(lambda: early.is_completed, timeout=5.0)
     assert early.expired and not late.is_completed
 
 
@@ -247,18 +240,12 @@ def test_close_completes_every_parked_operation_on_a_daemon_asyncio(daemon):
         try:
             p = AsyncPurgatory(client, name="close-async")
             ops = _park_five(p)
-            for _ in range(1000):
-                if _pending_in_daemon(client) == 5:
-                    break
-                await asyncio.sleep(0.01)
+            await wait_until_async(lambda: _pending_in_daemon(client) == 5, 10, "the daemon to hold the five timers")
             assert _pending_in_daemon(client) == 5
             await p.aclose()
             _assert_completed_by_close(p, ops)
             await client.flush()
-            for _ in range(1000):
-                if _pending_in_daemon(client) == 0:
-                    break
-                await asyncio.sleep(0.01)
+            await wait_until_async(lambda: _pending_in_daemon(client) == 0, 10, "close() to cancel the five timers")
             assert _pending_in_daemon(client) == 0
         finally:
             await client.close()
@@ -319,14 +306,14 @@ def test_exactly_once_under_concurrent_completion_timeout_and_cancel(purgatory):
                     for _ in range(3):  # the condition becomes true at a random moment
                         ops[r.randrange(watched_upto)].ready = True
                 purgatory.check_and_complete(r.choice(keys))
-                time.sleep(0.0002)
+                time.sleep(0.0002)  # checks at random moments: the concurrency under test
 
         def canceller() -> None:
             r = random.Random(99)
             while not produced.is_set():
                 if watched_upto:
                     ops[r.randrange(watched_upto)].cancel()
-                time.sleep(0.0005)
+                time.sleep(0.0005)  # cancels at random moments: the concurrency under test
 
         threads = [threading.Thread(target=checker, args=(s,)) for s in range(4)]
         threads.append(threading.Thread(target=canceller))
@@ -337,9 +324,9 @@ def test_exactly_once_under_concurrent_completion_timeout_and_cancel(purgatory):
             completed_at_once += purgatory.try_complete_else_watch(op, rng.sample(keys, 3))
             watched_upto = i + 1
             if i % 200 == 0:
-                time.sleep(0.002)
+                time.sleep(0.002)  # lets the checkers and the clock interleave with the producer
         produced.set()
-        assert wait_until(lambda: all(op.is_completed for op in ops), timeout_s=30.0)
+        assert wait_until(lambda: all(op.is_completed for op in ops), timeout=30.0)
         for t in threads:
             t.join(30)
     finally:
@@ -414,10 +401,7 @@ def test_async_purgatory_in_process():
             cancelled.cancel()
             waiting.ready = True
             assert p.check_and_complete("k") == 1
-            for _ in range(200):
-                if quick.is_completed:
-                    break
-                await asyncio.sleep(0.01)
+            await wait_until_async(lambda: quick.is_completed, 2, "the quick operation to expire")
             assert quick.expired and quick.completed_ns - quick.watched_ns >= 40_000_000
             assert waiting.completions == [False] and cancelled.completions == [False]
             assert cancelled.expirations == 0
@@ -445,7 +429,7 @@ def test_purgatory_on_a_real_daemon(daemon):
         assert p.check_and_complete("topic-1") == 50  # checks all 100, completes the 50 ready ones
         assert all(op.is_completed and not op.expired for op in early)
         assert wait_until(lambda: all(op.is_completed for op in timing_out))
-        time.sleep(0.2)  # past the early ones' deadlines: their daemon timers were cancelled
+        time.sleep(0.2)  # past the early ones' deadlines, which must not fire: their daemon timers were cancelled
         for op in timing_out:
             assert op.completions == [True] and op.expirations == 1
             assert op.completed_ns - op.watched_ns >= 59_000_000  # the daemon's clock is in whole ms
@@ -468,10 +452,7 @@ def test_async_purgatory_on_a_real_daemon(daemon):
                 p.try_complete_else_watch(slow, ["k"])
                 slow.ready = True
                 assert p.check_and_complete("k") == 1
-                for _ in range(500):
-                    if fast.is_completed:
-                        break
-                    await asyncio.sleep(0.01)
+                await wait_until_async(lambda: fast.is_completed, 5, "the fast operation to expire")
                 assert fast.expired and fast.expirations == 1
                 assert slow.completions == [False] and slow.expirations == 0
                 assert p.watched() == 0 and len(p) == 0

@@ -20,6 +20,7 @@ import time
 import uuid
 
 import numpy as np
+import pytest
 from wheeld.protocol.commands import ADD, ADD_IDLE, command_at, validate_records
 from wheeld.protocol.keys import encode_key
 from wheeld.shm.ring import ClientSegment
@@ -113,7 +114,7 @@ def drain_until(consumer, child, received: int, target: int | None, timeout_s: f
                 return received
             raise AssertionError(f"producer exited with {child.returncode} after {received} records")
         assert time.monotonic() < deadline, f"stalled after {received} records"
-        time.sleep(0.0005)
+        time.sleep(0.0005)  # poll interval: the ring is empty for now
     return received
 
 
@@ -129,14 +130,10 @@ def test_200k_records_arrive_in_order_without_loss_or_duplicates():
         assert consumer.read_touch((count - 1) % TOUCH_CAPACITY) == count - 1
 
 
-def kill_rounds() -> int:
-    """3 kills by default; WHEELD_LONG=1 (make test-long) runs 25."""
-    return 25 if os.environ.get("WHEELD_LONG") else 3
-
-
-def test_producer_killed_mid_stream_leaves_an_intact_prefix():
+@pytest.mark.parametrize("kills", [3, pytest.param(25, marks=pytest.mark.slow)])
+def test_producer_killed_mid_stream_leaves_an_intact_prefix(kills):
     rng = np.random.default_rng()
-    for _ in range(kill_rounds()):
+    for _ in range(kills):
         kill_after = int(rng.integers(1, 20_000))
         with segment_with_producers() as (consumer, start_producer):
             child = start_producer(-1)

@@ -29,7 +29,7 @@ group name is registered whole or not at all, an id forgotten or not, and an
 unused id keeps no leftover bytes after the attach). The observed state then
 becomes the model for the next round.
 
-``WHEELD_LONG=1`` runs ten times as many kills.
+A ``slow`` variant (``make test-long``) runs ten times as many kills.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from wheeld.shm.fsck import fsck
 from wheeld.shm.wheel import encode_ident
 import wheeld.shm.wheel as wheel_module
 
-LONG = os.environ.get("WHEELD_LONG") == "1"
 CAPACITY = 48
 SHAPE = {"tick_ms": 1, "wheel_size": 4, "levels": 3}  # 64 ms range: cascades and clamping all the time
 KEYS = [f"k{i}" for i in range(40)] + list(range(-5, 5)) + [b"b%d" % i for i in range(10)]
@@ -481,16 +480,16 @@ def run_round(name: str, model: Model, seed: int, mode: str) -> tuple[Model, str
         if mode == "sleep":
             if rng.random() < 0.8:  # mostly aim at the operations, sometimes at the attach
                 head = wait_for_attached(read_fd, pid)
-                time.sleep(rng.uniform(0, 0.004))
+                time.sleep(rng.uniform(0, 0.004))  # a random kill point: the subject
             else:
-                time.sleep(rng.uniform(0, 0.012))
+                time.sleep(rng.uniform(0, 0.012))  # a random kill point: the subject
         else:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:  # the child kills itself (or finishes)
                 done, _status = os.waitpid(pid, os.WNOHANG)
                 if done:
                     break
-                time.sleep(0.0005)
+                time.sleep(0.0005)  # poll interval: the child kills itself at its line
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -542,9 +541,9 @@ def arena_name():
         unlink(name)
 
 
+@pytest.mark.parametrize("rounds", [150, pytest.param(1500, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["trace", "sleep"])
-def test_writer_killed_at_random_points(arena_name, mode):
-    rounds = (1500 if LONG else 150)
+def test_writer_killed_at_random_points(arena_name, mode, rounds):
     base_seed = int(os.environ.get("WHEELD_CRASH_SEED", random.randrange(1 << 30)))  # to replay a failure
     create_arena(arena_name, CAPACITY).close()
     model = Model(1000)

@@ -25,8 +25,8 @@ A second machine runs the batch methods (``schedule_many``, ``cancel_many``,
 item on another, and requires the same results and the same final state.
 
 Shapes: several (tick_ms, wheel_size, levels), small enough that cascades and
-the clamp beyond the top level happen within a few steps. ``WHEELD_LONG=1``
-runs many more examples.
+the clamp beyond the top level happen within a few steps. Each machine has a
+``...Long`` twin marked ``slow`` (``make test-long``) that runs many more examples.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from wheeld.shm import TimerWheel
 from wheeld.shm.arena import unlink
 from wheeld.shm.wheel import encode_ident
 
-LONG = os.environ.get("WHEELD_LONG") == "1"
 CAPACITY = 8
 MAX_GROUPS = 4
 NAMES = st.sampled_from(["other", "x", "y", "z"])
@@ -336,12 +335,14 @@ SHAPES = [  # tick_ms, wheel_size, levels (None: enough levels for ~35 years)
     (7, 256, 2),
 ]
 
-SETTINGS = settings(
-    max_examples=1000 if LONG else 75,
-    stateful_step_count=100 if LONG else 40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+SETTINGS = settings(max_examples=75, stateful_step_count=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+LONG_SETTINGS = settings(SETTINGS, max_examples=1000, stateful_step_count=100)
+
+
+def _long_twin(case: type) -> type:
+    """``case`` with many more examples, for ``make test-long``."""
+    return pytest.mark.slow(type(f"{case.__name__}Long", (case,), {"settings": LONG_SETTINGS}))
 
 
 def _machine(tick_ms: int, wheel_size: int, levels: int | None):
@@ -354,6 +355,7 @@ def _machine(tick_ms: int, wheel_size: int, levels: int | None):
 for _shape in SHAPES:
     _cls = _machine(*_shape)
     globals()[f"Test{_cls.__name__}"] = _cls.TestCase
+    globals()[f"Test{_cls.__name__}Long"] = _long_twin(_cls.TestCase)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -431,10 +433,6 @@ class BatchMachine(RuleBasedStateMachine):
         assert self.batch.next_deadline() == self.scalar.next_deadline()
 
 
-BatchMachine.TestCase.settings = settings(
-    max_examples=1000 if LONG else 100,
-    stateful_step_count=100 if LONG else 40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+BatchMachine.TestCase.settings = settings(SETTINGS, max_examples=100)
 TestBatchMatchesScalar = BatchMachine.TestCase
+TestBatchMatchesScalarLong = _long_twin(BatchMachine.TestCase)

@@ -23,7 +23,7 @@ import numpy as np
 import posix_ipc
 import pytest
 from click.testing import CliRunner
-from daemon_harness import unique_name, unlink_segments
+from daemon_harness import process_state, unique_name, unlink_segments, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 import wheeld
@@ -53,14 +53,13 @@ def settle(name: str, timeout_s: float = 5.0) -> SN.Snapshot:
     iteration, so a test waits for the next heartbeat before it compares.
     """
     after = SN.mono_ms()
-    end = time.monotonic() + timeout_s
-    while True:
+
+    def fresh() -> SN.Snapshot | None:
         with R.ArenaReader(name) as reader:
             snap = reader.snapshot()
-        if snap.counters["daemon_heartbeat_ms"] > after:
-            return snap
-        assert time.monotonic() < end, "the daemon published nothing new"
-        time.sleep(0.01)
+        return snap if snap.counters["daemon_heartbeat_ms"] > after else None
+
+    return wait_until(fresh, timeout_s, "the daemon to publish a new heartbeat", interval=0.01)
 
 
 def collect(client, want: int, timeout_s: float = 10.0):
@@ -69,11 +68,6 @@ def collect(client, want: int, timeout_s: float = 10.0):
     while len(got) < want and time.monotonic() < end:
         got.extend(client.poll(0.1))
     return got
-
-
-def _process_state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def stop_while_parked(daemon, timeout_s: float = 10.0) -> None:
@@ -95,8 +89,7 @@ def stop_while_parked(daemon, timeout_s: float = 10.0) -> None:
                 time.sleep(0.002)
                 continue
             os.kill(daemon.pid, signal.SIGSTOP)
-            while _process_state(daemon.pid) != "T":
-                time.sleep(0.001)
+            wait_until(lambda: process_state(daemon.pid) == "T", 5, "the daemon stopped", interval=0.001)
             if state() == before:
                 return
             os.kill(daemon.pid, signal.SIGCONT)
@@ -225,7 +218,10 @@ def test_stats_answers_while_the_daemon_is_stopped(daemon):
     settle(daemon.name)
     os.kill(daemon.pid, signal.SIGSTOP)
     try:
-        time.sleep(0.6)
+        wait_until(lambda: process_state(daemon.pid) == "T", 5, "the daemon stopped")
+        with R.ArenaReader(daemon.name) as reader:
+            heartbeat = reader.counters()["daemon_heartbeat_ms"]  # its last one
+        wait_until(lambda: SN.mono_ms() > heartbeat + 400, 5, "the heartbeat older than --stale-after 0.3 s")
         result = wheelctl(daemon, "stats", "--json", "--interval", "0", "--stale-after", "0.3")
         assert result.exit_code == 4, result.output
         doc = json.loads(result.stdout)
@@ -255,12 +251,11 @@ def test_daemon_liveness_sees_through_a_recycled_pid(daemon):
     other = subprocess.Popen(["sleep", "30"])  # what a recycled pid would look like
     try:
         # between fork and exec the child still shows our own command line: wait for the exec
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        def execed() -> bool:
             with open(f"/proc/{other.pid}/cmdline", "rb") as f:
-                if f.read().startswith(b"sleep"):
-                    break
-            time.sleep(0.01)
+                return f.read().startswith(b"sleep")
+
+        wait_until(execed, 10, "the child to exec sleep")
         assert SN.pid_alive(other.pid) and not SN.daemon_alive(other.pid)
     finally:
         other.kill()
@@ -669,7 +664,8 @@ def test_stats_watch_redraws_until_interrupted(daemon):
         assert doc["totals"]["adds_total"] == 1 and first["totals"]["adds_total"] == 0
         assert doc["rates_per_s"] is not None  # from the previous redraw
         os.kill(proc.pid, signal.SIGINT)
-        proc.wait(10)
+        # keep reading: redraws left in a full pipe would block its exit (the final flush)
+        proc.communicate(timeout=10)
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)

@@ -1,0 +1,184 @@
+"""The daemon's Recorder (daemon/recorder.py): its batch methods journal exactly
+what the scalar methods do, and a batch applied collapsed is journaled as the
+commands in order."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+
+import msgspec
+from journal_model import (
+    T0,
+)
+
+from wheeld.protocol.journal_files import (
+    Journal,
+)
+from wheeld.protocol import journal as pj
+from wheeld.protocol.journal import (
+    key_to_json,
+)
+
+_BATCH_KEYS = ["c0-1", "str:x", "b64:y", "naïve", 'quo"te', "tab\tkey", 0, -5, 2**62, b"\x00\x01", b"raw", "k" * 32]
+
+
+@contextlib.contextmanager
+def _recorder(tmp_path, name: str):
+    """A Recorder over a fresh arena (unlinked on exit) and a journal in ``tmp_path``."""
+    import uuid
+
+    from wheeld.daemon.recorder import Recorder
+    from wheeld.shm.wheel import TimerWheel
+
+    wheel = TimerWheel.create(1000, tick_ms=1, wheel_size=64, name=f"/wheeld-test-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                              start_ms=1_000)
+    journal = None
+    try:
+        journal = Journal(tmp_path / name, fsync="off", host="test-host")
+        yield Recorder(journal, wheel), wheel
+    finally:
+        if journal is not None:
+            journal.close()
+        wheel.close()
+        wheel.unlink()
+
+
+def _ident(key) -> bytes:
+    from wheeld.protocol.keys import encode_key
+
+    data, meta = encode_key(key)
+    return bytes((meta,)) + data.ljust(32, b"\0")
+
+
+def test_ident_to_json_equals_key_to_json():
+    from wheeld.daemon.recorder import _ident_to_json
+
+    for key in _BATCH_KEYS:
+        value = _ident_to_json(_ident(key))
+        assert value == key_to_json(key) and type(value) is type(key_to_json(key)), key
+
+
+def test_batch_methods_journal_exactly_what_the_scalar_methods_do(tmp_path, monkeypatch):
+    """Same commands, same clock: armed_many/cancelled_many write the bytes that
+    armed/cancelled write one command at a time (add vs rearm, cancel hit vs miss)."""
+    from wheeld.daemon import recorder as recorder_module
+
+    monkeypatch.setattr(recorder_module, "mono_ms", lambda: 5_000)
+    monkeypatch.setattr(recorder_module, "wall_offset_ms", lambda: T0 - 5_000)
+    keys = _BATCH_KEYS
+    files = {}
+    for mode in ("scalar", "batch"):
+        with _recorder(tmp_path, mode) as (recorder, wheel):
+            gid, other = wheel.group_id("g1"), wheel.group_id("g2")
+            recorder.begin()
+            for j, key in enumerate(keys[::2]):  # half of the keys are pending already
+                wheel.schedule(key, 9_000 + j, gid, 1)
+            wheel.schedule(keys[1], 9_999, other, 1)  # the same key in another group is not a re-arm
+            idents = [_ident(k) for k in keys]
+            deadlines = [20_000 + j for j in range(len(keys))]
+            seqs = list(range(100, 100 + len(keys)))
+            idle = [None if j % 3 else 7_000 for j in range(len(keys))]
+            if mode == "scalar":
+                for key, deadline, seq, idle_ms in zip(keys, deadlines, seqs, idle):
+                    previous = wheel.lookup(key, gid)
+                    wheel.schedule(key, deadline, gid, seq)
+                    recorder.armed(gid, key, deadline, seq, previous, idle_ms)
+                for key, seq in zip(keys[:5], seqs):
+                    previous = wheel.lookup(key, other)
+                    wheel.cancel(key, other)
+                    recorder.cancelled(other, key, seq, previous)
+            else:
+                previous = recorder.previous_deadlines(gid, idents)
+                assert previous == [wheel.lookup(k, gid) for k in keys]
+                assert previous[0] is not None and previous[1] is None
+                wheel.schedule_many(idents, deadlines, gid, seqs)
+                recorder.armed_many(gid, idents, deadlines, seqs, previous, idle)
+                previous = recorder.previous_deadlines(other, idents[:5])
+                assert [p is not None for p in previous] == [False, True, False, False, False]
+                wheel.cancel_many(idents[:5], other)
+                recorder.cancelled_many(other, idents[:5], seqs, previous)
+            recorder.commit(5_000)
+            files[mode] = recorder.journal.segment_path.read_bytes().split(b"\n", 1)[1]
+    assert files["batch"] == files["scalar"]
+    kinds = [msgspec.json.decode(line)["ev"] for line in files["batch"].splitlines()]
+    assert kinds.count("add") == 6 and kinds.count("rearm") == 6 and kinds.count("cancel") == 5
+    assert all(pj.check_line(line) for line in files["batch"].splitlines())
+
+
+def test_previous_deadlines_of_an_empty_batch_and_of_absent_keys(tmp_path):
+    with _recorder(tmp_path, "j") as (recorder, wheel):
+        gid = wheel.group_id("g")
+        assert recorder.previous_deadlines(gid, []) == []
+        assert recorder.previous_deadlines(gid, [_ident("a"), _ident(1)]) == [None, None]
+        wheel.schedule(1, 4_321, gid)
+        assert recorder.previous_deadlines(gid, [_ident("a"), _ident(1)]) == [None, 4_321]
+
+
+def test_a_forgotten_group_id_reused_by_another_name_is_journaled_under_the_new_name(tmp_path, monkeypatch):
+    from wheeld.daemon import recorder as recorder_module
+
+    monkeypatch.setattr(recorder_module, "mono_ms", lambda: 5_000)
+    monkeypatch.setattr(recorder_module, "wall_offset_ms", lambda: T0 - 5_000)
+    with _recorder(tmp_path, "forget") as (recorder, wheel):
+        gid = wheel.group_id("old")
+        recorder.begin()
+        wheel.schedule("k", 9_000, gid, 1)
+        recorder.armed(gid, "k", 9_000, 1, None, None)
+        assert recorder.forget_group(gid) is False  # "k" is pending: the group stays
+        wheel.cancel("k", gid)
+        recorder.cancelled(gid, "k", 2, 9_000)
+        assert recorder.forget_group(gid) is True
+        assert wheel.group_id("new") == gid
+        wheel.schedule("k", 9_500, gid, 3)
+        recorder.armed(gid, "k", 9_500, 3, None, None)
+        recorder.commit(5_000)
+        lines = recorder.journal.segment_path.read_bytes().split(b"\n", 1)[1].splitlines()
+    assert [msgspec.json.decode(line)["g"] for line in lines] == ["old", "old", "new"]
+
+
+def test_commands_many_journals_a_batch_with_repeated_keys_as_in_order(tmp_path, monkeypatch):
+    """A batch applied collapsed (last operation per key) is journaled command by command:
+    the same bytes as applying and recording each command in order; arms the arena
+    refused after a key's last cancel leave no event."""
+    from wheeld.daemon import recorder as recorder_module
+
+    monkeypatch.setattr(recorder_module, "mono_ms", lambda: 5_000)
+    monkeypatch.setattr(recorder_module, "wall_offset_ms", lambda: T0 - 5_000)
+    rng = random.Random(3)
+    keys = ["a", "b", 7, b"c", "str:d"]
+    commands = [(rng.choice(keys), rng.random() < 0.7, 10_000 + j, 100 + j, 9_000 if j % 4 == 0 else None)
+                for j in range(60)]
+    refused_key = "b"
+    files = {}
+    for mode in ("scalar", "many"):
+        with _recorder(tmp_path, mode) as (recorder, wheel):
+            gid = wheel.group_id("g")
+            wheel.schedule("a", 8_000, gid, 1)
+            wheel.schedule(7, 8_001, gid, 1)
+            recorder.begin()
+            last_cancel = max(j for j, c in enumerate(commands) if c[0] == refused_key and not c[1])
+            if mode == "scalar":
+                for j, (key, arm, deadline, seq, idle) in enumerate(commands):
+                    previous = wheel.lookup(key, gid)
+                    if arm:
+                        if key == refused_key and j > last_cancel:
+                            continue  # the arena was full for it
+                        wheel.schedule(key, deadline, gid, seq)
+                        recorder.armed(gid, key, deadline, seq, previous, idle)
+                    else:
+                        wheel.cancel(key, gid)
+                        recorder.cancelled(gid, key, seq, previous)
+            else:
+                idents = [_ident(c[0]) for c in commands]
+                distinct = list(dict.fromkeys(idents))
+                previous = dict(zip(distinct, recorder.previous_deadlines(gid, distinct)))
+                recorder.commands_many(gid, idents, [c[1] for c in commands], [c[2] for c in commands],
+                                       [c[3] for c in commands], [c[4] for c in commands], previous,
+                                       refused={_ident(refused_key)})
+            recorder.commit(5_000)
+            files[mode] = recorder.journal.segment_path.read_bytes().split(b"\n", 1)[1]
+    assert files["many"] == files["scalar"]
+    kinds = {msgspec.json.decode(line)["ev"] for line in files["many"].splitlines()}
+    assert kinds == {"add", "rearm", "cancel"}
