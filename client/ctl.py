@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import stat
 import sys
@@ -61,7 +62,7 @@ from wheeld.protocol.errors import (
     WheeldError,
 )
 from wheeld.protocol.keys import encode_key
-from wheeld.protocol.naming import SHM_DIR, arena_name, default_name, default_socket_path, shm_prefix
+from wheeld.protocol.naming import SHM_DIR, arena_name, default_name, default_socket_path
 from wheeld.shm import check as CK
 from wheeld.shm import reader as R
 from wheeld.shm import snapshot as SN
@@ -187,6 +188,25 @@ def _daemon_errors(ctl: Ctl):
         raise CtlError(f"lost wheeld at {ctl.socket_path}: {exc}", EXIT_NO_DAEMON) from None
     except WheeldError as exc:
         raise CtlError(str(exc), EXIT_FAILED) from None
+
+
+def _interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _until_interrupted():
+    """SIGINT (Ctrl-C) and SIGTERM end a long-running command the same way, with
+    KeyboardInterrupt, even when wheelctl was started with SIGINT ignored (a
+    background job of a non-interactive shell): it then stops cleanly, flushing
+    its output and acknowledging what it printed. The previous handlers come back
+    on exit."""
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _leave(client) -> None:
@@ -405,7 +425,7 @@ def _health_exit(snap: SN.Snapshot) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON document (with --watch: one per line).")
 @click.option("--prometheus", is_flag=True, help="Prometheus text exposition (the same as wheeld --metrics serves).")
 @click.option("--watch", type=click.FloatRange(0.1, 3600), default=None, metavar="SECONDS",
-              help="Redraw every SECONDS until Ctrl-C (exits 0).")
+              help="Redraw every SECONDS until Ctrl-C or SIGTERM (exits 0).")
 @click.option("--interval", type=click.FloatRange(0, 60), default=1.0, show_default=True, metavar="SECONDS",
               help="Time between the two samples the rates come from; 0: no rates.")
 @click.option("--stale-after", type=click.FloatRange(0.01, 3600), default=SN.DEFAULT_STALE_AFTER_S,
@@ -433,7 +453,7 @@ def stats(ctl: Ctl, as_json: bool, prometheus: bool, watch: float | None, interv
         return
     clear = sys.stdout.isatty() and not as_json and not prometheus
     previous = None
-    try:
+    with _until_interrupted(), contextlib.suppress(KeyboardInterrupt):
         while True:
             try:
                 snap = _sample(ctl, stale_after)
@@ -451,8 +471,6 @@ def stats(ctl: Ctl, as_json: bool, prometheus: bool, watch: float | None, interv
                     click.echo("")
                 previous = snap
             time.sleep(watch)
-    except KeyboardInterrupt:
-        return
 
 
 # ---------------------------------------------------------------------------- add / cancel
@@ -559,7 +577,7 @@ def tail(ctl: Ctl, group: str, count: int | None, duration: float | None) -> Non
     seen = 0
     end = None if duration is None else time.monotonic() + duration
     try:
-        with _daemon_errors(ctl):
+        with _daemon_errors(ctl), _until_interrupted():
             while (count is None or seen < count) and (end is None or time.monotonic() < end):
                 wait = 0.5 if end is None else max(0.0, min(0.5, end - time.monotonic()))
                 batch = client.poll(wait)
@@ -703,6 +721,7 @@ def destroy(ctl: Ctl, instance: str | None) -> None:
     Every pending timer in the arena goes with it; a journal (--journal DIR) is
     not touched, so a daemon started with it later rebuilds them from there."""
     from wheeld.protocol.instance_lock import holder
+    from wheeld.shm.arena import remove_instance_segments
 
     name = instance or ctl.name
     try:
@@ -713,18 +732,11 @@ def destroy(ctl: Ctl, instance: str | None) -> None:
     if pid is not None:
         who = f"pid {pid}" if pid else "another process"
         raise CtlError(f"wheeld instance {name!r} is running ({who} holds its lock); stop it first", EXIT_FAILED)
-    prefix = shm_prefix(name)
-    removed = []
-    for entry in sorted(os.listdir(SHM_DIR)):
-        if entry.startswith(prefix):
-            try:
-                os.unlink(os.path.join(SHM_DIR, entry))
-                removed.append(entry)
-            except FileNotFoundError:
-                pass
-            except PermissionError as exc:
-                raise CtlError(f"may not remove /dev/shm/{entry}: {exc.strerror} (run as the daemon's user or "
-                               f"root)", EXIT_NO_DAEMON) from None
+    try:
+        removed = remove_instance_segments(name)
+    except PermissionError as exc:
+        raise CtlError(f"may not remove {exc.filename}: {exc.strerror} (run as the daemon's user or root)",
+                       EXIT_NO_DAEMON) from None
     if removed:
         click.echo(f"removed {len(removed)} segment(s) of wheeld instance {name!r}: {', '.join(removed)}")
     else:

@@ -99,3 +99,22 @@ def unlink(name: str) -> bool:
         return True
     except posix_ipc.ExistentialError:
         return False
+
+
+def remove_instance_segments(name: str) -> list[str]:
+    """Remove every shared-memory file of daemon instance ``name`` (arena, client
+    table, lock, set-aside copies: ``/dev/shm/wheeld-<name>-*``); the names removed,
+    sorted. A file that vanishes meanwhile is skipped; PermissionError (with its
+    ``filename``) stops at the first file this process may not remove."""
+    from wheeld.protocol.naming import SHM_DIR, shm_prefix
+
+    prefix = shm_prefix(name)
+    removed = []
+    for entry in sorted(os.listdir(SHM_DIR)):
+        if entry.startswith(prefix):
+            try:
+                os.unlink(os.path.join(SHM_DIR, entry))
+            except FileNotFoundError:
+                continue
+            removed.append(entry)
+    return removed

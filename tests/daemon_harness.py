@@ -26,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-SHM_DIR = "/dev/shm"
 T = TypeVar("T")
 
 
@@ -83,16 +82,9 @@ def unique_name(prefix: str = "test") -> str:
 
 def unlink_segments(name: str) -> list[str]:
     """Remove every shared-memory segment of daemon instance ``name``."""
-    removed = []
-    prefix = f"wheeld-{name}-"
-    for entry in os.listdir(SHM_DIR):
-        if entry.startswith(prefix):
-            try:
-                os.unlink(os.path.join(SHM_DIR, entry))
-                removed.append(entry)
-            except FileNotFoundError:
-                pass
-    return removed
+    from wheeld.shm.arena import remove_instance_segments
+
+    return remove_instance_segments(name)
 
 
 def accepts(socket_path: str) -> bool:

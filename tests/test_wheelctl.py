@@ -645,9 +645,16 @@ def test_check_with_a_live_pid_needs_the_problem_in_every_copy(daemon):
 
 
 # ---------------------------------------------------------------------------- watch
-def test_stats_watch_redraws_until_interrupted(daemon):
+# SIGINT is sent to a wheelctl started with SIGINT ignored, as a background job of a
+# non-interactive shell is: --watch stops on it all the same, and on SIGTERM.
+_IGNORING_SIGINT = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                    "sys.argv[0] = 'wheelctl'; runpy.run_module('wheeld.ctl', run_name='__main__')")
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_stats_watch_redraws_until_interrupted(daemon, stop):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "wheeld.ctl", "--socket", daemon.socket_path, "--name", daemon.name,
+        [sys.executable, "-c", _IGNORING_SIGINT, "--socket", daemon.socket_path, "--name", daemon.name,
          "stats", "--watch", "0.2", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -663,7 +670,7 @@ def test_stats_watch_redraws_until_interrupted(daemon):
                 break
         assert doc["totals"]["adds_total"] == 1 and first["totals"]["adds_total"] == 0
         assert doc["rates_per_s"] is not None  # from the previous redraw
-        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, stop)
         # keep reading: redraws left in a full pipe would block its exit (the final flush)
         proc.communicate(timeout=10)
     finally:
