@@ -123,7 +123,7 @@ class DaemonProcess:
     def start(self, timeout_s: float = 15.0, env: dict | None = None) -> "DaemonProcess":
         """Start it and return once it is ready: it logs so once its arena is mapped (a
         recovery can take a while after the socket is bound); with a log level that
-        hides that line, once it accepts."""
+        hides that line, once its arena exists and its socket accepts."""
         self._log = open(self.log_path, "ab")
         offset = self._log.tell()
         cmd = [sys.executable, *self.prefix, "-m", "wheeld.daemon.cli", "--socket", self.socket_path,
@@ -138,8 +138,8 @@ class DaemonProcess:
         def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"wheeld exited with {self.proc.returncode}:\n{self.log()}")
-            if self.quiet:
-                return accepts(self.socket_path)
+            if self.quiet:  # it binds its socket first, then maps (or builds) its arena
+                return os.path.exists(f"/dev/shm/wheeld-{self.name}-arena") and accepts(self.socket_path)
             return " ready on " in self.log_path.read_bytes()[offset:].decode("utf-8", "replace")
 
         try:
