@@ -30,11 +30,11 @@ run: $(RUN_STAMP)
 	$(BIN)/wheeld
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -n auto -q
+	$(BIN)/python -m pytest -n 4 -q
 
 # the long chaos/scale/fuzz variants (marked slow), which `make test` leaves out
 test-long: $(TEST_STAMP)
-	$(BIN)/python -m pytest -n auto -q -m slow
+	$(BIN)/python -m pytest -n 4 -q -m slow
 
 # the import contracts of pyproject.toml ([tool.importlinter]): which layer may import which
 lint: $(TEST_STAMP)

@@ -531,10 +531,16 @@ class ClientCore:
 
     def _mark(self) -> None:
         """An internal FLUSH: once Applied(seq) arrives, the armings cancelled before it
-        can no longer produce an expiration on our socket, so we forget them."""
+        can no longer produce an expiration on our socket, so we forget them.
+
+        Its Applied moves no replay position (``_flush_positions``): under a group
+        commit a daemon answers once it has applied, not once it has persisted, and a
+        mark is no acknowledgement the user saw. Were a power cut to follow, the ring
+        handed back must be replayed from the user's last acknowledged flush, or the
+        commands before the mark would be lost while the user's next flush, answered
+        by the daemon that comes back, says they were applied."""
         seq = self._next_tag()
         self._push(C.FLUSH, b"", 0, 0, seq)
-        self._flush_positions[seq] = self._segment._tail
         self._marks.append((seq, self._cancelled_since_mark))
         self._cancelled_since_mark = []
         self._cancels_since_mark = 0

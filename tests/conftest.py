@@ -33,3 +33,19 @@ def daemon_factory(tmp_path):
     finally:
         for proc in made:
             proc.cleanup()
+
+
+# Modules whose tests run for many seconds each (Spark jobs and a standalone
+# cluster, the chaos and socket-scale runs, the crash sweeps): handed to the
+# workers first, so that no worker starts a long test when the others are
+# nearly done. Only the order changes; every test still runs.
+_LONG_FIRST = ("test_pipeline_cluster", "test_pipeline", "test_chaos", "test_bench_sockets", "test_fuzz_daemon",
+               "test_wheel_crash", "test_hostile")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        return _LONG_FIRST.index(module) if module in _LONG_FIRST else len(_LONG_FIRST)
+
+    items.sort(key=rank)  # stable: the collection order within each rank

@@ -133,3 +133,30 @@ def test_commands_a_lost_daemon_applied_but_did_not_persist_are_applied_again(da
         w.flush(timeout_s=10)
         got = collect(w, 20, 15)
     assert sorted(e.key for e in got) == sorted(f"k{i}" for i in range(20))
+
+
+def test_an_internal_mark_answered_before_the_power_cut_does_not_hide_what_it_follows(daemon_factory, tmp_path):
+    """Every 256 cancels the client pushes an internal FLUSH (a mark: once applied, the
+    cancelled armings can be forgotten). The dead daemon answered one after applying, but
+    not persisting, the commands before it; the user's flush after it is answered by the
+    daemon that comes back. Those commands are applied again: a mark is no acknowledgement
+    the user saw, so the ring handed back is rewound to the last flush the user made."""
+    journal = tmp_path / "journal"
+    d = daemon_factory(extra=["--journal", str(journal), "--fsync", "off"]).start()
+    with wheeld.connect(d.socket_path, group="g") as w:
+        w.add("victim", 1500)
+        for i in range(256):
+            w.add(f"c{i}", 600_000)
+        for i in range(256):
+            assert w.cancel(f"c{i}")  # the 256th cancel pushes the mark
+        wait_until(lambda: d.counters()["commands_total"] >= 1 + 256 + 256 + 1 and d.counters()["pending"] == 1,
+                   10, "the adds, the cancels and the mark applied")
+        assert w.poll(0.3) == []  # takes the mark's Applied off the socket
+        d.kill()
+        unlink_segments(d.name)
+        for segment in journal.glob("journal-*.jsonl"):  # the power cut: nothing was fsynced
+            segment.write_bytes(b"")
+        d.start()
+        w.flush(timeout_s=10)  # acknowledged by the daemon that came back
+        got = collect(w, 1, 15)
+    assert [e.key for e in got] == ["victim"]
