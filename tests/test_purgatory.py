@@ -142,7 +142,9 @@ def test_duplicate_keys_and_misuse(purgatory):
 
 def test_the_wheel_grows_when_full():
     with Purgatory(capacity=8) as p:
-        ops = [Op(random.randint(20, 80)) for _ in range(100)]
+        # the odd ones time out soon; the even ones would in a minute, and are cancelled
+        # first (however slow the machine is between the watch and the cancel)
+        ops = [Op(random.randint(20, 80) if i % 2 else 60_000 + i) for i in range(100)]
         for op in ops:
             p.try_complete_else_watch(op, [op.delay_ms % 7])
         assert p._clock.wheel.capacity >= 100
