@@ -108,10 +108,10 @@ def test_timeout_completes_then_expires_never_early(purgatory):
 
 
 def test_cancel_is_the_third_path(purgatory):
-    op = Op(100)
+    op = Op(300)
     purgatory.try_complete_else_watch(op, ["k"])
     assert op.cancel() is True
-    time.sleep(0.2)  # past the deadline it no longer has: it must not expire
+    time.sleep(0.4)  # past the deadline it no longer has: it must not expire
     assert op.completions == [False] and op.expirations == 0 and op.won_by_cancel == 1
     assert purgatory.watched() == 0 and len(purgatory) == 0
 
@@ -396,7 +396,7 @@ def test_completion_through_one_key_clears_the_others(purgatory):
 def test_async_purgatory_in_process():
     async def main():
         async with AsyncPurgatory() as p:
-            waiting, quick, cancelled = Op(5000), Op(40), Op(30)
+            waiting, quick, cancelled = Op(5000), Op(40), Op(5000)
             quick.watched_ns = time.monotonic_ns()
             for op in (waiting, quick, cancelled):
                 assert p.try_complete_else_watch(op, ["k"]) is False
@@ -422,7 +422,7 @@ def test_purgatory_on_a_real_daemon(daemon):
     p = Purgatory(client=client)
     try:
         timing_out = [Op(60) for _ in range(50)]
-        early = [Op(80) for _ in range(50)]
+        early = [Op(500) for _ in range(50)]  # completed before then, however loaded the machine
         for op in timing_out + early:
             op.watched_ns = time.monotonic_ns()
             assert p.try_complete_else_watch(op, ["topic-0", "topic-1"]) is False
@@ -431,7 +431,9 @@ def test_purgatory_on_a_real_daemon(daemon):
         assert p.check_and_complete("topic-1") == 50  # checks all 100, completes the 50 ready ones
         assert all(op.is_completed and not op.expired for op in early)
         assert wait_until(lambda: all(op.is_completed for op in timing_out))
-        time.sleep(0.2)  # past the early ones' deadlines, which must not fire: their daemon timers were cancelled
+        last_watch_ns = max(op.watched_ns for op in early)
+        # past the early ones' deadlines, which must not fire: their daemon timers were cancelled
+        time.sleep(max(0.0, (last_watch_ns + 600_000_000 - time.monotonic_ns()) / 1e9))
         for op in timing_out:
             assert op.completions == [True] and op.expirations == 1
             assert op.completed_ns - op.watched_ns >= 59_000_000  # the daemon's clock is in whole ms
