@@ -325,22 +325,17 @@ def wall_to_monotonic(deadline_wall_ms: int, now_wall_ms: int, now_mono_ms: int)
 
 def list_segments(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """``(first_lsn, path)`` of every segment in ``directory``, in lsn order."""
-    found = []
-    for entry in os.scandir(directory):
-        lsn = parse_segment_name(entry.name)
-        if lsn is not None:
-            found.append((lsn, Path(entry.path)))
-    found.sort()
-    return found
+    return _listed(directory, parse_segment_name)
 
 
 def list_snapshots(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """``(lsn, path)`` of every snapshot in ``directory``, in lsn order."""
-    found = []
-    for entry in os.scandir(directory):
-        lsn = parse_snapshot_name(entry.name)
-        if lsn is not None:
-            found.append((lsn, Path(entry.path)))
+    return _listed(directory, parse_snapshot_name)
+
+
+def _listed(directory: str | os.PathLike[str], parse) -> list[tuple[int, Path]]:
+    """``(lsn, path)`` of every entry whose name ``parse`` reads an lsn from, sorted."""
+    found = [(lsn, Path(entry.path)) for entry in os.scandir(directory) if (lsn := parse(entry.name)) is not None]
     found.sort()
     return found
 

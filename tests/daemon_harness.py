@@ -135,11 +135,13 @@ class DaemonProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
                                      preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None)
 
+        from wheeld.protocol.naming import arena_name, shm_path
+
         def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"wheeld exited with {self.proc.returncode}:\n{self.log()}")
             if self.quiet:  # it binds its socket first, then maps (or builds) its arena
-                return os.path.exists(f"/dev/shm/wheeld-{self.name}-arena") and accepts(self.socket_path)
+                return os.path.exists(shm_path(arena_name(self.name))) and accepts(self.socket_path)
             return " ready on " in self.log_path.read_bytes()[offset:].decode("utf-8", "replace")
 
         try:

@@ -7,6 +7,8 @@ import collections
 import os
 import random
 
+from wheel_state import wheel_state
+
 from wheeld.daemon.client_table import ClientSlot
 from wheeld.daemon.config import Config
 from wheeld.daemon.delivery import Delivery, Lateness
@@ -73,18 +75,6 @@ def _delivery(capacity: int, recorder=None) -> tuple[Delivery, ClientSlot]:
     return delivery, cs
 
 
-def _wheel_state(wheel: TimerWheel) -> dict:
-    rec = wheel.records[wheel.first_entry:]
-    state = rec["state"] & AL.STATE_MASK
-    out = {}
-    for name, code in (("scheduled", AL.SCHEDULED), ("fired", AL.FIRED)):
-        live = rec[state == code]
-        out[name] = sorted(zip(live["key_meta"].tolist(), live["key"].tolist(), live["deadline"].tolist(),
-                               live["tag"].tolist(), live["aux"].tolist()))
-    out["problems"] = wheel.check()
-    return out
-
-
 def test_expiry_by_columns_delivers_what_expiry_by_rows_delivers():
     """Cascades, backlogs, idle timers touched or not, several groups, an ack racing the
     queue: the column path (no journal) and the row path (journaled) deliver the same
@@ -127,7 +117,7 @@ def test_expiry_by_columns_delivers_what_expiry_by_rows_delivers():
         assert ma[gid].client.unacked == mb[gid].client.unacked
     la, lb = a.lateness, b.lateness
     assert (la.counts, la.sum_us, la.beyond_tick) == (lb.counts, lb.sum_us, lb.beyond_tick)
-    assert _wheel_state(a.wheel) == _wheel_state(b.wheel)
+    assert wheel_state(a.wheel) == wheel_state(b.wheel)
     assert acked is not None and acked not in {(item[5], item[6]) for m in ma.values() for item in m.items}
     delivered = sum(len(m.items) for m in ma.values())
     assert delivered > 30_000 and a.wheel.counters()["idle_rearms_total"] > 100

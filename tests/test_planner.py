@@ -21,10 +21,11 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from wheel_state import wheel_state
+
 from wheeld.daemon.client_table import ClientSlot
 from wheeld.daemon.executor import Executor
 from wheeld.daemon.planner import plan_batch
-from wheeld.protocol import arena_layout as AL
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import commands as C
 from wheeld.protocol import messages as M
@@ -64,18 +65,6 @@ def _with_fired(executor: Executor, cs: ClientSlot) -> list[int]:
     fired = executor.wheel.expire(1010)
     cs.unacked.update({s: executor.wheel.fired(s)[5] for s in fired[:3]})
     return fired
-
-
-def _wheel_state(wheel: TimerWheel) -> dict:
-    rec = wheel.records[wheel.first_entry:]
-    state = rec["state"] & AL.STATE_MASK
-    out = {}
-    for name, code in (("scheduled", AL.SCHEDULED), ("fired", AL.FIRED)):
-        live = rec[state == code]
-        out[name] = sorted(zip(live["key_meta"].tolist(), live["key"].tolist(), live["deadline"].tolist(),
-                               live["tag"].tolist(), live["aux"].tolist()))
-    out["problems"] = wheel.check()
-    return out
 
 
 def _planned(executor: Executor, cs: ClientSlot, records: np.ndarray):
@@ -133,7 +122,7 @@ def test_a_plan_keeps_the_last_arming_and_reports_a_full_arena():
                 (C.ADD, *y, 2500, 5), (C.ADD, *z, 2600, 6), (C.ADD, *w, 2700, 9), (C.ADD, *w, 2800, 10),
                 (C.FLUSH, b"", 0, 0, 7)]
     flushes, rejects = _planned(executor, cs, _records(commands))
-    state = _wheel_state(executor.wheel)
+    state = wheel_state(executor.wheel)
     assert (x[1], x[0].ljust(32, b"\0"), 4000, 4, SLOT << CL.TOUCH_INDEX_BITS | 7) in state["scheduled"]
     assert len(state["scheduled"]) == 3 and not state["problems"]
     assert [(r.seq, r.code) for r in rejects] == [(9, M.Rejected.ARENA_FULL), (10, M.Rejected.ARENA_FULL)]
@@ -191,7 +180,7 @@ def test_applying_a_plan_leaves_what_applying_in_ring_order_leaves(chunks):
         want = ordered.apply_in_order(cs_o, records)
         assert got[0] == want[0], "Applied answers differ"
         assert [(r.seq, r.code, r.key) for r in got[1]] == [(r.seq, r.code, r.key) for r in want[1]]
-        assert _wheel_state(planned.wheel) == _wheel_state(ordered.wheel)
+        assert wheel_state(planned.wheel) == wheel_state(ordered.wheel)
         assert cs_p.unacked == cs_o.unacked and cs_p.unacked_old == cs_o.unacked_old
 
 
@@ -259,8 +248,8 @@ def test_random_chunks_through_apply_choose_either_path_and_agree():
         records = _records(_encode(drawn, fired, gens))
         got, want = a.apply(cs_a, records), b.apply_in_order(cs_b, records)
         assert got[0] == want[0] and [(r.seq, r.code) for r in got[1]] == [(r.seq, r.code) for r in want[1]]
-        assert _wheel_state(a.wheel) == _wheel_state(b.wheel), size
-    assert _wheel_state(a.wheel)["scheduled"], "the test should leave timers armed"
+        assert wheel_state(a.wheel) == wheel_state(b.wheel), size
+    assert wheel_state(a.wheel)["scheduled"], "the test should leave timers armed"
 
 
 @pytest.mark.parametrize("quota", [2, 5])
