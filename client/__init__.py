@@ -18,6 +18,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from wheeld.protocol import accel as _accel
+
+# The compiled or the Python hot path (WHEELD_PURE_PYTHON): decided here, before any
+# of wheeld's subpackages is imported, since they are all imported through this package.
+_accel.install_finder()
+
 _ERRORS = "wheeld.protocol.errors"
 
 #: public name -> the module that defines it

@@ -1,0 +1,117 @@
+"""Which implementation of the hot path runs: compiled (Cython) or plain Python.
+
+The hot modules listed in :data:`COMPILED_MODULES` are written once, in Python,
+and compiled by Cython into extension modules at install time (``setup.py``;
+``.pxd`` files beside a module declare C types for its hot paths, the way
+Cython's "pure Python mode" augments a module). The ``.py`` source is both the
+executable specification and the fallback: a compiled module behaves exactly as
+its source does, and the tests hold the two to the same bytes.
+
+Selection:
+
+* ``WHEELD_NO_EXTENSIONS=1`` at install time builds nothing (the Python path).
+* ``WHEELD_PURE_PYTHON=1`` at run time imports the ``.py`` sources even where the
+  extensions are built (:class:`_PureFinder`, installed by ``import wheeld``).
+* In a source checkout an extension older than its ``.py`` is not used: the
+  source runs, with a warning (``make build`` brings the extensions up to date).
+
+:func:`implementation` says which path runs ("compiled", "python" or "mixed");
+the daemon logs it at start, publishes it (``wheelctl stats``, the Prometheus
+metric ``wheeld_build_info``).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import warnings
+
+__all__ = ["COMPILED_MODULES", "implementation", "module_paths", "pure_python_requested", "install_finder"]
+
+#: module -> its source, relative to the repository (setup.py compiles each one)
+COMPILED_MODULES = {
+    "wheeld.shm.placement": "shm/placement.py",
+    "wheeld.shm.keyindex": "shm/keyindex.py",
+    "wheeld.shm.wheel": "shm/wheel.py",
+}
+
+PURE_ENV = "WHEELD_PURE_PYTHON"
+NO_EXTENSIONS_ENV = "WHEELD_NO_EXTENSIONS"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "no", "false")
+
+
+def pure_python_requested() -> bool:
+    """True when ``WHEELD_PURE_PYTHON`` asks for the Python path."""
+    return _flag(PURE_ENV)
+
+
+def _extension_beside(directory: str, leaf: str) -> str | None:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = os.path.join(directory, leaf + suffix)
+        if os.path.exists(candidate):
+            return candidate
+    return None
+
+
+class _PureFinder(importlib.abc.MetaPathFinder):
+    """Finds the ``.py`` source of a compiled module when it should not be the extension."""
+
+    def __init__(self, pure: bool) -> None:
+        self.pure = pure
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in COMPILED_MODULES or not path:
+            return None
+        leaf = fullname.rpartition(".")[2]
+        for directory in path:
+            source = os.path.join(directory, leaf + ".py")
+            if not os.path.exists(source):
+                continue
+            if not self.pure:
+                extension = _extension_beside(directory, leaf)
+                if extension is None or not _stale(extension, source, directory, leaf):
+                    return None  # the ordinary finders pick the extension (or the source when none)
+                warnings.warn(
+                    f"wheeld: {extension} is older than {source}; running the Python source "
+                    "(run `make build` to recompile)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return importlib.util.spec_from_file_location(fullname, source)
+        return None
+
+
+def _stale(extension: str, source: str, directory: str, leaf: str) -> bool:
+    """An in-place build (a source checkout: Cython's ``.c`` lies beside) older than its source."""
+    if not os.path.exists(os.path.join(directory, leaf + ".c")):
+        return False  # an installed package: the extension is what was built from the source
+    return os.path.getmtime(extension) < os.path.getmtime(source)
+
+
+def install_finder() -> None:
+    """Put the selection in front of the import system (once; ``import wheeld`` does it)."""
+    if any(isinstance(finder, _PureFinder) for finder in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _PureFinder(pure_python_requested()))
+
+
+def module_paths() -> dict[str, str]:
+    """Each hot module (importing it) -> "compiled" or "python"."""
+    out = {}
+    for name in COMPILED_MODULES:
+        module = importlib.import_module(name)
+        origin = getattr(module, "__file__", "") or ""
+        out[name] = "compiled" if origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)) else "python"
+    return out
+
+
+def implementation() -> str:
+    """"compiled" (every hot module is an extension), "python" (none is) or "mixed"."""
+    kinds = set(module_paths().values())
+    return kinds.pop() if len(kinds) == 1 else "mixed"
