@@ -39,6 +39,17 @@ def _package_layout() -> str:
     return root
 
 
+def _options_changed() -> bool:
+    """Cython regenerates a module's C when its sources change, not when the options
+    below do: regenerate everything when this file is newer than a generated file."""
+    mine = os.path.getmtime(os.path.abspath(__file__))
+    for source in _accel["COMPILED_MODULES"].values():
+        generated = os.path.join(HERE, os.path.splitext(source)[0] + ".c")
+        if not os.path.exists(generated) or os.path.getmtime(generated) < mine:
+            return True
+    return False
+
+
 if _accel["_flag"](_accel["NO_EXTENSIONS_ENV"]):
     ext_modules = []
 else:
@@ -55,6 +66,7 @@ else:
             "annotation_typing": False,  # types come from the .pxd files only: the .py stays Python
             "embedsignature": True,
         },
+        force=_options_changed(),
         quiet=True,
     )
 

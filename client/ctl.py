@@ -313,7 +313,8 @@ def _daemon_lines(snap: SN.Snapshot) -> list[str]:
     daemon = (f"pid {pid} {'alive' if snap.daemon_alive else 'gone'}" if pid > 0
               else "no daemon (stopped cleanly or never published)")
     lines = [f"wheeld {snap.name!r}: {state}   {daemon}, heartbeat {_fmt_ms(snap.heartbeat_age_ms)} ago, "
-             f"up {_fmt_ms(snap.uptime_ms)}, restarts {c['daemon_restarts_total']}"]
+             f"up {_fmt_ms(snap.uptime_ms)}, restarts {c['daemon_restarts_total']}, "
+             f"hot path {snap.hot_path or 'unknown'}"]
     use = snap.used / snap.capacity * 100 if snap.capacity else 0.0
     lines.append(f"arena  {snap.segment}  {snap.arena_bytes / 1e6:.1f} MB, capacity {_fmt_int(snap.capacity)} timers, "
                  f"used {_fmt_int(snap.used)} ({use:.1f} %), tick {snap.tick_ms} ms, "

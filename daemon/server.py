@@ -55,6 +55,7 @@ import signal
 import threading
 import time
 
+from wheeld.protocol import accel
 from wheeld.protocol import arena_layout as AL
 from wheeld.protocol import status_layout as SL
 from wheeld.shm.status import StatusPage
@@ -147,6 +148,7 @@ class Daemon:
         self.arena_epoch = (wheel.created_wall_ms & 0xFFFFFFFF) or 1
         totals["daemon_pid"] = os.getpid()
         totals["daemon_started_ms"] = now
+        totals["daemon_hot_path"] = accel.PATH_CODES[accel.implementation()]
         poison = self.sessions.poison
         self.delivery = Delivery(wheel, self.clients, cfg, totals, now, poison, self.clock, self.recorder)
         self.executor = Executor(wheel, self.clients, self.arena_epoch, cfg.group_quota, totals, poison, self.clock,
@@ -192,7 +194,8 @@ class Daemon:
         self._listen()
         self.ready = True
         self.notifier.ready(status=self._status_line())
-        log.info("wheeld %s ready on %s (pid %d)", self.config.name, self.config.socket_path, os.getpid())
+        log.info("wheeld %s ready on %s (pid %d, %s hot path)", self.config.name, self.config.socket_path, os.getpid(),
+                 accel.implementation())
         try:
             await self._drive()
         finally:

@@ -29,7 +29,10 @@ import os
 import sys
 import warnings
 
-__all__ = ["COMPILED_MODULES", "implementation", "module_paths", "pure_python_requested", "install_finder"]
+__all__ = [
+    "COMPILED_MODULES", "PATH_CODES", "PATH_NAMES", "implementation", "module_paths", "pure_python_requested",
+    "install_finder",
+]
 
 #: module -> its source, relative to the repository (setup.py compiles each one)
 COMPILED_MODULES = {
@@ -37,6 +40,10 @@ COMPILED_MODULES = {
     "wheeld.shm.keyindex": "shm/keyindex.py",
     "wheeld.shm.wheel": "shm/wheel.py",
 }
+
+#: how the daemon publishes :func:`implementation` (its ``daemon_hot_path`` counter word)
+PATH_CODES = {"python": 1, "compiled": 2, "mixed": 3}
+PATH_NAMES = {code: name for name, code in PATH_CODES.items()}
 
 PURE_ENV = "WHEELD_PURE_PYTHON"
 NO_EXTENSIONS_ENV = "WHEELD_NO_EXTENSIONS"

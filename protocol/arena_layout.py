@@ -159,6 +159,7 @@ _COUNTER_TABLE = (
     ("journal_damaged_ranges_total", DAEMON),  # damaged journal ranges recovery skipped (daemon/journal.py, "Damage")
     ("journal_damaged_lines_total", DAEMON),  # the lines in them
     ("groups_reclaimed_total", DAEMON),  # group ids freed (no member, nothing pending) for new names
+    ("daemon_hot_path", DAEMON),  # which hot path the daemon runs: protocol/accel.py PATH_CODES (0: not published)
 )
 COUNTERS = 64
 assert len(_COUNTER_TABLE) <= COUNTERS

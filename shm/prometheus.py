@@ -59,6 +59,7 @@ wheeld_journal_damaged_lines_total     counter    journal_damaged_lines_total
 wheeld_daemon_up                       gauge      1 if the daemon process exists
 wheeld_daemon_heartbeat_age_seconds    gauge      now - daemon_heartbeat_ms
 wheeld_daemon_uptime_seconds           gauge      now - daemon_started_ms
+wheeld_build_info{hot_path=...}        gauge      1, labelled by daemon_hot_path
 =====================================  =========  ======================================
 
 Histogram buckets: ``le`` is each bound of
@@ -188,6 +189,9 @@ def render(snap: Snapshot) -> str:
     if age is not None:
         metric("wheeld_daemon_heartbeat_age_seconds", "gauge", "Time since the wheel loop last published.",
                [("", (), max(0, age) / 1000)])
+    if snap.hot_path is not None:
+        metric("wheeld_build_info", "gauge", "The daemon's hot path: compiled (Cython) or python (the sources).",
+               [("", (("hot_path", snap.hot_path),), 1)])
     uptime = snap.uptime_ms
     if uptime is not None:
         metric("wheeld_daemon_uptime_seconds", "gauge", "Time since the daemon started.",

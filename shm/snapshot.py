@@ -29,6 +29,9 @@ What a snapshot holds and where each figure comes from::
     journal damage                 counters journal_damaged_ranges_total and
                                    journal_damaged_lines_total: what recovery
                                    skipped when it rebuilt this arena
+    hot path                       counter daemon_hot_path: "compiled" or
+                                   "python" (protocol/accel.py), as the daemon
+                                   that last started said
     daemon pid, alive              counter daemon_pid; ``os.kill(pid, 0)``, and
                                    /proc/PID/cmdline mentions wheeld (pid reuse)
     responding                     counter daemon_heartbeat_ms: the daemon writes
@@ -53,6 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from wheeld.protocol import arena_layout as L
+from wheeld.protocol.accel import PATH_NAMES
 
 from .header import parse_header
 
@@ -168,6 +172,11 @@ class Snapshot:
         return self.counters["daemon_pid"]
 
     @property
+    def hot_path(self) -> str | None:
+        """"compiled", "python" or "mixed": the daemon's hot path (None: not published)."""
+        return PATH_NAMES.get(self.counters["daemon_hot_path"])
+
+    @property
     def heartbeat_age_ms(self) -> int | None:
         beat = self.counters["daemon_heartbeat_ms"]
         return self.taken_ms - beat if beat > 0 else None
@@ -249,7 +258,7 @@ class Snapshot:
             "daemon": {
                 "pid": self.daemon_pid, "alive": self.daemon_alive, "responding": self.responding,
                 "heartbeat_age_ms": self.heartbeat_age_ms, "uptime_ms": self.uptime_ms,
-                "restarts_total": c["daemon_restarts_total"], "parked": self.parked,
+                "restarts_total": c["daemon_restarts_total"], "parked": self.parked, "hot_path": self.hot_path,
             },
             "arena": {
                 "segment": self.segment, "bytes": self.arena_bytes, "capacity": self.capacity, "used": self.used,

@@ -240,6 +240,7 @@ __all__ = ["DEFAULT_WHEEL_SIZE", "MAX_DELAY_MS", "TimerWheel", "encode_ident"]
 DEFAULT_WHEEL_SIZE = 256
 DEFAULT_LEVELS_RANGE_MS = 1 << 40  # levels are added until they cover ~34.8 years
 MAX_DELAY_MS = 1 << 46  # sanity bound on deadlines (~2230 years past the clock)
+MAX_CLOCK_MS = 1 << 62  # bound on the clock a caller may move the wheel to (either sign)
 #: generations wrap within 31 bits: they travel as signed 32-bit fields (the ACK
 #: record's aux1, an Expiry's generation), and the free list reuses the hottest
 #: slot first, so one slot can be re-allocated 2**31 times in hours at full rate
@@ -275,6 +276,14 @@ def _default_levels(tick_ms: int, wheel_size: int) -> int:
         levels += 1
         span *= wheel_size
     return levels
+
+
+def _check_clock(now_ms) -> None:
+    """A clock a caller moves the wheel to: an int within +-MAX_CLOCK_MS, or InvalidDelay."""
+    if type(now_ms) is not int:
+        raise InvalidDelay(f"now_ms is an integer number of ms, not {type(now_ms).__name__}")
+    if not -MAX_CLOCK_MS <= now_ms < MAX_CLOCK_MS:
+        raise InvalidDelay(f"now_ms {now_ms} is beyond +-{MAX_CLOCK_MS}")
 
 
 def _ident(key) -> tuple[bytes, int]:
@@ -810,6 +819,7 @@ class TimerWheel:
 
     def _sweep(self, now_ms: int, fire) -> int:
         """Advance to ``now_ms``; call ``fire(slot)`` for each due timer, re-place the rest."""
+        _check_clock(now_ms)
         slots = self._collect(now_ms)
         if not slots:
             return 0
@@ -1087,8 +1097,7 @@ class TimerWheel:
         Returns the FIRED slots as an int64 array, in the order they now have on the
         fired list; read their fields at once with :meth:`records_of`.
         """
-        if type(now_ms) is not int:
-            raise InvalidDelay("now_ms is an integer number of ms")
+        _check_clock(now_ms)
         whole, chains, mixed = self._collect_buckets(now_ms)
         if not whole and not mixed:
             return np.zeros(0, dtype=np.int64)
@@ -1196,8 +1205,7 @@ class TimerWheel:
         stored clock, which puts a timer that fits level 0 there anyway); deadlines,
         tags and keys are not touched, so no intent is needed.
         """
-        if type(now_ms) is not int:
-            raise InvalidDelay("now_ms is an integer number of ms")
+        _check_clock(now_ms)
         if type(max_entries) is not int or max_entries < 0:
             raise InvalidRequest("max_entries must be an integer >= 0")
         cur = self._move_idle_clock(now_ms)

@@ -15,7 +15,10 @@ The writer is then killed with SIGKILL, in one of two ways:
   attach) that counts line events inside ``shm/wheel.py`` and SIGKILLs at a
   random count: this lands between any two lines of the wheel, e.g. between the
   two stores that link a record, or between a batch's field writes and its
-  state bytes.
+  state bytes. A compiled module has no lines to trace, so this writer runs the
+  wheel's Python source (``tests/python_source.py``); the writers killed after a
+  random sleep run the path the process selected (the compiled one unless
+  ``WHEELD_PURE_PYTHON=1``), where a kill lands at any instruction.
 
 The parent keeps a model of the arena (slot, generation, deadline, tag of every
 scheduled and fired timer, the group table, and the clock). After each kill it
@@ -56,7 +59,10 @@ from wheeld.shm.arena import Segment, unlink
 from wheeld.shm.check import recover_copy
 from wheeld.shm.fsck import fsck
 from wheeld.shm.wheel import encode_ident
-import wheeld.shm.wheel as wheel_module
+
+from python_source import load as load_source
+
+wheel_module = load_source("wheeld.shm.wheel")  # the traced writers run the source (see above)
 
 CAPACITY = 48
 SHAPE = {"tick_ms": 1, "wheel_size": 4, "levels": 3}  # 64 ms range: cascades and clamping all the time
@@ -111,7 +117,7 @@ def writer(name: str, seed: int, log_fd: int, trace_target: tuple[int, int] | No
 
     if kill_op == -1:
         sys.settrace(global_trace)
-    wheel = TimerWheel.attach(name)
+    wheel = (TimerWheel if trace_target is None else wheel_module.TimerWheel).attach(name)
     log("ATTACHED")
     now = wheel.current_ms
     batches = rng.random() < 0.5  # half the writers use the *_many batch methods
@@ -630,7 +636,7 @@ def _run_killed(name: str, call, kill_line: int) -> bool:
     if pid == 0:
         try:
             os.close(read_fd)
-            wheel = TimerWheel.attach(name)
+            wheel = wheel_module.TimerWheel.attach(name)  # the source: its lines are traced
             wheel_file, count = wheel_module.__file__, [0]
 
             def local(frame, event, arg):

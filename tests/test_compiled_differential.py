@@ -1,0 +1,210 @@
+"""The compiled hot path against its Python source: the same operations leave the
+same bytes.
+
+Two worker processes (``tests/differential_worker.py``) run each generated
+scenario, one on the compiled path, one with ``WHEELD_PURE_PYTHON=1``, both with
+the same ``PYTHONHASHSEED`` (the key index hashes with Python's ``hash``). A
+scenario is a wheel shape and a sequence of scalar and batch calls (new timers,
+re-arms, cancels by key and by handle, advances, expiries, releases, re-arms of
+fired timers, ``cascade_ahead``, group names registered and forgotten), with bad
+input among them (deadlines off the clock's range or not integers, malformed
+keys, group ids and tags out of range) and re-attaches (the recovery a restart
+makes). Both sides must return the same results, raise the same exceptions,
+and leave byte-identical arenas (the header's creation wall-clock time aside).
+
+The ``slow`` twin (``make test-long``) runs many more scenarios.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from wheeld.protocol import accel
+from wheeld.shm.arena import unlink
+from wheeld.shm.wheel import MAX_DELAY_MS, encode_ident
+
+WORKER = Path(__file__).with_name("differential_worker.py")
+_LEN = struct.Struct("<Q")
+
+SHAPES = [
+    {"capacity": 24, "tick_ms": 1, "wheel_size": 4, "levels": 3, "start_ms": 1000, "max_groups": 4},
+    {"capacity": 40, "tick_ms": 10, "wheel_size": 8, "levels": 2, "start_ms": 0, "max_groups": 3},
+    {"capacity": 64, "tick_ms": 1, "wheel_size": 256, "start_ms": 5_000, "max_groups": 8},
+]
+
+
+class Worker:
+    def __init__(self, pure: bool):
+        env = dict(os.environ, PYTHONHASHSEED="0", **{accel.PURE_ENV: "1" if pure else "0"})
+        self.proc = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env)
+
+    def run(self, name: str, shape: dict, ops: list) -> dict:
+        data = pickle.dumps((name, shape, ops))
+        self.proc.stdin.write(_LEN.pack(len(data)) + data)
+        self.proc.stdin.flush()
+        head = self.proc.stdout.read(_LEN.size)
+        assert len(head) == _LEN.size, f"worker exited with {self.proc.wait()}"
+        return pickle.loads(self.proc.stdout.read(_LEN.unpack(head)[0]))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def workers():
+    compiled, pure = Worker(pure=False), Worker(pure=True)
+    try:
+        yield compiled, pure
+    finally:
+        compiled.close()
+        pure.close()
+
+
+KEYS = st.sampled_from(["a", "b", "c", "d", "e", "f", 7, 8, 2**40, b"\x00bin", "k" * 32])
+BAD_KEYS = st.sampled_from([b"short", b"\x00" * 33, bytes([0x3F]) + b"x" * 32])
+GROUPS = st.integers(0, 2)
+OFFSETS = st.integers(-50, 3000) | st.integers(3000, 10**7)
+TAGS = st.integers(0, 5)
+
+
+@st.composite
+def scenarios(draw):
+    shape = draw(st.sampled_from(SHAPES))
+    start = shape["start_ms"]
+    clock = start
+    ops = []
+    for _ in range(draw(st.integers(1, 40))):
+        kind = draw(st.sampled_from([
+            "schedule", "schedule", "schedule", "cancel", "advance", "expire", "release", "rearm_fired",
+            "schedule_many", "cancel_many", "expire_many", "release_many", "cascade_ahead", "cancel_handle",
+            "group", "forget", "reattach", "bad",
+        ]))
+        if kind == "schedule":
+            ops.append(("schedule_ident", (encode_ident(draw(KEYS)), clock + draw(OFFSETS), draw(GROUPS),
+                                           draw(TAGS), draw(st.integers(-1, 3)))))
+        elif kind == "cancel":
+            ops.append(("cancel_ident", (encode_ident(draw(KEYS)), draw(GROUPS))))
+        elif kind in ("advance", "expire", "expire_many"):
+            clock += draw(st.integers(0, 400) | st.integers(400, 200_000))
+            ops.append((kind, (clock,)))
+        elif kind == "cascade_ahead":
+            ops.append(("cascade_ahead", (clock + draw(st.integers(0, 300)), draw(st.integers(0, 20)))))
+        elif kind == "release":  # a slot and a generation: right ones come from fired timers, others are stale
+            ops.append(("release", (draw(st.integers(0, 80)), draw(st.integers(0, 4)))))
+        elif kind == "rearm_fired":
+            ops.append(("rearm_fired", (draw(st.integers(0, 80)), draw(st.integers(0, 4)), clock + draw(OFFSETS))))
+        elif kind == "cancel_handle":
+            ops.append(("cancel_handle", ((draw(st.integers(0, 80)), draw(st.integers(0, 4))),)))
+        elif kind == "schedule_many":
+            keys = draw(st.lists(KEYS, min_size=0, max_size=8))
+            ops.append(("schedule_many", ([encode_ident(k) for k in keys],
+                                          [clock + draw(OFFSETS) for _ in keys],
+                                          [draw(GROUPS) for _ in keys], [draw(TAGS) for _ in keys])))
+        elif kind == "cancel_many":
+            keys = draw(st.lists(KEYS, min_size=0, max_size=8))
+            ops.append(("cancel_many", ([encode_ident(k) for k in keys], [draw(GROUPS) for _ in keys])))
+        elif kind == "release_many":
+            n = draw(st.integers(0, 6))
+            ops.append(("release_many", ([draw(st.integers(0, 80)) for _ in range(n)],
+                                         [draw(st.integers(0, 4)) for _ in range(n)])))
+        elif kind == "group":
+            ops.append(("group_id", (draw(st.sampled_from(["default", "g1", "g2", "g3", "x" * 31])),)))
+        elif kind == "forget":
+            ops.append(("forget_group", (draw(st.integers(1, 3)),)))
+        elif kind == "reattach":
+            ops.append(("reattach", ()))
+        else:
+            ops.append(draw(st.sampled_from([
+                ("schedule_ident", (encode_ident("a"), clock + MAX_DELAY_MS + 1)),
+                ("schedule_ident", (encode_ident("a"), clock - MAX_DELAY_MS - 1)),
+                ("schedule_ident", (encode_ident("a"), 2**70)),
+                ("schedule_ident", (encode_ident("a"), -(2**70))),
+                ("schedule_ident", (encode_ident("a"), 1.5)),
+                ("schedule_ident", (encode_ident("a"), clock + 5, 99)),
+                ("schedule_ident", (encode_ident("a"), clock + 5, 0, -1)),
+                ("schedule_ident", (encode_ident("a"), clock + 5, 0, 2**32)),
+                ("schedule_ident", (encode_ident("a"), clock + 5, 0, 0, 2**31)),
+                ("schedule_many", ([encode_ident("a")], [2**70])),
+                ("schedule_many", ([encode_ident("a")], [clock + 5], [7])),
+                ("expire", (1.5,)),
+                ("expire_many", (2**70,)),
+                ("advance", (-(2**70),)),
+                ("rearm_fired", (0, 0, 2**70)),
+                ("release_many", ([1, 2], [1])),
+                ("group_id", ("",)),
+                ("forget_group", (-1,)),
+            ])))
+            ops.append(("schedule_ident", (draw(BAD_KEYS), clock + 5)))
+    return shape, ops
+
+
+def _compare(workers, shape, ops):
+    compiled, pure = workers
+    name = f"/wheeld-diff-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+    try:
+        a = compiled.run(name, shape, ops)
+        b = pure.run(name, shape, ops)
+    finally:
+        unlink(name)
+    assert "crashed" not in a and "crashed" not in b, (a.get("crashed"), b.get("crashed"))
+    assert (a["path"], b["path"]) == ("compiled", "python")
+    for i, (x, y) in enumerate(zip(a["results"], b["results"])):
+        assert x == y, f"op {i} {ops[i] if i < len(ops) else 'final'}: compiled {x!r} != python {y!r}"
+    assert len(a["results"]) == len(b["results"])
+    if a["arena"] != b["arena"]:
+        first = next(i for i, (x, y) in enumerate(zip(a["arena"], b["arena"])) if x != y)
+        raise AssertionError(f"the arenas differ, first at byte {first} of {len(a['arena'])}")
+    assert a["results"][-1] == ("check", [])
+
+
+def _built() -> bool:
+    return accel.implementation() == "compiled" or not accel.pure_python_requested() and all(
+        kind == "compiled" for kind in _child_paths().values())
+
+
+def _child_paths() -> dict:
+    code = "import json; from wheeld.protocol import accel; print(json.dumps(accel.module_paths()))"
+    env = dict(os.environ, **{accel.PURE_ENV: "0"})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    import json
+
+    return json.loads(out.stdout) if out.returncode == 0 else {}
+
+
+pytestmark = pytest.mark.skipif(not _built(), reason="the extensions are not built (WHEELD_NO_EXTENSIONS)")
+
+_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@settings(max_examples=150, **_SETTINGS)
+@given(scenarios())
+def test_compiled_and_python_leave_the_same_bytes(workers, scenario):
+    _compare(workers, *scenario)
+
+
+@pytest.mark.slow
+@settings(max_examples=3000, **_SETTINGS)
+@given(scenarios())
+def test_compiled_and_python_leave_the_same_bytes_long(workers, scenario):
+    _compare(workers, *scenario)
+
+
+def test_a_scenario_that_fills_the_arena_and_cascades(workers):
+    shape = dict(SHAPES[0])
+    keys = [encode_ident(f"k{i}") for i in range(30)]
+    ops = [("schedule_ident", (k, 1000 + 7 * i + 1, i % 3, i)) for i, k in enumerate(keys)]  # 6 refused: ArenaFull
+    ops += [("reattach", ()), ("advance", (1050,)), ("cancel_many", (keys[10:20], [i % 3 for i in range(10, 20)]))]
+    ops += [("expire_many", (1300,)), ("reattach", ()), ("advance", (10**6,))]
+    _compare(workers, shape, ops)
