@@ -226,7 +226,7 @@ import numpy as np
 
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol.errors import ArenaFull, CorruptArena, GroupLimit, InvalidDelay, InvalidKey, InvalidRequest
-from wheeld.protocol.keys import VALID_KEY_METAS, decode_key, encode_key, key_length
+from wheeld.protocol.keys import TYPE_STR, VALID_KEY_METAS, decode_key, encode_key, key_length, key_type
 
 from . import fsck
 from .arena import Segment
@@ -255,6 +255,7 @@ _META = [bytes((m,)) for m in range(256)]
 _PAD = [b"\0" * (L.KEY_BYTES - n) for n in range(L.KEY_BYTES + 1)]
 _VALID_META = np.array(VALID_KEY_METAS, dtype=bool)
 _KEY_END = [L.R_KEY + key_length(meta) for meta in range(256)]  # where a record's key ends, by meta byte
+_STR_META = np.array([key_type(meta) == TYPE_STR for meta in range(256)], dtype=bool)
 # word indices into the arena views (see wheeld.protocol.arena_layout)
 _CUR = L.H_CURRENT_MS // 8
 _FREE_HEAD = L.H_FREE_HEAD // 4
@@ -362,6 +363,9 @@ class TimerWheel:
         (``repairs`` lists the records freed as corrupt). The wheel owns ``seg`` from here."""
         try:
             wheel = cls(seg)
+            clock = wheel.current_ms
+            if not -MAX_CLOCK_MS <= clock < MAX_CLOCK_MS:
+                raise CorruptArena(f"the arena's clock {clock} is beyond +-{MAX_CLOCK_MS}")
             wheel._replay_intent()
             wheel._rebuild()
             return wheel
@@ -698,7 +702,7 @@ class TimerWheel:
     def _replay_intent(self) -> bool:
         count = self._hi[L.H_INTENT_COUNT // 4]
         if count:  # a committed batch of re-arms: redo all of it (levels are re-derived by the rebuild)
-            if count > L.INTENT_BATCH_MAX:
+            if not 0 < count <= L.INTENT_BATCH_MAX:
                 raise CorruptArena(f"batch intent claims {count} entries")
             entries = self._intent_batch[:count]
             slots = entries["slot"].astype(np.int64)
@@ -710,7 +714,7 @@ class TimerWheel:
             rec["state"][slots] = _SCHEDULED
             self._hi[L.H_INTENT_COUNT // 4] = 0
         slot = self._hi[L.H_INTENT_SLOT // 4]
-        if slot < 0:
+        if slot == -1:  # no intent open (a writer never leaves another negative value)
             return bool(count)
         if not self.first_entry <= slot < self.n_records:
             raise CorruptArena(f"intent names slot {slot}, outside the entry records")
@@ -1557,8 +1561,17 @@ class TimerWheel:
         the repairs made (the daemon logs them)."""
         entries = self.records[self.first_entry :]
         states = entries["state"] & _STATE_MASK
-        bad = np.flatnonzero((states > _FIRED) | ((states != _FREE) & (
-            ~_VALID_META[entries["key_meta"]] | (entries["group"] >= self.max_groups))))
+        metas = entries["key_meta"]
+        invalid = (states > _FIRED) | ((states != _FREE) & (~_VALID_META[metas] | (entries["group"] >= self.max_groups)))
+        text = np.flatnonzero(~invalid & (states != _FREE) & _STR_META[metas])  # live string keys: valid UTF-8?
+        rb, first = self._rb, self.first_entry
+        for s in text.tolist():
+            base = (first + s) * _RB + L.R_KEY
+            try:
+                str(rb[base : base + key_length(int(metas[s]))], "utf-8")
+            except UnicodeDecodeError:
+                invalid[s] = True
+        bad = np.flatnonzero(invalid)
         entries["state"][bad] = _FREE
         return [f"record {self.first_entry + s}: invalid state/key/group, freed" for s in bad.tolist()]
 
