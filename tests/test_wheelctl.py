@@ -207,7 +207,7 @@ def test_stats_prometheus_parses(daemon):
     for family in families.values():
         assert family.name.startswith("wheeld_")
         for sample in family.samples:
-            assert set(sample.labels) <= {"le", "level"}, sample
+            assert set(sample.labels) <= {"le", "level", "hot_path"}, sample
 
 
 def test_stats_answers_while_the_daemon_is_stopped(daemon):
