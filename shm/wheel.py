@@ -262,6 +262,10 @@ _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP = L.I_PREV, L.I_NEXT, L.I_GEN, L.I_TAG, L
 _GNB = L.GROUP_NAME_BYTES
 _ST, _KM, _KEY = L.R_STATE, L.R_KEY_META, L.R_KEY
 _LEVEL_SLOTS = L.DUE_LEVEL + 1  # per-level counters: levels 0..14 and the due list
+_INTENT_SLOT, _INTENT_STATE, _INTENT_TAG = L.H_INTENT_SLOT // 4, L.H_INTENT_STATE // 4, L.H_INTENT_TAG // 4
+_INTENT_DEADLINE = L.H_INTENT_DEADLINE // 8
+_MAX_DELAY = MAX_DELAY_MS  # the scalar paths' names for these (C constants in the compiled build)
+_GEN_MASK = GENERATION_MASK
 #: the wheel's own counter words (the daemon writes the rest): the per-level ones are
 #: computed from _pending_by_level, the others kept in TimerWheel._counters
 _LEVEL_COUNTERS = tuple(f"pending_level_{level}" for level in range(L.MAX_LEVELS)) + ("pending_due",)
@@ -377,17 +381,15 @@ class TimerWheel:
         self.first_entry = self.due_list + 2
         self.n_records = self.first_entry + self.capacity
         self._placement = Placement(self.tick_ms, self.wheel_size, self.levels)
-        self._bucket_for = self._placement.bucket_for
         self._buckets_for = self._placement.buckets_for
         self._ticks = self._placement.ticks
         self._map_views(seg.buf)
         self._index = KeyIndex(self.records, self.capacity, self.max_groups)
-        self._key_hash = self._index.key_hash
-        self._find, self._index_add, self._index_remove = self._index.find, self._index.add, self._index.remove
         # Free entry records: a stack of slot numbers in this process (derived state,
         # like the key index; rebuilt from the records' states on attach).
         self._free_np = np.zeros(self.capacity, dtype=np.int32)
-        self._free_stack = memoryview(self._free_np)
+        self._free_view = memoryview(self._free_np)
+        self._free_stack = self._free_view
         self._free_top = 0
         # Live records (SCHEDULED or FIRED) per group id: derived state of this process,
         # like the key index, recounted from the records on attach. A list: the scalar
@@ -403,16 +405,17 @@ class TimerWheel:
         self._ahead: tuple[int, int, int] | None = None
 
     def _map_views(self, buf) -> None:
-        """The views of the arena every path reads and writes through."""
+        """The views of the arena every path reads and writes through (the scalar paths
+        index them one item at a time: C arrays in the compiled build)."""
         mv = memoryview(buf)
-        self._hq = mv[: L.GROUPS_OFFSET].cast("q")
-        self._hi = mv[: L.GROUPS_OFFSET].cast("i")
+        header = mv[: L.GROUPS_OFFSET]
         rec = mv[self._header_bytes : self._header_bytes + self.n_records * L.RECORD_BYTES]
-        self._rb = rec
-        self._q = rec.cast("q")
-        self._i = rec.cast("i")
-        self._u = rec.cast("I")
-        self._h = rec.cast("H")
+        views = (header.cast("q"), header.cast("i"), header.cast("I"), rec.cast("q"), rec.cast("i"), rec.cast("I"),
+                 rec.cast("H"), rec)
+        self._views = views  # close() releases them
+        self._hq, self._hi, self._hu, self._q, self._i, self._u, self._h, self._rb = views
+        self._clock = self._hq  # header words, for the scalar paths (header_words() hands out _hq)
+        self._b = rec  # record bytes, one at a time (state bytes); _rb is sliced for keys
         self.records = np.frombuffer(buf, dtype=L.RECORD_DTYPE, count=self.n_records, offset=self._header_bytes)
         self._raw = np.ndarray(shape=(self.n_records,), dtype=f"V{L.RECORD_BYTES}", buffer=buf, offset=self._header_bytes)
         self._next = memoryview(self.records["next"])  # strided: record s's next link is _next[s]
@@ -433,7 +436,11 @@ class TimerWheel:
             return
         self._closed = True
         self.publish_stats()
-        for view in (self._hq, self._hi, self._q, self._i, self._u, self._h, self._rb):
+        views = self._views + (self._next, self._free_view)
+        # the views are dropped before they are released (typed views in the compiled build hold them)
+        self._clock = self._hi = self._hu = self._q = self._i = self._u = self._h = self._b = self._free_stack = None
+        self._hq = self._rb = self._next = None
+        for view in views:
             view.release()
         self.records = None
         self._raw = None
@@ -441,8 +448,6 @@ class TimerWheel:
         self._intent_batch = None
         self._group_names = None
         self._group_bytes = None
-        self._next.release()
-        self._free_stack.release()
         self._index.close()
         self._seg.close()
 
@@ -589,7 +594,7 @@ class TimerWheel:
     def _link(self, slot: int, deadline: int, cur: int) -> int:
         """Link a record into the bucket for its deadline; return the state byte to store."""
         i = self._i
-        b, expiration, level = self._bucket_for(deadline, cur)
+        b, expiration, level = self._placement.place(deadline, cur)
         bp = b * _IW
         tail = i[bp + _PREV]
         if tail == b:  # bucket was empty: (re)set its expiration and queue it
@@ -627,17 +632,20 @@ class TimerWheel:
         """``schedule`` for a key already encoded as its 33-byte record form (meta + padded key)."""
         if type(deadline_ms) is not int:
             raise InvalidDelay(f"a deadline is an integer number of ms, not {type(deadline_ms).__name__}")
-        cur = self._hq[_CUR]
-        if deadline_ms - cur > MAX_DELAY_MS or deadline_ms < cur - MAX_DELAY_MS:
+        cur = self._clock[_CUR]
+        if deadline_ms - cur > _MAX_DELAY or deadline_ms < cur - _MAX_DELAY:
             raise InvalidDelay(f"deadline {deadline_ms} is more than {MAX_DELAY_MS} ms from the clock ({cur})")
         if not 0 <= group < self.max_groups:
             raise InvalidRequest(f"group id {group} out of range")
         if not 0 <= tag <= 0xFFFFFFFF or not -(1 << 31) <= aux < (1 << 31):
             raise InvalidRequest("tag is u32, aux is i32")
-        slot = self._find(ident, group)
-        rb = self._rb
+        deadline = deadline_ms  # validated: from here on 64-bit (C integers in the compiled build)
+        g = group
+        t = tag
+        a = aux
+        slot = self._index.find(ident, g)
         if slot >= 0:
-            self._rearm(slot, deadline_ms, tag, cur)
+            self._rearm(slot, deadline, t, cur)
             return slot, self._u[slot * _IW + _GEN]
         top = self._free_top
         if not top:
@@ -647,20 +655,20 @@ class TimerWheel:
             raise InvalidKey("malformed encoded key")
         slot = self._free_stack[top - 1]
         self._free_top = top - 1
-        i = self._i
+        u = self._u
         sp = slot * _IW
-        gen = (self._u[sp + _GEN] + 1) & GENERATION_MASK
-        self._u[sp + _GEN] = gen
-        self._u[sp + _TAG] = tag
-        i[sp + _AUX] = aux
-        self._h[slot * _HW + _GROUP] = group
-        self._q[slot * _QW] = deadline_ms
+        gen = (u[sp + _GEN] + 1) & _GEN_MASK
+        u[sp + _GEN] = gen
+        u[sp + _TAG] = t
+        self._i[sp + _AUX] = a
+        self._h[slot * _HW + _GROUP] = g
+        self._q[slot * _QW] = deadline
         base = slot * _RB
-        rb[base + _KM : base + _RB] = ident
-        state = self._link(slot, deadline_ms, cur)
-        rb[base + _ST] = state  # commit point: the timer exists from here on
-        self._index_add(slot, self._key_hash(ident, group))
-        self._group_live[group] += 1
+        self._rb[base + _KM : base + _RB] = ident
+        state = self._link(slot, deadline, cur)
+        self._b[base + _ST] = state  # commit point: the timer exists from here on
+        self._index.add(slot, self._index.key_hash(ident, g))
+        self._group_live[g] += 1
         c = self._counters
         c["pending"] += 1
         c["adds_total"] += 1
@@ -668,7 +676,7 @@ class TimerWheel:
 
     def _rearm(self, slot: int, deadline_ms: int, tag: int, cur: int) -> None:
         """Move a scheduled record: a multi-field update of a live record, so through the intent."""
-        old_state = self._rb[slot * _RB + _ST]
+        old_state = self._b[slot * _RB + _ST]
         self._unlink(slot)
         self._pending_by_level[old_state >> _LEVEL_SHIFT] -= 1
         new_state = self._link(slot, deadline_ms, cur)
@@ -676,15 +684,15 @@ class TimerWheel:
         self._counters["rearms_total"] += 1
 
     def _apply_with_intent(self, slot: int, state: int, deadline_ms: int, tag: int) -> None:
-        hq, hi = self._hq, self._hi
-        hi[L.H_INTENT_STATE // 4] = state
-        hq[L.H_INTENT_DEADLINE // 8] = deadline_ms
-        self._seg.buf[L.H_INTENT_TAG : L.H_INTENT_TAG + 4] = tag.to_bytes(4, "little")
-        hi[L.H_INTENT_SLOT // 4] = slot  # commit the intent
+        hi = self._hi
+        hi[_INTENT_STATE] = state
+        self._clock[_INTENT_DEADLINE] = deadline_ms
+        self._hu[_INTENT_TAG] = tag  # the arena's words are little-endian, as this host's
+        hi[_INTENT_SLOT] = slot  # commit the intent
         self._q[slot * _QW] = deadline_ms
         self._u[slot * _IW + _TAG] = tag
-        self._rb[slot * _RB + _ST] = state
-        hi[L.H_INTENT_SLOT // 4] = -1  # done
+        self._b[slot * _RB + _ST] = state
+        hi[_INTENT_SLOT] = -1  # done
 
     def _replay_intent(self) -> bool:
         count = self._hi[L.H_INTENT_COUNT // 4]
@@ -717,7 +725,7 @@ class TimerWheel:
         return self.cancel_ident(ident, group)
 
     def cancel_ident(self, ident: bytes, group: int = 0) -> bool:
-        slot = self._find(ident, group)
+        slot = self._index.find(ident, group)
         if slot < 0:
             self._counters["cancel_misses_total"] += 1
             return False
@@ -730,19 +738,19 @@ class TimerWheel:
         slot, gen = handle
         if not self.first_entry <= slot < self.n_records or self._u[slot * _IW + _GEN] != gen:
             return False
-        if self._rb[slot * _RB + _ST] & _STATE_MASK != _SCHEDULED:
+        if self._b[slot * _RB + _ST] & _STATE_MASK != _SCHEDULED:
             return False
         self._remove_scheduled(slot, self._h[slot * _HW + _GROUP])
         self._counters["cancels_total"] += 1
         return True
 
     def _remove_scheduled(self, slot: int, group: int) -> None:
-        rb = self._rb
-        state = rb[slot * _RB + _ST]
+        b = self._b
+        state = b[slot * _RB + _ST]
         self._unlink(slot)
-        rb[slot * _RB + _ST] = _FREE  # commit point
+        b[slot * _RB + _ST] = _FREE  # commit point
         self._pending_by_level[state >> _LEVEL_SHIFT] -= 1
-        self._index_remove(slot)
+        self._index.remove(slot)
         self._free(slot)
         self._group_live[group] -= 1
         self._counters["pending"] -= 1
@@ -758,7 +766,7 @@ class TimerWheel:
 
     def lookup_ident(self, ident: bytes, group: int = 0) -> int | None:
         """:meth:`lookup` for an encoded key (meta byte + key bytes)."""
-        slot = self._find(ident, group)
+        slot = self._index.find(ident, group)
         return None if slot < 0 else self._q[slot * _QW]
 
     def lookup_many(self, idents, group: int = 0) -> list[int | None]:
@@ -789,9 +797,8 @@ class TimerWheel:
 
     def _collect(self, now_ms: int) -> list[int]:
         """Detach every bucket due at ``now_ms``, advance the clock, return their slots."""
-        heap, queued, i, nxt = self._heap, self._queued, self._i, self._next
+        heap, queued, i = self._heap, self._queued, self._i
         out: list[int] = []
-        append = out.append
         while heap and heap[0][0] <= now_ms:
             expiration, b = heapq.heappop(heap)
             if queued[b] != expiration:
@@ -800,38 +807,69 @@ class TimerWheel:
             bp = b * _IW
             s = i[bp + _NEXT]
             while s != b:
-                append(s)
-                s = nxt[s]
+                out.append(s)
+                s = i[s * _IW + _NEXT]
             i[bp + _PREV] = b
             i[bp + _NEXT] = b
-        if now_ms > self._hq[_CUR]:
-            self._hq[_CUR] = now_ms  # after detaching, before re-placing (see Crash consistency)
+        if now_ms > self._clock[_CUR]:
+            self._clock[_CUR] = now_ms  # after detaching, before re-placing (see Crash consistency)
         return out
 
-    def _sweep(self, now_ms: int, fire) -> int:
-        """Advance to ``now_ms``; call ``fire(slot)`` for each due timer, re-place the rest."""
+    def _sweep(self, now_ms: int, to_fired: bool, out: list) -> int:
+        """Advance to ``now_ms``; each due timer goes to the fired list (``to_fired``: its slot
+        appended to ``out``) or is freed (its ``(key, deadline_ms)`` appended to ``out``);
+        the rest is placed again."""
         slots = self._collect(now_ms)
         if not slots:
             return 0
-        q, rb, link, shift = self._q, self._rb, self._link, _LEVEL_SHIFT
+        now = now_ms
+        q, b = self._q, self._b
         by_level = self._pending_by_level
-        cur = self._hq[_CUR]
+        cur = self._clock[_CUR]
         fired = cascaded = 0
         for s in slots:
             deadline = q[s * _QW]
-            state = rb[s * _RB + _ST]
-            by_level[state >> shift] -= 1
-            if deadline <= now_ms:
-                fire(s)
+            state = b[s * _RB + _ST]
+            by_level[state >> _LEVEL_SHIFT] -= 1
+            if deadline <= now:
+                if to_fired:
+                    self._fire(s, out)
+                else:
+                    self._fire_free(s, out)
                 fired += 1
             else:
-                rb[s * _RB + _ST] = link(s, deadline, cur)
+                b[s * _RB + _ST] = self._link(s, deadline, cur)
                 cascaded += 1
         c = self._counters
         c["expirations_total"] += fired
         c["cascades_total"] += cascaded
         c["pending"] -= fired
         return fired
+
+    def _fire_free(self, s: int, out: list) -> None:
+        """A due timer of :meth:`advance`: its key and deadline to ``out``, its record freed."""
+        rb = self._rb
+        base = s * _RB
+        meta = self._b[base + _KM]
+        out.append((decode_key(bytes(rb[base + _KEY : base + _KEY_END[meta]]), meta), self._q[s * _QW]))
+        self._b[base + _ST] = _FREE
+        self._index.remove(s)
+        self._free(s)
+        self._group_live[self._h[s * _HW + _GROUP]] -= 1
+
+    def _fire(self, s: int, out: list) -> None:
+        """A due timer of :meth:`expire`: to the tail of the fired list, FIRED; its slot to ``out``."""
+        i = self._i
+        self._index.remove(s)
+        fl = self.fired_list
+        flp = fl * _IW
+        tail = i[flp + _PREV]
+        i[s * _IW + _PREV] = tail
+        i[s * _IW + _NEXT] = fl
+        i[tail * _IW + _NEXT] = s
+        i[flp + _PREV] = s
+        self._b[s * _RB + _ST] = _FIRED
+        out.append(s)
 
     def advance(self, now_ms: int) -> list[tuple[object, int]]:
         """Move the clock to ``now_ms``; return ``(key, deadline_ms)`` of every timer due.
@@ -840,20 +878,7 @@ class TimerWheel:
         :meth:`expire` instead, which keeps fired timers until they are acknowledged.)
         """
         out: list[tuple[object, int]] = []
-        append = out.append
-        rb, q, free, index_remove, key_end = self._rb, self._q, self._free, self._index_remove, _KEY_END
-        hw, live = self._h, self._group_live
-
-        def fire(s: int) -> None:
-            base = s * _RB
-            meta = rb[base + _KM]
-            append((decode_key(bytes(rb[base + _KEY : base + key_end[meta]]), meta), q[s * _QW]))
-            rb[base + _ST] = _FREE
-            index_remove(s)
-            free(s)
-            live[hw[s * _HW + _GROUP]] -= 1
-
-        self._sweep(now_ms, fire)
+        self._sweep(now_ms, False, out)
         return out
 
     def expire(self, now_ms: int) -> list[int]:
@@ -863,22 +888,7 @@ class TimerWheel:
         aux until :meth:`release` (delivery acknowledged) or :meth:`rearm_fired`.
         """
         out: list[int] = []
-        append = out.append
-        rb, i, index_remove = self._rb, self._i, self._index.remove
-        fl = self.fired_list
-        flp = fl * _IW
-
-        def fire(s: int) -> None:
-            index_remove(s)
-            tail = i[flp + _PREV]
-            i[s * _IW + _PREV] = tail
-            i[s * _IW + _NEXT] = fl
-            i[tail * _IW + _NEXT] = s
-            i[flp + _PREV] = s
-            rb[s * _RB + _ST] = _FIRED
-            append(s)
-
-        fired = self._sweep(now_ms, fire)
+        fired = self._sweep(now_ms, True, out)
         self._counters["fired_unacked"] += fired
         return out
 
@@ -909,11 +919,10 @@ class TimerWheel:
         """Free a FIRED record (its delivery was acknowledged). A stale handle is a no-op."""
         if not self.first_entry <= slot < self.n_records:
             return False
-        rb = self._rb
-        if rb[slot * _RB + _ST] != _FIRED or self._u[slot * _IW + _GEN] != generation:
+        if self._b[slot * _RB + _ST] != _FIRED or self._u[slot * _IW + _GEN] != generation:
             return False
         self._unlink(slot)
-        rb[slot * _RB + _ST] = _FREE  # commit point
+        self._b[slot * _RB + _ST] = _FREE  # commit point
         self._free(slot)
         self._group_live[self._h[slot * _HW + _GROUP]] -= 1
         c = self._counters
@@ -929,20 +938,23 @@ class TimerWheel:
         """
         if type(deadline_ms) is not int:
             raise InvalidDelay("a deadline is an integer number of ms")
+        cur = self._clock[_CUR]
+        if deadline_ms - cur > _MAX_DELAY or deadline_ms < cur - _MAX_DELAY:
+            raise InvalidDelay(f"deadline {deadline_ms} is more than {MAX_DELAY_MS} ms from the clock ({cur})")
+        deadline = deadline_ms  # validated: from here on 64-bit (C integers in the compiled build)
         if not self.first_entry <= slot < self.n_records:
             return False
-        rb = self._rb
-        if rb[slot * _RB + _ST] != _FIRED or self._u[slot * _IW + _GEN] != generation:
+        if self._b[slot * _RB + _ST] != _FIRED or self._u[slot * _IW + _GEN] != generation:
             return False
         base = slot * _RB
-        ident = bytes(rb[base + _KM : base + _RB])
+        ident = bytes(self._rb[base + _KM : base + _RB])
         group = self._h[slot * _HW + _GROUP]
-        if self._find(ident, group) >= 0:
+        if self._index.find(ident, group) >= 0:
             return False
         self._unlink(slot)
-        state = self._link(slot, deadline_ms, self._hq[_CUR])
-        self._apply_with_intent(slot, state, deadline_ms, self._u[slot * _IW + _TAG])
-        self._index_add(slot, self._key_hash(ident, group))
+        state = self._link(slot, deadline, cur)
+        self._apply_with_intent(slot, state, deadline, self._u[slot * _IW + _TAG])
+        self._index.add(slot, self._index.key_hash(ident, group))
         c = self._counters
         c["fired_unacked"] -= 1
         c["pending"] += 1
