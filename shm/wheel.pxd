@@ -9,6 +9,8 @@ cdef long long _MAX_DELAY, _GEN_MASK
 cdef int _FREE, _SCHEDULED, _FIRED, _STATE_MASK, _LEVEL_SHIFT
 cdef Py_ssize_t _CUR, _QW, _IW, _HW, _RB, _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP, _ST, _KM, _KEY
 cdef Py_ssize_t _INTENT_SLOT, _INTENT_STATE, _INTENT_TAG, _INTENT_DEADLINE
+cdef Py_ssize_t _C_PENDING, _C_FIRED_UNACKED, _C_ADDS, _C_REARMS, _C_CANCELS, _C_CANCEL_MISSES, _C_EXPIRATIONS
+cdef Py_ssize_t _C_CASCADES, _C_ACKS, _C_IDLE_REARMS, _C_ARENA_FULL
 
 
 @cython.final
@@ -19,9 +21,8 @@ cdef class TimerWheel:
     cdef public Placement _placement
     cdef public KeyIndex _index
     cdef public list _heap, _queued, _pending_by_level, _group_live
-    cdef public dict _counters
     # the arena's words and bytes, and the free stack, as C arrays
-    cdef long long[::1] _clock, _q
+    cdef long long[::1] _clock, _q, _count
     cdef int[::1] _hi, _i, _free_stack
     cdef unsigned int[::1] _hu, _u
     cdef unsigned short[::1] _h
@@ -36,7 +37,8 @@ cdef class TimerWheel:
 
     @cython.locals(cur=cython.longlong, deadline=cython.longlong, g=cython.Py_ssize_t, t=cython.longlong,
                    a=cython.longlong, slot=cython.Py_ssize_t, top=cython.Py_ssize_t, u=cython.uint[::1],
-                   sp=cython.Py_ssize_t, gen=cython.longlong, base=cython.Py_ssize_t, state=cython.int)
+                   sp=cython.Py_ssize_t, gen=cython.longlong, base=cython.Py_ssize_t, state=cython.int,
+                   c=cython.longlong[::1])
     cpdef tuple schedule_ident(self, ident, deadline_ms, group=*, tag=*, aux=*)
 
     @cython.locals(old_state=cython.int, new_state=cython.int)
@@ -59,7 +61,7 @@ cdef class TimerWheel:
 
     @cython.locals(slots=list, now=cython.longlong, q=cython.longlong[::1], b=cython.uchar[::1], by_level=list,
                    cur=cython.longlong, fired=cython.Py_ssize_t, cascaded=cython.Py_ssize_t, s=cython.Py_ssize_t,
-                   deadline=cython.longlong, state=cython.int, c=dict)
+                   deadline=cython.longlong, state=cython.int, c=cython.longlong[::1])
     cdef Py_ssize_t _sweep(self, now_ms, bint to_fired, list out) except -1
 
     @cython.locals(base=cython.Py_ssize_t, meta=cython.int)
@@ -74,8 +76,9 @@ cdef class TimerWheel:
     @cython.locals(out=list, fired=cython.Py_ssize_t)
     cpdef list expire(self, now_ms)
 
+    @cython.locals(c=cython.longlong[::1])
     cpdef bint release(self, slot, generation) except -1
 
     @cython.locals(cur=cython.longlong, deadline=cython.longlong, base=cython.Py_ssize_t, group=cython.Py_ssize_t,
-                   state=cython.int)
+                   state=cython.int, c=cython.longlong[::1])
     cpdef bint rearm_fired(self, slot, generation, deadline_ms) except -1

@@ -218,6 +218,7 @@ may map the arena read-only and read counters and records.
 from __future__ import annotations
 
 import heapq
+from array import array
 import struct
 import time
 from collections.abc import Iterator
@@ -267,10 +268,22 @@ _INTENT_DEADLINE = L.H_INTENT_DEADLINE // 8
 _MAX_DELAY = MAX_DELAY_MS  # the scalar paths' names for these (C constants in the compiled build)
 _GEN_MASK = GENERATION_MASK
 #: the wheel's own counter words (the daemon writes the rest): the per-level ones are
-#: computed from _pending_by_level, the others kept in TimerWheel._counters
+#: computed from _pending_by_level, the others kept in TimerWheel._count (by index)
 _LEVEL_COUNTERS = tuple(f"pending_level_{level}" for level in range(L.MAX_LEVELS)) + ("pending_due",)
 _OWN_COUNTERS = tuple(name for name in L.WHEEL_COUNTER_NAMES if name not in _LEVEL_COUNTERS)
 _TOTALS = tuple(name for name in _OWN_COUNTERS if name.endswith("_total"))  # survive restarts
+_COUNTER_INDEX = {name: index for index, name in enumerate(_OWN_COUNTERS)}
+_C_PENDING = _COUNTER_INDEX["pending"]
+_C_FIRED_UNACKED = _COUNTER_INDEX["fired_unacked"]
+_C_ADDS = _COUNTER_INDEX["adds_total"]
+_C_REARMS = _COUNTER_INDEX["rearms_total"]
+_C_CANCELS = _COUNTER_INDEX["cancels_total"]
+_C_CANCEL_MISSES = _COUNTER_INDEX["cancel_misses_total"]
+_C_EXPIRATIONS = _COUNTER_INDEX["expirations_total"]
+_C_CASCADES = _COUNTER_INDEX["cascades_total"]
+_C_ACKS = _COUNTER_INDEX["acks_total"]
+_C_IDLE_REARMS = _COUNTER_INDEX["idle_rearms_total"]
+_C_ARENA_FULL = _COUNTER_INDEX["arena_full_total"]
 
 
 def _default_levels(tick_ms: int, wheel_size: int) -> int:
@@ -398,7 +411,8 @@ class TimerWheel:
         self._heap: list[tuple[int, int]] = []
         self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
         self._pending_by_level = [0] * _LEVEL_SLOTS
-        self._counters = dict.fromkeys(_OWN_COUNTERS, 0)
+        self._count_array = array("q", bytes(8 * len(_OWN_COUNTERS)))  # _OWN_COUNTERS, in order
+        self._count = memoryview(self._count_array)
         self._closed = False
         # cascade_ahead's place in the next level-1 bucket: (its expiration, the next
         # record to look at or the sentinel when a pass ended, the clock the pass began at)
@@ -469,11 +483,11 @@ class TimerWheel:
 
     def __len__(self) -> int:
         """Pending (scheduled) timers."""
-        return self._counters["pending"]
+        return self._count[_C_PENDING]
 
     @property
     def free_slots(self) -> int:
-        return self.capacity - self._counters["pending"] - self._counters["fired_unacked"]
+        return self.capacity - self._count[_C_PENDING] - self._count[_C_FIRED_UNACKED]
 
     # ------------------------------------------------------------------ groups
     def _name_bytes(self, group_name: str) -> bytes:
@@ -649,7 +663,7 @@ class TimerWheel:
             return slot, self._u[slot * _IW + _GEN]
         top = self._free_top
         if not top:
-            self._counters["arena_full_total"] += 1
+            self._count[_C_ARENA_FULL] += 1
             raise ArenaFull(f"all {self.capacity} entry records are in use")
         if len(ident) != 33 or not VALID_KEY_METAS[ident[0]]:
             raise InvalidKey("malformed encoded key")
@@ -669,9 +683,9 @@ class TimerWheel:
         self._b[base + _ST] = state  # commit point: the timer exists from here on
         self._index.add(slot, self._index.key_hash(ident, g))
         self._group_live[g] += 1
-        c = self._counters
-        c["pending"] += 1
-        c["adds_total"] += 1
+        c = self._count
+        c[_C_PENDING] += 1
+        c[_C_ADDS] += 1
         return slot, gen
 
     def _rearm(self, slot: int, deadline_ms: int, tag: int, cur: int) -> None:
@@ -681,7 +695,7 @@ class TimerWheel:
         self._pending_by_level[old_state >> _LEVEL_SHIFT] -= 1
         new_state = self._link(slot, deadline_ms, cur)
         self._apply_with_intent(slot, new_state, deadline_ms, tag)
-        self._counters["rearms_total"] += 1
+        self._count[_C_REARMS] += 1
 
     def _apply_with_intent(self, slot: int, state: int, deadline_ms: int, tag: int) -> None:
         hi = self._hi
@@ -727,10 +741,10 @@ class TimerWheel:
     def cancel_ident(self, ident: bytes, group: int = 0) -> bool:
         slot = self._index.find(ident, group)
         if slot < 0:
-            self._counters["cancel_misses_total"] += 1
+            self._count[_C_CANCEL_MISSES] += 1
             return False
         self._remove_scheduled(slot, group)
-        self._counters["cancels_total"] += 1
+        self._count[_C_CANCELS] += 1
         return True
 
     def cancel_handle(self, handle: tuple[int, int]) -> bool:
@@ -741,7 +755,7 @@ class TimerWheel:
         if self._b[slot * _RB + _ST] & _STATE_MASK != _SCHEDULED:
             return False
         self._remove_scheduled(slot, self._h[slot * _HW + _GROUP])
-        self._counters["cancels_total"] += 1
+        self._count[_C_CANCELS] += 1
         return True
 
     def _remove_scheduled(self, slot: int, group: int) -> None:
@@ -753,7 +767,7 @@ class TimerWheel:
         self._index.remove(slot)
         self._free(slot)
         self._group_live[group] -= 1
-        self._counters["pending"] -= 1
+        self._count[_C_PENDING] -= 1
 
     def _free(self, slot: int) -> None:
         self._free_stack[self._free_top] = slot
@@ -840,10 +854,10 @@ class TimerWheel:
             else:
                 b[s * _RB + _ST] = self._link(s, deadline, cur)
                 cascaded += 1
-        c = self._counters
-        c["expirations_total"] += fired
-        c["cascades_total"] += cascaded
-        c["pending"] -= fired
+        c = self._count
+        c[_C_EXPIRATIONS] += fired
+        c[_C_CASCADES] += cascaded
+        c[_C_PENDING] -= fired
         return fired
 
     def _fire_free(self, s: int, out: list) -> None:
@@ -889,7 +903,7 @@ class TimerWheel:
         """
         out: list[int] = []
         fired = self._sweep(now_ms, True, out)
-        self._counters["fired_unacked"] += fired
+        self._count[_C_FIRED_UNACKED] += fired
         return out
 
     def fired(self, slot: int) -> tuple[object, int, int, int, int, int]:
@@ -925,9 +939,9 @@ class TimerWheel:
         self._b[slot * _RB + _ST] = _FREE  # commit point
         self._free(slot)
         self._group_live[self._h[slot * _HW + _GROUP]] -= 1
-        c = self._counters
-        c["fired_unacked"] -= 1
-        c["acks_total"] += 1
+        c = self._count
+        c[_C_FIRED_UNACKED] -= 1
+        c[_C_ACKS] += 1
         return True
 
     def rearm_fired(self, slot: int, generation: int, deadline_ms: int) -> bool:
@@ -955,10 +969,10 @@ class TimerWheel:
         state = self._link(slot, deadline, cur)
         self._apply_with_intent(slot, state, deadline, self._u[slot * _IW + _TAG])
         self._index.add(slot, self._index.key_hash(ident, group))
-        c = self._counters
-        c["fired_unacked"] -= 1
-        c["pending"] += 1
-        c["idle_rearms_total"] += 1
+        c = self._count
+        c[_C_FIRED_UNACKED] -= 1
+        c[_C_PENDING] += 1
+        c[_C_IDLE_REARMS] += 1
         return True
 
     # ------------------------------------------------------------------ batches
@@ -1033,7 +1047,7 @@ class TimerWheel:
             slots_out[rearm] = found[rearm]
         new = np.flatnonzero(found < 0)
         if new.size > self._free_top:
-            self._counters["arena_full_total"] += int(new.size - self._free_top)
+            self._count[_C_ARENA_FULL] += int(new.size - self._free_top)
             new = new[: self._free_top]
         if new.size:
             slots_out[new] = self._add_many(ident_arr[new], hashes[new], deadlines[new], groups[new], tags[new],
@@ -1061,9 +1075,9 @@ class TimerWheel:
         self._count_levels(levels, +1)
         self._index.add_many(slots, hashes)
         self._count_groups(groups, +1)
-        c = self._counters
-        c["pending"] += k
-        c["adds_total"] += k
+        c = self._count
+        c[_C_PENDING] += k
+        c[_C_ADDS] += k
         return slots
 
     def cancel_many(self, idents, groups=0) -> np.ndarray:
@@ -1081,9 +1095,9 @@ class TimerWheel:
         slots = found[hit]
         self._remove_scheduled_many(slots)
         self._count_groups(groups[hit], -1)
-        c = self._counters
-        c["cancels_total"] += int(slots.size)
-        c["cancel_misses_total"] += int(n - slots.size)
+        c = self._count
+        c[_C_CANCELS] += int(slots.size)
+        c[_C_CANCEL_MISSES] += int(n - slots.size)
         return hit
 
     def expire_many(self, now_ms: int) -> np.ndarray:
@@ -1136,11 +1150,11 @@ class TimerWheel:
             self._splice_many(again, buckets, expirations)
             rec["state"][again] = (levels << _LEVEL_SHIFT) | _SCHEDULED
             self._count_levels(levels, +1)
-        c = self._counters
-        c["expirations_total"] += int(fired.size)
-        c["cascades_total"] += int(again.size)
-        c["pending"] -= int(fired.size)
-        c["fired_unacked"] += int(fired.size)
+        c = self._count
+        c[_C_EXPIRATIONS] += int(fired.size)
+        c[_C_CASCADES] += int(again.size)
+        c[_C_PENDING] -= int(fired.size)
+        c[_C_FIRED_UNACKED] += int(fired.size)
         return fired
 
     def _collect_buckets(self, now_ms: int) -> tuple[list[int], list[tuple[int, int]], list[int]]:
@@ -1295,7 +1309,7 @@ class TimerWheel:
         by_level = self._pending_by_level
         by_level[1] -= moved
         by_level[0] += moved
-        self._counters["cascades_total"] += moved
+        self._count[_C_CASCADES] += moved
         return moved
 
     def release_many(self, slots, generations) -> np.ndarray:
@@ -1322,9 +1336,9 @@ class TimerWheel:
             self._unlink_many(released)
             self._free_many(released)
             self._count_groups(rec["group"][released], -1)
-            c = self._counters
-            c["fired_unacked"] -= int(released.size)
-            c["acks_total"] += int(released.size)
+            c = self._count
+            c[_C_FIRED_UNACKED] -= int(released.size)
+            c[_C_ACKS] += int(released.size)
         return ok
 
     def records_of(self, slots) -> np.ndarray:
@@ -1370,7 +1384,7 @@ class TimerWheel:
             rec["state"][part] = (levels << _LEVEL_SHIFT) | _SCHEDULED
             hi[L.H_INTENT_COUNT // 4] = 0  # done
             self._count_levels(levels, +1)
-            self._counters["rearms_total"] += k
+            self._count[_C_REARMS] += k
 
     def _remove_scheduled_many(self, slots: np.ndarray) -> None:
         """Vectorized :meth:`_remove_scheduled` of distinct scheduled slots."""
@@ -1382,7 +1396,7 @@ class TimerWheel:
         self._unlink_many(slots)
         self._index.remove_many(slots)
         self._free_many(slots)
-        self._counters["pending"] -= int(slots.size)
+        self._count[_C_PENDING] -= int(slots.size)
 
     def _unlink_many(self, slots: np.ndarray, linked: bool = False) -> None:
         """Unlink distinct records from their lists; neighbours may be among them.
@@ -1502,7 +1516,7 @@ class TimerWheel:
             yield key, deadline, group
 
     def counters(self) -> dict[str, int]:
-        c = dict(self._counters)
+        c = dict(zip(_OWN_COUNTERS, self._count_array))
         for level in range(self.levels):
             c[f"pending_level_{level}"] = self._pending_by_level[level]
         c["pending_due"] = self._pending_by_level[L.DUE_LEVEL]
@@ -1600,12 +1614,12 @@ class TimerWheel:
         live = low != _FREE
         self._group_live = np.bincount(self.records["group"][self.first_entry :][live],
                                        minlength=self.max_groups).tolist()
-        c = self._counters
-        c["pending"] = int(levels.size)
-        c["fired_unacked"] = int(np.count_nonzero(low == _FIRED))
+        c = self._count
+        c[_C_PENDING] = int(levels.size)
+        c[_C_FIRED_UNACKED] = int(np.count_nonzero(low == _FIRED))
         base = L.H_COUNTERS // 8
         for name in _TOTALS:
-            c[name] = max(c[name], self._hq[base + L.COUNTER[name]])
+            c[_COUNTER_INDEX[name]] = max(c[_COUNTER_INDEX[name]], self._hq[base + L.COUNTER[name]])
 
     def _chain(self, sentinel: int, slots: np.ndarray) -> None:
         rec = self.records
