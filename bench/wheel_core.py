@@ -31,6 +31,12 @@ Implementations (keys are the same integers for all):
                   as the daemon applies a drained batch of ring commands:
                   ``schedule_many`` / ``cancel_many`` / ``expire_many`` +
                   ``records_of`` + ``release_many``
+    wheel-py, wheel-batch-py
+                  the same on the Python path: the child runs with
+                  ``WHEELD_PURE_PYTHON=1`` (the ``.py`` sources of the compiled
+                  modules); ``wheel`` and ``wheel-batch`` run without it. The
+                  "path" column says which path each child ran (compiled, python
+                  or mixed, ``wheeld.protocol.accel.implementation()``)
     heapq         a heap of [deadline, seq, key, alive] lists + a dict key -> entry,
                   lazy deletion: the natural pure-Python timer
     asyncio       ``loop.call_at`` / ``TimerHandle.cancel`` on a loop whose clock is
@@ -47,6 +53,7 @@ import ctypes
 import gc
 import heapq
 import json
+import os
 import subprocess
 import sys
 import time
@@ -54,13 +61,15 @@ import time
 import numpy as np
 import psutil
 
+from wheeld.protocol import accel
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol.keys import TYPE_INT, key_meta_of
 from wheeld.shm import TimerWheel
 
 from bench.common import format_table, write_json
 
-IMPLS = ("wheel", "wheel-batch", "heapq", "asyncio")
+IMPLS = ("wheel", "wheel-py", "wheel-batch", "wheel-batch-py", "heapq", "asyncio")
+PURE_SUFFIX = "-py"  # the same implementation, on the Python path
 OPS = ("insert", "rearm", "cancel", "expire")
 BACKGROUND_MS = (3_600_000, 7_200_000)  # the N pending timers: 1-2 h ahead
 IDLE_MS = (2_000, 62_000)  # inserted and re-armed timers: 2-62 s ahead
@@ -266,6 +275,7 @@ class AsyncioTimer:
 
 
 CLASSES = {"wheel": WheelScalar, "wheel-batch": WheelBatch, "heapq": HeapTimer, "asyncio": AsyncioTimer}
+CLASSES.update({name + PURE_SUFFIX: CLASSES[name] for name in ("wheel", "wheel-batch")})
 
 
 # ----------------------------------------------------------------------------- one measurement
@@ -320,6 +330,7 @@ def measure(impl: str, size: int, batch: int, repeat: int, seed: int = 1) -> dic
     ops = ROUNDS * batch
     result = {
         "impl": impl,
+        "path": accel.implementation() if impl.startswith("wheel") else "-",
         "pending": size,
         "batch": batch,
         "ops": ops,
@@ -334,9 +345,14 @@ def measure(impl: str, size: int, batch: int, repeat: int, seed: int = 1) -> dic
 
 
 def run_worker(impl: str, size: int, batch: int, repeat: int) -> dict:
-    """Run one measurement in a fresh interpreter, so memory figures are its own."""
+    """Run one measurement in a fresh interpreter, so memory figures are its own; the
+    ``-py`` implementations with ``WHEELD_PURE_PYTHON=1``, the others without it."""
     cmd = [sys.executable, "-m", "bench.wheel_core", "--worker", impl, str(size), str(batch), str(repeat)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    env = dict(os.environ)
+    env.pop(accel.PURE_ENV, None)
+    if impl.endswith(PURE_SUFFIX):
+        env[accel.PURE_ENV] = "1"
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -354,12 +370,12 @@ def best_of(rows: list[dict]) -> dict:
 
 def markdown_table(rows: list[dict]) -> str:
     """The result table as Markdown (docs/wheel.md carries one)."""
-    lines = ["| impl | pending | insert/s | cancel/s | re-arm/s | expire/s | insert ns | cancel ns | expire ns "
-             "| arena B/timer | RSS B/timer |", "|---|" + "---:|" * 10]
+    lines = ["| impl | path | pending | insert/s | cancel/s | re-arm/s | expire/s | insert ns | cancel ns | expire ns "
+             "| arena B/timer | RSS B/timer |", "|---|---|" + "---:|" * 10]
     for r in rows:
         arena = f"{r['arena_bytes_per_timer']:.1f}" if r["arena_bytes_per_timer"] else "-"
         lines.append(
-            f"| {r['impl']} | {r['pending']:,} | {r['insert_per_s']:,.0f} | {r['cancel_per_s']:,.0f} "
+            f"| {r['impl']} | {r.get('path', '-')} | {r['pending']:,} | {r['insert_per_s']:,.0f} | {r['cancel_per_s']:,.0f} "
             f"| {r['rearm_per_s']:,.0f} | {r['expire_per_s']:,.0f} | {r['insert_ns']:,.0f} | {r['cancel_ns']:,.0f} "
             f"| {r['expire_ns']:,.0f} | {arena} | {r['rss_bytes_per_timer']:.1f} |")
     return "\n".join(lines)
@@ -396,13 +412,13 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 row = run_worker(impl, size, args.batch, repeat)
                 rows.append(row)
-                print(f"  run {run + 1}: {impl:12s} {size:>11,} pending: "
+                print(f"  run {run + 1}: {impl:14s} {size:>11,} pending: "
                       + ", ".join(f"{op} {row[op + '_per_s']:,.0f}/s" for op in OPS), file=sys.stderr, flush=True)
         passes.append(rows)
     rows = [best_of([p[i] for p in passes]) for i in range(len(passes[0]))]
-    columns = ["impl", "pending", "insert_per_s", "cancel_per_s", "rearm_per_s", "expire_per_s",
+    columns = ["impl", "path", "pending", "insert_per_s", "cancel_per_s", "rearm_per_s", "expire_per_s",
                "insert_ns", "cancel_ns", "expire_ns", "arena_bytes_per_timer", "rss_bytes_per_timer"]
-    headers = ["impl", "pending", "insert/s", "cancel/s", "re-arm/s", "expire/s",
+    headers = ["impl", "path", "pending", "insert/s", "cancel/s", "re-arm/s", "expire/s",
                "insert ns", "cancel ns", "expire ns", "arena B/timer", "RSS B/timer"]
     print(format_table(rows, columns, headers))
     if args.markdown:

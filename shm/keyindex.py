@@ -30,6 +30,7 @@ from .arrays import first_of_each, run_starts
 __all__ = ["KeyIndex", "EMPTY"]
 
 EMPTY = -1  # a cell never used (or emptied by a deletion)
+_EMPTY = EMPTY  # the scalar paths' name for it (a C constant in the compiled build)
 _GROUP_MIX = 0x9E3779B97F4A7C15
 _WINDOW = 8  # vectorized probing gathers this many cells per key at once
 _WINDOW_STEPS = np.arange(_WINDOW, dtype=np.int64)
@@ -50,29 +51,36 @@ class KeyIndex:
         n_records = records.size
         raw = records.view(np.uint8)
         self._rb = memoryview(raw)  # record s's key bytes are _rb[s * 64 + 31 : s * 64 + 64]
-        self._h = memoryview(records.view(np.uint16))  # record s's group is _h[s * 32 + 14]
+        h_view = memoryview(records.view(np.uint16))
+        self._h = h_view  # record s's group is _h[s * 32 + 14]
         self._idents = np.ndarray(shape=(n_records,), dtype="V33", buffer=raw, offset=_KM, strides=(_RB,))
         self._groups = records["group"]
         size = 16
         while size < 2 * capacity:
             size *= 2
         self.table = np.full(size, EMPTY, dtype=np.int32)
-        self._table = memoryview(self.table)
+        table_view = memoryview(self.table)
+        self._table = table_view
         self._rows = np.lib.stride_tricks.sliding_window_view(self.table, _TAIL_CELLS)  # a view
         self.mask = size - 1
         self.hashes = np.zeros(n_records, dtype=np.int64)
-        self._hash = memoryview(self.hashes)
+        hash_view = memoryview(self.hashes)
+        self._hash = hash_view
         self.cells = np.full(n_records, -1, dtype=np.int32)
-        self._pos = memoryview(self.cells)
+        pos_view = memoryview(self.cells)
+        self._pos = pos_view
+        self._views = (self._rb, h_view, table_view, hash_view, pos_view)  # released by close()
         self.used = 0  # occupied cells (= scheduled timers)
         self.gmix = [_signed64(g * _GROUP_MIX) for g in range(max_groups)]
         self._gmix_np = np.array(self.gmix, dtype=np.int64)
 
     def close(self) -> None:
         """Drop every view of the records (the arena can be unmapped after this)."""
-        for view in (self._rb, self._h, self._table, self._hash, self._pos):
+        views = self._views
+        self._h = self._table = self._hash = self._pos = None  # the typed views of the compiled build, first
+        self._rb = self._idents = self._groups = None
+        for view in views:
             view.release()
-        self._idents = self._groups = None
 
     # ------------------------------------------------------------------ hashing
     def key_hash(self, ident: bytes, group: int) -> int:
@@ -88,15 +96,16 @@ class KeyIndex:
     def find(self, ident: bytes, group: int) -> int:
         """Slot of the indexed record with key (group, ident), or -1."""
         h = hash(ident) ^ self.gmix[group]  # key_hash, written out: the scalar hot path
-        table, hashes, rb, mask = self._table, self._hash, self._rb, self.mask
+        g = group
+        table, hashes, groups, mask = self._table, self._hash, self._h, self.mask
         p = h & mask
         while True:
             s = table[p]
-            if s == EMPTY:
+            if s == _EMPTY:
                 return -1
-            if hashes[s] == h:
+            if hashes[s] == h and groups[s * _HW + _GROUP] == g:
                 base = s * _RB
-                if rb[base + _KM : base + _RB] == ident and self._h[s * _HW + _GROUP] == group:
+                if self._rb[base + _KM : base + _RB] == ident:
                     return s
             p = (p + 1) & mask
 
@@ -124,13 +133,13 @@ class KeyIndex:
         while True:
             q = (q + 1) & mask
             s = table[q]
-            if s == EMPTY:
+            if s == _EMPTY:
                 break
             if (q - hashes[s]) & mask >= (q - p) & mask:
                 table[p] = s
                 pos[s] = p
                 p = q
-        table[p] = EMPTY
+        table[p] = _EMPTY
         self.used -= 1
 
     # ------------------------------------------------------------------ batches

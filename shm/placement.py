@@ -27,11 +27,19 @@ where its deadline maps to at its bucket's level) all use it.
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 
 from wheeld.protocol import arena_layout as L
 
 __all__ = ["Placement"]
+
+#: :meth:`Placement.place` computes in 64-bit integers when the clock and the deadline
+#: are within this of 0 and the top level's interval is at most half of it: then no
+#: sum or product it forms leaves the 64-bit range
+_EXACT_RANGE = 1 << 62
+_DUE_LEVEL = L.DUE_LEVEL
 
 
 class Placement:
@@ -48,6 +56,14 @@ class Placement:
         self._rules = [(level, t, t - 1 if level == 0 else 0, wheel_size if level == 0 else wheel_size - 1)
                        for level, t in enumerate(self.ticks)]
         self._top = self._rules[-1]
+        # the rule as arrays of 64-bit ints, for :meth:`place`
+        self.exact = self.ticks[-1] * wheel_size <= _EXACT_RANGE // 2
+        self._ws = wheel_size
+        self._due = self.due_list
+        self._n = levels
+        self._tk = memoryview(array("q", self.ticks if self.exact else [1] * levels))
+        self._up = memoryview(array("q", [rule[2] if self.exact else 0 for rule in self._rules]))
+        self._reach = memoryview(array("q", [rule[3] for rule in self._rules]))
 
     def level_value(self, deadline, clock, level: int):
         """``(v, fits)`` at ``level``: the bucket number of ``deadline`` (expiration ``v * tick``)
@@ -59,10 +75,35 @@ class Placement:
     def bucket_for(self, deadline: int, clock: int) -> tuple[int, int, int]:
         """``(sentinel, bucket expiration, level)`` of one deadline; the due list has
         expiration ``clock`` and level :data:`~wheeld.protocol.arena_layout.DUE_LEVEL`."""
+        if self.exact and -_EXACT_RANGE <= clock <= _EXACT_RANGE and -_EXACT_RANGE <= deadline <= _EXACT_RANGE:
+            return self.place(deadline, clock)
+        return self._bucket_any(deadline, clock)
+
+    def place(self, deadline: int, clock: int) -> tuple[int, int, int]:
+        """:meth:`bucket_for` of a deadline and a clock that are 64-bit integers, with results
+        that are (the wheel's scalar paths: it stores them in 64-bit fields)."""
+        if not (self.exact and -_EXACT_RANGE <= clock <= _EXACT_RANGE and -_EXACT_RANGE <= deadline <= _EXACT_RANGE):
+            return self._bucket_any(deadline, clock)
+        if deadline <= clock:
+            return self._due, clock, _DUE_LEVEL
+        ws = self._ws
+        tk, up, reach = self._tk, self._up, self._reach
+        for level in range(self._n):  # level_value, written out
+            t = tk[level]
+            v = (deadline + up[level]) // t
+            if v - clock // t <= reach[level]:
+                return level * ws + v % ws, v * t, level
+        level = self._n - 1
+        t = tk[level]
+        v = clock // t + ws - 1  # clamp into the farthest bucket of the top level
+        return level * ws + v % ws, v * t, level
+
+    def _bucket_any(self, deadline: int, clock: int) -> tuple[int, int, int]:
+        """:meth:`bucket_for` of any integers."""
         if deadline <= clock:
             return self.due_list, clock, L.DUE_LEVEL
         ws = self.wheel_size
-        for level, t, up, reach in self._rules:  # level_value, written out: the scalar hot path
+        for level, t, up, reach in self._rules:  # level_value, written out
             v = (deadline + up) // t
             if v - clock // t <= reach:
                 return level * ws + v % ws, v * t, level

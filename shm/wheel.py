@@ -218,6 +218,7 @@ may map the arena read-only and read counters and records.
 from __future__ import annotations
 
 import heapq
+from array import array
 import struct
 import time
 from collections.abc import Iterator
@@ -264,11 +265,27 @@ _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP = L.I_PREV, L.I_NEXT, L.I_GEN, L.I_TAG, L
 _GNB = L.GROUP_NAME_BYTES
 _ST, _KM, _KEY = L.R_STATE, L.R_KEY_META, L.R_KEY
 _LEVEL_SLOTS = L.DUE_LEVEL + 1  # per-level counters: levels 0..14 and the due list
+_INTENT_SLOT, _INTENT_STATE, _INTENT_TAG = L.H_INTENT_SLOT // 4, L.H_INTENT_STATE // 4, L.H_INTENT_TAG // 4
+_INTENT_DEADLINE = L.H_INTENT_DEADLINE // 8
+_MAX_DELAY = MAX_DELAY_MS  # the scalar paths' names for these (C constants in the compiled build)
+_GEN_MASK = GENERATION_MASK
 #: the wheel's own counter words (the daemon writes the rest): the per-level ones are
-#: computed from _pending_by_level, the others kept in TimerWheel._counters
+#: computed from _pending_by_level, the others kept in TimerWheel._count (by index)
 _LEVEL_COUNTERS = tuple(f"pending_level_{level}" for level in range(L.MAX_LEVELS)) + ("pending_due",)
 _OWN_COUNTERS = tuple(name for name in L.WHEEL_COUNTER_NAMES if name not in _LEVEL_COUNTERS)
 _TOTALS = tuple(name for name in _OWN_COUNTERS if name.endswith("_total"))  # survive restarts
+_COUNTER_INDEX = {name: index for index, name in enumerate(_OWN_COUNTERS)}
+_C_PENDING = _COUNTER_INDEX["pending"]
+_C_FIRED_UNACKED = _COUNTER_INDEX["fired_unacked"]
+_C_ADDS = _COUNTER_INDEX["adds_total"]
+_C_REARMS = _COUNTER_INDEX["rearms_total"]
+_C_CANCELS = _COUNTER_INDEX["cancels_total"]
+_C_CANCEL_MISSES = _COUNTER_INDEX["cancel_misses_total"]
+_C_EXPIRATIONS = _COUNTER_INDEX["expirations_total"]
+_C_CASCADES = _COUNTER_INDEX["cascades_total"]
+_C_ACKS = _COUNTER_INDEX["acks_total"]
+_C_IDLE_REARMS = _COUNTER_INDEX["idle_rearms_total"]
+_C_ARENA_FULL = _COUNTER_INDEX["arena_full_total"]
 
 
 def _default_levels(tick_ms: int, wheel_size: int) -> int:
@@ -390,17 +407,15 @@ class TimerWheel:
         self.first_entry = self.due_list + 2
         self.n_records = self.first_entry + self.capacity
         self._placement = Placement(self.tick_ms, self.wheel_size, self.levels)
-        self._bucket_for = self._placement.bucket_for
         self._buckets_for = self._placement.buckets_for
         self._ticks = self._placement.ticks
         self._map_views(seg.buf)
         self._index = KeyIndex(self.records, self.capacity, self.max_groups)
-        self._key_hash = self._index.key_hash
-        self._find, self._index_add, self._index_remove = self._index.find, self._index.add, self._index.remove
         # Free entry records: a stack of slot numbers in this process (derived state,
         # like the key index; rebuilt from the records' states on attach).
         self._free_np = np.zeros(self.capacity, dtype=np.int32)
-        self._free_stack = memoryview(self._free_np)
+        self._free_view = memoryview(self._free_np)
+        self._free_stack = self._free_view
         self._free_top = 0
         # Live records (SCHEDULED or FIRED) per group id: derived state of this process,
         # like the key index, recounted from the records on attach. A list: the scalar
@@ -409,23 +424,25 @@ class TimerWheel:
         self._heap: list[tuple[int, int]] = []
         self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
         self._pending_by_level = [0] * _LEVEL_SLOTS
-        self._counters = dict.fromkeys(_OWN_COUNTERS, 0)
+        self._count_array = array("q", bytes(8 * len(_OWN_COUNTERS)))  # _OWN_COUNTERS, in order
+        self._count = memoryview(self._count_array)
         self._closed = False
         # cascade_ahead's place in the next level-1 bucket: (its expiration, the next
         # record to look at or the sentinel when a pass ended, the clock the pass began at)
         self._ahead: tuple[int, int, int] | None = None
 
     def _map_views(self, buf) -> None:
-        """The views of the arena every path reads and writes through."""
+        """The views of the arena every path reads and writes through (the scalar paths
+        index them one item at a time: C arrays in the compiled build)."""
         mv = memoryview(buf)
-        self._hq = mv[: L.GROUPS_OFFSET].cast("q")
-        self._hi = mv[: L.GROUPS_OFFSET].cast("i")
+        header = mv[: L.GROUPS_OFFSET]
         rec = mv[self._header_bytes : self._header_bytes + self.n_records * L.RECORD_BYTES]
-        self._rb = rec
-        self._q = rec.cast("q")
-        self._i = rec.cast("i")
-        self._u = rec.cast("I")
-        self._h = rec.cast("H")
+        views = (header.cast("q"), header.cast("i"), header.cast("I"), rec.cast("q"), rec.cast("i"), rec.cast("I"),
+                 rec.cast("H"), rec)
+        self._views = views  # close() releases them
+        self._hq, self._hi, self._hu, self._q, self._i, self._u, self._h, self._rb = views
+        self._clock = self._hq  # header words, for the scalar paths (header_words() hands out _hq)
+        self._b = rec  # record bytes, one at a time (state bytes); _rb is sliced for keys
         self.records = np.frombuffer(buf, dtype=L.RECORD_DTYPE, count=self.n_records, offset=self._header_bytes)
         self._raw = np.ndarray(shape=(self.n_records,), dtype=f"V{L.RECORD_BYTES}", buffer=buf, offset=self._header_bytes)
         self._next = memoryview(self.records["next"])  # strided: record s's next link is _next[s]
@@ -446,7 +463,11 @@ class TimerWheel:
             return
         self._closed = True
         self.publish_stats()
-        for view in (self._hq, self._hi, self._q, self._i, self._u, self._h, self._rb):
+        views = self._views + (self._next, self._free_view)
+        # the views are dropped before they are released (typed views in the compiled build hold them)
+        self._clock = self._hi = self._hu = self._q = self._i = self._u = self._h = self._b = self._free_stack = None
+        self._hq = self._rb = self._next = None
+        for view in views:
             view.release()
         self.records = None
         self._raw = None
@@ -454,8 +475,6 @@ class TimerWheel:
         self._intent_batch = None
         self._group_names = None
         self._group_bytes = None
-        self._next.release()
-        self._free_stack.release()
         self._index.close()
         self._seg.close()
 
@@ -477,11 +496,11 @@ class TimerWheel:
 
     def __len__(self) -> int:
         """Pending (scheduled) timers."""
-        return self._counters["pending"]
+        return self._count[_C_PENDING]
 
     @property
     def free_slots(self) -> int:
-        return self.capacity - self._counters["pending"] - self._counters["fired_unacked"]
+        return self.capacity - self._count[_C_PENDING] - self._count[_C_FIRED_UNACKED]
 
     # ------------------------------------------------------------------ groups
     def _name_bytes(self, group_name: str) -> bytes:
@@ -602,7 +621,7 @@ class TimerWheel:
     def _link(self, slot: int, deadline: int, cur: int) -> int:
         """Link a record into the bucket for its deadline; return the state byte to store."""
         i = self._i
-        b, expiration, level = self._bucket_for(deadline, cur)
+        b, expiration, level = self._placement.place(deadline, cur)
         bp = b * _IW
         tail = i[bp + _PREV]
         if tail == b:  # bucket was empty: (re)set its expiration and queue it
@@ -640,64 +659,67 @@ class TimerWheel:
         """``schedule`` for a key already encoded as its 33-byte record form (meta + padded key)."""
         if type(deadline_ms) is not int:
             raise InvalidDelay(f"a deadline is an integer number of ms, not {type(deadline_ms).__name__}")
-        cur = self._hq[_CUR]
-        if deadline_ms - cur > MAX_DELAY_MS or deadline_ms < cur - MAX_DELAY_MS:
+        cur = self._clock[_CUR]
+        if deadline_ms - cur > _MAX_DELAY or deadline_ms < cur - _MAX_DELAY:
             raise InvalidDelay(f"deadline {deadline_ms} is more than {MAX_DELAY_MS} ms from the clock ({cur})")
         if not 0 <= group < self.max_groups:
             raise InvalidRequest(f"group id {group} out of range")
         if not 0 <= tag <= 0xFFFFFFFF or not -(1 << 31) <= aux < (1 << 31):
             raise InvalidRequest("tag is u32, aux is i32")
-        slot = self._find(ident, group)
-        rb = self._rb
+        deadline = deadline_ms  # validated: from here on 64-bit (C integers in the compiled build)
+        g = group
+        t = tag
+        a = aux
+        slot = self._index.find(ident, g)
         if slot >= 0:
-            self._rearm(slot, deadline_ms, tag, cur)
+            self._rearm(slot, deadline, t, cur)
             return slot, self._u[slot * _IW + _GEN]
         top = self._free_top
         if not top:
-            self._counters["arena_full_total"] += 1
+            self._count[_C_ARENA_FULL] += 1
             raise ArenaFull(f"all {self.capacity} entry records are in use")
         if len(ident) != 33 or not VALID_KEY_METAS[ident[0]]:
             raise InvalidKey("malformed encoded key")
         slot = self._free_stack[top - 1]
         self._free_top = top - 1
-        i = self._i
+        u = self._u
         sp = slot * _IW
-        gen = (self._u[sp + _GEN] + 1) & GENERATION_MASK
-        self._u[sp + _GEN] = gen
-        self._u[sp + _TAG] = tag
-        i[sp + _AUX] = aux
-        self._h[slot * _HW + _GROUP] = group
-        self._q[slot * _QW] = deadline_ms
+        gen = (u[sp + _GEN] + 1) & _GEN_MASK
+        u[sp + _GEN] = gen
+        u[sp + _TAG] = t
+        self._i[sp + _AUX] = a
+        self._h[slot * _HW + _GROUP] = g
+        self._q[slot * _QW] = deadline
         base = slot * _RB
-        rb[base + _KM : base + _RB] = ident
-        state = self._link(slot, deadline_ms, cur)
-        rb[base + _ST] = state  # commit point: the timer exists from here on
-        self._index_add(slot, self._key_hash(ident, group))
-        self._group_live[group] += 1
-        c = self._counters
-        c["pending"] += 1
-        c["adds_total"] += 1
+        self._rb[base + _KM : base + _RB] = ident
+        state = self._link(slot, deadline, cur)
+        self._b[base + _ST] = state  # commit point: the timer exists from here on
+        self._index.add(slot, self._index.key_hash(ident, g))
+        self._group_live[g] += 1
+        c = self._count
+        c[_C_PENDING] += 1
+        c[_C_ADDS] += 1
         return slot, gen
 
     def _rearm(self, slot: int, deadline_ms: int, tag: int, cur: int) -> None:
         """Move a scheduled record: a multi-field update of a live record, so through the intent."""
-        old_state = self._rb[slot * _RB + _ST]
+        old_state = self._b[slot * _RB + _ST]
         self._unlink(slot)
         self._pending_by_level[old_state >> _LEVEL_SHIFT] -= 1
         new_state = self._link(slot, deadline_ms, cur)
         self._apply_with_intent(slot, new_state, deadline_ms, tag)
-        self._counters["rearms_total"] += 1
+        self._count[_C_REARMS] += 1
 
     def _apply_with_intent(self, slot: int, state: int, deadline_ms: int, tag: int) -> None:
-        hq, hi = self._hq, self._hi
-        hi[L.H_INTENT_STATE // 4] = state
-        hq[L.H_INTENT_DEADLINE // 8] = deadline_ms
-        self._seg.buf[L.H_INTENT_TAG : L.H_INTENT_TAG + 4] = tag.to_bytes(4, "little")
-        hi[L.H_INTENT_SLOT // 4] = slot  # commit the intent
+        hi = self._hi
+        hi[_INTENT_STATE] = state
+        self._clock[_INTENT_DEADLINE] = deadline_ms
+        self._hu[_INTENT_TAG] = tag  # the arena's words are little-endian, as this host's
+        hi[_INTENT_SLOT] = slot  # commit the intent
         self._q[slot * _QW] = deadline_ms
         self._u[slot * _IW + _TAG] = tag
-        self._rb[slot * _RB + _ST] = state
-        hi[L.H_INTENT_SLOT // 4] = -1  # done
+        self._b[slot * _RB + _ST] = state
+        hi[_INTENT_SLOT] = -1  # done
 
     def _replay_intent(self) -> bool:
         count = self._hi[L.H_INTENT_COUNT // 4]
@@ -730,12 +752,12 @@ class TimerWheel:
         return self.cancel_ident(ident, group)
 
     def cancel_ident(self, ident: bytes, group: int = 0) -> bool:
-        slot = self._find(ident, group)
+        slot = self._index.find(ident, group)
         if slot < 0:
-            self._counters["cancel_misses_total"] += 1
+            self._count[_C_CANCEL_MISSES] += 1
             return False
         self._remove_scheduled(slot, group)
-        self._counters["cancels_total"] += 1
+        self._count[_C_CANCELS] += 1
         return True
 
     def cancel_handle(self, handle: tuple[int, int]) -> bool:
@@ -743,22 +765,22 @@ class TimerWheel:
         slot, gen = handle
         if not self.first_entry <= slot < self.n_records or self._u[slot * _IW + _GEN] != gen:
             return False
-        if self._rb[slot * _RB + _ST] & _STATE_MASK != _SCHEDULED:
+        if self._b[slot * _RB + _ST] & _STATE_MASK != _SCHEDULED:
             return False
         self._remove_scheduled(slot, self._h[slot * _HW + _GROUP])
-        self._counters["cancels_total"] += 1
+        self._count[_C_CANCELS] += 1
         return True
 
     def _remove_scheduled(self, slot: int, group: int) -> None:
-        rb = self._rb
-        state = rb[slot * _RB + _ST]
+        b = self._b
+        state = b[slot * _RB + _ST]
         self._unlink(slot)
-        rb[slot * _RB + _ST] = _FREE  # commit point
+        b[slot * _RB + _ST] = _FREE  # commit point
         self._pending_by_level[state >> _LEVEL_SHIFT] -= 1
-        self._index_remove(slot)
+        self._index.remove(slot)
         self._free(slot)
         self._group_live[group] -= 1
-        self._counters["pending"] -= 1
+        self._count[_C_PENDING] -= 1
 
     def _free(self, slot: int) -> None:
         self._free_stack[self._free_top] = slot
@@ -771,7 +793,7 @@ class TimerWheel:
 
     def lookup_ident(self, ident: bytes, group: int = 0) -> int | None:
         """:meth:`lookup` for an encoded key (meta byte + key bytes)."""
-        slot = self._find(ident, group)
+        slot = self._index.find(ident, group)
         return None if slot < 0 else self._q[slot * _QW]
 
     def lookup_many(self, idents, group: int = 0) -> list[int | None]:
@@ -802,9 +824,8 @@ class TimerWheel:
 
     def _collect(self, now_ms: int) -> list[int]:
         """Detach every bucket due at ``now_ms``, advance the clock, return their slots."""
-        heap, queued, i, nxt = self._heap, self._queued, self._i, self._next
+        heap, queued, i = self._heap, self._queued, self._i
         out: list[int] = []
-        append = out.append
         while heap and heap[0][0] <= now_ms:
             expiration, b = heapq.heappop(heap)
             if queued[b] != expiration:
@@ -813,39 +834,70 @@ class TimerWheel:
             bp = b * _IW
             s = i[bp + _NEXT]
             while s != b:
-                append(s)
-                s = nxt[s]
+                out.append(s)
+                s = i[s * _IW + _NEXT]
             i[bp + _PREV] = b
             i[bp + _NEXT] = b
-        if now_ms > self._hq[_CUR]:
-            self._hq[_CUR] = now_ms  # after detaching, before re-placing (see Crash consistency)
+        if now_ms > self._clock[_CUR]:
+            self._clock[_CUR] = now_ms  # after detaching, before re-placing (see Crash consistency)
         return out
 
-    def _sweep(self, now_ms: int, fire) -> int:
-        """Advance to ``now_ms``; call ``fire(slot)`` for each due timer, re-place the rest."""
+    def _sweep(self, now_ms: int, to_fired: bool, out: list) -> int:
+        """Advance to ``now_ms``; each due timer goes to the fired list (``to_fired``: its slot
+        appended to ``out``) or is freed (its ``(key, deadline_ms)`` appended to ``out``);
+        the rest is placed again."""
         _check_clock(now_ms)
         slots = self._collect(now_ms)
         if not slots:
             return 0
-        q, rb, link, shift = self._q, self._rb, self._link, _LEVEL_SHIFT
+        now = now_ms
+        q, b = self._q, self._b
         by_level = self._pending_by_level
-        cur = self._hq[_CUR]
+        cur = self._clock[_CUR]
         fired = cascaded = 0
         for s in slots:
             deadline = q[s * _QW]
-            state = rb[s * _RB + _ST]
-            by_level[state >> shift] -= 1
-            if deadline <= now_ms:
-                fire(s)
+            state = b[s * _RB + _ST]
+            by_level[state >> _LEVEL_SHIFT] -= 1
+            if deadline <= now:
+                if to_fired:
+                    self._fire(s, out)
+                else:
+                    self._fire_free(s, out)
                 fired += 1
             else:
-                rb[s * _RB + _ST] = link(s, deadline, cur)
+                b[s * _RB + _ST] = self._link(s, deadline, cur)
                 cascaded += 1
-        c = self._counters
-        c["expirations_total"] += fired
-        c["cascades_total"] += cascaded
-        c["pending"] -= fired
+        c = self._count
+        c[_C_EXPIRATIONS] += fired
+        c[_C_CASCADES] += cascaded
+        c[_C_PENDING] -= fired
         return fired
+
+    def _fire_free(self, s: int, out: list) -> None:
+        """A due timer of :meth:`advance`: its key and deadline to ``out``, its record freed."""
+        rb = self._rb
+        base = s * _RB
+        meta = self._b[base + _KM]
+        out.append((decode_key(bytes(rb[base + _KEY : base + _KEY_END[meta]]), meta), self._q[s * _QW]))
+        self._b[base + _ST] = _FREE
+        self._index.remove(s)
+        self._free(s)
+        self._group_live[self._h[s * _HW + _GROUP]] -= 1
+
+    def _fire(self, s: int, out: list) -> None:
+        """A due timer of :meth:`expire`: to the tail of the fired list, FIRED; its slot to ``out``."""
+        i = self._i
+        self._index.remove(s)
+        fl = self.fired_list
+        flp = fl * _IW
+        tail = i[flp + _PREV]
+        i[s * _IW + _PREV] = tail
+        i[s * _IW + _NEXT] = fl
+        i[tail * _IW + _NEXT] = s
+        i[flp + _PREV] = s
+        self._b[s * _RB + _ST] = _FIRED
+        out.append(s)
 
     def advance(self, now_ms: int) -> list[tuple[object, int]]:
         """Move the clock to ``now_ms``; return ``(key, deadline_ms)`` of every timer due.
@@ -854,20 +906,7 @@ class TimerWheel:
         :meth:`expire` instead, which keeps fired timers until they are acknowledged.)
         """
         out: list[tuple[object, int]] = []
-        append = out.append
-        rb, q, free, index_remove, key_end = self._rb, self._q, self._free, self._index_remove, _KEY_END
-        hw, live = self._h, self._group_live
-
-        def fire(s: int) -> None:
-            base = s * _RB
-            meta = rb[base + _KM]
-            append((decode_key(bytes(rb[base + _KEY : base + key_end[meta]]), meta), q[s * _QW]))
-            rb[base + _ST] = _FREE
-            index_remove(s)
-            free(s)
-            live[hw[s * _HW + _GROUP]] -= 1
-
-        self._sweep(now_ms, fire)
+        self._sweep(now_ms, False, out)
         return out
 
     def expire(self, now_ms: int) -> list[int]:
@@ -877,23 +916,8 @@ class TimerWheel:
         aux until :meth:`release` (delivery acknowledged) or :meth:`rearm_fired`.
         """
         out: list[int] = []
-        append = out.append
-        rb, i, index_remove = self._rb, self._i, self._index.remove
-        fl = self.fired_list
-        flp = fl * _IW
-
-        def fire(s: int) -> None:
-            index_remove(s)
-            tail = i[flp + _PREV]
-            i[s * _IW + _PREV] = tail
-            i[s * _IW + _NEXT] = fl
-            i[tail * _IW + _NEXT] = s
-            i[flp + _PREV] = s
-            rb[s * _RB + _ST] = _FIRED
-            append(s)
-
-        fired = self._sweep(now_ms, fire)
-        self._counters["fired_unacked"] += fired
+        fired = self._sweep(now_ms, True, out)
+        self._count[_C_FIRED_UNACKED] += fired
         return out
 
     def fired(self, slot: int) -> tuple[object, int, int, int, int, int]:
@@ -923,16 +947,15 @@ class TimerWheel:
         """Free a FIRED record (its delivery was acknowledged). A stale handle is a no-op."""
         if not self.first_entry <= slot < self.n_records:
             return False
-        rb = self._rb
-        if rb[slot * _RB + _ST] != _FIRED or self._u[slot * _IW + _GEN] != generation:
+        if self._b[slot * _RB + _ST] != _FIRED or self._u[slot * _IW + _GEN] != generation:
             return False
         self._unlink(slot)
-        rb[slot * _RB + _ST] = _FREE  # commit point
+        self._b[slot * _RB + _ST] = _FREE  # commit point
         self._free(slot)
         self._group_live[self._h[slot * _HW + _GROUP]] -= 1
-        c = self._counters
-        c["fired_unacked"] -= 1
-        c["acks_total"] += 1
+        c = self._count
+        c[_C_FIRED_UNACKED] -= 1
+        c[_C_ACKS] += 1
         return True
 
     def rearm_fired(self, slot: int, generation: int, deadline_ms: int) -> bool:
@@ -943,24 +966,27 @@ class TimerWheel:
         """
         if type(deadline_ms) is not int:
             raise InvalidDelay("a deadline is an integer number of ms")
+        cur = self._clock[_CUR]
+        if deadline_ms - cur > _MAX_DELAY or deadline_ms < cur - _MAX_DELAY:
+            raise InvalidDelay(f"deadline {deadline_ms} is more than {MAX_DELAY_MS} ms from the clock ({cur})")
+        deadline = deadline_ms  # validated: from here on 64-bit (C integers in the compiled build)
         if not self.first_entry <= slot < self.n_records:
             return False
-        rb = self._rb
-        if rb[slot * _RB + _ST] != _FIRED or self._u[slot * _IW + _GEN] != generation:
+        if self._b[slot * _RB + _ST] != _FIRED or self._u[slot * _IW + _GEN] != generation:
             return False
         base = slot * _RB
-        ident = bytes(rb[base + _KM : base + _RB])
+        ident = bytes(self._rb[base + _KM : base + _RB])
         group = self._h[slot * _HW + _GROUP]
-        if self._find(ident, group) >= 0:
+        if self._index.find(ident, group) >= 0:
             return False
         self._unlink(slot)
-        state = self._link(slot, deadline_ms, self._hq[_CUR])
-        self._apply_with_intent(slot, state, deadline_ms, self._u[slot * _IW + _TAG])
-        self._index_add(slot, self._key_hash(ident, group))
-        c = self._counters
-        c["fired_unacked"] -= 1
-        c["pending"] += 1
-        c["idle_rearms_total"] += 1
+        state = self._link(slot, deadline, cur)
+        self._apply_with_intent(slot, state, deadline, self._u[slot * _IW + _TAG])
+        self._index.add(slot, self._index.key_hash(ident, group))
+        c = self._count
+        c[_C_FIRED_UNACKED] -= 1
+        c[_C_PENDING] += 1
+        c[_C_IDLE_REARMS] += 1
         return True
 
     # ------------------------------------------------------------------ batches
@@ -1035,7 +1061,7 @@ class TimerWheel:
             slots_out[rearm] = found[rearm]
         new = np.flatnonzero(found < 0)
         if new.size > self._free_top:
-            self._counters["arena_full_total"] += int(new.size - self._free_top)
+            self._count[_C_ARENA_FULL] += int(new.size - self._free_top)
             new = new[: self._free_top]
         if new.size:
             slots_out[new] = self._add_many(ident_arr[new], hashes[new], deadlines[new], groups[new], tags[new],
@@ -1063,9 +1089,9 @@ class TimerWheel:
         self._count_levels(levels, +1)
         self._index.add_many(slots, hashes)
         self._count_groups(groups, +1)
-        c = self._counters
-        c["pending"] += k
-        c["adds_total"] += k
+        c = self._count
+        c[_C_PENDING] += k
+        c[_C_ADDS] += k
         return slots
 
     def cancel_many(self, idents, groups=0) -> np.ndarray:
@@ -1083,9 +1109,9 @@ class TimerWheel:
         slots = found[hit]
         self._remove_scheduled_many(slots)
         self._count_groups(groups[hit], -1)
-        c = self._counters
-        c["cancels_total"] += int(slots.size)
-        c["cancel_misses_total"] += int(n - slots.size)
+        c = self._count
+        c[_C_CANCELS] += int(slots.size)
+        c[_C_CANCEL_MISSES] += int(n - slots.size)
         return hit
 
     def expire_many(self, now_ms: int) -> np.ndarray:
@@ -1137,11 +1163,11 @@ class TimerWheel:
             self._splice_many(again, buckets, expirations)
             rec["state"][again] = (levels << _LEVEL_SHIFT) | _SCHEDULED
             self._count_levels(levels, +1)
-        c = self._counters
-        c["expirations_total"] += int(fired.size)
-        c["cascades_total"] += int(again.size)
-        c["pending"] -= int(fired.size)
-        c["fired_unacked"] += int(fired.size)
+        c = self._count
+        c[_C_EXPIRATIONS] += int(fired.size)
+        c[_C_CASCADES] += int(again.size)
+        c[_C_PENDING] -= int(fired.size)
+        c[_C_FIRED_UNACKED] += int(fired.size)
         return fired
 
     def _collect_buckets(self, now_ms: int) -> tuple[list[int], list[tuple[int, int]], list[int]]:
@@ -1295,7 +1321,7 @@ class TimerWheel:
         by_level = self._pending_by_level
         by_level[1] -= moved
         by_level[0] += moved
-        self._counters["cascades_total"] += moved
+        self._count[_C_CASCADES] += moved
         return moved
 
     def release_many(self, slots, generations) -> np.ndarray:
@@ -1322,9 +1348,9 @@ class TimerWheel:
             self._unlink_many(released)
             self._free_many(released)
             self._count_groups(rec["group"][released], -1)
-            c = self._counters
-            c["fired_unacked"] -= int(released.size)
-            c["acks_total"] += int(released.size)
+            c = self._count
+            c[_C_FIRED_UNACKED] -= int(released.size)
+            c[_C_ACKS] += int(released.size)
         return ok
 
     def records_of(self, slots) -> np.ndarray:
@@ -1370,7 +1396,7 @@ class TimerWheel:
             rec["state"][part] = (levels << _LEVEL_SHIFT) | _SCHEDULED
             hi[L.H_INTENT_COUNT // 4] = 0  # done
             self._count_levels(levels, +1)
-            self._counters["rearms_total"] += k
+            self._count[_C_REARMS] += k
 
     def _remove_scheduled_many(self, slots: np.ndarray) -> None:
         """Vectorized :meth:`_remove_scheduled` of distinct scheduled slots."""
@@ -1382,7 +1408,7 @@ class TimerWheel:
         self._unlink_many(slots)
         self._index.remove_many(slots)
         self._free_many(slots)
-        self._counters["pending"] -= int(slots.size)
+        self._count[_C_PENDING] -= int(slots.size)
 
     def _unlink_many(self, slots: np.ndarray, linked: bool = False) -> None:
         """Unlink distinct records from their lists; neighbours may be among them.
@@ -1502,7 +1528,7 @@ class TimerWheel:
             yield key, deadline, group
 
     def counters(self) -> dict[str, int]:
-        c = dict(self._counters)
+        c = dict(zip(_OWN_COUNTERS, self._count_array))
         for level in range(self.levels):
             c[f"pending_level_{level}"] = self._pending_by_level[level]
         c["pending_due"] = self._pending_by_level[L.DUE_LEVEL]
@@ -1609,12 +1635,12 @@ class TimerWheel:
         live = low != _FREE
         self._group_live = np.bincount(self.records["group"][self.first_entry :][live],
                                        minlength=self.max_groups).tolist()
-        c = self._counters
-        c["pending"] = int(levels.size)
-        c["fired_unacked"] = int(np.count_nonzero(low == _FIRED))
+        c = self._count
+        c[_C_PENDING] = int(levels.size)
+        c[_C_FIRED_UNACKED] = int(np.count_nonzero(low == _FIRED))
         base = L.H_COUNTERS // 8
         for name in _TOTALS:
-            c[name] = max(c[name], self._hq[base + L.COUNTER[name]])
+            c[_COUNTER_INDEX[name]] = max(c[_COUNTER_INDEX[name]], self._hq[base + L.COUNTER[name]])
 
     def _chain(self, sentinel: int, slots: np.ndarray) -> None:
         rec = self.records

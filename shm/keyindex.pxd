@@ -1,0 +1,31 @@
+# C declarations of shm/keyindex.py for the compiled build (Cython pure Python mode).
+cimport cython
+
+cdef int _EMPTY
+cdef Py_ssize_t _RB, _HW, _GROUP, _KM
+
+
+@cython.final
+cdef class KeyIndex:
+    cdef dict __dict__
+    cdef public object table, hashes, cells, _rows, _idents, _groups, _gmix_np
+    cdef public list gmix
+    cdef public long long mask
+    cdef public Py_ssize_t used
+    cdef object _rb
+    cdef tuple _views
+    cdef unsigned short[::1] _h
+    cdef int[::1] _table, _pos
+    cdef long long[::1] _hash
+
+    @cython.locals(h=cython.longlong, g=cython.longlong, mask=cython.longlong, p=cython.Py_ssize_t,
+                   s=cython.Py_ssize_t, base=cython.Py_ssize_t,
+                   table=cython.int[::1], hashes=cython.longlong[::1], groups=cython.ushort[::1])
+    cpdef Py_ssize_t find(self, ident, group) except? -2
+
+    @cython.locals(mask=cython.longlong, p=cython.Py_ssize_t, table=cython.int[::1])
+    cpdef add(self, Py_ssize_t slot, long long h)
+
+    @cython.locals(mask=cython.longlong, p=cython.Py_ssize_t, q=cython.Py_ssize_t, s=cython.Py_ssize_t,
+                   table=cython.int[::1], hashes=cython.longlong[::1], pos=cython.int[::1])
+    cpdef remove(self, Py_ssize_t slot)

@@ -1,0 +1,84 @@
+# C declarations of shm/wheel.py for the compiled build (Cython pure Python mode): the
+# scalar paths (schedule, cancel, re-arm, advance/expire, release, rearm_fired) in C.
+cimport cython
+
+from .keyindex cimport KeyIndex
+from .placement cimport Placement
+
+cdef long long _MAX_DELAY, _GEN_MASK
+cdef int _FREE, _SCHEDULED, _FIRED, _STATE_MASK, _LEVEL_SHIFT
+cdef Py_ssize_t _CUR, _QW, _IW, _HW, _RB, _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP, _ST, _KM, _KEY
+cdef Py_ssize_t _INTENT_SLOT, _INTENT_STATE, _INTENT_TAG, _INTENT_DEADLINE
+cdef Py_ssize_t _C_PENDING, _C_FIRED_UNACKED, _C_ADDS, _C_REARMS, _C_CANCELS, _C_CANCEL_MISSES, _C_EXPIRATIONS
+cdef Py_ssize_t _C_CASCADES, _C_ACKS, _C_IDLE_REARMS, _C_ARENA_FULL
+
+
+@cython.final
+cdef class TimerWheel:
+    cdef dict __dict__
+    cdef public object _seg, records, _hq, _rb
+    cdef public Py_ssize_t first_entry, n_records, due_list, fired_list, _free_top
+    cdef public Placement _placement
+    cdef public KeyIndex _index
+    cdef public list _heap, _queued, _pending_by_level, _group_live
+    # the arena's words and bytes, and the free stack, as C arrays
+    cdef long long[::1] _clock, _q, _count
+    cdef int[::1] _hi, _i, _free_stack
+    cdef unsigned int[::1] _hu, _u
+    cdef unsigned short[::1] _h
+    cdef unsigned char[::1] _b
+
+    @cython.locals(i=cython.int[::1], b=cython.Py_ssize_t, expiration=cython.longlong, level=cython.longlong,
+                   bp=cython.Py_ssize_t, tail=cython.Py_ssize_t, sp=cython.Py_ssize_t)
+    cdef int _link(self, Py_ssize_t slot, long long deadline, long long cur) except -1
+
+    @cython.locals(i=cython.int[::1], sp=cython.Py_ssize_t, prev=cython.Py_ssize_t, nxt=cython.Py_ssize_t)
+    cdef void _unlink(self, Py_ssize_t slot)
+
+    @cython.locals(cur=cython.longlong, deadline=cython.longlong, g=cython.Py_ssize_t, t=cython.longlong,
+                   a=cython.longlong, slot=cython.Py_ssize_t, top=cython.Py_ssize_t, u=cython.uint[::1],
+                   sp=cython.Py_ssize_t, gen=cython.longlong, base=cython.Py_ssize_t, state=cython.int,
+                   c=cython.longlong[::1])
+    cpdef tuple schedule_ident(self, ident, deadline_ms, group=*, tag=*, aux=*)
+
+    @cython.locals(old_state=cython.int, new_state=cython.int)
+    cdef void _rearm(self, Py_ssize_t slot, long long deadline_ms, long long tag, long long cur)
+
+    @cython.locals(hi=cython.int[::1])
+    cdef void _apply_with_intent(self, Py_ssize_t slot, int state, long long deadline_ms, long long tag)
+
+    @cython.locals(slot=cython.Py_ssize_t)
+    cpdef bint cancel_ident(self, ident, group=*) except -1
+
+    @cython.locals(b=cython.uchar[::1], state=cython.int)
+    cdef void _remove_scheduled(self, Py_ssize_t slot, Py_ssize_t group)
+
+    cdef void _free(self, Py_ssize_t slot)
+
+    @cython.locals(heap=list, queued=list, out=list, i=cython.int[::1], b=cython.Py_ssize_t, bp=cython.Py_ssize_t,
+                   s=cython.Py_ssize_t)
+    cdef list _collect(self, now_ms)
+
+    @cython.locals(slots=list, now=cython.longlong, q=cython.longlong[::1], b=cython.uchar[::1], by_level=list,
+                   cur=cython.longlong, fired=cython.Py_ssize_t, cascaded=cython.Py_ssize_t, s=cython.Py_ssize_t,
+                   deadline=cython.longlong, state=cython.int, c=cython.longlong[::1])
+    cdef Py_ssize_t _sweep(self, now_ms, bint to_fired, list out) except -1
+
+    @cython.locals(base=cython.Py_ssize_t, meta=cython.int)
+    cdef void _fire_free(self, Py_ssize_t s, list out)
+
+    @cython.locals(i=cython.int[::1], fl=cython.Py_ssize_t, flp=cython.Py_ssize_t, tail=cython.Py_ssize_t)
+    cdef void _fire(self, Py_ssize_t s, list out)
+
+    @cython.locals(out=list)
+    cpdef list advance(self, now_ms)
+
+    @cython.locals(out=list, fired=cython.Py_ssize_t)
+    cpdef list expire(self, now_ms)
+
+    @cython.locals(c=cython.longlong[::1])
+    cpdef bint release(self, slot, generation) except -1
+
+    @cython.locals(cur=cython.longlong, deadline=cython.longlong, base=cython.Py_ssize_t, group=cython.Py_ssize_t,
+                   state=cython.int, c=cython.longlong[::1])
+    cpdef bint rearm_fired(self, slot, generation, deadline_ms) except -1
