@@ -4,14 +4,40 @@ types of the ``.pxd`` files beside them. Everything else is in pyproject.toml.
 
 ``WHEELD_NO_EXTENSIONS=1`` builds nothing (the package then runs its Python path).
 A compiler error fails the install: a missing extension is never silent.
+
+Cython finds the ``.pxd`` of a module by its dotted name (``wheeld/shm/wheel.pxd``
+for ``wheeld.shm.wheel``), while the sources sit in folders named otherwise
+(pyproject's ``package-dir``: ``shm/`` is ``wheeld.shm``). So the build lays the
+packages out as installed, as symbolic links under ``build/cython-packages``, and
+gives Cython that folder as its include path.
 """
 
 import os
 import runpy
+import tomllib
 
 from setuptools import Extension, setup
 
-_accel = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "protocol", "accel.py"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+_accel = runpy.run_path(os.path.join(HERE, "protocol", "accel.py"))
+
+
+def _package_layout() -> str:
+    """``build/cython-packages/wheeld/...``: links to the sources, named as the packages are."""
+    with open(os.path.join(HERE, "pyproject.toml"), "rb") as f:
+        package_dir = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    root = os.path.join(HERE, "build", "cython-packages")
+    for package, source in sorted(package_dir.items()):  # parents before children
+        target = os.path.join(root, *package.split("."))
+        os.makedirs(target, exist_ok=True)
+        for entry in os.listdir(os.path.join(HERE, source)):
+            if entry.endswith((".py", ".pxd")):
+                link = os.path.join(target, entry)
+                if os.path.lexists(link):
+                    os.unlink(link)
+                os.symlink(os.path.join(HERE, source, entry), link)
+    return root
+
 
 if _accel["_flag"](_accel["NO_EXTENSIONS_ENV"]):
     ext_modules = []
@@ -23,6 +49,7 @@ else:
             Extension(name, [source], extra_compile_args=["-O2"])
             for name, source in _accel["COMPILED_MODULES"].items()
         ],
+        include_path=[_package_layout()],
         compiler_directives={
             "language_level": 3,
             "annotation_typing": False,  # types come from the .pxd files only: the .py stays Python
