@@ -36,6 +36,7 @@ COMPILED_MODULES = {
     "wheeld.shm.placement": "shm/placement.py",
     "wheeld.shm.keyindex": "shm/keyindex.py",
     "wheeld.shm.wheel": "shm/wheel.py",
+    "wheeld.shm.ring": "shm/ring.py",
 }
 
 PURE_ENV = "WHEELD_PURE_PYTHON"
