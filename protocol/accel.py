@@ -37,6 +37,7 @@ COMPILED_MODULES = {
     "wheeld.shm.keyindex": "shm/keyindex.py",
     "wheeld.shm.wheel": "shm/wheel.py",
     "wheeld.shm.ring": "shm/ring.py",
+    "wheeld.core": "client/core.py",
 }
 
 PURE_ENV = "WHEELD_PURE_PYTHON"
