@@ -93,6 +93,13 @@ _SHARDS = 64
 _SHARD_MASK = _SHARDS - 1
 _SPIN_YIELDS = 20_000  # a full ring: sched_yield polls (~0.5-5 ms) before sleeping between polls
 _CANCEL = C.CANCEL
+_KEY_BYTES = KEY_BYTES
+_monotonic_ns = time.monotonic_ns
+# This module is compiled by Cython (wheeld.protocol.accel, core.pxd). Compiled, the hot
+# calls read the clock and fence with core.pxd's C functions (_clock_ns: the same
+# CLOCK_MONOTONIC as time.monotonic_ns; _full_fence: one locked instruction, what the
+# uncontended lock's acquire/release gives the Python source).
+_COMPILED = not __file__.endswith(".py")
 _CANCEL_MARK_EVERY = 256  # cancels between internal flushes that let us forget cancelled armings
 # (forgetting 1024 at once took ~1 ms of the receive path on a busy machine)
 
@@ -183,6 +190,7 @@ class ClientCore:
         self._segment: ClientSegment | None = None
         self._status: StatusPage | None = None
         self._parked = None  # the status page's words: parked epoch, arena counters
+        self._page = None  # the same words for the hot path (compiled: a typed view)
         self._group_words = None  # our ring's header words: the daemon's group_full flag
         self._rang_epoch = 0
         self._welcome: M.Welcome | None = None
@@ -238,10 +246,12 @@ class ClientCore:
 
     def _release_local(self) -> None:
         """Unmap the ring and the status page (this process's view only)."""
+        self._touch_table = None  # (compiled: typed views of the segment; dropped before it is unmapped)
+        self._group_words = None
         if self._segment is not None:
             self._segment.close()
         if self._status is not None:
-            self._parked = None
+            self._parked = self._page = None
             self._status.close()
             self._status = None
 
@@ -287,6 +297,8 @@ class ClientCore:
                 self._replay_from = 0
                 self._flush_positions.clear()
                 if old is not None:  # the daemon could not take our ring back: start afresh
+                    self._touch_table = None
+                    self._group_words = None
                     old.close()
                     self._touch_index.clear()
                     self._touch_by_key.clear()
@@ -297,12 +309,12 @@ class ClientCore:
                 self._touch_table = segment._last_touch
             self._group_words = self._segment._words
             if self._status is not None:
-                self._parked = None
+                self._parked = self._page = None
                 self._status.close()
                 self._status = None
             if welcome.status_page and fds:
                 self._status = StatusPage.attach(fds.pop(0))
-                self._parked = self._status.words
+                self._parked = self._page = self._status.words
         finally:
             for fd in fds:
                 os.close(fd)
@@ -378,9 +390,12 @@ class ClientCore:
         # `parked`. x86-64 may let a load pass an earlier store; the locked
         # instruction inside an uncontended lock's acquire/release forbids it, so
         # either we see parked=1 and ring, or the daemon's re-check sees our tail.
-        _fence.acquire()
-        _fence.release()
-        parked = self._parked
+        if _COMPILED:
+            _full_fence()  # noqa: F821 - core.pxd
+        else:
+            _fence_acquire()
+            _fence_release()
+        parked = self._page
         if parked is None:
             self._ring_doorbell(False)
             return
@@ -407,13 +422,13 @@ class ClientCore:
             except UnicodeEncodeError:
                 kb = b""  # encode_key below raises InvalidKey
             meta = _STR_META | len(kb)
-            if not 0 < len(kb) <= KEY_BYTES:
+            if not 0 < len(kb) <= _KEY_BYTES:
                 kb, meta = encode_key(key)  # raises InvalidKey
         else:
             kb, meta = encode_key(key)
         if type(delay_ms) is not int or not 0 <= delay_ms <= self.max_delay_ms:
             self._deadline(delay_ms)  # raises the precise InvalidDelay
-        header = self._parked
+        header = self._page
         ident = _META[meta] + kb
         if header is None or header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD] \
                 or self._group_words[_GROUP_FULL]:
@@ -421,17 +436,22 @@ class ClientCore:
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
         tag = self._tag_base | seq
         # the deadline in ms rounded up (ceil_ms, inlined): never early in real time
-        deadline = delay_ms - (-time.monotonic_ns() // 1_000_000)
+        now_ns = _clock_ns() if _COMPILED else _monotonic_ns()  # noqa: F821 - _clock_ns: core.pxd
+        deadline = delay_ms - (-now_ns // 1_000_000)
         if not self._segment.push_add(kb, meta, deadline, tag):
             self._wait_for_room()
             deadline = delay_ms - (-time.monotonic_ns() // 1_000_000)
             self._push(C.ADD, kb, meta, deadline, tag)
-        self._latest[hash(ident) & _SHARD_MASK][ident] = tag
+        shard = self._latest[hash(ident) & _SHARD_MASK]
+        shard[ident] = tag
         if self._touch_index:
             self._release_touch(ident, key)
         # _after_push, inlined (see there for the ordering argument)
-        _fence_acquire()
-        _fence_release()
+        if _COMPILED:
+            _full_fence()  # noqa: F821 - core.pxd
+        else:
+            _fence_acquire()
+            _fence_release()
         if header is None:
             self._ring_doorbell(False)
             return deadline
@@ -490,7 +510,8 @@ class ClientCore:
             index = self._touch_by_key[key]
         except (KeyError, TypeError):
             raise InvalidKey(f"{key!r} is not an idle timer of this client (add_idle it first)") from None
-        self._touch_table[index] = -(-time.monotonic_ns() // 1_000_000)  # ceil_ms(): never early
+        now_ns = _clock_ns() if _COMPILED else _monotonic_ns()  # noqa: F821 - _clock_ns: core.pxd
+        self._touch_table[index] = -(-now_ns // 1_000_000)  # ceil_ms(): never early
 
     def cancel(self, key) -> bool:
         """Cancel ``key``; True if this client's arming of it will not be delivered."""
@@ -502,7 +523,7 @@ class ClientCore:
             except UnicodeEncodeError:
                 kb = b""  # encode_key below raises InvalidKey
             meta = _STR_META | len(kb)
-            if not 0 < len(kb) <= KEY_BYTES:
+            if not 0 < len(kb) <= _KEY_BYTES:
                 kb, meta = encode_key(key)  # raises InvalidKey
         else:
             kb, meta = encode_key(key)

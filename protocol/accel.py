@@ -39,6 +39,8 @@ COMPILED_MODULES = {
     "wheeld.shm.placement": "shm/placement.py",
     "wheeld.shm.keyindex": "shm/keyindex.py",
     "wheeld.shm.wheel": "shm/wheel.py",
+    "wheeld.shm.ring": "shm/ring.py",
+    "wheeld.core": "client/core.py",
 }
 
 #: how the daemon publishes :func:`implementation` (its ``daemon_hot_path`` counter word)

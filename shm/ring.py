@@ -59,6 +59,11 @@ Why it is safe:
   never overwrites a slot the consumer is still copying.
 * The compiler cannot move these accesses across each other either: every
   step is a separate bytecode, i.e. separate opaque C calls.
+* Compiled (Cython, see :mod:`wheeld.protocol.accel`), a push writes the record
+  with plain C stores of 8-byte words into the mapping and then the tail with one
+  aligned 8-byte store; a compiler barrier between the two (``_store_fence``,
+  declared in ring.pxd) keeps the C compiler from moving a record store below
+  the tail store, and x86-64 keeps them in order for the consumer.
 * The producer keeps a private copy of ``tail`` and a cached ``head`` (reloaded
   only when the ring looks full), so a push touches the shared head line rarely.
   The consumer keeps a private ``head`` and does not read it back from the
@@ -102,13 +107,15 @@ daemon it passes the descriptor back with its ``Hello``; the new daemon checks
 the seals and the header (:meth:`adopt`) and carries on from the head word the
 old one published, so commands pushed while no daemon ran are applied.
 
-Costs (``python bench/ring.py``): a push is one 56-byte ``struct`` pack, one
-``crc32``, one ``pack_into`` and one 8-byte store (~0.35 us); a touch is one 8-byte
-store; a drain is one numpy copy per contiguous run of slots.
+Costs (``python bench/ring.py``): as Python, a push is one 56-byte ``struct`` pack,
+one ``crc32``, one ``pack_into`` and one 8-byte store (~0.35 us); compiled, eight
+8-byte stores and a slicing-by-8 CRC-32 in C. A touch is one 8-byte store; a drain
+is one numpy copy per contiguous run of slots.
 """
 
 from __future__ import annotations
 
+import array
 import mmap
 import os
 import platform
@@ -123,6 +130,7 @@ from wheeld.protocol.commands import (
     ADD_CHECKED,
     ADD_RECORD,
     CHECKED,
+    KEY_FIELD_SIZE,
     RECORD,
     RECORD_DTYPE,
     RECORD_SHIFT,
@@ -149,6 +157,61 @@ _HEAD_WORD = layout.HEAD_WORD
 _EMPTY = np.zeros(0, dtype=RECORD_DTYPE)
 #: the longest idle timeout (about 24.8 days): an ADD_IDLE's aux0 is a signed 32-bit field
 MAX_IDLE_MS = (1 << 31) - 1
+
+# ------------------------------------------------------------------ the typed record writer
+#
+# This module is compiled by Cython (wheeld.protocol.accel, ring.pxd). Compiled, a push
+# writes the record with the typed writer below (eight 8-byte stores and a table-driven
+# CRC-32, no Python object made); as Python source, it writes it with struct and
+# zlib.crc32, which is faster there. Both produce the same 64 bytes
+# (tests/test_ring.py holds them equal on both paths).
+_COMPILED = not __file__.endswith(".py")
+_U32 = 0xFFFFFFFF
+_U64 = 0xFFFFFFFFFFFFFFFF
+_I64_MAX = (1 << 63) - 1
+_I64_MIN = -_I64_MAX - 1
+_I32_MIN = -(1 << 31)
+_I32_MAX = (1 << 31) - 1
+_WORDS_PER_RECORD = RECORD.size // 8
+
+
+def _crc32_slice8_tables() -> array.array:
+    """zlib's CRC-32 (reflected polynomial 0xEDB88320) as 8 tables of 256: table k maps a
+    byte to the CRC of that byte followed by k zero bytes (slicing-by-8)."""
+    tables = array.array("I", bytes(4 * 8 * 256))
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0xEDB88320 if crc & 1 else crc >> 1
+        tables[byte] = crc
+    for k in range(1, 8):
+        for byte in range(256):
+            previous = tables[(k - 1) * 256 + byte]
+            tables[k * 256 + byte] = (previous >> 8) ^ tables[previous & 0xFF]
+    return tables
+
+
+_CRC_TABLES = _crc32_slice8_tables()
+
+
+def _crc32_word(crc: int, word: int) -> int:
+    """Feed the 8 little-endian bytes of ``word`` to a running (pre-inverted) CRC-32."""
+    tables = _CRC_TABLES
+    low = (crc ^ word) & _U32
+    high = word >> 32
+    return (tables[7 * 256 + (low & 0xFF)] ^ tables[6 * 256 + ((low >> 8) & 0xFF)]
+            ^ tables[5 * 256 + ((low >> 16) & 0xFF)] ^ tables[4 * 256 + (low >> 24)]
+            ^ tables[3 * 256 + (high & 0xFF)] ^ tables[2 * 256 + ((high >> 8) & 0xFF)]
+            ^ tables[256 + ((high >> 16) & 0xFF)] ^ tables[high >> 24])
+
+
+def _key_word(key_bytes: bytes, length: int, first: int) -> int:
+    """Bytes ``first .. first+7`` of the zero-padded key field as a little-endian word."""
+    word = 0
+    end = first + 8 if first + 8 < length else length
+    for i in range(end - 1, first - 1, -1):
+        word = (word << 8) | key_bytes[i]
+    return word
 
 
 class ClientSegment:
@@ -181,6 +244,10 @@ class ClientSegment:
         self._last_touch = view[touch_at : touch_at + table_bytes].cast("q")
         self._idle = view[idle_at : idle_at + table_bytes].cast("q")
         self._ring = np.frombuffer(segment, dtype=RECORD_DTYPE, count=ring_capacity, offset=layout.RING_OFFSET)
+        # the same memory again for the producer's hot path (typed memoryviews when compiled)
+        self._ring_view = view[layout.RING_OFFSET : layout.RING_OFFSET + layout.ring_bytes(ring_capacity)].cast("Q")
+        self._counters = self._words
+        self._ring_words = self._ring_view
         # producer state: private tail, cached head
         self._tail = self._words[_TAIL_WORD]
         self._head_cache = self._words[_HEAD_WORD]
@@ -305,7 +372,9 @@ class ClientSegment:
             return
         self._closed = True
         self._ring = None
-        for view in (self._words, self._last_touch, self._idle, self._view):
+        self._counters = None  # (compiled: typed views; set to None they release their buffers)
+        self._ring_words = None
+        for view in (self._ring_view, self._words, self._last_touch, self._idle, self._view):
             view.release()
         try:
             self._mm.close()
@@ -350,19 +419,18 @@ class ClientSegment:
         ``(key_bytes, key_meta)`` must come from :func:`wheeld.protocol.keys.encode_key`.
         """
         tail = self._tail
-        if tail - self._head_cache >= self._capacity and not self._has_room(tail):
+        if tail >= self._head_cache + self._capacity and not self._has_room(tail):
             return False
-        try:
-            check = _crc32(_pack_add_checked(ADD, key_meta, seq, deadline_ms, key_bytes))
-            _pack_add_into(
-                self._mm, self._ring_offset + ((tail & self._mask) << RECORD_SHIFT),
-                ADD, key_meta, seq, deadline_ms, check, key_bytes,
-            )  # fmt: skip
-        except (struct.error, TypeError) as exc:
-            self._raise_push_error(exc)
-        tail += 1
-        self._tail = tail
-        self._words[_TAIL_WORD] = tail  # publish: the record stores above are visible first
+        if not (_COMPILED and self._store_record(tail & self._mask, ADD, key_meta, seq, deadline_ms, 0, 0, key_bytes)):
+            try:
+                check = _crc32(_pack_add_checked(ADD, key_meta, seq, deadline_ms, key_bytes))
+                _pack_add_into(
+                    self._mm, self._ring_offset + ((tail & self._mask) << RECORD_SHIFT),
+                    ADD, key_meta, seq, deadline_ms, check, key_bytes,
+                )  # fmt: skip
+            except (struct.error, TypeError) as exc:
+                self._raise_push_error(exc)
+        self._publish(tail + 1)
         return True
 
     def try_push(
@@ -382,19 +450,19 @@ class ClientSegment:
         (noticed when the ring looks full).
         """
         tail = self._tail
-        if tail - self._head_cache >= self._capacity and not self._has_room(tail):
+        if tail >= self._head_cache + self._capacity and not self._has_room(tail):
             return False
-        try:
-            check = _crc32(_pack_checked(op, key_meta, seq, deadline_ms, aux0, aux1, key_bytes))
-            _pack_record_into(
-                self._mm, self._ring_offset + ((tail & self._mask) << RECORD_SHIFT),
-                op, key_meta, seq, deadline_ms, aux0, aux1, check, key_bytes,
-            )  # fmt: skip
-        except (struct.error, TypeError) as exc:
-            self._raise_push_error(exc)
-        tail += 1
-        self._tail = tail
-        self._words[_TAIL_WORD] = tail  # publish: the record stores above are visible first
+        if not (_COMPILED and self._store_record(tail & self._mask, op, key_meta, seq, deadline_ms, aux0, aux1,
+                                                 key_bytes)):
+            try:
+                check = _crc32(_pack_checked(op, key_meta, seq, deadline_ms, aux0, aux1, key_bytes))
+                _pack_record_into(
+                    self._mm, self._ring_offset + ((tail & self._mask) << RECORD_SHIFT),
+                    op, key_meta, seq, deadline_ms, aux0, aux1, check, key_bytes,
+                )  # fmt: skip
+            except (struct.error, TypeError) as exc:
+                self._raise_push_error(exc)
+        self._publish(tail + 1)
         return True
 
     def try_push_record(self, record: bytes) -> bool:
@@ -402,13 +470,66 @@ class ClientSegment:
         if len(record) != RECORD.size:
             raise InvalidRequest(f"a ring record is {RECORD.size} bytes, not {len(record)}")
         tail = self._tail
-        if tail - self._head_cache >= self._capacity and not self._has_room(tail):
+        if tail >= self._head_cache + self._capacity and not self._has_room(tail):
             return False
         start = self._ring_offset + ((tail & self._mask) << RECORD_SHIFT)
         self._mm[start : start + RECORD.size] = record
-        tail += 1
+        self._publish(tail + 1)
+        return True
+
+    def _publish(self, tail: int) -> None:
+        """Step 3 of a push: store the new tail, after the record's stores."""
         self._tail = tail
-        self._words[_TAIL_WORD] = tail  # publish: the record stores above are visible first
+        if _COMPILED:
+            _store_fence()  # noqa: F821 - ring.pxd's compiler barrier; the record stores are not moved below it
+        self._counters[_TAIL_WORD] = tail  # publish: the record stores above are visible first
+
+    def _store_record(self, slot: int, op, key_meta, seq, deadline_ms, aux0, aux1, key_bytes) -> bool:
+        """Write one complete record (check word included) at ring ``slot`` with the typed
+        writer. Returns False, writing nothing, for any argument it does not take (not an
+        exact int or bytes, out of its field's range, a key over 32 bytes): the struct
+        path then writes it, or raises, exactly as it does for every push in Python."""
+        if type(op) is not int or type(key_meta) is not int or type(seq) is not int \
+                or type(deadline_ms) is not int or type(aux0) is not int or type(aux1) is not int \
+                or type(key_bytes) is not bytes or len(key_bytes) > KEY_FIELD_SIZE or self._ring_words is None:
+            return False  # (no ring: the segment is closed, the struct path raises Closed)
+        try:
+            return self._write_record(slot, op, key_meta, seq, deadline_ms, aux0, aux1, key_bytes)
+        except OverflowError:
+            return False  # compiled: an int that does not fit the 64-bit C integer of its argument
+
+    def _write_record(self, slot: int, op: int, key_meta: int, seq: int, deadline_ms: int, aux0: int, aux1: int,
+                      key_bytes: bytes) -> bool:
+        """_store_record, once every field is an int: 64-bit C integers when compiled."""
+        if not (0 <= op <= 0xFF and 0 <= key_meta <= 0xFF and 0 <= seq <= _U32 and _I64_MIN <= deadline_ms <= _I64_MAX
+                and _I32_MIN <= aux0 <= _I32_MAX and _I32_MIN <= aux1 <= _I32_MAX):
+            return False
+        length = len(key_bytes)
+        head = op | (key_meta << 8) | (seq << 32)
+        deadline = deadline_ms & _U64
+        aux = (aux0 & _U32) | ((aux1 & _U32) << 32)
+        key0 = _key_word(key_bytes, length, 0)
+        key1 = _key_word(key_bytes, length, 8)
+        key2 = _key_word(key_bytes, length, 16)
+        key3 = _key_word(key_bytes, length, 24)
+        crc = _U32
+        crc = _crc32_word(crc, head)
+        crc = _crc32_word(crc, deadline)
+        crc = _crc32_word(crc, aux)
+        crc = _crc32_word(crc, key0)
+        crc = _crc32_word(crc, key1)
+        crc = _crc32_word(crc, key2)
+        crc = _crc32_word(crc, key3)
+        ring = self._ring_words
+        base = slot * _WORDS_PER_RECORD
+        ring[base] = head
+        ring[base + 1] = deadline
+        ring[base + 2] = aux
+        ring[base + 3] = crc ^ _U32  # the check word; the pad above it is zero
+        ring[base + 4] = key0
+        ring[base + 5] = key1
+        ring[base + 6] = key2
+        ring[base + 7] = key3
         return True
 
     def unapplied_records(self, since: int | None = None) -> list[bytes]:
@@ -433,8 +554,8 @@ class ClientSegment:
         words = self._words
         if words[layout.CLOSED_WORD]:
             raise BrokenPeer(f"the daemon closed the session of segment {self.name!r}")
-        self._head_cache = words[_HEAD_WORD]
-        return tail - self._head_cache < self._capacity
+        self._head_cache = head = words[_HEAD_WORD]
+        return tail - head < self._capacity
 
     def _raise_push_error(self, exc: Exception):
         self._check_open()
@@ -443,8 +564,8 @@ class ClientSegment:
     def free_slots(self) -> int:
         """Producer side: how many records can be pushed right now."""
         self._check_open()
-        self._head_cache = self._words[_HEAD_WORD]
-        return self._capacity - (self._tail - self._head_cache)
+        self._head_cache = head = self._words[_HEAD_WORD]
+        return self._capacity - (self._tail - head)
 
     def touch(self, index: int, now_ms: int) -> None:
         """Record that the idle key at touch ``index`` was active at ``now_ms``: one 8-byte store."""
