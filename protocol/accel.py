@@ -111,11 +111,11 @@ def install_finder() -> None:
 
 
 def module_paths() -> dict[str, str]:
-    """Each hot module (importing it) -> "compiled" or "python"."""
+    """Each hot module -> "compiled" or "python": what importing it loads (or has loaded)."""
     out = {}
-    for name in COMPILED_MODULES:
-        module = importlib.import_module(name)
-        origin = getattr(module, "__file__", "") or ""
+    for name in COMPILED_MODULES:  # found, not imported: the daemon does not load the client's modules
+        module = sys.modules.get(name)
+        origin = (getattr(module, "__file__", None) if module is not None else importlib.util.find_spec(name).origin) or ""
         out[name] = "compiled" if origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)) else "python"
     return out
 
