@@ -18,6 +18,8 @@ cdef class KeyIndex:
     cdef int[::1] _table, _pos
     cdef long long[::1] _hash
 
+    cpdef Py_ssize_t key_hash(self, ident, group) except? -1
+
     @cython.locals(h=cython.longlong, g=cython.longlong, mask=cython.longlong, p=cython.Py_ssize_t,
                    s=cython.Py_ssize_t, base=cython.Py_ssize_t,
                    table=cython.int[::1], hashes=cython.longlong[::1], groups=cython.ushort[::1])
