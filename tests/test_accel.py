@@ -58,6 +58,8 @@ def test_this_process_runs_the_path_its_environment_asks_for():
         assert set(paths.values()) == {"compiled"}, paths
         assert accel.implementation() == "compiled"
     for name, kind in paths.items():
+        if name not in sys.modules:
+            continue
         origin = sys.modules[name].__file__
         assert origin.endswith(EXTENSIONS) == (kind == "compiled"), (name, origin)
 
