@@ -192,6 +192,7 @@ class Daemon:
 
             metrics_server = await start_metrics_server(self, self.config.metrics)
         self._listen()
+        self._publish(self.clock())  # ready means the arena's counters are this daemon's, not its predecessor's
         self.ready = True
         self.notifier.ready(status=self._status_line())
         log.info("wheeld %s ready on %s (pid %d, %s hot path)", self.config.name, self.config.socket_path, os.getpid(),
