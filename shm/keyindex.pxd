@@ -1,5 +1,14 @@
 # C declarations of shm/keyindex.py for the compiled build (Cython pure Python mode).
 cimport cython
+from libc.string cimport memcmp
+
+cdef bint _COMPILED
+cdef Py_ssize_t _IDENT_BYTES
+
+
+cdef inline bint _key_equal(const unsigned char[::1] keys, Py_ssize_t at, bytes ident):
+    """The record bytes keys[at : at + 33] equal ident (33 bytes, checked by the caller)."""
+    return memcmp(&keys[at], <const char *>ident, 33) == 0
 
 cdef int _EMPTY
 cdef Py_ssize_t _RB, _HW, _GROUP, _KM
@@ -15,6 +24,7 @@ cdef class KeyIndex:
     cdef object _rb
     cdef tuple _views
     cdef unsigned short[::1] _h
+    cdef const unsigned char[::1] _keys
     cdef int[::1] _table, _pos
     cdef long long[::1] _hash
 

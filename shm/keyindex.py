@@ -36,6 +36,10 @@ _WINDOW = 8  # vectorized probing gathers this many cells per key at once
 _WINDOW_STEPS = np.arange(_WINDOW, dtype=np.int64)
 _TAIL_CELLS = 16  # cluster-end search: cells looked at per freed cell before walking
 _RB, _HW, _GROUP, _KM = L.RECORD_BYTES, L.H_PER_RECORD, L.H_GROUP_WORD, L.R_KEY_META
+_IDENT_BYTES = L.KEY_BYTES + 1  # a record's key meta byte and its padded key
+# Compiled (keyindex.pxd), a probe compares a bytes key with memcmp (_key_equal)
+# instead of slicing the record view: the same answer, without two temporary objects.
+_COMPILED = not __file__.endswith(".py")
 
 
 def _signed64(value: int) -> int:
@@ -51,6 +55,7 @@ class KeyIndex:
         n_records = records.size
         raw = records.view(np.uint8)
         self._rb = memoryview(raw)  # record s's key bytes are _rb[s * 64 + 31 : s * 64 + 64]
+        self._keys = self._rb  # the same bytes: a C array in the compiled build (keyindex.pxd)
         h_view = memoryview(records.view(np.uint16))
         self._h = h_view  # record s's group is _h[s * 32 + 14]
         self._idents = np.ndarray(shape=(n_records,), dtype="V33", buffer=raw, offset=_KM, strides=(_RB,))
@@ -77,7 +82,7 @@ class KeyIndex:
     def close(self) -> None:
         """Drop every view of the records (the arena can be unmapped after this)."""
         views = self._views
-        self._h = self._table = self._hash = self._pos = None  # the typed views of the compiled build, first
+        self._h = self._table = self._hash = self._pos = self._keys = None  # the typed views of the compiled build, first
         self._rb = self._idents = self._groups = None
         for view in views:
             view.release()
@@ -104,8 +109,11 @@ class KeyIndex:
             if s == _EMPTY:
                 return -1
             if hashes[s] == h and groups[s * _HW + _GROUP] == g:
-                base = s * _RB
-                if self._rb[base + _KM : base + _RB] == ident:
+                base = s * _RB + _KM
+                if _COMPILED and type(ident) is bytes:
+                    if len(ident) == _IDENT_BYTES and _key_equal(self._keys, base, ident):  # noqa: F821 - keyindex.pxd
+                        return s
+                elif self._rb[base : base + _IDENT_BYTES] == ident:
                     return s
             p = (p + 1) & mask
 

@@ -1,11 +1,19 @@
 # C declarations of shm/wheel.py for the compiled build (Cython pure Python mode): the
 # scalar paths (schedule, cancel, re-arm, advance/expire, release, rearm_fired) in C.
 cimport cython
+from libc.string cimport memcpy
 
 from .keyindex cimport KeyIndex
 from .placement cimport Placement
 
 cdef long long _MAX_DELAY, _GEN_MASK
+cdef bint _COMPILED
+
+
+cdef inline void _put_key(unsigned char[::1] b, Py_ssize_t at, bytes ident):
+    """Copy ident (33 bytes, checked by the caller) into the record bytes b[at : at + 33]."""
+    memcpy(&b[at], <const char *>ident, 33)
+
 cdef int _FREE, _SCHEDULED, _FIRED, _STATE_MASK, _LEVEL_SHIFT
 cdef Py_ssize_t _CUR, _QW, _IW, _HW, _RB, _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP, _ST, _KM, _KEY
 cdef Py_ssize_t _INTENT_SLOT, _INTENT_STATE, _INTENT_TAG, _INTENT_DEADLINE
@@ -16,7 +24,7 @@ cdef Py_ssize_t _C_CASCADES, _C_ACKS, _C_IDLE_REARMS, _C_ARENA_FULL
 @cython.final
 cdef class TimerWheel:
     cdef dict __dict__
-    cdef public object _seg, records, _hq, _rb
+    cdef public object _seg, records, _hq, _rb, max_groups
     cdef public Py_ssize_t first_entry, n_records, due_list, fired_list, _free_top
     cdef public Placement _placement
     cdef public KeyIndex _index

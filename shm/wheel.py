@@ -269,6 +269,11 @@ _INTENT_SLOT, _INTENT_STATE, _INTENT_TAG = L.H_INTENT_SLOT // 4, L.H_INTENT_STAT
 _INTENT_DEADLINE = L.H_INTENT_DEADLINE // 8
 _MAX_DELAY = MAX_DELAY_MS  # the scalar paths' names for these (C constants in the compiled build)
 _GEN_MASK = GENERATION_MASK
+_DEADLINE_HIGH = MAX_CLOCK_MS + MAX_DELAY_MS
+_DEADLINE_LOW = -_DEADLINE_HIGH
+# Compiled (wheel.pxd), a bytes key is copied into its record with memcpy (_put_key)
+# instead of a slice assignment through the record view.
+_COMPILED = not __file__.endswith(".py")
 #: the wheel's own counter words (the daemon writes the rest): the per-level ones are
 #: computed from _pending_by_level, the others kept in TimerWheel._count (by index)
 _LEVEL_COUNTERS = tuple(f"pending_level_{level}" for level in range(L.MAX_LEVELS)) + ("pending_due",)
@@ -660,13 +665,17 @@ class TimerWheel:
         if type(deadline_ms) is not int:
             raise InvalidDelay(f"a deadline is an integer number of ms, not {type(deadline_ms).__name__}")
         cur = self._clock[_CUR]
-        if deadline_ms - cur > _MAX_DELAY or deadline_ms < cur - _MAX_DELAY:
+        # A deadline beyond +-_DEADLINE_HIGH is more than _MAX_DELAY from any clock the wheel
+        # accepts (+-MAX_CLOCK_MS); within it, the value and cur +- _MAX_DELAY fit 64 bits.
+        if not _DEADLINE_LOW <= deadline_ms <= _DEADLINE_HIGH:
+            raise InvalidDelay(f"deadline {deadline_ms} is more than {MAX_DELAY_MS} ms from the clock ({cur})")
+        deadline = deadline_ms  # from here on 64-bit (C integers in the compiled build)
+        if deadline > cur + _MAX_DELAY or deadline < cur - _MAX_DELAY:
             raise InvalidDelay(f"deadline {deadline_ms} is more than {MAX_DELAY_MS} ms from the clock ({cur})")
         if not 0 <= group < self.max_groups:
             raise InvalidRequest(f"group id {group} out of range")
         if not 0 <= tag <= 0xFFFFFFFF or not -(1 << 31) <= aux < (1 << 31):
             raise InvalidRequest("tag is u32, aux is i32")
-        deadline = deadline_ms  # validated: from here on 64-bit (C integers in the compiled build)
         g = group
         t = tag
         a = aux
@@ -691,7 +700,10 @@ class TimerWheel:
         self._h[slot * _HW + _GROUP] = g
         self._q[slot * _QW] = deadline
         base = slot * _RB
-        self._rb[base + _KM : base + _RB] = ident
+        if _COMPILED and type(ident) is bytes:
+            _put_key(self._b, base + _KM, ident)  # noqa: F821 - wheel.pxd: memcpy of the 33 bytes
+        else:
+            self._rb[base + _KM : base + _RB] = ident
         state = self._link(slot, deadline, cur)
         self._b[base + _ST] = state  # commit point: the timer exists from here on
         self._index.add(slot, self._index.key_hash(ident, g))
