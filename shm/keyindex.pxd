@@ -27,6 +27,7 @@ cdef class KeyIndex:
     cdef const unsigned char[::1] _keys
     cdef int[::1] _table, _pos
     cdef long long[::1] _hash
+    cdef const long long[::1] _gmix
 
     cpdef Py_ssize_t key_hash(self, ident, group) except? -1
 

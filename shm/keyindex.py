@@ -21,6 +21,8 @@ once (:meth:`KeyIndex.remove_many`).
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 
 from wheeld.protocol import arena_layout as L
@@ -78,6 +80,7 @@ class KeyIndex:
         self.used = 0  # occupied cells (= scheduled timers)
         self.gmix = [_signed64(g * _GROUP_MIX) for g in range(max_groups)]
         self._gmix_np = np.array(self.gmix, dtype=np.int64)
+        self._gmix = memoryview(array("q", self.gmix))  # the same values: a C array for the scalar paths
 
     def close(self) -> None:
         """Drop every view of the records (the arena can be unmapped after this)."""
@@ -90,7 +93,7 @@ class KeyIndex:
     # ------------------------------------------------------------------ hashing
     def key_hash(self, ident: bytes, group: int) -> int:
         """The hash of (group, ident): ``hash(ident) ^ mix(group)``."""
-        return hash(ident) ^ self.gmix[group]
+        return hash(ident) ^ self._gmix[group]
 
     def key_hashes(self, idents: list[bytes], groups: np.ndarray) -> np.ndarray:
         """:meth:`key_hash` of every item, as an int64 array."""
@@ -100,7 +103,7 @@ class KeyIndex:
     # ------------------------------------------------------------------ one key
     def find(self, ident: bytes, group: int) -> int:
         """Slot of the indexed record with key (group, ident), or -1."""
-        h = hash(ident) ^ self.gmix[group]  # key_hash, written out: the scalar hot path
+        h = hash(ident) ^ self._gmix[group]  # key_hash, written out: the scalar hot path
         g = group
         table, hashes, groups, mask = self._table, self._hash, self._h, self.mask
         p = h & mask

@@ -28,7 +28,8 @@ cdef class TimerWheel:
     cdef public Py_ssize_t first_entry, n_records, due_list, fired_list, _free_top
     cdef public Placement _placement
     cdef public KeyIndex _index
-    cdef public list _heap, _queued, _pending_by_level, _group_live
+    cdef public list _heap, _queued
+    cdef public long long[::1] _pending_by_level, _group_live
     # the arena's words and bytes, and the free stack, as C arrays
     cdef long long[::1] _clock, _q, _count
     cdef int[::1] _hi, _i, _free_stack
@@ -67,7 +68,7 @@ cdef class TimerWheel:
                    s=cython.Py_ssize_t)
     cdef list _collect(self, now_ms)
 
-    @cython.locals(slots=list, now=cython.longlong, q=cython.longlong[::1], b=cython.uchar[::1], by_level=list,
+    @cython.locals(slots=list, now=cython.longlong, q=cython.longlong[::1], b=cython.uchar[::1], by_level=cython.longlong[::1],
                    cur=cython.longlong, fired=cython.Py_ssize_t, cascaded=cython.Py_ssize_t, s=cython.Py_ssize_t,
                    deadline=cython.longlong, state=cython.int, c=cython.longlong[::1])
     cdef Py_ssize_t _sweep(self, now_ms, bint to_fired, list out) except -1

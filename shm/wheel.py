@@ -301,6 +301,11 @@ def _default_levels(tick_ms: int, wheel_size: int) -> int:
     return levels
 
 
+def _int64_counts(counts: list[int]) -> memoryview:
+    """Counts as a writable view of int64 words."""
+    return memoryview(array("q", counts))
+
+
 def _check_clock(now_ms) -> None:
     """A clock a caller moves the wheel to: an int within +-MAX_CLOCK_MS, or InvalidDelay."""
     if type(now_ms) is not int:
@@ -422,13 +427,13 @@ class TimerWheel:
         self._free_view = memoryview(self._free_np)
         self._free_stack = self._free_view
         self._free_top = 0
-        # Live records (SCHEDULED or FIRED) per group id: derived state of this process,
-        # like the key index, recounted from the records on attach. A list: the scalar
-        # paths add to one item (cheaper than through a memoryview of an array).
-        self._group_live = [0] * self.max_groups
+        # Live records (SCHEDULED or FIRED) per group id, and scheduled ones per level:
+        # derived state of this process, like the key index, recounted from the records
+        # on attach. Views of int64 arrays: C arrays for the scalar paths when compiled.
+        self._group_live = _int64_counts([0] * self.max_groups)
         self._heap: list[tuple[int, int]] = []
         self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
-        self._pending_by_level = [0] * _LEVEL_SLOTS
+        self._pending_by_level = _int64_counts([0] * _LEVEL_SLOTS)
         self._count_array = array("q", bytes(8 * len(_OWN_COUNTERS)))  # _OWN_COUNTERS, in order
         self._count = memoryview(self._count_array)
         self._closed = False
@@ -764,6 +769,8 @@ class TimerWheel:
         return self.cancel_ident(ident, group)
 
     def cancel_ident(self, ident: bytes, group: int = 0) -> bool:
+        if not 0 <= group < self.max_groups:
+            raise InvalidRequest(f"group id {group} out of range")
         slot = self._index.find(ident, group)
         if slot < 0:
             self._count[_C_CANCEL_MISSES] += 1
@@ -805,6 +812,8 @@ class TimerWheel:
 
     def lookup_ident(self, ident: bytes, group: int = 0) -> int | None:
         """:meth:`lookup` for an encoded key (meta byte + key bytes)."""
+        if not 0 <= group < self.max_groups:
+            raise InvalidRequest(f"group id {group} out of range")
         slot = self._index.find(ident, group)
         return None if slot < 0 else self._q[slot * _QW]
 
@@ -1643,10 +1652,10 @@ class TimerWheel:
         states = self.records["state"][self.first_entry :]
         low = states & _STATE_MASK
         levels = (states[low == _SCHEDULED] >> _LEVEL_SHIFT).astype(np.int64)
-        self._pending_by_level = np.bincount(levels, minlength=_LEVEL_SLOTS).tolist()
+        self._pending_by_level = _int64_counts(np.bincount(levels, minlength=_LEVEL_SLOTS).tolist())
         live = low != _FREE
-        self._group_live = np.bincount(self.records["group"][self.first_entry :][live],
-                                       minlength=self.max_groups).tolist()
+        self._group_live = _int64_counts(np.bincount(self.records["group"][self.first_entry :][live],
+                                                     minlength=self.max_groups).tolist())
         c = self._count
         c[_C_PENDING] = int(levels.size)
         c[_C_FIRED_UNACKED] = int(np.count_nonzero(low == _FIRED))
