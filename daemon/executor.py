@@ -1,7 +1,7 @@
 """The executor: client commands drained from the rings, applied to the wheel.
 
 Each ring is drained a chunk at a time (:meth:`Executor.drain`). A chunk of at
-least ``BATCH_MIN`` valid records is planned (:func:`wheeld.daemon.planner.plan_batch`)
+least ``BATCH_MIN`` valid records (Python path only, see below) is planned (:func:`wheeld.daemon.planner.plan_batch`)
 and the plan applied: one ``cancel_many``, one ``release_many`` for its ACKs, one
 ``schedule_many``. A smaller chunk, or one of a group near its ``--group-quota``,
 is applied record by record in ring order (:meth:`Executor.apply_in_order`), the
@@ -26,6 +26,7 @@ from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import commands as C
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ArenaFull, InvalidRequest, ProtocolError
+from wheeld.shm import wheel as _wheel_module
 from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
 
 from .planner import CommandLog, Plan, plan_batch, rejection
@@ -35,10 +36,14 @@ log = logging.getLogger("wheeld")
 _META = [bytes((m,)) for m in range(256)]
 DRAIN_BATCH = 8192  # commands taken from one ring per loop iteration
 APPLY_CHUNK = 4096  # applied, then committed, at a time
-# Smaller drained chunks are cheaper one command at a time: a plan costs ~300 us fixed
-# + ~1.2 us/command, one by one ~3.5-4 us/command (crossover ~130-190, measured by
-# python -m bench.daemon_paths). At 64 the paced steady phase paid ~7 us per command.
-BATCH_MIN = 192
+# On the Python path smaller drained chunks are cheaper one command at a time: a plan
+# costs ~300 us fixed + ~1.2 us/command, one by one ~3.5-4 us/command (crossover
+# ~130-190, measured by python -m bench.daemon_paths). At 64 the paced steady phase
+# paid ~7 us per command. With the compiled wheel the scalar calls win at every size
+# measured (32-8192 commands: ~1.0-1.3 us per command in order, 1.5-4.5 planned), so
+# there every chunk is applied in order (BATCH_MIN None).
+PLAN_BATCH_MIN = 192
+BATCH_MIN = PLAN_BATCH_MIN if _wheel_module.__file__.endswith(".py") else None
 _ADD, _ADD_IDLE, _CANCEL, _ACK = C.ADD, C.ADD_IDLE, C.CANCEL, C.ACK
 
 
@@ -136,7 +141,7 @@ class Executor:
         if self.recorder is not None:
             self.recorder.begin()
         quota = self.group_quota
-        if len(records) >= BATCH_MIN and not (quota and self.wheel.group_live(cs.group) + len(records) > quota):
+        if BATCH_MIN is not None and len(records) >= BATCH_MIN and not (quota and self.wheel.group_live(cs.group) + len(records) > quota):
             return self.apply_plan(cs, self.plan(cs, records), records)
         return self.apply_in_order(cs, records)
 

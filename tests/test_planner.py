@@ -223,11 +223,14 @@ def test_a_plan_is_journaled_as_applying_in_ring_order_journals_it(drawn):
     assert all(msgspec.json.decode(line)["ev"] in {"add", "rearm", "cancel", "ack"} for line in lines[0].splitlines())
 
 
-def test_random_chunks_through_apply_choose_either_path_and_agree():
+def test_random_chunks_through_apply_choose_either_path_and_agree(monkeypatch):
     """``Executor.apply`` (the drain's entry: a plan from BATCH_MIN records, else in order)
-    against in-order application, on chunks of every size around the threshold."""
-    from wheeld.daemon.executor import BATCH_MIN
+    against in-order application, on chunks of every size around the threshold (the
+    Python path's threshold, set here on both paths: compiled, the daemon never plans)."""
+    from wheeld.daemon import executor as executor_module
 
+    BATCH_MIN = executor_module.PLAN_BATCH_MIN
+    monkeypatch.setattr(executor_module, "BATCH_MIN", BATCH_MIN)
     rng = random.Random(11)
     ((a, cs_a), (b, cs_b)), fired, gens = _two_executors()
     for size in [1, 5, BATCH_MIN - 1, BATCH_MIN, BATCH_MIN + 1, 500, 2000]:
