@@ -44,7 +44,9 @@ APPLY_CHUNK = 4096  # applied, then committed, at a time
 # there every chunk is applied in order (BATCH_MIN None).
 PLAN_BATCH_MIN = 192
 BATCH_MIN = PLAN_BATCH_MIN if _wheel_module.__file__.endswith(".py") else None
-_ADD, _ADD_IDLE, _CANCEL, _ACK = C.ADD, C.ADD_IDLE, C.CANCEL, C.ACK
+_ADD, _ADD_IDLE, _CANCEL, _ACK, _FLUSH = C.ADD, C.ADD_IDLE, C.CANCEL, C.ACK, C.FLUSH
+# Compiled (executor.pxd), the in-order loop reads the records through C arrays.
+_COMPILED = not __file__.endswith(".py")
 
 
 class Executor:
@@ -195,46 +197,7 @@ class Executor:
     # ------------------------------------------------------------------ in ring order
     def apply_in_order(self, cs, records: np.ndarray) -> tuple[list, list]:
         """Apply records one at a time in ring order; return (FLUSH seqs, rejections)."""
-        wheel, gid, quota, recorder = self.wheel, cs.group, self.group_quota, self.recorder
-        schedule, cancel = wheel.schedule_ident, wheel.cancel_ident
-        touch_base = cs.slot << CL.TOUCH_INDEX_BITS
-        ops, metas, deadlines, seqs, aux0, aux1 = (records[f].tolist() for f in (
-            "op", "key_meta", "deadline_ms", "seq", "aux0", "aux1"))
-        keys = np.ascontiguousarray(records["key"]).view("V32").ravel().tolist()
-        command_log = self._in_order_log(gid, ops, metas, keys) if recorder is not None else None
-        flushes, rejects = [], []
-        for i in range(len(ops)):
-            op = ops[i]
-            try:
-                if op == _ADD:  # the commonest first
-                    if quota and self._over_quota(cs, _META[metas[i]] + keys[i]):
-                        rejects.append(self._quota_rejection(cs, seqs[i], keys[i], metas[i]))
-                        continue
-                    schedule(_META[metas[i]] + keys[i], deadlines[i], gid, seqs[i])
-                elif op == _CANCEL:
-                    cancel(_META[metas[i]] + keys[i], gid)
-                elif op == _ACK:
-                    self.release_one(cs, aux0[i], aux1[i], seqs[i])
-                    continue
-                elif op == _ADD_IDLE:
-                    if quota and self._over_quota(cs, _META[metas[i]] + keys[i]):
-                        rejects.append(self._quota_rejection(cs, seqs[i], keys[i], metas[i]))
-                        continue
-                    schedule(_META[metas[i]] + keys[i], deadlines[i], gid, seqs[i], touch_base | aux1[i])
-                else:  # FLUSH (validated records hold no other op)
-                    flushes.append(seqs[i])
-                    continue
-            except ArenaFull as exc:
-                rejects.append(rejection(seqs[i], keys[i], metas[i], str(exc), M.Rejected.ARENA_FULL))
-                continue
-            except InvalidRequest as exc:
-                rejects.append(rejection(seqs[i], keys[i], metas[i], str(exc), M.Rejected.INVALID_DEADLINE))
-                continue
-            if command_log is not None:
-                _log_command(command_log, _META[metas[i]] + keys[i], op, deadlines[i], seqs[i], aux0[i])
-        if command_log is not None and command_log.idents:
-            recorder.commands(gid, command_log)
-        return flushes, rejects
+        return _in_order(self, cs, records)
 
     def _over_quota(self, cs, ident: bytes) -> bool:
         """An arm that needs a new record in a group at its ``--group-quota``."""
@@ -245,8 +208,9 @@ class Executor:
         return rejection(seq, raw_key, meta, f"group {cs.group_name!r} holds its quota of {self.group_quota} timers",
                          M.Rejected.QUOTA_EXCEEDED)
 
-    def _in_order_log(self, gid: int, ops: list, metas: list, keys: list) -> CommandLog:
+    def _in_order_log(self, gid: int, records: np.ndarray) -> CommandLog:
         """An empty log of the keyed commands to come, with the deadlines their keys have now."""
+        ops, metas, keys = records["op"].tolist(), records["key_meta"].tolist(), _keys(records)
         distinct = list(dict.fromkeys(_META[meta] + key for op, meta, key in zip(ops, metas, keys)
                                       if op == C.ADD or op == C.ADD_IDLE or op == C.CANCEL))
         previous = dict(zip(distinct, self.recorder.previous_deadlines(gid, distinct)))
@@ -318,6 +282,71 @@ class Executor:
             for info, ok in zip(fired, released.tolist()):
                 if ok and info is not None:
                     recorder.acked(info[2], info[0], info[3])
+
+
+def _keys(records: np.ndarray) -> list[bytes]:
+    """Each record's 32-byte key field."""
+    return np.ascontiguousarray(records["key"]).view("V32").ravel().tolist()
+
+
+def _in_order(executor: Executor, cs, records: np.ndarray) -> tuple[list, list]:
+    """:meth:`Executor.apply_in_order`, a function so that executor.pxd can give its loop C types.
+
+    Compiled, the fields are read through C arrays over the records and each key's
+    33-byte ident (meta byte + key) is built from the record's bytes (``_ident_at``,
+    executor.pxd), and the wheel's methods are called as C functions. On the Python
+    path the fields are lists and the ident a concatenation. Either way the same
+    branches run in the same order.
+    """
+    wheel, gid, quota, recorder = executor.wheel, cs.group, executor.group_quota, executor.recorder
+    touch_base = cs.slot << CL.TOUCH_INDEX_BITS
+    n = len(records)
+    if _COMPILED:
+        raw = np.ascontiguousarray(records).view(np.uint8).reshape(n, C.RECORD_SIZE)
+        ops, metas, deadlines = records["op"], records["key_meta"], records["deadline_ms"]
+        seqs, aux0, aux1 = records["seq"], records["aux0"], records["aux1"]
+    else:
+        ops, metas, deadlines = records["op"].tolist(), records["key_meta"].tolist(), records["deadline_ms"].tolist()
+        seqs, aux0, aux1 = records["seq"].tolist(), records["aux0"].tolist(), records["aux1"].tolist()
+        keys = _keys(records)
+    command_log = executor._in_order_log(gid, records) if recorder is not None else None
+    flushes, rejects = [], []
+    for i in range(n):
+        op = ops[i]
+        if op == _FLUSH:
+            flushes.append(seqs[i])
+            continue
+        try:
+            if op == _ACK:
+                executor.release_one(cs, aux0[i], aux1[i], seqs[i])
+                continue
+            # a keyed command: ADD, ADD_IDLE or CANCEL (validated records hold no other op)
+            ident = _ident_at(raw, i) if _COMPILED else _META[metas[i]] + keys[i]  # noqa: F821 - executor.pxd
+            if op == _CANCEL:
+                wheel.cancel_ident(ident, gid)
+            elif quota and executor._over_quota(cs, ident):
+                rejects.append(executor._quota_rejection(cs, seqs[i], _key_at(records, i), metas[i]))
+                continue
+            elif op == _ADD:
+                wheel.schedule_ident(ident, deadlines[i], gid, seqs[i])
+            else:
+                wheel.schedule_ident(ident, deadlines[i], gid, seqs[i], touch_base | aux1[i])
+        except ArenaFull as exc:
+            rejects.append(rejection(seqs[i], _key_at(records, i), metas[i], str(exc), M.Rejected.ARENA_FULL))
+            continue
+        except InvalidRequest as exc:
+            rejects.append(rejection(seqs[i], _key_at(records, i), metas[i], str(exc), M.Rejected.INVALID_DEADLINE))
+            continue
+        if command_log is not None:
+            _log_command(command_log, ident, op, deadlines[i], seqs[i], aux0[i])
+    if command_log is not None and command_log.idents:
+        recorder.commands(gid, command_log)
+    return flushes, rejects
+
+
+def _key_at(records: np.ndarray, i: int) -> bytes:
+    """Record i's 32-byte key field (for a rejection)."""
+    return records["key"][i].tobytes()
 
 
 def _log_command(command_log: CommandLog, ident: bytes, op: int, deadline: int, seq: int, idle_ms: int) -> None:

@@ -39,6 +39,7 @@ COMPILED_MODULES = {
     "wheeld.shm.placement": "shm/placement.py",
     "wheeld.shm.keyindex": "shm/keyindex.py",
     "wheeld.shm.wheel": "shm/wheel.py",
+    "wheeld.daemon.executor": "daemon/executor.py",
     "wheeld.shm.ring": "shm/ring.py",
     "wheeld.core": "client/core.py",
 }
