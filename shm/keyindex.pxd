@@ -32,13 +32,11 @@ cdef class KeyIndex:
     cpdef Py_ssize_t key_hash(self, ident, group) except? -1
 
     @cython.locals(h=cython.longlong, g=cython.longlong, mask=cython.longlong, p=cython.Py_ssize_t,
-                   s=cython.Py_ssize_t, base=cython.Py_ssize_t,
-                   table=cython.int[::1], hashes=cython.longlong[::1], groups=cython.ushort[::1])
+                   s=cython.Py_ssize_t, base=cython.Py_ssize_t)
     cpdef Py_ssize_t find(self, ident, group) except? -2
 
-    @cython.locals(mask=cython.longlong, p=cython.Py_ssize_t, table=cython.int[::1])
+    @cython.locals(mask=cython.longlong, p=cython.Py_ssize_t)
     cpdef add(self, Py_ssize_t slot, long long h)
 
-    @cython.locals(mask=cython.longlong, p=cython.Py_ssize_t, q=cython.Py_ssize_t, s=cython.Py_ssize_t,
-                   table=cython.int[::1], hashes=cython.longlong[::1], pos=cython.int[::1])
+    @cython.locals(mask=cython.longlong, p=cython.Py_ssize_t, q=cython.Py_ssize_t, s=cython.Py_ssize_t)
     cpdef remove(self, Py_ssize_t slot)

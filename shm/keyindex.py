@@ -105,13 +105,13 @@ class KeyIndex:
         """Slot of the indexed record with key (group, ident), or -1."""
         h = hash(ident) ^ self._gmix[group]  # key_hash, written out: the scalar hot path
         g = group
-        table, hashes, groups, mask = self._table, self._hash, self._h, self.mask
+        mask = self.mask
         p = h & mask
-        while True:
-            s = table[p]
+        while True:  # the views through self: a compiled local copy of one costs two atomic updates
+            s = self._table[p]
             if s == _EMPTY:
                 return -1
-            if hashes[s] == h and groups[s * _HW + _GROUP] == g:
+            if self._hash[s] == h and self._h[s * _HW + _GROUP] == g:
                 base = s * _RB + _KM
                 if _COMPILED and type(ident) is bytes:
                     if len(ident) == _IDENT_BYTES and _key_equal(self._keys, base, ident):  # noqa: F821 - keyindex.pxd
@@ -122,12 +122,12 @@ class KeyIndex:
 
     def add(self, slot: int, h: int) -> None:
         """Index ``slot`` (whose key is absent) under hash ``h``."""
-        table, mask = self._table, self.mask
+        mask = self.mask
         p = h & mask
-        while table[p] >= 0:
+        while self._table[p] >= 0:
             p = (p + 1) & mask
         self.used += 1
-        table[p] = slot
+        self._table[p] = slot
         self._hash[slot] = h
         self._pos[slot] = p
 
@@ -137,20 +137,20 @@ class KeyIndex:
         A key at cell q (home cell h) may fill the hole p if p lies on its probe
         path h..q; then the hole moves to q. Ends at an empty cell.
         """
-        table, hashes, pos, mask = self._table, self._hash, self._pos, self.mask
-        p = pos[slot]
-        pos[slot] = -1
+        mask = self.mask
+        p = self._pos[slot]
+        self._pos[slot] = -1
         q = p
         while True:
             q = (q + 1) & mask
-            s = table[q]
+            s = self._table[q]
             if s == _EMPTY:
                 break
-            if (q - hashes[s]) & mask >= (q - p) & mask:
-                table[p] = s
-                pos[s] = p
+            if (q - self._hash[s]) & mask >= (q - p) & mask:
+                self._table[p] = s
+                self._pos[s] = p
                 p = q
-        table[p] = _EMPTY
+        self._table[p] = _EMPTY
         self.used -= 1
 
     # ------------------------------------------------------------------ batches

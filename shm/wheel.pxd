@@ -37,29 +37,27 @@ cdef class TimerWheel:
     cdef unsigned short[::1] _h
     cdef unsigned char[::1] _b
 
-    @cython.locals(i=cython.int[::1], b=cython.Py_ssize_t, expiration=cython.longlong, level=cython.longlong,
+    @cython.locals(b=cython.Py_ssize_t, expiration=cython.longlong, level=cython.longlong,
                    bp=cython.Py_ssize_t, tail=cython.Py_ssize_t, sp=cython.Py_ssize_t)
     cdef int _link(self, Py_ssize_t slot, long long deadline, long long cur) except -1
 
-    @cython.locals(i=cython.int[::1], sp=cython.Py_ssize_t, prev=cython.Py_ssize_t, nxt=cython.Py_ssize_t)
+    @cython.locals(sp=cython.Py_ssize_t, prev=cython.Py_ssize_t, nxt=cython.Py_ssize_t)
     cdef void _unlink(self, Py_ssize_t slot)
 
     @cython.locals(cur=cython.longlong, deadline=cython.longlong, g=cython.Py_ssize_t, t=cython.longlong,
-                   a=cython.longlong, slot=cython.Py_ssize_t, top=cython.Py_ssize_t, u=cython.uint[::1],
-                   sp=cython.Py_ssize_t, gen=cython.longlong, base=cython.Py_ssize_t, state=cython.int,
-                   c=cython.longlong[::1])
+                   a=cython.longlong, slot=cython.Py_ssize_t, top=cython.Py_ssize_t,
+                   sp=cython.Py_ssize_t, gen=cython.longlong, base=cython.Py_ssize_t, state=cython.int)
     cpdef tuple schedule_ident(self, ident, deadline_ms, group=*, tag=*, aux=*)
 
     @cython.locals(old_state=cython.int, new_state=cython.int)
     cdef void _rearm(self, Py_ssize_t slot, long long deadline_ms, long long tag, long long cur)
 
-    @cython.locals(hi=cython.int[::1])
     cdef void _apply_with_intent(self, Py_ssize_t slot, int state, long long deadline_ms, long long tag)
 
     @cython.locals(slot=cython.Py_ssize_t)
     cpdef bint cancel_ident(self, ident, group=*) except -1
 
-    @cython.locals(b=cython.uchar[::1], state=cython.int)
+    @cython.locals(state=cython.int)
     cdef void _remove_scheduled(self, Py_ssize_t slot, Py_ssize_t group)
 
     cdef void _free(self, Py_ssize_t slot)
@@ -76,7 +74,7 @@ cdef class TimerWheel:
     @cython.locals(base=cython.Py_ssize_t, meta=cython.int)
     cdef void _fire_free(self, Py_ssize_t s, list out)
 
-    @cython.locals(i=cython.int[::1], fl=cython.Py_ssize_t, flp=cython.Py_ssize_t, tail=cython.Py_ssize_t)
+    @cython.locals(fl=cython.Py_ssize_t, flp=cython.Py_ssize_t, tail=cython.Py_ssize_t)
     cdef void _fire(self, Py_ssize_t s, list out)
 
     @cython.locals(out=list)

@@ -629,31 +629,32 @@ class TimerWheel:
 
     # ------------------------------------------------------------------ links
     def _link(self, slot: int, deadline: int, cur: int) -> int:
-        """Link a record into the bucket for its deadline; return the state byte to store."""
-        i = self._i
+        """Link a record into the bucket for its deadline; return the state byte to store.
+
+        The scalar paths index the views through ``self`` rather than local names: a
+        compiled local copy of a view costs two atomic reference-count updates."""
         b, expiration, level = self._placement.place(deadline, cur)
         bp = b * _IW
-        tail = i[bp + _PREV]
+        tail = self._i[bp + _PREV]
         if tail == b:  # bucket was empty: (re)set its expiration and queue it
             self._q[b * _QW] = expiration
             if self._queued[b] != expiration:
                 self._queued[b] = expiration
                 heapq.heappush(self._heap, (expiration, b))
         sp = slot * _IW
-        i[sp + _PREV] = tail
-        i[sp + _NEXT] = b
-        i[tail * _IW + _NEXT] = slot
-        i[bp + _PREV] = slot
+        self._i[sp + _PREV] = tail
+        self._i[sp + _NEXT] = b
+        self._i[tail * _IW + _NEXT] = slot
+        self._i[bp + _PREV] = slot
         self._pending_by_level[level] += 1
         return (level << _LEVEL_SHIFT) | _SCHEDULED
 
     def _unlink(self, slot: int) -> None:
-        i = self._i
         sp = slot * _IW
-        prev = i[sp + _PREV]
-        nxt = i[sp + _NEXT]
-        i[prev * _IW + _NEXT] = nxt
-        i[nxt * _IW + _PREV] = prev
+        prev = self._i[sp + _PREV]
+        nxt = self._i[sp + _NEXT]
+        self._i[prev * _IW + _NEXT] = nxt
+        self._i[nxt * _IW + _PREV] = prev
 
     # ------------------------------------------------------------------ operations
     def schedule(self, key, deadline_ms: int, group: int = 0, tag: int = 0, aux: int = -1) -> tuple[int, int]:
@@ -696,11 +697,10 @@ class TimerWheel:
             raise InvalidKey("malformed encoded key")
         slot = self._free_stack[top - 1]
         self._free_top = top - 1
-        u = self._u
         sp = slot * _IW
-        gen = (u[sp + _GEN] + 1) & _GEN_MASK
-        u[sp + _GEN] = gen
-        u[sp + _TAG] = t
+        gen = (self._u[sp + _GEN] + 1) & _GEN_MASK
+        self._u[sp + _GEN] = gen
+        self._u[sp + _TAG] = t
         self._i[sp + _AUX] = a
         self._h[slot * _HW + _GROUP] = g
         self._q[slot * _QW] = deadline
@@ -713,9 +713,8 @@ class TimerWheel:
         self._b[base + _ST] = state  # commit point: the timer exists from here on
         self._index.add(slot, self._index.key_hash(ident, g))
         self._group_live[g] += 1
-        c = self._count
-        c[_C_PENDING] += 1
-        c[_C_ADDS] += 1
+        self._count[_C_PENDING] += 1
+        self._count[_C_ADDS] += 1
         return slot, gen
 
     def _rearm(self, slot: int, deadline_ms: int, tag: int, cur: int) -> None:
@@ -728,15 +727,14 @@ class TimerWheel:
         self._count[_C_REARMS] += 1
 
     def _apply_with_intent(self, slot: int, state: int, deadline_ms: int, tag: int) -> None:
-        hi = self._hi
-        hi[_INTENT_STATE] = state
+        self._hi[_INTENT_STATE] = state
         self._clock[_INTENT_DEADLINE] = deadline_ms
         self._hu[_INTENT_TAG] = tag  # the arena's words are little-endian, as this host's
-        hi[_INTENT_SLOT] = slot  # commit the intent
+        self._hi[_INTENT_SLOT] = slot  # commit the intent
         self._q[slot * _QW] = deadline_ms
         self._u[slot * _IW + _TAG] = tag
         self._b[slot * _RB + _ST] = state
-        hi[_INTENT_SLOT] = -1  # done
+        self._hi[_INTENT_SLOT] = -1  # done
 
     def _replay_intent(self) -> bool:
         count = self._hi[L.H_INTENT_COUNT // 4]
@@ -791,10 +789,9 @@ class TimerWheel:
         return True
 
     def _remove_scheduled(self, slot: int, group: int) -> None:
-        b = self._b
-        state = b[slot * _RB + _ST]
+        state = self._b[slot * _RB + _ST]
         self._unlink(slot)
-        b[slot * _RB + _ST] = _FREE  # commit point
+        self._b[slot * _RB + _ST] = _FREE  # commit point
         self._pending_by_level[state >> _LEVEL_SHIFT] -= 1
         self._index.remove(slot)
         self._free(slot)
@@ -908,15 +905,14 @@ class TimerWheel:
 
     def _fire(self, s: int, out: list) -> None:
         """A due timer of :meth:`expire`: to the tail of the fired list, FIRED; its slot to ``out``."""
-        i = self._i
         self._index.remove(s)
         fl = self.fired_list
         flp = fl * _IW
-        tail = i[flp + _PREV]
-        i[s * _IW + _PREV] = tail
-        i[s * _IW + _NEXT] = fl
-        i[tail * _IW + _NEXT] = s
-        i[flp + _PREV] = s
+        tail = self._i[flp + _PREV]
+        self._i[s * _IW + _PREV] = tail
+        self._i[s * _IW + _NEXT] = fl
+        self._i[tail * _IW + _NEXT] = s
+        self._i[flp + _PREV] = s
         self._b[s * _RB + _ST] = _FIRED
         out.append(s)
 
