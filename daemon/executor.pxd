@@ -10,6 +10,50 @@ from wheeld.shm.wheel cimport TimerWheel
 
 cdef extern from "Python.h":
     Py_hash_t _Py_HashBytes(const void *src, Py_ssize_t length)  # hash() of a bytes object
+    object PyUnicode_DecodeUTF8(const char *s, Py_ssize_t size, const char *errors)
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    /* zlib's crc32 (reflected polynomial 0xEDB88320), eight bytes per step ("slicing by 8") */
+    static uint32_t wheeld_crc_table[8][256];
+    static int wheeld_crc_ready = 0;
+    static void wheeld_crc_init(void) {
+        uint32_t c;
+        int n, k;
+        if (wheeld_crc_ready) return;
+        for (n = 0; n < 256; n++) {
+            c = (uint32_t)n;
+            for (k = 0; k < 8; k++) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+            wheeld_crc_table[0][n] = c;
+        }
+        for (n = 0; n < 256; n++)
+            for (k = 1; k < 8; k++)
+                wheeld_crc_table[k][n] = (wheeld_crc_table[k - 1][n] >> 8) ^ wheeld_crc_table[0][wheeld_crc_table[k - 1][n] & 0xFF];
+        wheeld_crc_ready = 1;
+    }
+    /* zlib.crc32(data, crc) for len bytes at p (wheeld_crc_init first; little-endian host) */
+    static inline uint32_t wheeld_crc32(uint32_t crc, const unsigned char *p, size_t len) {
+        uint32_t one, two;
+        crc = ~crc;
+        while (len >= 8) {
+            memcpy(&one, p, 4);
+            memcpy(&two, p + 4, 4);
+            one ^= crc;
+            crc = wheeld_crc_table[7][one & 0xFF] ^ wheeld_crc_table[6][(one >> 8) & 0xFF]
+                ^ wheeld_crc_table[5][(one >> 16) & 0xFF] ^ wheeld_crc_table[4][one >> 24]
+                ^ wheeld_crc_table[3][two & 0xFF] ^ wheeld_crc_table[2][(two >> 8) & 0xFF]
+                ^ wheeld_crc_table[1][(two >> 16) & 0xFF] ^ wheeld_crc_table[0][two >> 24];
+            p += 8;
+            len -= 8;
+        }
+        while (len--) crc = wheeld_crc_table[0][(crc ^ *p++) & 0xFF] ^ (crc >> 8);
+        return ~crc;
+    }
+    """
+    void _crc_init "wheeld_crc_init" () nogil
+    unsigned int _crc32 "wheeld_crc32" (unsigned int crc, const unsigned char *p, size_t length) nogil
 
 cdef extern from *:
     """
@@ -80,3 +124,68 @@ cdef inline void _prefetch(TimerWheel wheel, const long long[::1] hashes, Py_ssi
 cdef inline void _prefetch_neighbour(TimerWheel wheel, Py_ssize_t s, Py_ssize_t records) noexcept:
     if 0 <= s < records:
         _prefetch_line(&wheel._i[s * _IW])
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef inline int _check_records(const unsigned char[:, ::1] raw, unsigned char[::1] valid,
+                               const unsigned char[::1] meta_valid, const unsigned char[::1] meta_length,
+                               const unsigned char[::1] meta_str, long long touch_limit) except -1:
+    """valid[i] = 1 where record i is a well-formed command: the rules of
+    wheeld.protocol.commands._validate_each, field by field (little-endian host)."""
+    cdef Py_ssize_t i, k, length
+    cdef const unsigned char *r
+    cdef unsigned char op, meta, high
+    cdef unsigned short reserved
+    cdef long long deadline
+    cdef int aux0, aux1
+    cdef unsigned int check, pad
+    _crc_init()
+    for i in range(raw.shape[0]):
+        r = &raw[i, 0]
+        op = r[0]
+        meta = r[1]
+        memcpy(&reserved, r + 2, 2)
+        memcpy(&deadline, r + 8, 8)
+        memcpy(&aux0, r + 16, 4)
+        memcpy(&aux1, r + 20, 4)
+        memcpy(&check, r + 24, 4)
+        memcpy(&pad, r + 28, 4)
+        if reserved or pad:
+            continue
+        if op == _ADD or op == _ADD_IDLE or op == _CANCEL:
+            if not meta_valid[meta]:
+                continue
+            length = meta_length[meta]
+        elif op == _ACK or op == _FLUSH:
+            if meta:
+                continue
+            length = 0
+        else:
+            continue
+        high = 0
+        for k in range(length, 32):
+            high |= r[32 + k]
+        if high:  # a byte past the key's length
+            continue
+        if (op == _ADD or op == _CANCEL or op == _FLUSH) and (aux0 or aux1):
+            continue
+        if (op == _CANCEL or op == _ACK or op == _FLUSH) and deadline:
+            continue
+        if op == _ADD_IDLE and not (aux0 > 0 and aux1 >= 0 and aux1 < touch_limit):
+            continue
+        if op == _ACK and aux0 < 0:
+            continue
+        if _crc32(_crc32(0, r, 24), r + 32, 32) != check:  # zlib.crc32(key, zlib.crc32(head))
+            continue
+        if length and meta_str[meta]:
+            high = 0
+            for k in range(length):
+                high |= r[32 + k]
+            if high & 0x80:  # not ASCII: must decode as UTF-8, as bytes.decode("utf-8") would
+                try:
+                    PyUnicode_DecodeUTF8(<const char *>(r + 32), length, "strict")
+                except UnicodeDecodeError:
+                    continue
+        valid[i] = 1
+    return 0

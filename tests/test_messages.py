@@ -29,7 +29,8 @@ from wheeld.protocol.commands import (
     validate_records,
 )
 from wheeld.protocol.errors import BrokenPeer, InvalidKey, InvalidRequest, ProtocolError
-from wheeld.protocol.keys import encode_key
+from wheeld.daemon.executor import valid_records
+from wheeld.protocol.keys import TYPE_STR, encode_key, key_meta_of
 from wheeld.protocol.messages import (
     PROTOCOL_VERSION,
     Applied,
@@ -219,7 +220,8 @@ def test_bit_flips_in_a_valid_batch_are_caught(seed, count, flips):
     touch_capacity=st.one_of(st.none(), st.integers(0, 8)),
 )
 def test_small_and_large_batch_validators_agree(picks, mutations, random_records, touch_capacity):
-    """The per-record path (small batches) and the numpy path (large ones) apply the same rules."""
+    """The per-record path (small batches) and the numpy path (large ones) apply the same rules,
+    and so does the daemon's check of a drained chunk (one C pass when compiled)."""
     valid_batch = bytes(_valid_batch())
     buffer = bytearray(b"".join(valid_batch[pick * RECORD_SIZE : (pick + 1) * RECORD_SIZE] for pick in picks))
     for position, value, fix_check in mutations:
@@ -231,6 +233,23 @@ def test_small_and_large_batch_validators_agree(picks, mutations, random_records
     small = commands._validate_each(records, touch_capacity)
     large = commands._validate_vectorised(records, touch_capacity)
     assert small.tolist() == large.tolist()
+    assert valid_records(records, touch_capacity).tolist() == small.tolist()
+
+
+def test_the_daemons_check_refuses_non_record_arrays():
+    with pytest.raises(ProtocolError):
+        valid_records(np.zeros(4, dtype=np.uint8))
+    assert valid_records(np.zeros(0, dtype=RECORD_DTYPE)).shape == (0,)
+
+
+def test_the_daemons_check_reads_str_keys_as_python_decodes_them():
+    """A str key must be UTF-8 as ``bytes.decode`` has it: surrogates and overlong forms are refused."""
+    keys = ["ascii", "caf\u00e9", "\u65e5\u672c", "\U0001f600"]
+    raw = [k.encode() for k in keys] + [b"\xed\xa0\x80", b"\xc0\xaf", b"\xff", b"ab\xe6\x97"]
+    buffer = b"".join(commands.encode_command(commands.ADD, kb, key_meta_of(TYPE_STR, len(kb)), 5, 1) for kb in raw)
+    records = records_from_buffer(buffer)
+    assert valid_records(records).tolist() == [True] * 4 + [False] * 4
+    assert commands._validate_each(records, None).tolist() == [True] * 4 + [False] * 4
 
 
 @settings(max_examples=50, deadline=None)
