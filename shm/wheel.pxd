@@ -7,6 +7,7 @@ from .keyindex cimport KeyIndex
 from .placement cimport Placement
 
 cdef long long _MAX_DELAY, _GEN_MASK
+cdef Py_ssize_t _DUE_LEVEL
 cdef bint _COMPILED
 
 
@@ -76,6 +77,11 @@ cdef class TimerWheel:
 
     @cython.locals(fl=cython.Py_ssize_t, flp=cython.Py_ssize_t, tail=cython.Py_ssize_t)
     cdef void _fire(self, Py_ssize_t s, list out)
+
+    @cython.locals(heap=list, queued=list, i=cython.int[::1], by_level=cython.longlong[::1], ws=Py_ssize_t,
+                   due_list=Py_ssize_t, whole=list, mixed=list, chains=list, out=list, b=Py_ssize_t, bp=Py_ssize_t,
+                   s=Py_ssize_t, before=Py_ssize_t)
+    cpdef tuple _collect_buckets(self, now_ms)
 
     @cython.locals(out=list)
     cpdef list advance(self, now_ms)

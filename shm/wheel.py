@@ -264,6 +264,7 @@ _QW, _IW, _HW, _RB = L.Q_PER_RECORD, L.I_PER_RECORD, L.H_PER_RECORD, L.RECORD_BY
 _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP = L.I_PREV, L.I_NEXT, L.I_GEN, L.I_TAG, L.I_AUX, L.H_GROUP_WORD
 _GNB = L.GROUP_NAME_BYTES
 _ST, _KM, _KEY = L.R_STATE, L.R_KEY_META, L.R_KEY
+_DUE_LEVEL = L.DUE_LEVEL
 _LEVEL_SLOTS = L.DUE_LEVEL + 1  # per-level counters: levels 0..14 and the due list
 _INTENT_SLOT, _INTENT_STATE, _INTENT_TAG = L.H_INTENT_SLOT // 4, L.H_INTENT_STATE // 4, L.H_INTENT_TAG // 4
 _INTENT_DEADLINE = L.H_INTENT_DEADLINE // 8
@@ -1192,14 +1193,13 @@ class TimerWheel:
         and advance the clock. Returns the slots of level-0 buckets and of the due list
         (they fire whole), the (first, last) record of each of those chains, and the
         slots of higher-level buckets (to be re-checked). Per-level counts drop here."""
-        heap, queued, i, nxt = self._heap, self._queued, self._i, self._next
+        heap, queued, i = self._heap, self._queued, self._i
         by_level, ws, due_list = self._pending_by_level, self.wheel_size, self.due_list
-        heappop = heapq.heappop
         whole: list[int] = []
         mixed: list[int] = []
         chains: list[tuple[int, int]] = []
         while heap and heap[0][0] <= now_ms:
-            expiration, b = heappop(heap)
+            expiration, b = heapq.heappop(heap)
             if queued[b] != expiration:
                 continue
             queued[b] = -1
@@ -1213,11 +1213,10 @@ class TimerWheel:
             else:
                 out = mixed
             before = len(out)
-            append = out.append
             while s != b:
-                append(s)
-                s = nxt[s]
-            by_level[L.DUE_LEVEL if b == due_list else b // ws] -= len(out) - before
+                out.append(s)
+                s = i[s * _IW + _NEXT]
+            by_level[_DUE_LEVEL if b == due_list else b // ws] -= len(out) - before
             i[bp + _PREV] = b
             i[bp + _NEXT] = b
         if now_ms > self._hq[_CUR]:
