@@ -1,6 +1,7 @@
 # C types for the compiled client core (Cython pure-Python mode: core.py is the code, this
 # file only declares types; see wheeld.protocol.accel).
 cimport cython
+from wheeld.shm.ring cimport ClientSegment
 
 cdef extern from *:
     """
@@ -69,11 +70,11 @@ cdef class ClientCore:
     cdef public object max_delay_ms
     cdef object __weakref__
 
-    @cython.locals(header="const long long[::1]", meta=cython.longlong, seq=cython.longlong, now_ns=cython.longlong,
-                   epoch=cython.longlong, shard=dict)
+    @cython.locals(meta=cython.longlong, seq=cython.longlong, now_ns=cython.longlong,
+                   epoch=cython.longlong, shard=dict, seg=ClientSegment)
     cpdef add(self, key, delay_ms)
 
-    @cython.locals(meta=cython.longlong, seq=cython.longlong, latest=dict, hit=cython.bint)
+    @cython.locals(meta=cython.longlong, seq=cython.longlong, latest=dict, hit=cython.bint, seg=ClientSegment)
     cpdef cancel(self, key)
 
     @cython.locals(now_ns=cython.longlong, index=Py_ssize_t)
@@ -82,5 +83,5 @@ cdef class ClientCore:
     @cython.locals(order=object)
     cpdef _remember(self, seen)
 
-    @cython.locals(parked="const long long[::1]", epoch=cython.longlong)
+    @cython.locals(epoch=cython.longlong)
     cpdef _after_push(self)

@@ -239,6 +239,9 @@ class ClientCore:
         self._closed = True
         self._touch_by_key = _ForkedTouches(self._owner_pid)
 
+    def _raise_unconnected(self):
+        raise Closed("this wheeld client has no session yet")
+
     def _raise_closed(self):
         if self._forked:
             raise ForkedClient(f"this wheeld client belongs to process {self._owner_pid}; connect again in the child")
@@ -395,11 +398,10 @@ class ClientCore:
         else:
             _fence_acquire()
             _fence_release()
-        parked = self._page
-        if parked is None:
+        if self._page is None:
             self._ring_doorbell(False)
             return
-        epoch = parked[_PARKED]
+        epoch = self._page[_PARKED]
         if epoch and epoch != self._rang_epoch:
             self._rang_epoch = epoch
             self._ring_doorbell(False)
@@ -428,9 +430,9 @@ class ClientCore:
             kb, meta = encode_key(key)
         if type(delay_ms) is not int or not 0 <= delay_ms <= self.max_delay_ms:
             self._deadline(delay_ms)  # raises the precise InvalidDelay
-        header = self._page
         ident = _META[meta] + kb
-        if header is None or header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD] \
+        # (self._page, not a local alias: compiled, a typed-view local costs two locked instructions)
+        if self._page is None or self._page[_PENDING] + self._page[_FIRED_UNACKED] >= self._page[_CAPACITY_WORD] \
                 or self._group_words[_GROUP_FULL]:
             self._refuse_if_full(ident)
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
@@ -438,7 +440,10 @@ class ClientCore:
         # the deadline in ms rounded up (ceil_ms, inlined): never early in real time
         now_ns = _clock_ns() if _COMPILED else _monotonic_ns()  # noqa: F821 - _clock_ns: core.pxd
         deadline = delay_ms - (-now_ns // 1_000_000)
-        if not self._segment.push_add(kb, meta, deadline, tag):
+        seg = self._segment
+        if seg is None:
+            self._raise_unconnected()
+        if not seg.push_add(kb, meta, deadline, tag):
             self._wait_for_room()
             deadline = delay_ms - (-time.monotonic_ns() // 1_000_000)
             self._push(C.ADD, kb, meta, deadline, tag)
@@ -452,10 +457,10 @@ class ClientCore:
         else:
             _fence_acquire()
             _fence_release()
-        if header is None:
+        if self._page is None:
             self._ring_doorbell(False)
             return deadline
-        epoch = header[_PARKED]
+        epoch = self._page[_PARKED]
         if epoch and epoch != self._rang_epoch:
             self._rang_epoch = epoch
             self._ring_doorbell(False)
@@ -529,7 +534,10 @@ class ClientCore:
             kb, meta = encode_key(key)
         ident = _META[meta] + kb
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
-        if not self._segment.try_push(_CANCEL, kb, meta, 0, self._tag_base | seq):
+        seg = self._segment
+        if seg is None:
+            self._raise_unconnected()
+        if not seg.try_push(_CANCEL, kb, meta, 0, self._tag_base | seq):
             self._push(_CANCEL, kb, meta, 0, self._tag_base | seq)
         if self._touch_index:
             self._release_touch(ident, key)
