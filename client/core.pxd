@@ -60,6 +60,11 @@ cdef class ClientCore:
     cdef public Py_ssize_t _cancels_since_mark
     cdef public object _marks
     cdef public list _cancelled_since_mark
+    cdef public object _cancel_log
+    cdef public Py_ssize_t _cancel_log_pairs
+    cdef public object _cancel_index
+    cdef public Py_ssize_t _cancel_indexed
+    cdef public Py_ssize_t _cancel_index_idle
     cdef public object _rejected
     cdef public bint _closed
     cdef public object _owner_pid
@@ -74,14 +79,12 @@ cdef class ClientCore:
                    epoch=cython.longlong, shard=dict, seg=ClientSegment)
     cpdef add(self, key, delay_ms)
 
-    @cython.locals(meta=cython.longlong, seq=cython.longlong, latest=dict, hit=cython.bint, seg=ClientSegment)
+    @cython.locals(meta=cython.longlong, seq=cython.longlong, latest=dict, hit=cython.bint, seg=ClientSegment,
+                   cancelled=list)
     cpdef cancel(self, key)
 
     @cython.locals(now_ns=cython.longlong, index=Py_ssize_t)
     cpdef touch(self, key)
-
-    @cython.locals(order=object)
-    cpdef _remember(self, seen)
 
     @cython.locals(epoch=cython.longlong)
     cpdef _after_push(self)

@@ -83,7 +83,7 @@ _GROUP_FULL = RL.GROUP_FULL_WORD
 _FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 _SEQ_BITS = 21
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
-_RECENT = 1 << 17  # the latest armings handed over or cancelled, remembered to drop re-sent expirations
+_RECENT = 1 << 17  # the latest armings handed over, and the latest cancelled, remembered to drop re-sent expirations
 # The per-key bookkeeping is split into this many dicts/sets (by hash). A Python dict or
 # set grows, and under insert/delete churn compacts, by rehashing all its entries at
 # once: 7 ms for one insert among 300k, 46 ms to drop a 131k-entry set (python -m
@@ -206,6 +206,7 @@ class ClientCore:
         # expirations already handed over, by (key, arming tag): survives a daemon
         # restart (same records) and a reboot recovery (new records, same journaled arming).
         # The latest _RECENT, in _SHARDS sets by tag; the oldest is forgotten one at a time.
+        # (Cancelled armings are remembered apart, in the cancel log: see _cancelled.)
         self._recent: list[set[tuple[bytes, int]]] = [set() for _ in range(_SHARDS)]
         self._recent_order: collections.deque[tuple[bytes, int]] = collections.deque()
         self._ready: collections.deque[Expired] = collections.deque()  # received, not handed over
@@ -213,9 +214,18 @@ class ClientCore:
         self._to_ack: list[tuple[int, int, int]] = []  # (slot, generation, arena epoch): handed over, ack at the next poll
         self._acks_pending: list[tuple[int, int, int]] = []  # could not be pushed yet (ring full)
         self._applied = -1
+        # Cancelled armings (see cancel): flat lists [ident, tag, ident, tag, ...], one per mark.
+        # _marks: (mark seq, its list) until the mark's Applied; _cancel_log: the lists of the
+        # latest cancels (at least _RECENT), oldest first, searched through _cancel_index, a
+        # count per (ident, tag) built only when an expiration needs it (see _cancelled).
         self._cancels_since_mark = 0
-        self._marks: list[tuple[int, list[bytes]]] = []
-        self._cancelled_since_mark: list[bytes] = []
+        self._marks: list[tuple[int, list]] = []
+        self._cancelled_since_mark: list = []
+        self._cancel_log: collections.deque[list] = collections.deque()
+        self._cancel_log_pairs = 0
+        self._cancel_index: dict[tuple[bytes, int], int] | None = None
+        self._cancel_indexed = 0  # entries of _cancelled_since_mark in the index
+        self._cancel_index_idle = 0  # marks since the index was last asked
         self._rejected: list[M.Rejected] = []
         self._closed = False
         self._owner_pid = os.getpid()
@@ -546,12 +556,13 @@ class ClientCore:
         hit = tag is not None and tag >= 0
         if hit:
             latest[ident] = ~tag
-            # Also among the armings whose expiration is dropped on sight (with those handed
-            # over): after the next mark forgets ~tag, an expiration of this arming can still
-            # come, fired before the cancel reached the daemon and queued there, or sent to a
-            # member that died and then handed to us. The latest _RECENT of both are kept.
-            self._remember((ident, tag))
-            self._cancelled_since_mark.append(ident)
+            # Also in the cancel log, whose armings' expirations are dropped on sight: after
+            # the next mark forgets ~tag, an expiration of this arming can still come, fired
+            # before the cancel reached the daemon and queued there, or sent to a member that
+            # died and then handed to us. Two appends; the lookups are _cancelled's.
+            cancelled = self._cancelled_since_mark
+            cancelled.append(ident)
+            cancelled.append(tag)
             self._cancels_since_mark += 1
             if self._cancels_since_mark >= _CANCEL_MARK_EVERY:
                 self._mark()
@@ -560,7 +571,8 @@ class ClientCore:
 
     def _mark(self) -> None:
         """An internal FLUSH: once Applied(seq) arrives, the armings cancelled before it
-        can no longer produce an expiration on our socket, so we forget them.
+        can no longer produce an expiration on our socket, so their ~tag entries go (the
+        cancel log, which the cancels since the last mark join here, still has them).
 
         Its Applied moves no replay position (``_flush_positions``): under a group
         commit a daemon answers once it has applied, not once it has persisted, and a
@@ -570,9 +582,58 @@ class ClientCore:
         by the daemon that comes back, says they were applied."""
         seq = self._next_tag()
         self._push(C.FLUSH, b"", 0, 0, seq)
-        self._marks.append((seq, self._cancelled_since_mark))
+        cancelled = self._cancelled_since_mark
+        self._marks.append((seq, cancelled))
+        index = self._cancel_index
+        if index is not None:
+            self._cancel_index_idle += 1
+            if self._cancel_index_idle > len(self._cancel_log):  # unasked for a whole log: drop it
+                self._cancel_index = index = None
+            else:
+                self._count_cancels(cancelled, self._cancel_indexed, 1)
+        log = self._cancel_log
+        log.append(cancelled)
+        self._cancel_log_pairs += len(cancelled) >> 1
+        while self._cancel_log_pairs - (len(log[0]) >> 1) >= _RECENT:  # the latest _RECENT at least
+            oldest = log.popleft()
+            self._cancel_log_pairs -= len(oldest) >> 1
+            if index is not None:
+                self._count_cancels(oldest, 0, -1)
         self._cancelled_since_mark = []
         self._cancels_since_mark = 0
+        self._cancel_indexed = 0
+
+    def _count_cancels(self, cancelled: list, start: int, step: int) -> None:
+        """Add ``step`` to the index's count of each (ident, tag) of ``cancelled[start:]``."""
+        index = self._cancel_index
+        for i in range(start, len(cancelled), 2):
+            pair = (cancelled[i], cancelled[i + 1])
+            count = index.get(pair, 0) + step
+            if count:
+                index[pair] = count
+            else:
+                del index[pair]
+
+    def _cancelled(self, ident: bytes, seq: int) -> bool:
+        """True if the arming ``(ident, seq)`` of ours is among the latest cancelled ones
+        (the cancel log and the cancels since the last mark).
+
+        Asked only for an expiration of an arming of ours whose key this client no longer
+        tracks (its ~tag forgotten by a mark, or its entry gone with a later arming's
+        expiration): so the log is indexed on the first such expiration, not by cancel, and
+        the index is kept up to date (at each mark) until a whole log has gone by unasked."""
+        self._cancel_index_idle = 0
+        index = self._cancel_index
+        if index is None:
+            index = self._cancel_index = {}
+            for cancelled in self._cancel_log:
+                self._count_cancels(cancelled, 0, 1)
+            self._cancel_indexed = 0
+        cancelled = self._cancelled_since_mark
+        if self._cancel_indexed < len(cancelled):
+            self._count_cancels(cancelled, self._cancel_indexed, 1)
+            self._cancel_indexed = len(cancelled)
+        return (ident, seq) in index
 
     def _push_flush(self) -> int:
         self._flush_acks()
@@ -613,8 +674,8 @@ class ClientCore:
                         break
             shards = self._latest
             while self._marks and self._marks[0][0] == message.seq:
-                _seq, idents = self._marks.pop(0)
-                for ident in idents:
+                _seq, cancelled = self._marks.pop(0)
+                for ident in cancelled[::2]:
                     latest = shards[hash(ident) & _SHARD_MASK]
                     tag = latest.get(ident)
                     if tag is not None and tag < 0:
@@ -652,6 +713,9 @@ class ClientCore:
                         acks_pending.append(handle)  # re-armed or cancelled since: not for the app
                         continue
                     del latest[ident]
+                elif self._cancelled(ident, seq):
+                    acks_pending.append(handle)  # cancelled (its ~tag forgotten since)
+                    continue
                 if self._touch_index:
                     self._release_touch(ident, key)
             seen_set.add(seen)
@@ -661,15 +725,6 @@ class ClientCore:
                 recent[old[1] & _SHARD_MASK].discard(old)
             ready.append(Expired(key, e.deadline_ms, e.fired_ms, e.late))
             handles.append(handle)
-
-    def _remember(self, seen: tuple[bytes, int]) -> None:
-        """Drop an expiration of this (ident, arming tag) on sight from now on (see _on_expirations)."""
-        self._recent[seen[1] & _SHARD_MASK].add(seen)
-        order = self._recent_order
-        order.append(seen)
-        if len(order) > _RECENT:
-            old = order.popleft()
-            self._recent[old[1] & _SHARD_MASK].discard(old)
 
     def _take_ready(self) -> list[Expired]:
         """Hand everything received to the application; acknowledge it at the next call."""
