@@ -43,7 +43,7 @@ cdef class ClientCore:
     cdef public long long _rang_epoch
     cdef public object _welcome
     cdef public long long _seq
-    cdef public object _tag_base
+    cdef public long long _tag_base
     cdef public list _latest
     cdef public dict _touch_index
     cdef public object _touch_by_key
@@ -76,11 +76,12 @@ cdef class ClientCore:
     cdef object __weakref__
 
     @cython.locals(meta=cython.longlong, seq=cython.longlong, now_ns=cython.longlong,
-                   epoch=cython.longlong, shard=dict, seg=ClientSegment)
+                   epoch=cython.longlong, shard=dict, seg=ClientSegment,
+                   text=str, kb=bytes, ident=bytes, tag=object)
     cpdef add(self, key, delay_ms)
 
     @cython.locals(meta=cython.longlong, seq=cython.longlong, latest=dict, hit=cython.bint, seg=ClientSegment,
-                   cancelled=list)
+                   cancelled=list, text=str, kb=bytes, ident=bytes)
     cpdef cancel(self, key)
 
     @cython.locals(now_ns=cython.longlong, index=Py_ssize_t)

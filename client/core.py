@@ -429,8 +429,9 @@ class ClientCore:
         if self._closed:
             self._raise_closed()
         if type(key) is str:
+            text = key  # (compiled: a str variable, so the encoding is one C call)
             try:
-                kb = key.encode()
+                kb = text.encode()
             except UnicodeEncodeError:
                 kb = b""  # encode_key below raises InvalidKey
             meta = _STR_META | len(kb)
@@ -533,8 +534,9 @@ class ClientCore:
         if self._closed:
             self._raise_closed()
         if type(key) is str:
+            text = key  # (compiled: a str variable, so the encoding is one C call)
             try:
-                kb = key.encode()
+                kb = text.encode()
             except UnicodeEncodeError:
                 kb = b""  # encode_key below raises InvalidKey
             meta = _STR_META | len(kb)

@@ -198,7 +198,6 @@ def _crc32_word(crc: int, word: int) -> int:
     """Feed the 8 little-endian bytes of ``word`` to a running (pre-inverted) CRC-32."""
     low = (crc ^ word) & _U32
     high = word >> 32
-    # (the global, not a local alias: compiled, a typed-view local costs two locked instructions)
     return (_CRC_TABLES[7 * 256 + (low & 0xFF)] ^ _CRC_TABLES[6 * 256 + ((low >> 8) & 0xFF)]
             ^ _CRC_TABLES[5 * 256 + ((low >> 16) & 0xFF)] ^ _CRC_TABLES[4 * 256 + (low >> 24)]
             ^ _CRC_TABLES[3 * 256 + (high & 0xFF)] ^ _CRC_TABLES[2 * 256 + ((high >> 8) & 0xFF)]
@@ -207,6 +206,8 @@ def _crc32_word(crc: int, word: int) -> int:
 
 def _key_word(key_bytes: bytes, length: int, first: int) -> int:
     """Bytes ``first .. first+7`` of the zero-padded key field as a little-endian word."""
+    if _COMPILED:
+        return _key_word_le(key_bytes, first)  # noqa: F821 - ring.pxd: one memcpy
     word = 0
     end = first + 8 if first + 8 < length else length
     for i in range(end - 1, first - 1, -1):
