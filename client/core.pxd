@@ -75,7 +75,7 @@ cdef class ClientCore:
     cdef public object max_delay_ms
     cdef object __weakref__
 
-    @cython.locals(meta=cython.longlong, seq=cython.longlong, now_ns=cython.longlong,
+    @cython.locals(header="const long long[::1]", meta=cython.longlong, seq=cython.longlong, now_ns=cython.longlong,
                    epoch=cython.longlong, shard=dict, seg=ClientSegment,
                    text=str, kb=bytes, ident=bytes, tag=object)
     cpdef add(self, key, delay_ms)
@@ -87,5 +87,5 @@ cdef class ClientCore:
     @cython.locals(now_ns=cython.longlong, index=Py_ssize_t)
     cpdef touch(self, key)
 
-    @cython.locals(epoch=cython.longlong)
+    @cython.locals(parked="const long long[::1]", epoch=cython.longlong)
     cpdef _after_push(self)

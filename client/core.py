@@ -408,10 +408,11 @@ class ClientCore:
         else:
             _fence_acquire()
             _fence_release()
-        if self._page is None:
+        parked = self._page
+        if parked is None:
             self._ring_doorbell(False)
             return
-        epoch = self._page[_PARKED]
+        epoch = parked[_PARKED]
         if epoch and epoch != self._rang_epoch:
             self._rang_epoch = epoch
             self._ring_doorbell(False)
@@ -441,9 +442,9 @@ class ClientCore:
             kb, meta = encode_key(key)
         if type(delay_ms) is not int or not 0 <= delay_ms <= self.max_delay_ms:
             self._deadline(delay_ms)  # raises the precise InvalidDelay
+        header = self._page
         ident = _META[meta] + kb
-        # (self._page, not a local alias: compiled, a typed-view local costs two locked instructions)
-        if self._page is None or self._page[_PENDING] + self._page[_FIRED_UNACKED] >= self._page[_CAPACITY_WORD] \
+        if header is None or header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD] \
                 or self._group_words[_GROUP_FULL]:
             self._refuse_if_full(ident)
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
@@ -468,10 +469,10 @@ class ClientCore:
         else:
             _fence_acquire()
             _fence_release()
-        if self._page is None:
+        if header is None:
             self._ring_doorbell(False)
             return deadline
-        epoch = self._page[_PARKED]
+        epoch = header[_PARKED]
         if epoch and epoch != self._rang_epoch:
             self._rang_epoch = epoch
             self._ring_doorbell(False)
