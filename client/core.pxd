@@ -81,7 +81,8 @@ cdef class ClientCore:
     cpdef add(self, key, delay_ms)
 
     @cython.locals(meta=cython.longlong, seq=cython.longlong, latest=dict, hit=cython.bint, seg=ClientSegment,
-                   cancelled=list, text=str, kb=bytes, ident=bytes)
+                   cancelled=list, text=str, kb=bytes, ident=bytes, parked="const long long[::1]",
+                   epoch=cython.longlong)
     cpdef cancel(self, key)
 
     @cython.locals(now_ns=cython.longlong, index=Py_ssize_t)

@@ -569,7 +569,20 @@ class ClientCore:
             self._cancels_since_mark += 1
             if self._cancels_since_mark >= _CANCEL_MARK_EVERY:
                 self._mark()
-        self._after_push()
+        # _after_push, inlined (see there for the ordering argument)
+        if _COMPILED:
+            _full_fence()  # noqa: F821 - core.pxd
+        else:
+            _fence_acquire()
+            _fence_release()
+        parked = self._page
+        if parked is None:
+            self._ring_doorbell(False)
+            return hit
+        epoch = parked[_PARKED]
+        if epoch and epoch != self._rang_epoch:
+            self._rang_epoch = epoch
+            self._ring_doorbell(False)
         return hit
 
     def _mark(self) -> None:
