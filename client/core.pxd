@@ -77,11 +77,11 @@ cdef class ClientCore:
 
     @cython.locals(header="const long long[::1]", meta=cython.longlong, seq=cython.longlong, now_ns=cython.longlong,
                    epoch=cython.longlong, shard=dict, seg=ClientSegment,
-                   text=str, kb=bytes, ident=bytes, tag=object)
+                   text=str, kb=bytes, bkey=object, tag=object)
     cpdef add(self, key, delay_ms)
 
     @cython.locals(meta=cython.longlong, seq=cython.longlong, latest=dict, hit=cython.bint, seg=ClientSegment,
-                   cancelled=list, text=str, kb=bytes, ident=bytes, parked="const long long[::1]",
+                   cancelled=list, text=str, kb=bytes, bkey=object, parked="const long long[::1]",
                    epoch=cython.longlong)
     cpdef cancel(self, key)
 

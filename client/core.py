@@ -61,9 +61,12 @@ from wheeld.protocol.errors import (
 )
 from wheeld.protocol.keys import (
     KEY_BYTES,
+    TYPE_BYTES,
     TYPE_STR,
+    decode_key,
     encode_key,
     key_meta_of,
+    key_type,
 )
 from wheeld.protocol.messages import decode_daemon_body
 from wheeld.protocol.naming import default_socket_path
@@ -109,6 +112,15 @@ def ceil_ms() -> int:
     early in real time: the daemon fires it once its floored clock reaches the deadline,
     i.e. at least ``delay_ms`` after the call. A touch stores it for the same reason."""
     return -(-time.monotonic_ns() // 1_000_000)
+
+
+def _bookkeeping_key(kb: bytes, meta: int):
+    """The name the bookkeeping gives a key (see ClientCore._latest): the key as an exact
+    str or int (what an expiration of it decodes to), its ident (meta byte + bytes) for a
+    bytes key (a bytes and a str key never meet in one dict: no BytesWarning under -b)."""
+    if key_type(meta) == TYPE_BYTES:
+        return _META[meta] + kb
+    return decode_key(kb, meta)
 
 
 class Expired(msgspec.Struct, frozen=True, gc=False):
@@ -196,8 +208,10 @@ class ClientCore:
         self._welcome: M.Welcome | None = None
         self._seq = 0
         self._tag_base = 0
-        # ident -> tag of our live arming, or ~tag once cancelled; in _SHARDS dicts by hash(ident)
-        self._latest: list[dict[bytes, int]] = [{} for _ in range(_SHARDS)]
+        # key -> tag of our live arming, or ~tag once cancelled; in _SHARDS dicts by hash(key).
+        # A str or int key is its own name here (its hash is cached or trivial, no bytes to
+        # build), a bytes key goes by its ident: see _bookkeeping_key.
+        self._latest: list[dict] = [{} for _ in range(_SHARDS)]
         self._touch_index: dict[bytes, int] = {}  # ident -> touch index
         self._touch_by_key: dict = {}  # the user's key object -> touch index (touch's fast path)
         self._touch_table = None
@@ -214,10 +228,11 @@ class ClientCore:
         self._to_ack: list[tuple[int, int, int]] = []  # (slot, generation, arena epoch): handed over, ack at the next poll
         self._acks_pending: list[tuple[int, int, int]] = []  # could not be pushed yet (ring full)
         self._applied = -1
-        # Cancelled armings (see cancel): flat lists [ident, tag, ident, tag, ...], one per mark.
+        # Cancelled armings (see cancel): flat lists [key, tag, key, tag, ...] (keys named as
+        # in _latest), one per mark.
         # _marks: (mark seq, its list) until the mark's Applied; _cancel_log: the lists of the
         # latest cancels (at least _RECENT), oldest first, searched through _cancel_index, a
-        # count per (ident, tag) built only when an expiration needs it (see _cancelled).
+        # count per (key, tag) built only when an expiration needs it (see _cancelled).
         self._cancels_since_mark = 0
         self._marks: list[tuple[int, list]] = []
         self._cancelled_since_mark: list = []
@@ -389,13 +404,13 @@ class ClientCore:
                 raise RingFull(f"the ring stayed full for {self.ring_timeout_s} s; the daemon is not draining it")
             time.sleep(0.0002)
 
-    def _refuse_if_full(self, ident: bytes) -> None:
+    def _refuse_if_full(self, bkey) -> None:
         """ArenaFull / QuotaExceeded now, when the daemon says it would refuse an add (a
         re-arm of a key this client has armed needs no new record: the quota allows it)."""
         header = self._parked
         if header is not None and header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD]:
             raise ArenaFull("the daemon's arena is full")
-        if self._group_words[_GROUP_FULL] and self._latest[hash(ident) & _SHARD_MASK].get(ident, -1) < 0:
+        if self._group_words[_GROUP_FULL] and self._latest[hash(bkey) & _SHARD_MASK].get(bkey, -1) < 0:
             raise QuotaExceeded(f"group {self.group!r} holds its quota of timers (wheeld --group-quota)")
 
     def _after_push(self) -> None:
@@ -438,15 +453,16 @@ class ClientCore:
             meta = _STR_META | len(kb)
             if not 0 < len(kb) <= _KEY_BYTES:
                 kb, meta = encode_key(key)  # raises InvalidKey
+            bkey = key
         else:
             kb, meta = encode_key(key)
+            bkey = key if type(key) is int else _bookkeeping_key(kb, meta)
         if type(delay_ms) is not int or not 0 <= delay_ms <= self.max_delay_ms:
             self._deadline(delay_ms)  # raises the precise InvalidDelay
         header = self._page
-        ident = _META[meta] + kb
         if header is None or header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD] \
                 or self._group_words[_GROUP_FULL]:
-            self._refuse_if_full(ident)
+            self._refuse_if_full(bkey)
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
         tag = self._tag_base | seq
         # the deadline in ms rounded up (ceil_ms, inlined): never early in real time
@@ -459,10 +475,10 @@ class ClientCore:
             self._wait_for_room()
             deadline = delay_ms - (-time.monotonic_ns() // 1_000_000)
             self._push(C.ADD, kb, meta, deadline, tag)
-        shard = self._latest[hash(ident) & _SHARD_MASK]
-        shard[ident] = tag
+        shard = self._latest[hash(bkey) & _SHARD_MASK]
+        shard[bkey] = tag
         if self._touch_index:
-            self._release_touch(ident, key)
+            self._release_touch(_META[meta] + kb, key)
         # _after_push, inlined (see there for the ordering argument)
         if _COMPILED:
             _full_fence()  # noqa: F821 - core.pxd
@@ -491,7 +507,8 @@ class ClientCore:
         if idle_ms > (1 << 31) - 1:
             raise InvalidDelay("idle_ms must fit in 32 bits (about 24 days)")
         ident = _META[meta] + kb
-        self._refuse_if_full(ident)
+        bkey = key if type(key) is str or type(key) is int else _bookkeeping_key(kb, meta)
+        self._refuse_if_full(bkey)
         seg = self._segment
         index = self._touch_index.get(ident)
         if index is None:
@@ -508,7 +525,7 @@ class ClientCore:
         self._push(C.ADD_IDLE, kb, meta, deadline, tag, idle_ms, index)
         self._touch_index[ident] = index
         self._touch_by_key[key] = index
-        self._latest[hash(ident) & _SHARD_MASK][ident] = tag
+        self._latest[hash(bkey) & _SHARD_MASK][bkey] = tag
         self._after_push()
         return deadline
 
@@ -543,9 +560,10 @@ class ClientCore:
             meta = _STR_META | len(kb)
             if not 0 < len(kb) <= _KEY_BYTES:
                 kb, meta = encode_key(key)  # raises InvalidKey
+            bkey = key
         else:
             kb, meta = encode_key(key)
-        ident = _META[meta] + kb
+            bkey = key if type(key) is int else _bookkeeping_key(kb, meta)
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
         seg = self._segment
         if seg is None:
@@ -553,18 +571,18 @@ class ClientCore:
         if not seg.try_push(_CANCEL, kb, meta, 0, self._tag_base | seq):
             self._push(_CANCEL, kb, meta, 0, self._tag_base | seq)
         if self._touch_index:
-            self._release_touch(ident, key)
-        latest = self._latest[hash(ident) & _SHARD_MASK]
-        tag = latest.get(ident)
+            self._release_touch(_META[meta] + kb, key)
+        latest = self._latest[hash(bkey) & _SHARD_MASK]
+        tag = latest.get(bkey)
         hit = tag is not None and tag >= 0
         if hit:
-            latest[ident] = ~tag
+            latest[bkey] = ~tag
             # Also in the cancel log, whose armings' expirations are dropped on sight: after
             # the next mark forgets ~tag, an expiration of this arming can still come, fired
             # before the cancel reached the daemon and queued there, or sent to a member that
             # died and then handed to us. Two appends; the lookups are _cancelled's.
             cancelled = self._cancelled_since_mark
-            cancelled.append(ident)
+            cancelled.append(bkey)
             cancelled.append(tag)
             self._cancels_since_mark += 1
             if self._cancels_since_mark >= _CANCEL_MARK_EVERY:
@@ -620,7 +638,7 @@ class ClientCore:
         self._cancel_indexed = 0
 
     def _count_cancels(self, cancelled: list, start: int, step: int) -> None:
-        """Add ``step`` to the index's count of each (ident, tag) of ``cancelled[start:]``."""
+        """Add ``step`` to the index's count of each (key, tag) of ``cancelled[start:]``."""
         index = self._cancel_index
         for i in range(start, len(cancelled), 2):
             pair = (cancelled[i], cancelled[i + 1])
@@ -630,8 +648,8 @@ class ClientCore:
             else:
                 del index[pair]
 
-    def _cancelled(self, ident: bytes, seq: int) -> bool:
-        """True if the arming ``(ident, seq)`` of ours is among the latest cancelled ones
+    def _cancelled(self, bkey, seq: int) -> bool:
+        """True if the arming ``(bkey, seq)`` of ours is among the latest cancelled ones
         (the cancel log and the cancels since the last mark).
 
         Asked only for an expiration of an arming of ours whose key this client no longer
@@ -649,7 +667,7 @@ class ClientCore:
         if self._cancel_indexed < len(cancelled):
             self._count_cancels(cancelled, self._cancel_indexed, 1)
             self._cancel_indexed = len(cancelled)
-        return (ident, seq) in index
+        return (bkey, seq) in index
 
     def _push_flush(self) -> int:
         self._flush_acks()
@@ -691,11 +709,11 @@ class ClientCore:
             shards = self._latest
             while self._marks and self._marks[0][0] == message.seq:
                 _seq, cancelled = self._marks.pop(0)
-                for ident in cancelled[::2]:
-                    latest = shards[hash(ident) & _SHARD_MASK]
-                    tag = latest.get(ident)
+                for bkey in cancelled[::2]:
+                    latest = shards[hash(bkey) & _SHARD_MASK]
+                    tag = latest.get(bkey)
                     if tag is not None and tag < 0:
-                        del latest[ident]
+                        del latest[bkey]
         elif kind is M.Rejected:
             self._rejected.append(message)
         elif kind is M.Goodbye:
@@ -722,14 +740,15 @@ class ClientCore:
                 acks_pending.append(handle)  # handed over already (a daemon restart), or cancelled
                 continue
             if seq >> _SEQ_BITS == my_slot or seq >> _SEQ_BITS in former:
-                latest = latest_shards[hash(ident) & _SHARD_MASK]
-                tag = latest.get(ident)
+                bkey = ident if type(key) is bytes else key  # _bookkeeping_key: key decoded already
+                latest = latest_shards[hash(bkey) & _SHARD_MASK]
+                tag = latest.get(bkey)
                 if tag is not None:
                     if tag != seq:
                         acks_pending.append(handle)  # re-armed or cancelled since: not for the app
                         continue
-                    del latest[ident]
-                elif self._cancelled(ident, seq):
+                    del latest[bkey]
+                elif self._cancelled(bkey, seq):
                     acks_pending.append(handle)  # cancelled (its ~tag forgotten since)
                     continue
                 if self._touch_index:

@@ -144,3 +144,28 @@ def test_the_cancel_index_goes_when_unasked_for_a_whole_log_and_comes_back_when_
         assert t.expire([(key, last_tags[key]) for key in last]) == []
     finally:
         t.close()
+
+
+def test_keys_of_each_type_are_tracked_apart_and_equal_keys_of_other_classes_together():
+    import enum
+
+    class Label(str):
+        pass
+
+    class Code(enum.IntEnum):
+        FIVE = 5
+
+    t = _Core()
+    try:
+        tags = {repr(key): t.arm(key) for key in ("5", 5, b"5")}
+        assert t.core.cancel(b"5") and not t.core.cancel(bytearray(b"5")), "bytes-like: one key"
+        assert t.core.cancel(Code.FIVE) and not t.core.cancel(5), "an int subclass is its int"
+        assert t.core.cancel(Label("5")) and not t.core.cancel("5"), "a str subclass is its str"
+        t.apply_marks()
+        assert t.expire([("5", tags["'5'"]), (5, tags["5"]), (b"5", tags["b'5'"])]) == []
+        again = {repr(key): t.arm(key) for key in (Label("x"), Code.FIVE, bytearray(b"x"))}
+        assert t.expire([(5, again["<Code.FIVE: 5>"]), ("x", again["'x'"]), (b"x", again["bytearray(b'x')"])]) \
+            == [5, "x", b"x"]
+        assert not t.core.cancel("x") and not t.core.cancel(5) and not t.core.cancel(b"x"), "delivered already"
+    finally:
+        t.close()
