@@ -246,7 +246,7 @@ class ClientCore:
         self._cancelled_since_mark: list = []
         self._cancel_log: collections.deque[list] = collections.deque()
         self._cancel_log_pairs = 0
-        self._cancel_index: dict[tuple[bytes, int], int] | None = None
+        self._cancel_index: dict[tuple, int] | None = None
         self._cancel_indexed = 0  # entries of _cancelled_since_mark in the index
         self._cancel_index_idle = 0  # marks since the index was last asked
         self._rejected: list[M.Rejected] = []
@@ -745,7 +745,7 @@ class ClientCore:
             seen = (ident, seq)
             seen_set = recent[seq & _SHARD_MASK]
             if seen in seen_set:
-                acks_pending.append(handle)  # handed over already (a daemon restart), or cancelled
+                acks_pending.append(handle)  # handed over already (a daemon restart)
                 continue
             if seq >> _SEQ_BITS == my_slot or seq >> _SEQ_BITS in former:
                 bkey = ident if type(key) is bytes else key  # _bookkeeping_key: key decoded already
