@@ -11,9 +11,9 @@ What a call costs:
 * ``poll``: reads ``Expirations`` frames from the socket.
 
 Per call, compiled (``python -m bench.client_ops``: best of 31 rounds of 8192 calls on
-distinct str keys, no daemon, a ~0.03 us Python loop included): ``add`` 0.23 us,
-``cancel`` 0.19 us, ``touch`` 0.06 us, ``add_idle`` 1.5 us; as Python, ``add`` 1.4 us,
-``cancel`` 1.4 us, ``touch`` 0.23 us, ``add_idle`` 2.7 us. Beside the record, ``add``
+distinct str keys, no daemon, a ~0.03 us Python loop included): ``add`` 0.20 us,
+``cancel`` 0.19 us, ``touch`` 0.06 us, ``add_idle`` 1.4 us; as Python, ``add`` 1.4 us,
+``cancel`` 1.3 us, ``touch`` 0.23 us, ``add_idle`` 2.7 us. Beside the record, ``add``
 reads the clock and stores the arming's tag in a dict; ``cancel`` swaps the tag for its
 complement and appends the key and tag to a list (see :meth:`ClientCore._cancelled`). A
 str or int key is its own dict key (no bytes built, a str's hash is cached).
