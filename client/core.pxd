@@ -1,6 +1,7 @@
 # C types for the compiled client core (Cython pure-Python mode: core.py is the code, this
 # file only declares types; see wheeld.protocol.accel).
 cimport cython
+from wheeld.shm.ring cimport ClientSegment
 
 cdef extern from *:
     """
@@ -42,7 +43,7 @@ cdef class ClientCore:
     cdef public long long _rang_epoch
     cdef public object _welcome
     cdef public long long _seq
-    cdef public object _tag_base
+    cdef public long long _tag_base
     cdef public list _latest
     cdef public dict _touch_index
     cdef public object _touch_by_key
@@ -59,6 +60,11 @@ cdef class ClientCore:
     cdef public Py_ssize_t _cancels_since_mark
     cdef public object _marks
     cdef public list _cancelled_since_mark
+    cdef public object _cancel_log
+    cdef public Py_ssize_t _cancel_log_pairs
+    cdef public object _cancel_index
+    cdef public Py_ssize_t _cancel_indexed
+    cdef public Py_ssize_t _cancel_index_idle
     cdef public object _rejected
     cdef public bint _closed
     cdef public object _owner_pid
@@ -70,17 +76,17 @@ cdef class ClientCore:
     cdef object __weakref__
 
     @cython.locals(header="const long long[::1]", meta=cython.longlong, seq=cython.longlong, now_ns=cython.longlong,
-                   epoch=cython.longlong, shard=dict)
+                   epoch=cython.longlong, shard=dict, seg=ClientSegment,
+                   text=str, kb=bytes, bkey=object, tag=object)
     cpdef add(self, key, delay_ms)
 
-    @cython.locals(meta=cython.longlong, seq=cython.longlong, latest=dict, hit=cython.bint)
+    @cython.locals(meta=cython.longlong, seq=cython.longlong, latest=dict, hit=cython.bint, seg=ClientSegment,
+                   cancelled=list, text=str, kb=bytes, bkey=object, parked="const long long[::1]",
+                   epoch=cython.longlong)
     cpdef cancel(self, key)
 
     @cython.locals(now_ns=cython.longlong, index=Py_ssize_t)
     cpdef touch(self, key)
-
-    @cython.locals(order=object)
-    cpdef _remember(self, seen)
 
     @cython.locals(parked="const long long[::1]", epoch=cython.longlong)
     cpdef _after_push(self)

@@ -6,8 +6,16 @@ cdef extern from *:
     """
     /* a compiler barrier: no memory access is moved across it (x86-64 keeps stores in order) */
     static inline void wheeld_store_fence(void) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
+    /* bytes first .. first+7 of a bytes object zero-padded, as a little-endian word (x86-64) */
+    static inline unsigned long long wheeld_key_word(PyObject *key_bytes, Py_ssize_t first) {
+        Py_ssize_t n = PyBytes_GET_SIZE(key_bytes) - first;
+        unsigned long long word = 0;
+        if (n > 0) memcpy(&word, PyBytes_AS_STRING(key_bytes) + first, n < 8 ? (size_t)n : 8);
+        return word;
+    }
     """
     void _store_fence "wheeld_store_fence" () nogil
+    unsigned long long _key_word_le "wheeld_key_word" (bytes key_bytes, Py_ssize_t first) noexcept
 
 cdef bint _COMPILED
 cdef unsigned long long _U32
@@ -20,7 +28,7 @@ cdef Py_ssize_t _WORDS_PER_RECORD
 cdef Py_ssize_t KEY_FIELD_SIZE
 cdef Py_ssize_t _TAIL_WORD
 cdef Py_ssize_t _HEAD_WORD
-cdef const unsigned int[::1] _CRC_TABLES
+cdef unsigned int _CRC_TABLES[2048]  # a C array: read without bounds checks (every index is < 2048)
 
 @cython.locals(low=cython.ulonglong, high=cython.ulonglong)
 cdef inline unsigned long long _crc32_word(unsigned long long crc, unsigned long long word) noexcept

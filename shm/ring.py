@@ -196,17 +196,18 @@ _CRC_TABLES = _crc32_slice8_tables()
 
 def _crc32_word(crc: int, word: int) -> int:
     """Feed the 8 little-endian bytes of ``word`` to a running (pre-inverted) CRC-32."""
-    tables = _CRC_TABLES
     low = (crc ^ word) & _U32
     high = word >> 32
-    return (tables[7 * 256 + (low & 0xFF)] ^ tables[6 * 256 + ((low >> 8) & 0xFF)]
-            ^ tables[5 * 256 + ((low >> 16) & 0xFF)] ^ tables[4 * 256 + (low >> 24)]
-            ^ tables[3 * 256 + (high & 0xFF)] ^ tables[2 * 256 + ((high >> 8) & 0xFF)]
-            ^ tables[256 + ((high >> 16) & 0xFF)] ^ tables[high >> 24])
+    return (_CRC_TABLES[7 * 256 + (low & 0xFF)] ^ _CRC_TABLES[6 * 256 + ((low >> 8) & 0xFF)]
+            ^ _CRC_TABLES[5 * 256 + ((low >> 16) & 0xFF)] ^ _CRC_TABLES[4 * 256 + (low >> 24)]
+            ^ _CRC_TABLES[3 * 256 + (high & 0xFF)] ^ _CRC_TABLES[2 * 256 + ((high >> 8) & 0xFF)]
+            ^ _CRC_TABLES[256 + ((high >> 16) & 0xFF)] ^ _CRC_TABLES[high >> 24])
 
 
 def _key_word(key_bytes: bytes, length: int, first: int) -> int:
     """Bytes ``first .. first+7`` of the zero-padded key field as a little-endian word."""
+    if _COMPILED:
+        return _key_word_le(key_bytes, first)  # noqa: F821 - ring.pxd: one memcpy
     word = 0
     end = first + 8 if first + 8 < length else length
     for i in range(end - 1, first - 1, -1):
@@ -520,16 +521,15 @@ class ClientSegment:
         crc = _crc32_word(crc, key1)
         crc = _crc32_word(crc, key2)
         crc = _crc32_word(crc, key3)
-        ring = self._ring_words
         base = slot * _WORDS_PER_RECORD
-        ring[base] = head
-        ring[base + 1] = deadline
-        ring[base + 2] = aux
-        ring[base + 3] = crc ^ _U32  # the check word; the pad above it is zero
-        ring[base + 4] = key0
-        ring[base + 5] = key1
-        ring[base + 6] = key2
-        ring[base + 7] = key3
+        self._ring_words[base] = head  # (through self: a typed-view local costs two locked instructions)
+        self._ring_words[base + 1] = deadline
+        self._ring_words[base + 2] = aux
+        self._ring_words[base + 3] = crc ^ _U32  # the check word; the pad above it is zero
+        self._ring_words[base + 4] = key0
+        self._ring_words[base + 5] = key1
+        self._ring_words[base + 6] = key2
+        self._ring_words[base + 7] = key3
         return True
 
     def unapplied_records(self, since: int | None = None) -> list[bytes]:
