@@ -83,6 +83,9 @@ cdef class TimerWheel:
                    s=Py_ssize_t, before=Py_ssize_t)
     cpdef tuple _collect_buckets(self, now_ms)
 
+    @cython.locals(i=cython.int[::1], examined=list, s=Py_ssize_t, b=Py_ssize_t, start=Py_ssize_t)
+    cpdef cascade_ahead(self, now_ms, max_entries)
+
     @cython.locals(out=list)
     cpdef list advance(self, now_ms)
 

@@ -1268,15 +1268,14 @@ class TimerWheel:
         start, pass_cur = self._ahead_start(b, v1, cur)
         if start == b:
             return 0
-        nxt = self._next
+        i = self._i
         examined: list[int] = []
-        append = examined.append
         s = start
         for _ in range(max_entries):
             if s == b:
                 break
-            append(s)
-            s = nxt[s]
+            examined.append(s)
+            s = i[s * _IW + _NEXT]
         self._ahead = (expiration, s, pass_cur)
         return self._move_to_level0(np.array(examined, dtype=np.int64), s, cur)
 
