@@ -1277,6 +1277,8 @@ class TimerWheel:
             examined.append(s)
             s = i[s * _IW + _NEXT]
         self._ahead = (expiration, s, pass_cur)
+        if _COMPILED:  # record by record in C: cheaper than numpy's fixed cost at this size
+            return self._move_each_to_level0(examined, cur)
         return self._move_to_level0(np.array(examined, dtype=np.int64), s, cur)
 
     def _move_idle_clock(self, now_ms: int) -> int:
@@ -1337,6 +1339,22 @@ class TimerWheel:
         by_level[1] -= moved
         by_level[0] += moved
         self._count[_C_CASCADES] += moved
+        return moved
+
+    def _move_each_to_level0(self, slots: list, cur: int) -> int:
+        """:meth:`_move_to_level0` one record at a time: each that fits is unlinked and
+        appended to its level-0 bucket, in list order, so the links, the states and the
+        counts come out as that method leaves them (the compiled build uses this one)."""
+        moved = 0
+        for s in slots:
+            deadline = self._q[s * _QW]
+            if self._placement.place(deadline, cur)[2] == 0:
+                self._unlink(s)
+                self._b[s * _RB + _ST] = self._link(s, deadline, cur)  # level 0 (counted by _link)
+                moved += 1
+        if moved:
+            self._pending_by_level[1] -= moved
+            self._count[_C_CASCADES] += moved
         return moved
 
     def release_many(self, slots, generations) -> np.ndarray:

@@ -167,6 +167,7 @@ def _compare(workers, shape, ops):
         first = next(i for i, (x, y) in enumerate(zip(a["arena"], b["arena"])) if x != y)
         raise AssertionError(f"the arenas differ, first at byte {first} of {len(a['arena'])}")
     assert a["results"][-1] == ("check", [])
+    return a["results"]
 
 
 def _built() -> bool:
@@ -208,3 +209,19 @@ def test_a_scenario_that_fills_the_arena_and_cascades(workers):
     ops += [("reattach", ()), ("advance", (1050,)), ("cancel_many", (keys[10:20], [i % 3 for i in range(10, 20)]))]
     ops += [("expire_many", (1300,)), ("reattach", ()), ("advance", (10**6,))]
     _compare(workers, shape, ops)
+
+
+def test_cascade_ahead_moves_the_same_records_on_both_paths(workers):
+    """The compiled build moves a level-1 bucket's records down one at a time, the Python
+    path with numpy (``_move_to_level0``): the same links, states and counts."""
+    shape = dict(SHAPES[2])  # tick 1 ms, 256 buckets: level 1 buckets span 256 ms
+    start = shape["start_ms"]
+    keys = [encode_ident(f"c{i}") for i in range(48)]
+    ops = [("schedule_ident", (k, start + 260 + 11 * i % 500, i % 2, i)) for i, k in enumerate(keys)]
+    for now in (start + 5, start + 40, start + 120, start + 200, start + 250, start + 255):
+        ops += [("cascade_ahead", (now, 7)), ("cascade_ahead", (now, 50))]
+    ops += [("cancel_many", (keys[:6], [i % 2 for i in range(6)])), ("cascade_ahead", (start + 300, 50)),
+            ("reattach", ()), ("expire_many", (start + 520,)), ("advance", (start + 900,))]
+    results = _compare(workers, shape, ops)
+    moved = sum(r for op, r in zip(ops, results) if op[0] == "cascade_ahead" and isinstance(r, int))
+    assert moved > 0, results
