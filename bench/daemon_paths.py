@@ -7,8 +7,11 @@
    drained batch either planned (``plan_batch`` + ``Executor.apply_plan``: numpy,
    last operation per key) or command by command (``Executor.apply_in_order``). Both on a private-memory
    wheel with ~65k pending, the e2e bench's mix (60% add of a new key, 20%
-   re-arm, 20% cancel), validation included; us per command per batch size.
-   The crossover is where ``BATCH_MIN`` belongs.
+   re-arm, 20% cancel), the daemon's check of the records included
+   (``executor.valid_records``); us per command per batch size. The crossover
+   is where ``BATCH_MIN`` belongs: on the Python path (run it with
+   ``WHEELD_PURE_PYTHON=1``) ~128-192 commands; compiled, in order wins at
+   every size and the daemon never plans.
 2. **park precision** (``daemon/alarm.py``): how long after the start of the
    next millisecond a parked uvloop wakes, with ``loop.call_later(delay)`` (the
    baseline; "early" counts wake-ups before the boundary, after which a parked
@@ -95,7 +98,7 @@ class _Plan:
 
 
 def apply_paths(sizes: list[int], commands_per_point: int) -> list[dict]:
-    from wheeld.protocol import commands as C
+    from wheeld.daemon.executor import valid_records
 
     executor, slot = _private_executor(600_000)
     plan = _Plan(1)
@@ -109,7 +112,7 @@ def apply_paths(sizes: list[int], commands_per_point: int) -> list[dict]:
             batches = [plan.batch(n) for _ in range(max(3, commands_per_point // n))]
             t0 = time.perf_counter()
             for records in batches:
-                C.validate_records(records, 1 << 17)
+                valid_records(records, 1 << 17)
                 if path == "collapsed":
                     executor.apply_plan(slot, executor.plan(slot, records), records)
                 else:
@@ -277,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.quick
     sizes = [32, 64, 128, 256, 1024] if quick else [32, 64, 128, 192, 256, 1024, 4096]
     apply_rows = apply_paths(sizes, 2_000 if quick else 20_000)
-    print("1. apply paths (us per command, validation included)")
+    from wheeld.protocol import accel
+
+    print(f"1. apply paths (us per command, validation included; {accel.implementation()} hot path)")
     print(format_table(apply_rows, ["batch_size", "pending", "collapsed_us_per_cmd", "one_by_one_us_per_cmd"]))
     park_rows = park_precision(30 if quick else 300)
     print("\n2. park precision: wake-up after the start of the next millisecond (us)")
@@ -290,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(coalesce_rows, ["coalesce_us", "adds", "wakeups", "wakeups_per_add", "windows",
                                        "flush_p50_ms", "flush_max_ms"]))
     if not quick:
-        path = write_json("daemon_paths", {"apply_paths": apply_rows, "park_precision": park_rows,
+        path = write_json("daemon_paths", {"hot_path": accel.implementation(),
+                                           "apply_paths": apply_rows, "park_precision": park_rows,
                                            "bookkeeping_pauses": pause_rows, "coalescing": coalesce_rows})
         print(f"\nwrote {path}")
     return 0
