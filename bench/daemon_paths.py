@@ -26,6 +26,11 @@
    without); then a flush right after an add on the parked daemon: how long it
    waits for its answer (an urgent doorbell wakes the daemon at once, not at
    the end of the window).
+5. **expire paths** (``daemon/delivery.py`` ``SCALAR_EXPIRE``): a private wheel
+   whose timers come due ``per_ms`` a millisecond (deadlines spread over 2 s,
+   scheduled at once, so each cascades on its way), driven one millisecond at a
+   time through the scalar ``expire`` and through the batch ``expire_many``, every
+   fired timer then released; us per call (one call per ms, as the daemon makes).
 
 Run from the repository root holding the shared lock
 (``flock /tmp/wheeld-bench.lock python -m bench.daemon_paths``).
@@ -273,6 +278,37 @@ def coalescing(trickle_ms: int, flushes: int) -> list[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------- 5. expire paths
+
+
+def expire_paths(rates: list[int], span_ms: int) -> list[dict]:
+    from wheeld.shm.wheel import TimerWheel, encode_ident
+
+    rows = []
+    for per_ms in rates:
+        row = {"timers_per_ms": per_ms}
+        for method in ("expire", "expire_many"):
+            n = per_ms * span_ms
+            wheel = TimerWheel.create(n + 1000, start_ms=0)
+            try:
+                deadlines = np.sort(np.random.default_rng(per_ms).integers(1, span_ms + 1, n))
+                wheel.schedule_many([encode_ident(i) for i in range(n)], deadlines)
+                expire, fired, spent = getattr(wheel, method), 0, 0.0
+                for now in range(1, span_ms + 1):
+                    t0 = time.perf_counter()
+                    slots = np.asarray(expire(now), dtype=np.int64)
+                    spent += time.perf_counter() - t0
+                    if slots.size:
+                        wheel.release_many(slots, wheel.records_of(slots)["gen"])
+                        fired += slots.size
+                assert fired == n
+                row[f"{method}_us_per_ms"] = round(spent / span_ms * 1e6, 1)
+            finally:
+                wheel.close()
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
@@ -294,10 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     print("\n4. coalescing: paced adds on a parked daemon, then flushes")
     print(format_table(coalesce_rows, ["coalesce_us", "adds", "wakeups", "wakeups_per_add", "windows",
                                        "flush_p50_ms", "flush_max_ms"]))
+    expire_rows = expire_paths([10, 25, 50, 100, 200], 200 if quick else 2_000)
+    print(f"\n5. expire paths: us per call, one call per ms ({accel.implementation()} hot path)")
+    print(format_table(expire_rows, ["timers_per_ms", "expire_us_per_ms", "expire_many_us_per_ms"]))
     if not quick:
         path = write_json("daemon_paths", {"hot_path": accel.implementation(),
                                            "apply_paths": apply_rows, "park_precision": park_rows,
-                                           "bookkeeping_pauses": pause_rows, "coalescing": coalesce_rows})
+                                           "bookkeeping_pauses": pause_rows, "coalescing": coalesce_rows,
+                                           "expire_paths": expire_rows})
         print(f"\nwrote {path}")
     return 0
 

@@ -32,19 +32,19 @@ from typing import Callable
 
 import numpy as np
 
+from wheeld.protocol import accel
 from wheeld.protocol import arena_layout as AL
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ProtocolError
 from wheeld.protocol.keys import decode_key, key_length
-from wheeld.shm import wheel as _wheel_module
 from wheeld.shm.wheel import TimerWheel
 
 EXPIRE_MANY_MIN = 24  # see Delivery.expire (expire_many ~30 us per call, expire ~1.7 us per timer)
-# The compiled wheel's scalar expire costs ~0.2 us per timer against expire_many's ~40 us
-# per call and ~0.4 us per timer (5-10x less from 10 to 200 timers per ms): there the
-# daemon always expires through it.
-SCALAR_EXPIRE = not _wheel_module.__file__.endswith(".py")
+# Compiled, the scalar expire is cheaper at every rate python -m bench.daemon_paths
+# measures ("expire paths": 6.5-50 us per ms for 10-200 timers a ms, expire_many
+# 61-108 us): there the daemon always expires through it.
+SCALAR_EXPIRE = accel.compiled("wheeld.shm.wheel")
 COLUMNS_MIN = 256  # expirations handled per column (numpy) from this many on, per row below
 IDLE_WAIT_MS = 100  # an idle timer whose client has not come back after a restart waits this long
 _LATENESS_BOUNDS_US = np.array(AL.LATENESS_BOUNDS_US, dtype=np.int64)

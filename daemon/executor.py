@@ -22,13 +22,13 @@ from typing import Callable
 
 import numpy as np
 
+from wheeld.protocol import accel
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import commands as C
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ArenaFull, InvalidRequest, ProtocolError
-from wheeld.protocol.keys import TYPE_STR, VALID_KEY_METAS, key_length, key_type
-from wheeld.shm import wheel as _wheel_module
+from wheeld.protocol.keys import TYPE_STR
 from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
 
 from .planner import CommandLog, Plan, plan_batch, rejection
@@ -41,19 +41,19 @@ APPLY_CHUNK = 4096  # applied, then committed, at a time
 # On the Python path smaller drained chunks are cheaper one command at a time: a plan
 # costs ~300 us fixed + ~1.2 us/command, one by one ~3.5-4 us/command (crossover
 # ~130-190, measured by python -m bench.daemon_paths). At 64 the paced steady phase
-# paid ~7 us per command. With the compiled wheel the scalar calls win at every size
-# measured (32-8192 commands: ~1.0-1.3 us per command in order, 1.5-4.5 planned), so
-# there every chunk is applied in order (BATCH_MIN None).
+# paid ~7 us per command. Compiled, in order wins at every size the same bench measures
+# (32-4096 commands: 0.33-0.52 us per command in order, 1.1-14 planned), so there every
+# chunk is applied in order (BATCH_MIN None).
 PLAN_BATCH_MIN = 192
-BATCH_MIN = PLAN_BATCH_MIN if _wheel_module.__file__.endswith(".py") else None
+BATCH_MIN = None if accel.compiled("wheeld.shm.wheel") else PLAN_BATCH_MIN
 _ADD, _ADD_IDLE, _CANCEL, _ACK, _FLUSH = C.ADD, C.ADD_IDLE, C.CANCEL, C.ACK, C.FLUSH
 # Compiled (executor.pxd), the in-order loop reads the records through C arrays.
 _COMPILED = not __file__.endswith(".py")
 _IW, _I_PREV, _I_NEXT = L.I_PER_RECORD, L.I_PREV, L.I_NEXT  # an arena record's int32 words (prefetches)
-# per key meta byte, for the compiled record check: a valid meta, the key's length, a str key
-_META_VALID = np.array(VALID_KEY_METAS, dtype=np.uint8)
-_META_LENGTH = np.array([key_length(meta) if VALID_KEY_METAS[meta] else 0 for meta in range(256)], dtype=np.uint8)
-_META_STR = np.array([VALID_KEY_METAS[meta] and key_type(meta) == TYPE_STR for meta in range(256)], dtype=np.uint8)
+# per key meta byte, for the compiled record check: commands' tables as bytes
+_META_VALID = C._VALID_KEY_META.view(np.uint8)
+_META_LENGTH = C._KEY_LENGTH.astype(np.uint8)
+_META_STR = (C._KEY_TYPE == TYPE_STR).view(np.uint8)
 _NO_TOUCH_LIMIT = 1 << 62
 
 

@@ -30,7 +30,7 @@ import sys
 import warnings
 
 __all__ = [
-    "COMPILED_MODULES", "PATH_CODES", "PATH_NAMES", "implementation", "module_paths", "pure_python_requested",
+    "COMPILED_MODULES", "PATH_CODES", "PATH_NAMES", "compiled", "implementation", "module_paths", "pure_python_requested",
     "install_finder",
 ]
 
@@ -111,14 +111,17 @@ def install_finder() -> None:
     sys.meta_path.insert(0, _PureFinder(pure_python_requested()))
 
 
+def compiled(name: str) -> bool:
+    """Whether importing hot module ``name`` loads (or has loaded) its extension. Found, not
+    imported: the daemon asks about the client's modules without loading them."""
+    module = sys.modules.get(name)
+    origin = (getattr(module, "__file__", None) if module is not None else importlib.util.find_spec(name).origin) or ""
+    return origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
 def module_paths() -> dict[str, str]:
     """Each hot module -> "compiled" or "python": what importing it loads (or has loaded)."""
-    out = {}
-    for name in COMPILED_MODULES:  # found, not imported: the daemon does not load the client's modules
-        module = sys.modules.get(name)
-        origin = (getattr(module, "__file__", None) if module is not None else importlib.util.find_spec(name).origin) or ""
-        out[name] = "compiled" if origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)) else "python"
-    return out
+    return {name: "compiled" if compiled(name) else "python" for name in COMPILED_MODULES}
 
 
 def implementation() -> str:

@@ -27,3 +27,9 @@ def test_coalescing_rows_count_wakeups_and_flushes_for_both_windows():
     assert set(rows) == {0, 10_000}
     for row in rows.values():
         assert 0 < row["wakeups"] <= row["adds"] and row["flush_max_ms"] >= row["flush_p50_ms"] > 0
+
+
+def test_expire_paths_fire_every_timer_both_ways():
+    rows = daemon_paths.expire_paths([5, 20], 50)
+    assert [r["timers_per_ms"] for r in rows] == [5, 20]
+    assert all(r["expire_us_per_ms"] > 0 and r["expire_many_us_per_ms"] > 0 for r in rows)
