@@ -329,7 +329,8 @@ def _in_order(executor: Executor, cs, records: np.ndarray) -> tuple[list, list]:
     if _COMPILED:
         raw = np.ascontiguousarray(records).view(np.uint8).reshape(n, C.RECORD_SIZE)
         # each record's key-index hash, so the loop can prefetch the index cells and records
-        # that command i + _PREFETCH_AHEAD will probe: at a million timers they are cache misses
+        # the commands a few places ahead will probe (_prefetch): at a million timers they
+        # are cache misses
         hashes = np.empty(n, dtype=np.int64)
         _hash_keys(wheel._index, raw, hashes, gid)  # noqa: F821 - executor.pxd
         ops, metas, deadlines = records["op"], records["key_meta"], records["deadline_ms"]
