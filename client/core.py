@@ -102,6 +102,13 @@ _RECENT = 1 << 17  # the latest armings handed over, and the latest cancelled, r
 # 5-25 ms late); split in 64 each pause is 64 times shorter, for ~40 ns per operation.
 _SHARDS = 64
 _SHARD_MASK = _SHARDS - 1
+# A dict whose keys are all str keeps no hashes in its entries: every probe that meets
+# another key reads that key's str object for its hash, one more cache miss per
+# collision once the bookkeeping outgrows the caches. One key of another type (this
+# sentinel, never a user key: keys are str, int or bytes) makes CPython keep the hash
+# in each entry, so a probe compares hashes without leaving the table (CPython 3.11+
+# "unicode" dict keys). Nothing iterates the shards, so the sentinel is never seen.
+_HASHED_ENTRIES = object()
 _SPIN_YIELDS = 20_000  # a full ring: sched_yield polls (~0.5-5 ms) before sleeping between polls
 _CANCEL = C.CANCEL
 _KEY_BYTES = KEY_BYTES
@@ -219,7 +226,7 @@ class ClientCore:
         # key -> tag of our live arming, or ~tag once cancelled; in _SHARDS dicts by hash(key).
         # A str or int key is its own name here (its hash is cached or trivial, no bytes to
         # build), a bytes key goes by its ident: see _bookkeeping_key.
-        self._latest: list[dict] = [{} for _ in range(_SHARDS)]
+        self._latest: list[dict] = [{_HASHED_ENTRIES: None} for _ in range(_SHARDS)]
         self._touch_index: dict[bytes, int] = {}  # ident -> touch index
         self._touch_by_key: dict = {}  # the user's key object -> touch index (touch's fast path)
         self._touch_table = None
