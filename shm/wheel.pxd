@@ -1,6 +1,9 @@
 # C declarations of shm/wheel.py for the compiled build (Cython pure Python mode): the
 # scalar paths (schedule, cancel, re-arm, advance/expire, release, rearm_fired) in C.
 cimport cython
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.long cimport PyLong_FromLongLong
+from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.string cimport memcpy
 
 from .keyindex cimport KeyIndex
@@ -14,6 +17,27 @@ cdef bint _COMPILED
 cdef inline void _put_key(unsigned char[::1] b, Py_ssize_t at, bytes ident):
     """Copy ident (33 bytes, checked by the caller) into the record bytes b[at : at + 33]."""
     memcpy(&b[at], <const char *>ident, 33)
+
+
+cdef inline object _decode_key_at(unsigned char[::1] b, Py_ssize_t at, int meta):
+    """keys.decode_key of the key bytes at b[at] (a record's key field, 32 bytes) for a meta
+    byte encode_key can write, built straight from the bytes; None for any other meta
+    byte (the caller then decodes the Python way, with the same result and errors)."""
+    cdef int kind = meta >> 6
+    cdef int n = meta & 0x3F
+    cdef unsigned long long v = 0
+    cdef int k
+    if n < 1 or n > 32:
+        return None
+    if kind == 1:  # str: strict UTF-8, as bytes.decode("utf-8")
+        return PyUnicode_DecodeUTF8(<const char *>&b[at], n, NULL)
+    if kind == 0:
+        return PyBytes_FromStringAndSize(<const char *>&b[at], n)
+    if kind == 2 and n == 8:  # int: 8 bytes, little-endian, signed
+        for k in range(7, -1, -1):
+            v = (v << 8) | b[at + k]
+        return PyLong_FromLongLong(<long long>v)
+    return None
 
 cdef int _FREE, _SCHEDULED, _FIRED, _STATE_MASK, _LEVEL_SHIFT
 cdef Py_ssize_t _CUR, _QW, _IW, _HW, _RB, _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP, _ST, _KM, _KEY
@@ -73,7 +97,7 @@ cdef class TimerWheel:
     cdef Py_ssize_t _sweep(self, now_ms, bint to_fired, list out) except -1
 
     @cython.locals(base=cython.Py_ssize_t, meta=cython.int)
-    cdef void _fire_free(self, Py_ssize_t s, list out)
+    cdef int _fire_free(self, Py_ssize_t s, list out) except -1
 
     @cython.locals(fl=cython.Py_ssize_t, flp=cython.Py_ssize_t, tail=cython.Py_ssize_t)
     cdef void _fire(self, Py_ssize_t s, list out)

@@ -895,10 +895,12 @@ class TimerWheel:
 
     def _fire_free(self, s: int, out: list) -> None:
         """A due timer of :meth:`advance`: its key and deadline to ``out``, its record freed."""
-        rb = self._rb
         base = s * _RB
         meta = self._b[base + _KM]
-        out.append((decode_key(bytes(rb[base + _KEY : base + _KEY_END[meta]]), meta), self._q[s * _QW]))
+        key = _decode_key_at(self._b, base + _KEY, meta) if _COMPILED else None  # noqa: F821 - wheel.pxd
+        if key is None:
+            key = decode_key(bytes(self._rb[base + _KEY : base + _KEY_END[meta]]), meta)
+        out.append((key, self._q[s * _QW]))
         self._b[base + _ST] = _FREE
         self._index.remove(s)
         self._free(s)
@@ -945,10 +947,11 @@ class TimerWheel:
         return self._entry(slot)
 
     def _entry(self, slot: int) -> tuple[object, int, int, int, int, int]:
-        rb = self._rb
         base = slot * _RB
-        meta = rb[base + _KM]
-        key = decode_key(bytes(rb[base + _KEY : base + _KEY_END[meta]]), meta)
+        meta = self._b[base + _KM]
+        key = _decode_key_at(self._b, base + _KEY, meta) if _COMPILED else None  # noqa: F821 - wheel.pxd
+        if key is None:
+            key = decode_key(bytes(self._rb[base + _KEY : base + _KEY_END[meta]]), meta)
         sp = slot * _IW
         return key, self._q[slot * _QW], self._h[slot * _HW + _GROUP], self._u[sp + _TAG], self._i[sp + _AUX], self._u[sp + _GEN]
 

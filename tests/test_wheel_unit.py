@@ -331,6 +331,29 @@ def test_str_bytes_and_int_keys_are_distinct():
     assert sorted(wheel.advance(10), key=lambda kd: kd[1]) == [("17", 5), (b"17", 6), (17, 7), (-1, 8), ("k" * 32, 9)]
 
 
+KEYS_OF_EVERY_KIND = [
+    "a", "é" * 16, "ключ-17", "k" * 32,  # str: 1-byte to 32-byte UTF-8
+    b"\x00", b"a\x00\x00", b"\xff" * 32,  # bytes, with zero bytes the record's padding must not eat
+    0, 1, -1, 255, 256, -(1 << 63), (1 << 63) - 1, 0x0102030405060708,  # int: 8 bytes little-endian, signed
+]
+
+
+def test_every_kind_of_key_comes_back_as_it_went_in():
+    """advance and fired (the compiled build reads keys straight from the record bytes)
+    give back the very key scheduled, of its type."""
+    wheel = TimerWheel.create(2 * len(KEYS_OF_EVERY_KIND))
+    for n, key in enumerate(KEYS_OF_EVERY_KIND):
+        wheel.schedule(key, 10 + n)
+    out = wheel.advance(10 + len(KEYS_OF_EVERY_KIND))
+    assert [(type(k), k) for k, _ in sorted(out, key=lambda kd: kd[1])] == [(type(k), k) for k in KEYS_OF_EVERY_KIND]
+    for n, key in enumerate(KEYS_OF_EVERY_KIND):
+        wheel.schedule(key, 100 + n)
+    slots = wheel.expire(100 + len(KEYS_OF_EVERY_KIND))
+    fired = sorted((wheel.fired(s) for s in slots), key=lambda f: f[1])
+    assert [(type(f[0]), f[0]) for f in fired] == [(type(k), k) for k in KEYS_OF_EVERY_KIND]
+    assert wheel.check() == []
+
+
 # ----------------------------------------------------------------------------- bad input
 def snapshot(wheel: TimerWheel) -> tuple[bytes, set, list]:
     return bytes(wheel._seg.buf), pending_set(wheel), wheel.group_counts().tolist()
