@@ -80,7 +80,8 @@ class KeyIndex:
         self.used = 0  # occupied cells (= scheduled timers)
         self.gmix = [_signed64(g * _GROUP_MIX) for g in range(max_groups)]
         self._gmix_np = np.array(self.gmix, dtype=np.int64)
-        self._gmix = memoryview(array("q", self.gmix))  # the same values: a C array for the scalar paths
+        # the same values: a C array for the compiled scalar paths (the Python path reads a list faster)
+        self._gmix = memoryview(array("q", self.gmix)) if _COMPILED else self.gmix
 
     def close(self) -> None:
         """Drop every view of the records (the arena can be unmapped after this)."""

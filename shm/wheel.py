@@ -302,9 +302,10 @@ def _default_levels(tick_ms: int, wheel_size: int) -> int:
     return levels
 
 
-def _int64_counts(counts: list[int]) -> memoryview:
-    """Counts as a writable view of int64 words."""
-    return memoryview(array("q", counts))
+def _int64_counts(counts: list[int]) -> memoryview | list[int]:
+    """Counts as a writable view of int64 words: the C array the compiled build declares
+    (wheel.pxd). The Python path keeps a list, whose items it reads and writes faster."""
+    return memoryview(array("q", counts)) if _COMPILED else list(counts)
 
 
 def _check_clock(now_ms) -> None:
