@@ -1,6 +1,9 @@
 # C types for the compiled client core (Cython pure-Python mode: core.py is the code, this
 # file only declares types; see wheeld.protocol.accel).
 cimport cython
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.long cimport PyLong_FromLongLong
+from cpython.unicode cimport PyUnicode_DecodeUTF8
 from wheeld.shm.ring cimport ClientSegment
 
 cdef extern from *:
@@ -19,6 +22,29 @@ cdef extern from *:
     void _full_fence "wheeld_full_fence" () nogil
 
 cdef bint _COMPILED
+
+
+cdef inline object _decode_key_bytes(bytes kb, long long meta):
+    """keys.decode_key of an expiration's key, for the keys encode_key can produce: None
+    when kb is not a key of meta (messages.expiry_keys' check: a valid meta byte and its
+    length); a str key not in UTF-8 raises UnicodeDecodeError, as bytes.decode does."""
+    cdef long long kind = meta >> 6
+    cdef long long length = meta & 0x3F
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(kb)
+    cdef const unsigned char *p = <const unsigned char *>PyBytes_AS_STRING(kb)
+    cdef unsigned long long v = 0
+    cdef int k
+    if meta < 0 or meta > 0xFF or length < 1 or length > 32 or n != length:
+        return None
+    if kind == 1:
+        return PyUnicode_DecodeUTF8(<const char *>p, n, NULL)
+    if kind == 0:
+        return kb
+    if kind == 2 and n == 8:  # 8 bytes, little-endian, signed
+        for k in range(7, -1, -1):
+            v = (v << 8) | p[k]
+        return PyLong_FromLongLong(<long long>v)
+    return None
 cdef Py_ssize_t _KEY_BYTES
 cdef long long _SEQ_MASK
 cdef Py_ssize_t _SHARD_MASK

@@ -138,6 +138,25 @@ def _bookkeeping_key(kb: bytes, meta: int):
     return decode_key(kb, meta)
 
 
+def _expiry_keys(items) -> list:
+    """:func:`wheeld.protocol.messages.expiry_keys` in the compiled build: each key built in C
+    from its bytes (``_decode_key_bytes``, core.pxd); the same keys and the same errors."""
+    keys = []
+    matched = True
+    for e in items:
+        try:
+            key = _decode_key_bytes(e.key_bytes, e.key_meta)  # noqa: F821 - core.pxd
+        except UnicodeDecodeError:
+            raise ProtocolError("invalid daemon message: a str key must be UTF-8") from None
+        if key is None:
+            matched = False  # reported once every key was tried, as expiry_keys does
+        else:
+            keys.append(key)
+    if not matched:
+        raise ProtocolError("invalid daemon message: key_bytes do not match key_meta")
+    return keys
+
+
 class Expired(msgspec.Struct, frozen=True, gc=False):
     """A timer that came due. ``late`` is True when it fired late because the daemon was down.
 
@@ -737,7 +756,7 @@ class ClientCore:
             raise refusal_error(message)
 
     def _on_expirations(self, items) -> None:
-        keys = M.expiry_keys(items)  # checked for the whole frame before anything changes
+        keys = _expiry_keys(items) if _COMPILED else M.expiry_keys(items)  # the whole frame checked first
         my_slot = self._tag_base >> _SEQ_BITS
         former = self._former_slots
         epoch = self._welcome.arena_epoch  # handles name records of this arena only

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from wheeld.protocol import commands, framing, messages
+from wheeld.protocol import accel, commands, framing, messages
 from wheeld.protocol.commands import (
     ADD,
     ADD_IDLE,
@@ -542,3 +542,38 @@ def test_blocking_reader_refuses_an_oversized_length():
 def test_frame_helpers_agree_with_encode_frame():
     for message in DAEMON_MESSAGES:
         assert encode_daemon_frame(message) == framing.encode_frame(encode_daemon_message(message))
+
+
+class _Item:
+    """What the client reads of an expiration item: its key fields."""
+
+    def __init__(self, key_bytes: bytes, key_meta: int):
+        self.key_bytes, self.key_meta = key_bytes, key_meta
+
+
+def _keys_or_error(fn, items):
+    try:
+        return [(type(k), k) for k in fn(items)]
+    except ProtocolError as exc:
+        return str(exc)
+
+
+_VALID_KEYS = st.one_of(st.text(min_size=1, max_size=8), st.binary(min_size=1, max_size=32),
+                        st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1))
+
+
+@pytest.mark.skipif(not accel.compiled("wheeld.core"), reason="the compiled client's key decoding (Python path: expiry_keys itself)")
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(items=st.lists(st.one_of(
+    _VALID_KEYS.map(lambda key: encode_key(key)),  # keys the daemon sends
+    st.tuples(st.binary(max_size=40), st.integers(min_value=0, max_value=255)),  # anything else
+    st.tuples(st.sampled_from([b"\xed\xa0\x80", b"\xc0\xaf", b"\xff", b"ab\xe6\x97"]),
+              st.just(None)).map(lambda kv: (kv[0], key_meta_of(TYPE_STR, len(kv[0])))),  # not UTF-8
+), max_size=6))
+def test_the_compiled_client_decodes_expiration_keys_as_expiry_keys(items):
+    """The client's compiled ``_expiry_keys`` gives the keys ``messages.expiry_keys`` gives, or
+    the same ProtocolError, for any frame."""
+    from wheeld import core
+
+    frame = [_Item(kb, meta) for kb, meta in items]
+    assert _keys_or_error(core._expiry_keys, frame) == _keys_or_error(messages.expiry_keys, frame)
