@@ -45,6 +45,10 @@ EXPIRE_MANY_MIN = 24  # see Delivery.expire (expire_many ~30 us per call, expire
 # measures ("expire paths": 6.5-50 us per ms for 10-200 timers a ms, expire_many
 # 61-108 us): there the daemon always expires through it.
 SCALAR_EXPIRE = accel.compiled("wheeld.shm.wheel")
+# Record tuples of a few expired timers: compiled, record_rows reads them from the arena in C
+# (no numpy call); on the Python path numpy's records_of(...).tolist() is the faster way.
+ROWS_FROM_ARENA = SCALAR_EXPIRE
+_KEY_LEN_MASK = key_length(0xFF)  # a meta byte's length bits: key_length, inlined
 COLUMNS_MIN = 256  # expirations handled per column (numpy) from this many on, per row below
 IDLE_WAIT_MS = 100  # an idle timer whose client has not come back after a restart waits this long
 _LATENESS_BOUNDS_US = np.array(AL.LATENESS_BOUNDS_US, dtype=np.int64)
@@ -143,7 +147,7 @@ class Delivery:
                 fired = np.array(slots, dtype=np.int64)
                 self._queue_columns(fired, wheel.records_of(fired), now)
             elif slots:
-                self._queue_rows(slots, wheel.records_of(slots).tolist(), now)
+                self._queue_rows(slots, self._rows(slots), now)
         else:
             slots = wheel.expire_many(now)
             self._last_expired = slots.size
@@ -271,13 +275,19 @@ class Delivery:
     def _items_from_rows(self, taken: list) -> list[tuple]:
         """``Expirations`` items (``M.ExpiryFields`` order) for queued (slot, gen, fired_ms, late)
         entries still FIRED with that generation; a few at a time, from record tuples."""
-        rows = self.wheel.records_of([entry[0] for entry in taken]).tolist()
-        fired = AL.FIRED
+        rows = self._rows([entry[0] for entry in taken])
+        fired, length = AL.FIRED, _KEY_LEN_MASK
         return [
-            (key[: key_length(meta)], meta, deadline, fired_ms, tag, s, gen, late)
+            (key[: meta & length], meta, deadline, fired_ms, tag, s, gen, late)
             for (s, gen, fired_ms, late), (deadline, _p, _n, rgen, tag, _aux, _g, state, meta, key) in zip(taken, rows)
             if state == fired and rgen == gen
         ]
+
+    def _rows(self, slots: list) -> list[tuple]:
+        """The record tuples of ``slots`` (:meth:`TimerWheel.record_rows`)."""
+        if ROWS_FROM_ARENA:
+            return self.wheel.record_rows(slots)
+        return self.wheel.records_of(slots).tolist()
 
     def _items_from_columns(self, taken: list) -> list[tuple]:
         """:meth:`_items_from_rows` for a large batch, from the records' columns."""

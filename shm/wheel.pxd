@@ -19,6 +19,10 @@ cdef inline void _put_key(unsigned char[::1] b, Py_ssize_t at, bytes ident):
     memcpy(&b[at], <const char *>ident, 33)
 
 
+cdef inline bytes _key_field(unsigned char[::1] b, Py_ssize_t at):
+    """A record's 32-byte key field at b[at] as bytes."""
+    return PyBytes_FromStringAndSize(<const char *>&b[at], 32)
+
 cdef inline object _decode_key_at(unsigned char[::1] b, Py_ssize_t at, int meta):
     """keys.decode_key of the key bytes at b[at] (a record's key field, 32 bytes) for a meta
     byte encode_key can write, built straight from the bytes; None for any other meta
@@ -121,6 +125,9 @@ cdef class TimerWheel:
 
     @cython.locals(c=cython.longlong[::1])
     cpdef bint release(self, slot, generation) except -1
+
+    @cython.locals(out=list, s=Py_ssize_t, sp=Py_ssize_t, base=Py_ssize_t)
+    cpdef list record_rows(self, slots)
 
     @cython.locals(cur=cython.longlong, deadline=cython.longlong, base=cython.Py_ssize_t, group=cython.Py_ssize_t,
                    state=cython.int, c=cython.longlong[::1])

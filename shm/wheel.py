@@ -1394,6 +1394,22 @@ class TimerWheel:
         """A copy of the records at ``slots`` (numpy structured array: deadline, tag, key, ...)."""
         return self._raw[np.asarray(slots, dtype=np.int64)].view(L.RECORD_DTYPE)  # whole-record copies: fast
 
+    def record_rows(self, slots) -> list[tuple]:
+        """``records_of(slots).tolist()`` read straight from the arena: one tuple per slot,
+        (deadline, prev, next, gen, tag, aux, group, state, key_meta, key) with the key
+        field's 32 bytes. Compiled, it costs no numpy call (what a few rows need)."""
+        out = []
+        for s in slots:
+            if not 0 <= s < self.n_records:
+                raise InvalidRequest(f"slot {s} is not a record of this arena")
+            sp = s * _IW
+            base = s * _RB
+            key = _key_field(self._b, base + _KEY) if _COMPILED else bytes(self._rb[base + _KEY : base + _RB])  # noqa: F821 - wheel.pxd
+            out.append((self._q[s * _QW], self._i[sp + _PREV], self._i[sp + _NEXT], self._u[sp + _GEN],
+                        self._u[sp + _TAG], self._i[sp + _AUX], self._h[s * _HW + _GROUP], self._b[base + _ST],
+                        self._b[base + _KM], key))
+        return out
+
     # ------------------------------------------------------------------ batch helpers
     def _count_levels(self, levels: np.ndarray, sign: int) -> None:
         counts = np.bincount(levels, minlength=_LEVEL_SLOTS).tolist()

@@ -354,6 +354,23 @@ def test_every_kind_of_key_comes_back_as_it_went_in():
     assert wheel.check() == []
 
 
+def test_record_rows_are_the_rows_of_records_of():
+    """record_rows (read from the arena; compiled, in C) equals records_of(...).tolist() for
+    scheduled, fired and free records, and refuses a slot outside the arena."""
+    wheel = TimerWheel.create(2 * len(KEYS_OF_EVERY_KIND))
+    for n, key in enumerate(KEYS_OF_EVERY_KIND):
+        wheel.schedule(key, 10 + 3 * n, tag=n, aux=n - 2 if n % 2 else -1)
+    fired = wheel.expire(10 + len(KEYS_OF_EVERY_KIND))
+    everything = list(range(wheel.n_records))
+    assert fired and wheel.record_rows(fired) == wheel.records_of(fired).tolist()
+    assert wheel.record_rows(everything) == wheel.records_of(everything).tolist()
+    assert wheel.record_rows(np.array(fired[::-1])) == wheel.records_of(fired[::-1]).tolist()
+    assert wheel.record_rows([]) == []
+    for bad in (-1, wheel.n_records):
+        with pytest.raises(InvalidRequest):
+            wheel.record_rows([bad])
+
+
 # ----------------------------------------------------------------------------- bad input
 def snapshot(wheel: TimerWheel) -> tuple[bytes, set, list]:
     return bytes(wheel._seg.buf), pending_set(wheel), wheel.group_counts().tolist()
