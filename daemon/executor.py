@@ -340,6 +340,10 @@ def _in_order(executor: Executor, cs, records: np.ndarray) -> tuple[list, list]:
         seqs, aux0, aux1 = records["seq"].tolist(), records["aux0"].tolist(), records["aux1"].tolist()
         keys = _keys(records)
     command_log = executor._in_order_log(gid, records) if recorder is not None else None
+    # an ACK of what this daemon sent this client, without a journal: release_one's usual
+    # case, inline (the others go through it)
+    unacked = cs.unacked if recorder is None else None
+    epoch = executor.arena_epoch
     flushes, rejects = [], []
     for i in range(n):
         if _COMPILED:
@@ -350,7 +354,11 @@ def _in_order(executor: Executor, cs, records: np.ndarray) -> tuple[list, list]:
             continue
         try:
             if op == _ACK:
-                executor.release_one(cs, aux0[i], aux1[i], seqs[i])
+                if unacked is not None and (seqs[i] == epoch or not seqs[i]) and unacked.get(aux0[i]) == aux1[i]:
+                    del unacked[aux0[i]]
+                    wheel.release(aux0[i], aux1[i])
+                else:
+                    executor.release_one(cs, aux0[i], aux1[i], seqs[i])
                 continue
             # a keyed command: ADD, ADD_IDLE or CANCEL (validated records hold no other op)
             ident = _ident_at(raw, i) if _COMPILED else _META[metas[i]] + keys[i]  # noqa: F821 - executor.pxd
