@@ -45,12 +45,15 @@ condition/cancel, expired, or completed with an error, never two of these.
 
 Exactly once
 ------------
-``force_complete()`` is a test-and-set on a one-shot flag (a ``threading.Lock``
-acquired without blocking, which is atomic with or without the GIL). The path
-that acquires it runs the completion; every later attempt returns False.
-``try_complete()`` calls are serialised per operation (Kafka's
-``safeTryComplete``) so a condition check never races another check of the same
-operation; they are not serialised against ``force_complete()``, which needs no lock.
+``force_complete()`` is a test-and-set on a one-shot flag, atomic with or without
+the GIL: compiled, a byte of the operation changed with an atomic exchange; as
+Python, a ``threading.Lock`` acquired without blocking. The path that sets it runs
+the completion; every later attempt returns False. ``try_complete()`` calls are
+serialised per operation so a condition check never races another check of the
+same operation, the way Kafka's ``maybeTryComplete`` does it (KAFKA-8334): a check
+that finds another one running does not wait; it flags the running one, which
+checks once more when it ends, so an event that arrived meanwhile is not missed.
+Checks are not serialised against ``force_complete()``, which needs no lock.
 
 The timer: O(1) removal
 -----------------------
@@ -119,8 +122,9 @@ Locking and threads
 One lock per purgatory guards the watch lists, the id->operation map of the
 timer, the wheel (or the daemon client, which is not thread-safe). It is never
 held while user code runs: ``check_and_complete`` copies the watch list under the
-lock and calls ``try_complete`` outside it; expirations are collected under it
-and completed outside it. Registration re-checks ``is_completed`` under the lock
+lock and calls ``try_complete`` outside it; the clock takes the due operations
+off the timer, sets their one-shot flags and removes them from their watch lists
+in one critical section per pass, and runs their callbacks after it. Registration re-checks ``is_completed`` under the lock
 and completion sets the flag *before* it takes the lock to clean up, so an
 operation completed by another thread while it is being watched is either not
 added or removed right after: nothing leaks. Conditions may be checked, and
@@ -172,7 +176,8 @@ log = logging.getLogger("wheeld.purgatory")
 
 _NEVER = 1 << 62  # "the clock sleeps with no deadline": any add wakes it
 _BUSY = -(1 << 62)  # "the clock is awake and will look again": no add wakes it
-_INT_KEY_META = bytes((encode_key(1)[1],))  # op ids are positive ints below 2**62
+_INT_META = encode_key(1)[1]  # op ids are positive ints below 2**62: int keys, one meta byte
+_INT_KEY_META = bytes((_INT_META,))
 _KEY_PAD = bytes(KEY_BYTES - 8)
 _ID_SHIFT = 32  # an op id is (random 30-bit base << 32) | counter
 KAFKA_TICK_MS = 1
