@@ -40,11 +40,12 @@ test: $(TEST_STAMP) build
 	$(BIN)/python -m pytest -n 4 -q
 	$(MAKE) --no-print-directory test-pure
 
-# the core, ring, client and daemon modules again on the Python path (the reference)
+# the core, ring, client, purgatory and daemon modules again on the Python path (the reference)
 PURE_TESTS := tests/test_wheel_unit.py tests/test_wheel_model.py tests/test_wheel_crash.py tests/test_keyindex.py \
 	tests/test_placement.py tests/test_ring.py tests/test_ring_multiprocess.py tests/test_client_misuse.py \
 	tests/test_cancel_contract.py tests/test_planner.py tests/test_delivery.py tests/test_e2e.py \
-	tests/test_hostile.py tests/test_fuzz_daemon.py tests/test_never_early.py tests/test_daemon_clock.py tests/test_accel.py
+	tests/test_hostile.py tests/test_fuzz_daemon.py tests/test_never_early.py tests/test_daemon_clock.py tests/test_accel.py \
+	tests/test_purgatory.py
 test-pure: $(TEST_STAMP)
 	WHEELD_PURE_PYTHON=1 $(BIN)/python -m pytest -n 4 -q $(PURE_TESTS)
 

@@ -70,6 +70,7 @@ from wheeld.protocol.errors import (
 from wheeld.protocol.keys import (
     KEY_BYTES,
     TYPE_BYTES,
+    TYPE_INT,
     TYPE_STR,
     decode_key,
     encode_key,
@@ -86,6 +87,8 @@ _fence = threading.Lock()
 _fence_acquire = _fence.acquire
 _fence_release = _fence.release
 _STR_META = key_meta_of(TYPE_STR, 0)  # | the key's length
+_INT_META = key_meta_of(TYPE_INT, 8)  # an int key: 8 little-endian bytes, signed
+_INT_LOW, _INT_HIGH = -(1 << 63), (1 << 63) - 1
 _PARKED = SL.PARKED_WORD
 _PENDING = SL.PENDING_WORD
 _FIRED_UNACKED = SL.FIRED_UNACKED_WORD
@@ -474,7 +477,7 @@ class ClientCore:
         ``delay_ms`` of real time after this call (the deadline is the clock in ms
         rounded up, plus the delay).
         """
-        # The hot path, inlined: a str key's encoding (encode_key for anything else or
+        # The hot path, inlined: a str or int key's encoding (encode_key for anything else or
         # anything it would refuse), the arena-full check and _after_push.
         if self._closed:
             self._raise_closed()
@@ -487,6 +490,10 @@ class ClientCore:
             meta = _STR_META | len(kb)
             if not 0 < len(kb) <= _KEY_BYTES:
                 kb, meta = encode_key(key)  # raises InvalidKey
+            bkey = key
+        elif type(key) is int and _INT_LOW <= key <= _INT_HIGH:
+            kb = key.to_bytes(8, "little", signed=True)  # encode_key's int encoding, inlined
+            meta = _INT_META
             bkey = key
         else:
             kb, meta = encode_key(key)
@@ -594,6 +601,10 @@ class ClientCore:
             meta = _STR_META | len(kb)
             if not 0 < len(kb) <= _KEY_BYTES:
                 kb, meta = encode_key(key)  # raises InvalidKey
+            bkey = key
+        elif type(key) is int and _INT_LOW <= key <= _INT_HIGH:
+            kb = key.to_bytes(8, "little", signed=True)  # encode_key's int encoding, inlined
+            meta = _INT_META
             bkey = key
         else:
             kb, meta = encode_key(key)

@@ -45,12 +45,15 @@ condition/cancel, expired, or completed with an error, never two of these.
 
 Exactly once
 ------------
-``force_complete()`` is a test-and-set on a one-shot flag (a ``threading.Lock``
-acquired without blocking, which is atomic with or without the GIL). The path
-that acquires it runs the completion; every later attempt returns False.
-``try_complete()`` calls are serialised per operation (Kafka's
-``safeTryComplete``) so a condition check never races another check of the same
-operation; they are not serialised against ``force_complete()``, which needs no lock.
+``force_complete()`` is a test-and-set on a one-shot flag, atomic with or without
+the GIL: compiled, a byte of the operation changed with an atomic exchange; as
+Python, a ``threading.Lock`` acquired without blocking. The path that sets it runs
+the completion; every later attempt returns False. ``try_complete()`` calls are
+serialised per operation so a condition check never races another check of the
+same operation, the way Kafka's ``maybeTryComplete`` does it (KAFKA-8334): a check
+that finds another one running does not wait; it flags the running one, which
+checks once more when it ends, so an event that arrived meanwhile is not missed.
+Checks are not serialised against ``force_complete()``, which needs no lock.
 
 The timer: O(1) removal
 -----------------------
@@ -119,8 +122,9 @@ Locking and threads
 One lock per purgatory guards the watch lists, the id->operation map of the
 timer, the wheel (or the daemon client, which is not thread-safe). It is never
 held while user code runs: ``check_and_complete`` copies the watch list under the
-lock and calls ``try_complete`` outside it; expirations are collected under it
-and completed outside it. Registration re-checks ``is_completed`` under the lock
+lock and calls ``try_complete`` outside it; the clock takes the due operations
+off the timer, sets their one-shot flags and removes them from their watch lists
+in one critical section per pass, and runs their callbacks after it. Registration re-checks ``is_completed`` under the lock
 and completion sets the flag *before* it takes the lock to clean up, so an
 operation completed by another thread while it is being watched is either not
 added or removed right after: nothing leaks. Conditions may be checked, and
@@ -151,7 +155,6 @@ callbacks run in the thread that called ``close()``).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import re
 import secrets
@@ -173,7 +176,8 @@ log = logging.getLogger("wheeld.purgatory")
 
 _NEVER = 1 << 62  # "the clock sleeps with no deadline": any add wakes it
 _BUSY = -(1 << 62)  # "the clock is awake and will look again": no add wakes it
-_INT_KEY_META = bytes((encode_key(1)[1],))  # op ids are positive ints below 2**62
+_INT_META = encode_key(1)[1]  # op ids are positive ints below 2**62: int keys, one meta byte
+_INT_KEY_META = bytes((_INT_META,))
 _KEY_PAD = bytes(KEY_BYTES - 8)
 _ID_SHIFT = 32  # an op id is (random 30-bit base << 32) | counter
 KAFKA_TICK_MS = 1
@@ -184,12 +188,24 @@ _READ_WAIT_S = 1.0  # the expiration thread's longest wait on the socket (it re-
 _READABLE = select.POLLIN | select.POLLPRI
 
 
+# This module is compiled by Cython (wheeld.protocol.accel, purgatory.pxd). Compiled, the
+# operation's one-shot flag and its check flags are C bytes changed with atomic
+# instructions (purgatory.pxd's _take_*/_clear_* helpers) instead of two threading.Locks
+# per operation, and the clock is read with clock_gettime (the same CLOCK_MONOTONIC as
+# time.monotonic_ns).
+_COMPILED = not __file__.endswith(".py")
+
+
 def _ceil_ms() -> int:
     """Monotonic ms rounded up: a deadline computed from it is never early."""
+    if _COMPILED:
+        return -(-_clock_ns() // 1_000_000)  # noqa: F821 - purgatory.pxd
     return -(-time.monotonic_ns() // 1_000_000)
 
 
 def _floor_ms() -> int:
+    if _COMPILED:
+        return _clock_ns() // 1_000_000  # noqa: F821 - purgatory.pxd
     return time.monotonic_ns() // 1_000_000
 
 
@@ -205,22 +221,24 @@ class DelayedOperation:
     delivered); it is set before ``on_complete()`` runs.
     """
 
-    __slots__ = ("delay_ms", "expired", "error", "_once", "_check_lock", "_purgatory", "_op_id", "_handle",
-                 "_deadline_ms", "_watch_keys")
+    __slots__ = ("delay_ms", "expired", "error", "_once", "_check_lock", "_check_pending", "_purgatory", "_op_id",
+                 "_handle", "_deadline_ms", "_watch_keys")
 
     def __init__(self, delay_ms: int) -> None:
         if type(delay_ms) is not int or delay_ms < 0:
             raise InvalidRequest(f"delay_ms must be a non-negative int, not {delay_ms!r}")
         self.delay_ms = delay_ms
         self.expired = False  # True once the timeout path completed it (set before on_complete)
-        self.error: BaseException | None = None  # set when the purgatory completed it on close or failure
-        self._once = threading.Lock()  # one-shot flag: held by whoever completed the operation
-        self._check_lock = threading.Lock()  # serialises try_complete (Kafka's safeTryComplete)
-        self._purgatory: _PurgatoryBase | None = None
-        self._op_id: int | None = None  # key of its timer while it has one
+        self.error = None  # set when the purgatory completed it on close or failure
+        if not _COMPILED:  # compiled: C flags (purgatory.pxd), zero when the object is made
+            self._once = threading.Lock()  # one-shot flag: held by whoever completed the operation
+            self._check_lock = threading.Lock()  # held while a try_complete() runs (see _safe_try_complete)
+            self._check_pending = False  # a check was asked for while another ran
+        self._purgatory = None
+        self._op_id = None  # key of its timer while it has one
         self._handle = None  # (slot, generation) in an in-process wheel
         self._deadline_ms = 0
-        self._watch_keys: tuple = ()
+        self._watch_keys = ()
 
     # ------------------------------------------------------------------ to override
     def try_complete(self) -> bool:
@@ -236,11 +254,22 @@ class DelayedOperation:
     # ------------------------------------------------------------------ completion
     @property
     def is_completed(self) -> bool:
+        return self._completed()
+
+    def _completed(self) -> bool:
+        if _COMPILED:
+            return _get_done(self)  # noqa: F821 - purgatory.pxd
         return self._once.locked()
+
+    def _claim(self) -> bool:
+        """Test-and-set of the one-shot flag: True for the one caller that completes the operation."""
+        if _COMPILED:
+            return _take_done(self)  # noqa: F821 - purgatory.pxd: an atomic exchange
+        return self._once.acquire(False)
 
     def force_complete(self) -> bool:
         """Complete now (condition met, or cancel). True if this call completed it."""
-        if not self._once.acquire(False):
+        if not self._claim():
             return False
         self._finish()
         return True
@@ -251,25 +280,55 @@ class DelayedOperation:
             purgatory._forget(self)  # off the timer (O(1)) and off every watch list
         self.on_complete()
 
-    def _expire(self) -> None:
-        """The timeout path (called by the purgatory's clock)."""
-        if not self._once.acquire(False):
-            return  # completed by its condition or cancelled first
-        self.expired = True
-        self._finish()
-        self.on_expiration()
-
     def _abort(self, error: BaseException) -> bool:
         """The purgatory stopped (close or failure): complete with ``error`` set."""
-        if not self._once.acquire(False):
+        if not self._claim():
             return False
         self.error = error
         self._finish()
         return True
 
     def _safe_try_complete(self) -> bool:
-        with self._check_lock:
-            return bool(self.try_complete())
+        """Call ``try_complete()``, never two at once for one operation.
+
+        Kafka's ``maybeTryComplete`` (KAFKA-8334): a check that finds another check of
+        the same operation running does not wait for it; it sets a flag that makes the
+        running check go round once more after it finishes, so a condition that became
+        true meanwhile is not missed. True if this call completed the operation.
+        """
+        done = False
+        while True:
+            if self._check_enter():
+                try:
+                    if _COMPILED:
+                        _clear_pending(self)  # noqa: F821 - purgatory.pxd
+                    else:
+                        self._check_pending = False
+                    done = bool(self.try_complete())
+                finally:
+                    self._check_exit()
+                if _COMPILED:
+                    retry = _get_pending(self)  # noqa: F821 - purgatory.pxd
+                else:
+                    retry = self._check_pending
+            elif _COMPILED:
+                retry = _take_pending(self)  # noqa: F821 - purgatory.pxd: set it; retry if it was not set
+            else:
+                retry = not self._check_pending
+                self._check_pending = True
+            if not retry or self._completed():
+                return done
+
+    def _check_enter(self) -> bool:
+        if _COMPILED:
+            return _take_checking(self)  # noqa: F821 - purgatory.pxd
+        return self._check_lock.acquire(False)
+
+    def _check_exit(self) -> None:
+        if _COMPILED:
+            _clear_checking(self)  # noqa: F821 - purgatory.pxd
+        else:
+            self._check_lock.release()
 
     def __repr__(self) -> str:
         state = ("expired" if self.expired else f"failed ({type(self.error).__name__})" if self.error is not None
@@ -279,57 +338,89 @@ class DelayedOperation:
 
 # ====================================================================== timers
 class _WheelClock:
-    """The in-process timer: a private TimerWheel plus a thread that sleeps until its next bucket."""
+    """The in-process timer: a private TimerWheel plus a thread that sleeps until its next bucket.
+
+    ``_by_slot[slot]`` is the operation whose timer is in that record of the wheel, so an
+    expiration finds its operation by slot (the wheel's ``expire`` + ``release``) without
+    decoding the timer's key."""
 
     def __init__(self, purgatory: "_PurgatoryBase", tick_ms: int, wheel_size: int, capacity: int) -> None:
         self._p = purgatory
         self.tick_ms, self.wheel_size = tick_ms, wheel_size
         self.wheel = TimerWheel.create(capacity, tick_ms=tick_ms, wheel_size=wheel_size, start_ms=_floor_ms())
+        self._by_slot = [None] * self.wheel.n_records
         self._wake_at_ms = _BUSY
         self._backoff = Backoff(log, f"purgatory {purgatory.name!r}: the clock", purgatory.fail_after_s)
 
     # called with the purgatory lock held
     def add(self, op: DelayedOperation) -> None:
         deadline = _ceil_ms() + op.delay_ms
-        ident = _INT_KEY_META + op._op_id.to_bytes(8, "little") + _KEY_PAD  # the wheel's record form of an int key
+        ident = _int_ident(op._op_id)
         try:
-            op._handle = self.wheel.schedule_ident(ident, deadline)
+            handle = self.wheel.schedule_ident(ident, deadline)
         except ArenaFull:
             self._grow()
-            op._handle = self.wheel.schedule_ident(ident, deadline)
+            handle = self.wheel.schedule_ident(ident, deadline)
+        op._handle = handle
+        self._by_slot[handle[0]] = op
         op._deadline_ms = deadline
         if deadline < self._wake_at_ms:
             self._wake_early(deadline)
 
     def remove(self, op: DelayedOperation) -> None:
-        self.wheel.cancel_handle(op._handle)
+        handle = op._handle
+        if self.wheel.cancel_handle(handle):
+            self._by_slot[handle[0]] = None
 
     def _grow(self) -> None:
         """Move every pending timer to a wheel twice the size (amortised O(1) per add)."""
         old = self.wheel
         new = TimerWheel.create(old.capacity * 2, tick_ms=self.tick_ms, wheel_size=self.wheel_size,
                                 start_ms=old.current_ms)
+        by_slot = [None] * new.n_records
         for op_id, op in self._p._timed.items():
-            op._handle = new.schedule(op_id, op._deadline_ms)
+            op._handle = handle = new.schedule_ident(_int_ident(op_id), op._deadline_ms)
+            by_slot[handle[0]] = op
         self.wheel = new
+        self._by_slot = by_slot
         old.close()
 
     def _collect(self) -> tuple[list[DelayedOperation], int | None]:
-        """Advance to now; the operations that timed out and the next bucket deadline (lock held)."""
-        expired = self.wheel.advance(_floor_ms())
-        timed = self._p._timed
+        """Advance to now; the operations that timed out and the next bucket deadline (lock held).
+
+        The operations returned are already completed by their timeout (flag set, off
+        the watch lists): the caller runs their callbacks (``_run_expirations``)."""
+        return self._p._claim_expired(self._due(_floor_ms())), self.wheel.next_deadline()
+
+    def _due(self, now_ms: int) -> list[DelayedOperation]:
+        """Advance the wheel to ``now_ms``; the operations whose timers fired, off the op-id map."""
+        wheel = self.wheel
+        slots = wheel.expire(now_ms)
+        by_slot, timed = self._by_slot, self._p._timed
         ops = []
-        for key, _deadline in expired:
-            op = timed.pop(key, None)
-            if op is not None:
+        for slot in slots:
+            op = by_slot[slot]
+            by_slot[slot] = None
+            if op is None:  # not reached: every scheduled record has its operation
+                wheel.release(slot, wheel.fired(slot)[5])
+                continue
+            wheel.release(slot, op._handle[1])
+            if timed.pop(op._op_id, None) is not None:
                 ops.append(op)
-        return ops, self.wheel.next_deadline()
+        return ops
 
     def _wake_early(self, deadline_ms: int) -> None:  # pragma: no cover - provided by subclasses
         raise NotImplementedError
 
     def close(self) -> None:
         self.wheel.close()
+
+
+def _int_ident(op_id: int) -> bytes:
+    """The wheel's record form of an int key (meta byte, 8 little-endian bytes, zero padding)."""
+    if _COMPILED:
+        return _int_ident_c(op_id)  # noqa: F821 - purgatory.pxd: the same 33 bytes, built in place
+    return _INT_KEY_META + op_id.to_bytes(8, "little") + _KEY_PAD
 
 
 class _ThreadWheelClock(_WheelClock):
@@ -515,6 +606,7 @@ class _DaemonClock:
                     ops = [op for op in (timed.pop(e.key, None) for e in expired) if op is not None]
                     if len(ops) != len(expired):
                         purgatory._count_foreign(expired)
+                    ops = purgatory._claim_expired(ops)
             except Closed as exc:  # the application closed the client under us: no timeout can come
                 if not self._closed:
                     purgatory._fail(_client_closed_error(purgatory, exc))
@@ -593,6 +685,7 @@ class _AsyncDaemonClock:
                 ops = [op for op in (timed.pop(e.key, None) for e in expired) if op is not None]
                 if len(ops) != len(expired):
                     purgatory._count_foreign(expired)
+                ops = purgatory._claim_expired(ops)
             purgatory._run_expirations(ops)
 
     def close(self) -> None:
@@ -610,8 +703,9 @@ class _PurgatoryBase:
         self._watchers: dict[Hashable, dict[DelayedOperation, None]] = {}
         self._timed: dict[int, DelayedOperation] = {}  # op id -> operation, while on the timer
         self._id_base = secrets.randbits(30) << _ID_SHIFT  # daemon keys are per group: avoid collisions
-        self._ids = itertools.count(1)
+        self._next_id = 0  # op ids are _id_base | 1, 2, 3, ... (taken under the lock)
         self._clock = None
+        self._wheel_clock = None  # the clock again when it is an in-process wheel (its add/remove are C calls)
         self._closed = False
         self._owns_client = False
         self.error: ReaderFailed | None = None  # set when the purgatory failed (see "Errors")
@@ -619,6 +713,10 @@ class _PurgatoryBase:
         self.completed_total = 0  # by condition or cancel
         self.errored_total = 0  # completed with op.error set (close or failure)
         self.foreign_expirations = 0  # daemon expirations of ids this purgatory did not create
+
+    def _set_clock(self, clock) -> None:
+        self._clock = clock
+        self._wheel_clock = clock if isinstance(clock, _WheelClock) else None
 
     # ------------------------------------------------------------------ the API
     def try_complete_else_watch(self, op: DelayedOperation, watch_keys: Iterable[Hashable]) -> bool:
@@ -632,39 +730,57 @@ class _PurgatoryBase:
         purgatory failed (nothing is changed then).
         """
         self._check_usable()
-        keys = tuple(dict.fromkeys(watch_keys))
+        keys = tuple(watch_keys)
         if not keys:
             raise InvalidRequest("a delayed operation must watch at least one key")
+        for key in keys:
+            hash(key)  # an unhashable key raises here, before anything changed
         if op._purgatory is not None:
             raise InvalidRequest("this operation was already put in a purgatory")
         op._purgatory = self
         if op._safe_try_complete():
             return True
-        with self._lock:
-            if op.is_completed:  # completed by another thread (or cancelled) meanwhile
+        lock = self._lock
+        lock.acquire()
+        try:
+            if op._completed():  # completed by another thread (or cancelled) meanwhile
                 return False
             if self._closed or self.error is not None:
                 op._purgatory = None
                 self._check_usable()
-            watchers = self._watchers
-            for key in keys:
-                ops = watchers.get(key)
-                if ops is None:
-                    watchers[key] = {op: None}
-                else:
-                    ops[op] = None
-            op._watch_keys = keys
+            self._watch(op, keys)
             # Kafka times the operation only after the second check; timing it first costs
             # one O(1) removal when that check succeeds and saves a lock round trip when not.
-            op._op_id = op_id = self._id_base | next(self._ids)
+            self._next_id += 1
+            op._op_id = op_id = self._id_base | self._next_id
             try:
-                self._clock.add(op)
+                if self._wheel_clock is not None:
+                    self._wheel_clock.add(op)
+                else:
+                    self._clock.add(op)
             except BaseException:
                 op._op_id = None
                 self._unwatch(op)
                 raise
             self._timed[op_id] = op
+        finally:
+            lock.release()
         return op._safe_try_complete()  # an event between the first check and the watch is not missed
+
+    def _watch(self, op: DelayedOperation, keys: tuple) -> None:
+        """Put ``op`` on the watch list of each key (lock held); a key given twice counts once."""
+        watchers = self._watchers
+        repeated = False
+        for key in keys:
+            ops = watchers.get(key)
+            if ops is None:
+                watchers[key] = {op: None}
+            else:
+                n = len(ops)
+                ops[op] = None
+                if len(ops) == n:  # op was already there: this key came earlier in keys
+                    repeated = True
+        op._watch_keys = tuple(dict.fromkeys(keys)) if repeated else keys
 
     def check_and_complete(self, key: Hashable) -> int:
         """Check the condition of every operation watching ``key``; how many this call completed."""
@@ -675,7 +791,7 @@ class _PurgatoryBase:
             ops = list(ops)
         completed = 0
         for op in ops:
-            if not op._once.locked() and op._safe_try_complete():
+            if not op._completed() and op._safe_try_complete():
                 completed += 1
         return completed
 
@@ -692,7 +808,9 @@ class _PurgatoryBase:
         """Operations on the timer (pending)."""
         return len(self._timed)
 
-    __len__ = delayed
+    def __len__(self) -> int:
+        """Operations on the timer (pending): :meth:`delayed`."""
+        return len(self._timed)
 
     @property
     def closed(self) -> bool:
@@ -708,11 +826,17 @@ class _PurgatoryBase:
     # ------------------------------------------------------------------ completion bookkeeping
     def _forget(self, op: DelayedOperation) -> None:
         """Called once by the path that completed ``op``, after it set the one-shot flag."""
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             op_id = op._op_id
             if op_id is not None:
                 if self._timed.pop(op_id, None) is not None and not self._closed and self.error is None:
-                    self._clock.remove(op)  # O(1): cancel_handle, or a CANCEL record to the daemon
+                    # O(1): cancel_handle, or a CANCEL record to the daemon
+                    if self._wheel_clock is not None:
+                        self._wheel_clock.remove(op)
+                    else:
+                        self._clock.remove(op)
                 op._op_id = None
             if op._watch_keys:
                 self._unwatch(op)
@@ -722,6 +846,8 @@ class _PurgatoryBase:
                 self.errored_total += 1
             else:
                 self.completed_total += 1
+        finally:
+            lock.release()
 
     def _unwatch(self, op: DelayedOperation) -> None:
         watchers = self._watchers
@@ -733,10 +859,31 @@ class _PurgatoryBase:
                     del watchers[key]
         op._watch_keys = ()
 
+    def _claim_expired(self, ops: list[DelayedOperation]) -> list[DelayedOperation]:
+        """The timeout path, for operations the timer just took off the op-id map (lock held).
+
+        Each one whose one-shot flag this sets is completed by its timeout: marked
+        expired and taken off its watch lists here, in the clock's critical section, not
+        one lock round trip each; the others were completed by another path first. The
+        ones it completed are returned: their callbacks run after the lock is released
+        (:meth:`_run_expirations`)."""
+        claimed = []
+        for op in ops:
+            if op._claim():
+                op.expired = True
+                op._op_id = None
+                if op._watch_keys:
+                    self._unwatch(op)
+                self.expired_total += 1
+                claimed.append(op)
+        return claimed
+
     def _run_expirations(self, ops: list[DelayedOperation]) -> None:
+        """The callbacks of operations :meth:`_claim_expired` completed (lock not held)."""
         for op in ops:
             try:
-                op._expire()
+                op.on_complete()
+                op.on_expiration()
             except Exception:
                 log.exception("purgatory %r: %r raised while expiring", self.name, op)
 
@@ -811,11 +958,11 @@ class Purgatory(_PurgatoryBase):
                  fail_after_s: float | None = DEFAULT_FAIL_AFTER_S) -> None:
         super().__init__(name, fail_after_s)
         if client is None:
-            self._clock = _ThreadWheelClock(self, tick_ms, wheel_size, capacity)
+            self._set_clock(_ThreadWheelClock(self, tick_ms, wheel_size, capacity))
         else:
             if asyncio.iscoroutinefunction(getattr(client, "poll", None)):
                 raise InvalidRequest("an asyncio client needs AsyncPurgatory")
-            self._clock = _DaemonClock(self, client)
+            self._set_clock(_DaemonClock(self, client))
 
     @classmethod
     def connect(cls, name: str = "default", socket_path: str | None = None, *,
@@ -882,11 +1029,11 @@ class AsyncPurgatory(_PurgatoryBase):
         super().__init__(name, fail_after_s)
         loop = asyncio.get_running_loop()
         if client is None:
-            self._clock = _LoopWheelClock(self, tick_ms, wheel_size, capacity, loop)
+            self._set_clock(_LoopWheelClock(self, tick_ms, wheel_size, capacity, loop))
         else:
             if not asyncio.iscoroutinefunction(getattr(client, "poll", None)):
                 raise InvalidRequest("a blocking client needs Purgatory, not AsyncPurgatory")
-            self._clock = _AsyncDaemonClock(self, client, loop)
+            self._set_clock(_AsyncDaemonClock(self, client, loop))
 
     @classmethod
     async def connect(cls, name: str = "default", socket_path: str | None = None, *,

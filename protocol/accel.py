@@ -42,6 +42,7 @@ COMPILED_MODULES = {
     "wheeld.daemon.executor": "daemon/executor.py",
     "wheeld.shm.ring": "shm/ring.py",
     "wheeld.core": "client/core.py",
+    "wheeld.purgatory": "client/purgatory.py",
 }
 
 #: how the daemon publishes :func:`implementation` (its ``daemon_hot_path`` counter word)

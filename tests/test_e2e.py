@@ -20,6 +20,7 @@ import wheeld
 from daemon_harness import wait_for_clock, wait_until
 from wheeld.protocol import commands as C
 from wheeld.protocol import messages as M
+from wheeld.protocol.errors import InvalidKey
 from wheeld.shm.ring import ClientSegment
 
 WORKER = os.path.join(os.path.dirname(__file__), "e2e_worker.py")
@@ -113,6 +114,26 @@ def test_rearm_delivers_once_for_the_new_deadline(daemon):
     assert sorted(map(repr, keys)) == sorted(map(repr, ["k", b"k", 5]))
     k = next(e for e in got if e.key == "k")
     assert k.deadline_ms >= start + 400 and k.fired_ms >= k.deadline_ms
+
+
+def test_int_keys_at_the_64_bit_edges(daemon):
+    """add/cancel encode an int key in place (the purgatory's op ids): the same record as
+    encode_key, the same key back, and an int beyond 64 bits refused as before."""
+    edges = [-(1 << 63), -1, 0, 1, (1 << 62) + 7, (1 << 63) - 1]
+    with wheeld.connect(daemon.socket_path, group="int-edges") as w:
+        for key in edges:
+            w.add(key, 30)
+        w.add(12345, 30)
+        assert w.cancel(12345) is True
+        for bad in (1 << 63, -(1 << 63) - 1):
+            with pytest.raises(InvalidKey):
+                w.add(bad, 30)
+            with pytest.raises(InvalidKey):
+                w.cancel(bad)
+        got = collect(w, len(edges), 5.0)
+        got += w.poll(0.2)
+    assert sorted(e.key for e in got) == sorted(edges)
+    assert all(type(e.key) is int for e in got)
 
 
 def test_idle_timers_touched_and_untouched(daemon):

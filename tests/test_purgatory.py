@@ -288,6 +288,47 @@ def test_expirations_of_operations_it_did_not_create_are_dropped_and_counted(dae
         assert op.expired and p.foreign_expirations == 2
 
 
+def test_a_key_given_twice_is_watched_once_and_a_bad_key_changes_nothing(purgatory):
+    op = Op(60_000)
+    assert not purgatory.try_complete_else_watch(op, ["a", "b", "a", "b"])
+    assert purgatory.watched() == 2 and purgatory.watch_keys() == 2
+    bad = Op(60_000)
+    with pytest.raises(TypeError):
+        purgatory.try_complete_else_watch(bad, ["a", ["unhashable"]])
+    assert purgatory.watched() == 2 and len(purgatory) == 1
+    assert purgatory.try_complete_else_watch(bad, ["c"]) is False  # it was not put in the purgatory
+    assert op.cancel() and bad.cancel()
+    assert purgatory.watched() == 0 and purgatory.watch_keys() == 0 and len(purgatory) == 0
+
+
+def test_a_check_asked_for_while_another_runs_is_not_lost(purgatory):
+    """Kafka's maybeTryComplete: the second check does not wait; the running one checks again."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow(Op):
+        calls = 0
+
+        def try_complete(self) -> bool:
+            Slow.calls += 1
+            if Slow.calls == 3:  # the first check after the watch: hold it while another is asked for
+                entered.set()
+                release.wait(5)
+                return False
+            return super().try_complete()
+
+    op = Slow(60_000)
+    assert not purgatory.try_complete_else_watch(op, ["k"])  # checks 1 and 2
+    runner = threading.Thread(target=purgatory.check_and_complete, args=("k",))
+    runner.start()
+    assert entered.wait(5)
+    op.ready = True
+    assert purgatory.check_and_complete("k") == 0  # check 3 is running: this one only flags it
+    release.set()
+    runner.join(5)
+    assert op.is_completed and op.won_by_condition == 1 and Slow.calls == 4
+    assert purgatory.watched() == 0 and len(purgatory) == 0
+
+
 # --------------------------------------------------------------------------- races
 
 
