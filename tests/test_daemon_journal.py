@@ -42,7 +42,9 @@ def test_reboot_recovers_every_flushed_timer_and_marks_late_ones(daemon_factory,
     removed = unlink_segments(d.name)  # the reboot: shared memory is gone
     assert any(name.endswith("-arena") for name in removed)
     wait_for_clock(max(deadlines[i] for i in range(1, 2000, 2)), "the 300 ms timers to come due while the host is down")
+    before_restart = mono_ms()
     d.start()
+    after_restart = mono_ms()  # the daemon's start (what "late" is measured against) lies in between
     assert "journal recovery" in d.log()
     with wheeld.connect(d.socket_path, group="durable") as w:
         got = collect(w, len(deadlines), 10.0)
@@ -50,8 +52,13 @@ def test_reboot_recovers_every_flushed_timer_and_marks_late_ones(daemon_factory,
     counts = collections.Counter(e.key for e in got)
     assert set(counts) == set(deadlines), f"missing {set(deadlines) - set(counts)}"
     assert max(counts.values()) == 1
-    late = [e for e in got if e.late]
-    assert {e.key for e in late} == {i for i in range(2000) if i % 2}, "the overdue timers fire at once, marked late"
+    late = {e.key for e in got if e.late}
+    overdue = {e.key for e in got if e.deadline_ms < before_restart}  # came due while the "host" was down
+    assert {i for i in range(1, 2000, 2)} <= overdue  # every 300 ms timer (the wait above)
+    assert overdue <= late, "the overdue timers fire at once, marked late"
+    # a timer due after the restart is on time (on a loaded machine the restart may take
+    # long enough for some 2.5-3 s timers to be overdue too: those are late, rightly)
+    assert not late & {e.key for e in got if e.deadline_ms > after_restart}, "a timer due after the restart is marked late"
     for e in got:
         assert e.fired_ms >= e.deadline_ms
     # the journal is JSON Lines with checksums: every line parses (read once the daemon has
