@@ -39,6 +39,10 @@ cdef class TimerWheel:
     cdef unsigned int[::1] _hu, _u
     cdef unsigned short[::1] _h
     cdef unsigned char[::1] _b
+    # the compiled path's bucket heap: (expiration, sentinel) pairs in C arrays (_c_heap_*)
+    cdef long long[::1] _hx
+    cdef int[::1] _hb
+    cdef Py_ssize_t _hn
 
     @cython.locals(b=cython.Py_ssize_t, expiration=cython.longlong, level=cython.longlong,
                    bp=cython.Py_ssize_t, tail=cython.Py_ssize_t, sp=cython.Py_ssize_t)
@@ -230,6 +234,120 @@ cdef inline int _c_push(_Slots *v, Py_ssize_t s) except -1:
     v.data[v.size] = s
     v.size += 1
     return 0
+
+
+# ------------------------------------------------------------------ the bucket heap
+# The compiled path keeps the heap of bucket expirations (TimerWheel._heap on the Python
+# path, a heapq list of (expiration, sentinel) tuples) as a binary min-heap of the same
+# pairs in two C arrays. Entries come off it in the same order ((expiration, sentinel)
+# ascending), and stale ones (their bucket re-queued or emptied) are skipped the same way,
+# through TimerWheel._queued.
+cdef inline bint _c_heap_before(long long e1, Py_ssize_t b1, long long e2, Py_ssize_t b2) noexcept nogil:
+    return e1 < e2 or (e1 == e2 and b1 < b2)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef inline int _c_heap_push(TimerWheel w, long long e, Py_ssize_t b) except -1:
+    """heapq.heappush(heap, (e, b))."""
+    cdef Py_ssize_t i, parent
+    cdef long long *hx
+    cdef int *hb
+    if w._hn == w._hx.shape[0]:
+        w._heap_grow()
+    hx = &w._hx[0]
+    hb = &w._hb[0]
+    i = w._hn
+    w._hn += 1
+    while i > 0:
+        parent = (i - 1) >> 1
+        if not _c_heap_before(e, b, hx[parent], hb[parent]):
+            break
+        hx[i] = hx[parent]
+        hb[i] = hb[parent]
+        i = parent
+    hx[i] = e
+    hb[i] = <int>b
+    return 0
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef inline void _c_heap_pop(TimerWheel w) noexcept:
+    """heapq.heappop(heap) of a non-empty heap (the top is read before)."""
+    cdef Py_ssize_t i = 0, c, n
+    cdef long long e
+    cdef int b
+    cdef long long *hx = &w._hx[0]
+    cdef int *hb = &w._hb[0]
+    w._hn -= 1
+    n = w._hn
+    e = hx[n]
+    b = hb[n]
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and _c_heap_before(hx[c + 1], hb[c + 1], hx[c], hb[c]):
+            c += 1
+        if not _c_heap_before(hx[c], hb[c], e, b):
+            break
+        hx[i] = hx[c]
+        hb[i] = hb[c]
+        i = c
+    hx[i] = e
+    hb[i] = b
+
+
+cdef inline int _c_heap_fill(TimerWheel w, list entries) except -1:
+    """The heap of the (expiration, sentinel) pairs ``entries`` (TimerWheel._rebuild_buckets)."""
+    w._hn = 0
+    for e, b in entries:
+        _c_heap_push(w, e, b)
+    return 0
+
+
+cdef inline bint _c_queued_at(list queued, Py_ssize_t b, long long e) except -1:
+    """queued[b] == e (queued: TimerWheel._queued, a list of ints)."""
+    cdef long long q = queued[b]
+    return q == e
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef inline object _c_next_deadline(TimerWheel w):
+    """TimerWheel.next_deadline: the top entry of a live non-empty bucket, popping the others."""
+    cdef long long e
+    cdef Py_ssize_t b
+    cdef list queued = w._queued
+    while w._hn:
+        e = w._hx[0]
+        b = w._hb[0]
+        if _c_queued_at(queued, b, e) and w._i[b * _CW_IW + _CW_NEXT] != b:
+            return e
+        _c_heap_pop(w)  # stale: the bucket was emptied by cancels or re-queued
+        if _c_queued_at(queued, b, e):
+            queued[b] = -1
+    return None
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef inline list _c_due_buckets(TimerWheel w, long long now):
+    """TimerWheel._due_buckets: the live non-empty buckets due at ``now``, off the heap."""
+    cdef long long e
+    cdef Py_ssize_t b
+    cdef list queued = w._queued, out = []
+    while w._hn and w._hx[0] <= now:
+        e = w._hx[0]
+        b = w._hb[0]
+        _c_heap_pop(w)
+        if not _c_queued_at(queued, b, e):
+            continue
+        queued[b] = -1
+        if w._i[b * _CW_IW + _CW_NEXT] != b:  # else emptied by cancels
+            out.append(b)
+    return out
 
 
 # ------------------------------------------------------------------ the key index (KeyIndex.find/add/remove)
@@ -536,8 +654,8 @@ cdef inline Py_ssize_t _c_place(_Place *pl, long long d, long long *expiration, 
 
 cdef inline int _c_link(TimerWheel w, _Arena *a, _Place *pl, Py_ssize_t s, long long d, object corrupt) except -1:
     """TimerWheel._link of record s (its deadline d, the batch's clock): appended to the tail
-    of its bucket; returns the state byte to store. A bucket that was empty (its expiration
-    set, queued) and deadlines Placement.place does not take in 64 bits go through _link."""
+    of its bucket; returns the state byte to store. Deadlines Placement.place does not take
+    in 64 bits go through _link."""
     cdef long long expiration = 0
     cdef Py_ssize_t level = 0, b, bp, tail
     if not pl.exact or not -_CW_EXACT_RANGE <= d <= _CW_EXACT_RANGE:
@@ -545,9 +663,12 @@ cdef inline int _c_link(TimerWheel w, _Arena *a, _Place *pl, Py_ssize_t s, long 
     b = _c_place(pl, d, &expiration, &level)
     bp = b * _CW_IW
     tail = a.i[bp + _CW_PREV]
-    if tail == b:
-        return w._link(s, d, pl.cur)
-    if not 0 <= tail < a.n:
+    if tail == b:  # the bucket was empty: (re)set its expiration and queue it
+        a.q[b * _CW_QW] = expiration
+        if not _c_queued_at(w._queued, b, expiration):
+            w._queued[b] = expiration
+            _c_heap_push(w, expiration, b)
+    elif not 0 <= tail < a.n:
         raise corrupt(f"bucket {b} links to {tail}, outside the records")
     a.i[s * _CW_IW + _CW_PREV] = <int>tail
     a.i[s * _CW_IW + _CW_NEXT] = <int>b

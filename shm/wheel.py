@@ -450,6 +450,10 @@ class TimerWheel:
         # on attach. Views of int64 arrays: C arrays for the scalar paths when compiled.
         self._group_live = _int64_counts([0] * self.max_groups)
         self._heap: list[tuple[int, int]] = []
+        if _COMPILED:  # the compiled path keeps the heap in C arrays instead (wheel.pxd, _c_heap_*)
+            self._hx = np.zeros(256, dtype=np.int64)
+            self._hb = np.zeros(256, dtype=np.int32)
+            self._hn = 0
         self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
         self._pending_by_level = _int64_counts([0] * _LEVEL_SLOTS)
         self._count_array = array("q", bytes(8 * len(_OWN_COUNTERS)))  # _OWN_COUNTERS, in order
@@ -658,7 +662,10 @@ class TimerWheel:
             self._q[b * _QW] = expiration
             if self._queued[b] != expiration:
                 self._queued[b] = expiration
-                heapq.heappush(self._heap, (expiration, b))
+                if _COMPILED:
+                    _c_heap_push(self, expiration, b)  # noqa: F821 - wheel.pxd
+                else:
+                    heapq.heappush(self._heap, (expiration, b))
         sp = slot * _IW
         self._i[sp + _PREV] = tail
         self._i[sp + _NEXT] = b
@@ -848,6 +855,8 @@ class TimerWheel:
         This is a bucket time, not necessarily a timer's deadline: a higher-level
         bucket comes due to cascade. None when the wheel is empty.
         """
+        if _COMPILED:
+            return _c_next_deadline(self)  # noqa: F821 - wheel.pxd: the same loop over the C heap
         heap, queued, i = self._heap, self._queued, self._i
         while heap:
             expiration, b = heap[0]
@@ -862,6 +871,15 @@ class TimerWheel:
         """Detach every bucket due at ``now_ms``, advance the clock, return their slots."""
         heap, queued, i = self._heap, self._queued, self._i
         out: list[int] = []
+        if _COMPILED:  # the due buckets off the C heap, then the same walk
+            for b in _c_due_buckets(self, now_ms):  # noqa: F821 - wheel.pxd
+                bp = b * _IW
+                s = i[bp + _NEXT]
+                while s != b:
+                    out.append(s)
+                    s = i[s * _IW + _NEXT]
+                i[bp + _PREV] = b
+                i[bp + _NEXT] = b
         while heap and heap[0][0] <= now_ms:
             expiration, b = heapq.heappop(heap)
             if queued[b] != expiration:
@@ -1291,11 +1309,15 @@ class TimerWheel:
         whole: list[int] = []
         mixed: list[int] = []
         chains: list[tuple[int, int]] = []
-        while heap and heap[0][0] <= now_ms:
-            expiration, b = heapq.heappop(heap)
-            if queued[b] != expiration:
-                continue
-            queued[b] = -1
+        due = _c_due_buckets(self, now_ms) if _COMPILED else None  # noqa: F821 - wheel.pxd: off the C heap
+        while due or heap and heap[0][0] <= now_ms:
+            if due:
+                b = due.pop(0)
+            else:
+                expiration, b = heapq.heappop(heap)
+                if queued[b] != expiration:
+                    continue
+                queued[b] = -1
             bp = b * _IW
             s = i[bp + _NEXT]
             if s == b:  # emptied by cancels
@@ -1316,20 +1338,17 @@ class TimerWheel:
             self._hq[_CUR] = now_ms  # after detaching, before re-placing (see Crash consistency)
         return whole, chains, mixed
 
+    def _heap_grow(self) -> None:
+        """Twice the room in the C arrays of the compiled path's bucket heap."""
+        n = self._hn
+        self._hx = np.concatenate((np.asarray(self._hx)[:n], np.zeros(max(n, 256), dtype=np.int64)))
+        self._hb = np.concatenate((np.asarray(self._hb)[:n], np.zeros(max(n, 256), dtype=np.int32)))
+
     def _due_buckets(self, now_ms: int) -> list[int]:
         """The buckets :meth:`_collect_buckets` would detach at ``now_ms``, in its order (the
         heap's), taken off the heap but not detached: the compiled :meth:`expire_many` walks
-        them in C."""
-        heap, queued, i = self._heap, self._queued, self._i
-        out: list[int] = []
-        while heap and heap[0][0] <= now_ms:
-            expiration, b = heapq.heappop(heap)
-            if queued[b] != expiration:
-                continue
-            queued[b] = -1
-            if i[b * _IW + _NEXT] != b:  # else emptied by cancels
-                out.append(b)
-        return out
+        them in C (compiled path only: its heap is C arrays)."""
+        return _c_due_buckets(self, now_ms)  # noqa: F821 - wheel.pxd
 
     def cascade_ahead(self, now_ms: int, max_entries: int) -> int:
         """Move timers of the next level-1 bucket down to level 0 before it comes due.
@@ -1645,7 +1664,10 @@ class TimerWheel:
                 rec["deadline"][b] = expiration
                 if queued[b] != expiration:
                     queued[b] = expiration
-                    heapq.heappush(heap, (expiration, b))
+                    if _COMPILED:
+                        _c_heap_push(self, expiration, b)  # noqa: F821 - wheel.pxd
+                    else:
+                        heapq.heappush(heap, (expiration, b))
 
     def _append_run(self, sentinel: int, run: np.ndarray) -> None:
         """Append distinct records, in order, to the tail of one list."""
@@ -1760,6 +1782,8 @@ class TimerWheel:
         sched, buckets, expirations = sched[order], buckets[order], expirations[order]
         self._heap = []
         self._queued = [-1] * self.first_entry
+        if _COMPILED:
+            self._hn = 0
         if not sched.size:
             return
         starts = run_starts(buckets)
@@ -1771,6 +1795,9 @@ class TimerWheel:
             rec["deadline"][b] = expiration
             self._queued[b] = expiration
             self._heap.append((expiration, b))
+        if _COMPILED:  # the compiled path's heap is C arrays
+            _c_heap_fill(self, self._heap)  # noqa: F821 - wheel.pxd
+            self._heap = []
         heapq.heapify(self._heap)
 
     def _recount(self) -> None:
