@@ -165,9 +165,9 @@ cdef enum:
     _CW_INTENT_MAX = 4096  # batch intent entries
     _CW_INTENT_ENTRY = 16  # bytes per entry: slot i32, tag u32, deadline i64
     _CW_GEN_MASK = 0x7FFFFFFF
-    _CW_AHEAD = 4  # prefetch distances (items ahead), see _c_prefetch_probe
-    _CW_AHEAD2 = 8
-    _CW_AHEAD3 = 16
+    _CW_AHEAD = 8  # prefetch distances (items ahead), see _c_prefetch_probe
+    _CW_AHEAD2 = 16
+    _CW_AHEAD3 = 32
     _CW_PROBE = 4  # index cells of a probe prefetched
 
 
@@ -901,6 +901,31 @@ cdef inline Py_ssize_t _c_release_many(TimerWheel w, const long long[:] slots, c
     finally:
         free(freed)
     return k
+
+
+# ------------------------------------------------------------------ records_of
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef inline bint _c_records_of(TimerWheel w, const long long[:] slots, unsigned char[::1] out) except -1:
+    """Copy the records at ``slots`` (a negative one counts from the end, as numpy indexes)
+    into ``out``; False (nothing copied) if a slot is not a record."""
+    cdef Py_ssize_t n = slots.shape[0], j, s, records = w.n_records
+    cdef const unsigned char *b = &w._b[0]
+    for j in range(n):
+        s = slots[j]
+        if s < 0:
+            s += records
+        if not 0 <= s < records:
+            return False
+    for j in range(n):
+        if j + _CW_AHEAD < n:
+            s = slots[j + _CW_AHEAD]
+            _pf(b + (s + records if s < 0 else s) * _CW_RB)
+        s = slots[j]
+        if s < 0:
+            s += records
+        memcpy(&out[j * _CW_RB], b + s * _CW_RB, _CW_RB)
+    return True
 
 
 # ------------------------------------------------------------------ expire_many

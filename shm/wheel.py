@@ -1488,7 +1488,9 @@ class TimerWheel:
         """:meth:`release` for a batch; returns a bool array (False: stale handle, no-op)."""
         try:
             slots = np.asarray(slots, dtype=np.int64).reshape(-1)
-            generations = np.broadcast_to(np.asarray(generations, dtype=np.int64), slots.shape)
+            generations = np.asarray(generations, dtype=np.int64)
+            if not (_COMPILED and generations.shape == slots.shape):  # (compiled: no broadcast view needed)
+                generations = np.broadcast_to(generations, slots.shape)
         except (OverflowError, ValueError, TypeError) as error:
             raise InvalidRequest(f"release_many takes equal-length integer slots and generations: {error}") from None
         if _COMPILED:  # the same steps, record by record in C (wheel.pxd)
@@ -1522,6 +1524,10 @@ class TimerWheel:
 
     def records_of(self, slots) -> np.ndarray:
         """A copy of the records at ``slots`` (numpy structured array: deadline, tag, key, ...)."""
+        if _COMPILED and type(slots) is np.ndarray and slots.dtype is _INT64 and slots.ndim == 1:
+            out = np.empty(slots.size, dtype=L.RECORD_DTYPE)  # copied in C (wheel.pxd) when every slot is a record
+            if _c_records_of(self, slots, out.view(np.uint8)):  # noqa: F821 - wheel.pxd
+                return out
         return self._raw[np.asarray(slots, dtype=np.int64)].view(L.RECORD_DTYPE)  # whole-record copies: fast
 
     # ------------------------------------------------------------------ batch helpers
