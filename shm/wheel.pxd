@@ -432,9 +432,9 @@ cdef inline void _c_prefetch_removal(_Index *x, const long long *slots, Py_ssize
     were fetched before."""
     cdef unsigned long long p
     cdef Py_ssize_t s, k
-    if j + _CW_AHEAD2 < n:
+    if j + _CW_AHEAD2 < n and x.pos[slots[j + _CW_AHEAD2]] >= 0:
         _pf(&x.table[x.pos[slots[j + _CW_AHEAD2]]])
-    if j + _CW_AHEAD < n:
+    if j + _CW_AHEAD < n and x.pos[slots[j + _CW_AHEAD]] >= 0:
         p = <unsigned long long>x.pos[slots[j + _CW_AHEAD]]
         for k in range(_CW_PROBE):
             p = (p + 1) & x.mask
@@ -1018,8 +1018,10 @@ cdef inline (Py_ssize_t, Py_ssize_t) _c_expire_many(TimerWheel w, list buckets, 
         # the fired records leave the index (the cells ahead prefetched)
         for j in range(fired):
             _c_prefetch_removal(&x, &dest[0], j, fired)
+            if x.pos[dest[j]] < 0:  # walked twice: the lists are not sound
+                raise corrupt(f"record {dest[j]} is in two lists")
             _c_index_remove(&x, dest[j])
-        w._index.used -= fired
+            w._index.used -= 1
         # whole chains, then the due records of higher-level buckets, join the fired list
         flp = fl * _CW_IW
         for c in range(0, chains.size, 2):

@@ -32,9 +32,8 @@ from hypothesis import strategies as st
 
 from wheeld.protocol import accel
 from wheeld.protocol import arena_layout as L
-from wheeld.shm import TimerWheel
 from wheeld.shm.arena import unlink
-from wheeld.shm.wheel import MAX_DELAY_MS, encode_ident
+from wheeld.shm.wheel import MAX_DELAY_MS, _default_levels, encode_ident
 
 WORKER = Path(__file__).with_name("differential_worker.py")
 _LEN = struct.Struct("<Q")
@@ -159,7 +158,7 @@ def scenarios(draw):
 
 def _records(shape: dict) -> int:
     """How many records (sentinels and entries) an arena of ``shape`` has."""
-    levels = shape.get("levels") or TimerWheel.create(1, shape["tick_ms"], shape["wheel_size"]).levels
+    levels = shape.get("levels") or _default_levels(shape["tick_ms"], shape["wheel_size"])
     return levels * shape["wheel_size"] + 2 + shape["capacity"]
 
 
