@@ -168,7 +168,7 @@ cdef enum:
     _CW_AHEAD = 8  # prefetch distances (items ahead), see _c_prefetch_probe
     _CW_AHEAD2 = 16
     _CW_AHEAD3 = 32
-    _CW_PROBE = 4  # index cells of a probe prefetched
+    _CW_PROBE = 8  # index cells of a probe prefetched
 
 
 cdef inline tuple _c_layout():

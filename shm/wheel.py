@@ -158,6 +158,16 @@ batch of 1000 costs about 0.5-0.8 us per insert, cancel or expiration, against
 2-4 us for the scalar methods (``python -m bench.wheel_core``; measured figures
 in docs/wheel.md).
 
+The compiled build runs the same steps as C loops instead (the ``_c_*``
+functions of wheel.pxd), item by item over the callers' buffers: each key is
+hashed from its 33 bytes (``_Py_HashBytes``, what ``hash`` of the bytes gives)
+and probed in the key index's table, records are linked and unlinked through C
+pointers, and the index cells, the records and their neighbours are prefetched
+a few items ahead. The order of every link, free-stack push and intent entry
+is the numpy code's, so both paths leave the same bytes (the differential test
+holds them to it); the key index and the bucket heap (C arrays on the compiled
+path) are derived state and may differ inside.
+
 Record life (the only legal steps)::
 
     FREE --schedule--> SCHEDULED --cancel--> FREE
