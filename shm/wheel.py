@@ -289,8 +289,8 @@ _COMPILED = not __file__.endswith(".py")
 _VALID_META_BYTES = _VALID_META.view(np.uint8)  # the same table as bytes, for the C loops
 _INT64 = np.dtype(np.int64)
 _ONE_VALUE = {v: np.array((v,), dtype=np.int64) for v in (-1, 0)}  # the batch methods' defaults, as columns
-for _column in _ONE_VALUE.values():
-    _column.flags.writeable = False
+for _one in _ONE_VALUE.values():
+    _one.flags.writeable = False
 if _COMPILED and _c_layout() != (  # noqa: F821 - wheel.pxd: its C constants are this layout's
         L.I_PER_RECORD, L.Q_PER_RECORD, L.H_PER_RECORD, L.RECORD_BYTES, L.I_PREV, L.I_NEXT, L.I_GEN, L.I_TAG, L.I_AUX,
         L.H_GROUP_WORD, L.R_STATE, L.R_KEY_META, L.KEY_BYTES + 1, L.FREE, L.SCHEDULED, L.FIRED, L.LEVEL_SHIFT,
