@@ -158,6 +158,16 @@ batch of 1000 costs about 0.5-0.8 us per insert, cancel or expiration, against
 2-4 us for the scalar methods (``python -m bench.wheel_core``; measured figures
 in docs/wheel.md).
 
+The compiled build runs the same steps as C loops instead (the ``_c_*``
+functions of wheel.pxd), item by item over the callers' buffers: each key is
+hashed from its 33 bytes (``_Py_HashBytes``, what ``hash`` of the bytes gives)
+and probed in the key index's table, records are linked and unlinked through C
+pointers, and the index cells, the records and their neighbours are prefetched
+a few items ahead. The order of every link, free-stack push and intent entry
+is the numpy code's, so both paths leave the same bytes (the differential test
+holds them to it); the key index and the bucket heap (C arrays on the compiled
+path) are derived state and may differ inside.
+
 Record life (the only legal steps)::
 
     FREE --schedule--> SCHEDULED --cancel--> FREE
@@ -273,8 +283,20 @@ _GEN_MASK = GENERATION_MASK
 _DEADLINE_HIGH = MAX_CLOCK_MS + MAX_DELAY_MS
 _DEADLINE_LOW = -_DEADLINE_HIGH
 # Compiled (wheel.pxd), a bytes key is copied into its record with memcpy (_put_key)
-# instead of a slice assignment through the record view.
+# instead of a slice assignment through the record view, and the batch methods run C
+# loops (the _c_* functions of wheel.pxd) instead of their numpy code.
 _COMPILED = not __file__.endswith(".py")
+_VALID_META_BYTES = _VALID_META.view(np.uint8)  # the same table as bytes, for the C loops
+_INT64 = np.dtype(np.int64)
+_ONE_VALUE = {v: np.array((v,), dtype=np.int64) for v in (-1, 0)}  # the batch methods' defaults, as columns
+for _one in _ONE_VALUE.values():
+    _one.flags.writeable = False
+if _COMPILED and _c_layout() != (  # noqa: F821 - wheel.pxd: its C constants are this layout's
+        L.I_PER_RECORD, L.Q_PER_RECORD, L.H_PER_RECORD, L.RECORD_BYTES, L.I_PREV, L.I_NEXT, L.I_GEN, L.I_TAG, L.I_AUX,
+        L.H_GROUP_WORD, L.R_STATE, L.R_KEY_META, L.KEY_BYTES + 1, L.FREE, L.SCHEDULED, L.FIRED, L.LEVEL_SHIFT,
+        L.DUE_LEVEL, L.H_CURRENT_MS // 8, L.H_INTENT_COUNT // 4, L.INTENT_BATCH_MAX, L.INTENT_ENTRY.size,
+        GENERATION_MASK):
+    raise ImportError("wheel.pxd's record layout constants are not those of wheeld.protocol.arena_layout")
 #: the wheel's own counter words (the daemon writes the rest): the per-level ones are
 #: computed from _pending_by_level, the others kept in TimerWheel._count (by index)
 _LEVEL_COUNTERS = tuple(f"pending_level_{level}" for level in range(L.MAX_LEVELS)) + ("pending_due",)
@@ -314,6 +336,11 @@ def _check_clock(now_ms) -> None:
         raise InvalidDelay(f"now_ms is an integer number of ms, not {type(now_ms).__name__}")
     if not -MAX_CLOCK_MS <= now_ms < MAX_CLOCK_MS:
         raise InvalidDelay(f"now_ms {now_ms} is beyond +-{MAX_CLOCK_MS}")
+
+
+def _int64_array(n: int) -> np.ndarray:
+    """An uninitialised int64 array of n items (the compiled expire_many fills it)."""
+    return np.empty(n, dtype=np.int64)
 
 
 def _ident(key) -> tuple[bytes, int]:
@@ -434,6 +461,10 @@ class TimerWheel:
         # on attach. Views of int64 arrays: C arrays for the scalar paths when compiled.
         self._group_live = _int64_counts([0] * self.max_groups)
         self._heap: list[tuple[int, int]] = []
+        if _COMPILED:  # the compiled path keeps the heap in C arrays instead (wheel.pxd, _c_heap_*)
+            self._hx = np.zeros(256, dtype=np.int64)
+            self._hb = np.zeros(256, dtype=np.int32)
+            self._hn = 0
         self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
         self._pending_by_level = _int64_counts([0] * _LEVEL_SLOTS)
         self._count_array = array("q", bytes(8 * len(_OWN_COUNTERS)))  # _OWN_COUNTERS, in order
@@ -642,7 +673,10 @@ class TimerWheel:
             self._q[b * _QW] = expiration
             if self._queued[b] != expiration:
                 self._queued[b] = expiration
-                heapq.heappush(self._heap, (expiration, b))
+                if _COMPILED:
+                    _c_heap_push(self, expiration, b)  # noqa: F821 - wheel.pxd
+                else:
+                    heapq.heappush(self._heap, (expiration, b))
         sp = slot * _IW
         self._i[sp + _PREV] = tail
         self._i[sp + _NEXT] = b
@@ -832,6 +866,8 @@ class TimerWheel:
         This is a bucket time, not necessarily a timer's deadline: a higher-level
         bucket comes due to cascade. None when the wheel is empty.
         """
+        if _COMPILED:
+            return _c_next_deadline(self)  # noqa: F821 - wheel.pxd: the same loop over the C heap
         heap, queued, i = self._heap, self._queued, self._i
         while heap:
             expiration, b = heap[0]
@@ -846,6 +882,15 @@ class TimerWheel:
         """Detach every bucket due at ``now_ms``, advance the clock, return their slots."""
         heap, queued, i = self._heap, self._queued, self._i
         out: list[int] = []
+        if _COMPILED:  # the due buckets off the C heap, then the same walk
+            for b in _c_due_buckets(self, now_ms):  # noqa: F821 - wheel.pxd
+                bp = b * _IW
+                s = i[bp + _NEXT]
+                while s != b:
+                    out.append(s)
+                    s = i[s * _IW + _NEXT]
+                i[bp + _PREV] = b
+                i[bp + _NEXT] = b
         while heap and heap[0][0] <= now_ms:
             expiration, b = heapq.heappop(heap)
             if queued[b] != expiration:
@@ -1034,6 +1079,15 @@ class TimerWheel:
             raise InvalidKey("encoded keys are 33-byte bytes objects (meta + padded key)")
         return items, np.array(items, dtype="S33").view("V33")
 
+    def _ident_array(self, idents) -> np.ndarray:
+        """The V33 array of :meth:`_batch_idents` without its list (the compiled batch paths
+        read the keys' bytes in C)."""
+        if isinstance(idents, np.ndarray):
+            if idents.dtype.itemsize != 33 or idents.ndim != 1:
+                raise InvalidKey("encoded keys are a 1-d array of 33-byte items (meta + padded key)")
+            return np.ascontiguousarray(idents).view("V33")
+        return self._batch_idents(idents)[1]
+
     def _batch_column(self, values, n: int, low: int, high: int, what: str, exc=InvalidRequest) -> np.ndarray:
         try:
             array = np.asarray(values)
@@ -1046,6 +1100,20 @@ class TimerWheel:
             raise exc(f"{what} out of range [{low}, {high}]")
         return array
 
+    def _column(self, values, n: int, low: int, high: int, what: str, exc=InvalidRequest) -> np.ndarray:
+        """:meth:`_batch_column` for the C loops of the compiled batch paths: an int64 array of ``n``
+        items, or of one item that holds for every item (from an int). The usual inputs (an
+        int, a 1-d int64 array) are checked here (the range in C), the others, and any value
+        out of range, by :meth:`_batch_column` (with its exceptions)."""
+        if type(values) is int:
+            if low <= values <= high:
+                one = _ONE_VALUE.get(values)
+                return np.array((values,), dtype=np.int64) if one is None else one
+        elif (type(values) is np.ndarray and values.dtype is _INT64 and values.ndim == 1 and values.size == n
+              and _c_in_range(values, low, high)):  # noqa: F821 - wheel.pxd
+            return values
+        return self._batch_column(values, n, low, high, what, exc)
+
     def schedule_many(self, idents, deadlines_ms, groups=0, tags=0, auxs=-1) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`schedule_ident` for a batch: arrays (or scalars) of equal length.
 
@@ -1054,20 +1122,42 @@ class TimerWheel:
         anywhere in the batch raises InvalidKey / InvalidDelay / InvalidRequest and
         changes nothing.
         """
-        ident_list, ident_arr = self._batch_idents(idents)
-        n = len(ident_list)
+        if _COMPILED:
+            ident_list, ident_arr = None, self._ident_array(idents)
+            n = ident_arr.size
+        else:
+            ident_list, ident_arr = self._batch_idents(idents)
+            n = len(ident_list)
         cur = self._hq[_CUR]
-        deadlines = self._batch_column(deadlines_ms, n, cur - MAX_DELAY_MS, cur + MAX_DELAY_MS, "deadline_ms", InvalidDelay)
-        groups = self._batch_column(groups, n, 0, self.max_groups - 1, "group id")
-        tags = self._batch_column(tags, n, 0, 0xFFFFFFFF, "tag")
-        auxs = self._batch_column(auxs, n, -(1 << 31), (1 << 31) - 1, "aux")
+        column = self._column if _COMPILED else self._batch_column
+        deadlines = column(deadlines_ms, n, cur - MAX_DELAY_MS, cur + MAX_DELAY_MS, "deadline_ms", InvalidDelay)
+        groups = column(groups, n, 0, self.max_groups - 1, "group id")
+        tags = column(tags, n, 0, 0xFFFFFFFF, "tag")
+        auxs = column(auxs, n, -(1 << 31), (1 << 31) - 1, "aux")
         slots_out = np.full(n, -1, dtype=np.int64)
         gens_out = np.zeros(n, dtype=np.uint32)
         if not n:
             return slots_out, gens_out
-        if not _VALID_META[ident_arr.view(np.uint8)[::33]].all():
-            raise InvalidKey("malformed encoded key")
-        hashes = self._index.key_hashes(ident_list, groups)
+        if _COMPILED:  # C loops over the keys' bytes (wheel.pxd)
+            hashes = np.empty(n, dtype=np.int64)
+            if _c_hash_idents(self, ident_arr.view(np.uint8), groups, hashes, _VALID_META_BYTES, True):  # noqa: F821
+                raise InvalidKey("malformed encoded key")
+            if not _c_has_duplicates(hashes):  # noqa: F821 - wheel.pxd
+                rearms, added, refused = _c_schedule_many(  # noqa: F821 - wheel.pxd
+                    self, ident_arr.view(np.uint8), deadlines, groups, tags, auxs, cur, hashes, slots_out, gens_out,
+                    self._intent_batch.view(np.uint8), CorruptArena)
+                c = self._count
+                c[_C_REARMS] += rearms
+                c[_C_ARENA_FULL] += refused
+                c[_C_PENDING] += added
+                c[_C_ADDS] += added
+                return slots_out, gens_out
+            ident_list = ident_arr.tolist()  # a key twice: the scalar loop below
+            deadlines, groups, tags, auxs = (np.broadcast_to(v, (n,)) for v in (deadlines, groups, tags, auxs))
+        else:
+            if not _VALID_META[ident_arr.view(np.uint8)[::33]].all():
+                raise InvalidKey("malformed encoded key")
+            hashes = self._index.key_hashes(ident_list, groups)
         if has_duplicates(hashes):  # a key twice: keep the order of the scalar path
             for j in range(n):
                 try:
@@ -1118,12 +1208,31 @@ class TimerWheel:
 
     def cancel_many(self, idents, groups=0) -> np.ndarray:
         """:meth:`cancel_ident` for a batch; returns a bool array (True: a timer was removed)."""
-        ident_list, ident_arr = self._batch_idents(idents)
-        n = len(ident_list)
-        groups = self._batch_column(groups, n, 0, self.max_groups - 1, "group id")
+        if _COMPILED:
+            ident_list, ident_arr = None, self._ident_array(idents)
+            n = ident_arr.size
+        else:
+            ident_list, ident_arr = self._batch_idents(idents)
+            n = len(ident_list)
+        groups = (self._column if _COMPILED else self._batch_column)(groups, n, 0, self.max_groups - 1, "group id")
         if not n:
             return np.zeros(0, dtype=bool)
-        hashes = self._index.key_hashes(ident_list, groups)
+        if _COMPILED:  # C loops over the keys' bytes (wheel.pxd)
+            hashes = np.empty(n, dtype=np.int64)
+            _c_hash_idents(self, ident_arr.view(np.uint8), groups, hashes, _VALID_META_BYTES, False)  # noqa: F821
+            if not _c_has_duplicates(hashes):  # noqa: F821 - wheel.pxd
+                hit = np.zeros(n, dtype=bool)
+                k = _c_cancel_many(self, ident_arr.view(np.uint8), groups, hashes, hit.view(np.uint8),  # noqa: F821
+                                   CorruptArena)
+                c = self._count
+                c[_C_PENDING] -= k
+                c[_C_CANCELS] += k
+                c[_C_CANCEL_MISSES] += n - k
+                return hit
+            ident_list = ident_arr.tolist()  # a key twice: the scalar loop below
+            groups = np.broadcast_to(groups, (n,))
+        else:
+            hashes = self._index.key_hashes(ident_list, groups)
         if has_duplicates(hashes):
             return np.array([self.cancel_ident(ident_list[j], int(groups[j])) for j in range(n)], dtype=bool)
         found = self._index.find_many(ident_arr, hashes, groups)
@@ -1150,6 +1259,18 @@ class TimerWheel:
         fired list; read their fields at once with :meth:`records_of`.
         """
         _check_clock(now_ms)
+        if _COMPILED:  # the same steps, record by record in C (wheel.pxd)
+            out: list = []
+            fired, cascaded = _c_expire_many(self, self._due_buckets(now_ms), now_ms, _int64_array, out,  # noqa: F821
+                                             CorruptArena)
+            if not out:
+                return np.zeros(0, dtype=np.int64)
+            c = self._count
+            c[_C_EXPIRATIONS] += fired
+            c[_C_CASCADES] += cascaded
+            c[_C_PENDING] -= fired
+            c[_C_FIRED_UNACKED] += fired
+            return out[0]
         whole, chains, mixed = self._collect_buckets(now_ms)
         if not whole and not mixed:
             return np.zeros(0, dtype=np.int64)
@@ -1202,11 +1323,15 @@ class TimerWheel:
         whole: list[int] = []
         mixed: list[int] = []
         chains: list[tuple[int, int]] = []
-        while heap and heap[0][0] <= now_ms:
-            expiration, b = heapq.heappop(heap)
-            if queued[b] != expiration:
-                continue
-            queued[b] = -1
+        due = _c_due_buckets(self, now_ms) if _COMPILED else None  # noqa: F821 - wheel.pxd: off the C heap
+        while due or heap and heap[0][0] <= now_ms:
+            if due:
+                b = due.pop(0)
+            else:
+                expiration, b = heapq.heappop(heap)
+                if queued[b] != expiration:
+                    continue
+                queued[b] = -1
             bp = b * _IW
             s = i[bp + _NEXT]
             if s == b:  # emptied by cancels
@@ -1226,6 +1351,18 @@ class TimerWheel:
         if now_ms > self._hq[_CUR]:
             self._hq[_CUR] = now_ms  # after detaching, before re-placing (see Crash consistency)
         return whole, chains, mixed
+
+    def _heap_grow(self) -> None:
+        """Twice the room in the C arrays of the compiled path's bucket heap."""
+        n = self._hn
+        self._hx = np.concatenate((np.asarray(self._hx)[:n], np.zeros(max(n, 256), dtype=np.int64)))
+        self._hb = np.concatenate((np.asarray(self._hb)[:n], np.zeros(max(n, 256), dtype=np.int32)))
+
+    def _due_buckets(self, now_ms: int) -> list[int]:
+        """The buckets :meth:`_collect_buckets` would detach at ``now_ms``, in its order (the
+        heap's), taken off the heap but not detached: the compiled :meth:`expire_many` walks
+        them in C (compiled path only: its heap is C arrays)."""
+        return _c_due_buckets(self, now_ms)  # noqa: F821 - wheel.pxd
 
     def cascade_ahead(self, now_ms: int, max_entries: int) -> int:
         """Move timers of the next level-1 bucket down to level 0 before it comes due.
@@ -1365,9 +1502,18 @@ class TimerWheel:
         """:meth:`release` for a batch; returns a bool array (False: stale handle, no-op)."""
         try:
             slots = np.asarray(slots, dtype=np.int64).reshape(-1)
-            generations = np.broadcast_to(np.asarray(generations, dtype=np.int64), slots.shape)
+            generations = np.asarray(generations, dtype=np.int64)
+            if not (_COMPILED and generations.shape == slots.shape):  # (compiled: no broadcast view needed)
+                generations = np.broadcast_to(generations, slots.shape)
         except (OverflowError, ValueError, TypeError) as error:
             raise InvalidRequest(f"release_many takes equal-length integer slots and generations: {error}") from None
+        if _COMPILED:  # the same steps, record by record in C (wheel.pxd)
+            ok = np.zeros(slots.shape, dtype=bool)
+            k = _c_release_many(self, slots, generations, ok.view(np.uint8), CorruptArena)  # noqa: F821 - wheel.pxd
+            c = self._count
+            c[_C_FIRED_UNACKED] -= k
+            c[_C_ACKS] += k
+            return ok
         rec = self.records
         ok = (slots >= self.first_entry) & (slots < self.n_records)
         if ok.all():
@@ -1392,6 +1538,10 @@ class TimerWheel:
 
     def records_of(self, slots) -> np.ndarray:
         """A copy of the records at ``slots`` (numpy structured array: deadline, tag, key, ...)."""
+        if _COMPILED and type(slots) is np.ndarray and slots.dtype is _INT64 and slots.ndim == 1:
+            out = np.empty(slots.size, dtype=L.RECORD_DTYPE)  # copied in C (wheel.pxd) when every slot is a record
+            if _c_records_of(self, slots, out.view(np.uint8)):  # noqa: F821 - wheel.pxd
+                return out
         return self._raw[np.asarray(slots, dtype=np.int64)].view(L.RECORD_DTYPE)  # whole-record copies: fast
 
     def record_rows(self, slots) -> list[tuple]:
@@ -1550,7 +1700,10 @@ class TimerWheel:
                 rec["deadline"][b] = expiration
                 if queued[b] != expiration:
                     queued[b] = expiration
-                    heapq.heappush(heap, (expiration, b))
+                    if _COMPILED:
+                        _c_heap_push(self, expiration, b)  # noqa: F821 - wheel.pxd
+                    else:
+                        heapq.heappush(heap, (expiration, b))
 
     def _append_run(self, sentinel: int, run: np.ndarray) -> None:
         """Append distinct records, in order, to the tail of one list."""
@@ -1665,6 +1818,8 @@ class TimerWheel:
         sched, buckets, expirations = sched[order], buckets[order], expirations[order]
         self._heap = []
         self._queued = [-1] * self.first_entry
+        if _COMPILED:
+            self._hn = 0
         if not sched.size:
             return
         starts = run_starts(buckets)
@@ -1676,6 +1831,9 @@ class TimerWheel:
             rec["deadline"][b] = expiration
             self._queued[b] = expiration
             self._heap.append((expiration, b))
+        if _COMPILED:  # the compiled path's heap is C arrays
+            _c_heap_fill(self, self._heap)  # noqa: F821 - wheel.pxd
+            self._heap = []
         heapq.heapify(self._heap)
 
     def _recount(self) -> None:

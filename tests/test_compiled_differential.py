@@ -25,13 +25,15 @@ import sys
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wheeld.protocol import accel
+from wheeld.protocol import arena_layout as L
 from wheeld.shm.arena import unlink
-from wheeld.shm.wheel import MAX_DELAY_MS, encode_ident
+from wheeld.shm.wheel import MAX_DELAY_MS, _default_levels, encode_ident
 
 WORKER = Path(__file__).with_name("differential_worker.py")
 _LEN = struct.Struct("<Q")
@@ -88,7 +90,7 @@ def scenarios(draw):
     for _ in range(draw(st.integers(1, 40))):
         kind = draw(st.sampled_from([
             "schedule", "schedule", "schedule", "cancel", "advance", "expire", "release", "rearm_fired",
-            "schedule_many", "cancel_many", "expire_many", "release_many", "cascade_ahead", "cancel_handle",
+            "schedule_many", "cancel_many", "expire_many", "release_many", "records_of", "cascade_ahead", "cancel_handle",
             "group", "forget", "reattach", "bad",
         ]))
         if kind == "schedule":
@@ -119,6 +121,10 @@ def scenarios(draw):
             n = draw(st.integers(0, 6))
             ops.append(("release_many", ([draw(st.integers(0, 80)) for _ in range(n)],
                                          [draw(st.integers(0, 4)) for _ in range(n)])))
+        elif kind == "records_of":  # slots of the arena's records, negative ones counted from the end
+            records = _records(shape)
+            ops.append(("records_of", (np.array(draw(st.lists(st.integers(-records, records - 1), max_size=6)),
+                                                dtype=np.int64),)))
         elif kind == "group":
             ops.append(("group_id", (draw(st.sampled_from(["default", "g1", "g2", "g3", "x" * 31])),)))
         elif kind == "forget":
@@ -148,6 +154,12 @@ def scenarios(draw):
             ])))
             ops.append(("schedule_ident", (draw(BAD_KEYS), clock + 5)))
     return shape, ops
+
+
+def _records(shape: dict) -> int:
+    """How many records (sentinels and entries) an arena of ``shape`` has."""
+    levels = shape.get("levels") or _default_levels(shape["tick_ms"], shape["wheel_size"])
+    return levels * shape["wheel_size"] + 2 + shape["capacity"]
 
 
 def _compare(workers, shape, ops):
@@ -225,3 +237,49 @@ def test_cascade_ahead_moves_the_same_records_on_both_paths(workers):
     results = _compare(workers, shape, ops)
     moved = sum(r for op, r in zip(ops, results) if op[0] == "cascade_ahead" and isinstance(r, int))
     assert moved > 0, results
+
+
+def _idents(keys) -> np.ndarray:
+    """Encoded keys as the V33 array the batch methods take (the form the daemon passes)."""
+    return np.array([encode_ident(k) for k in keys], dtype="S33").view("V33")
+
+
+def test_large_batches_leave_the_same_bytes(workers):
+    """Batches past what the generated scenarios reach, for the compiled batch loops: re-arms
+    in more than one batch-intent chunk, a batch the arena has room for only in part,
+    cancels and releases whose records form several runs of neighbours (and one run),
+    slots named twice, and expiries of due lists, level-0 buckets and higher-level
+    buckets at once (fired whole, fired one by one, cascaded)."""
+    shape = {"capacity": 6000, "tick_ms": 1, "wheel_size": 16, "levels": 4, "start_ms": 1000, "max_groups": 4}
+    first = 4 * 16 + 2
+    n = L.INTENT_BATCH_MAX + 904  # re-armed at once below: two chunks of the batch intent
+    keys = [f"k{i}" for i in range(n + 2000)]
+    spread = np.array([1000 + (7 * i) % 3000 - 5 for i in range(n)])  # the due list, level 0 .. level 2
+    cancelled = [i for i in range(3000) if i % 3 != 1]  # runs of two neighbours, and single ones
+    ops = [
+        ("schedule_many", (_idents(keys[:n]), spread, 0, np.arange(n) % 5, np.arange(n) % 3 - 1)),
+        ("schedule_many", ([encode_ident(k) for k in keys[:30]], spread[:30] + 9, [1, 2] * 15)),  # other groups
+        ("schedule_many", (_idents(keys[: n - 100] + keys[n : n + 400]), np.array([1000 + (13 * i) % 5000 for i in range(n + 300)]),
+                           0, 7)),  # re-arms of n - 100 keys, and new ones
+        ("schedule_many", (_idents(keys[n + 400 :]), 2000, 0)),  # 1600 new keys: the arena has room for 570
+        ("records_of", (np.arange(first, first + 40, dtype=np.int64),)),
+        ("cancel_many", (_idents([keys[i] for i in cancelled]), 0)),
+        ("cancel_many", (_idents(keys[n + 400 : n + 800]), 0)),  # neighbours in one bucket: one run
+        ("expire_many", (1003,)),
+        ("expire_many", (1040,)),
+        ("expire_many", (1300,)),  # level-1 buckets: some records fire one by one, the rest cascade
+        ("release_many", (list(range(first, first + 2500)) + list(range(first + 100, first + 200)),
+                          [1] * 2500 + [1] * 100)),  # stale handles, and slots named twice
+        ("reattach", ()),
+        ("expire_many", (5000,)),
+        ("records_of", (np.arange(-60, 0, dtype=np.int64),)),
+        ("release_many", (np.arange(first, first + 6000), np.ones(6000, dtype=np.int64))),
+        ("schedule_many", (_idents(keys[:50] + keys[:50]), np.arange(100) + 6000)),  # a key twice: the scalar path
+        ("cancel_many", (_idents(keys[:20] + keys[10:30]), 0)),
+        ("expire_many", (10**6,)),
+        ("release_many", (np.arange(first, first + 6000), np.ones(6000, dtype=np.int64))),
+    ]
+    results = _compare(workers, shape, ops)
+    refused = results[3][0][2]  # the slots of the fourth call: -1 where the arena was full
+    assert 0 < refused.count(-1) < len(refused), refused.count(-1)
+    assert all(isinstance(r, tuple) and r[0] == "array" and len(r[2]) for r in (results[8], results[9], results[12]))
