@@ -46,7 +46,7 @@ EXPIRE_MANY_MIN = 24  # see Delivery.expire (expire_many ~30 us per call, expire
 # 61-108 us): there the daemon always expires through it.
 SCALAR_EXPIRE = accel.compiled("wheeld.shm.wheel")
 # Record tuples of a few expired timers: compiled, record_rows reads them from the arena in C
-# (no numpy call); on the Python path numpy's records_of(...).tolist() is the faster way.
+# (no numpy call); the Python path takes numpy's records_of(...).tolist() (one call for all).
 ROWS_FROM_ARENA = SCALAR_EXPIRE
 _KEY_LEN_MASK = key_length(0xFF)  # a meta byte's length bits: key_length, inlined
 COLUMNS_MIN = 256  # expirations handled per column (numpy) from this many on, per row below

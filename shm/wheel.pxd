@@ -97,8 +97,7 @@ cdef class TimerWheel:
 
     cdef void _free(self, Py_ssize_t slot)
 
-    @cython.locals(heap=list, queued=list, out=list, i=cython.int[::1], b=cython.Py_ssize_t, bp=cython.Py_ssize_t,
-                   s=cython.Py_ssize_t)
+    @cython.locals(out=list, i=cython.int[::1], b=cython.Py_ssize_t, bp=cython.Py_ssize_t, s=cython.Py_ssize_t)
     cdef list _collect(self, now_ms)
 
     @cython.locals(slots=list, now=cython.longlong, q=cython.longlong[::1], b=cython.uchar[::1], by_level=cython.longlong[::1],
@@ -112,7 +111,7 @@ cdef class TimerWheel:
     @cython.locals(fl=cython.Py_ssize_t, flp=cython.Py_ssize_t, tail=cython.Py_ssize_t)
     cdef void _fire(self, Py_ssize_t s, list out)
 
-    @cython.locals(heap=list, queued=list, i=cython.int[::1], by_level=cython.longlong[::1], ws=Py_ssize_t,
+    @cython.locals(i=cython.int[::1], by_level=cython.longlong[::1], ws=Py_ssize_t,
                    due_list=Py_ssize_t, whole=list, mixed=list, chains=list, out=list, b=Py_ssize_t, bp=Py_ssize_t,
                    s=Py_ssize_t, before=Py_ssize_t)
     cpdef tuple _collect_buckets(self, now_ms)
@@ -837,6 +836,21 @@ cdef inline (Py_ssize_t, Py_ssize_t, Py_ssize_t) _c_schedule_many(
     return rearms, added, refused
 
 
+# ------------------------------------------------------------------ freed records
+cdef inline int _c_unlink_and_push_free(TimerWheel w, _Arena *a, Py_ssize_t *freed, Py_ssize_t k,
+                                        object corrupt) except -1:
+    """The end of cancel_many and release_many: unlink the k records just committed FREE
+    (``freed``, in batch order) from their lists, then push them on the free stack in
+    that order."""
+    cdef Py_ssize_t j, top = w._free_top
+    cdef int *stack = &w._free_stack[0]
+    _c_unlink_freed(a, freed, k, corrupt)
+    for j in range(k):
+        stack[top + j] = <int>freed[j]
+    w._free_top = top + k
+    return 0
+
+
 # ------------------------------------------------------------------ cancel_many
 @cython.boundscheck(False)
 @cython.wraparound(False)
@@ -848,12 +862,11 @@ cdef inline Py_ssize_t _c_cancel_many(TimerWheel w, const unsigned char[::1] ide
     how many were cancelled."""
     cdef _Arena a
     cdef _Index x
-    cdef Py_ssize_t n = hashes.shape[0], j, s, k = 0, top
+    cdef Py_ssize_t n = hashes.shape[0], j, s, k = 0
     cdef const long long *h = &hashes[0]
     cdef const unsigned char *raw = &idents[0]
     cdef long long *live = &w._group_live[0]
     cdef Py_ssize_t *freed
-    cdef int *stack
     cdef Py_ssize_t gs = groups.shape[0] != 1
     _c_views(w, &a, &x)
     freed = <Py_ssize_t *>malloc(n * sizeof(Py_ssize_t))
@@ -875,12 +888,7 @@ cdef inline Py_ssize_t _c_cancel_many(TimerWheel w, const unsigned char[::1] ide
             k += 1
         w._index.used -= k
         if k:
-            _c_unlink_freed(&a, freed, k, corrupt)
-            top = w._free_top
-            stack = &w._free_stack[0]
-            for j in range(k):
-                stack[top + j] = <int>freed[j]
-            w._free_top = top + k
+            _c_unlink_and_push_free(w, &a, freed, k, corrupt)
     finally:
         free(freed)
     return k
@@ -896,10 +904,9 @@ cdef inline Py_ssize_t _c_release_many(TimerWheel w, const long long[:] slots, c
     pushed on the free stack in batch order. Sets ok; returns how many were released."""
     cdef _Arena a
     cdef _Index x
-    cdef Py_ssize_t n = slots.shape[0], j, s, k = 0, top, g, max_groups = w._group_live.shape[0]
+    cdef Py_ssize_t n = slots.shape[0], j, s, k = 0, g, max_groups = w._group_live.shape[0]
     cdef long long *live = &w._group_live[0]
     cdef Py_ssize_t *freed
-    cdef int *stack
     _c_views(w, &a, &x)
     freed = <Py_ssize_t *>malloc((n if n else 1) * sizeof(Py_ssize_t))
     if freed == NULL:
@@ -923,12 +930,7 @@ cdef inline Py_ssize_t _c_release_many(TimerWheel w, const long long[:] slots, c
             freed[k] = s
             k += 1
         if k:
-            _c_unlink_freed(&a, freed, k, corrupt)
-            top = w._free_top
-            stack = &w._free_stack[0]
-            for j in range(k):
-                stack[top + j] = <int>freed[j]
-            w._free_top = top + k
+            _c_unlink_and_push_free(w, &a, freed, k, corrupt)
     finally:
         free(freed)
     return k

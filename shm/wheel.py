@@ -880,22 +880,9 @@ class TimerWheel:
 
     def _collect(self, now_ms: int) -> list[int]:
         """Detach every bucket due at ``now_ms``, advance the clock, return their slots."""
-        heap, queued, i = self._heap, self._queued, self._i
+        i = self._i
         out: list[int] = []
-        if _COMPILED:  # the due buckets off the C heap, then the same walk
-            for b in _c_due_buckets(self, now_ms):  # noqa: F821 - wheel.pxd
-                bp = b * _IW
-                s = i[bp + _NEXT]
-                while s != b:
-                    out.append(s)
-                    s = i[s * _IW + _NEXT]
-                i[bp + _PREV] = b
-                i[bp + _NEXT] = b
-        while heap and heap[0][0] <= now_ms:
-            expiration, b = heapq.heappop(heap)
-            if queued[b] != expiration:
-                continue
-            queued[b] = -1
+        for b in self._due_buckets(now_ms):
             bp = b * _IW
             s = i[bp + _NEXT]
             while s != b:
@@ -1318,24 +1305,14 @@ class TimerWheel:
         and advance the clock. Returns the slots of level-0 buckets and of the due list
         (they fire whole), the (first, last) record of each of those chains, and the
         slots of higher-level buckets (to be re-checked). Per-level counts drop here."""
-        heap, queued, i = self._heap, self._queued, self._i
+        i = self._i
         by_level, ws, due_list = self._pending_by_level, self.wheel_size, self.due_list
         whole: list[int] = []
         mixed: list[int] = []
         chains: list[tuple[int, int]] = []
-        due = _c_due_buckets(self, now_ms) if _COMPILED else None  # noqa: F821 - wheel.pxd: off the C heap
-        while due or heap and heap[0][0] <= now_ms:
-            if due:
-                b = due.pop(0)
-            else:
-                expiration, b = heapq.heappop(heap)
-                if queued[b] != expiration:
-                    continue
-                queued[b] = -1
+        for b in self._due_buckets(now_ms):
             bp = b * _IW
             s = i[bp + _NEXT]
-            if s == b:  # emptied by cancels
-                continue
             if b < ws or b == due_list:
                 out = whole
                 chains.append((s, i[bp + _PREV]))
@@ -1359,10 +1336,21 @@ class TimerWheel:
         self._hb = np.concatenate((np.asarray(self._hb)[:n], np.zeros(max(n, 256), dtype=np.int32)))
 
     def _due_buckets(self, now_ms: int) -> list[int]:
-        """The buckets :meth:`_collect_buckets` would detach at ``now_ms``, in its order (the
-        heap's), taken off the heap but not detached: the compiled :meth:`expire_many` walks
-        them in C (compiled path only: its heap is C arrays)."""
-        return _c_due_buckets(self, now_ms)  # noqa: F821 - wheel.pxd
+        """The non-empty buckets due at ``now_ms``, in the heap's order, taken off the heap
+        (each un-queued) but not detached: what :meth:`_collect` and :meth:`_collect_buckets`
+        walk, and the compiled :meth:`expire_many` in C. Compiled, the heap is C arrays."""
+        if _COMPILED:
+            return _c_due_buckets(self, now_ms)  # noqa: F821 - wheel.pxd
+        heap, queued, i = self._heap, self._queued, self._i
+        due = []
+        while heap and heap[0][0] <= now_ms:
+            expiration, b = heapq.heappop(heap)
+            if queued[b] != expiration:
+                continue  # a stale entry: the bucket was queued again under another time
+            queued[b] = -1
+            if i[b * _IW + _NEXT] != b:  # else emptied by cancels
+                due.append(b)
+        return due
 
     def cascade_ahead(self, now_ms: int, max_entries: int) -> int:
         """Move timers of the next level-1 bucket down to level 0 before it comes due.
