@@ -119,8 +119,9 @@ cdef class TimerWheel:
     @cython.locals(i=cython.int[::1], examined=list, s=Py_ssize_t, b=Py_ssize_t, start=Py_ssize_t)
     cpdef cascade_ahead(self, now_ms, max_entries)
 
-    @cython.locals(moved=Py_ssize_t, s=Py_ssize_t, deadline=cython.longlong)
-    cdef Py_ssize_t _move_each_to_level0(self, list slots, long long cur) except -1
+    @cython.locals(i=cython.int[::1], moved=Py_ssize_t, s=Py_ssize_t, nxt=Py_ssize_t, deadline=cython.longlong)
+    cdef Py_ssize_t _move_each_to_level0(self, Py_ssize_t start, Py_ssize_t b, Py_ssize_t max_entries,
+                                         long long expiration, long long pass_cur, long long cur) except -1
 
     @cython.locals(out=list)
     cpdef list advance(self, now_ms)

@@ -709,11 +709,14 @@ def test_cascade_ahead_never_moves_what_level_0_does_not_reach():
     assert wheel.cascade_ahead(1004, 1) == 1  # 1008; budget 1
     assert wheel.cascade_ahead(1004, 10) == 0  # 1011, 1009 (only 1008 reachable), 1010
     assert wheel.cascade_ahead(1004, 10) == 0  # pass ended, clock unchanged: nothing looked at
-    assert wheel.cascade_ahead(1005, 10) == 1  # 1009
-    assert wheel.check() == [] and [wheel._pending_by_level[0], wheel._pending_by_level[1]] == [2, 2]
-    wheel.cancel("a2")  # (moved) and one left behind
-    wheel.cancel("a1")
-    assert wheel.cascade_ahead(1006, 10) == 1  # 1010
+    # the pass began at 1004 with 4 ms left to 1008: the next begins once 2 of them passed
+    assert wheel.cascade_ahead(1005, 10) == 0  # (1009 would fit now)
+    assert wheel.check() == [] and [wheel._pending_by_level[0], wheel._pending_by_level[1]] == [1, 3]
+    wheel.cancel("a1")  # 1011, still in level 1
+    assert wheel.cascade_ahead(1006, 1) == 1  # a new pass: 1009
+    assert wheel.check() == [] and [wheel._pending_by_level[0], wheel._pending_by_level[1]] == [2, 1]
+    wheel.cancel("a2")  # 1009, moved
+    assert wheel.cascade_ahead(1006, 10) == 1  # the same pass goes on: 1010
     assert wheel.check() == [] and [wheel._pending_by_level[0], wheel._pending_by_level[1]] == [2, 0]
     assert [k for k, _d in wheel.advance(1008)] == ["a0"]
     assert [k for k, _d in wheel.advance(1010)] == ["a3"]
