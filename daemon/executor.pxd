@@ -99,21 +99,22 @@ cdef inline void _hash_keys(KeyIndex index, const unsigned char[:, ::1] raw, lon
 @cython.wraparound(False)
 cdef inline void _prefetch(TimerWheel wheel, const long long[::1] hashes, Py_ssize_t i, Py_ssize_t n) noexcept:
     """Prefetch what the commands ahead will touch: for command i + 8 the index cell its
-    probe starts at; for i + 4 the hash and the record of the slot in that cell (its own
-    record when the key is armed, else the one the probe compares first); for i + 2 that
+    probe starts at; for i + 4 the hash and the record of the slot in that cell if its
+    fingerprint is the key's (the key's own record when it is armed); for i + 2 that
     record's neighbours in its bucket (a re-arm or cancel unlinks it). Only hints: every
     index is checked against its view, nothing here can fail."""
     cdef KeyIndex index = wheel._index
-    cdef Py_ssize_t s, records = index._hash.shape[0]
+    cdef Py_ssize_t records = index._hash.shape[0]
+    cdef long long s
     if i + 8 < n:
         _prefetch_line(&index._table[hashes[i + 8] & index.mask])
     if i + 4 < n:
-        s = index._table[hashes[i + 4] & index.mask]
+        s = index._table[hashes[i + 4] & index.mask] ^ index.stamp(hashes[i + 4])
         if 0 <= s < records:
             _prefetch_line(&index._hash[s])
             _prefetch_line(&wheel._i[s * _IW])
     if i + 2 < n:
-        s = index._table[hashes[i + 2] & index.mask]
+        s = index._table[hashes[i + 2] & index.mask] ^ index.stamp(hashes[i + 2])
         if 0 <= s < records and index._hash[s] == hashes[i + 2]:
             _prefetch_neighbour(wheel, wheel._i[s * _IW + _I_PREV], records)
             _prefetch_neighbour(wheel, wheel._i[s * _IW + _I_NEXT], records)

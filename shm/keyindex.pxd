@@ -19,7 +19,8 @@ cdef class KeyIndex:
     cdef dict __dict__
     cdef public object table, hashes, cells, _rows, _idents, _groups, _gmix_np
     cdef public list gmix
-    cdef public long long mask
+    cdef public long long mask, slot_mask, fp_mask
+    cdef public int slot_bits
     cdef public Py_ssize_t used
     cdef object _rb
     cdef tuple _views
@@ -31,12 +32,16 @@ cdef class KeyIndex:
 
     cpdef Py_ssize_t key_hash(self, ident, group) except? -1
 
+    cpdef long long stamp(self, long long h) noexcept
+
     @cython.locals(h=cython.longlong, g=cython.longlong, mask=cython.longlong, p=cython.Py_ssize_t,
-                   s=cython.Py_ssize_t, base=cython.Py_ssize_t)
+                   s=cython.Py_ssize_t, base=cython.Py_ssize_t, c=cython.longlong, stamp=cython.longlong,
+                   smask=cython.longlong)
     cpdef Py_ssize_t find(self, ident, group) except? -2
 
     @cython.locals(mask=cython.longlong, p=cython.Py_ssize_t)
     cpdef add(self, Py_ssize_t slot, long long h)
 
-    @cython.locals(mask=cython.longlong, p=cython.Py_ssize_t, q=cython.Py_ssize_t, s=cython.Py_ssize_t)
+    @cython.locals(mask=cython.longlong, smask=cython.longlong, p=cython.Py_ssize_t, q=cython.Py_ssize_t,
+                   s=cython.Py_ssize_t, c=cython.int)
     cpdef remove(self, Py_ssize_t slot)

@@ -8,7 +8,12 @@ keeps the key's hash (int64) and the cell holding it (int32): 8-16 bytes of
 table and 12 bytes per record, instead of a Python dict's ~100 bytes per key.
 
 Keys are not stored here: a cell names a record, and a probe compares the
-record's 33 key bytes (meta byte + zero-padded key) and its group id. The hash
+record's 33 key bytes (meta byte + zero-padded key) and its group id. A cell's
+bits above those a slot number needs (7 of 31 at 10M records, 11 at 1M) hold a
+*fingerprint*, bits of the key's hash: a probe passes over a cell whose
+fingerprint differs without reading that record's hash, which at millions of
+timers is a cache miss per occupied cell passed (the cell names slot
+``cell & slot_mask``; an EMPTY cell is -1, an occupied one is >= 0). The hash
 of a key is ``hash(ident) ^ mix(group)`` (:meth:`KeyIndex.key_hash`); Python
 salts ``hash`` per process, so the index is derived state of the process that
 owns the wheel, rebuilt from the records on attach (:meth:`KeyIndex.rebuild`).
@@ -70,6 +75,10 @@ class KeyIndex:
         self._table = table_view
         self._rows = np.lib.stride_tricks.sliding_window_view(self.table, _TAIL_CELLS)  # a view
         self.mask = size - 1
+        slot_bits = max(1, (n_records - 1).bit_length())
+        self.slot_bits = slot_bits
+        self.slot_mask = (1 << slot_bits) - 1
+        self.fp_mask = (1 << max(0, 31 - slot_bits)) - 1  # 0: no bits left, every fingerprint is 0
         self.hashes = np.zeros(n_records, dtype=np.int64)
         hash_view = memoryview(self.hashes)
         self._hash = hash_view
@@ -92,6 +101,15 @@ class KeyIndex:
             view.release()
 
     # ------------------------------------------------------------------ hashing
+    def stamp(self, h: int) -> int:
+        """The fingerprint bits of a cell that holds a key with hash ``h`` (bits 33.. of the
+        hash: the home cell takes the low bits, a table has at most 2**32 cells)."""
+        return ((h >> 33) & self.fp_mask) << self.slot_bits
+
+    def stamps(self, hashes: np.ndarray) -> np.ndarray:
+        """:meth:`stamp` of an int64 array of hashes (as int32 cell bits)."""
+        return (((hashes >> 33) & self.fp_mask) << self.slot_bits).astype(np.int32)
+
     def key_hash(self, ident: bytes, group: int) -> int:
         """The hash of (group, ident): ``hash(ident) ^ mix(group)``."""
         return hash(ident) ^ self._gmix[group]
@@ -108,11 +126,14 @@ class KeyIndex:
         g = group
         mask = self.mask
         p = h & mask
+        stamp = ((h >> 33) & self.fp_mask) << self.slot_bits
+        smask = self.slot_mask
         while True:  # the views through self: a compiled local copy of one costs two atomic updates
-            s = self._table[p]
-            if s == _EMPTY:
+            c = self._table[p]
+            if c == _EMPTY:
                 return -1
-            if self._hash[s] == h and self._h[s * _HW + _GROUP] == g:
+            s = c ^ stamp  # the slot, if the fingerprint matches
+            if s <= smask and self._hash[s] == h and self._h[s * _HW + _GROUP] == g:
                 base = s * _RB + _KM
                 if _COMPILED and type(ident) is bytes:
                     if len(ident) == _IDENT_BYTES and _key_equal(self._keys, base, ident):  # noqa: F821 - keyindex.pxd
@@ -128,7 +149,7 @@ class KeyIndex:
         while self._table[p] >= 0:
             p = (p + 1) & mask
         self.used += 1
-        self._table[p] = slot
+        self._table[p] = slot | (((h >> 33) & self.fp_mask) << self.slot_bits)
         self._hash[slot] = h
         self._pos[slot] = p
 
@@ -139,16 +160,18 @@ class KeyIndex:
         path h..q; then the hole moves to q. Ends at an empty cell.
         """
         mask = self.mask
+        smask = self.slot_mask
         p = self._pos[slot]
         self._pos[slot] = -1
         q = p
         while True:
             q = (q + 1) & mask
-            s = self._table[q]
-            if s == _EMPTY:
+            c = self._table[q]
+            if c == _EMPTY:
                 break
+            s = c & smask
             if (q - self._hash[s]) & mask >= (q - p) & mask:
-                self._table[p] = s
+                self._table[p] = c
                 self._pos[s] = p
                 p = q
         self._table[p] = _EMPTY
@@ -164,9 +187,10 @@ class KeyIndex:
         cells = self.table[(hashes & self.mask)[:, None] + _WINDOW_STEPS & self.mask]
         empty = cells == EMPTY
         first_empty = np.where(empty.any(axis=1), empty.argmax(axis=1), _WINDOW)
-        row, col = np.nonzero((cells >= 0) & (_WINDOW_STEPS < first_empty[:, None]))
+        row, col = np.nonzero((cells >= 0) & (_WINDOW_STEPS < first_empty[:, None])
+                              & ((cells ^ self.stamps(hashes)[:, None]) <= self.slot_mask))  # fingerprint
         if row.size:
-            slot = cells[row, col].astype(np.int64)
+            slot = (cells[row, col] & self.slot_mask).astype(np.int64)
             same = self.hashes[slot] == hashes[row]
             row, slot = row[same], slot[same]
             same = (self._idents[slot] == idents[row]) & (self._groups[slot] == groups[row])
@@ -187,7 +211,7 @@ class KeyIndex:
         rows = np.flatnonzero(open_cells.any(axis=1))
         winners = rows[first_of_each(target[rows])]
         won = target[winners]
-        table[won] = slots[winners]
+        table[won] = slots[winners] | self.stamps(hashes[winners])
         self.cells[slots[winners]] = won
         self.used += int(winners.size)
         placed = np.zeros(slots.size, dtype=bool)
@@ -227,16 +251,17 @@ class KeyIndex:
         live = content >= 0
         if not live.any():
             return
-        moved = content[live].astype(np.int64)
+        moved_cells = content[live]  # slot and fingerprint
+        moved = (moved_cells & self.slot_mask).astype(np.int64)
         cell = cell[live]
         home = np.maximum(cell - ((cell - self.hashes[moved]) & mask), np.repeat(start, length)[live])
         if moved.size > 1 and (home[1:] < home[:-1]).any():
             order = np.argsort(home, kind="stable")
-            moved, home = moved[order], home[order]
+            moved, moved_cells, home = moved[order], moved_cells[order], home[order]
         rank = np.arange(moved.size)
         placed = (rank + np.maximum.accumulate(home - rank)) & mask
         table[cell & mask] = EMPTY
-        table[placed] = moved
+        table[placed] = moved_cells
         self.cells[moved] = placed
 
     def _regions(self, cells: np.ndarray, dist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -307,13 +332,14 @@ class KeyIndex:
         self.hashes[slots] = hashes
         self.used = int(slots.size)
         pos = hashes & self.mask
+        stamped = slots | self.stamps(hashes)
         pending = np.arange(slots.size)
         while pending.size:
             p = pos[pending]
             open_cells = table[p] == EMPTY
             cells, first = np.unique(p[open_cells], return_index=True)
             winners = pending[open_cells][first]
-            table[cells] = slots[winners]
+            table[cells] = stamped[winners]
             self.cells[slots[winners]] = cells
             placed = np.zeros(slots.size, dtype=bool)
             placed[winners] = True
@@ -329,7 +355,7 @@ class KeyIndex:
         one running count of EMPTY cells over the table, unrolled once for wrapping paths.
         """
         slots = np.sort(np.asarray(slots, dtype=np.int64))
-        indexed = self.table[self.table >= 0]
+        indexed = self.table[self.table >= 0] & self.slot_mask
         if indexed.size != slots.size or self.used != slots.size:
             return [f"key index holds {indexed.size} entries (counted {self.used}), {slots.size} timers are scheduled"]
         if not np.array_equal(np.sort(indexed), slots):
@@ -342,7 +368,7 @@ class KeyIndex:
         home = hashes & self.mask
         empty_before = np.concatenate(([0], np.cumsum(np.tile(self.table == EMPTY, 2))))  # EMPTY cells in [0, i)
         end = np.where(cell >= home, cell, cell + self.table.size)  # unrolled
-        lost = (self.table[cell] != slots) | (empty_before[end] != empty_before[home])
+        lost = (self.table[cell] != (slots | self.stamps(hashes))) | (empty_before[end] != empty_before[home])
         for s in slots[lost][:10].tolist():
             out.append(f"scheduled record {s} is not found by its key")
         return out

@@ -221,7 +221,9 @@ cdef struct _Arena:
 
 
 cdef struct _Index:
-    int *table  # the key index's cells (slot or -1)
+    int *table  # the key index's cells (slot | fingerprint, or -1)
+    long long smask, fmask  # KeyIndex.slot_mask, fp_mask
+    int sbits  # KeyIndex.slot_bits
     long long *hash  # per slot: its key's hash
     int *pos  # per slot: its cell, or -1
     const long long *gmix  # per group id: the hash mix
@@ -249,7 +251,15 @@ cdef inline int _c_views(TimerWheel w, _Arena *a, _Index *x) except -1:
     x.pos = &index._pos[0]
     x.gmix = &index._gmix[0]
     x.mask = <unsigned long long>index.mask
+    x.smask = index.slot_mask
+    x.fmask = index.fp_mask
+    x.sbits = index.slot_bits
     return 0
+
+
+cdef inline long long _c_stamp(_Index *x, long long h) noexcept nogil:
+    """KeyIndex.stamp: the fingerprint bits of a cell holding a key with hash h."""
+    return ((h >> 33) & x.fmask) << x.sbits
 
 
 cdef inline int _c_push(_Slots *v, Py_ssize_t s) except -1:
@@ -385,13 +395,15 @@ cdef inline list _c_due_buckets(TimerWheel w, long long now):
 cdef inline Py_ssize_t _c_find(_Index *x, _Arena *a, long long h, Py_ssize_t g, const unsigned char *ident) noexcept nogil:
     """KeyIndex.find: the slot indexed under key (g, ident) with hash h, or -1."""
     cdef unsigned long long p = <unsigned long long>h & x.mask
-    cdef Py_ssize_t s
+    cdef long long stamp = _c_stamp(x, h), c, s
     while True:
-        s = x.table[p]
-        if s == -1:
+        c = x.table[p]
+        if c == -1:
             return -1
-        if x.hash[s] == h and a.h[s * _CW_HW + _CW_GROUP] == g and memcmp(a.b + s * _CW_RB + _CW_KM, ident, _CW_IDENT) == 0:
-            return s
+        s = c ^ stamp  # the slot, if the fingerprint matches
+        if s <= x.smask and x.hash[s] == h and a.h[s * _CW_HW + _CW_GROUP] == g \
+                and memcmp(a.b + s * _CW_RB + _CW_KM, ident, _CW_IDENT) == 0:
+            return <Py_ssize_t>s
         p = (p + 1) & x.mask
 
 
@@ -400,7 +412,7 @@ cdef inline void _c_index_add(_Index *x, Py_ssize_t slot, long long h) noexcept 
     cdef unsigned long long p = <unsigned long long>h & x.mask
     while x.table[p] >= 0:
         p = (p + 1) & x.mask
-    x.table[p] = <int>slot
+    x.table[p] = <int>(slot | _c_stamp(x, h))
     x.hash[slot] = h
     x.pos[slot] = <int>p
 
@@ -410,47 +422,57 @@ cdef inline void _c_index_remove(_Index *x, Py_ssize_t slot) noexcept nogil:
     KeyIndex.used)."""
     cdef unsigned long long p = <unsigned long long>x.pos[slot], q = p
     cdef Py_ssize_t s
+    cdef int c
     x.pos[slot] = -1
     while True:
         q = (q + 1) & x.mask
-        s = x.table[q]
-        if s == -1:
+        c = x.table[q]
+        if c == -1:
             break
+        s = c & x.smask
         if ((q - <unsigned long long>x.hash[s]) & x.mask) >= ((q - p) & x.mask):
-            x.table[p] = <int>s
+            x.table[p] = c
             x.pos[s] = <int>p
             p = q
     x.table[p] = -1
 
 
-cdef inline void _c_prefetch_probe(_Index *x, _Arena *a, const long long *hashes, Py_ssize_t j, Py_ssize_t n) noexcept nogil:
+cdef inline void _c_prefetch_probe(_Index *x, _Arena *a, const long long *hashes, Py_ssize_t j, Py_ssize_t n,
+                                   bint removing) noexcept nogil:
     """Prefetch what the probes of the items ahead read, in three stages (each reads what
     the one before fetched): for item j + _CW_AHEAD3 the index cell its probe starts at;
     for j + _CW_AHEAD2 the hashes of the slots in the cells from there to the first empty
-    one (at most _CW_PROBE of them); for j + _CW_AHEAD the record of the first of those
-    slots with the item's hash (its own when its key is indexed). Hints only: nothing is
-    read outside the index."""
+    one (at most _CW_PROBE of them) whose fingerprint is the item's, or of all of them when
+    ``removing`` (a removal's backward shift reads the hashes of the cells after the
+    key's); for j + _CW_AHEAD the record of the first of those slots with the item's
+    hash (its own when its key is indexed). Hints only: nothing is read outside the index."""
     cdef unsigned long long p
-    cdef Py_ssize_t s, k
-    cdef long long h
+    cdef Py_ssize_t k
+    cdef long long h, stamp, c, s
     if j + _CW_AHEAD3 < n:
         _pf(&x.table[<unsigned long long>hashes[j + _CW_AHEAD3] & x.mask])
     if j + _CW_AHEAD2 < n:
-        p = <unsigned long long>hashes[j + _CW_AHEAD2] & x.mask
+        h = hashes[j + _CW_AHEAD2]
+        stamp = _c_stamp(x, h)
+        p = <unsigned long long>h & x.mask
         for k in range(_CW_PROBE):
-            s = x.table[p]
-            if s < 0:
+            c = x.table[p]
+            if c < 0:
                 break
-            _pf(&x.hash[s])
+            s = c ^ stamp
+            if s <= x.smask or removing:
+                _pf(&x.hash[c & x.smask])
             p = (p + 1) & x.mask
     if j + _CW_AHEAD < n:
         h = hashes[j + _CW_AHEAD]
+        stamp = _c_stamp(x, h)
         p = <unsigned long long>h & x.mask
         for k in range(_CW_PROBE):
-            s = x.table[p]
-            if s < 0:
+            c = x.table[p]
+            if c < 0:
                 break
-            if x.hash[s] == h:
+            s = c ^ stamp
+            if s <= x.smask and x.hash[s] == h:
                 _pf(a.b + s * _CW_RB)
                 break
             p = (p + 1) & x.mask
@@ -462,17 +484,18 @@ cdef inline void _c_prefetch_removal(_Index *x, const long long *slots, Py_ssize
     it (at most _CW_PROBE: a removal moves them back). The slots' cells (KeyIndex.cells)
     were fetched before."""
     cdef unsigned long long p
-    cdef Py_ssize_t s, k
+    cdef Py_ssize_t k
+    cdef int c
     if j + _CW_AHEAD2 < n and x.pos[slots[j + _CW_AHEAD2]] >= 0:
         _pf(&x.table[x.pos[slots[j + _CW_AHEAD2]]])
     if j + _CW_AHEAD < n and x.pos[slots[j + _CW_AHEAD]] >= 0:
         p = <unsigned long long>x.pos[slots[j + _CW_AHEAD]]
         for k in range(_CW_PROBE):
             p = (p + 1) & x.mask
-            s = x.table[p]
-            if s < 0:
+            c = x.table[p]
+            if c < 0:
                 break
-            _pf(&x.hash[s])
+            _pf(&x.hash[c & x.smask])
 
 
 cdef inline void _c_prefetch_links(_Arena *a, Py_ssize_t s) noexcept nogil:
@@ -760,7 +783,7 @@ cdef inline (Py_ssize_t, Py_ssize_t, Py_ssize_t) _c_schedule_many(
     _c_place_init(&pl, w._placement, cur)
     # every key looked up first (the index cells and the records ahead prefetched)
     for j in range(n):
-        _c_prefetch_probe(&x, &a, h, j, n)
+        _c_prefetch_probe(&x, &a, h, j, n, False)
         s = _c_find(&x, &a, h[j], groups[j * gs], raw + j * _CW_IDENT)
         slots[j] = s
         if s >= 0:
@@ -875,7 +898,7 @@ cdef inline Py_ssize_t _c_cancel_many(TimerWheel w, const unsigned char[::1] ide
         raise MemoryError()
     try:
         for j in range(n):
-            _c_prefetch_probe(&x, &a, h, j, n)
+            _c_prefetch_probe(&x, &a, h, j, n, True)
             s = _c_find(&x, &a, h[j], groups[j * gs], raw + j * _CW_IDENT)
             if s < 0:
                 continue

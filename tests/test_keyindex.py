@@ -27,14 +27,22 @@ class IndexAgainstDict(RuleBasedStateMachine):
     """Records in a plain numpy array (no arena): a record holds a key and a group, the
     index maps (group, key) to its slot, the dict is what it should say."""
 
-    @initialize(capacity=st.sampled_from([8, 24]))
-    def setup(self, capacity):
+    @initialize(capacity=st.sampled_from([8, 24]), fp_bits=st.sampled_from([None, 0, 1]))
+    def setup(self, capacity, fp_bits):
         self.capacity = capacity
+        self.fp_bits = fp_bits  # None: the index's own (26 bits here); 0 or 1: fingerprints that collide
         self.first = 3  # records below this are never indexed (the arena's sentinels)
         self.records = np.zeros(self.first + capacity, dtype=L.RECORD_DTYPE)
-        self.index = KeyIndex(self.records, capacity, max_groups=4)
+        self.index = self._new_index()
         self.model: dict[tuple[int, object], int] = {}
         self.free = list(range(self.first + capacity - 1, self.first - 1, -1))
+
+    def _new_index(self) -> KeyIndex:
+        index = KeyIndex(self.records, self.capacity, max_groups=4)
+        assert index.fp_mask == (1 << (31 - index.slot_bits)) - 1 and index.slot_mask >= self.first + self.capacity - 1
+        if self.fp_bits is not None:
+            index.fp_mask = (1 << self.fp_bits) - 1
+        return index
 
     def _ident(self, key) -> bytes:
         return encode_ident(key)
@@ -85,7 +93,7 @@ class IndexAgainstDict(RuleBasedStateMachine):
     def rebuild(self):
         """A new index over the same records, built from the indexed slots (what attach does)."""
         self.index.close()
-        self.index = KeyIndex(self.records, self.capacity, max_groups=4)
+        self.index = self._new_index()
         assert self.index.rebuild(np.array(sorted(self.model.values()), dtype=np.int64)) == []
 
     @rule(probes=st.lists(st.tuples(group_st, key_st), min_size=1, max_size=16, unique=True))
@@ -147,10 +155,22 @@ ops_st = st.lists(st.tuples(st.sampled_from(["schedule", "cancel", "many", "canc
                             st.integers(1, 100_000)), max_size=30)
 
 
+def _narrow_fingerprints(wheel: TimerWheel, fp_bits: int | None) -> TimerWheel:
+    """The wheel's index re-made with ``fp_bits``-bit fingerprints (None: as it is), so that
+    keys share fingerprints and the probes (the compiled batch loops' too) must go on
+    to the hash and the key bytes."""
+    if fp_bits is not None:
+        index = wheel._index
+        slots = np.flatnonzero(index.cells >= 0)
+        index.fp_mask = (1 << fp_bits) - 1
+        assert index.rebuild(slots) == []
+    return wheel
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops_st)
-def test_wheel_lookups_agree_with_a_dict_across_reattach(ops):
-    wheel = TimerWheel.create(32, tick_ms=1, wheel_size=8, start_ms=0, max_groups=4)
+@given(ops=ops_st, fp_bits=st.sampled_from([None, 0, 1]))
+def test_wheel_lookups_agree_with_a_dict_across_reattach(ops, fp_bits):
+    wheel = _narrow_fingerprints(TimerWheel.create(32, tick_ms=1, wheel_size=8, start_ms=0, max_groups=4), fp_bits)
     model: dict[tuple[int, object], int] = {}
     try:
         for op, keys, deadline in ops:
@@ -177,7 +197,7 @@ def test_wheel_lookups_agree_with_a_dict_across_reattach(ops):
                 for k in keys:
                     model.pop(k, None)
             else:
-                wheel = _reattached(wheel)
+                wheel = _narrow_fingerprints(_reattached(wheel), fp_bits)
             for group in range(4):
                 probe = [key for g, key in model if g == group]
                 assert wheel.lookup_many([encode_ident(k) for k in probe], group) == [model[(group, k)] for k in probe]
@@ -206,14 +226,17 @@ def test_problems_names_a_key_that_probing_cannot_reach_and_a_stale_hash():
         home = int(index.hashes[victim] & index.mask)
         empty = next(c for c in range(index.table.size) if index.table[(home - 1 - c) & index.mask] == -1)
         away = (home - 1 - empty) & index.mask  # an EMPTY cell just before its home: probing never gets there
-        index.table[cell], index.table[away] = -1, victim
+        held = int(index.table[cell])  # the victim's slot and its fingerprint
+        assert held & index.slot_mask == victim
+        index.table[cell], index.table[away] = -1, held
         index.cells[victim] = away
         problems = index.problems(np.array(slots))  # emptying its old cell may cut other keys' paths too
         assert f"scheduled record {victim} is not found by its key" in problems
         unreachable = [s for s in slots if index.find(encode_ident(s - 4), 0) != s]
         assert problems == [f"scheduled record {s} is not found by its key" for s in unreachable]
-        index.table[away], index.table[cell] = -1, victim
+        index.table[away], index.table[cell] = -1, held
         index.cells[victim] = cell
+        assert index.problems(np.array(slots)) == []
         index.hashes[slots[0]] ^= 1 << 40
         assert f"scheduled record {slots[0]}: the key index holds a stale hash" in index.problems(np.array(slots))
     finally:
