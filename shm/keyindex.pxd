@@ -29,6 +29,8 @@ cdef class KeyIndex:
     cdef int[::1] _table, _pos
     cdef long long[::1] _hash
     cdef const long long[::1] _gmix
+    cdef Py_ssize_t _vacant_cell
+    cdef long long _vacant_hash
 
     cpdef Py_ssize_t key_hash(self, ident, group) except? -1
 
@@ -38,6 +40,9 @@ cdef class KeyIndex:
                    s=cython.Py_ssize_t, base=cython.Py_ssize_t, c=cython.longlong, stamp=cython.longlong,
                    smask=cython.longlong)
     cpdef Py_ssize_t find(self, ident, group) except? -2
+
+    @cython.locals(p=cython.Py_ssize_t, h=cython.longlong)
+    cpdef add_vacant(self, Py_ssize_t slot)
 
     @cython.locals(mask=cython.longlong, p=cython.Py_ssize_t)
     cpdef add(self, Py_ssize_t slot, long long h)

@@ -87,6 +87,8 @@ class KeyIndex:
         self._pos = pos_view
         self._views = (self._rb, h_view, table_view, hash_view, pos_view)  # released by close()
         self.used = 0  # occupied cells (= scheduled timers)
+        self._vacant_cell = 0  # find's last miss: the EMPTY cell its probe ended at, and the key's hash
+        self._vacant_hash = 0
         self.gmix = [_signed64(g * _GROUP_MIX) for g in range(max_groups)]
         self._gmix_np = np.array(self.gmix, dtype=np.int64)
         # the same values: a C array for the compiled scalar paths (the Python path reads a list faster)
@@ -131,6 +133,8 @@ class KeyIndex:
         while True:  # the views through self: a compiled local copy of one costs two atomic updates
             c = self._table[p]
             if c == _EMPTY:
+                self._vacant_cell = p  # where add_vacant puts this key
+                self._vacant_hash = h
                 return -1
             s = c ^ stamp  # the slot, if the fingerprint matches
             if s <= smask and self._hash[s] == h and self._h[s * _HW + _GROUP] == g:
@@ -141,6 +145,17 @@ class KeyIndex:
                 elif self._rb[base : base + _IDENT_BYTES] == ident:
                     return s
             p = (p + 1) & mask
+
+    def add_vacant(self, slot: int) -> None:
+        """Index ``slot`` under the key the last :meth:`find` did not find, in the EMPTY cell
+        that ended its probe (where :meth:`add` would put it): no probe, no second hash.
+        Nothing may change the table between that ``find`` and this call."""
+        p = self._vacant_cell
+        h = self._vacant_hash
+        self.used += 1
+        self._table[p] = slot | (((h >> 33) & self.fp_mask) << self.slot_bits)
+        self._hash[slot] = h
+        self._pos[slot] = p
 
     def add(self, slot: int, h: int) -> None:
         """Index ``slot`` (whose key is absent) under hash ``h``."""

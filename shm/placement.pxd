@@ -2,6 +2,7 @@
 cimport cython
 
 cdef long long _EXACT_RANGE, _DUE_LEVEL
+cdef bint _COMPILED
 
 
 @cython.final

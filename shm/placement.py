@@ -40,6 +40,7 @@ __all__ = ["Placement"]
 #: sum or product it forms leaves the 64-bit range
 _EXACT_RANGE = 1 << 62
 _DUE_LEVEL = L.DUE_LEVEL
+_COMPILED = not __file__.endswith(".py")
 
 
 class Placement:
@@ -149,3 +150,10 @@ class Placement:
         buckets[at] = level * self.wheel_size + v % self.wheel_size
         expirations[at] = v * self.ticks[level]
         levels[at] = level
+
+
+if not _COMPILED:
+    # The Python path: Python ints cannot overflow, so the rule needs neither place's
+    # 64-bit range check nor its arrays (the interpreter reads the rule tuples faster);
+    # _bucket_any gives the same answers for every int.
+    Placement.place = Placement.bucket_for = Placement._bucket_any

@@ -92,7 +92,7 @@ cdef class TimerWheel:
     @cython.locals(slot=cython.Py_ssize_t)
     cpdef bint cancel_ident(self, ident, group=*) except -1
 
-    @cython.locals(state=cython.int)
+    @cython.locals(state=cython.int, sp=cython.Py_ssize_t, prev=cython.Py_ssize_t, nxt=cython.Py_ssize_t)
     cdef void _remove_scheduled(self, Py_ssize_t slot, Py_ssize_t group)
 
     cdef void _free(self, Py_ssize_t slot)
@@ -106,7 +106,7 @@ cdef class TimerWheel:
     cdef Py_ssize_t _sweep(self, now_ms, bint to_fired, list out) except -1
 
     @cython.locals(base=cython.Py_ssize_t, meta=cython.int)
-    cdef int _fire_free(self, Py_ssize_t s, list out) except -1
+    cdef int _fire_free(self, Py_ssize_t s, long long deadline, list out) except -1
 
     @cython.locals(fl=cython.Py_ssize_t, flp=cython.Py_ssize_t, tail=cython.Py_ssize_t)
     cdef void _fire(self, Py_ssize_t s, list out)

@@ -708,8 +708,9 @@ class TimerWheel:
             raise InvalidDelay(f"a deadline is an integer number of ms, not {type(deadline_ms).__name__}")
         cur = self._clock[_CUR]
         # A deadline beyond +-_DEADLINE_HIGH is more than _MAX_DELAY from any clock the wheel
-        # accepts (+-MAX_CLOCK_MS); within it, the value and cur +- _MAX_DELAY fit 64 bits.
-        if not _DEADLINE_LOW <= deadline_ms <= _DEADLINE_HIGH:
+        # accepts (+-MAX_CLOCK_MS); within it, the value and cur +- _MAX_DELAY fit 64 bits
+        # (the compiled build's C integers; Python's cannot overflow, the next check covers it).
+        if _COMPILED and not _DEADLINE_LOW <= deadline_ms <= _DEADLINE_HIGH:
             raise InvalidDelay(f"deadline {deadline_ms} is more than {MAX_DELAY_MS} ms from the clock ({cur})")
         deadline = deadline_ms  # from here on 64-bit (C integers in the compiled build)
         if deadline > cur + _MAX_DELAY or deadline < cur - _MAX_DELAY:
@@ -747,7 +748,7 @@ class TimerWheel:
             self._rb[base + _KM : base + _RB] = ident
         state = self._link(slot, deadline, cur)
         self._b[base + _ST] = state  # commit point: the timer exists from here on
-        self._index.add(slot, self._index.key_hash(ident, g))
+        self._index.add_vacant(slot)  # where find ended its probe for this key
         self._group_live[g] += 1
         self._count[_C_PENDING] += 1
         self._count[_C_ADDS] += 1
@@ -826,11 +827,16 @@ class TimerWheel:
 
     def _remove_scheduled(self, slot: int, group: int) -> None:
         state = self._b[slot * _RB + _ST]
-        self._unlink(slot)
+        sp = slot * _IW  # _unlink, written out: one call less per cancel
+        prev = self._i[sp + _PREV]
+        nxt = self._i[sp + _NEXT]
+        self._i[prev * _IW + _NEXT] = nxt
+        self._i[nxt * _IW + _PREV] = prev
         self._b[slot * _RB + _ST] = _FREE  # commit point
         self._pending_by_level[state >> _LEVEL_SHIFT] -= 1
         self._index.remove(slot)
-        self._free(slot)
+        self._free_stack[self._free_top] = slot  # _free, written out
+        self._free_top += 1
         self._group_live[group] -= 1
         self._count[_C_PENDING] -= 1
 
@@ -915,7 +921,7 @@ class TimerWheel:
                 if to_fired:
                     self._fire(s, out)
                 else:
-                    self._fire_free(s, out)
+                    self._fire_free(s, deadline, out)
                 fired += 1
             else:
                 b[s * _RB + _ST] = self._link(s, deadline, cur)
@@ -926,17 +932,19 @@ class TimerWheel:
         c[_C_PENDING] -= fired
         return fired
 
-    def _fire_free(self, s: int, out: list) -> None:
-        """A due timer of :meth:`advance`: its key and deadline to ``out``, its record freed."""
+    def _fire_free(self, s: int, deadline: int, out: list) -> None:
+        """A due timer of :meth:`advance` (its deadline read): its key and deadline to ``out``,
+        its record freed."""
         base = s * _RB
         meta = self._b[base + _KM]
         key = _decode_key_at(self._b, base + _KEY, meta) if _COMPILED else None  # noqa: F821 - wheel.pxd
         if key is None:
             key = decode_key(bytes(self._rb[base + _KEY : base + _KEY_END[meta]]), meta)
-        out.append((key, self._q[s * _QW]))
+        out.append((key, deadline))
         self._b[base + _ST] = _FREE
         self._index.remove(s)
-        self._free(s)
+        self._free_stack[self._free_top] = s  # _free, written out: one call less per expiry
+        self._free_top += 1
         self._group_live[self._h[s * _HW + _GROUP]] -= 1
 
     def _fire(self, s: int, out: list) -> None:
