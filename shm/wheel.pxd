@@ -102,11 +102,9 @@ cdef class TimerWheel:
 
     @cython.locals(slots=list, now=cython.longlong, q=cython.longlong[::1], b=cython.uchar[::1], by_level=cython.longlong[::1],
                    cur=cython.longlong, fired=cython.Py_ssize_t, cascaded=cython.Py_ssize_t, s=cython.Py_ssize_t,
-                   deadline=cython.longlong, state=cython.int, c=cython.longlong[::1])
+                   deadline=cython.longlong, state=cython.int, c=cython.longlong[::1], base=cython.Py_ssize_t,
+                   meta=cython.int, index=KeyIndex)
     cdef Py_ssize_t _sweep(self, now_ms, bint to_fired, list out) except -1
-
-    @cython.locals(base=cython.Py_ssize_t, meta=cython.int)
-    cdef int _fire_free(self, Py_ssize_t s, long long deadline, list out) except -1
 
     @cython.locals(fl=cython.Py_ssize_t, flp=cython.Py_ssize_t, tail=cython.Py_ssize_t)
     cdef void _fire(self, Py_ssize_t s, list out)

@@ -912,6 +912,7 @@ class TimerWheel:
         q, b = self._q, self._b
         by_level = self._pending_by_level
         cur = self._clock[_CUR]
+        index = self._index
         fired = cascaded = 0
         for s in slots:
             deadline = q[s * _QW]
@@ -920,8 +921,18 @@ class TimerWheel:
             if deadline <= now:
                 if to_fired:
                     self._fire(s, out)
-                else:
-                    self._fire_free(s, deadline, out)
+                else:  # advance: the key and deadline to out, the record freed
+                    base = s * _RB
+                    meta = b[base + _KM]
+                    # compiled: the key built from the record's bytes (None: a meta byte encode_key never writes)
+                    if not _COMPILED or (key := _decode_key_at(b, base + _KEY, meta)) is None:  # noqa: F821
+                        key = decode_key(bytes(self._rb[base + _KEY : base + _KEY_END[meta]]), meta)
+                    out.append((key, deadline))
+                    b[base + _ST] = _FREE
+                    index.remove(s)
+                    self._free_stack[self._free_top] = s  # _free, written out
+                    self._free_top += 1
+                    self._group_live[self._h[s * _HW + _GROUP]] -= 1
                 fired += 1
             else:
                 b[s * _RB + _ST] = self._link(s, deadline, cur)
@@ -931,21 +942,6 @@ class TimerWheel:
         c[_C_CASCADES] += cascaded
         c[_C_PENDING] -= fired
         return fired
-
-    def _fire_free(self, s: int, deadline: int, out: list) -> None:
-        """A due timer of :meth:`advance` (its deadline read): its key and deadline to ``out``,
-        its record freed."""
-        base = s * _RB
-        meta = self._b[base + _KM]
-        key = _decode_key_at(self._b, base + _KEY, meta) if _COMPILED else None  # noqa: F821 - wheel.pxd
-        if key is None:
-            key = decode_key(bytes(self._rb[base + _KEY : base + _KEY_END[meta]]), meta)
-        out.append((key, deadline))
-        self._b[base + _ST] = _FREE
-        self._index.remove(s)
-        self._free_stack[self._free_top] = s  # _free, written out: one call less per expiry
-        self._free_top += 1
-        self._group_live[self._h[s * _HW + _GROUP]] -= 1
 
     def _fire(self, s: int, out: list) -> None:
         """A due timer of :meth:`expire`: to the tail of the fired list, FIRED; its slot to ``out``."""
