@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from tests.daemon_harness import DaemonProcess, unique_name, unlink_segments
 
-__all__ = ["DaemonProcess", "format_table", "machine_info", "proc_cpu_s", "rss_kb", "unique_name",
+__all__ = ["DaemonProcess", "compile_c", "format_table", "machine_info", "proc_cpu_s", "rss_kb", "unique_name",
            "unlink_segments", "write_json"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -42,6 +44,20 @@ def machine_info() -> dict:
     except ImportError:  # pragma: no cover
         pass
     return info
+
+
+def compile_c(source: str, name: str, workdir: str) -> str:
+    """Compile a benchmark's own C program (``-O2``, with ``$CC``, else ``cc`` or ``gcc``) into
+    ``workdir``; return the executable's path. The floors some benchmarks compare with are
+    measured in C, so that no interpreter is inside them."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        sys.exit(f"{name}: needs a C compiler (cc or gcc; the hot path's build needs one too)")
+    src = os.path.join(workdir, name + ".c")
+    exe = os.path.join(workdir, name)
+    Path(src).write_text(source)
+    subprocess.run([cc, "-O2", "-o", exe, src], check=True)
+    return exe
 
 
 def format_table(rows: Sequence[dict], columns: Sequence[str], headers: Sequence[str] | None = None) -> str:

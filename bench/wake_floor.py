@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,7 +47,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import format_table, write_json  # noqa: E402
+from bench.common import compile_c, format_table, write_json  # noqa: E402
 
 TARGET_US_PER_OP = 0.3  # bench.e2e: the daemon's steady CPU per client op
 E2E_STEADY_OPS_PER_S = 40_000  # bench.e2e: 2 clients x steady_rate_per_client 20,000
@@ -144,17 +142,6 @@ int main(int argc, char **argv) {
 """
 
 
-def build_c(workdir: str) -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        sys.exit("wake_floor: needs a C compiler (cc or gcc; the hot path's build needs one too)")
-    src = os.path.join(workdir, "wake_floor.c")
-    exe = os.path.join(workdir, "wake_floor")
-    Path(src).write_text(C_SOURCE)
-    subprocess.run([cc, "-O2", "-o", exe, src], check=True)
-    return exe
-
-
 def run_c(exe: str, seconds: float, sends: int) -> dict:
     out = subprocess.run([exe, str(seconds), str(sends), str(FRAME_BYTES)], capture_output=True, text=True,
                          timeout=seconds + 60, check=True)
@@ -230,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="wheeld-wake-floor-") as workdir:
-        exe = build_c(workdir)
+        exe = compile_c(C_SOURCE, "wake_floor", workdir)
         loops = [("c timerfd", lambda: run_c(exe, args.seconds, 0)),
                  ("c timerfd + 2 sends", lambda: run_c(exe, args.seconds, 2)),
                  ("python uvloop", lambda: run_python(args.seconds))]
