@@ -201,7 +201,9 @@ def test_a_wedged_loop_in_a_running_process_stops_the_pings(tmp_path, monkeypatc
         receiver.until("READY=1")
         assert len(watchdogs(receiver.during(0.6))) >= 3
         flag.touch()
-        receiver.during(0.1)  # the iteration in flight may still ping
+        # The iteration in flight, or the first one after the park in progress (a park lasts
+        # at most one ping interval), may still ping before it reaches the wedged publish.
+        receiver.during(WATCHDOG_USEC / 2 / 1e6 + 0.3)
         wedged = receiver.during(4 * WATCHDOG_USEC / 1e6)
         assert proc.poll() is None and watchdogs(wedged) == [], wedged
         with open(f"/proc/{proc.pid}/stat") as f:
