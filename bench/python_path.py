@@ -108,7 +108,7 @@ if part == "wheel":
             out += len(wheel.advance(nd))
         yield out
 
-    expired = [x for x in [None]][:0]
+    expired = []
     any(expired.append(x) for x in expire())
     assert expired == [n] and len(wheel) == pending, (expired, len(wheel))
 else:

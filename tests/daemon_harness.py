@@ -76,6 +76,12 @@ def process_state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
+def child_pids() -> set[int]:
+    """The pids of this process's live children (a test checks that it reaped what it started)."""
+    path = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+    return {int(p) for p in path.read_text().split()}
+
+
 def unique_name(prefix: str = "test") -> str:
     return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 

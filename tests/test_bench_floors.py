@@ -8,7 +8,6 @@ gone afterwards. Speed is not asserted (that is the benchmarks' job).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,15 +19,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import miss_floor, python_path, wake_floor  # noqa: E402
-
-
-def children() -> set[int]:
-    path = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
-    return {int(p) for p in path.read_text().split()}
+from daemon_harness import child_pids  # noqa: E402
 
 
 def test_wake_floor_reports_cpu_per_wake_up_for_each_loop(tmp_path):
-    before = children()
+    before = child_pids()
     out = tmp_path / "wake"
     assert wake_floor.main(["--seconds", "0.3", "--repeat", "1", "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
@@ -40,7 +35,7 @@ def test_wake_floor_reports_cpu_per_wake_up_for_each_loop(tmp_path):
         assert row["on_cpu_s"] > 0 and row["rusage_s"] >= 0
         assert row["us_per_wake"] == round(row["on_cpu_s"] * 1e6 / row["wakes"], 2)
         assert row["us_per_op"] == round(row["on_cpu_s"] * 1000 / row["wall_s"] * 1000 / data["ops_per_s"], 3)
-    assert children() <= before  # the C loop and its readers were reaped
+    assert child_pids() <= before  # the C loop and its readers were reaped
 
 
 def test_miss_floor_times_a_load_per_working_set(tmp_path):

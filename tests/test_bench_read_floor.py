@@ -8,7 +8,6 @@ processes are gone afterwards. Speed is not asserted (that is the benchmark's jo
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,15 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import read_floor  # noqa: E402
-
-
-def children() -> set[int]:
-    path = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
-    return {int(p) for p in path.read_text().split()}
+from daemon_harness import child_pids  # noqa: E402
 
 
 def test_small_run_reports_cpu_per_read_for_each_loop_shape(tmp_path):
-    before = children()
+    before = child_pids()
     out = tmp_path / "floor.json"
     assert read_floor.main(["--connections", "400", "--window-s", "1", "--shapes", "epoll,epoll+2ms",
                             "--out", str(out)]) == 0
@@ -36,4 +31,4 @@ def test_small_run_reports_cpu_per_read_for_each_loop_shape(tmp_path):
         assert row["user_us_per_read"] >= 0 and row["sys_us_per_read"] >= 0
         assert row["us_per_read"] == row["user_us_per_read"] + row["sys_us_per_read"] > 0
         assert row["reads_per_wait"] > 0
-    assert children() <= before  # the server and the load were killed and reaped
+    assert child_pids() <= before  # the server and the load were killed and reaped
