@@ -28,6 +28,10 @@ from test_pipeline import fleet, result, shared_dir, spark  # noqa: F401 - share
 
 pytestmark = [
     pytest.mark.spark,
+    # The test pays for its fixtures too (a local run of the job, the cluster's start, up to
+    # STARTUP_TIMEOUT_S) before the cluster run (its own 600 s limit); on a loaded 2-core
+    # machine that came to just over the suite's default 300 s while the job was progressing.
+    pytest.mark.timeout(900),
     pytest.mark.skipif(
         shutil.which("java") is None and not os.environ.get("JAVA_HOME"),
         reason="Spark needs a Java runtime (no 'java' on PATH, no JAVA_HOME)",
