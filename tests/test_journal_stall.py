@@ -1,0 +1,337 @@
+"""A daemon whose journal cannot be written keeps serving, says so, and resumes by itself.
+
+The journal lives on a small tmpfs mounted for the test (root only: skipped otherwise)
+and a ballast file fills it. With ``--fsync always`` the daemon must then:
+
+* keep running and keep firing timers (an honest client is served throughout; its
+  periodic flushes may fail with ``JournalUnavailable``, and nothing else);
+* answer a ``flush()`` at once with ``JournalUnavailable`` (not a timeout), since the
+  commands before it are in the arena but not on disk;
+* say so: the ``journal_stalled`` counter (the errno), ``journal_stalls_total``, an ERROR
+  line in its log, ``STATUS=`` to systemd;
+* start again on the full disk after a SIGKILL (it used to exit at its first write);
+* once the ballast is removed, write a snapshot of its arena and acknowledge flushes
+  again: everything a flush acknowledged, before or after the stall, is in the journal,
+  and the journal has no partial line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import wheeld
+from daemon_harness import unlink_segments, wait_until
+from hostile_harness import Honest
+from wheeld.protocol.journal_files import Journal, PendingTimer, list_segments, list_snapshots
+from wheeld.protocol.journal_recovery import check_journal, recover
+from wheeld.protocol.journal import Add
+
+pytestmark = pytest.mark.timeout(180)
+
+T0 = 1_700_000_000_000
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size: str):
+    """A tmpfs of ``size`` mounted on ``where`` for the test, unmounted after it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem for the journal needs root")
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", f"wheeld-test-{uuid.uuid4().hex[:8]}",
+                           str(where)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """A ballast file that takes every free byte of the filesystem of ``directory``."""
+    ballast = directory / "ballast"
+    with open(ballast, "wb") as file:
+        for chunk in (1 << 16, 1 << 12, 1):
+            try:
+                while True:
+                    file.write(b"\0" * chunk)
+                    file.flush()
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+                file.seek(0, os.SEEK_END)
+    return ballast
+
+
+class Notifications:
+    """Our end of the daemon's NOTIFY_SOCKET: every STATUS= it sent."""
+
+    def __init__(self, path: Path):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.setblocking(False)
+        self.path = str(path)
+        self.statuses: list[str] = []
+
+    def read(self) -> list[str]:
+        while True:
+            try:
+                data = self.sock.recv(4096)
+            except BlockingIOError:
+                return self.statuses
+            for line in data.decode().split("\n"):
+                if line.startswith("STATUS="):
+                    self.statuses.append(line[len("STATUS="):])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_full_journal_disk_refuses_flushes_keeps_serving_and_resumes(daemon_factory, tmp_path):
+    with small_tmpfs(tmp_path / "small", "8m") as mount:
+        journal = mount / "journal"
+        notify = Notifications(tmp_path / "notify.sock")
+        d = daemon_factory(extra=["--journal", str(journal), "--fsync", "always"])
+        d.start(env={"NOTIFY_SOCKET": notify.path})
+        honest = Honest(tmp_path, d.socket_path, rate=50, delay_ms=(1, 200), tolerate=("JournalUnavailable",))
+        try:
+            with wheeld.connect(d.socket_path, group="main", reconnect_timeout_s=60) as w:
+                for i in range(200):
+                    w.add(f"a{i}", 600_000)
+                w.flush()  # durable before the disk fills
+                ballast = fill(mount)
+                for i in range(200):
+                    w.add(f"b{i}", 600_000)
+                started = time.monotonic()
+                with pytest.raises(wheeld.JournalUnavailable, match="No space left on device"):
+                    w.flush(timeout_s=15)
+                assert time.monotonic() - started < 10, "the flush was answered, not timed out"
+                counters = d.counters()
+                assert counters["journal_stalled"] == errno.ENOSPC and counters["journal_stalls_total"] == 1
+                assert counters["journal_flushes_refused_total"] >= 1
+                assert d.proc.poll() is None, d.log()[-2000:]
+                assert "cannot be written" in d.log() and "ERROR" in d.log()
+                wait_until(lambda: any("JOURNAL NOT WRITABLE" in s for s in notify.read()), 10,
+                           "STATUS= saying the journal is not writable")
+                # it goes on serving: timers fire, other clients are served
+                w.add("short", 50)
+                got = wait_until(lambda: [e for e in w.poll(0.1) if e.key == "short"], 10, "a timer added meanwhile")
+                assert got[0].fired_ms >= got[0].deadline_ms
+                honest.wait_served(20)
+                # a restart on the full disk starts (and stays stalled)
+                d.kill()
+                d.start(env={"NOTIFY_SOCKET": notify.path})
+                assert d.counters()["journal_stalled"] == errno.ENOSPC
+                with pytest.raises(wheeld.JournalUnavailable):
+                    w.flush(timeout_s=15)
+                honest.wait_served(20)
+                # space comes back: it resumes by itself
+                ballast.unlink()
+                wait_until(lambda: d.counters()["journal_stalled"] == 0, 20, "the journal to be writable again",
+                           detail=lambda: d.log()[-2000:])
+                assert "writable again" in d.log()
+                wait_until(lambda: notify.read() and "NOT WRITABLE" not in notify.read()[-1], 10,
+                           "STATUS= without the stall")
+                w.flush(timeout_s=15)  # acknowledged: the a and b timers are durable
+            honest.finish()
+            assert d.proc.poll() is None
+            report = check_journal(journal)
+            assert report.ok and report.torn == [], report.to_dict()  # no partial line anywhere
+            d.kill()
+            state = recover(journal, repair=False)
+            main = {key for group, key in state.pending if group == "main"}
+            assert {f"a{i}" for i in range(200)} | {f"b{i}" for i in range(200)} <= main
+            assert state.damage == [] and state.torn == []
+            unlink_segments(d.name)  # a reboot: the arena comes back from the journal
+            d.start()
+            assert d.counters()["pending"] >= 400
+        finally:
+            if honest.proc.poll() is None:
+                honest.kill()
+            d.cleanup()
+            notify.close()
+
+
+# --------------------------------------------------------------------------- #
+# The writer alone
+# --------------------------------------------------------------------------- #
+
+
+class Disk:
+    """``os.write``/``os.fsync`` on the journal's segment fds failing with ``error`` while ``full``."""
+
+    def __init__(self, monkeypatch, journal_dir: Path):
+        self.full = False
+        self.error = errno.ENOSPC
+        self.dir = str(journal_dir)
+        real_write, real_fsync = os.write, os.fsync
+
+        def segment(fd) -> bool:
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                return False
+            return target.startswith(self.dir) and "/journal-" in target
+
+        def write(fd, data):
+            if self.full and segment(fd):
+                if len(data) > 20:  # a short write, as a filesystem with a few bytes left makes
+                    return real_write(fd, bytes(data[:20]))
+                raise OSError(self.error, os.strerror(self.error))
+            return real_write(fd, data)
+
+        def fsync(fd):
+            if self.full and segment(fd):
+                raise OSError(self.error, os.strerror(self.error))
+            return real_fsync(fd)
+
+        monkeypatch.setattr(os, "write", write)
+        monkeypatch.setattr(os, "fsync", fsync)
+
+
+def adds(*keys):
+    return [Add(t=T0, g="g", k=key, d=T0 + 60_000, s=1) for key in keys]
+
+
+@pytest.mark.parametrize("policy", ["always", "interval=5", "off"])
+def test_a_failed_write_stalls_the_journal_and_resume_covers_it_with_a_snapshot(tmp_path, monkeypatch, policy):
+    disk = Disk(monkeypatch, tmp_path)
+    journal = Journal(tmp_path, fsync=policy)
+    journal.append(adds("a"), now_ms=0)
+    journal.sync()
+    size = journal.segment_path.stat().st_size
+    disk.full = True
+    with pytest.raises(wheeld.JournalUnavailable, match="No space left on device"):
+        journal.append(adds("b", "c"), now_ms=1)
+    assert journal.segment_path.stat().st_size == size, "the partial batch was cut back"
+    assert not journal.writable and journal.last_lsn == 3 and journal.durable_lsn == 1
+    with pytest.raises(wheeld.JournalUnavailable):
+        journal.append(adds("d"), now_ms=2)  # numbered, not written
+    assert journal.last_lsn == 4 and journal.unwritten_events == 3 and journal.stalls == 1
+    state = [PendingTimer("g", key, T0 + 60_000, 1) for key in "abcd"]
+    assert journal.resume(lambda: (state, [])) is False  # still full
+    disk.full = False
+    assert journal.resume(lambda: (state, [])) is True
+    assert journal.writable and journal.durable_lsn == 4
+    assert [lsn for lsn, _ in list_snapshots(tmp_path)] == [4]
+    assert journal.append(adds("e"), now_ms=3) == 5
+    journal.close()
+    assert [first for first, _ in list_segments(tmp_path)] == [1, 5]
+    recovered = recover(tmp_path)
+    assert set(recovered.pending) == {("g", key) for key in "abcde"}
+    assert recovered.damage == [] and recovered.torn == [] and check_journal(tmp_path).ok
+
+
+@pytest.mark.parametrize("error", [errno.EIO, errno.EROFS, errno.EDQUOT])
+def test_a_failed_fsync_stalls_the_journal_whatever_the_error(tmp_path, monkeypatch, error):
+    disk = Disk(monkeypatch, tmp_path)
+    disk.error = error
+    journal = Journal(tmp_path, fsync="always")
+    journal.append(adds("a"))
+    disk.full = True
+    with pytest.raises(wheeld.JournalUnavailable) as raised:
+        journal.append(adds("b"))
+    assert raised.value.__cause__.errno == error and journal.stalled.errno == error
+    assert journal.durable_lsn == 1
+    disk.full = False
+    assert journal.resume(lambda: ([PendingTimer("g", key, T0, 1) for key in "ab"], []))
+    journal.close()
+    assert set(recover(tmp_path).pending) == {("g", "a"), ("g", "b")} and check_journal(tmp_path).ok
+
+
+def test_a_background_fsync_that_fails_stalls_the_interval_journal(tmp_path, monkeypatch):
+    disk = Disk(monkeypatch, tmp_path)
+    journal = Journal(tmp_path, fsync="interval=1")
+    journal.append(adds("a"), now_ms=0)
+    disk.full = True
+    disk.error = errno.EIO
+    assert journal.start_sync(5) is True
+    with pytest.raises(wheeld.JournalUnavailable, match="Input/output error"):
+        journal.poll_sync(wait=True)
+    assert not journal.writable and journal.durable_lsn == 0
+    disk.full = False
+    assert journal.resume(lambda: ([PendingTimer("g", "a", T0, 1)], []))
+    assert journal.durable_lsn == 1
+    journal.close()
+    assert set(recover(tmp_path).pending) == {("g", "a")}
+
+
+def test_a_journal_that_cannot_open_its_segment_starts_stalled_only_when_asked(tmp_path, monkeypatch):
+    disk = Disk(monkeypatch, tmp_path)
+    disk.full = True
+    with pytest.raises(wheeld.JournalUnavailable, match="cannot be written"):
+        Journal(tmp_path, fsync="always")
+    assert list_segments(tmp_path) == []  # no header cut short left behind
+    journal = Journal(tmp_path, fsync="always", stall_on_error=True)
+    assert not journal.writable and journal.stalled.errno == errno.ENOSPC
+    disk.error = errno.EROFS  # not something that passes: a read-only directory is refused
+    with pytest.raises(wheeld.JournalUnavailable, match="Read-only"):
+        Journal(tmp_path, fsync="always", stall_on_error=True)
+    disk.full = False
+    assert journal.resume(lambda: ([], []))
+    journal.close()
+
+
+def test_the_resume_snapshot_is_not_encoded_without_room_for_it(tmp_path, monkeypatch):
+    disk = Disk(monkeypatch, tmp_path)
+    journal = Journal(tmp_path, fsync="always")
+    disk.full = True
+    with pytest.raises(wheeld.JournalUnavailable):
+        journal.append(adds("a"))
+    disk.full = False
+    asked = []
+    assert journal.resume(lambda: asked.append(1) or ([], []), min_free=1 << 62) is False
+    assert asked == [] and not journal.writable
+    assert journal.resume(lambda: asked.append(1) or ([], [])) is True and asked == [1]
+    journal.close()
+
+
+# --------------------------------------------------------------------------- #
+# A journal directory that cannot be written at start
+# --------------------------------------------------------------------------- #
+
+
+@contextlib.contextmanager
+def read_only_view(source: Path, where: Path):
+    """``source`` bind-mounted read-only on ``where`` (root only: skipped otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("a read-only mount for the journal needs root (root writes through a chmod 0500)")
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "--bind", str(source), str(where)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {done.stderr.strip()}")
+    try:
+        remount = subprocess.run(["mount", "-o", "remount,bind,ro", str(where)], capture_output=True, text=True)
+        if remount.returncode != 0:
+            pytest.skip(f"cannot remount read-only here: {remount.stderr.strip()}")
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+@pytest.mark.parametrize("existing", [True, False], ids=["existing-directory", "directory-to-create"])
+def test_a_read_only_journal_directory_at_start_is_one_line_and_exit_2(tmp_path, existing):
+    source = tmp_path / "source"
+    (source / "journal").mkdir(parents=True)
+    with read_only_view(source, tmp_path / "ro") as ro:
+        journal = ro / ("journal" if existing else "new")
+        name = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        command = [sys.executable, "-m", "wheeld.daemon.cli", "--socket", str(tmp_path / f"{name}.sock"), "--name",
+                   name, "--capacity", "1000", "--journal", str(journal), "--fsync", "always"]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        finally:
+            unlink_segments(name)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"wheeld: journal directory {journal} cannot be") and "Read-only file system" in last, last
