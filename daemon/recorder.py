@@ -68,6 +68,8 @@ log = logging.getLogger("wheeld.journal")
 
 _UNSET = J.UNSET
 
+_LSN_WORD = AL.H_COUNTERS // 8 + AL.COUNTER["journal_lsn"]
+_DURABLE_WORD = AL.H_COUNTERS // 8 + AL.COUNTER["journal_durable_lsn"]
 RETRY_S = 1.0  # a stalled journal is tried again this often...
 RETRY_COST_FACTOR = 10  # ...and no more often than this many times what the last failed attempt took
 STILL_STALLED_LOG_S = 60.0  # a stall that goes on is logged again this often
@@ -111,6 +113,7 @@ class Recorder:
         self._snapshot_time = time.monotonic()
         self._snapshot_retry_at = 0.0
         self.totals = totals if totals is not None else {}
+        self._header = wheel.header_words()
         #: called when the journal stops or starts being writable (the daemon tells systemd)
         self.on_change = None
         self._stalled_since: float | None = None
@@ -302,7 +305,16 @@ class Recorder:
             else:
                 if self._durable_log and self.journal.policy.mode == "always":
                     _note_durable(self.journal, self._durable_log)
+            self._publish_lsns()
         return self.journal.last_lsn
+
+    def _publish_lsns(self) -> None:
+        """The journal's last and durable lsns into the arena header at once (not at the next
+        publish): before any flush is answered, the arena knows what the journal holds, and a
+        daemon that attaches it after a crash can tell a journal cut short (recovery.py)."""
+        journal, words = self.journal, self._header
+        words[_LSN_WORD] = self.totals["journal_lsn"] = journal.last_lsn
+        words[_DURABLE_WORD] = self.totals["journal_durable_lsn"] = journal.durable_lsn
 
     @property
     def unavailable(self) -> str | None:
@@ -400,7 +412,7 @@ class Recorder:
             self._stalled_since = self._stall_logged = now
             self._next_retry = max(self._next_retry, now + RETRY_S)
             self.totals["journal_stalls_total"] = self.totals.get("journal_stalls_total", 0) + 1
-            log.error("journal: %s (from lsn %d on); the daemon goes on serving: commands are applied and timers "
+            log.error("%s (from lsn %d on); the daemon goes on serving: commands are applied and timers "
                       "fire, but every flush() fails with JournalUnavailable until the journal can be written again "
                       "(tried every %.0f s: a snapshot of the arena then covers what was not written)",
                       journal.unavailable(), journal.durable_lsn + 1, RETRY_S)
@@ -420,6 +432,7 @@ class Recorder:
             return
         journal = self.journal
         wheel = self.wheel
+        self.commit(mono_ms())  # events recorded and not yet committed: numbered, so the snapshot covers them
         timers = len(wheel) + wheel.counters()["fired_unacked"]
         started = time.perf_counter()
         behind = journal.last_lsn - journal.durable_lsn
@@ -431,6 +444,7 @@ class Recorder:
             return
         self._snapshot_lsn = journal.last_lsn
         self._snapshot_time = time.monotonic()
+        self._publish_lsns()
         self.totals["journal_stalled"] = 0
         since = self._stalled_since
         self._stalled_since = None

@@ -66,12 +66,13 @@ def arena_size_for(state: RecoveredState, capacity: int, max_groups: int) -> tup
     existing arena keeps its own parameters whatever the command line says: a
     capacity below the journal's timers becomes the journal's timers plus
     ``capacity`` (what the operator asked for stays the room for new timers, so
-    adds are not refused from the first moment); ``max_groups`` becomes the
-    journal's number of groups. A later reboot with fewer timers pending makes
-    the arena the configured size again.
+    adds are not refused from the first moment); ``max_groups`` likewise
+    becomes the journal's groups plus ``max_groups``. A later reboot with fewer
+    timers pending makes the arena the configured size again.
     """
     needed = len(state.pending) + len(state.unacked)
-    groups = len({group for group, _key in state.pending} | {timer.group for timer in state.unacked})
+    # + 1: a new arena registers its default group at id 0 (TimerWheel.create)
+    groups = len({group for group, _key in state.pending} | {timer.group for timer in state.unacked}) + 1
     if needed > capacity:
         raised = min(needed + capacity, MAX_CAPACITY)
         log.warning("journal recovery: the journal holds %d timers, more than --capacity %d: the new arena is made "
@@ -79,9 +80,10 @@ def arena_size_for(state: RecoveredState, capacity: int, max_groups: int) -> tup
                     "dropped", needed, capacity, raised)
         capacity = max(raised, needed)
     if groups > max_groups:
-        raised = min(groups, MAX_GROUPS)
-        log.warning("journal recovery: the journal's timers are in %d groups, more than --max-groups %d: the new "
-                    "arena is made with %d group ids", groups, max_groups, raised)
+        raised = min(groups + max_groups, MAX_GROUPS)
+        log.warning("journal recovery: the journal's timers are in %d groups, more than --max-groups %d leaves "
+                    "room for: the new arena is made with %d group ids (theirs, and --max-groups more)",
+                    groups - 1, max_groups, raised)
         max_groups = raised
     return capacity, max_groups
 

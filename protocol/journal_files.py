@@ -404,8 +404,9 @@ DIR_MODE = 0o750
 
 
 def _is_journal_file(name: str) -> bool:
-    """A segment, a snapshot, or what recovery keeps of them (``.cut-N``, ``.corrupt``, ``.tmp``)."""
-    return name.startswith((SEGMENT_PREFIX, SNAPSHOT_PREFIX)) and ".jsonl" in name
+    """A segment, a snapshot, or what recovery keeps of them (``.cut-N``, ``.corrupt``, ``.tmp``);
+    the durable mark."""
+    return name.startswith((SEGMENT_PREFIX, SNAPSHOT_PREFIX)) and ".jsonl" in name or name.startswith(MARK_NAME)
 
 
 def prepare_directory(directory: str | os.PathLike[str]) -> None:
@@ -680,8 +681,9 @@ class Journal:
         self._marked_lsn, self._mark_slot = _mark_state(self.directory)
         self._synced_lsn = self._marked_lsn  # the highest lsn an fsync of this journal made durable
         self.mark_error: OSError | None = None
-        #: called as ``on_synced(segment_path, bytes_on_disk, started_mono_ms)`` when a
-        #: background fsync completes (the chaos test's power-cut model listens here)
+        #: called as ``on_synced(segment_path, bytes_on_disk, mono_ms)`` whenever an fsync made
+        #: bytes of a segment durable (for a background fsync: the moment it started), before
+        #: the durable mark can say so (the chaos test's power-cut model listens here)
         self.on_synced: Callable[[Path, int, int], None] | None = None
         if resync:
             return
@@ -801,9 +803,10 @@ class Journal:
         self.sync()
         return True
 
-    def _durable(self, lsn: int, size: int | None) -> None:
+    def _durable(self, lsn: int, size: int | None, started_ms: int | None = None) -> None:
         """An fsync made events up to ``lsn`` durable (``size``: bytes of the current segment
-        it covered; None: another segment's fsync): the mark follows, on the helper thread.
+        it covered; None: another segment's fsync): :attr:`on_synced` is told, then the mark
+        follows, on the helper thread (so whoever listens hears of the bytes first).
 
         Only an fsync feeds the mark: the lsns a journal starts after (``next_lsn - 1``)
         were not necessarily synced by the process that wrote them (``off``)."""
@@ -811,6 +814,8 @@ class Journal:
         self._synced_lsn = max(self._synced_lsn, lsn)
         if size is not None:
             self._durable_size = max(self._durable_size, size)
+            if self.on_synced is not None:
+                self.on_synced(self.segment_path, size, self._mono_ms() if started_ms is None else started_ms)
         self._advance_mark()
 
     # -- the durable mark ------------------------------------------------------
@@ -944,9 +949,12 @@ class Journal:
                 self._stall(exc)
             raise JournalUnavailable(self.unavailable()) from exc
         self.fsync_count += 1
-        self._durable(lsn, size if path == self.segment_path else None)
-        if self.on_synced is not None:
-            self.on_synced(path, size, started_ms)
+        if path == self.segment_path:
+            self._durable(lsn, size, started_ms)
+        else:  # the segment was rotated meanwhile
+            if self.on_synced is not None:
+                self.on_synced(path, size, started_ms)
+            self._durable(lsn, None)
         return True
 
     def sync(self) -> None:

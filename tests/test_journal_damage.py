@@ -603,7 +603,7 @@ def test_journal_files_are_0640_and_the_directory_0750_whatever_the_umask(tmp_pa
         os.umask(old)
     assert _mode(directory) == DIR_MODE
     files = list(directory.iterdir())
-    assert {path.name.split("-")[0] for path in files} == {"journal", "snapshot"}
+    assert {path.name.split("-")[0] for path in files} == {"journal", "snapshot", pj.MARK_NAME}
     assert any(".cut-" in path.name for path in files)
     assert {path.name: _mode(path) for path in files} == {path.name: FILE_MODE for path in files}
 

@@ -60,15 +60,16 @@ def small_tmpfs(where: Path, size: str):
 def fill(directory: Path) -> Path:
     """A ballast file that takes every free byte of the filesystem of ``directory``."""
     ballast = directory / "ballast"
-    with open(ballast, "wb") as file:
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
         for chunk in (1 << 16, 1 << 12, 1):
             try:
                 while True:
-                    file.write(b"\0" * chunk)
-                    file.flush()
+                    os.write(fd, b"\0" * chunk)
             except OSError as exc:
                 assert exc.errno == errno.ENOSPC, exc
-                file.seek(0, os.SEEK_END)
+    finally:
+        os.close(fd)
     return ballast
 
 
