@@ -2,9 +2,13 @@
 
 ``wheeld --journal DIR`` rebuilds an arena that is gone (a reboot, /dev/shm
 cleared) from the journal: :func:`recover_journal` reads the directory (before
-the arena exists, so a refusal leaves nothing behind), :func:`load_recovered`
-puts the timers into the new arena, and :func:`open_journal` continues the
-journal after them with a :class:`~wheeld.daemon.recorder.Recorder`.
+the arena exists, so a refusal leaves nothing behind), :func:`arena_size_for`
+sizes the new arena so that every journaled timer fits, :func:`load_recovered`
+puts the timers into it (and refuses the start, :class:`TimersNotRestored`,
+should one still not go in), and :func:`open_journal` continues the journal
+after them with a :class:`~wheeld.daemon.recorder.Recorder`. A daemon that
+attaches an existing arena compares the journal with it first: a journal cut
+short, or behind what the arena holds, is caught up with a snapshot of the arena.
 """
 
 from __future__ import annotations
@@ -159,12 +163,17 @@ def open_journal(config, wheel: TimerWheel, recovered: RecoveredState | None, to
     ``next_lsn``: the state was already loaded (:func:`load_recovered` returned it).
 
     ``recovered`` is :func:`recover_journal`'s state when the arena was just
-    created (None when an existing arena was attached: the journal only
-    continues). Damage it skipped is added to ``totals``
-    (``journal_damaged_ranges_total``, ``journal_damaged_lines_total``: the
-    daemon publishes them in the arena header), and a snapshot is written at
-    once, so that later recoveries start after the damage and compaction
-    removes the damaged segments in time.
+    created (None when an existing arena was attached: the journal continues,
+    after :func:`_continue_after` compared it with the arena). Damage it skipped
+    is added to ``totals`` (``journal_damaged_ranges_total``,
+    ``journal_damaged_lines_total``: the daemon publishes them in the arena
+    header), and a snapshot is written at once, so that later recoveries start
+    after the damage and compaction removes the damaged segments in time.
+
+    A journal that cannot be written for a passing reason (a full disk) starts
+    stalled (:mod:`wheeld.daemon.recorder`); for another (read-only, not
+    permitted) this raises :class:`~wheeld.protocol.errors.JournalUnavailable`,
+    and ``wheeld`` exits 2 with that one line.
     """
     resync = False
     if recovered is not None:

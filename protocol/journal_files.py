@@ -484,8 +484,12 @@ def cut_segment(path: Path, offset: int, data: bytes) -> str:
     kept = ""
     if b"\n" in data[offset:]:  # complete lines go: keep them as evidence
         aside = path.with_name(f"{path.name}.cut-{offset}")
-        _write_file(aside, data[offset:])
-        kept = f"; cut bytes saved in {aside.name}"
+        try:
+            _write_file(aside, data[offset:])
+            kept = f"; cut bytes saved in {aside.name}"
+        except OSError as exc:  # a full disk: the cut goes on (it frees space), the evidence cannot
+            aside.unlink(missing_ok=True)
+            kept = f"; cut bytes NOT saved ({describe_error(exc)})"
     if offset == 0:
         path.unlink()
         _fsync_dir(path.parent)
