@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 import wheeld
-from daemon_harness import unique_name, unlink_segments, wait_until
+from daemon_harness import unique_name, unlink_segments
+from hostile_harness import Honest
 from wheeld.protocol import journal as pj
 from wheeld.protocol.journal import Add
 from wheeld.protocol.journal_files import Journal, list_segments, list_snapshots, read_mark
@@ -201,13 +202,19 @@ def test_a_rebooted_daemon_refuses_or_reports_a_journal_cut_short(daemon_factory
     assert "Traceback" not in result.stderr and _tree(journal) == before
     checked = _check(journal)
     assert checked.exit_code == 1 and "truncated" in checked.stdout
-    # skip: it starts with what is left, loudly
+    # skip: it starts with what is left, loudly, and serves
     d.start()
     log = d.log()
     assert "ERROR journal: damaged range:" in log and "truncated" in log
     counters = d.counters()
     assert counters["journal_damaged_ranges_total"] == 1
     assert 0 < counters["pending"] < 600
+    honest = Honest(tmp_path, d.socket_path)
+    try:
+        honest.wait_served(50)
+        honest.finish()
+    finally:
+        honest.kill()
 
 
 @pytest.mark.timeout(180)
@@ -215,25 +222,31 @@ def test_a_restarted_daemon_rebuilds_a_journal_cut_short_from_its_arena(daemon_f
     journal = tmp_path / "journal"
     d = daemon_factory(extra=["--journal", str(journal), "--fsync", "always"]).start()
     keys = {f"t-{index}" for index in range(600)}
-    with wheeld.connect(d.socket_path, group="durable") as client:
-        for key in sorted(keys):
-            client.add(key, 4_000)
-        client.flush()
-        d.kill()  # no reboot: the arena survives
-        _cut_newest_segment_in_the_middle(journal)
-        d.start()
-        log = d.log()
-        assert "ERROR journal: damaged range:" in log and "cut away after they were synced" in log
-        assert d.counters()["journal_damaged_ranges_total"] == 1
-        snapshots = list_snapshots(journal)
-        assert snapshots, "a snapshot of the arena was written at once"
-        client.flush()
-        d.kill()
-        unlink_segments(d.name)  # now the reboot: the journal alone must hold every timer
-        state = recover(journal, repair=False)
-        assert {key for _group, key in state.pending} | {t.key for t in state.unacked} >= keys
-        d.start()
-        got = _collect(client, keys, 30)
+    honest = Honest(tmp_path, d.socket_path)
+    try:
+        with wheeld.connect(d.socket_path, group="durable") as client:
+            for key in sorted(keys):
+                client.add(key, 6_000)
+            client.flush()
+            d.kill()  # no reboot: the arena survives
+            _cut_newest_segment_in_the_middle(journal)
+            d.start()
+            log = d.log()
+            assert "ERROR journal: damaged range:" in log and "cut away after they were synced" in log
+            assert d.counters()["journal_damaged_ranges_total"] == 1
+            snapshots = list_snapshots(journal)
+            assert snapshots, "a snapshot of the arena was written at once"
+            client.flush()
+            honest.wait_served(50)
+            honest.finish()
+            d.kill()
+            unlink_segments(d.name)  # now the reboot: the journal alone must hold every timer
+            state = recover(journal, repair=False)
+            assert {key for _group, key in state.pending} | {t.key for t in state.unacked} >= keys
+            d.start()
+            got = _collect(client, keys, 30)
+    finally:
+        honest.kill()
     assert set(collections.Counter(e.key for e in got)) >= keys
     for e in got:
         assert e.fired_ms >= e.deadline_ms
