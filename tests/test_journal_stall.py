@@ -359,3 +359,30 @@ def test_a_read_only_journal_directory_at_start_is_one_line_and_exit_2(tmp_path,
     assert "Traceback" not in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"wheeld: journal directory {journal} cannot be") and "Read-only file system" in last, last
+
+
+def test_a_partial_line_the_stall_could_not_cut_is_cut_before_anything_else(tmp_path, monkeypatch):
+    disk = Disk(monkeypatch, tmp_path)
+    journal = Journal(tmp_path, fsync="always")
+    journal.append(adds("a"))
+    first = journal.segment_path
+    size = first.stat().st_size
+    real_ftruncate = os.ftruncate
+
+    def failing_ftruncate(fd, length):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    disk.full = True
+    monkeypatch.setattr(os, "ftruncate", failing_ftruncate)
+    with pytest.raises(wheeld.JournalUnavailable):
+        journal.append(adds("b"))
+    assert first.stat().st_size > size  # a partial line is left: the cut failed too
+    monkeypatch.setattr(os, "ftruncate", real_ftruncate)
+    disk.full = False
+    assert journal.resume(lambda: ([PendingTimer("g", key, T0, 1) for key in "ab"], []))
+    assert first.stat().st_size == size, "cut back to its last whole line before the snapshot"
+    journal.append(adds("c"))
+    journal.close()
+    report = check_journal(tmp_path)
+    assert report.ok and report.torn == []
+    assert set(recover(tmp_path).pending) == {("g", "a"), ("g", "b"), ("g", "c")}
