@@ -34,7 +34,7 @@ from daemon_harness import unlink_segments, wait_until
 from hostile_harness import Honest
 from wheeld.protocol.journal_files import Journal, PendingTimer, list_segments, list_snapshots
 from wheeld.protocol.journal_recovery import check_journal, recover
-from wheeld.protocol.journal import Add
+from wheeld.protocol.journal import Add, Cancel
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -386,3 +386,105 @@ def test_a_partial_line_the_stall_could_not_cut_is_cut_before_anything_else(tmp_
     report = check_journal(tmp_path)
     assert report.ok and report.torn == []
     assert set(recover(tmp_path).pending) == {("g", "a"), ("g", "b"), ("g", "c")}
+
+
+class FlakyDisk:
+    """Every write, fsync, fdatasync, ftruncate and pwrite on a file of the journal directory
+    fails with probability ``p`` (a random errno of ENOSPC, EIO, EDQUOT, EROFS; a write may
+    first write a part), from a seeded generator."""
+
+    ERRORS = (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EROFS)
+
+    def __init__(self, monkeypatch, directory: Path, seed: int, p: float):
+        import random
+        import threading
+
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()  # the journal's helper thread calls in too
+        self.p = p
+        self.dir = str(directory)
+        self.failures = 0
+        real = {name: getattr(os, name) for name in ("write", "fsync", "fdatasync", "ftruncate", "pwrite")}
+
+        def ours(fd) -> bool:
+            try:
+                return os.readlink(f"/proc/self/fd/{fd}").startswith(self.dir)
+            except OSError:
+                return False
+
+        def roll() -> int | None:
+            with self.lock:
+                if self.p and self.rng.random() < self.p:
+                    self.failures += 1
+                    return self.rng.choice(self.ERRORS)
+            return None
+
+        def wrap(name):
+            call = real[name]
+
+            def failing(fd, *args):
+                error = roll() if ours(fd) else None
+                if error is None:
+                    return call(fd, *args)
+                if name == "write" and len(args[0]) > 1 and self.rng.random() < 0.5:
+                    return call(fd, bytes(args[0][: len(args[0]) // 2]))  # a short write; the rest fails next
+                raise OSError(error, os.strerror(error))
+
+            return failing
+
+        for name in real:
+            monkeypatch.setattr(os, name, wrap(name))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_write_errors_anywhere_never_lose_or_corrupt_what_the_owner_holds(tmp_path, monkeypatch, seed):
+    """Random write/fsync/truncate errors at any step (appends, rotations, snapshots, the
+    mark, resumes): whenever an append succeeds the journal recovers to exactly what the
+    owner holds, and once the disk heals it resumes with nothing lost and nothing torn."""
+    import random
+
+    rng = random.Random(seed)
+    disk = FlakyDisk(monkeypatch, tmp_path, seed, p=0.0)
+    journal = Journal(tmp_path, fsync="always", segment_bytes=1500)
+    disk.p = 0.08
+    held: dict[str, int] = {}  # the owner's state (the arena): key -> seq
+
+    def state():
+        return [PendingTimer("g", key, T0 + 60_000, seq) for key, seq in held.items()], []
+
+    checked = 0
+    for step in range(300):
+        key = f"k{rng.randrange(40)}"
+        if key in held and rng.random() < 0.3:
+            del held[key]
+            events = [Cancel(t=T0, g="g", k=key, s=step, hit=True, pd=T0 + 60_000)]
+        else:
+            held[key] = step
+            events = [Add(t=T0, g="g", k=key, d=T0 + 60_000, s=step)]
+        try:
+            journal.append(events)
+            written = True
+        except wheeld.JournalUnavailable:
+            written = False
+        if not journal.writable and step % 7 == 0:
+            journal.resume(state)
+        elif journal.writable and step % 40 == 39:
+            try:
+                journal.write_snapshot(journal.last_lsn, *state())
+            except (wheeld.JournalUnavailable, OSError):
+                pass
+        if written and journal.writable:
+            disk.p, saved = 0.0, disk.p  # reading needs no luck
+            recovered = recover(tmp_path, repair=False, quiet=True)
+            report = check_journal(tmp_path)  # every file, also those recovery does not read
+            disk.p = saved
+            assert recovered.damage == [] and report.ok and report.torn == [], report.to_dict()
+            assert {key: timer.seq for (_g, key), timer in recovered.pending.items()} == held, step
+            checked += 1
+    disk.p = 0.0
+    assert journal.resume(state)
+    journal.close()
+    assert disk.failures > 10 and checked > 20
+    report = check_journal(tmp_path)
+    assert report.ok and report.torn == [], report.to_dict()
+    assert {key: timer.seq for (_g, key), timer in recover(tmp_path).pending.items()} == held
