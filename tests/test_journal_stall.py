@@ -488,3 +488,39 @@ def test_write_errors_anywhere_never_lose_or_corrupt_what_the_owner_holds(tmp_pa
     report = check_journal(tmp_path)
     assert report.ok and report.torn == [], report.to_dict()
     assert {key: timer.seq for (_g, key), timer in recover(tmp_path).pending.items()} == held
+
+
+def _collect(client, keys: set, timeout_s: float) -> set:
+    got: set = set()
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and not keys <= got:
+        got.update(e.key for e in client.poll(0.1))
+    return got
+
+
+def test_what_a_failed_flush_left_undurable_is_applied_again_after_a_power_cut(daemon_factory, tmp_path):
+    """A flush that failed with JournalUnavailable does not move the client's replay position:
+    if the host loses power during the stall, the daemon that rebuilds its arena from the
+    journal applies those commands again from the ring the client hands back."""
+    with small_tmpfs(tmp_path / "small", "4m") as mount:
+        journal = mount / "journal"
+        d = daemon_factory(extra=["--journal", str(journal), "--fsync", "always"]).start()
+        try:
+            with wheeld.connect(d.socket_path, group="g", reconnect_timeout_s=60) as w:
+                w.add("before", 1_500)
+                w.flush()
+                ballast = fill(mount)
+                keys = {f"k{i}" for i in range(200)}  # more than the room left in the last page
+                for key in sorted(keys):
+                    w.add(key, 1_500)
+                with pytest.raises(wheeld.JournalUnavailable):
+                    w.flush(timeout_s=15)
+                d.kill()
+                unlink_segments(d.name)  # the power cut, during the stall: the journal never had them
+                ballast.unlink()
+                d.start()
+                w.flush(timeout_s=15)
+                got = _collect(w, keys | {"before"}, 20)
+            assert keys | {"before"} <= got
+        finally:
+            d.cleanup()
