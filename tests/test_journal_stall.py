@@ -524,3 +524,28 @@ def test_what_a_failed_flush_left_undurable_is_applied_again_after_a_power_cut(d
             assert keys | {"before"} <= got
         finally:
             d.cleanup()
+
+
+def _bodies(frames: bytes) -> list:
+    from wheeld.protocol import framing
+    from wheeld.protocol.messages import decode_daemon_body
+
+    out, offset = [], 0
+    while offset < len(frames):
+        (length,) = framing.HEADER.unpack_from(frames, offset)
+        out.append(decode_daemon_body(frames[offset + framing.HEADER_SIZE : offset + framing.HEADER_SIZE + length]))
+        offset += framing.HEADER_SIZE + length
+    return out
+
+
+def test_a_flush_that_is_not_durable_is_answered_with_a_rejection_then_applied():
+    from wheeld.daemon.executor import flush_answer
+    from wheeld.protocol import messages as M
+
+    assert _bodies(flush_answer(7, None)) == [M.Applied(7)]
+    rejected, applied = _bodies(flush_answer(7, "journal /j cannot be written: No space left on device (ENOSPC)"))
+    assert applied == M.Applied(7)
+    assert rejected.seq == 7 and rejected.key is None and rejected.code == M.Rejected.JOURNAL_UNAVAILABLE
+    assert "No space left on device" in rejected.reason and M.Rejected.JOURNAL_UNAVAILABLE in M.REJECT_CODES
+    long = _bodies(flush_answer(7, "x" * 10_000))[0]  # a reason is at most 4096 characters
+    assert len(long.reason) == 4096
