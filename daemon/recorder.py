@@ -73,8 +73,8 @@ _DURABLE_WORD = AL.H_COUNTERS // 8 + AL.COUNTER["journal_durable_lsn"]
 RETRY_S = 1.0  # a stalled journal is tried again this often...
 RETRY_COST_FACTOR = 10  # ...and no more often than this many times what the last failed attempt took
 STILL_STALLED_LOG_S = 60.0  # a stall that goes on is logged again this often
-# free bytes a resume's snapshot needs at the least (a snapshot line is ~100 bytes a timer):
-# below this, the snapshot is not even encoded
+# free bytes a resume's snapshot needs at the least (a snapshot line holds a timer's group, key,
+# deadline and seq with its crc: more than this per timer): below this it is not even encoded
 MIN_SNAPSHOT_BYTES_PER_TIMER = 64
 MIN_SNAPSHOT_BYTES = 64 << 10
 
