@@ -56,20 +56,26 @@ class Segment:
         return cls(buf, name, size)
 
     @classmethod
-    def attach(cls, name: str, readonly: bool = False) -> "Segment":
+    def attach(cls, name: str, readonly: bool = False, fd: int | None = None) -> "Segment":
+        """Map segment ``name``; or, with ``fd``, the file open on that descriptor (which
+        stays the caller's: the daemon holds its segment lock on it)."""
         name = normalize_name(name)
+        shm = None
+        if fd is None:
+            try:
+                shm = posix_ipc.SharedMemory(name, flags=0, read_only=readonly)
+            except posix_ipc.ExistentialError as exc:
+                raise FileNotFoundError(f"no shared-memory segment {name}") from exc
+            fd = shm.fd
         try:
-            shm = posix_ipc.SharedMemory(name, flags=0, read_only=readonly)
-        except posix_ipc.ExistentialError as exc:
-            raise FileNotFoundError(f"no shared-memory segment {name}") from exc
-        try:
-            size = os.fstat(shm.fd).st_size
+            size = os.fstat(fd).st_size
             if size == 0:
                 raise CorruptArena(f"segment {name} is empty")
             prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
-            buf = mmap.mmap(shm.fd, size, prot=prot)
+            buf = mmap.mmap(fd, size, prot=prot)
         finally:
-            shm.close_fd()
+            if shm is not None:
+                shm.close_fd()
         return cls(buf, name, size, readonly)
 
     def close(self) -> None:
@@ -102,19 +108,18 @@ def unlink(name: str) -> bool:
 
 
 def remove_instance_segments(name: str) -> list[str]:
-    """Remove every shared-memory file of daemon instance ``name`` (arena, client
-    table, lock, set-aside copies: ``/dev/shm/wheeld-<name>-*``); the names removed,
-    sorted. A file that vanishes meanwhile is skipped; PermissionError (with its
-    ``filename``) stops at the first file this process may not remove."""
-    from wheeld.protocol.naming import SHM_DIR, shm_prefix
+    """Remove every shared-memory file of daemon instance ``name`` (lock, arena, client
+    table, secret, in plain and uid-qualified spelling, and set-aside copies:
+    :func:`wheeld.protocol.naming.instance_entries`); the names removed, sorted. A file
+    that vanishes meanwhile is skipped; PermissionError (with its ``filename``) stops at
+    the first file this process may not remove."""
+    from wheeld.protocol.naming import SHM_DIR, instance_entries
 
-    prefix = shm_prefix(name)
     removed = []
-    for entry in sorted(os.listdir(SHM_DIR)):
-        if entry.startswith(prefix):
-            try:
-                os.unlink(os.path.join(SHM_DIR, entry))
-            except FileNotFoundError:
-                continue
-            removed.append(entry)
+    for entry in sorted(instance_entries(name, os.listdir(SHM_DIR))):
+        try:
+            os.unlink(os.path.join(SHM_DIR, entry))
+        except FileNotFoundError:
+            continue
+        removed.append(entry)
     return removed
