@@ -18,7 +18,7 @@ from wheeld.protocol.errors import ProtocolError
 from wheeld.shm.ring import ClientSegment
 
 from wheeld.protocol.naming import clients_name, segment_prefix
-from .instance import Unusable, create_segment, set_aside, take_segment
+from .instance import Unusable, create_segment, file_identity, set_aside, take_segment
 from .startup import hand_to_monitors
 
 log = logging.getLogger("wheeld")
@@ -74,7 +74,7 @@ class ClientTable:
                                for name, kind, ident in config.group_owners}
         self._buf = None
         self.segment_name = ""
-        self.fd: int | None = None  # the table's descriptor, on which its segment lock is held
+        self.identity = (0, 0)  # the table file's (device, inode): see instance.HeldSegment
         self.created = False  # made by this start (else found)
 
     def open(self, wheel, now: int, qualifier: int | None = None) -> None:
@@ -85,20 +85,23 @@ class ClientTable:
         name = self.segment_name = clients_name(self.config.name, qualifier)
         mode = self.config.arena_mode
         try:
-            fd = take_segment(name, self.config.name, qualifier is not None)
+            fd = take_segment(name, self.config.name)
         except Unusable as exc:
             moved = set_aside(name, str(exc))
             log.error("client table %s set aside as %s because %s", name, moved, exc)
             fd = None
         self.created = fd is None
         if fd is None:
-            fd = create_segment(name, mode, qualifier is not None)
-        self.fd = fd
-        if os.fstat(fd).st_size != CL.SEGMENT_BYTES:
-            os.ftruncate(fd, 0)
-            os.ftruncate(fd, CL.SEGMENT_BYTES)
-        os.fchmod(fd, mode)
-        self._buf = mmap.mmap(fd, CL.SEGMENT_BYTES)
+            fd = create_segment(name, mode)
+        try:
+            self.identity = file_identity(fd)
+            if os.fstat(fd).st_size != CL.SEGMENT_BYTES:
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, CL.SEGMENT_BYTES)
+            os.fchmod(fd, mode)
+            self._buf = mmap.mmap(fd, CL.SEGMENT_BYTES)  # keeps the segment lock (a dup of fd)
+        finally:
+            os.close(fd)
         hand_to_monitors(self.config, name)
         buf = self._buf
         magic, arena_created = CL.HEADER.unpack_from(buf, 0)

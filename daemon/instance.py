@@ -14,8 +14,9 @@ refusal; free, the daemon takes a lock of its own uid instead
 **The segment locks.** A lock file can be unlinked under a running daemon (a
 ``/dev/shm`` clean-up script, ``RemoveIPC=``). So the daemon also locks every
 segment it maps for writing (arena, client table: an OFD lock on the segment's
-own descriptor) before it writes it; a second daemon that got past a removed
-lock file finds the arena locked and exits naming the holder. While it runs,
+open file description, which its mapping keeps) before it writes it; a second
+daemon that got past a removed lock file finds the arena locked and exits
+naming the holder. While it runs,
 the daemon looks once a second whether the lock file and its segments still
 have their names (:meth:`InstanceLock.check`, :class:`HeldSegment`): a removed
 lock file is made again; a removed or replaced arena or client table cannot be
@@ -378,10 +379,10 @@ def _untrusted(st: os.stat_result, uid: int) -> str | None:
     return None
 
 
-def take_segment(segment_name: str, instance: str, qualified: bool = False) -> int | None:
+def take_segment(segment_name: str, instance: str) -> int | None:
     """A descriptor of an existing segment of this daemon, open for writing, with its
-    segment lock taken (before anything is written) and marked (``qualified``: the
-    segment names carry this daemon's uid); None when there is no such segment.
+    segment lock taken (before anything is written) and marked; None when there is no
+    such segment. Map it, then close it: the mapping keeps the lock.
 
     Raises AlreadyRunning when another process holds it, Unusable when it may not be
     trusted (another owner, writable by others, not a regular file)."""
@@ -401,49 +402,55 @@ def take_segment(segment_name: str, instance: str, qualified: bool = False) -> i
         reason = _untrusted(os.fstat(fd), os.geteuid())
         if reason:
             raise Unusable(reason)
-        mark(fd, os.getpid(), os.geteuid(), qualified)
+        mark(fd, os.getpid(), os.geteuid())
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def create_segment(segment_name: str, mode: int, qualified: bool = False) -> int:
-    """A new, empty segment of this daemon, open for writing, locked and marked;
-    FileExistsError when the name is taken."""
+def create_segment(segment_name: str, mode: int) -> int:
+    """A new, empty segment of this daemon, open for writing, locked and marked (map it,
+    then close it: the mapping keeps the lock); FileExistsError when the name is taken."""
     fd = os.open(shm_path(segment_name), os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, mode)
     try:
         os.fchmod(fd, mode)
         if not lock_segment(fd):
             raise AlreadyRunning(f"{shm_path(segment_name)} was locked by another process as it was made")
-        mark(fd, os.getpid(), os.geteuid(), qualified)
+        mark(fd, os.getpid(), os.geteuid())
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def lock_created(segment_name: str, instance: str, qualified: bool = False) -> int:
-    """Open a segment this daemon has just made (by name) and take its segment lock."""
-    fd = take_segment(segment_name, instance, qualified)
-    if fd is None:
-        raise FileNotFoundError(errno.ENOENT, "removed while it was made", shm_path(segment_name))
-    return fd
+def file_identity(fd: int) -> tuple[int, int]:
+    """(device, inode) of the file open on ``fd``: what :class:`HeldSegment` compares."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 class HeldSegment:
-    """A segment the daemon holds (``fd``: open, locked): does its name still name it?"""
+    """A segment the daemon holds (mapped, locked; ``identity``: its (device, inode)):
+    does its name still name it?"""
 
-    def __init__(self, kind: str, segment_name: str, fd: int):
+    def __init__(self, kind: str, segment_name: str, identity: tuple[int, int]):
         self.kind = kind
         self.path = shm_path(segment_name)
-        self.fd = fd
+        self.identity = identity
         self._problem: str | None = None
+
+    def _named(self) -> bool:
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self.identity
 
     def check(self) -> str | None:
         """What is wrong with the segment's name (logged once, at error level, when it
         starts being wrong), else None."""
-        if _same_file(self.fd, self.path):
+        if self._named():
             if self._problem is not None:
                 log.warning("%s names this daemon's %s again", self.path, self.kind)
             self._problem = None

@@ -140,7 +140,7 @@ class Daemon:
         wheel = self.wheel = opened.wheel
         if opened.fresh:
             self._created.append(shm_path(wheel.name))
-        self.held.append(HeldSegment("arena", wheel.name, opened.fd))
+        self.held.append(HeldSegment("arena", wheel.name, opened.identity))
         if not opened.fresh:
             hq = wheel.header_words()
             for counter in DAEMON_TOTALS:  # totals carry on across restarts
@@ -170,7 +170,7 @@ class Daemon:
         table.open(wheel, self.clock(), qualifier)
         if table.created:
             self._created.append(shm_path(table.segment_name))
-        self.held.append(HeldSegment("client table", table.segment_name, table.fd))
+        self.held.append(HeldSegment("client table", table.segment_name, table.identity))
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
@@ -263,6 +263,9 @@ class Daemon:
         self.wheel.close()
         self.lock.release()
         log.info("stopped; %d timers pending in the arena", self._stats_pending)
+        if self.held and self.held[0].check() is not None:
+            log.error("the arena these %d timers are in no longer has a name: they end with this process, "
+                      "unless a journal rebuilds them at the next start", self._stats_pending)
 
     def _close_listener(self) -> None:
         self.listener.close()

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from wheeld.protocol.errors import InvalidRequest, WheeldError
 from wheeld.protocol.naming import arena_name, shm_path
 from wheeld.shm.arena import Segment
+from wheeld.shm.arena import unlink as unlink_segment
 from wheeld.shm.wheel import TimerWheel
 
 from .activation import listen_fds, unix_stream_listener
 from .config import Config
-from .instance import Unusable, lock_created, set_aside, take_segment
+from .instance import Unusable, file_identity, set_aside, take_segment
 
 log = logging.getLogger("wheeld")
 
@@ -31,7 +32,7 @@ log = logging.getLogger("wheeld")
 class OpenedArena:
     wheel: TimerWheel
     fresh: bool  # made now (else attached)
-    fd: int  # the arena's descriptor, on which its segment lock is held
+    identity: tuple[int, int]  # the arena file's (device, inode): see instance.HeldSegment
     set_aside: list[str] = field(default_factory=list)  # unusable segments renamed on the way
     recovered: object = None  # the journal's RecoveredState, when a new arena was rebuilt from it
     next_lsn: int | None = None  # where the journal continues after that recovery
@@ -42,13 +43,12 @@ def open_arena(cfg: Config, now: int, qualifier: int | None = None) -> OpenedAre
     ``qualifier``: the uid of the segment names the daemon uses (None: the plain names)."""
     name = arena_name(cfg.name, qualifier)
     aside: list[str] = []
-    qualified = qualifier is not None
-    attached = _attach_arena(cfg, name, aside, qualified)
+    attached = _attach_arena(cfg, name, aside)
     if attached is None:
-        opened = _new_arena(cfg, name, now, qualified)
+        opened = _new_arena(cfg, name, now)
         opened.set_aside = aside
         return opened
-    wheel, fd = attached
+    wheel, identity = attached
     log.info(
         "attached existing arena %s: %d pending, %d fired awaiting delivery (tick %d ms, wheel %d, capacity %d)",
         name, len(wheel), wheel.counters()["fired_unacked"], wheel.tick_ms, wheel.wheel_size, wheel.capacity,
@@ -58,7 +58,7 @@ def open_arena(cfg: Config, now: int, qualifier: int | None = None) -> OpenedAre
     _check_attached(wheel)
     if (wheel.tick_ms, wheel.wheel_size, wheel.capacity) != (cfg.tick_ms, cfg.wheel_size, cfg.capacity):
         log.warning("arena parameters differ from the command line; the arena's are used")
-    return OpenedArena(wheel, False, fd, aside)
+    return OpenedArena(wheel, False, identity, aside)
 
 
 def _check_attached(wheel: TimerWheel) -> None:
@@ -77,21 +77,24 @@ def _check_attached(wheel: TimerWheel) -> None:
         log.error("arena check: %s", problem)
 
 
-def _attach_arena(cfg: Config, name: str, aside: list[str], qualified: bool) -> tuple[TimerWheel, int] | None:
-    """The existing arena and its locked descriptor, or None when there is none or it was
-    set aside. Raises AlreadyRunning when another process holds it."""
+def _attach_arena(cfg: Config, name: str, aside: list[str]) -> tuple[TimerWheel, tuple[int, int]] | None:
+    """The existing arena (its segment lock taken before it is mapped, kept by the
+    mapping) and its file's identity, or None when there is none or it was set aside.
+    Raises AlreadyRunning when another process holds it."""
     try:
-        fd = take_segment(name, cfg.name, qualified)
+        fd = take_segment(name, cfg.name)
     except Unusable as exc:
         reason = str(exc)
     else:
         if fd is None:
             return None
         try:
-            return TimerWheel.recover(Segment.attach(name, fd=fd)), fd
+            identity = file_identity(fd)
+            return TimerWheel.recover(Segment.attach(name, fd=fd)), identity
         except (WheeldError, ValueError, OSError) as exc:
-            os.close(fd)  # its lock goes with it; the file is renamed below
-            reason = f"it cannot be used: {exc}"
+            reason = f"it cannot be used: {exc}"  # unmapped: its lock went with it; renamed below
+        finally:
+            os.close(fd)
     moved = set_aside(name, reason)  # raises UntrustedSegment when it is not ours to move
     if moved:
         aside.append(moved)
@@ -100,7 +103,7 @@ def _attach_arena(cfg: Config, name: str, aside: list[str], qualified: bool) -> 
     return None
 
 
-def _new_arena(cfg: Config, name: str, now: int, qualified: bool) -> OpenedArena:
+def _new_arena(cfg: Config, name: str, now: int) -> OpenedArena:
     """A new arena, rebuilt from the journal when there is one. It is built under a
     temporary name and renamed into place only when complete: a daemon killed in the
     middle of a recovery leaves no half-filled arena that the next start would take
@@ -122,13 +125,12 @@ def _new_arena(cfg: Config, name: str, now: int, qualified: bool) -> OpenedArena
             os.unlink(shm_path(building))
             os.close(left)
             log.warning("removed %s, left by a daemon that died while building its arena", building)
-    wheel = TimerWheel.create(
+    wheel = TimerWheel.create(  # locked by its maker from the start (Segment.create)
         capacity, tick_ms=cfg.tick_ms, wheel_size=cfg.wheel_size, name=building, start_ms=now,
         max_groups=max_groups, mode=cfg.arena_mode,
     )
-    fd = None
     try:
-        fd = lock_created(building, cfg.name, qualified)
+        identity = os.stat(shm_path(building)).st_dev, os.stat(shm_path(building)).st_ino
         hand_to_monitors(cfg, building)
         if recovered is not None:
             from .recovery import load_recovered
@@ -138,13 +140,11 @@ def _new_arena(cfg: Config, name: str, now: int, qualified: bool) -> OpenedArena
         wheel.name = name
     except BaseException:
         wheel.close()
-        if fd is not None:
-            os.unlink(shm_path(building))  # ours (locked): nobody else's half-built arena
-            os.close(fd)
+        unlink_segment(building)
         raise
     log.info("created arena %s (capacity %d, tick %d ms, wheel %d, %d levels)",
              name, capacity, cfg.tick_ms, cfg.wheel_size, wheel.levels)
-    return OpenedArena(wheel, True, fd, recovered=recovered, next_lsn=next_lsn)
+    return OpenedArena(wheel, True, identity, recovered=recovered, next_lsn=next_lsn)
 
 
 def hand_to_monitors(cfg: Config, segment_name: str) -> None:
@@ -169,20 +169,24 @@ def open_socket(cfg: Config) -> tuple[socket.socket, bool]:
         listener.setblocking(False)
         return listener, False
     path = cfg.socket_path
-    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-    if os.path.exists(path):
-        if not stat.S_ISSOCK(os.stat(path).st_mode):
-            raise InvalidRequest(f"{path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-            raise InvalidRequest(f"another wheeld is listening on {path}")
-        except (ConnectionRefusedError, FileNotFoundError):
-            os.unlink(path)  # stale socket of a dead daemon
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(path)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+        if os.path.exists(path):
+            if not stat.S_ISSOCK(os.stat(path).st_mode):
+                raise InvalidRequest(f"{path} exists and is not a socket")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+                raise InvalidRequest(f"another wheeld is listening on {path}")
+            except (ConnectionRefusedError, FileNotFoundError):
+                os.unlink(path)  # stale socket of a dead daemon
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+    except PermissionError as exc:  # another user's directory or stale socket
+        raise InvalidRequest(f"may not listen on {path}: {exc.strerror} ({exc.filename or path}); "
+                             f"choose another --socket") from None
     try:
         if cfg.socket_gid is not None:
             try:

@@ -18,12 +18,16 @@ life; the kernel drops them when the process dies, however it dies.
   finds by name is then still locked by the first, so two daemons never write
   one arena. OFD locks, unlike classic POSIX record locks, belong to the open
   file description, so the daemon's other descriptors of the same file
-  (``shm_open`` and ``close`` while mapping) cannot drop them.
+  (``shm_open`` and ``close`` while mapping) cannot drop them, and the
+  descriptor ``mmap`` keeps (a ``dup`` of the one the lock was taken on) keeps
+  the lock for as long as the segment is mapped: it costs no descriptor of its
+  own. A segment made by :meth:`wheeld.shm.arena.Segment.create` is locked by its
+  maker that way; one the daemon attaches is locked before it is mapped.
 
 **Who holds it.** Each holder also places read locks far beyond the end of
 the file, at offsets that say who it is: ``PID_MARK + pid``, ``UID_MARK +
-uid``, ``SPELLING_MARK + 0`` (plain segment names) or ``+ 1`` (uid-qualified,
-see :mod:`wheeld.protocol.naming`). Anyone who can open the file, read-only is
+uid`` and, on the instance lock, ``SPELLING_MARK + 0`` (plain segment names)
+or ``+ 1`` (uid-qualified, see :mod:`wheeld.protocol.naming`). Anyone who can open the file, read-only is
 enough, reads them with ``F_OFD_GETLK``, which takes no lock
 (:func:`read_marks`). The kernel keeps them exactly as long as the holder
 lives and the holder needs no write access to leave them (``F_GETLK`` reports
@@ -99,9 +103,11 @@ def segment_locked(fd: int) -> bool:
     return _getlk(fd, 0, 1) is not None
 
 
-def mark(fd: int, pid: int, uid: int, qualified: bool) -> None:
-    """Leave the holder's marks on ``fd``'s file (``fd`` open for reading is enough)."""
-    for offset in (PID_MARK + pid, UID_MARK + uid, SPELLING_MARK + int(qualified)):
+def mark(fd: int, pid: int, uid: int, qualified: bool | None = None) -> None:
+    """Leave the holder's marks on ``fd``'s file (``fd`` open for reading is enough); the
+    spelling mark only when ``qualified`` is given (the instance lock carries it)."""
+    offsets = [PID_MARK + pid, UID_MARK + uid] + ([] if qualified is None else [SPELLING_MARK + int(qualified)])
+    for offset in offsets:
         fcntl.fcntl(fd, _F_OFD_SETLK, _lk(fcntl.F_RDLCK, offset, 1))
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import posix_ipc
 
 from wheeld.protocol.errors import CorruptArena, InvalidRequest
+from wheeld.protocol.instance_lock import lock_segment, mark
 
 
 def normalize_name(name: str) -> str:
@@ -41,13 +42,19 @@ class Segment:
 
     @classmethod
     def create(cls, name: str | None, size: int, mode: int = 0o600) -> "Segment":
+        """A new segment ``name`` (private memory when None). A named one is locked by its
+        maker, with its marks, before anything is written (a segment lock of
+        :mod:`wheeld.protocol.instance_lock`), for as long as it is mapped."""
         if name is None:
             return cls(mmap.mmap(-1, size), None, size)
         name = normalize_name(name)
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
         try:
             os.fchmod(shm.fd, mode)  # exactly ``mode``: shm_open filters it through the umask
-            buf = mmap.mmap(shm.fd, size)
+            if not lock_segment(shm.fd):
+                raise FileExistsError(f"segment {name} was locked by another process as it was made")
+            mark(shm.fd, os.getpid(), os.geteuid())
+            buf = mmap.mmap(shm.fd, size)  # its descriptor shares the locked open file description
         except BaseException:
             shm.close_fd()
             posix_ipc.unlink_shared_memory(name)
@@ -57,8 +64,9 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str, readonly: bool = False, fd: int | None = None) -> "Segment":
-        """Map segment ``name``; or, with ``fd``, the file open on that descriptor (which
-        stays the caller's: the daemon holds its segment lock on it)."""
+        """Map segment ``name``; or, with ``fd``, the file open on that descriptor (it stays
+        the caller's; the mapping's own descriptor shares its open file description, and
+        with it a segment lock taken on it)."""
         name = normalize_name(name)
         shm = None
         if fd is None:

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -135,6 +136,19 @@ def test_a_lock_file_another_user_left_is_tried_first_and_its_holder_named(tmp_p
         d.cleanup()
 
 
+def preloaded_daemon(name: str, socket_path: str) -> subprocess.Popen:
+    """A wheeld that imports its modules, prints 'loaded' and starts only when a line
+    arrives on its stdin (so that a test can start it within a short window)."""
+    preload = ("import sys, wheeld.daemon.cli as cli, wheeld.daemon.server; print('loaded', flush=True); "
+               "sys.stdin.readline(); cli.main(sys.argv[1:], prog_name='wheeld')")
+    env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+    proc = subprocess.Popen([sys.executable, "-c", preload, "--socket", socket_path, "--name", name, "--capacity",
+                             "200000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    assert proc.stdout.readline() == "loaded\n"
+    return proc
+
+
 def test_a_removed_lock_file_does_not_let_a_second_daemon_share_the_arena(daemon, tmp_path):
     """Unlink the lock file (a /dev/shm clean-up, RemoveIPC=) and start a second daemon of the
     name on another socket: the arena's own lock turns it away, naming the holder; the running
@@ -142,35 +156,42 @@ def test_a_removed_lock_file_does_not_let_a_second_daemon_share_the_arena(daemon
     served throughout."""
     honest = Honest(tmp_path, daemon.socket_path)
     other = str(tmp_path / "other.sock")
-    with wheeld.connect(daemon.socket_path, group="acked") as w:
-        for i in range(200):
-            w.add(i, 3000)
-        w.flush()
-        os.kill(daemon.pid, signal.SIGSTOP)  # so that it cannot make its lock file again meanwhile
-        try:
-            os.unlink(lock_path(daemon.name))
-            second = run_second_daemon(daemon.name, other, tmp_path, timeout=30)
-        finally:
-            os.kill(daemon.pid, signal.SIGCONT)
-        line = one_line(second, EXIT_INSTANCE_RUNNING)
-        assert f"instance {daemon.name!r} is run by uid {os.geteuid()}, pid {daemon.pid}" in line, line
-        assert shm_path(arena_name(daemon.name)) in line and "nothing was changed" in line
-        assert not os.path.exists(other)
-        # the refused start removed the lock file it made; the running daemon makes its own again
-        wait_until(lambda: (IL.holder(daemon.name) or IL.Holder(0)).pid == daemon.pid, 10,
-                   "the running daemon to hold a lock file again", detail=daemon.log)
-        assert "made and held again" in daemon.log()
-        third = run_second_daemon(daemon.name, other, tmp_path, timeout=30)
-        assert f"pid {daemon.pid} (lock {lock_path(daemon.name)})" in one_line(third, EXIT_INSTANCE_RUNNING)
-        # the client table is held as the arena is: its lock and its holder's marks
-        for segment in (arena_name(daemon.name), clients_name(daemon.name)):
-            fd = os.open(shm_path(segment), os.O_RDONLY)
+    second = preloaded_daemon(daemon.name, other)
+    try:
+        with wheeld.connect(daemon.socket_path, group="acked") as w:
+            for i in range(200):
+                w.add(i, 3000)
+            w.flush()
+            os.kill(daemon.pid, signal.SIGSTOP)  # so that it cannot make its lock file again meanwhile
             try:
-                assert IL.segment_locked(fd), segment
-                assert IL.read_marks(fd) == IL.Holder(daemon.pid, os.geteuid(), False), segment
+                os.unlink(lock_path(daemon.name))
+                out, err = second.communicate("go\n", timeout=30)
             finally:
-                os.close(fd)
-        got = collect(w, 200)
+                os.kill(daemon.pid, signal.SIGCONT)
+            line = one_line(subprocess.CompletedProcess(second.args, second.returncode, out, err),
+                            EXIT_INSTANCE_RUNNING)
+            assert f"instance {daemon.name!r} is run by uid {os.geteuid()}, pid {daemon.pid}" in line, line
+            assert shm_path(arena_name(daemon.name)) in line and "nothing was changed" in line
+            assert not os.path.exists(other)
+            # the refused start removed the lock file it made; the running daemon makes its own again
+            wait_until(lambda: (IL.holder(daemon.name) or IL.Holder(0)).pid == daemon.pid, 10,
+                       "the running daemon to hold a lock file again", detail=daemon.log)
+            daemon.wait_for_log("made and held again")
+            third = run_second_daemon(daemon.name, other, tmp_path, timeout=60)
+            assert f"pid {daemon.pid} (lock {lock_path(daemon.name)})" in one_line(third, EXIT_INSTANCE_RUNNING)
+            # the client table is held as the arena is: its lock and its holder's marks
+            for segment in (arena_name(daemon.name), clients_name(daemon.name)):
+                fd = os.open(shm_path(segment), os.O_RDONLY)
+                try:
+                    assert IL.segment_locked(fd), segment
+                    assert IL.read_marks(fd) == IL.Holder(daemon.pid, os.geteuid()), segment
+                finally:
+                    os.close(fd)
+            got = collect(w, 200)
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait(10)
     assert sorted(e.key for e in got) == list(range(200))
     assert all(e.fired_ms >= e.deadline_ms for e in got)
     report = CK.check(daemon.name)
@@ -342,3 +363,27 @@ def test_a_restart_under_a_held_socket_logs_each_client_once(tmp_path):
                 proc.wait(10)
         listener.close()
         unlink_segments(name)
+
+
+def test_the_secret_an_older_wheeld_kept_in_its_lock_file_moves_to_its_own_file(tmp_path):
+    """The lock file is readable by everybody now: the secret (resume tokens are HMACs under
+    it) moves from its bytes 32-63 to the 0600 secret file, so clients' tokens stay valid."""
+    from wheeld.protocol.naming import secret_name
+
+    d = DaemonProcess(tmp_path)
+    legacy = os.urandom(32)
+    fd = os.open(lock_path(d.name), os.O_CREAT | os.O_WRONLY, 0o600)
+    os.pwrite(fd, b"4242\n".ljust(32) + legacy, 0)
+    os.close(fd)
+    try:
+        d.start()
+        secret = shm_path(secret_name(d.name))
+        with open(secret, "rb") as f:
+            assert f.read() == legacy
+        assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+        lock = os.stat(lock_path(d.name))
+        assert (lock.st_size, stat.S_IMODE(lock.st_mode)) == (32, 0o644)
+        with open(lock_path(d.name), "rb") as f:
+            assert f.read().split() == [str(d.pid).encode()]
+    finally:
+        d.cleanup()

@@ -64,7 +64,11 @@ class AsUser:
         self.log_path = os.path.join(workdir, f"{tag}.log")
         self.proc = start_wheeld_as(person, self.log_path, "--socket", self.socket_path, "--name", name,
                                     "--capacity", "5000", *extra)
-        wait_until(self._ready, 30, f"wheeld as {person['name']} to become ready", detail=self.log)
+        try:
+            wait_until(self._ready, 60, f"wheeld as {person['name']} to become ready", detail=self.log)
+        except BaseException:
+            self.stop()
+            raise
 
     def _ready(self) -> bool:
         if self.proc.poll() is not None:

@@ -10,13 +10,13 @@ identity in-process; it explains why) as one of them: ``wheeld`` itself, or
 
 from __future__ import annotations
 
-import contextlib
 import grp
 import json
 import os
 import pwd
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -82,21 +82,55 @@ class Accounts:
                 "groups": sorted(set(os.getgrouplist(name, entry.pw_gid))), "umask": 0o022}
 
     def close(self) -> None:
+        """Remove every user and group made here; a process still running as one of the users
+        (a test that failed half-way) is killed first: userdel refuses a user in use."""
+        errors = []
         for name in self.users:
             if _exists(pwd.getpwnam, name):
-                with contextlib.suppress(AssertionError):
+                _kill_processes_of(pwd.getpwnam(name).pw_uid)
+                try:
                     shadow(["userdel", name])
+                except AssertionError as exc:
+                    errors.append(str(exc))
         for name in self.groups:
             if _exists(grp.getgrnam, name):
-                with contextlib.suppress(AssertionError):
+                try:
                     shadow(["groupdel", name])
+                except AssertionError as exc:
+                    errors.append(str(exc))
         left = [n for n in self.users if _exists(pwd.getpwnam, n)] + [n for n in self.groups if _exists(grp.getgrnam, n)]
-        assert not left, f"could not remove {left}"
+        assert not left, f"could not remove {left}: {errors}"
+
+
+def _kill_processes_of(uid: int) -> None:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _uid_of(entry) == uid:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+            entry.isdigit() and _uid_of(entry) == uid for entry in os.listdir("/proc")):
+        time.sleep(0.05)
+
+
+def _uid_of(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return None
 
 
 def _env() -> dict:
-    return {key: value for key, value in os.environ.items()
-            if not key.startswith(("WHEELD_", "LISTEN_", "NOTIFY_SOCKET", "WATCHDOG_", "PYTEST_XDIST"))}
+    """This environment without what would point wheeld or wheelctl elsewhere (the path
+    choice, WHEELD_PURE_PYTHON, stays)."""
+    return {key: value for key, value in os.environ.items() if key == "WHEELD_PURE_PYTHON"
+            or not key.startswith(("WHEELD_", "LISTEN_", "NOTIFY_SOCKET", "WATCHDOG_", "PYTEST_XDIST"))}
 
 
 def identity(person: dict, env: dict | None = None) -> str:
