@@ -742,7 +742,8 @@ def check(ctl: Ctl, as_json: bool, attempts: int, journal_dir: str | None) -> No
               help="The instance whose segments go (default: wheelctl's --name / $WHEELD_NAME).")
 @click.pass_obj
 def destroy(ctl: Ctl, instance: str | None) -> None:
-    """Remove a stopped daemon's shared memory: arena, client table, lock, set-aside copies.
+    """Remove a stopped daemon's shared memory: lock, arena, client table, secret (plain and
+    uid-qualified names), set-aside copies.
 
     Refused (exit 1, nothing removed) while a daemon holds the instance's lock.
     Every pending timer in the arena goes with it; a journal (--journal DIR) is

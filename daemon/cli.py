@@ -21,7 +21,7 @@ import click
 
 from wheeld.protocol.errors import InvalidRequest, WheeldError
 from wheeld.protocol.journal_recovery import DAMAGE_POLICIES, JournalDamaged
-from wheeld.protocol.naming import default_name, default_socket_path
+from wheeld.protocol.naming import default_name, default_socket_path, name_problem
 
 from .config import MAX_CAPACITY, Config
 
@@ -101,6 +101,8 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
 
     name = name or default_name()
     try:
+        if name_problem(name):
+            raise InvalidRequest(f"--name {name!r}: {name_problem(name)}")
         config = Config(
             socket_path=socket_path or default_socket_path(name), name=name, tick_ms=tick_ms, wheel_size=wheel_size,
             capacity=capacity, ring_capacity=ring_capacity, touch_capacity=touch_capacity, metrics=metrics,

@@ -53,6 +53,18 @@ def default_socket_path(name: str | None = None) -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "wheeld", f"{name}.sock")
 
 
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name an instance, or None: it must be a non-empty file name
+    part (no ``/``, no NUL, at most 200 bytes) that does not end like a uid qualifier
+    (``-uid<digits>``: instance ``x-uid5`` would take the names of instance ``x``'s uid 5)."""
+    if not name or "/" in name or "\0" in name or len(name.encode()) > 200:
+        return "an instance name is 1 to 200 bytes without '/' or NUL"
+    head, sep, digits = name.rpartition("-uid")
+    if sep and head and digits.isdigit():
+        return f"an instance name may not end in '-uid{digits}' (the uid-qualified names of instance {head!r})"
+    return None
+
+
 def _owner_tag(uid: int | None) -> str:
     return "" if uid is None else f"uid{int(uid)}-"
 
