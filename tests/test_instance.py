@@ -393,8 +393,11 @@ def test_the_secret_an_older_wheeld_kept_in_its_lock_file_moves_to_its_own_file(
 def test_a_name_that_is_not_an_instance_name_is_refused_before_anything_is_made(tmp_path, name):
     """'x-uid5' would be the uid-qualified spelling of instance 'x' (protocol/naming.py)."""
     socket_path = str(tmp_path / "n.sock")
-    before = sorted(os.listdir(SHM_DIR))
-    result = run_second_daemon(name, socket_path, tmp_path, timeout=30)
+    try:
+        result = run_second_daemon(name, socket_path, tmp_path, timeout=30)
+        made = [e for e in os.listdir(SHM_DIR) if e.startswith(f"wheeld-{name}-")] if "/" not in name else []
+    finally:
+        if "/" not in name:
+            unlink_segments(name)
     assert "instance name" in one_line(result, 2)
-    assert not os.path.exists(socket_path)
-    assert not [e for e in set(os.listdir(SHM_DIR)) - set(before) if e.startswith("wheeld-x-uid5")]
+    assert not os.path.exists(socket_path) and made == []
