@@ -80,6 +80,7 @@ cdef class ClientCore:
     cdef public object _recent_order
     cdef public object _ready
     cdef public object _ready_handles
+    cdef public object _received
     cdef public object _to_ack
     cdef public object _acks_pending
     cdef public object _applied

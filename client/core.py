@@ -21,11 +21,17 @@ str or int key is its own dict key (no bytes built, a str's hash is cached).
 Exactly once to the application, per arming: every arming carries a *tag*
 (``client slot << 21 | sequence``). The library remembers the tag of this
 client's latest arming of each key; an expiration of an older arming of this
-client's (the key was re-armed or cancelled since) is dropped, and so is one it
-already handed over (a daemon restart re-sends unacknowledged expirations).
-Acknowledgements go back through the ring when the application comes back for
-more (the next ``poll``) or closes. Two windows are at least once instead of
-exactly once: an expiration handed to a process that dies before acknowledging
+client's (the key was re-armed or cancelled since) is dropped, and so is a copy
+of one it already received (a daemon restart, a reboot recovery and an ack
+timeout send unacknowledged expirations again). An expiration is acknowledged
+only once the application was handed it: acknowledgements go back through the
+ring when the application comes back for more (the next ``poll``), flushes or
+closes. A copy of one still waiting in this library is not acknowledged (the
+process may die before the application polls: then the daemon gives it to
+another member); it only renews the handle the acknowledgement will carry. A
+dropped expiration whose arming the application replaced or cancelled, or a copy
+of one it was handed, is acknowledged with the next acknowledgements. Two
+windows are at least once instead of exactly once: an expiration handed to a process that dies before acknowledging
 it reaches another member of the group; and after a power cut (with
 ``--journal``), one whose acknowledgement was not yet durable (still in the
 ring, or inside the fsync window) is delivered again, to a member that does not
@@ -66,6 +72,7 @@ from wheeld.protocol.errors import (
     ProtocolError,
     QuotaExceeded,
     RingFull,
+    Timeout,
 )
 from wheeld.protocol.keys import (
     KEY_BYTES,
@@ -130,6 +137,29 @@ def ceil_ms() -> int:
     early in real time: the daemon fires it once its floored clock reaches the deadline,
     i.e. at least ``delay_ms`` after the call. A touch stores it for the same reason."""
     return -(-time.monotonic_ns() // 1_000_000)
+
+
+def not_applied(timeout_s: float, gone_since: float | None, gone_reason: str) -> Timeout:
+    """The Timeout of a ``flush()`` not answered in ``timeout_s``; it says so when the daemon
+    is gone (the connection closed at ``gone_since``, time.monotonic(), and reconnecting
+    failed with ``gone_reason``) rather than connected and silent."""
+    text = f"wheeld did not apply the commands within {timeout_s} s"
+    if gone_since is not None:
+        text += (f": the daemon is gone (its connection closed {time.monotonic() - gone_since:.1f} s ago; "
+                 f"reconnecting: {gone_reason or 'not tried yet'}); the commands stay in the ring for a "
+                 f"daemon that comes back")
+    return Timeout(text)
+
+
+def check_delay_ms(delay_ms, max_delay_ms: int | None = None) -> None:
+    """InvalidDelay unless ``delay_ms`` is an int from 0 to ``max_delay_ms`` (the daemon's,
+    from its Welcome; None: not known here, only the sign is checked)."""
+    if type(delay_ms) is not int:
+        raise InvalidDelay(f"delay_ms must be an int, not {type(delay_ms).__name__}")
+    if delay_ms < 0:
+        raise InvalidDelay(f"delay_ms must not be negative ({delay_ms})")
+    if max_delay_ms is not None and delay_ms > max_delay_ms:
+        raise InvalidDelay(f"delay_ms {delay_ms} exceeds the daemon's maximum of {max_delay_ms}")
 
 
 def _bookkeeping_key(kb: bytes, meta: int):
@@ -254,14 +284,16 @@ class ClientCore:
         self._touch_table = None
         self._free_touch: list[int] = []
         self._next_touch = 0
-        # expirations already handed over, by (key, arming tag): survives a daemon
-        # restart (same records) and a reboot recovery (new records, same journaled arming).
-        # The latest _RECENT, in _SHARDS sets by tag; the oldest is forgotten one at a time.
+        # expirations received (buffered or handed over), by (key, arming tag) -> their
+        # receipt number (see _on_expirations): survives a daemon restart (same records)
+        # and a reboot recovery (new records, same journaled arming). The latest _RECENT,
+        # in _SHARDS dicts by tag; the oldest is forgotten one at a time.
         # (Cancelled armings are remembered apart, in the cancel log: see _cancelled.)
-        self._recent: list[set[tuple[bytes, int]]] = [set() for _ in range(_SHARDS)]
+        self._recent: list[dict[tuple[bytes, int], int]] = [{} for _ in range(_SHARDS)]
         self._recent_order: collections.deque[tuple[bytes, int]] = collections.deque()
         self._ready: collections.deque[Expired] = collections.deque()  # received, not handed over
         self._ready_handles: collections.deque[tuple[int, int, int]] = collections.deque()  # their acks, in step
+        self._received = 0  # expirations ever put in _ready: those handed over are the first _received - len(_ready)
         self._to_ack: list[tuple[int, int, int]] = []  # (slot, generation, arena epoch): handed over, ack at the next poll
         self._acks_pending: list[tuple[int, int, int]] = []  # could not be pushed yet (ring full)
         self._applied = -1
@@ -409,12 +441,7 @@ class ClientCore:
         return self._tag_base | self._seq
 
     def _deadline(self, delay_ms) -> int:
-        if type(delay_ms) is not int:
-            raise InvalidDelay(f"delay_ms must be an int, not {type(delay_ms).__name__}")
-        if delay_ms < 0:
-            raise InvalidDelay(f"delay_ms must not be negative ({delay_ms})")
-        if delay_ms > self.max_delay_ms:
-            raise InvalidDelay(f"delay_ms {delay_ms} exceeds the daemon's maximum of {self.max_delay_ms}")
+        check_delay_ms(delay_ms, self.max_delay_ms)
         return ceil_ms() + delay_ms
 
     def _push(self, op: int, kb: bytes, meta: int, deadline: int, tag: int, aux0: int = 0, aux1: int = 0) -> None:
@@ -775,14 +802,25 @@ class ClientCore:
         latest_shards = self._latest
         ready, handles = self._ready, self._ready_handles
         acks_pending = self._acks_pending
+        received = self._received
+        handed = received - len(ready)  # receipt numbers below this were handed to the application
         for e, key in zip(items, keys):
             seq = e.seq
             handle = (e.slot, e.generation, epoch)
             ident = _META[e.key_meta] + e.key_bytes
             seen = (ident, seq)
-            seen_set = recent[seq & _SHARD_MASK]
-            if seen in seen_set:
-                acks_pending.append(handle)  # handed over already (a daemon restart)
+            seen_map = recent[seq & _SHARD_MASK]
+            number = seen_map.get(seen)
+            if number is not None:  # sent again: a daemon restart, a reboot, an ack timeout
+                if number >= handed:
+                    # Still buffered: not handed twice, and not acknowledged, since the
+                    # application has not had it (were this process to die now, that ack
+                    # would take the timer with it). Its ack goes out when it is handed,
+                    # under this copy's handle: after a reboot the arena is another one,
+                    # and an ack stamped with the old epoch is ignored.
+                    handles[number - handed] = handle
+                else:
+                    acks_pending.append(handle)  # handed over already
                 continue
             if seq >> _SEQ_BITS == my_slot or seq >> _SEQ_BITS in former:
                 bkey = ident if type(key) is bytes else key  # _bookkeeping_key: key decoded already
@@ -798,11 +836,13 @@ class ClientCore:
                     continue
                 if self._touch_index:
                     self._release_touch(ident, key)
-            seen_set.add(seen)
+            seen_map[seen] = received
+            received += 1
+            self._received = received
             recent_order.append(seen)
             if len(recent_order) > _RECENT:
                 old = recent_order.popleft()
-                recent[old[1] & _SHARD_MASK].discard(old)
+                recent[old[1] & _SHARD_MASK].pop(old, None)
             ready.append(Expired(key, e.deadline_ms, e.fired_ms, e.late))
             handles.append(handle)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import signal
 import socket
 import time
 
@@ -138,3 +139,43 @@ def test_add_refuses_at_once_when_the_arena_is_full(daemon_factory):
         wait_until(lambda: status[SL.PENDING_WORD] < 50, 5, "the status page to show the cancel")
         w.add("one-more", 600_000)  # room again
         w.flush()
+
+
+def test_a_flush_that_finds_the_daemon_gone_says_so(daemon):
+    """A flush that times out tells a daemon that is gone (the connection closed, nothing
+    listens) from one that is connected but silent (stopped)."""
+    with wheeld.connect(daemon.socket_path, group="gone", reconnect_timeout_s=60) as w:
+        w.add("a", 60_000)
+        w.flush()
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(wheeld.Timeout) as silent:
+                w.flush(timeout_s=0.5)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert "gone" not in str(silent.value)
+        w.flush()
+        daemon.kill()
+        with pytest.raises(wheeld.Timeout) as gone:
+            w.flush(timeout_s=1.0)
+    message = str(gone.value)
+    assert "wheeld did not apply the commands within 1.0 s: the daemon is gone" in message, message
+    assert f"no wheeld listens at {daemon.socket_path}" in message, message
+
+
+def test_an_async_flush_that_finds_the_daemon_gone_says_so(daemon):
+    async def scenario() -> str:
+        w = await wheeld.connect_async(daemon.socket_path, group="gone", reconnect_timeout_s=60)
+        try:
+            w.add("a", 60_000)
+            await w.flush()
+            daemon.kill()
+            with pytest.raises(wheeld.Timeout) as gone:
+                await w.flush(timeout_s=1.0)
+            return str(gone.value)
+        finally:
+            await w.close()
+
+    message = asyncio.run(scenario())
+    assert "wheeld did not apply the commands within 1.0 s: the daemon is gone" in message, message
+    assert f"no wheeld listens at {daemon.socket_path}" in message, message
