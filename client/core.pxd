@@ -81,6 +81,8 @@ cdef class ClientCore:
     cdef public object _ready
     cdef public object _ready_handles
     cdef public object _received
+    cdef public list _done
+    cdef public object _done_order
     cdef public object _to_ack
     cdef public object _acks_pending
     cdef public object _applied

@@ -294,6 +294,12 @@ class ClientCore:
         self._ready: collections.deque[Expired] = collections.deque()  # received, not handed over
         self._ready_handles: collections.deque[tuple[int, int, int]] = collections.deque()  # their acks, in step
         self._received = 0  # expirations ever put in _ready: those handed over are the first _received - len(_ready)
+        # the tag of our latest arming of each key _latest forgot (its expiration received, or
+        # its cancel applied), for the latest _RECENT such keys, in _SHARDS dicts by hash(key):
+        # an older arming's expiration that comes later is one the application replaced (see
+        # _superseded); (key, tag) in the order remembered, to forget the oldest
+        self._done: list[dict] = [{} for _ in range(_SHARDS)]
+        self._done_order: collections.deque[tuple] = collections.deque()
         self._to_ack: list[tuple[int, int, int]] = []  # (slot, generation, arena epoch): handed over, ack at the next poll
         self._acks_pending: list[tuple[int, int, int]] = []  # could not be pushed yet (ring full)
         self._applied = -1
@@ -741,6 +747,33 @@ class ClientCore:
             self._cancel_indexed = len(cancelled)
         return (bkey, seq) in index
 
+    def _remember_done(self, bkey, tag: int) -> None:
+        """``_latest`` forgets ``bkey``, whose latest arming of ours, ``tag``, was received or
+        cancelled: remember that arming for :meth:`_superseded` (the latest _RECENT keys)."""
+        done = self._done[hash(bkey) & _SHARD_MASK]
+        done[bkey] = tag
+        order = self._done_order
+        order.append((bkey, tag))
+        if len(order) > _RECENT:
+            old_key, old_tag = order.popleft()
+            done = self._done[hash(old_key) & _SHARD_MASK]
+            if done.get(old_key) == old_tag:
+                del done[old_key]
+
+    def _superseded(self, bkey, seq: int, my_slot: int) -> bool:
+        """True if the application armed ``bkey`` again after our arming ``seq``, whose
+        expiration comes only now (it fired before the re-arm and went to a member that
+        died, or waited in the daemon), and ``_latest`` has forgotten the key since: the
+        later arming was received or cancelled (:meth:`_remember_done`). A tag of this
+        session is later than one of a former session; within one session the sequence
+        numbers compare modulo their width."""
+        done = self._done[hash(bkey) & _SHARD_MASK].get(bkey)
+        if done is None or done == seq:
+            return False
+        if seq >> _SEQ_BITS != done >> _SEQ_BITS:
+            return done >> _SEQ_BITS == my_slot
+        return ((done - seq) & _SEQ_MASK) < (1 << (_SEQ_BITS - 1))
+
     def _push_flush(self) -> int:
         self._flush_acks()
         seq = self._next_tag()
@@ -786,6 +819,7 @@ class ClientCore:
                     tag = latest.get(bkey)
                     if tag is not None and tag < 0:
                         del latest[bkey]
+                        self._remember_done(bkey, ~tag)
         elif kind is M.Rejected:
             self._rejected.append(message)
         elif kind is M.Goodbye:
@@ -831,8 +865,9 @@ class ClientCore:
                         acks_pending.append(handle)  # re-armed or cancelled since: not for the app
                         continue
                     del latest[bkey]
-                elif self._cancelled(bkey, seq):
-                    acks_pending.append(handle)  # cancelled (its ~tag forgotten since)
+                    self._remember_done(bkey, seq)
+                elif self._cancelled(bkey, seq) or self._superseded(bkey, seq, my_slot):
+                    acks_pending.append(handle)  # cancelled or re-armed (that entry forgotten since)
                     continue
                 if self._touch_index:
                     self._release_touch(ident, key)

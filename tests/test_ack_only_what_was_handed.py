@@ -88,6 +88,28 @@ def test_a_copy_of_an_expiration_of_our_own_arming_still_buffered_is_not_acknowl
     assert [e.key for e in core._take_ready()] == ["mine"] and core._to_ack == [(40, 1, 9)]
 
 
+def test_an_arming_the_application_replaced_is_dropped_even_after_the_replacement_was_received():
+    """The key was re-armed after its first arming fired, while that expiration sat with
+    another member (which died) or in the daemon: once the re-arm's expiration was
+    received, the first one is dropped (and acknowledged) when it comes."""
+    core = _core(epoch=9)
+    mine = 3 << 21
+    core._tag_base = mine
+    core._former_slots.add(2)
+    latest = core._latest[hash("k") & 63]
+    latest["k"] = mine | 20  # the re-arm replaced mine | 10 before its expiration came
+    _deliver(core, [("k", mine | 20)], 40)
+    assert [e.key for e in core._take_ready()] == ["k"]
+    _deliver(core, [("k", mine | 10), ("k", (2 << 21) | 99)], 41)  # the replaced one, and one of a former session
+    assert core._take_ready() == [] and core._acks_pending == [(41, 1, 9), (42, 1, 9)]
+    latest["k"] = mine | 30
+    _deliver(core, [("k", mine | 30)], 50)  # a later arming is handed as always
+    assert [e.key for e in core._take_ready()] == ["k"]
+    wrapped = mine | ((1 << 21) - 2)  # sequence numbers compare modulo 2**21
+    assert core._superseded("k", wrapped, 3) and not core._superseded("k", mine | 31, 3)
+    assert not core._superseded("other", mine | 1, 3)
+
+
 # ---------------------------------------------------------------------------- against a daemon
 
 

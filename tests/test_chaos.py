@@ -55,12 +55,12 @@ class Chaos:
     polls (``group+hoard``). Workers are named by member; their logs are the truth."""
 
     def __init__(self, tmp_path, fsync: str, workers: int, seed: int, hoarders: bool = False,
-                 delay_ms: tuple[int, int] = (20, 1500)):
+                 delay_ms: tuple[int, int] = (20, 1500), capacity: int = 300_000):
         self.tmp = tmp_path
         self.rng = random.Random(seed)
         self.journal_dir = tmp_path / "journal"
         self.durable_log = tmp_path / "durable.log"
-        self.daemon = DaemonProcess(tmp_path, capacity=300_000,
+        self.daemon = DaemonProcess(tmp_path, capacity=capacity,
                                     extra=["--journal", str(self.journal_dir), "--fsync", fsync])
         self.stop_file = str(tmp_path / "stop")
         self.groups = [f"chaos{i}" for i in range(workers)]

@@ -55,7 +55,8 @@ def rng_sleep(rng, low: float, high: float) -> None:
 
 @pytest.mark.parametrize("run", [0, 1] + [pytest.param(run, marks=pytest.mark.slow) for run in range(2, 12)])
 def test_workers_that_die_without_polling_lose_no_acknowledged_timer(tmp_path, run):
-    chaos = Chaos(tmp_path, "always", workers=2, seed=1000 + run, hoarders=True, delay_ms=(20, 600))
+    chaos = Chaos(tmp_path, "always", workers=2, seed=1000 + run, hoarders=True, delay_ms=(20, 600),
+                  capacity=50_000)
     try:
         run_unpolled(chaos)
         chaos.finish(timeout_s=60, window_ms=0)
