@@ -86,7 +86,7 @@ from wheeld.protocol.keys import (
 )
 from wheeld.protocol.messages import decode_daemon_body
 from wheeld.protocol.naming import default_socket_path
-from wheeld.shm.ring import ClientSegment
+from wheeld.shm.ring import MAX_IDLE_MS, ClientSegment
 from wheeld.shm.status import StatusPage
 
 _META = [bytes((m,)) for m in range(256)]
@@ -121,6 +121,8 @@ _SHARD_MASK = _SHARDS - 1
 _HASHED_ENTRIES = object()
 _SPIN_YIELDS = 20_000  # a full ring: sched_yield polls (~0.5-5 ms) before sleeping between polls
 _CANCEL = C.CANCEL
+_ADD_IDLE = C.ADD_IDLE
+_IDLE_MS_MAX = MAX_IDLE_MS
 _KEY_BYTES = KEY_BYTES
 _monotonic_ns = time.monotonic_ns
 # This module is compiled by Cython (wheeld.protocol.accel, core.pxd). Compiled, the hot
@@ -571,37 +573,74 @@ class ClientCore:
     def add_idle(self, key, idle_ms: int) -> int:
         """An idle timer: fires ``idle_ms`` after the last :meth:`touch` of ``key``.
         Returns its first deadline (as :meth:`add`); each touch moves it."""
-        self._check_open()
-        kb, meta = encode_key(key)
-        if type(idle_ms) is not int or idle_ms <= 0:
-            raise InvalidDelay(f"idle_ms must be a positive int, not {idle_ms!r}")
-        now = ceil_ms()
-        deadline = now + idle_ms
-        self._deadline(idle_ms)  # range check
-        if idle_ms > (1 << 31) - 1:
-            raise InvalidDelay("idle_ms must fit in 32 bits (about 24 days)")
-        ident = _META[meta] + kb
-        bkey = key if type(key) is str or type(key) is int else _bookkeeping_key(kb, meta)
-        self._refuse_if_full(bkey)
+        # The hot path, inlined as in add: a str or int key's encoding, the range and
+        # arena-full checks (the precise errors from the helpers), one clock read.
+        if self._closed:
+            self._raise_closed()
+        if type(key) is str:
+            text = key  # (compiled: a str variable, so the encoding is one C call)
+            try:
+                kb = text.encode()
+            except UnicodeEncodeError:
+                kb = b""  # encode_key below raises InvalidKey
+            meta = _STR_META | len(kb)
+            if not 0 < len(kb) <= _KEY_BYTES:
+                kb, meta = encode_key(key)  # raises InvalidKey
+            bkey = key
+        elif type(key) is int and _INT_LOW <= key <= _INT_HIGH:
+            kb = key.to_bytes(8, "little", signed=True)  # encode_key's int encoding, inlined
+            meta = _INT_META
+            bkey = key
+        else:
+            kb, meta = encode_key(key)
+            bkey = key if type(key) is int else _bookkeeping_key(kb, meta)
+        if type(idle_ms) is not int or not 0 < idle_ms <= self.max_delay_ms or idle_ms > _IDLE_MS_MAX:
+            self._check_idle_ms(idle_ms)  # raises the precise InvalidDelay
         seg = self._segment
+        if seg is None:
+            self._raise_unconnected()
+        header = self._page
+        if header is None or header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD] \
+                or self._group_words[_GROUP_FULL]:
+            self._refuse_if_full(bkey)
+        ident = _META[meta] + kb
         index = self._touch_index.get(ident)
         if index is None:
-            if self._free_touch:
-                index = self._free_touch.pop()
-            elif self._next_touch < seg.touch_capacity:
-                index = self._next_touch
-                self._next_touch += 1
-            else:
-                raise InvalidRequest(f"all {seg.touch_capacity} idle-timer slots of this client are in use")
+            index = self._new_touch_index()
+        # the deadline in ms rounded up (ceil_ms, inlined): never early in real time
+        now_ns = _clock_ns() if _COMPILED else _monotonic_ns()  # noqa: F821 - _clock_ns: core.pxd
+        now = -(-now_ns // 1_000_000)
+        deadline = now + idle_ms
         seg.set_idle(index, idle_ms)
-        seg.touch(index, now)
-        tag = self._next_tag()
-        self._push(C.ADD_IDLE, kb, meta, deadline, tag, idle_ms, index)
+        self._touch_table[index] = now  # touch(): its first activity
+        self._seq = seq = (self._seq + 1) & _SEQ_MASK
+        tag = self._tag_base | seq
+        if not seg.try_push(_ADD_IDLE, kb, meta, deadline, tag, idle_ms, index):
+            self._push(_ADD_IDLE, kb, meta, deadline, tag, idle_ms, index)
         self._touch_index[ident] = index
         self._touch_by_key[key] = index
         self._latest[hash(bkey) & _SHARD_MASK][bkey] = tag
         self._after_push()
         return deadline
+
+    def _check_idle_ms(self, idle_ms) -> None:
+        """InvalidDelay for an ``idle_ms`` add_idle does not take (a positive int, at most the
+        daemon's maximum delay and 32 bits)."""
+        if type(idle_ms) is not int or idle_ms <= 0:
+            raise InvalidDelay(f"idle_ms must be a positive int, not {idle_ms!r}")
+        check_delay_ms(idle_ms, self.max_delay_ms)
+        if idle_ms > _IDLE_MS_MAX:
+            raise InvalidDelay("idle_ms must fit in 32 bits (about 24 days)")
+
+    def _new_touch_index(self) -> int:
+        """A touch-table row for a new idle key (InvalidRequest when all are in use)."""
+        if self._free_touch:
+            return self._free_touch.pop()
+        capacity = self._segment.touch_capacity
+        if self._next_touch < capacity:
+            self._next_touch += 1
+            return self._next_touch - 1
+        raise InvalidRequest(f"all {capacity} idle-timer slots of this client are in use")
 
     def _release_touch(self, ident: bytes, key) -> None:
         index = self._touch_index.pop(ident, None)
