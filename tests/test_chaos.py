@@ -331,7 +331,8 @@ def check_run(chaos: Chaos, window_ms: int) -> dict:
             chaos.events["duplicates_allowed"] += len(copies) - 1
     syncs = chaos.syncs()
     chaos.events["max_ms_between_fsyncs"] = max((b - a for a, b in zip(syncs, syncs[1:])), default=0)
-    report = dict(chaos.events, armings=armings, cancels=cancels, received=len(received))
+    report = dict(chaos.events, armings=armings, cancels=cancels, received=len(received),
+                  duplicates=chaos.events["duplicates_allowed"])
     print("chaos:", report)
     return report
 

@@ -68,4 +68,6 @@ def test_workers_that_die_without_polling_lose_no_acknowledged_timer(tmp_path, r
     assert report["armings"] > 200, report
     # the hoarders' timers reached the application through the other member of their group
     hoarded = sum(1 for key in chaos.read_logs()["received"] if "+hoard-" in key)
+    print(f"chaos: hoarders' timers handed by the other members: {hoarded}, lost: {report['lost']}, "
+          f"duplicated: {report['duplicates']}")
     assert hoarded > 50, report
