@@ -105,7 +105,8 @@ _GROUP_FULL = RL.GROUP_FULL_WORD
 _FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 _SEQ_BITS = 21
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
-_RECENT = 1 << 17  # the latest armings handed over, and the latest cancelled, remembered to drop re-sent expirations
+_RECENT = 1 << 17  # the latest expirations received, the latest cancelled armings, and the latest keys no
+# longer tracked (their last arming), remembered to drop re-sent and replaced expirations
 # The per-key bookkeeping is split into this many dicts/sets (by hash). A Python dict or
 # set grows, and under insert/delete churn compacts, by rehashing all its entries at
 # once: 7 ms for one insert among 300k, 46 ms to drop a 131k-entry set (python -m
