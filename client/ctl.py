@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -57,6 +58,7 @@ from wheeld.protocol.errors import (
     BrokenPeer,
     CorruptArena,
     DaemonNotRunning,
+    InvalidDelay,
     InvalidRequest,
     NotAllowed,
     WheeldError,
@@ -252,6 +254,32 @@ def _parse_key(key: str, key_type: str):
 
 def _show_key(key) -> str:
     return f"0x{key.hex()} (bytes)" if type(key) is bytes else f"{key} (int)" if type(key) is int else repr(key)
+
+
+_NEGATIVE_INT = re.compile(r"-[0-9]+")
+
+
+class _SignedArguments(click.Command):
+    """A command whose arguments may be negative integers (``add k -5``, ``--key-type int
+    cancel -3``), which click would otherwise take for unknown options ("No such option
+    '-5'"). Only when every other token that looks like an option is one of the command's
+    own is the line parsed again with unknown options left to the arguments, so a
+    mistyped option is still refused as one."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, list(args))
+        except click.NoSuchOption:
+            known = {opt for param in self.get_params(ctx) for opt in (*param.opts, *param.secondary_opts)}
+            tokens = args[:args.index("--")] if "--" in args else args
+            for token in tokens:
+                if token.startswith("-") and len(token) > 1 and not _NEGATIVE_INT.fullmatch(token) \
+                        and token.split("=", 1)[0] not in known and (token.startswith("--") or token[:2] not in known):
+                    raise click.NoSuchOption(token, ctx=ctx) from None
+            if not any(_NEGATIVE_INT.fullmatch(token) for token in tokens):
+                raise
+        ctx.ignore_unknown_options = True
+        return super().parse_args(ctx, list(args))
 
 
 _key_type_option = click.option("--key-type", type=click.Choice(["str", "int", "bytes"]), default="str",
@@ -501,9 +529,9 @@ def stats(ctl: Ctl, as_json: bool, prometheus: bool, watch: float | None, interv
 
 
 # ---------------------------------------------------------------------------- add / cancel
-@main.command()
+@main.command(cls=_SignedArguments)
 @click.argument("key")
-@click.argument("delay_ms", type=click.IntRange(min=0))
+@click.argument("delay_ms", type=int)
 @_group_option
 @_key_type_option
 @click.pass_obj
@@ -511,17 +539,24 @@ def add(ctl: Ctl, key: str, delay_ms: int, group: str, key_type: str) -> None:
     """Schedule KEY to expire DELAY_MS from now (an armed key is re-armed).
 
     Connects as a member of the group for a moment, adds, and waits until the
-    daemon applied it.
+    daemon applied it. The deadline printed is the one add() returned, which
+    the expiration carries and ``dump`` shows.
     """
     user_key = _parse_key(key, key_type)
+    if delay_ms < 0:  # the library's own check, before anything is sent or opened
+        from wheeld.core import check_delay_ms
+
+        try:
+            check_delay_ms(delay_ms)
+        except InvalidDelay as exc:
+            raise CtlError(f"InvalidDelay: {exc}", EXIT_USAGE) from None
     reader = ctl.optional_reader()
     try:
         before = reader.lookup(user_key, group) if reader is not None else None
         client = ctl.connect(group)
         try:
             with _daemon_errors(ctl):
-                start = SN.mono_ms()
-                client.add(user_key, delay_ms)
+                deadline = client.add(user_key, delay_ms)
                 client.flush(timeout_s=ctl.timeout_s)
         finally:
             _leave(client)
@@ -529,12 +564,12 @@ def add(ctl: Ctl, key: str, delay_ms: int, group: str, key_type: str) -> None:
         if reader is not None:
             reader.close()
     verb = "re-armed" if before is not None else "added"
-    was = f" (was due in {_fmt_ms(before.deadline_ms - start)})" if before is not None else ""
+    was = f" (was due in {_fmt_ms(before.deadline_ms - (deadline - delay_ms))})" if before is not None else ""
     click.echo(f"{verb} {_show_key(user_key)} in group {group!r}: due in {_fmt_ms(delay_ms)}, "
-               f"deadline {start + delay_ms} (CLOCK_MONOTONIC ms){was}")
+               f"deadline {deadline} (CLOCK_MONOTONIC ms){was}")
 
 
-@main.command()
+@main.command(cls=_SignedArguments)
 @click.argument("key")
 @_group_option
 @_key_type_option
