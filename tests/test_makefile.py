@@ -6,9 +6,11 @@ pyproject.toml's ``[build-system] requires``. A venv made by hand (``python3 -m 
 .venv && .venv/bin/pip install -e '.[test]'``: pip's isolated build brings Cython for
 that install only) has none of them; the Makefile installs them first.
 
-The default run checks the plan (``make -n``) and runs the step that installs the
-build requirements into a throwaway venv; the slow variant makes the whole install
-in a copy of the tree.
+The default run checks the plan (``make -n``: the build requirements are installed
+before any install without isolation, for every target that installs); the slow
+variants run the step that installs them into a throwaway venv, and the whole
+install in a copy of the tree. CI runs the step for real on every run: ``make
+test-core`` makes each extra interpreter's venv the plain way, without Cython.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def test_every_install_in_a_hand_made_venv_gets_the_build_requirements_first(tmp
         f"make {target} builds without isolation in a venv it did not give the build requirements:\n{plan.stdout}"
 
 
+@pytest.mark.slow  # pip installs setuptools, wheel and Cython: one to two minutes on a loaded machine
 def test_the_build_requirements_step_installs_them_into_a_hand_made_venv(tmp_path):
     venv = hand_made_venv(tmp_path / "venv", with_pip=True)
     python = str(venv / "bin" / "python")
