@@ -30,22 +30,25 @@ $(BUILD_STAMP): pyproject.toml | $(VENV)/bin/python
 
 build-requirements: $(BUILD_STAMP)
 
+# The editable installs below compile nothing (WHEELD_NO_EXTENSIONS=1): `make build` compiles
+# the extensions once, in place, where the editable install finds them.
+
 # what running the daemon needs, nothing more
 $(RUN_STAMP): pyproject.toml | $(BUILD_STAMP)
-	$(BIN)/python -m pip install -q --no-build-isolation -e .
+	WHEELD_NO_EXTENSIONS=1 $(BIN)/python -m pip install -q --no-build-isolation -e .
 	rm -f $(VENV)/.installed-run-*; touch $@
 
 # the core tests (make test-core) need the test extra
 $(CORE_STAMP): pyproject.toml | $(BUILD_STAMP)
-	$(BIN)/python -m pip install -q --no-build-isolation -e '.[test]'
+	WHEELD_NO_EXTENSIONS=1 $(BIN)/python -m pip install -q --no-build-isolation -e '.[test]'
 	rm -f $(VENV)/.installed-core-* $(VENV)/.installed-run-*; touch $@ $(RUN_STAMP)
 
 # the suite also needs the test, bench and pipeline extras (PySpark is the big one)
 $(TEST_STAMP): pyproject.toml | $(BUILD_STAMP)
-	$(BIN)/python -m pip install -q --no-build-isolation -e '.[test,bench,pipeline]'
+	WHEELD_NO_EXTENSIONS=1 $(BIN)/python -m pip install -q --no-build-isolation -e '.[test,bench,pipeline]'
 	rm -f $(VENV)/.installed-test-* $(VENV)/.installed-core-* $(VENV)/.installed-run-*; touch $@ $(CORE_STAMP) $(RUN_STAMP)
 
-install: $(RUN_STAMP)
+install: build
 
 # the extensions, compiled in place beside their sources (only what changed is rebuilt)
 build: $(RUN_STAMP)
