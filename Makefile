@@ -74,7 +74,7 @@ test-pure: $(TEST_STAMP)
 # reference), and the differential test that holds the two to the same bytes; only the
 # test extra is installed. .ci/run runs it on every Python the project claims besides the
 # one `make test` runs on.
-CORE_TESTS := $(PURE_TESTS) tests/test_compiled_differential.py tests/test_corrupt_arena_fuzz.py
+CORE_TESTS := $(PURE_TESTS) tests/test_compiled_differential.py tests/test_corrupt_arena_fuzz.py tests/test_build_flags.py
 test-core: $(CORE_STAMP) build
 	$(BIN)/python -c 'import sys; print("make test-core:", sys.executable, sys.version.split()[0])'
 	$(BIN)/python -m pytest -n 4 -q $(CORE_TESTS)
