@@ -324,6 +324,18 @@ def _daemon_lines(snap: SN.Snapshot) -> list[str]:
         lines.append(f"journal  DAMAGED: the recovery that built this arena skipped {_fmt_int(ranges)} damaged "
                      f"range{'s' if ranges != 1 else ''} ({_fmt_int(damaged)} line{'s' if damaged != 1 else ''}) of "
                      f"the journal; their events are lost (the daemon's log lists them; wheelctl check --journal DIR)")
+    stalled = c["journal_stalled"]
+    if stalled:
+        import errno
+        import os
+
+        lines.append(f"journal  NOT WRITABLE: {os.strerror(stalled)} ({errno.errorcode.get(stalled, stalled)}); "
+                     f"timers fire, every flush() fails with JournalUnavailable until it can be written again "
+                     f"({_fmt_int(c['journal_unwritten_events_total'])} events not written, "
+                     f"{_fmt_int(c['journal_flushes_refused_total'])} flushes refused so far)")
+    elif c["journal_stalls_total"]:
+        lines.append(f"journal  writable; it was not {_fmt_int(c['journal_stalls_total'])} time(s) "
+                     f"({_fmt_int(c['journal_flushes_refused_total'])} flushes refused)")
     return lines
 
 

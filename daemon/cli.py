@@ -1,10 +1,11 @@
 """``wheeld``: run the daemon in the foreground (a thin click shell over ``server.run``).
 
 Exit codes: 0 after a clean stop; 2 when it cannot start (a bad option, a
-socket in use, an arena it cannot use); 65 (``EX_DATAERR`` of sysexits.h)
-when ``--journal-damage refuse`` finds the journal damaged (nothing on disk
-changed; the unit's ``RestartPreventExitStatus=65`` stops systemd from trying
-again).
+socket in use, an arena it cannot use, a journal directory it cannot read or
+write for a reason other than a full disk); 65 (``EX_DATAERR`` of sysexits.h)
+when ``--journal-damage refuse`` finds the journal damaged, or when the journal
+holds timers a new arena cannot take (nothing on disk changed; the unit's
+``RestartPreventExitStatus=65`` stops systemd from trying again).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from wheeld.protocol.errors import WheeldError
 from wheeld.protocol.journal_recovery import DAMAGE_POLICIES, JournalDamaged
 from wheeld.protocol.naming import default_name, default_socket_path
 
-from .config import Config
+from .config import MAX_CAPACITY, Config
 
 #: ``--journal-damage refuse`` found damage (sysexits.h: "the input data was incorrect").
 EXIT_JOURNAL_DAMAGED = 65
@@ -32,8 +33,9 @@ EXIT_JOURNAL_DAMAGED = 65
               help="Instance name; shared-memory segments are /wheeld-NAME-* [env WHEELD_NAME; default 'default']")
 @click.option("--tick-ms", type=click.IntRange(1, 60_000), default=1, show_default=True, help="Width of a level-0 bucket.")
 @click.option("--wheel-size", type=click.IntRange(2, 1 << 16), default=256, show_default=True, help="Buckets per level.")
-@click.option("--capacity", type=click.IntRange(1, (1 << 31) - 100_000), default=1_000_000, show_default=True,
-              help="Timer records in the arena (64 bytes each).")
+@click.option("--capacity", type=click.IntRange(1, MAX_CAPACITY), default=1_000_000, show_default=True,
+              help="Timer records in the arena (64 bytes each). A new arena rebuilt from the journal is made "
+                   "larger when the journal holds more timers (none is dropped); an existing arena keeps its own.")
 @click.option("--ring-capacity", type=int, default=1 << 14, show_default=True, help="Commands per client ring (power of two).")
 @click.option("--touch-capacity", type=int, default=1 << 17, show_default=True, help="Idle-timer touch slots per client.")
 @click.option("--metrics", default=None, metavar="ADDR:PORT", help="Serve Prometheus metrics over HTTP (off by default).")
@@ -92,11 +94,12 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
         group_owners=tuple(_group_owner(spec) for spec in group_owners),
         group_quota=group_quota, max_groups=max_groups, ack_timeout_s=ack_timeout_s, frame_timeout_s=frame_timeout_s,
     )
+    from .recovery import TimersNotRestored
     from .server import run
 
     try:
         sys.exit(run(config))
-    except JournalDamaged as exc:
+    except (JournalDamaged, TimersNotRestored) as exc:
         click.echo(f"wheeld: {exc}", err=True)
         sys.exit(EXIT_JOURNAL_DAMAGED)
     except WheeldError as exc:

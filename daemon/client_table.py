@@ -36,7 +36,7 @@ class ClientSlot:
     again (to any member) and the newer one becomes the older."""
 
     __slots__ = ("slot", "segment", "label", "group", "group_name", "session", "unacked", "unacked_old", "poisoned",
-                 "pid", "uid", "orphan_since", "unanswered_flush")
+                 "pid", "uid", "orphan_since", "unanswered_flush", "unanswered_flush_unsynced")
 
     def __init__(self, slot: int, segment: ClientSegment | None, label: str, group: int, group_name: str, pid: int,
                  uid: int):
@@ -53,6 +53,7 @@ class ClientSlot:
         self.uid = uid
         self.orphan_since = 0
         self.unanswered_flush: int | None = None  # a FLUSH applied while no session was open
+        self.unanswered_flush_unsynced: str | None = None  # ...and why it is not durable (the journal stalled)
 
     def take_unacked(self) -> list[tuple[int, int]]:
         """Everything in flight to this client, forgotten here (it goes back to the queue)."""

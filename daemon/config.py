@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from wheeld.protocol.naming import default_name, default_socket_path
 
 
+#: the largest ``--capacity`` (records of 64 bytes; the arena's int32 record numbers, with room)
+MAX_CAPACITY = (1 << 31) - 100_000
+
+
 @dataclass(frozen=True)
 class Config:
     socket_path: str = field(default_factory=default_socket_path)

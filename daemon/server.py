@@ -143,6 +143,7 @@ class Daemon:
             from .recovery import open_journal
 
             self.recorder = open_journal(cfg, wheel, opened.recovered, totals, next_lsn=opened.next_lsn)
+            self.recorder.on_change = self._journal_changed
         self.started_ms = now
         # identifies the arena to clients: an ack stamped with another is ignored (Executor.ack_allowed)
         self.arena_epoch = (wheel.created_wall_ms & 0xFFFFFFFF) or 1
@@ -426,7 +427,16 @@ class Daemon:
 
     def _status_line(self) -> str:
         w = self.wheel
-        return f"{len(w)} pending, {len(self.sessions.sessions)} clients, {w.counters()['fired_unacked']} awaiting ack"
+        line = f"{len(w)} pending, {len(self.sessions.sessions)} clients, {w.counters()['fired_unacked']} awaiting ack"
+        unavailable = self.recorder.unavailable if self.recorder is not None else None
+        if unavailable:
+            line += f"; JOURNAL NOT WRITABLE ({unavailable}): flush() fails, timers still fire"
+        return line
+
+    def _journal_changed(self) -> None:
+        """The journal stopped or started being writable: tell systemd (``STATUS=``) at once."""
+        if self.ready:
+            self.notifier.status(self._status_line())
 
 
 def run(config: Config) -> int:

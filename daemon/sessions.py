@@ -39,6 +39,7 @@ from wheeld.shm.wheel import MAX_DELAY_MS
 from .client_table import ClientSlot, ClientTable
 from wheeld.protocol.naming import segment_prefix
 from .connection import Session
+from .executor import flush_answer
 
 log = logging.getLogger("wheeld")
 
@@ -260,8 +261,8 @@ class Sessions:
         )
         session.send_with_fds(M.encode_daemon_frame(welcome), [cs.segment.fd] + ([status] if status is not None else []))
         if cs.unanswered_flush is not None:  # a client whose session the daemon closed may be waiting for it
-            session.send(M.encode_daemon_frame(M.Applied(cs.unanswered_flush)))
-            cs.unanswered_flush = None
+            session.send(flush_answer(cs.unanswered_flush, cs.unanswered_flush_unsynced))
+            cs.unanswered_flush = cs.unanswered_flush_unsynced = None
 
     def _admit(self, session: Session, hello: M.Hello, passed: _Passed) -> tuple[ClientSlot, bool] | None:
         """The checks of a Hello and (the client slot it gets, whether the ring it handed

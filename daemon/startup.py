@@ -98,16 +98,18 @@ def _new_arena(cfg: Config, name: str, now: int) -> OpenedArena:
     middle of a recovery leaves no half-filled arena that the next start would take
     for the real one (it starts the recovery over)."""
     recovered = next_lsn = None
+    capacity, max_groups = cfg.capacity, cfg.max_groups
     if cfg.journal_dir:  # before the arena exists: a refusal (--journal-damage refuse) leaves nothing
-        from .recovery import recover_journal
+        from .recovery import arena_size_for, recover_journal
 
         recovered = recover_journal(cfg.journal_dir, cfg.journal_damage)
+        capacity, max_groups = arena_size_for(recovered, capacity, max_groups)  # room for every journaled timer
     building = f"{name}.new"
     if unlink_segment(building):
         log.warning("removed %s, left by a daemon that died while building its arena", building)
     wheel = TimerWheel.create(
-        cfg.capacity, tick_ms=cfg.tick_ms, wheel_size=cfg.wheel_size, name=building, start_ms=now,
-        max_groups=cfg.max_groups, mode=cfg.arena_mode,
+        capacity, tick_ms=cfg.tick_ms, wheel_size=cfg.wheel_size, name=building, start_ms=now,
+        max_groups=max_groups, mode=cfg.arena_mode,
     )
     try:
         hand_to_monitors(cfg, building)
@@ -122,7 +124,7 @@ def _new_arena(cfg: Config, name: str, now: int) -> OpenedArena:
         unlink_segment(building)
         raise
     log.info("created arena %s (capacity %d, tick %d ms, wheel %d, %d levels)",
-             name, cfg.capacity, cfg.tick_ms, cfg.wheel_size, wheel.levels)
+             name, capacity, cfg.tick_ms, cfg.wheel_size, wheel.levels)
     return OpenedArena(wheel, True, recovered=recovered, next_lsn=next_lsn)
 
 
