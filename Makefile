@@ -4,30 +4,51 @@
 # Both compile the hot path (Cython, gcc and the Python headers) first: `make build`.
 # WHEELD_NO_EXTENSIONS=1 builds no extension (the Python path); WHEELD_PURE_PYTHON=1 runs
 # the Python path even where the extensions are built.
+# PYTHON and VENV choose the interpreter and the venv: `make test-core PYTHON=python3.13
+# VENV=.venv-3.13` runs the core tests on another Python the project supports (.ci/run does).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 HASH   := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
-RUN_STAMP  := $(VENV)/.installed-run-$(HASH)
-TEST_STAMP := $(VENV)/.installed-test-$(HASH)
+BUILD_STAMP := $(VENV)/.installed-build-$(HASH)
+RUN_STAMP   := $(VENV)/.installed-run-$(HASH)
+CORE_STAMP  := $(VENV)/.installed-core-$(HASH)
+TEST_STAMP  := $(VENV)/.installed-test-$(HASH)
 
-.PHONY: install build run test test-pure test-long lint bench clean
+.PHONY: install build-requirements build run test test-core test-pure test-long lint bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=77" "Cython>=3.0"
+
+# The installs below build without isolation, in the venv itself, so the venv must hold
+# pyproject.toml's [build-system] requires (setuptools, Cython) whoever made it: a venv
+# made by hand (python3 -m venv .venv && .venv/bin/pip install -e .) has none of them.
+$(BUILD_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(BIN)/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"], sep="\n")' > $(VENV)/build-requirements.txt
+	$(BIN)/python -m pip install -q --upgrade pip -r $(VENV)/build-requirements.txt
+	rm -f $(VENV)/.installed-build-*; touch $@
+
+build-requirements: $(BUILD_STAMP)
+
+# The editable installs below compile nothing (WHEELD_NO_EXTENSIONS=1): `make build` compiles
+# the extensions once, in place, where the editable install finds them.
 
 # what running the daemon needs, nothing more
-$(RUN_STAMP): pyproject.toml | $(VENV)/bin/python
-	$(BIN)/python -m pip install -q --no-build-isolation -e .
+$(RUN_STAMP): pyproject.toml | $(BUILD_STAMP)
+	WHEELD_NO_EXTENSIONS=1 $(BIN)/python -m pip install -q --no-build-isolation -e .
 	rm -f $(VENV)/.installed-run-*; touch $@
 
-# the suite also needs the test, bench and pipeline extras (PySpark is the big one)
-$(TEST_STAMP): pyproject.toml | $(VENV)/bin/python
-	$(BIN)/python -m pip install -q --no-build-isolation -e '.[test,bench,pipeline]'
-	rm -f $(VENV)/.installed-test-* $(VENV)/.installed-run-*; touch $@ $(RUN_STAMP)
+# the core tests (make test-core) need the test extra
+$(CORE_STAMP): pyproject.toml | $(BUILD_STAMP)
+	WHEELD_NO_EXTENSIONS=1 $(BIN)/python -m pip install -q --no-build-isolation -e '.[test]'
+	rm -f $(VENV)/.installed-core-* $(VENV)/.installed-run-*; touch $@ $(RUN_STAMP)
 
-install: $(RUN_STAMP)
+# the suite also needs the test, bench and pipeline extras (PySpark is the big one)
+$(TEST_STAMP): pyproject.toml | $(BUILD_STAMP)
+	WHEELD_NO_EXTENSIONS=1 $(BIN)/python -m pip install -q --no-build-isolation -e '.[test,bench,pipeline]'
+	rm -f $(VENV)/.installed-test-* $(VENV)/.installed-core-* $(VENV)/.installed-run-*; touch $@ $(CORE_STAMP) $(RUN_STAMP)
+
+install: build
 
 # the extensions, compiled in place beside their sources (only what changed is rebuilt)
 build: $(RUN_STAMP)
@@ -47,6 +68,16 @@ PURE_TESTS := tests/test_wheel_unit.py tests/test_wheel_model.py tests/test_whee
 	tests/test_hostile.py tests/test_fuzz_daemon.py tests/test_never_early.py tests/test_daemon_clock.py tests/test_accel.py \
 	tests/test_purgatory.py
 test-pure: $(TEST_STAMP)
+	WHEELD_PURE_PYTHON=1 $(BIN)/python -m pytest -n 4 -q $(PURE_TESTS)
+
+# the core tests on one interpreter (PYTHON, VENV): compiled, then on the Python path (the
+# reference), and the differential test that holds the two to the same bytes; only the
+# test extra is installed. .ci/run runs it on every Python the project claims besides the
+# one `make test` runs on.
+CORE_TESTS := $(PURE_TESTS) tests/test_compiled_differential.py tests/test_corrupt_arena_fuzz.py tests/test_build_flags.py
+test-core: $(CORE_STAMP) build
+	$(BIN)/python -c 'import sys; print("make test-core:", sys.executable, sys.version.split()[0])'
+	$(BIN)/python -m pytest -n 4 -q $(CORE_TESTS)
 	WHEELD_PURE_PYTHON=1 $(BIN)/python -m pytest -n 4 -q $(PURE_TESTS)
 
 # the long chaos/scale/fuzz variants (marked slow), which `make test` leaves out

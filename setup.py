@@ -3,7 +3,9 @@
 types of the ``.pxd`` files beside them. Everything else is in pyproject.toml.
 
 ``WHEELD_NO_EXTENSIONS=1`` builds nothing (the package then runs its Python path).
-A compiler error fails the install: a missing extension is never silent.
+A compiler error fails the install: a missing extension is never silent. A call of
+a C function that no header declares is an error too (``-Werror=implicit-function-declaration``):
+C would take its result for an ``int``, and a 64-bit value (a hash) would lose half its bits.
 
 Cython finds the ``.pxd`` of a module by its dotted name (``wheeld/shm/wheel.pxd``
 for ``wheeld.shm.wheel``), while the sources sit in folders named otherwise
@@ -50,6 +52,8 @@ def _options_changed() -> bool:
     return False
 
 
+COMPILE_ARGS = ["-O2", "-Werror=implicit-function-declaration"]
+
 if _accel["_flag"](_accel["NO_EXTENSIONS_ENV"]):
     ext_modules = []
 else:
@@ -57,7 +61,7 @@ else:
 
     ext_modules = cythonize(
         [
-            Extension(name, [source], extra_compile_args=["-O2"])
+            Extension(name, [source], extra_compile_args=COMPILE_ARGS)
             for name, source in _accel["COMPILED_MODULES"].items()
         ],
         include_path=[_package_layout()],

@@ -1,6 +1,6 @@
 """Per-call cost of the client's ``add``, ``cancel``, ``touch`` and ``add_idle``: compiled and Python path.
 
-    python -m bench.client_ops                 # ~1 min; prints a table, writes bench/results/client_ops.json
+    python -m bench.client_ops                 # ~1 min; prints a table, writes bench/runs/client_ops.json (--save: bench/results/)
     python -m bench.client_ops --rounds 41 --batch 8192
 
 What is measured: the real client code (:class:`wheeld.core.ClientCore`, the state
@@ -179,11 +179,14 @@ def _run_child(pure: bool, rounds: int, batch: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from bench.common import add_save_option
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-write", action="store_true", help="print the table only")
+    add_save_option(parser)
     args = parser.parse_args(argv)
     if args.batch * 2 > RING_CAPACITY:
         parser.error(f"--batch must be at most {RING_CAPACITY // 2} (a round must fit the ring)")
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             "ring_capacity": RING_CAPACITY,
             "rows_us_per_call": rows,
             "runs": runs,
-        })
+        }, save=args.save)
         print(f"wrote {path}")
 
 

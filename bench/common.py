@@ -6,6 +6,13 @@ its segments).
 Every result file carries the machine it was measured on and the load average
 at the start: the project's machines have 2 cores shared by several engineers,
 so a figure measured under load says so.
+
+Where result files go (:func:`results_path`): ``bench/results/`` holds the recorded
+figures the docs quote, tracked by git, and a benchmark writes there only when asked
+(``--save``). Any other run writes under ``bench/runs/`` (ignored by git; the
+environment variable ``WHEELD_BENCH_RUNS`` names another folder), so a trial run
+never replaces a recorded figure. An explicit ``--out``/``--output`` path is used as
+given.
 """
 
 from __future__ import annotations
@@ -22,10 +29,32 @@ from pathlib import Path
 
 from tests.daemon_harness import DaemonProcess, unique_name, unlink_segments
 
-__all__ = ["DaemonProcess", "compile_c", "format_table", "machine_info", "proc_cpu_s", "rss_kb", "unique_name",
-           "unlink_segments", "write_json"]
+__all__ = ["DaemonProcess", "add_save_option", "compile_c", "format_table", "machine_info", "proc_cpu_s",
+           "results_path", "rss_kb", "unique_name", "unlink_segments", "write_json"]
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"  # the recorded figures (tracked): written with --save
+RUNS_DIR = Path(__file__).resolve().parent / "runs"  # every other run's files (ignored by git)
+RUNS_ENV = "WHEELD_BENCH_RUNS"  # another folder for them
+
+
+def runs_dir() -> Path:
+    """Where a run that was not asked to ``--save`` writes: ``$WHEELD_BENCH_RUNS``, else bench/runs/."""
+    return Path(os.environ.get(RUNS_ENV) or RUNS_DIR)
+
+
+def results_path(filename: str, save: bool = False) -> Path:
+    """The path of result file ``filename``: in bench/results/ (the recorded figures) when
+    ``save``, else in :func:`runs_dir`; its folder is created."""
+    directory = RESULTS_DIR if save else runs_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / filename
+
+
+def add_save_option(parser) -> None:
+    """``--save``: write the result into bench/results/, replacing the recorded figures."""
+    parser.add_argument("--save", action="store_true",
+                        help="write the result into bench/results/ (the recorded figures, tracked by git) "
+                             f"instead of bench/runs/ (or ${RUNS_ENV})")
 
 
 def machine_info() -> dict:
@@ -81,10 +110,9 @@ def format_table(rows: Sequence[dict], columns: Sequence[str], headers: Sequence
     return "\n".join(lines)
 
 
-def write_json(name: str, payload: dict) -> Path:
-    """Write ``bench/results/<name>.json`` (with machine info) and return its path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+def write_json(name: str, payload: dict, save: bool = False) -> Path:
+    """Write ``<name>.json`` (with machine info) where :func:`results_path` says; return its path."""
+    path = results_path(f"{name}.json", save)
     data = {"benchmark": name, "machine": machine_info(), **payload}
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     return path

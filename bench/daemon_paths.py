@@ -1,6 +1,6 @@
 """Four small measurements behind choices in the daemon and the client.
 
-    python -m bench.daemon_paths            # ~30 s: three tables + bench/results/daemon_paths.json
+    python -m bench.daemon_paths            # ~30 s: three tables + bench/runs/daemon_paths.json (--save: bench/results/)
     python -m bench.daemon_paths --quick    # seconds
 
 1. **apply paths** (``daemon/executor.py`` ``BATCH_MIN``): the daemon applies a
@@ -49,7 +49,7 @@ import time
 
 import numpy as np
 
-from bench.common import DaemonProcess, format_table, write_json
+from bench.common import DaemonProcess, add_save_option, format_table, write_json
 
 
 # --------------------------------------------------------------------------- 1. apply paths
@@ -312,6 +312,7 @@ def expire_paths(rates: list[int], span_ms: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    add_save_option(parser)
     args = parser.parse_args(argv)
     quick = args.quick
     sizes = [32, 64, 128, 256, 1024] if quick else [32, 64, 128, 192, 256, 1024, 4096]
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         path = write_json("daemon_paths", {"hot_path": accel.implementation(),
                                            "apply_paths": apply_rows, "park_precision": park_rows,
                                            "bookkeeping_pauses": pause_rows, "coalescing": coalesce_rows,
-                                           "expire_paths": expire_rows})
+                                           "expire_paths": expire_rows}, save=args.save)
         print(f"\nwrote {path}")
     return 0
 

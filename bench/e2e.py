@@ -1,6 +1,6 @@
 """End-to-end benchmark: wheeld against a Redis delayed queue and asyncio, in one run.
 
-    python -m bench.e2e              # full run, 3 repeats (~3 min); table + bench/results/e2e.json
+    python -m bench.e2e              # full run, 3 repeats (~3 min); table + bench/runs/e2e.json (--save: bench/results/)
     python -m bench.e2e --quick      # seconds: a smoke run with small sizes, 1 repeat
     python -m bench.e2e --only wheeld --repeat 1 --profile /tmp/prof   # py-spy recordings of one run
     python -m bench.e2e --only wheeld --repeat 1 --raw /tmp/raw        # when did timers fire late?
@@ -80,7 +80,9 @@ Targets: >= 1,500,000 timer ops/s end to end (best run; every run >= 1,200,000);
 steady-phase lateness p99 <= 1 ms with ~100k pending (recv figure) and a
 fired p99 of 0, in every run; the daemon's CPU in the steady phase per client
 op issued there <= 0.3 us; ``w.touch`` <= 0.1 us. The table marks each met /
-NOT met, and shows the spread. docs/bench-e2e.md has the measured figures and
+NOT met, and shows the spread. The targets are for the full sizes: a run with
+other sizes (``--quick``, or a size option) reports its figures beside them as
+not comparable, with no verdict (``met`` is null in the JSON). docs/bench-e2e.md has the measured figures and
 where the time goes.
 
 Both paths: ``wheeld`` runs the daemon and clients as installed (the compiled
@@ -126,9 +128,8 @@ import numpy as np
 if __package__ in (None, ""):  # python bench/e2e.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import DaemonProcess, unique_name  # noqa: E402
+from bench.common import DaemonProcess, add_save_option, results_path, unique_name  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "e2e.json"
 
 OP_ADD, OP_REARM, OP_CANCEL = 0, 1, 2
 WHEELD_SYSTEMS = ("wheeld", "wheeld-py")  # the compiled path (as installed) and the Python path
@@ -1006,14 +1007,20 @@ def summarize(runs: list[dict]) -> dict:
     return summary
 
 
-def targets(summary: dict) -> list[dict]:
+NOT_COMPARABLE = "not comparable: not the full sizes"
+
+
+def targets(summary: dict, comparable: bool = True) -> list[dict]:
+    """The target rows; ``comparable`` False (a run with other sizes than FULL's): each
+    row's figure is given, its verdict ``met`` is None and ``comparable`` False."""
     out = []
     w = summary.get("wheeld")
     if w is None:
         return out
 
     def row(name, target, value, met, basis):
-        out.append({"target": name, "goal": target, "measured": value, "met": bool(met) if value is not None else None,
+        verdict = bool(met) if value is not None and comparable else None
+        out.append({"target": name, "goal": target, "measured": value, "met": verdict, "comparable": comparable,
                     "basis": basis})
 
     ops = w["ops_per_s"]["best"]
@@ -1095,9 +1102,14 @@ def print_table(runs: list[dict], summary: dict, target_rows: list[dict]) -> Non
         print(f"{system}: ops/s best {fmt(ops['best'])}, spread {fmt(ops['worst'])}-{fmt(ops['best'])}"
               f" over {len(ops['all'])} run(s)")
     print()
+    if target_rows and not target_rows[0]["comparable"]:
+        print("these sizes are not the full run's: the figures below are not comparable with the targets")
     print(f"{'target':<34} {'goal':>12} {'measured':>12}  result")
     for t in target_rows:
-        verdict = "-" if t["met"] is None else ("met" if t["met"] else "NOT met")
+        if not t["comparable"]:
+            verdict = NOT_COMPARABLE
+        else:
+            verdict = "-" if t["met"] is None else ("met" if t["met"] else "NOT met")
         print(f"{t['target']:<34} {t['goal']:>12} {fmt(t['measured']):>12}  {verdict}")
     print()
 
@@ -1111,7 +1123,8 @@ def parse_args(argv):
     parser.add_argument("--repeat", type=int, default=None, help="repeats of the whole run (default 3, quick 1)")
     parser.add_argument("--only", default="wheeld,wheeld-py,redis,asyncio",
                         help="comma list of wheeld, wheeld-py (the Python path), redis, asyncio")
-    parser.add_argument("--out", default=str(RESULTS), help="JSON results path")
+    parser.add_argument("--out", default=None, help="JSON results path (default: e2e.json, see --save)")
+    add_save_option(parser)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--name-prefix", default="bench",
                         help="daemon instance name prefix (segments /wheeld-PREFIX-PID-UUID-*)")
@@ -1164,6 +1177,7 @@ def main(argv=None) -> int:
         "sizes": dataclasses.asdict(sizes),
         "repeat": repeat,
         "quick": args.quick,
+        "comparable_to_targets": sizes == FULL,
         "profiled": bool(args.profile),
         "lateness_definitions": {
             "fired": "Expired.fired_ms - Expired.deadline_ms (daemon clock; Redis: pop request time; "
@@ -1199,10 +1213,10 @@ def main(argv=None) -> int:
             print(f"  run {i + 1}: asyncio {run['asyncio']['ops_per_s']:,} ops/s", flush=True)
         runs.append(run)
     summary = summarize(runs)
-    target_rows = targets(summary)
+    target_rows = targets(summary, comparable=sizes == FULL)
     print_table(runs, summary, target_rows)
     meta["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
-    out_path = Path(args.out)
+    out_path = Path(args.out) if args.out else results_path("e2e.json", args.save)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"meta": meta, "runs": runs, "summary": summary, "targets": target_rows},
                                    indent=1, default=_json_default) + "\n")

@@ -55,7 +55,7 @@ Phases, per variant:
    *before* each touch, so a variant that is never early by its own clock is
    never counted early); must be 0. The scan is up to one scan interval late.
 
-Writes bench/results/idle.json and prints a table.
+Writes bench/runs/idle.json (``--save``: bench/results/) and prints a table.
 """
 
 from __future__ import annotations
@@ -76,9 +76,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # python bench/idle.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import DaemonProcess, proc_cpu_s, rss_kb, unique_name  # noqa: E402
+from bench.common import DaemonProcess, add_save_option, proc_cpu_s, results_path, rss_kb, unique_name  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "idle.json"
 VARIANTS = ("none", "asyncio-timer", "lazy-timer", "moving-wheel", "deque", "scan", "wheel", "wheeld-daemon")
 
 
@@ -525,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scan-interval-ms", type=int, default=1000)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--repeat", type=int, default=1, help="runs per variant; best (lowest touch cost) kept")
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--out", default=None, help="JSON results path (default: idle.json, see --save)")
+    add_save_option(parser)
     args = parser.parse_args(argv)
     if args.child:
         spec = json.loads(args.child)
@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary[f"{variant}_vs_wheeld_daemon_touch"] = results[variant][key] / max(daemon[key], 1e-9)
                 summary[f"{variant}_vs_wheeld_daemon_steady"] = results[variant][steady] / max(daemon[steady], 1e-9)
     print_table(results, summary)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else results_path("idle.json", args.save)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "benchmark": "idle", "spec": spec_base, "repeat": args.repeat,

@@ -1,6 +1,6 @@
 """Benchmark of the write-ahead journal: append rate per fsync policy, bytes, recovery.
 
-    python bench/journal.py              # ~1-2 min; table + bench/results/journal.json
+    python bench/journal.py              # ~1-2 min; table + bench/runs/journal.json (--save: bench/results/)
     python bench/journal.py --big        # also recovery of 10M pending timers (~6 GB RAM, minutes)
     python bench/journal.py --big --recovery-only   # just that, merged into the results file
     python bench/journal.py --dir /var/lib/wheeld-bench   # measure on another disk
@@ -46,11 +46,14 @@ import tempfile
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import add_save_option, results_path  # noqa: E402
 from wheeld.protocol.journal_files import Journal, PendingTimer
 from wheeld.protocol.journal_recovery import recover
 from wheeld.protocol.journal import Ack, Add, Cancel, Fire, encode_event, encode_events
 
-RESULTS = Path(__file__).resolve().parent / "results" / "journal.json"
 T0 = 1_700_000_000_000
 
 
@@ -215,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recovery-only", action="store_true", help="skip append and bytes; merge into --output")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, default=None, help="result file (default: journal.json, see --save)")
+    add_save_option(parser)
     args = parser.parse_args(argv)
+    if args.output is None:
+        args.output = results_path("journal.json", args.save)
 
     base = Path(tempfile.mkdtemp(prefix="wheeld-bench-journal-", dir=args.dir))
     result: dict = {

@@ -1,7 +1,7 @@
 """What one dependent memory access costs here, by working-set size: the floor under a
 scalar wheel call on a key nobody touched lately, at millions of timers.
 
-    python -m bench.miss_floor                    # ~3 min; table + bench/results/miss_floor.json
+    python -m bench.miss_floor                    # ~3 min; table + bench/runs/miss_floor.json (--save: bench/results/)
     python -m bench.miss_floor --no-wheel         # the chase alone (~1 min)
 
 A C loop (compiled here with ``$CC``, default ``cc``) follows a random cycle of
@@ -41,7 +41,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import compile_c, format_table, write_json  # noqa: E402
+from bench.common import add_save_option, compile_c, format_table, write_json  # noqa: E402
 
 INDEX_MIB_AT_10M = 128  # the key index's table at 10M records: 2**25 int32 cells
 TARGET_RATIO = 1.2  # bench.wheel_core's target: per-op cost at 10M within 1.2x of 10k
@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loads", type=int, default=20_000_000, help="dependent loads timed per size")
     ap.add_argument("--repeat", type=int, default=2, help="runs of the chase; the fastest per size is kept")
     ap.add_argument("--no-wheel", action="store_true", help="the chase only, no bench.wheel_core run")
-    ap.add_argument("--out", default="miss_floor", help="result name under bench/results/")
+    ap.add_argument("--out", default="miss_floor", help="result name: writes NAME.json (into bench/runs/, or bench/results/ with --save)")
+    add_save_option(ap)
     args = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="wheeld-miss-floor-") as workdir:
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(target {TARGET_RATIO}x)")
     path = write_json(args.out, {"loads": args.loads, "repeat": args.repeat, "rows": rows, "miss_ns": miss_ns,
                                  "index_mib_at_10m": INDEX_MIB_AT_10M, "insert": bound,
-                                 "wheel_scalar": {str(k): v for k, v in wheel.items()}})
+                                 "wheel_scalar": {str(k): v for k, v in wheel.items()}}, save=args.save)
     print(f"wrote {path}")
     return 0
 

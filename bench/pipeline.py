@@ -49,7 +49,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # python bench/pipeline.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import format_table, write_json  # noqa: E402
+from bench.common import add_save_option, format_table, write_json  # noqa: E402
 
 HOSTS = 16
 DEFAULT_SIZES = "100k,1M,10M"
@@ -284,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default="/tmp/wheeld-bench-pipeline", help="where fleets are generated (cached)")
     parser.add_argument("--master", default="local[*]")
     parser.add_argument("--crc", action="store_true", help="only the crc-check comparison, on the first size")
+    add_save_option(parser)
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     data_dir = Path(args.data_dir)
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = crc_bench(spark, fleets[sizes[0]])
         print(format_table(rows, ["variant", "lines", "kept", "seconds", "lines_per_s"],
                            ["crc check", "lines", "kept", "s", "lines/s"]))  # fmt: skip
-        write_json("pipeline_crc", {"master": spark.sparkContext.master, "rows": rows})
+        print(f"wrote {write_json('pipeline_crc', {'master': spark.sparkContext.master, 'rows': rows}, save=args.save)}")
         spark.stop()
         return 0
 
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "spark_first_job_s": round(warmup_s, 3), "rows": rows,
         "figures_equal_at_smallest_size": not checked, "crossover_warm_events": warm,
         "crossover_cold_events": cold,
-    })  # fmt: skip
+    }, save=args.save)  # fmt: skip
     print(f"wrote {path}")
     return 0
 

@@ -76,9 +76,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # python bench/purgatory.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import DaemonProcess, proc_cpu_s, rss_kb, unique_name  # noqa: E402
+from bench.common import DaemonProcess, add_save_option, proc_cpu_s, results_path, rss_kb, unique_name  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TIMEOUT_MS = 200
 TICK_MS = 1
 WHEEL_SIZE = 20
@@ -651,7 +650,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-going", action="store_true", help="do not stop a sweep after two saturated points")
     parser.add_argument("--drain-s", type=float, default=10.0, help="wait this long for stragglers after a point")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--out", default=str(RESULTS_DIR / "purgatory.json"))
+    parser.add_argument("--out", default=None,
+                        help="JSON results path, the chart beside it (default: purgatory.json, see --save)")
+    add_save_option(parser)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(run_point(json.loads(args.child))), flush=True)
@@ -673,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     result["elapsed_s"] = time.monotonic() - started
     result["quick"] = args.quick
     print_tables(result)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else results_path("purgatory.json", args.save)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     png = out.with_suffix(".png")

@@ -1,6 +1,6 @@
 """The Python path against an earlier tree, in machine instructions per call (callgrind).
 
-    python -m bench.python_path                      # ~5 min; table + bench/results/python_path.json
+    python -m bench.python_path                      # ~5 min; table + bench/runs/python_path.json (--save: bench/results/)
     python -m bench.python_path --base 1c6bfd3 --ops 3000
 
 Wall-clock figures of the interpreter swing 10-40% within minutes on the
@@ -48,7 +48,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import format_table, write_json  # noqa: E402
+from bench.common import add_save_option, format_table, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BASE = "1c6bfd3"  # the last commit before the hot path was compiled
@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", default=DEFAULT_BASE, help="git revision to compare with (its Python path)")
     ap.add_argument("--ops", type=int, default=5000, help="calls of each kind")
     ap.add_argument("--pending", type=int, default=20_000, help="timers in the wheel before the calls")
-    ap.add_argument("--out", default="python_path", help="result name under bench/results/")
+    ap.add_argument("--out", default="python_path", help="result name: writes NAME.json (into bench/runs/, or bench/results/ with --save)")
+    add_save_option(ap)
     args = ap.parse_args(argv)
     for tool in ("valgrind", "callgrind_annotate", "git"):
         if shutil.which(tool) is None:
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\ninstructions per call (callgrind), the same workload on each tree")
     path = write_json(args.out, {"base": args.base, "base_commit": base_commit, "head_commit": head_commit,
                                  "ops": args.ops, "pending": args.pending, "unit": "instructions per call",
-                                 "rows": rows})
+                                 "rows": rows}, save=args.save)
     print(f"wrote {path}")
     return 0
 

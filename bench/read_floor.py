@@ -18,7 +18,7 @@ apart) is divided by the reads it made. Two shapes of loop:
 
 The system-time share is the kernel's cost of ``epoll_wait`` and ``read`` on
 this machine; no detection scheme added to a server can make its CPU per read
-lower than this row. Writes bench/results/read_floor.json and prints a table.
+lower than this row. Writes bench/runs/read_floor.json (``--save``: bench/results/) and prints a table.
 The processes it starts are stopped by pid; it listens and connects on
 127.0.0.1 only.
 """
@@ -41,7 +41,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, format_table, machine_info  # noqa: E402
+from bench.common import add_save_option, format_table, machine_info, results_path  # noqa: E402
 
 SHAPES = {"epoll": 0.0, "epoll+1ms": 0.001, "epoll+2ms": 0.002}
 
@@ -169,8 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-s", type=float, default=15.0)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--out", default=str(RESULTS_DIR / "read_floor.json"))
+    parser.add_argument("--out", default=None, help="JSON results path (default: read_floor.json, see --save)")
+    add_save_option(parser)
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = str(results_path("read_floor.json", args.save))
     shapes = args.shapes.split(",")
     unknown = set(shapes) - set(SHAPES)
     if unknown:

@@ -1,6 +1,6 @@
 """Benchmark of the client command ring against posix_ipc.MessageQueue, in the same run.
 
-    python bench/ring.py            # ~15 s; prints a table, writes bench/results/ring.json
+    python bench/ring.py            # ~15 s; prints a table, writes bench/runs/ring.json (--save: bench/results/)
     python bench/ring.py --records 2000000 --repeat 7
 
 What is measured (best of ``--repeat`` runs, and the median):
@@ -34,13 +34,17 @@ import uuid
 from pathlib import Path
 
 import posix_ipc
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import add_save_option, results_path  # noqa: E402
 from wheeld.protocol.commands import validate_records
 from wheeld.protocol.keys import encode_key
 from wheeld.shm.ring import ClientSegment
 
 RING_CAPACITY = 1 << 16
 MESSAGE_SIZE = 64
-RESULTS = Path(__file__).resolve().parent / "results" / "ring.json"
 
 
 def unique_name(kind: str) -> str:
@@ -239,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=1_000_000, help="records per cross-process run")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, default=None, help="result file (default: ring.json, see --save)")
+    add_save_option(parser)
     parser.add_argument("--child-push", nargs=2, metavar=("NAME", "COUNT"), help=argparse.SUPPRESS)
     parser.add_argument("--child-mq-send", nargs=2, metavar=("NAME", "COUNT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -297,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         "ring_over_message_queue_cross_process": ratio,
         "target_push_add_per_s": 2_000_000,
     }
+    if args.output is None:
+        args.output = results_path("ring.json", args.save)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.output}")

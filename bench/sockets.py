@@ -65,7 +65,7 @@ Reported per kind:
 * *RSS per connection*: the servers' RSS growth from before the first connect
   to after the last accept, over the connections (plus the daemon's growth).
 
-Writes bench/results/sockets.json (``--out``) and prints a table. Every process
+Writes bench/runs/sockets.json (``--out``; ``--save``: bench/results/) and prints a table. Every process
 it starts is stopped by pid and every shared-memory segment of its daemon is
 unlinked, also on failure. ``--profile DIR`` samples the servers and the daemon
 with py-spy during the window.
@@ -93,10 +93,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # python bench/sockets.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import DaemonProcess, proc_cpu_s, rss_kb, unique_name  # noqa: E402
+from bench.common import DaemonProcess, add_save_option, proc_cpu_s, results_path, rss_kb, unique_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "sockets.json"
 EXAMPLES = ROOT / "examples"
 KINDS = ("asyncio-none", "asyncio-call-later", "asyncio-wheeld", "sync-none", "sync-wheeld")
 PER_SOURCE_IP = 25_000  # connections per source address (ephemeral ports: 32768-60999 by default)
@@ -1079,7 +1078,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the daemon at this niceness (negative: ahead of the servers and the load; "
                         "the unit's Nice=)")
     parser.add_argument("--profile", metavar="DIR", help="sample the servers and daemons with py-spy into DIR")
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--out", default=None, help="JSON results path (default: sockets.json, see --save)")
+    add_save_option(parser)
     args = parser.parse_args(argv)
     if args.serve:
         return serve(json.loads(args.serve))
@@ -1112,7 +1112,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"benchmark": "sockets", "spec": {k: v for k, v in vars(args).items() if k not in ("serve", "load")},
                "plan": plan, "machine": _machine(), "started_unix_s": int(started), "results": results,
                "summary": summarize(results)}
-    out = Path(args.out)
+    out = Path(args.out) if args.out else results_path("sockets.json", args.save)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2) + "\n")
     for line in payload["summary"].get("lines", []):

@@ -1,7 +1,7 @@
 """What it costs a process just to wake once per millisecond: the floor under the
 daemon's CPU in the steady phase of ``bench.e2e``.
 
-    python -m bench.wake_floor                   # ~30 s; table + bench/results/wake_floor.json
+    python -m bench.wake_floor                   # ~30 s; table + bench/runs/wake_floor.json (--save: bench/results/)
     python -m bench.wake_floor --seconds 2       # quicker
 
 A timer service that expires every timer in the millisecond it is due (the e2e
@@ -47,7 +47,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import compile_c, format_table, write_json  # noqa: E402
+from bench.common import add_save_option, compile_c, format_table, write_json  # noqa: E402
 
 TARGET_US_PER_OP = 0.3  # bench.e2e: the daemon's steady CPU per client op
 E2E_STEADY_OPS_PER_S = 40_000  # bench.e2e: 2 clients x steady_rate_per_client 20,000
@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="runs of each loop; the cheapest is kept")
     ap.add_argument("--ops-per-s", type=int, default=E2E_STEADY_OPS_PER_S,
                     help="client ops per second the wake-ups are shared by (bench.e2e's steady phase)")
-    ap.add_argument("--out", default="wake_floor", help="result name under bench/results/")
+    ap.add_argument("--out", default="wake_floor", help="result name: writes NAME.json (into bench/runs/, or bench/results/ with --save)")
+    add_save_option(ap)
     args = ap.parse_args(argv)
 
     rows = []
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nthe bare wake-up alone costs {floor} us per steady op, {verdict} the {TARGET_US_PER_OP} us/op target")
     path = write_json(args.out, {"ops_per_s": args.ops_per_s, "target_us_per_op": TARGET_US_PER_OP,
                                  "seconds": args.seconds, "repeat": args.repeat, "frame_bytes": FRAME_BYTES,
-                                 "rows": rows})
+                                 "rows": rows}, save=args.save)
     print(f"wrote {path}")
     return 0
 

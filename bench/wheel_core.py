@@ -66,7 +66,7 @@ from wheeld.protocol import arena_layout as L
 from wheeld.protocol.keys import TYPE_INT, key_meta_of
 from wheeld.shm import TimerWheel
 
-from bench.common import format_table, write_json
+from bench.common import add_save_option, format_table, write_json
 
 IMPLS = ("wheel", "wheel-py", "wheel-batch", "wheel-batch-py", "heapq", "asyncio")
 PURE_SUFFIX = "-py"  # the same implementation, on the Python path
@@ -392,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1000, help="operations per round (one batch call for wheel-batch)")
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--baseline-max", type=int, default=None, help="skip heapq/asyncio above this size")
-    parser.add_argument("--output", default="wheel_core", help="result name under bench/results/")
+    parser.add_argument("--output", default="wheel_core", help="result name: writes NAME.json (into bench/runs/, or bench/results/ with --save)")
+    add_save_option(parser)
     parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     parser.add_argument("--worker", nargs=4, metavar=("IMPL", "SIZE", "BATCH", "REPEAT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -427,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.wheel_core " + " ".join(argv if argv is not None else sys.argv[1:]),
         "repeat": repeat, "runs": args.runs, "batch": args.batch, "rounds": ROUNDS, "sizes": sizes,
         "results": rows, "passes": passes,
-    })
+    }, save=args.save)
     print(f"\nwritten {path}")
     return 0
 

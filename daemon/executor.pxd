@@ -5,11 +5,10 @@ cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.string cimport memcpy
 
-from wheeld.shm.keyindex cimport KeyIndex
+from wheeld.shm.keyindex cimport KeyIndex, _hash_bytes
 from wheeld.shm.wheel cimport TimerWheel
 
 cdef extern from "Python.h":
-    Py_hash_t _Py_HashBytes(const void *src, Py_ssize_t length)  # hash() of a bytes object
     object PyUnicode_DecodeUTF8(const char *s, Py_ssize_t size, const char *errors)
 
 cdef extern from *:
@@ -92,7 +91,7 @@ cdef inline void _hash_keys(KeyIndex index, const unsigned char[:, ::1] raw, lon
     for i in range(raw.shape[0]):
         ident[0] = raw[i, 1]
         memcpy(&ident[1], &raw[i, 32], 32)
-        hashes[i] = _Py_HashBytes(ident, 33) ^ mix
+        hashes[i] = _hash_bytes(ident, 33) ^ mix
 
 
 @cython.boundscheck(False)

@@ -76,7 +76,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wheeld.protocol.journal_files import DEFAULT_SEGMENT_BYTES, Journal
+from wheeld.protocol.journal_files import DEFAULT_SEGMENT_BYTES, Journal, prepare_directory
 from wheeld.protocol.journal import Ack, Add, Cancel, Fire, IdleRearm, Rearm, key_to_json
 
 __all__ = ["FleetInfo", "generate_fleet", "generate_host", "main"]
@@ -486,7 +486,7 @@ def generate_host(
     """Write one host's journal (exactly ``events`` events) into ``directory``."""
     rng = np.random.default_rng(seed)
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    prepare_directory(directory)  # a journal directory as the daemon makes one (0750), not the umask's
     phase = float(rng.uniform(-0.03, 0.03))
     per_op = _events_per_op(int(rng.integers(2**31)), start_ms=start_wall_ms, duration_ms=duration_ms)
     outage = None

@@ -2,6 +2,27 @@
 cimport cython
 from libc.string cimport memcmp
 
+# hash() of a bytes object from its bytes, without making the object (the batch paths of
+# wheel.pxd and daemon/executor.pxd hash keys this way): CPython's _Py_HashBytes, which
+# Python.h stopped declaring in 3.13 (it moved to the internal pycore_pyhash.h, still
+# exported) and which 3.14 offers as Py_HashBuffer. Called undeclared, C would take its
+# result for an int and keep 32 of its 64 bits: the prototype is given here.
+cdef extern from *:
+    """
+    #ifndef WHEELD_HASH_BYTES
+    #define WHEELD_HASH_BYTES
+    #if PY_VERSION_HEX >= 0x030E0000
+    #define wheeld_hash_bytes(p, n) Py_HashBuffer((p), (n))
+    #else
+    #if PY_VERSION_HEX >= 0x030D0000
+    PyAPI_FUNC(Py_hash_t) _Py_HashBytes(const void *, Py_ssize_t);
+    #endif
+    #define wheeld_hash_bytes(p, n) _Py_HashBytes((p), (n))
+    #endif
+    #endif
+    """
+    Py_hash_t _hash_bytes "wheeld_hash_bytes" (const void *src, Py_ssize_t length)
+
 cdef bint _COMPILED
 cdef Py_ssize_t _IDENT_BYTES
 

@@ -8,7 +8,7 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
 
-from .keyindex cimport KeyIndex
+from .keyindex cimport KeyIndex, _hash_bytes
 from .placement cimport Placement
 
 cdef long long _MAX_DELAY, _GEN_MASK
@@ -148,9 +148,6 @@ cdef class TimerWheel:
 # probed, filled and emptied as by KeyIndex.find/add/remove. Every index read from the
 # arena (a link, a group id) is checked before it is used; a bad one raises ``corrupt``
 # (the caller passes CorruptArena).
-
-cdef extern from "Python.h":
-    Py_hash_t _Py_HashBytes(const void *src, Py_ssize_t length)  # hash() of a bytes object
 
 cdef extern from *:
     """
@@ -522,7 +519,7 @@ cdef inline bint _c_hash_idents(TimerWheel w, const unsigned char[::1] idents, c
             if not valid_meta[raw[j * _CW_IDENT]]:
                 return True
     for j in range(n):
-        hashes[j] = _Py_HashBytes(raw + j * _CW_IDENT, _CW_IDENT) ^ gmix[groups[j * gs]]
+        hashes[j] = _hash_bytes(raw + j * _CW_IDENT, _CW_IDENT) ^ gmix[groups[j * gs]]
     return False
 
 

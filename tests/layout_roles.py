@@ -13,10 +13,16 @@ Usage (as root)::
      "env": {"WHEELD_NAME": "..."}}
 
 Why not ``subprocess.Popen(user=...)``: the interpreter running the tests may live
-where the throwaway users cannot read it (a pyenv under /root). So this script
-imports everything it will need while it is still root, then drops to the
-identity *in the same process* (``setgroups``, ``setgid``, ``setuid``) and runs
-the role. A process that changed uid is made non-dumpable by the kernel, which
+where the throwaway users cannot read it (a pyenv under /root), and so may the
+checkout and its venv (a clone under /root). So this script imports everything it
+will need while it is still root, then drops to the identity *in the same process*
+(``setgroups``, ``setgid``, ``setuid``) and runs the role. That includes what
+libraries import on first use (numpy loads ``numpy.ma`` inside ``np.unique``,
+which the daemon's collection of departed clients calls): :data:`LAZY_MODULES`.
+After the identity change no module may be imported at all (:class:`NoImports`
+refuses it, naming it), wherever the tree lives: an import that works only because
+the tree happens to be readable would make the tests pass or fail by the clone's
+location and by timing. A process that changed uid is made non-dumpable by the kernel, which
 would hide its /proc/PID/fd even from its own uid; ``PR_SET_DUMPABLE`` puts back
 what an ``exec`` would have given, so the /proc checks test the uid rule.
 
@@ -30,6 +36,7 @@ run in-process (:func:`run_wheelctl`), one process per identity, to keep the tes
 
 from __future__ import annotations
 
+import _imp
 import contextlib
 import ctypes
 import errno
@@ -59,6 +66,15 @@ from wheeld.protocol import naming
 for _package in (wheeld, wheeld.daemon, wheeld.shm, wheeld.protocol):  # wheeld: the client's modules
     for _module in pkgutil.iter_modules(_package.__path__, _package.__name__ + "."):
         __import__(_module.name)
+
+# what the libraries import on first use rather than at their own import: numpy's
+# submodules behind numpy.__getattr__ (np.unique imports numpy.ma, for one) and the
+# codecs a stream's encoding is looked up in (click asks for "ascii")
+LAZY_MODULES = ("numpy.ma", "numpy.linalg", "numpy.fft", "numpy.random", "numpy.polynomial", "numpy.dtypes",
+                "numpy.exceptions", "numpy.rec", "numpy.char", "numpy.ctypeslib", "encodings.ascii",
+                "encodings.latin_1", "encodings.idna")
+for _module in LAZY_MODULES:
+    __import__(_module)
 import grp  # noqa: E402,F401
 import linecache  # noqa: E402,F401
 import pwd  # noqa: E402,F401
@@ -87,6 +103,21 @@ def _private_proc(options: str) -> None:
     _check(_libc.mount(b"proc", b"/proc", b"proc", 0, options.encode()), f"mount proc -o {options}")
 
 
+class NoImports:
+    """A ``sys.meta_path`` finder, first in line after the identity change: every module
+    not imported by then is refused with an ImportError naming it (builtin and frozen
+    modules, which need no file, excepted)."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name in sys.builtin_module_names or _imp.is_frozen(name):
+            return None
+        message = (f"layout_roles: {name} imported after the identity change (the tree may not be readable "
+                   "by this user): import it beforehand (LAZY_MODULES)")
+        print(message, file=sys.stderr, flush=True)
+        raise ImportError(message, name=name)
+
+
 def become(identity: dict) -> None:
     if identity.get("proc"):
         _private_proc(identity["proc"])
@@ -105,6 +136,7 @@ def become(identity: dict) -> None:
     os.setuid(identity["uid"])
     _check(_libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
     os.umask(identity.get("umask", 0o022))
+    sys.meta_path.insert(0, NoImports)
 
 
 # --------------------------------------------------------------------- roles

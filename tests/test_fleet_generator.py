@@ -145,3 +145,24 @@ def test_generator_cli(tmp_path, capsys):
     assert "wrote 1,000 events for 2 hosts" in capsys.readouterr().out
     for name in ("host-000", "host-001"):
         assert recover(tmp_path / "out" / name, repair=False).last_lsn == 500
+
+
+def test_generator_makes_journal_directories_as_the_daemon_does(tmp_path, caplog):
+    """The host folders it creates have the journal's directory mode from the start, so the
+    journal writer has nothing to tighten and warns about nothing (whatever the umask)."""
+    import logging
+    import os
+    import stat
+
+    from wheeld.pipeline.generate import generate_fleet
+    from wheeld.protocol.journal_files import DIR_MODE
+
+    old = os.umask(0o022)
+    try:
+        with caplog.at_level(logging.WARNING):
+            info = generate_fleet(tmp_path / "fleet", hosts=2, events_per_host=300, seed=4)
+    finally:
+        os.umask(old)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    for name in info.hosts:
+        assert stat.S_IMODE(os.stat(tmp_path / "fleet" / name).st_mode) == DIR_MODE

@@ -476,6 +476,12 @@ def check_isolation(layout: Layout, *, monitors: bool) -> None:
     got_all(report["own_timers"], 50)  # the second worker's own timers work
     one_line_error(report["stats"], 3, "may not read the wheeld arena")  # not in the monitoring group
 
+    # B is gone: the daemon forgets its client slot in its periodic collection of departed
+    # clients (code that runs only then, as the daemon's user: waited for, so that every
+    # run covers it, however fast the machine gets through the rest)
+    wait_until(lambda: re.search(rf"client slot \d+ \(pid {attacker.pid}\) released", layout.log()), 30,
+               "the daemon to release worker B's client slot", interval=0.05, detail=layout.log)
+
     # the operator: wheelctl's readers with a monitoring group, exit 3 and one line without
     code, out, err = layout.finish(operator)
     assert code == 0, err
@@ -545,6 +551,7 @@ def stop_daemon(layout: Layout) -> None:
     layout.daemon.send_signal(signal.SIGTERM)
     assert layout.daemon.wait(20) == 0, layout.log()
     assert "Traceback" not in layout.log(), layout.log()
+    assert "imported after the identity change" not in layout.log(), layout.log()
 
 
 def test_unit_identities(layout_factory, people):

@@ -140,6 +140,36 @@ def test_rebuild_keeps_the_first_of_a_duplicated_key():
         index.close()
 
 
+def test_every_path_hashes_a_key_as_hash_does_in_all_64_bits():
+    """The scalar path indexes a key under ``hash(ident) ^ mix(group)``; the compiled batch
+    loops hash the 33 bytes in place (wheel.pxd, through keyindex.pxd's ``_hash_bytes``) and
+    must store the same 64 bits, or a key scheduled one way is not found the other way.
+    Most of these keys' hashes need more than 32 bits (a C call of an undeclared hash
+    function keeps only 32)."""
+    wheel = TimerWheel.create(2048, tick_ms=1, wheel_size=64, start_ms=0, max_groups=4)
+    try:
+        index = wheel._index
+        batch = [encode_ident(f"batch-{i}") for i in range(600)]
+        one_by_one = [encode_ident(f"scalar-{i}") for i in range(600)]
+        groups = np.arange(600, dtype=np.int64) % 4
+        assert sum(not -(1 << 31) <= hash(ident) < 1 << 31 for ident in batch) > 500
+        slots, _gens = wheel.schedule_many(batch, 10_000, groups)
+        assert (slots >= 0).all()
+        expected = [hash(ident) ^ index.gmix[g] for ident, g in zip(batch, groups.tolist())]
+        assert index.hashes[slots].tolist() == expected
+        assert [index.key_hash(ident, g) for ident, g in zip(batch, groups.tolist())] == expected
+        for ident, g in zip(one_by_one, groups.tolist()):
+            wheel.schedule_ident(ident, 10_000, g)
+        assert index.problems(np.flatnonzero(index.cells >= 0)) == []
+        # each found by the other path: scalar cancel of batch-made keys, batch cancel of scalar-made ones
+        assert all(wheel.cancel_ident(ident, g) for ident, g in zip(batch[:300], groups[:300].tolist()))
+        assert wheel.cancel_many(one_by_one, groups).all()
+        assert wheel.cancel_many(batch[300:], groups[300:]).all()
+        assert index.used == 0 and wheel.check() == []
+    finally:
+        wheel.close()
+
+
 def _reattached(wheel: TimerWheel) -> TimerWheel:
     """What a restart makes of this wheel's arena: a copy, recovered (links, index, counts
     rebuilt from the records)."""
