@@ -56,6 +56,8 @@ wheeld_wakeups_total                   counter    wakeups_total
 wheeld_daemon_restarts_total           counter    daemon_restarts_total
 wheeld_journal_damaged_ranges_total    counter    journal_damaged_ranges_total
 wheeld_journal_damaged_lines_total     counter    journal_damaged_lines_total
+wheeld_arena_damaged_records_total     counter    arena_damaged_records_total
+wheeld_arena_timers_lost_total         counter    arena_timers_lost_total
 wheeld_daemon_up                       gauge      1 if the daemon process exists
 wheeld_daemon_heartbeat_age_seconds    gauge      now - daemon_heartbeat_ms
 wheeld_daemon_uptime_seconds           gauge      now - daemon_started_ms
@@ -113,6 +115,11 @@ _COUNTERS = (
      "Damaged journal ranges (bad lines followed by good ones, damaged snapshots, missing events) that recovery "
      "skipped when it rebuilt the arena.", "journal_damaged_ranges_total"),
     ("wheeld_journal_damaged_lines_total", "Journal lines in those damaged ranges.", "journal_damaged_lines_total"),
+    ("wheeld_arena_damaged_records_total",
+     "Arena records found damaged (at attach, or when delivered): repaired, freed, or restored from the journal.",
+     "arena_damaged_records_total"),
+    ("wheeld_arena_timers_lost_total", "Timers of damaged arena records that nothing could restore.",
+     "arena_timers_lost_total"),
 )
 
 

@@ -1,0 +1,273 @@
+"""An attached arena checked against the journal, the journal's word taken where they disagree.
+
+The arena is shared memory: the daemon's uid (and root) can write it, and a
+scribble into its records survives the daemon. Attach repairs what it can see on
+its own (:meth:`wheeld.shm.wheel.TimerWheel.recover`: records with an impossible
+state, key, group or deadline are freed, a generation beyond 31 bits is masked),
+but a scribbled deadline, tag, state or key can look perfectly valid. With
+``--journal`` the daemon holds a second copy of every timer: at every attach of an
+existing arena (:func:`reconcile`, called by :mod:`wheeld.daemon.startup` before the
+journal is opened) each live record is compared with the journal's state
+(:func:`wheeld.protocol.journal_recovery.recover`, read-only) and the journal wins:
+
+* a timer the journal has and the arena lost (freed as corrupt, or its key
+  overwritten) is **restored**: pending ones as SCHEDULED at the journal's
+  deadline, fired-unacknowledged ones as FIRED (delivered again);
+* a SCHEDULED record whose deadline is not the journal's takes the journal's (so a
+  damaged deadline fires neither early nor late); one whose arming tag differs takes
+  the journal's tag (and its deadline, unless its own is the journal's);
+* a FIRED record the journal still has pending, due in the future, goes back on
+  the wheel at the journal's deadline (a state byte turned FIRED would otherwise
+  deliver it early);
+* a live record the journal does not know is freed (the key or group of another
+  timer written over it, or a freed record's state byte turned live).
+
+What a crash between applying a batch and journaling it leaves (the arena ahead of
+the journal) is settled the same way and costs nothing: that batch's ring head was
+not published, so its commands are applied again when the client hands its ring
+back; a fire not yet journaled is either kept (due) or fires again.
+
+Which deadlines are the journal's: the journal stores ``d = arena deadline +
+offset`` (wall-clock ms, the offset between the clocks when the event was
+written, rounded up), so for a sound record ``d - deadline`` *is* an offset the
+clocks had. The offsets they had are known: each segment's header records both
+clocks when it was opened (``mono0``, ``wall0``), and the clocks are read now. A
+record is taken for damaged only when ``d - deadline`` is within ``TOLERANCE_MS``
+of none of them; so a wall clock stepped since (between segments, or just now)
+is not mistaken for damage. A damaged record gets the journal's deadline
+converted with today's offset, as a recovery after a reboot does (a wall clock
+stepped in the middle of a segment's life moves it by the step); a deadline
+moved by at most ``TOLERANCE_MS`` is not told from the rounding.
+
+The journal is trusted only when it covers the arena: the arena's ``journal_lsn``
+counter (the last lsn the previous daemon appended and published) is not 0 (a
+daemon without ``--journal`` publishes 0) and the journal reaches it, the journal
+has no damaged range, and its newest segment was written by this instance's name.
+Otherwise nothing is changed here, and what attach freed is reported as lost.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+from dataclasses import dataclass, field
+
+from wheeld.protocol import arena_layout as AL
+from wheeld.protocol.errors import WheeldError
+from wheeld.protocol.journal_files import list_segments, read_clocks, wall_to_monotonic_ns
+from wheeld.protocol.journal_recovery import RecoveredState, recover
+from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel, encode_ident
+
+log = logging.getLogger("wheeld")
+
+#: how far ``d - deadline`` of a sound record may be from an offset read from the clocks
+#: (the journal's offset is rounded up, a segment header's clocks are read as floored ms
+#: one after the other): a difference up to this is rounding, not damage
+TOLERANCE_MS = 3
+_EXAMPLES = 5  # records named in the log per kind of repair
+
+
+@dataclass
+class Reconciled:
+    """What :func:`reconcile` did. ``trusted``: the journal was used (else ``reason`` says why not)."""
+
+    trusted: bool = False
+    reason: str = ""
+    checked: int = 0
+    restored: int = 0  # timers the arena had lost, made again from the journal
+    rewritten: int = 0  # live records whose deadline, tag or state took the journal's
+    freed: int = 0  # live records the journal does not know
+    not_restored: int = 0  # the arena had no free record for them
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def damaged(self) -> int:
+        """Records found in disagreement with the journal (each repaired, or kept late)."""
+        return self.restored + self.not_restored + self.rewritten + self.freed
+
+
+def journal_covers(wheel: TimerWheel, directory: str, name: str) -> str | None:
+    """Why the journal in ``directory`` cannot be taken as the truth about this arena, or None."""
+    arena_lsn = wheel.header_words()[AL.H_COUNTERS // 8 + AL.COUNTER["journal_lsn"]]
+    if arena_lsn <= 0:
+        return "the arena was not kept with a journal by the daemon before this one"
+    segments = list_segments(directory)
+    if not segments:
+        return f"the journal has no segment, and the arena's journal reached lsn {arena_lsn}"
+    try:
+        with open(segments[-1][1], "rb") as f:
+            header = json.loads(f.readline())
+    except (OSError, ValueError):
+        return f"the journal's newest segment {segments[-1][1].name} has no readable header"
+    if not isinstance(header, dict) or header.get("name") != name:
+        return f"the journal's newest segment was written by instance {header.get('name')!r}, not {name!r}"
+    return None
+
+
+def reconcile(wheel: TimerWheel, directory: str, name: str, clocks=read_clocks) -> Reconciled:
+    """Check a freshly attached arena against the journal in ``directory`` and repair it
+    (module docstring). Never raises for what it finds: a journal it cannot use is
+    reported in the result (``trusted`` False)."""
+    result = Reconciled()
+    reason = journal_covers(wheel, directory, name)
+    state = None
+    if reason is None:
+        try:
+            state = recover(directory, repair=False, quiet=True)
+        except (WheeldError, OSError, ValueError) as exc:
+            reason = f"the journal cannot be read: {exc}"
+    if state is not None:
+        arena_lsn = wheel.header_words()[AL.H_COUNTERS // 8 + AL.COUNTER["journal_lsn"]]
+        if state.damage:
+            reason = f"the journal has {len(state.damage)} damaged range(s)"
+        elif state.last_lsn < arena_lsn:
+            reason = f"the journal ends at lsn {state.last_lsn}, before the arena's {arena_lsn}"
+    if reason is not None:
+        result.reason = reason
+        return result
+    result.trusted = True
+    _compare(wheel, state, clocks, result, clock_offsets(directory))
+    return result
+
+
+def clock_offsets(directory: str) -> list[int]:
+    """``wall0 - mono0`` of every segment header of the journal: offsets the clocks had."""
+    offsets = []
+    for _lsn, path in list_segments(directory):
+        try:
+            with open(path, "rb") as f:
+                header = json.loads(f.readline())
+            offsets.append(int(header["wall0"]) - int(header["mono0"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged header: that segment's offset is not known
+    return offsets
+
+
+def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconciled, offsets: list[int]) -> None:
+    wall_ns, mono_ns = clocks()
+    now = mono_ns // 1_000_000
+    low = wheel.current_ms - MAX_DELAY_MS
+    offsets = sorted(set(offsets + [(wall_ns - mono_ns) // 1_000_000, -(-(wall_ns - mono_ns) // 1_000_000)]))
+
+    def monotonic(deadline_wall_ms: int) -> int:
+        return max(wall_to_monotonic_ns(deadline_wall_ms, wall_ns, mono_ns), low)
+
+    def journals(deadline_wall_ms: int, deadline: int) -> bool:
+        """Is ``deadline`` the arena form of the journal's ``deadline_wall_ms`` at an offset the clocks had?"""
+        at = bisect.bisect_left(offsets, deadline_wall_ms - deadline - TOLERANCE_MS)
+        return at < len(offsets) and offsets[at] <= deadline_wall_ms - deadline + TOLERANCE_MS
+
+    gid_of = {name: gid for gid, name in wheel.groups().items()}
+    # the journal's timers by (group name, ident)
+    pending = {(g, encode_ident(key)): timer for (g, key), timer in state.pending.items()}
+    unacked = {(t.group, encode_ident(t.key), t.seq & 0xFFFFFFFF): t for t in state.unacked}
+    slots, states, groups, deadlines, tags, idents = wheel.live_records()
+    names = wheel.groups()
+    records = [(int(s), int(st), names.get(int(g), ""), int(d), int(t), ident)
+               for s, st, g, d, t, ident in zip(slots.tolist(), states.tolist(), groups.tolist(), deadlines.tolist(),
+                                                tags.tolist(), idents.tolist())]
+    result.checked = len(records)
+    free, rewrite, restore = [], [], []
+    scheduled_keys = set()  # (group, ident) of the SCHEDULED records that stay
+    unmatched_scheduled, unmatched_fired = [], []
+
+    def note(text: str) -> None:
+        if len(result.examples) < 4 * _EXAMPLES:
+            result.examples.append(text)
+
+    # 1. exact matches: the same arming (tag) of the same key in the same state
+    for r in records:
+        slot, st, g, d, tag, ident = r
+        if st == AL.SCHEDULED:
+            timer = pending.get((g, ident))
+            if timer is not None and timer.seq & 0xFFFFFFFF == tag:
+                del pending[(g, ident)]
+                scheduled_keys.add((g, ident))
+                if not journals(timer.deadline_ms, d):
+                    dj = monotonic(timer.deadline_ms)
+                    rewrite.append((slot, AL.SCHEDULED, dj, tag))
+                    note(f"record {slot} ({g}): deadline {d}, the journal's is {dj}: took the journal's")
+            else:
+                unmatched_scheduled.append(r)
+        elif unacked.pop((g, ident, tag), None) is None:
+            unmatched_fired.append(r)
+    # 2. fired records the journal has as pending, that arming: not due yet means fired early
+    other_scheduled = {(u[2], u[5]) for u in unmatched_scheduled}
+    for r in unmatched_fired:
+        slot, _st, g, d, tag, ident = r
+        timer = pending.get((g, ident))
+        if timer is not None and timer.seq & 0xFFFFFFFF == tag and (g, ident) not in other_scheduled:
+            del pending[(g, ident)]
+            dj = monotonic(timer.deadline_ms)
+            if dj > now + TOLERANCE_MS:
+                rewrite.append((slot, AL.SCHEDULED, dj, tag))
+                scheduled_keys.add((g, ident))
+                note(f"record {slot} ({g}): fired, the journal has it pending until {dj}: back on the wheel")
+            continue  # due: a fire the journal had not recorded yet
+        free.append(slot)
+        note(f"record {slot} ({g}): fired, not in the journal: freed")
+    # 3. scheduled records of another arming, or of no timer the journal knows
+    for r in unmatched_scheduled:
+        slot, _st, g, d, tag, ident = r
+        timer = pending.pop((g, ident), None)
+        if timer is not None:
+            seq = timer.seq & 0xFFFFFFFF
+            rewrite.append((slot, AL.SCHEDULED, d if journals(timer.deadline_ms, d) else monotonic(timer.deadline_ms),
+                            seq))
+            scheduled_keys.add((g, ident))
+            note(f"record {slot} ({g}): arming {tag}, the journal's is {seq}: took the journal's")
+        elif unacked.pop((g, ident, tag), None) is not None:
+            scheduled_keys.add((g, ident))  # fired and not acknowledged: due, it fires again
+        else:
+            free.append(slot)
+            note(f"record {slot} ({g}): pending, not in the journal: freed")
+    # 4. what the journal has and the arena lost
+    for (g, ident), timer in pending.items():
+        if (g, ident) in scheduled_keys:
+            continue
+        gid = _group(wheel, gid_of, g)
+        if gid is None:
+            result.not_restored += 1
+            continue
+        restore.append((ident, gid, AL.SCHEDULED, monotonic(timer.deadline_ms), timer.seq & 0xFFFFFFFF))
+    for (g, ident, seq), timer in unacked.items():
+        gid = _group(wheel, gid_of, g)
+        if gid is None:
+            result.not_restored += 1
+            continue
+        restore.append((ident, gid, AL.FIRED, min(monotonic(timer.deadline_ms), now), seq))
+    for ident, _gid, st, d, _seq in restore[:_EXAMPLES]:
+        note(f"{'pending' if st == AL.SCHEDULED else 'fired'} timer {ident[1:].rstrip(bytes(1))!r} restored from the journal")
+    if not (free or rewrite or restore):
+        return
+    made = wheel.rewrite_records(free, rewrite, restore)
+    result.freed = len(free)
+    result.rewritten = len(rewrite)
+    missing = sum(1 for slot in made if slot < 0)
+    result.restored = len(made) - missing
+    result.not_restored += missing
+
+
+def _group(wheel: TimerWheel, gid_of: dict, name: str) -> int | None:
+    """The group id of ``name``, registered again if the arena lost it; None when no id is left."""
+    gid = gid_of.get(name)
+    if gid is None:
+        try:
+            gid = gid_of[name] = wheel.group_id(name)
+        except WheeldError:
+            return None
+    return gid
+
+
+def summary(result: Reconciled) -> str:
+    parts = [f"{result.checked} live records checked against the journal"]
+    for count, what in ((result.restored, "restored from it"), (result.rewritten, "took its deadline, tag or state"),
+                        (result.freed, "freed (not in it)"),
+                        (result.not_restored, "NOT restored (no free record or group id)")):
+        if count:
+            parts.append(f"{count} {what}")
+    return ", ".join(parts)
+
+
+__all__ = ["Reconciled", "TOLERANCE_MS", "journal_covers", "reconcile", "summary"]
