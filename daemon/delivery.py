@@ -50,7 +50,7 @@ from wheeld.protocol import arena_layout as AL
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ProtocolError
-from wheeld.protocol.keys import VALID_KEY_METAS, decode_key, key_length
+from wheeld.protocol.keys import TYPE_STR, VALID_KEY_METAS, decode_key, key_length, key_type
 from wheeld.shm.wheel import TimerWheel
 
 log = logging.getLogger("wheeld")
@@ -83,6 +83,27 @@ def lateness_us_array(now: int, deadlines: np.ndarray) -> np.ndarray:
     """:func:`lateness_us` of many deadlines (int64), without int64 overflow: the deadlines
     are clipped into ``now - LATENESS_CAP_MS .. now`` before anything is subtracted."""
     return (now - np.clip(deadlines, now - LATENESS_CAP_MS, now)) * 1000
+
+
+# Per key meta byte, what an Expirations item's key needs before its client takes it: 0
+# nothing (bytes and int keys of a valid meta), 1 a str key (UTF-8: ASCII is), 2 never (no
+# key has this meta). With a generation within 31 bits, an item built from an arena record
+# (its other fields fit their types by the record's layout) decodes at the client unless
+# _suspect says so: tests/test_arena_damage.py holds the two to that.
+_KEY_CHECK = tuple(0 if VALID_KEY_METAS[meta] and key_type(meta) != TYPE_STR else 1 if VALID_KEY_METAS[meta] else 2
+                   for meta in range(256))
+_GEN_MAX = (1 << 31) - 1
+
+
+def _suspect(items: list[tuple]) -> bool:
+    """May one of these Expirations items (``M.ExpiryFields`` order) be refused by the
+    client? False only when each surely decodes (see _KEY_CHECK)."""
+    check = _KEY_CHECK
+    for key, meta, _deadline, _fired, _seq, _slot, gen, _late in items:
+        c = check[meta]
+        if gen > _GEN_MAX or c == 2 or (c and not key.isascii()):
+            return True
+    return False
 
 
 class Lateness:
@@ -352,7 +373,9 @@ class Delivery:
                 items = self._items_from_columns(taken) if len(taken) >= COLUMNS_MIN else self._items_from_rows(taken)
                 if items:
                     frame = M.encode_expirations_frame(items)
-                    if M.expirations_frame_problem(frame) is not None:  # never a frame the client refuses
+                    # never a frame the client refuses: one with an item that may not decode
+                    # is checked with the client's own decoder
+                    if _suspect(items) and M.expirations_frame_problem(frame) is not None:
                         items = self._receivable(items)
                         frame = M.encode_expirations_frame(items)
                 if items:

@@ -19,6 +19,8 @@ import time
 
 import pytest
 from daemon_harness import wait_until
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import wheeld
 from hostile_harness import Honest, counters
@@ -275,3 +277,32 @@ def test_every_frame_the_daemon_builds_decodes_at_its_client_at_the_extremes_of_
            (b"k", 0x3F, 0, 0, 0, 0, 0, False), (b"k", 0x41, 0, 0, 1 << 32, 0, 0, False)]
     for item in bad:
         assert M.expirations_frame_problem(M.encode_expirations_frame(items[:3] + [item])) is not None
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(meta=st.integers(0, 255), raw=st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES),
+       deadline=st.integers(-(2**63), 2**63 - 1), fired=st.integers(-(2**63), 2**63 - 1),
+       tag=st.integers(0, 2**32 - 1), slot=st.integers(0, 2**31 - 1), gen=st.integers(0, 2**32 - 1),
+       late=st.booleans())
+def test_an_item_the_daemon_sends_without_the_decoder_check_always_decodes(meta, raw, deadline, fired, tag, slot,
+                                                                          gen, late):
+    """Delivery checks a frame with the client's decoder only when ``_suspect`` says one of
+    its items may be refused (the cheap test it runs on every frame). Over every value an
+    arena record's fields can hold, an item it lets through decodes at the client."""
+    from wheeld.daemon.delivery import _KEY_LEN_MASK, _suspect
+
+    item = (raw[: meta & _KEY_LEN_MASK], meta, deadline, fired, tag, slot, gen, late)
+    if not _suspect([item]):
+        assert M.expirations_frame_problem(M.encode_expirations_frame([item])) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(min_size=1, max_size=8))
+def test_str_keys_that_are_not_ascii_are_checked_and_sent(text):
+    """A valid non-ASCII str key makes a frame suspect; the decoder then takes it whole."""
+    from wheeld.daemon.delivery import _suspect
+
+    kb, meta = encode_key(text)
+    item = (kb, meta, 0, 0, 0, 0, 0, False)
+    assert _suspect([item]) == (not kb.isascii())
+    assert M.expirations_frame_problem(M.encode_expirations_frame([item])) is None
