@@ -25,7 +25,11 @@ journal is opened) each live record is compared with the journal's state
 What a crash between applying a batch and journaling it leaves (the arena ahead of
 the journal) is settled the same way and costs nothing: that batch's ring head was
 not published, so its commands are applied again when the client hands its ring
-back; a fire not yet journaled is either kept (due) or fires again.
+back; a fire not yet journaled is either kept (due) or fires again. The arena says
+whether a batch was open (``H_JOURNAL_OPEN``, set by the Recorder from its
+``begin`` to its ``commit``): only when none was are the differences certainly
+damage (ERROR lines, counted); after a crash inside a batch they are reported as
+settled (a WARNING), since that batch and damage cannot be told apart.
 
 Which deadlines are the journal's: the journal stores ``d = arena deadline +
 offset`` (wall-clock ms, the offset between the clocks when the event was
@@ -74,6 +78,7 @@ class Reconciled:
 
     trusted: bool = False
     reason: str = ""
+    batch_open: bool = False  # the previous daemon stopped between applying a batch and journaling it
     checked: int = 0
     restored: int = 0  # timers the arena had lost, made again from the journal
     rewritten: int = 0  # live records whose deadline, tag or state took the journal's
@@ -109,7 +114,16 @@ def reconcile(wheel: TimerWheel, directory: str, name: str, clocks=read_clocks) 
     """Check a freshly attached arena against the journal in ``directory`` and repair it
     (module docstring). Never raises for what it finds: a journal it cannot use is
     reported in the result (``trusted`` False)."""
-    result = Reconciled()
+    words = wheel.header_words()
+    result = Reconciled(batch_open=words[AL.H_JOURNAL_OPEN // 8] != 0)
+    try:
+        _reconcile(wheel, directory, name, clocks, result)
+    finally:
+        words[AL.H_JOURNAL_OPEN // 8] = 0  # the records and the journal agree from here on
+    return result
+
+
+def _reconcile(wheel: TimerWheel, directory: str, name: str, clocks, result: Reconciled) -> None:
     reason = journal_covers(wheel, directory, name)
     state = None
     if reason is None:
@@ -125,7 +139,7 @@ def reconcile(wheel: TimerWheel, directory: str, name: str, clocks=read_clocks) 
             reason = f"the journal ends at lsn {state.last_lsn}, before the arena's {arena_lsn}"
     if reason is not None:
         result.reason = reason
-        return result
+        return
     result.trusted = True
     _compare(wheel, state, clocks, result, clock_offsets(directory))
     return result

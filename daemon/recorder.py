@@ -43,6 +43,7 @@ from wheeld.protocol.journal_files import FiredTimer, Journal, PendingTimer, clo
 log = logging.getLogger("wheeld.journal")
 
 _UNSET = J.UNSET
+_JOURNAL_OPEN = AL.H_JOURNAL_OPEN // 8
 
 
 def mono_ms() -> int:
@@ -101,7 +102,12 @@ class Recorder:
 
     # ------------------------------------------------------------------ events
     def begin(self) -> None:
+        """A batch begins: the records are about to change ahead of the journal. The arena
+        says so (``H_JOURNAL_OPEN``) until :meth:`commit`: a daemon that attaches the arena
+        after a crash in between knows the two may differ by that batch
+        (:mod:`wheeld.daemon.reconcile`)."""
         self._offset = wall_offset_ms()
+        self.wheel.header_words()[_JOURNAL_OPEN] = 1
 
     def _group(self, gid: int) -> str:
         name = self._group_names.get(gid)
@@ -251,6 +257,7 @@ class Recorder:
             self.events = []
             if self._durable_log and self.journal.policy.mode == "always":
                 _note_durable(self.journal, self._durable_log)
+        self.wheel.header_words()[_JOURNAL_OPEN] = 0  # the records and the journal agree again
         return self.journal.last_lsn
 
     def tick(self, now_ms: int) -> None:

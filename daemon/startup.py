@@ -88,6 +88,14 @@ def _repair_attached(cfg: Config, wheel: TimerWheel) -> tuple[int, int]:
             log.error("arena damage: %d damaged record(s) freed; their timers are LOST (the journal cannot "
                       "restore them: %s)", freed, result.reason)
         return len(repairs), freed
+    if result.batch_open and result.damaged:
+        # the previous daemon stopped between applying a batch and journaling it: that batch
+        # and damage cannot be told apart (the batch's commands are applied again from the rings)
+        for example in result.examples:
+            log.warning("arena settled from the journal: %s", example)
+        log.warning("arena compared with the journal in %.0f ms, after a stop inside a batch: %s", took_ms,
+                    summary(result))
+        return len(repairs), result.not_restored
     for example in result.examples:
         log.error("arena damage: %s", example)
     level = logging.ERROR if result.damaged else logging.INFO

@@ -42,6 +42,8 @@ Header (little-endian, offsets in bytes)::
     128  -- cache line: doorbell eventcount (the daemon's "parked" flag) --
     128  parked           u64
     136  wake_seq         u64
+    144  journal_open     u64   1 while the daemon has applied a batch to the records that it
+                                has not appended to its journal yet (daemon/recorder.py)
     192  -- counters: COUNTERS u64 words, names in COUNTER_NAMES --
     192+8*COUNTERS  -- lateness histogram: LATENESS_BUCKETS u64 --
     GROUPS_OFFSET   -- group table: max_groups names, GROUP_NAME_BYTES each; an entry
@@ -104,6 +106,7 @@ H_INTENT_COUNT = 84
 
 H_PARKED = 128
 H_WAKE_SEQ = 136
+H_JOURNAL_OPEN = 144
 
 H_COUNTERS = 192
 

@@ -306,3 +306,31 @@ def test_str_keys_that_are_not_ascii_are_checked_and_sent(text):
     item = (kb, meta, 0, 0, 0, 0, 0, False)
     assert _suspect([item]) == (not kb.isascii())
     assert M.expirations_frame_problem(M.encode_expirations_frame([item])) is None
+
+
+def test_a_daemon_killed_under_load_again_and_again_finds_no_damage(damaged, tmp_path):
+    """The check against the journal must not take what a crash leaves for damage: killed
+    at random moments under load (in the middle of batches too), each restarted daemon
+    reports no damaged record, and the honest client loses nothing."""
+    d, honest = damaged(["--journal", str(tmp_path / "journal"), "--fsync", "interval=10"])
+    busy = Honest(tmp_path, d.socket_path, group="busy", rate=3000, delay_ms=(1, 2000), seed=4, tag="busy")
+    try:
+        rng = random.Random(8)
+        compared = 0
+        for _ in range(6):
+            busy.wait_served(200, timeout_s=60)
+            time.sleep(rng.random() * 0.5)
+            d.kill()
+            offset = d.log_path.stat().st_size
+            d.start()
+            log = restart_log(d, offset)
+            assert "arena damage" not in log, log[-3000:]
+            compared += "arena compared with the journal" in log
+        assert compared == 6
+        assert counters(d.name)["arena_damaged_records_total"] == 0
+        busy.wait_served(200, timeout_s=60)
+        busy.finish()
+    finally:
+        busy.kill()
+    honest.finish()
+    assert "Traceback" not in d.log()
