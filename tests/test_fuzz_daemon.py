@@ -39,6 +39,7 @@ from __future__ import annotations
 import os
 import random
 import select
+import struct
 import time
 
 import msgspec
@@ -54,7 +55,9 @@ from wheeld.protocol import ring_layout as RL
 from wheeld.protocol.errors import WheeldError
 from wheeld.protocol.keys import encode_key
 from wheeld.daemon.sessions import CLIENT_MAX_DELAY_MS
+from wheeld.protocol import arena_layout as AL
 from wheeld.shm import check as CK
+from wheeld.shm import reader as R
 from wheeld.shm.wheel import MAX_CLOCK_MS, MAX_DELAY_MS
 
 RING_CAPACITY = 1024
@@ -333,6 +336,9 @@ def fuzz(tmp_path, daemon_factory, seed: int, records: int, frames: int) -> dict
         assert "Traceback" not in d.log(), d.log()[-5000:]
         report = CK.check(d.name)
         assert report.ok, report.problems
+        with R.ArenaReader(d.name) as reader:  # the far-past deadlines' lateness, summed without overflow
+            lateness_sum = struct.unpack_from("<q", reader.buf, AL.H_LATENESS_SUM_US)[0]
+        assert 0 <= lateness_sum <= AL.COUNTER_MAX
         wait_until(lambda: counters(d.name)["clients_dropped_total"] >= fuzzer.stats["dirty"], 10,
                    what="every dirty ring dropped")
         summary = dict(fuzzer.stats, seconds=round(elapsed, 1), rss_start_mb=start_kb // 1024,
