@@ -293,13 +293,21 @@ class Recorder:
         started = time.perf_counter()
         wheel = self.wheel
         off = wall_offset_ms()
-        pending = [PendingTimer(self._group(gid), key, deadline + off, tag)
-                   for key, deadline, gid, tag in _scheduled(wheel)]
+        pending = []
+        for key, deadline, gid, tag in _scheduled(wheel):
+            try:
+                pending.append(PendingTimer(self._group(gid), key, deadline + off, tag))
+            except ValueError:  # a group id overwritten in the arena: left out, as a damaged key is
+                continue
         unacked = []
         now = mono_ms()
         for slot in wheel.fired_slots():
-            key, deadline, gid, tag, aux, gen = wheel.fired(slot)
-            unacked.append(FiredTimer(self._group(gid), key, deadline + off, tag, now + off, False, now - deadline))
+            try:
+                key, deadline, gid, tag, aux, gen = wheel.fired(slot)
+                group = self._group(gid)
+            except ValueError:  # a record overwritten in the arena: delivery frees it (Delivery.damaged)
+                continue
+            unacked.append(FiredTimer(group, key, deadline + off, tag, now + off, False, now - deadline))
         lsn = self.journal.last_lsn
         self.journal.write_snapshot(lsn, pending, unacked)
         self._snapshot_lsn = lsn
@@ -366,8 +374,14 @@ def _scheduled(wheel: TimerWheel):
     slots = slots[slots >= wheel.first_entry]
     keys = rec["key"][slots].tolist()
     metas = rec["key_meta"][slots].tolist()
-    return zip(map(decode_key, keys, metas), rec["deadline"][slots].tolist(), rec["group"][slots].tolist(),
-               rec["tag"][slots].tolist())
+    out = []
+    for key, meta, deadline, gid, tag in zip(keys, metas, rec["deadline"][slots].tolist(), rec["group"][slots].tolist(),
+                                             rec["tag"][slots].tolist()):
+        try:  # a record overwritten in the arena (a str key that is not UTF-8) is left out
+            out.append((decode_key(key, meta), deadline, gid, tag))
+        except ValueError:
+            continue
+    return out
 
 
 def _note_durable(journal: Journal, log_path: str) -> None:
