@@ -57,10 +57,13 @@ import json
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from wheeld.protocol import arena_layout as AL
 from wheeld.protocol.errors import WheeldError
 from wheeld.protocol.journal_files import list_segments, read_clocks, wall_to_monotonic_ns
 from wheeld.protocol.journal_recovery import RecoveredState, recover
+from wheeld.protocol.keys import KEY_BYTES, encode_key
 from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel, encode_ident
 
 log = logging.getLogger("wheeld")
@@ -162,97 +165,118 @@ def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconcile
     wall_ns, mono_ns = clocks()
     now = mono_ns // 1_000_000
     low = wheel.current_ms - MAX_DELAY_MS
-    offsets = sorted(set(offsets + [(wall_ns - mono_ns) // 1_000_000, -(-(wall_ns - mono_ns) // 1_000_000)]))
+    offset_now = -(-(wall_ns - mono_ns) // 1_000_000)
+    offsets = sorted(set(offsets + [offset_now - 1, offset_now]))
+    tolerance = TOLERANCE_MS
 
     def monotonic(deadline_wall_ms: int) -> int:
         return max(wall_to_monotonic_ns(deadline_wall_ms, wall_ns, mono_ns), low)
 
     def journals(deadline_wall_ms: int, deadline: int) -> bool:
         """Is ``deadline`` the arena form of the journal's ``deadline_wall_ms`` at an offset the clocks had?"""
-        at = bisect.bisect_left(offsets, deadline_wall_ms - deadline - TOLERANCE_MS)
-        return at < len(offsets) and offsets[at] <= deadline_wall_ms - deadline + TOLERANCE_MS
+        x = deadline_wall_ms - deadline
+        if -tolerance <= x - offset_now <= tolerance:
+            return True
+        at = bisect.bisect_left(offsets, x - tolerance)
+        return at < len(offsets) and offsets[at] <= x + tolerance
 
     gid_of = {name: gid for gid, name in wheel.groups().items()}
-    # the journal's timers by (group name, ident)
-    pending = {(g, encode_ident(key)): timer for (g, key), timer in state.pending.items()}
-    unacked = {(t.group, encode_ident(t.key), t.seq & 0xFFFFFFFF): t for t in state.unacked}
+    # the journal's timers by (group id, ident); those of a group the arena no longer names apart
+    unacked, lost_groups = {}, []
+    j_gids, j_idents, j_timers = [], [], []
+    for (g, key), timer in state.pending.items():
+        gid = gid_of.get(g)
+        if gid is None:
+            lost_groups.append((g, AL.SCHEDULED, _ident_of(key), timer))
+        else:
+            j_gids.append(gid)
+            j_idents.append(_ident_of(key))
+            j_timers.append(timer)
+    for timer in state.unacked:
+        gid = gid_of.get(timer.group)
+        if gid is None:
+            lost_groups.append((timer.group, AL.FIRED, _ident_of(timer.key), timer))
+        else:
+            unacked[(gid, _ident_of(timer.key), timer.seq & 0xFFFFFFFF)] = timer
     slots, states, groups, deadlines, tags, idents = wheel.live_records()
-    names = wheel.groups()
-    records = [(int(s), int(st), names.get(int(g), ""), int(d), int(t), ident)
-               for s, st, g, d, t, ident in zip(slots.tolist(), states.tolist(), groups.tolist(), deadlines.tolist(),
-                                                tags.tolist(), idents.tolist())]
-    result.checked = len(records)
+    result.checked = len(slots)
+    # The usual case, in numpy: a SCHEDULED record with the journal's arming of its key and
+    # its deadline at today's offset. Only the others are looked at one by one below.
+    agree, consumed = _agreeing(slots, states, groups, deadlines, tags, idents, j_gids, j_idents, j_timers,
+                                offset_now)
+    pending = {(g, ident): timer for g, ident, timer, used in zip(j_gids, j_idents, j_timers, consumed) if not used}
+    keep = ~agree
+    slots, states, groups, deadlines, tags, idents = (a[keep] for a in (slots, states, groups, deadlines, tags, idents))
     free, rewrite, restore = [], [], []
     scheduled_keys = set()  # (group, ident) of the SCHEDULED records that stay
     unmatched_scheduled, unmatched_fired = [], []
+    names = wheel.groups()
 
     def note(text: str) -> None:
         if len(result.examples) < 4 * _EXAMPLES:
             result.examples.append(text)
 
     # 1. exact matches: the same arming (tag) of the same key in the same state
-    for r in records:
-        slot, st, g, d, tag, ident = r
-        if st == AL.SCHEDULED:
-            timer = pending.get((g, ident))
+    scheduled, pop_pending, pop_unacked = AL.SCHEDULED, pending.pop, unacked.pop
+    for slot, st, g, d, tag, ident in zip(slots.tolist(), states.tolist(), groups.tolist(), deadlines.tolist(),
+                                          tags.tolist(), idents.tolist()):
+        if st == scheduled:
+            timer = pop_pending((g, ident), None)
             if timer is not None and timer.seq & 0xFFFFFFFF == tag:
-                del pending[(g, ident)]
-                scheduled_keys.add((g, ident))
                 if not journals(timer.deadline_ms, d):
                     dj = monotonic(timer.deadline_ms)
-                    rewrite.append((slot, AL.SCHEDULED, dj, tag))
-                    note(f"record {slot} ({g}): deadline {d}, the journal's is {dj}: took the journal's")
-            else:
-                unmatched_scheduled.append(r)
-        elif unacked.pop((g, ident, tag), None) is None:
-            unmatched_fired.append(r)
+                    rewrite.append((slot, scheduled, dj, tag))
+                    note(f"record {slot} ({names.get(g)}): deadline {d}, the journal's is {dj}: took the journal's")
+                scheduled_keys.add((g, ident))
+                continue
+            if timer is not None:
+                pending[(g, ident)] = timer  # another arming: step 3
+            unmatched_scheduled.append((slot, st, g, d, tag, ident))
+        elif pop_unacked((g, ident, tag), None) is None:
+            unmatched_fired.append((slot, st, g, d, tag, ident))
     # 2. fired records the journal has as pending, that arming: not due yet means fired early
     other_scheduled = {(u[2], u[5]) for u in unmatched_scheduled}
-    for r in unmatched_fired:
-        slot, _st, g, d, tag, ident = r
+    for slot, _st, g, d, tag, ident in unmatched_fired:
         timer = pending.get((g, ident))
         if timer is not None and timer.seq & 0xFFFFFFFF == tag and (g, ident) not in other_scheduled:
             del pending[(g, ident)]
             dj = monotonic(timer.deadline_ms)
             if dj > now + TOLERANCE_MS:
-                rewrite.append((slot, AL.SCHEDULED, dj, tag))
+                rewrite.append((slot, scheduled, dj, tag))
                 scheduled_keys.add((g, ident))
-                note(f"record {slot} ({g}): fired, the journal has it pending until {dj}: back on the wheel")
+                note(f"record {slot} ({names.get(g)}): fired, the journal has it pending until {dj}: back on the wheel")
             continue  # due: a fire the journal had not recorded yet
         free.append(slot)
-        note(f"record {slot} ({g}): fired, not in the journal: freed")
+        note(f"record {slot} ({names.get(g)}): fired, not in the journal: freed")
     # 3. scheduled records of another arming, or of no timer the journal knows
-    for r in unmatched_scheduled:
-        slot, _st, g, d, tag, ident = r
+    for slot, _st, g, d, tag, ident in unmatched_scheduled:
         timer = pending.pop((g, ident), None)
         if timer is not None:
             seq = timer.seq & 0xFFFFFFFF
-            rewrite.append((slot, AL.SCHEDULED, d if journals(timer.deadline_ms, d) else monotonic(timer.deadline_ms),
+            rewrite.append((slot, scheduled, d if journals(timer.deadline_ms, d) else monotonic(timer.deadline_ms),
                             seq))
             scheduled_keys.add((g, ident))
-            note(f"record {slot} ({g}): arming {tag}, the journal's is {seq}: took the journal's")
+            note(f"record {slot} ({names.get(g)}): arming {tag}, the journal's is {seq}: took the journal's")
         elif unacked.pop((g, ident, tag), None) is not None:
             scheduled_keys.add((g, ident))  # fired and not acknowledged: due, it fires again
         else:
             free.append(slot)
-            note(f"record {slot} ({g}): pending, not in the journal: freed")
+            note(f"record {slot} ({names.get(g)}): pending, not in the journal: freed")
     # 4. what the journal has and the arena lost
     for (g, ident), timer in pending.items():
-        if (g, ident) in scheduled_keys:
-            continue
-        gid = _group(wheel, gid_of, g)
-        if gid is None:
-            result.not_restored += 1
-            continue
-        restore.append((ident, gid, AL.SCHEDULED, monotonic(timer.deadline_ms), timer.seq & 0xFFFFFFFF))
+        if (g, ident) not in scheduled_keys:
+            restore.append((ident, g, scheduled, monotonic(timer.deadline_ms), timer.seq & 0xFFFFFFFF))
     for (g, ident, seq), timer in unacked.items():
-        gid = _group(wheel, gid_of, g)
+        restore.append((ident, g, AL.FIRED, min(monotonic(timer.deadline_ms), now), seq))
+    for name, st, ident, timer in lost_groups:  # its group's name was overwritten too: registered again
+        gid = _group(wheel, gid_of, name)
         if gid is None:
             result.not_restored += 1
             continue
-        restore.append((ident, gid, AL.FIRED, min(monotonic(timer.deadline_ms), now), seq))
+        deadline = monotonic(timer.deadline_ms)
+        restore.append((ident, gid, st, deadline if st == scheduled else min(deadline, now), timer.seq & 0xFFFFFFFF))
     for ident, _gid, st, d, _seq in restore[:_EXAMPLES]:
-        note(f"{'pending' if st == AL.SCHEDULED else 'fired'} timer {ident[1:].rstrip(bytes(1))!r} restored from the journal")
+        note(f"{'pending' if st == scheduled else 'fired'} timer {ident[1:].rstrip(bytes(1))!r} restored from the journal")
     if not (free or rewrite or restore):
         return
     made = wheel.rewrite_records(free, rewrite, restore)
@@ -261,6 +285,54 @@ def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconcile
     missing = sum(1 for slot in made if slot < 0)
     result.restored = len(made) - missing
     result.not_restored += missing
+
+
+def _agreeing(slots, states, groups, deadlines, tags, idents, j_gids, j_idents, j_timers, offset_now):
+    """Which live records (a bool array) are SCHEDULED with the journal's arming (``j_*``:
+    its pending timers) and its deadline at ``offset_now`` (within ``TOLERANCE_MS``), and
+    which journal timers (a list of bools) they account for."""
+    n = len(j_timers)
+    agree = np.zeros(slots.size, dtype=bool)
+    if not n or not slots.size:
+        return agree, [False] * n
+    try:
+        seqs = np.fromiter((t.seq & 0xFFFFFFFF for t in j_timers), dtype=np.int64, count=n)
+        walls = np.fromiter((t.deadline_ms for t in j_timers), dtype=np.int64, count=n)
+    except OverflowError:  # a journaled deadline beyond 64 bits: every record the slow way
+        return agree, [False] * n
+    prefix = [gid.to_bytes(2, "big") for gid in range(max(max(j_gids), int(groups.max())) + 1)]
+    index = {prefix[g] + ident: j for j, (g, ident) in enumerate(zip(j_gids, j_idents))}
+    mine = np.empty(slots.size, dtype=_KEY_DTYPE)
+    mine["g"] = groups
+    mine["i"] = idents
+    get = index.get
+    j = np.fromiter((get(k, -1) for k in mine.view("V35").tolist()), dtype=np.int64, count=slots.size)
+    found = j >= 0
+    j = np.where(found, j, 0)
+    lateness = walls[j] - np.clip(deadlines, -(1 << 62), 1 << 62) - offset_now  # no int64 overflow
+    agree = found & (states == AL.SCHEDULED) & (tags == seqs[j]) & (np.abs(lateness) <= TOLERANCE_MS)
+    consumed = np.zeros(n, dtype=bool)
+    consumed[j[agree]] = True
+    return agree, consumed.tolist()
+
+
+_KEY_DTYPE = np.dtype([("g", ">u2"), ("i", "V33")])  # a (group id, ident) pair, compared as 35 bytes
+_PAD = [bytes(KEY_BYTES - n) for n in range(KEY_BYTES + 1)]
+_STR_METAS = [bytes((encode_key("x" * n)[1],)) if n else b"" for n in range(KEY_BYTES + 1)]
+_INT_META = bytes((encode_key(0)[1],))
+
+
+def _ident_of(key) -> bytes:
+    """:func:`~wheeld.shm.wheel.encode_ident` of a journal's key, with str and int keys (the
+    usual ones) encoded here without a call per key."""
+    if type(key) is str:
+        kb = key.encode()
+        n = len(kb)
+        if 0 < n <= KEY_BYTES:
+            return _STR_METAS[n] + kb + _PAD[n]
+    elif type(key) is int and -(1 << 63) <= key < (1 << 63):
+        return _INT_META + key.to_bytes(8, "little", signed=True) + _PAD[8]
+    return encode_ident(key)
 
 
 def _group(wheel: TimerWheel, gid_of: dict, name: str) -> int | None:

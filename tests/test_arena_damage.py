@@ -334,3 +334,17 @@ def test_a_daemon_killed_under_load_again_and_again_finds_no_damage(damaged, tmp
         busy.kill()
     honest.finish()
     assert "Traceback" not in d.log()
+
+
+@settings(max_examples=500, deadline=None)
+@given(key=st.one_of(st.text(min_size=1, max_size=8), st.binary(min_size=1, max_size=KEY_BYTES),
+                     st.integers(-(2**63), 2**63 - 1)))
+def test_the_reconciler_names_a_journal_key_as_the_wheel_does(key):
+    from wheeld.daemon.reconcile import _ident_of
+    from wheeld.shm.wheel import encode_ident
+
+    try:
+        expected = encode_ident(key)
+    except wheeld.InvalidKey:
+        return
+    assert _ident_of(key) == expected
