@@ -372,6 +372,7 @@ class ClientCore:
                     self._touch_by_key.clear()
                     self._free_touch.clear()
                     self._next_touch = 0
+                    self._rearms_pending.clear()  # their touch indices were the old ring's
                 self._segment = segment
                 # touch() stores straight into the touch table: one 8-byte store (see shm.ring)
                 self._touch_table = segment._last_touch
