@@ -91,7 +91,7 @@ class Reconciled:
 
     @property
     def damaged(self) -> int:
-        """Records found in disagreement with the journal (each repaired, or kept late)."""
+        """Records found in disagreement with the journal (each repaired, or lost if not restored)."""
         return self.restored + self.not_restored + self.rewritten + self.freed
 
 
@@ -108,8 +108,9 @@ def journal_covers(wheel: TimerWheel, directory: str, name: str) -> str | None:
             header = json.loads(f.readline())
     except (OSError, ValueError):
         return f"the journal's newest segment {segments[-1][1].name} has no readable header"
-    if not isinstance(header, dict) or header.get("name") != name:
-        return f"the journal's newest segment was written by instance {header.get('name')!r}, not {name!r}"
+    written_by = header.get("name") if isinstance(header, dict) else None
+    if written_by != name:
+        return f"the journal's newest segment was written by instance {written_by!r}, not {name!r}"
     return None
 
 
@@ -145,7 +146,6 @@ def _reconcile(wheel: TimerWheel, directory: str, name: str, clocks, result: Rec
         return
     result.trusted = True
     _compare(wheel, state, clocks, result, clock_offsets(directory))
-    return result
 
 
 def clock_offsets(directory: str) -> list[int]:
@@ -164,13 +164,13 @@ def clock_offsets(directory: str) -> list[int]:
 def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconciled, offsets: list[int]) -> None:
     wall_ns, mono_ns = clocks()
     now = mono_ns // 1_000_000
-    low = wheel.current_ms - MAX_DELAY_MS
+    low, high = wheel.current_ms - MAX_DELAY_MS, wheel.current_ms + MAX_DELAY_MS
     offset_now = -(-(wall_ns - mono_ns) // 1_000_000)
     offsets = sorted(set(offsets + [offset_now - 1, offset_now]))
     tolerance = TOLERANCE_MS
 
     def monotonic(deadline_wall_ms: int) -> int:
-        return max(wall_to_monotonic_ns(deadline_wall_ms, wall_ns, mono_ns), low)
+        return min(max(wall_to_monotonic_ns(deadline_wall_ms, wall_ns, mono_ns), low), high)  # the wheel's range
 
     def journals(deadline_wall_ms: int, deadline: int) -> bool:
         """Is ``deadline`` the arena form of the journal's ``deadline_wall_ms`` at an offset the clocks had?"""
