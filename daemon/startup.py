@@ -80,7 +80,13 @@ def _repair_attached(cfg: Config, wheel: TimerWheel) -> tuple[int, int]:
     from .reconcile import reconcile, summary
 
     started = time.monotonic()
-    result = reconcile(wheel, cfg.journal_dir, cfg.name)
+    try:
+        result = reconcile(wheel, cfg.journal_dir, cfg.name)
+    except Exception:  # a fault of the check itself must not keep the daemon from serving
+        log.exception("arena not compared with the journal: the check failed")
+        if freed:
+            log.error("arena damage: %d damaged record(s) freed; their timers are LOST", freed)
+        return len(repairs), freed
     took_ms = (time.monotonic() - started) * 1000
     if not result.trusted:
         log.info("arena not compared with the journal: %s", result.reason)
