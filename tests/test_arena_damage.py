@@ -348,3 +348,28 @@ def test_the_reconciler_names_a_journal_key_as_the_wheel_does(key):
     except wheeld.InvalidKey:
         return
     assert _ident_of(key) == expected
+
+
+def test_rewrite_records_frees_rewrites_and_restores_and_leaves_a_sound_wheel():
+    from wheeld.shm.wheel import TimerWheel, encode_ident
+
+    wheel = TimerWheel.create(64, start_ms=1000)
+    try:
+        gid = wheel.group_id("g")
+        a = wheel.schedule("a", 5000, gid, tag=1)[0]
+        b = wheel.schedule("b", 6000, gid, tag=2)[0]
+        c = wheel.schedule("c", 1500, gid, tag=3)[0]
+        wheel.expire(2000)  # c fires
+        made = wheel.rewrite_records(free=[b], rewrite=[(a, AL.SCHEDULED, 9000, 7), (c, AL.SCHEDULED, 2500, 3)],
+                                     restore=[(encode_ident("d"), gid, AL.SCHEDULED, 4000, 4),
+                                              (encode_ident("a"), gid, AL.FIRED, 1900, 1)])
+        assert wheel.check() == []
+        assert wheel.lookup("a", gid) == 9000 and wheel.lookup("b", gid) is None
+        assert wheel.lookup("c", gid) == 2500 and wheel.lookup("d", gid) == 4000
+        assert wheel.fired(made[1])[:4] == ("a", 1900, gid, 1)
+        assert sorted(k for k, _d, _g in wheel.pending()) == ["a", "c", "d"]
+        with pytest.raises(wheeld.InvalidRequest):
+            wheel.rewrite_records(free=[wheel.first_entry + 60])  # a free record
+        assert wheel.mask_generation(made[1], wheel.fired(made[1])[5]) is None  # within 31 bits already
+    finally:
+        wheel.close()
