@@ -120,8 +120,10 @@ class Lateness:
         array for many. Bucket i counts lateness <= bounds[i], like Prometheus ``le``
         (``bisect_left``, and ``searchsorted(side="left")`` for the array)."""
         counts = self.counts
-        if isinstance(late_us, np.ndarray):  # each item at most a day (lateness_us_array): the sum fits int64
-            self.sum_us += int(late_us.sum())
+        if isinstance(late_us, np.ndarray):
+            # summed as whole ms and the rest: a day (the cap) in us times a backlog of ~10**5
+            # expirations would pass 2**63 in one int64 sum; in ms it takes ~10**11
+            self.sum_us += int((late_us // 1000).sum()) * 1000 + int((late_us % 1000).sum())
             self.beyond_tick += int(np.count_nonzero(late_us > self._tick_us))
             buckets = np.bincount(np.searchsorted(_LATENESS_BOUNDS_US, late_us, side="left"),
                                   minlength=AL.LATENESS_BUCKETS)

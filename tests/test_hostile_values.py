@@ -183,3 +183,19 @@ def test_a_restart_clamps_counter_words_left_at_their_limits_and_keeps_serving(h
     assert sum_us == AL.COUNTER_MAX
     assert d.proc.poll() is None, d.log()[-3000:]
     served_and_sound(d, honest)
+
+
+def test_the_lateness_of_a_large_backlog_of_far_past_deadlines_is_summed_exactly():
+    """One expire can hand Lateness a backlog of hundreds of thousands of far-past timers
+    as one array: each counts LATENESS_CAP_MS; their sum is exact (no int64 wrap)."""
+    import numpy as np
+
+    from wheeld.daemon.delivery import Lateness, lateness_us_array
+
+    now = 10**9
+    deadlines = np.full(500_000, now - MAX_DELAY_MS, dtype=np.int64)
+    deadlines[:3] = (-(2**63), 2**63 - 1, now)
+    lateness = Lateness(1)
+    lateness.add(lateness_us_array(now, deadlines))
+    assert lateness.sum_us == (500_000 - 2) * LATENESS_CAP_MS * 1000
+    assert sum(lateness.counts) == 500_000
