@@ -20,7 +20,11 @@ journal is opened) each live record is compared with the journal's state
   the wheel at the journal's deadline (a state byte turned FIRED would otherwise
   deliver it early);
 * a live record the journal does not know is freed (the key or group of another
-  timer written over it, or a freed record's state byte turned live).
+  timer written over it, or a freed record's state byte turned live). A FIRED one
+  may also be a repeat: the journal keeps one unacknowledged fire per key and arming,
+  and an arming applied twice (a ring applied again from the head the last daemon
+  published, after its timer fired) fires twice; freeing the repeat is right either
+  way, and it is not counted as damage.
 
 What a crash between applying a batch and journaling it leaves (the arena ahead of
 the journal) is settled the same way and costs nothing: that batch's ring head was
@@ -87,7 +91,9 @@ class Reconciled:
     rewritten: int = 0  # live records whose deadline, tag or state took the journal's
     freed: int = 0  # live records the journal does not know
     not_restored: int = 0  # the arena had no free record for them
+    fired_freed: int = 0  # fired records the journal does not know: a repeat, or damage (see _compare)
     examples: list[str] = field(default_factory=list)
+    unsure: list[str] = field(default_factory=list)  # examples of those
 
     @property
     def damaged(self) -> int:
@@ -246,8 +252,16 @@ def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconcile
                 scheduled_keys.add((g, ident))
                 note(f"record {slot} ({names.get(g)}): fired, the journal has it pending until {dj}: back on the wheel")
             continue  # due: a fire the journal had not recorded yet
+        # The journal keeps one unacknowledged fire per (key, arming): an arming applied twice
+        # (a ring re-applied from the head the last daemon published, after the timer it
+        # armed had fired) fires twice, and the first ack leaves the journal without the
+        # other. A fired record the journal does not know is that, or damage: freed either
+        # way (a repeat of an arming delivered already), and not counted as damage.
         free.append(slot)
-        note(f"record {slot} ({names.get(g)}): fired, not in the journal: freed")
+        result.fired_freed += 1
+        if len(result.unsure) < _EXAMPLES:
+            result.unsure.append(f"record {slot} ({names.get(g)}, key {ident[1:].rstrip(bytes(1))!r}, arming {tag}): "
+                                 f"fired, not in the journal (an arming applied twice, or damage): freed")
     # 3. scheduled records of another arming, or of no timer the journal knows
     for slot, _st, g, d, tag, ident in unmatched_scheduled:
         timer = pending.pop((g, ident), None)
@@ -261,7 +275,8 @@ def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconcile
             scheduled_keys.add((g, ident))  # fired and not acknowledged: due, it fires again
         else:
             free.append(slot)
-            note(f"record {slot} ({names.get(g)}): pending, not in the journal: freed")
+            note(f"record {slot} ({names.get(g)}, key {ident[1:].rstrip(bytes(1))!r}, arming {tag}): pending, not in "
+                     f"the journal: freed")
     # 4. what the journal has and the arena lost
     for (g, ident), timer in pending.items():
         if (g, ident) not in scheduled_keys:
@@ -280,7 +295,7 @@ def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconcile
     if not (free or rewrite or restore):
         return
     made = wheel.rewrite_records(free, rewrite, restore)
-    result.freed = len(free)
+    result.freed = len(free) - result.fired_freed
     result.rewritten = len(rewrite)
     missing = sum(1 for slot in made if slot < 0)
     result.restored = len(made) - missing
@@ -350,6 +365,7 @@ def summary(result: Reconciled) -> str:
     parts = [f"{result.checked} live records checked against the journal"]
     for count, what in ((result.restored, "restored from it"), (result.rewritten, "took its deadline, tag or state"),
                         (result.freed, "freed (not in it)"),
+                        (result.fired_freed, "fired and not in it, freed (a repeat, or damage)"),
                         (result.not_restored, "NOT restored (no free record or group id)")):
         if count:
             parts.append(f"{count} {what}")

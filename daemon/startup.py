@@ -97,14 +97,16 @@ def _repair_attached(cfg: Config, wheel: TimerWheel) -> tuple[int, int]:
     if result.batch_open and result.damaged:
         # the previous daemon stopped between applying a batch and journaling it: that batch
         # and damage cannot be told apart (the batch's commands are applied again from the rings)
-        for example in result.examples:
+        for example in result.examples + result.unsure:
             log.warning("arena settled from the journal: %s", example)
         log.warning("arena compared with the journal in %.0f ms, after a stop inside a batch: %s", took_ms,
                     summary(result))
         return len(repairs), result.not_restored
     for example in result.examples:
         log.error("arena damage: %s", example)
-    level = logging.ERROR if result.damaged else logging.INFO
+    for example in result.unsure:
+        log.warning("arena settled from the journal: %s", example)
+    level = logging.ERROR if result.damaged else logging.WARNING if result.fired_freed else logging.INFO
     log.log(level, "arena compared with the journal in %.0f ms: %s", took_ms, summary(result))
     return len(repairs) + result.rewritten + result.freed, result.not_restored
 
