@@ -176,7 +176,9 @@ class AsyncClient(ClientCore):
         """Return once the daemon has applied every command sent before this call.
 
         Raises ArenaFull / QuotaExceeded / InvalidRequest for commands it refused since
-        the last flush, and Timeout (a TimeoutError) after ``timeout_s`` at the latest."""
+        the last flush, JournalUnavailable when the daemon applied them but could not
+        write its journal (a later flush that succeeds covers them), and Timeout (a
+        TimeoutError) after ``timeout_s`` at the latest."""
         self._check_open()
         end = time.monotonic() + timeout_s
         seq = self._push_flush()

@@ -62,6 +62,7 @@ from wheeld.protocol.errors import (
     InvalidDelay,
     InvalidKey,
     InvalidRequest,
+    JournalUnavailable,
     NotAllowed,
     ProtocolError,
     QuotaExceeded,
@@ -750,6 +751,9 @@ class ClientCore:
         elif kind is M.Applied:
             self._applied = message.seq
             position = self._flush_positions.get(message.seq)
+            rejected = self._rejected
+            if rejected and rejected[-1].seq == message.seq and rejected[-1].code == M.Rejected.JOURNAL_UNAVAILABLE:
+                position = None  # applied but not on disk (the daemon's journal stalled): keep the replay position
             if position is not None:  # everything before it is acknowledged: no replay from before
                 self._replay_from = position
                 while self._flush_positions:
@@ -874,6 +878,11 @@ class ClientCore:
         rejected = self.rejected()
         if not rejected:
             return
+        # a flush the journal could not make durable: raised last, since a later flush that
+        # succeeds covers those commands too, while a refused command is never applied
+        unsynced = [r for r in rejected if r.code == M.Rejected.JOURNAL_UNAVAILABLE]
+        if unsynced:
+            rejected = [r for r in rejected if r.code != M.Rejected.JOURNAL_UNAVAILABLE]
         full = [r for r in rejected if r.code == M.Rejected.ARENA_FULL]
         quota = [r for r in rejected if r.code == M.Rejected.QUOTA_EXCEEDED]
         summary = ", ".join(f"{r.key!r}: {r.reason}" for r in rejected[:5])
@@ -881,7 +890,9 @@ class ClientCore:
             raise ArenaFull(f"{len(full)} add(s) refused because the arena is full ({summary})")
         if quota:
             raise QuotaExceeded(f"{len(quota)} add(s) refused: group {self.group!r} holds its quota ({summary})")
-        raise InvalidRequest(f"{len(rejected)} command(s) refused ({summary})")
+        if rejected:
+            raise InvalidRequest(f"{len(rejected)} command(s) refused ({summary})")
+        raise JournalUnavailable(unsynced[-1].reason)
 
     def _ring_doorbell(self, urgent: bool = True) -> None:  # pragma: no cover - provided by the I/O shells
         """Wake a parked daemon; ``urgent=False`` (commands nobody waits for yet) lets it

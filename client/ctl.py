@@ -62,7 +62,8 @@ from wheeld.protocol.errors import (
     WheeldError,
 )
 from wheeld.protocol.keys import encode_key
-from wheeld.protocol.naming import SHM_DIR, arena_name, default_name, default_socket_path
+from wheeld.protocol.instance_lock import reader_segments
+from wheeld.protocol.naming import SHM_DIR, default_name, default_socket_path
 from wheeld.shm import check as CK
 from wheeld.shm import reader as R
 from wheeld.shm import snapshot as SN
@@ -114,7 +115,7 @@ class Ctl:
         except R.NoArena as exc:
             raise CtlError(str(exc), EXIT_NO_DAEMON) from None
         except CorruptArena as exc:
-            raise CtlError(f"{arena_name(self.name)}: {exc}", EXIT_FAILED) from None
+            raise CtlError(f"{reader_segments(self.name)[0]}: {exc}", EXIT_FAILED) from None
 
     def optional_reader(self) -> R.ArenaReader | None:
         try:
@@ -143,7 +144,7 @@ class Ctl:
             raise CtlError(f"nothing listens on {path} (a socket left by a daemon that is gone)",
                            EXIT_NO_DAEMON) from None
         except PermissionError:
-            raise CtlError(f"may not connect to {path}: permission denied (join the daemon's client group)",
+            raise CtlError(f"may not connect to {path}: permission denied ({_join_hint(mode, path)})",
                            EXIT_NO_DAEMON) from None
         except (TimeoutError, socket.timeout, BlockingIOError):
             raise CtlError(f"wheeld at {path} does not accept connections (backlog full)",
@@ -168,6 +169,19 @@ class Ctl:
             raise CtlError(str(exc), EXIT_USAGE) from None
         except WheeldError as exc:
             raise CtlError(str(exc), EXIT_FAILED) from None
+
+
+def _join_hint(mode: int, path: str) -> str:
+    """Which group lets this user connect to the socket at ``path``, when its mode lets a group in."""
+    import grp
+
+    if not mode & 0o020:
+        return "the socket lets no group in: ask for a wider --socket-mode"
+    gid = os.stat(path).st_gid
+    try:
+        return f"join the group {grp.getgrgid(gid).gr_name!r} that owns it, then log in again"
+    except KeyError:
+        return f"join the group {gid} that owns it, then log in again"
 
 
 @contextlib.contextmanager
@@ -324,6 +338,18 @@ def _daemon_lines(snap: SN.Snapshot) -> list[str]:
         lines.append(f"journal  DAMAGED: the recovery that built this arena skipped {_fmt_int(ranges)} damaged "
                      f"range{'s' if ranges != 1 else ''} ({_fmt_int(damaged)} line{'s' if damaged != 1 else ''}) of "
                      f"the journal; their events are lost (the daemon's log lists them; wheelctl check --journal DIR)")
+    stalled = c["journal_stalled"]
+    if stalled:
+        import errno
+        import os
+
+        lines.append(f"journal  NOT WRITABLE: {os.strerror(stalled)} ({errno.errorcode.get(stalled, stalled)}); "
+                     f"timers fire, every flush() fails with JournalUnavailable until it can be written again "
+                     f"({_fmt_int(c['journal_unwritten_events_total'])} events not written, "
+                     f"{_fmt_int(c['journal_flushes_refused_total'])} flushes refused so far)")
+    elif c["journal_stalls_total"]:
+        lines.append(f"journal  writable; it was not {_fmt_int(c['journal_stalls_total'])} time(s) "
+                     f"({_fmt_int(c['journal_flushes_refused_total'])} flushes refused)")
     return lines
 
 
@@ -686,7 +712,7 @@ def check(ctl: Ctl, as_json: bool, attempts: int, journal_dir: str | None) -> No
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        segment = arena_name(ctl.name)
+        segment = reader_segments(ctl.name)[0]
         if report.ok:
             copies = f"{report.copies} cop{'y' if report.copies == 1 else 'ies'}"
             click.echo(f"ok: {segment}: every invariant holds ({copies}"
@@ -716,7 +742,8 @@ def check(ctl: Ctl, as_json: bool, attempts: int, journal_dir: str | None) -> No
               help="The instance whose segments go (default: wheelctl's --name / $WHEELD_NAME).")
 @click.pass_obj
 def destroy(ctl: Ctl, instance: str | None) -> None:
-    """Remove a stopped daemon's shared memory: arena, client table, lock, set-aside copies.
+    """Remove a stopped daemon's shared memory: lock, arena, client table, secret (plain and
+    uid-qualified names), set-aside copies.
 
     Refused (exit 1, nothing removed) while a daemon holds the instance's lock.
     Every pending timer in the arena goes with it; a journal (--journal DIR) is
@@ -726,13 +753,12 @@ def destroy(ctl: Ctl, instance: str | None) -> None:
 
     name = instance or ctl.name
     try:
-        pid = holder(name)
+        running = holder(name)
     except PermissionError:
         raise CtlError(f"may not read the lock of wheeld instance {name!r}: run as the daemon's user or root",
                        EXIT_NO_DAEMON) from None
-    if pid is not None:
-        who = f"pid {pid}" if pid else "another process"
-        raise CtlError(f"wheeld instance {name!r} is running ({who} holds its lock); stop it first", EXIT_FAILED)
+    if running is not None:
+        raise CtlError(f"{running.describe(name)} (it holds its lock); stop it first", EXIT_FAILED)
     try:
         removed = remove_instance_segments(name)
     except PermissionError as exc:

@@ -188,8 +188,10 @@ class Client(ClientCore):
         """Return once the daemon has applied every command sent before this call.
 
         Raises ArenaFull / QuotaExceeded / InvalidRequest for commands it refused since
-        the last flush, and Timeout (a TimeoutError) if the daemon did not answer within
-        ``timeout_s``: a flush never waits longer, also not for a daemon restarting.
+        the last flush, JournalUnavailable when the daemon applied them but could not
+        write its journal (``--journal``: disk full, I/O error; a later flush that
+        succeeds covers them), and Timeout (a TimeoutError) if the daemon did not answer
+        within ``timeout_s``: a flush never waits longer, also not for a daemon restarting.
         """
         self._check_open()
         end = time.monotonic() + timeout_s

@@ -163,6 +163,10 @@ _COUNTER_TABLE = (
     ("journal_damaged_lines_total", DAEMON),  # the lines in them
     ("groups_reclaimed_total", DAEMON),  # group ids freed (no member, nothing pending) for new names
     ("daemon_hot_path", DAEMON),  # which hot path the daemon runs: protocol/accel.py PATH_CODES (0: not published)
+    ("journal_stalled", DAEMON),  # the errno that stops the journal being written (ENOSPC 28...); 0: writable
+    ("journal_stalls_total", DAEMON),  # times the journal stopped being writable (daemon/recorder.py)
+    ("journal_unwritten_events_total", DAEMON),  # events it could not write (the snapshot of a resume covers them)
+    ("journal_flushes_refused_total", DAEMON),  # FLUSHes answered with JournalUnavailable
     ("arena_damaged_records_total", DAEMON),  # records found damaged (at attach, or when delivered): daemon/startup.py
     ("arena_timers_lost_total", DAEMON),  # timers of damaged records nothing could restore (no journal to restore from)
 )
