@@ -86,6 +86,7 @@ cdef class ClientCore:
     cdef public object _done_order
     cdef public object _to_ack
     cdef public object _acks_pending
+    cdef public list _rearms_pending
     cdef public object _applied
     cdef public Py_ssize_t _cancels_since_mark
     cdef public object _marks

@@ -306,6 +306,9 @@ class ClientCore:
         self._done_order: collections.deque[tuple] = collections.deque()
         self._to_ack: list[tuple[int, int, int]] = []  # (slot, generation, arena epoch): handed over, ack at the next poll
         self._acks_pending: list[tuple[int, int, int]] = []  # could not be pushed yet (ring full)
+        # idle timers touched after the daemon last read their touch word: (kb, meta, deadline,
+        # tag, idle_ms, touch index) of their ADD_IDLE again, pushed with the acks (_stale_idle)
+        self._rearms_pending: list[tuple] = []
         self._applied = -1
         # Cancelled armings (see cancel): flat lists [key, tag, key, tag, ...] (keys named as
         # in _latest), one per mark.
@@ -411,6 +414,7 @@ class ClientCore:
                     self._touch_by_key.clear()
                     self._free_touch.clear()
                     self._next_touch = 0
+                    self._rearms_pending.clear()  # their touch indices were the old ring's
                 self._segment = segment
                 # touch() stores straight into the touch table: one 8-byte store (see shm.ring)
                 self._touch_table = segment._last_touch
@@ -825,6 +829,8 @@ class ClientCore:
 
     # ------------------------------------------------------------------ delivery
     def _flush_acks(self) -> None:
+        if self._rearms_pending:
+            self._push_rearms()
         if self._to_ack:
             self._acks_pending.extend(self._to_ack)
             self._to_ack = []
@@ -914,6 +920,9 @@ class ClientCore:
                     acks_pending.append(handle)  # cancelled or re-armed (that entry forgotten since)
                     continue
                 if self._touch_index:
+                    if self._stale_idle(ident, e, bkey):
+                        acks_pending.append(handle)  # touched since the daemon looked: armed again
+                        continue
                     self._release_touch(ident, key)
             seen_map[seen] = received
             received += 1
@@ -924,6 +933,44 @@ class ClientCore:
                 recent[old[1] & _SHARD_MASK].pop(old, None)
             ready.append(Expired(key, e.deadline_ms, e.fired_ms, e.late))
             handles.append(handle)
+
+    def _stale_idle(self, ident: bytes, e, bkey) -> bool:
+        """An expiration of one of our idle timers whose touch word shows a touch the daemon
+        had not seen when it fired it (the touch was stored after the daemon's last read):
+        handing it over would be early. It is armed again instead, for last touch +
+        idle_ms (an ADD_IDLE with a new tag, pushed with the next acks), and True returned.
+
+        Exact, because this runs before the key's touch index is released: from then on
+        :meth:`touch` raises InvalidKey, so every touch the application made before it is
+        handed an expiration is in the word read here, and the clock is read after it."""
+        index = self._touch_index.get(ident)
+        table = self._touch_table
+        if index is None or table is None:
+            return False
+        touched = table[index]
+        now = time.monotonic_ns() // 1_000_000
+        idle_ms = self._segment._idle[index]
+        if touched <= 0 or idle_ms <= 0 or touched + idle_ms <= now:
+            return False  # due: fired_ms >= last touch + idle_ms
+        tag = self._next_tag()
+        self._rearms_pending.append((e.key_bytes, e.key_meta, touched + idle_ms, tag, idle_ms, index))
+        self._latest[hash(bkey) & _SHARD_MASK][bkey] = tag
+        self._push_rearms()
+        return True
+
+    def _push_rearms(self) -> None:
+        """Push the ADD_IDLEs :meth:`_stale_idle` made, as many as the ring takes now (the
+        rest at the next poll or flush), and wake the daemon if it is parked."""
+        seg = self._segment
+        pending = self._rearms_pending
+        done = 0
+        for kb, meta, deadline, tag, idle_ms, index in pending:
+            if not seg.try_push(C.ADD_IDLE, kb, meta, deadline, tag, idle_ms, index):
+                break
+            done += 1
+        if done:
+            del pending[:done]
+            self._after_push()
 
     def _take_ready(self) -> list[Expired]:
         """Hand everything received to the application; acknowledge it at the next call."""

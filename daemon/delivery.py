@@ -14,6 +14,18 @@
   back to the front (:meth:`Delivery.requeue`).
 * **Lateness**: fired - deadline of every expiration, as the arena header's histogram
   (published by the daemon) and ``late_total``, the timers fired more than a tick late.
+* **Deadlines in the past** are accepted (the wheel takes any deadline within
+  ``MAX_DELAY_MS`` of its clock, either side): a command can reach the daemon long after
+  its client wrote it (a ring handed back after a daemon restart), and a client may
+  compute one on purpose. Such a timer is due at once and fires at the next expiry; its
+  expiration carries the deadline as given (``add()`` returns it, and
+  ``fired_ms >= deadline_ms`` stays literally true). Its *lateness* is measured from
+  the later of its deadline and ``now - LATENESS_CAP_MS``: one expiration adds at most
+  a day to the lateness sum, computed without overflow for any int64 deadline (a
+  damaged record's too), and the arena's counter words saturate
+  (:func:`wheeld.protocol.arena_layout.saturating_add`) and are clamped when read
+  back, so no value a client can choose, and no damaged word a restart reads, can
+  overflow them.
 * **Dispatch** (:meth:`Delivery.dispatch`): queues go to live members round robin,
   one ``Expirations`` frame per ``--delivery-batch``, built straight from record
   fields (:func:`wheeld.protocol.messages.encode_expirations_frame`). A queued entry
@@ -27,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import logging
 from itertools import repeat
 from typing import Callable
 
@@ -37,8 +50,10 @@ from wheeld.protocol import arena_layout as AL
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ProtocolError
-from wheeld.protocol.keys import decode_key, key_length
+from wheeld.protocol.keys import TYPE_STR, VALID_KEY_METAS, decode_key, key_length, key_type
 from wheeld.shm.wheel import TimerWheel
+
+log = logging.getLogger("wheeld")
 
 EXPIRE_MANY_MIN = 24  # see Delivery.expire (expire_many ~30 us per call, expire ~1.7 us per timer)
 # Compiled, the scalar expire is cheaper at every rate python -m bench.daemon_paths
@@ -51,7 +66,44 @@ ROWS_FROM_ARENA = SCALAR_EXPIRE
 _KEY_LEN_MASK = key_length(0xFF)  # a meta byte's length bits: key_length, inlined
 COLUMNS_MIN = 256  # expirations handled per column (numpy) from this many on, per row below
 IDLE_WAIT_MS = 100  # an idle timer whose client has not come back after a restart waits this long
+#: the most lateness one expiration counts for (see "Deadlines in the past" above)
+LATENESS_CAP_MS = 86_400_000
 _LATENESS_BOUNDS_US = np.array(AL.LATENESS_BOUNDS_US, dtype=np.int64)
+_VALID_META = np.array(VALID_KEY_METAS, dtype=bool)
+
+
+def lateness_us(now: int, deadline: int) -> int:
+    """How late an expiration fired at ``now`` for ``deadline`` counts, in us: 0 ..
+    ``LATENESS_CAP_MS`` ms, whatever the deadline."""
+    late_ms = now - deadline
+    return (0 if late_ms < 0 else min(late_ms, LATENESS_CAP_MS)) * 1000
+
+
+def lateness_us_array(now: int, deadlines: np.ndarray) -> np.ndarray:
+    """:func:`lateness_us` of many deadlines (int64), without int64 overflow: the deadlines
+    are clipped into ``now - LATENESS_CAP_MS .. now`` before anything is subtracted."""
+    return (now - np.clip(deadlines, now - LATENESS_CAP_MS, now)) * 1000
+
+
+# Per key meta byte, what an Expirations item's key needs before its client takes it: 0
+# nothing (bytes and int keys of a valid meta), 1 a str key (UTF-8: ASCII is), 2 never (no
+# key has this meta). With a generation within 31 bits, an item built from an arena record
+# (its other fields fit their types by the record's layout) decodes at the client unless
+# _suspect says so: tests/test_arena_damage.py holds the two to that.
+_KEY_CHECK = tuple(0 if VALID_KEY_METAS[meta] and key_type(meta) != TYPE_STR else 1 if VALID_KEY_METAS[meta] else 2
+                   for meta in range(256))
+_GEN_MAX = (1 << 31) - 1
+
+
+def _suspect(items: list[tuple]) -> bool:
+    """May one of these Expirations items (``M.ExpiryFields`` order) be refused by the
+    client? False only when each surely decodes (see _KEY_CHECK)."""
+    check = _KEY_CHECK
+    for key, meta, _deadline, _fired, _seq, _slot, gen, _late in items:
+        c = check[meta]
+        if gen > _GEN_MAX or c == 2 or (c and not key.isascii()):
+            return True
+    return False
 
 
 class Lateness:
@@ -69,7 +121,9 @@ class Lateness:
         (``bisect_left``, and ``searchsorted(side="left")`` for the array)."""
         counts = self.counts
         if isinstance(late_us, np.ndarray):
-            self.sum_us += int(late_us.sum())
+            # summed as whole ms and the rest: a day (the cap) in us times a backlog of ~10**5
+            # expirations would pass 2**63 in one int64 sum; in ms it takes ~10**11
+            self.sum_us += int((late_us // 1000).sum()) * 1000 + int((late_us % 1000).sum())
             self.beyond_tick += int(np.count_nonzero(late_us > self._tick_us))
             buckets = np.bincount(np.searchsorted(_LATENESS_BOUNDS_US, late_us, side="left"),
                                   minlength=AL.LATENESS_BUCKETS)
@@ -85,15 +139,16 @@ class Lateness:
         self.sum_us += sum(late_us)
 
     def publish(self, words, totals: dict) -> None:
-        """Add what was counted since the last call to the arena header's histogram."""
+        """Add what was counted since the last call to the arena header's histogram (the
+        words saturate, and a damaged one is repaired first: AL.saturating_add)."""
         base = AL.H_LATENESS // 8
         counts = self.counts
         for i, count in enumerate(counts):
             if count:
-                words[base + i] += count
+                AL.saturating_add(words, base + i, count)
                 counts[i] = 0
         if self.sum_us:
-            words[AL.H_LATENESS_SUM_US // 8] += self.sum_us
+            AL.saturating_add(words, AL.H_LATENESS_SUM_US // 8, self.sum_us)
             self.sum_us = 0
         totals["late_total"] += self.beyond_tick
         self.beyond_tick = 0
@@ -162,23 +217,39 @@ class Delivery:
         """Expired timers as record tuples: idle re-arms, queues, lateness, journal."""
         queues, started, recorder = self.queues, self.started_ms, self.recorder
         late_us = []
+        max_groups = self.wheel.max_groups
         for s, row in zip(slots, rows):
             deadline, _prev, _next, gen, tag, aux, group, _state, meta, key = row
+            if group >= max_groups or not VALID_KEY_METAS[meta]:
+                self.damaged(s, gen, f"group id {group}, key meta {meta:#x}")
+                continue
             idle_ms = 0  # journaled with the fire: an idle timer's idle_ms is in its client's touch table
             if aux >= 0:  # an idle timer: was it touched since it was armed?
                 rearm_at, idle_ms = self.idle_check(aux, now)
                 if rearm_at is not None:
                     self._rearm_idle(s, row, rearm_at, idle_ms)
                     continue
-            late_us.append((now - deadline) * 1000)
+            late_us.append(lateness_us(now, deadline))
             late = deadline < started
             queues[group].append((s, gen, now, late))
             if recorder is not None:
-                recorder.fired(group, decode_key(key, meta), deadline, tag, now, late, idle_ms or None)
+                try:
+                    user_key = decode_key(key, meta)
+                except ValueError:  # a damaged str key (not UTF-8): dispatch finds it undeliverable
+                    continue
+                recorder.fired(group, user_key, deadline, tag, now, late, idle_ms or None)
         self.lateness.add(late_us)
 
     def _queue_columns(self, slots: np.ndarray, records: np.ndarray, now: int) -> None:
         """:meth:`_queue_rows` for many timers, from the records' numpy columns (no journal)."""
+        bad = (records["group"] >= self.wheel.max_groups) | ~_VALID_META[records["key_meta"]]
+        if bad.any():
+            for j in np.flatnonzero(bad).tolist():
+                self.damaged(int(slots[j]), int(records["gen"][j]),
+                             f"group id {int(records['group'][j])}, key meta {int(records['key_meta'][j]):#x}")
+            slots, records = slots[~bad], records[~bad]
+            if not slots.size:
+                return
         idle = records["aux"] >= 0
         if idle.any():
             keep = np.ones(slots.size, dtype=bool)
@@ -193,7 +264,7 @@ class Delivery:
                 if not slots.size:
                     return
         deadlines = records["deadline"]
-        self.lateness.add((now - deadlines) * 1000)
+        self.lateness.add(lateness_us_array(now, deadlines))
         late = (deadlines < self.started_ms).tolist()
         groups = records["group"]
         first = int(groups[0])
@@ -203,6 +274,42 @@ class Delivery:
         queues = self.queues
         for slot, gen, group, is_late in zip(slots.tolist(), records["gen"].tolist(), groups.tolist(), late):
             queues[group].append((slot, gen, now, is_late))
+
+    def damaged(self, slot: int, gen: int, what: str) -> None:
+        """A fired record that cannot be delivered (its fields were overwritten in the arena:
+        no writer of wheeld leaves them so): logged, counted, and freed, so that it is not
+        sent, and not kept, forever. Its timer is lost here; with ``--journal`` the journal
+        still has it, and the next attach restores it (:mod:`wheeld.daemon.reconcile`)."""
+        log.error("arena damage: fired record %d (generation %d) cannot be delivered (%s): freed", slot, gen, what)
+        totals = self.totals
+        totals["arena_damaged_records_total"] = totals.get("arena_damaged_records_total", 0) + 1
+        totals["arena_timers_lost_total"] = totals.get("arena_timers_lost_total", 0) + 1
+        self.wheel.release(slot, gen)
+
+    def _receivable(self, items: list[tuple]) -> list[tuple]:
+        """The items of a frame its client would refuse, one by one: a generation beyond 31
+        bits is masked in its record (the timer is delivered), any other item the client
+        would refuse is a damaged record (:meth:`damaged`)."""
+        out = []
+        for item in items:
+            problem = M.expirations_frame_problem(M.encode_expirations_frame([item]))
+            if problem is None:
+                out.append(item)
+                continue
+            slot, gen = item[5], item[6]
+            masked = self.wheel.mask_generation(slot, gen)
+            if masked is not None:
+                repaired = item[:6] + (masked,) + item[7:]
+                if M.expirations_frame_problem(M.encode_expirations_frame([repaired])) is None:
+                    log.error("arena damage: fired record %d had generation %d (beyond 31 bits): masked to %d",
+                              slot, gen, masked)
+                    totals = self.totals
+                    totals["arena_damaged_records_total"] = totals.get("arena_damaged_records_total", 0) + 1
+                    out.append(repaired)
+                    continue
+                gen = masked
+            self.damaged(slot, gen, problem)
+        return out
 
     def _rearm_idle(self, slot: int, row: tuple, rearm_at: int, idle_ms: int) -> None:
         """An idle timer touched since it was armed goes back on the wheel at ``rearm_at``
@@ -267,8 +374,15 @@ class Delivery:
                 taken = [popleft() for _ in range(min(batch, len(queue)))]
                 items = self._items_from_columns(taken) if len(taken) >= COLUMNS_MIN else self._items_from_rows(taken)
                 if items:
+                    frame = M.encode_expirations_frame(items)
+                    # never a frame the client refuses: one with an item that may not decode
+                    # is checked with the client's own decoder
+                    if _suspect(items) and M.expirations_frame_problem(frame) is not None:
+                        items = self._receivable(items)
+                        frame = M.encode_expirations_frame(items)
+                if items:
                     member.client.unacked.update([(item[5], item[6]) for item in items])
-                    member.send(M.encode_expirations_frame(items))
+                    member.send(frame)
                     self.totals["delivered_total"] += len(items)
                 members = [m for m in members if not m.congested and not m.closed]
 

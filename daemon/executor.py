@@ -429,5 +429,5 @@ def _answer(cs, flushes: list, rejects: list, unsynced=None) -> None:
 def _fired_or_none(wheel: TimerWheel, slot: int):
     try:
         return wheel.fired(slot)
-    except InvalidRequest:
+    except ValueError:  # InvalidRequest: not a fired record; UnicodeDecodeError: its key was overwritten
         return None

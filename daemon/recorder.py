@@ -67,6 +67,7 @@ from wheeld.protocol.journal_files import (
 log = logging.getLogger("wheeld.journal")
 
 _UNSET = J.UNSET
+_JOURNAL_OPEN = AL.H_JOURNAL_OPEN // 8
 
 _LSN_WORD = AL.H_COUNTERS // 8 + AL.COUNTER["journal_lsn"]
 _DURABLE_WORD = AL.H_COUNTERS // 8 + AL.COUNTER["journal_durable_lsn"]
@@ -148,7 +149,12 @@ class Recorder:
 
     # ------------------------------------------------------------------ events
     def begin(self) -> None:
+        """A batch begins: the records are about to change ahead of the journal. The arena
+        says so (``H_JOURNAL_OPEN``) until :meth:`commit`: a daemon that attaches the arena
+        after a crash in between knows the two may differ by that batch
+        (:mod:`wheeld.daemon.reconcile`)."""
         self._offset = wall_offset_ms()
+        self._header[_JOURNAL_OPEN] = 1
 
     def _group(self, gid: int) -> str:
         name = self._group_names.get(gid)
@@ -305,7 +311,10 @@ class Recorder:
             else:
                 if self._durable_log and self.journal.policy.mode == "always":
                     _note_durable(self.journal, self._durable_log)
+                self._header[_JOURNAL_OPEN] = 0  # the records and the journal agree again
             self._publish_lsns()
+        else:
+            self._header[_JOURNAL_OPEN] = 0  # the batch changed nothing the journal records
         return self.journal.last_lsn
 
     def _publish_lsns(self) -> None:
@@ -368,13 +377,21 @@ class Recorder:
         """The pending and fired-unacknowledged timers of the arena, as a snapshot holds them."""
         wheel = self.wheel
         off = wall_offset_ms()
-        pending = [PendingTimer(self._group(gid), key, deadline + off, tag)
-                   for key, deadline, gid, tag in _scheduled(wheel)]
+        pending = []
+        for key, deadline, gid, tag in _scheduled(wheel):
+            try:
+                pending.append(PendingTimer(self._group(gid), key, deadline + off, tag))
+            except ValueError:  # a group id overwritten in the arena: left out, as a damaged key is
+                continue
         unacked = []
         now = mono_ms()
         for slot in wheel.fired_slots():
-            key, deadline, gid, tag, aux, gen = wheel.fired(slot)
-            unacked.append(FiredTimer(self._group(gid), key, deadline + off, tag, now + off, False, now - deadline))
+            try:
+                key, deadline, gid, tag, aux, gen = wheel.fired(slot)
+                group = self._group(gid)
+            except ValueError:  # a record overwritten in the arena: delivery frees it (Delivery.damaged)
+                continue
+            unacked.append(FiredTimer(group, key, deadline + off, tag, now + off, False, now - deadline))
         return pending, unacked
 
     def snapshot(self) -> None:
@@ -521,8 +538,14 @@ def _scheduled(wheel: TimerWheel):
     slots = slots[slots >= wheel.first_entry]
     keys = rec["key"][slots].tolist()
     metas = rec["key_meta"][slots].tolist()
-    return zip(map(decode_key, keys, metas), rec["deadline"][slots].tolist(), rec["group"][slots].tolist(),
-               rec["tag"][slots].tolist())
+    out = []
+    for key, meta, deadline, gid, tag in zip(keys, metas, rec["deadline"][slots].tolist(), rec["group"][slots].tolist(),
+                                             rec["tag"][slots].tolist()):
+        try:  # a record overwritten in the arena (a str key that is not UTF-8) is left out
+            out.append((decode_key(key, meta), deadline, gid, tag))
+        except ValueError:
+            continue
+    return out
 
 
 def _note_durable(journal: Journal, log_path: str) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 
 from wheeld.protocol.errors import ArenaFull, InvalidRequest, JournalUnavailable, WheeldError
-from wheeld.shm.wheel import TimerWheel
+from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
 
 from wheeld.protocol.journal_files import (
     Journal,
@@ -107,6 +107,9 @@ def load_recovered(wheel: TimerWheel, state: RecoveredState, directory: str = ""
     def restore(group: str, key, deadline_ms: int, seq: int) -> bool:
         nonlocal loaded, lost
         try:
+            # a deadline the daemon accepted far in the past (up to MAX_DELAY_MS before its
+            # clock) may lie beyond the wheel's range from this clock: it is due all the same
+            deadline_ms = max(deadline_ms, wheel.current_ms - MAX_DELAY_MS)
             wheel.schedule(key, deadline_ms, wheel.group_id(group), seq & 0xFFFFFFFF)
             loaded += 1
             return True

@@ -143,10 +143,12 @@ class Daemon:
         self.held.append(HeldSegment("arena", wheel.name, opened.identity))
         if not opened.fresh:
             hq = wheel.header_words()
-            for counter in DAEMON_TOTALS:  # totals carry on across restarts
-                totals[counter] = hq[AL.H_COUNTERS // 8 + AL.COUNTER[counter]]
+            for counter in DAEMON_TOTALS:  # totals carry on across restarts (a damaged word clamped)
+                totals[counter] = AL.sane_counter(hq[AL.H_COUNTERS // 8 + AL.COUNTER[counter]])
             totals["daemon_restarts_total"] += 1
         totals["arenas_set_aside_total"] += len(opened.set_aside)
+        totals["arena_damaged_records_total"] += opened.damaged
+        totals["arena_timers_lost_total"] += opened.lost
         if cfg.journal_dir:
             from .recovery import open_journal
 

@@ -4,6 +4,13 @@ Called with the instance lock held (:class:`wheeld.daemon.instance.InstanceLock`
 The arena's segment lock is taken before the arena is written (attached or
 made); an arena another process holds stops the start. An arena that cannot be
 trusted or used is set aside (see :mod:`wheeld.daemon.instance`), never refused.
+
+An attached arena is checked: attach frees records no writer can leave (damage) and
+masks a generation beyond 31 bits; with ``--journal`` every live record is then
+compared with the journal and repaired from it (:mod:`wheeld.daemon.reconcile`).
+Damage is never reported as sound: each repair is an ERROR line, and the records
+found damaged and the timers lost (freed with no journal to restore them from)
+are counted (``arena_damaged_records_total``, ``arena_timers_lost_total``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ class OpenedArena:
     set_aside: list[str] = field(default_factory=list)  # unusable segments renamed on the way
     recovered: object = None  # the journal's RecoveredState, when a new arena was rebuilt from it
     next_lsn: int | None = None  # where the journal continues after that recovery
+    damaged: int = 0  # records an attach found damaged (repaired or freed)
+    lost: int = 0  # timers of damaged records nothing could restore
 
 
 def open_arena(cfg: Config, now: int, qualifier: int | None = None) -> OpenedArena:
@@ -53,22 +62,73 @@ def open_arena(cfg: Config, now: int, qualifier: int | None = None) -> OpenedAre
         "attached existing arena %s: %d pending, %d fired awaiting delivery (tick %d ms, wheel %d, capacity %d)",
         name, len(wheel), wheel.counters()["fired_unacked"], wheel.tick_ms, wheel.wheel_size, wheel.capacity,
     )
-    for problem in wheel.repairs:
-        log.warning("arena repair: %s", problem)
-    _check_attached(wheel)
+    damaged, lost = _repair_attached(cfg, wheel)
+    _check_attached(wheel, damaged, lost)
     if (wheel.tick_ms, wheel.wheel_size, wheel.capacity) != (cfg.tick_ms, cfg.wheel_size, cfg.capacity):
         log.warning("arena parameters differ from the command line; the arena's are used")
-    return OpenedArena(wheel, False, identity, aside)
+    return OpenedArena(wheel, False, identity, aside, damaged=damaged, lost=lost)
 
 
-def _check_attached(wheel: TimerWheel) -> None:
+def _repair_attached(cfg: Config, wheel: TimerWheel) -> tuple[int, int]:
+    """Report what attach repaired and, with a journal, reconcile the arena with it;
+    return (records found damaged, timers lost)."""
+    repairs, freed = list(wheel.repairs), wheel.lost
+    for problem in repairs[:20]:
+        log.error("arena damage: %s", problem)
+    if len(repairs) > 20:
+        log.error("arena damage: %d more record(s) like these", len(repairs) - 20)
+    if not cfg.journal_dir:
+        if freed:
+            log.error("arena damage: %d damaged record(s) freed; their timers are LOST (no --journal to "
+                      "restore them from)", freed)
+        return len(repairs), freed
+    from .reconcile import reconcile, summary
+
+    started = time.monotonic()
+    try:
+        result = reconcile(wheel, cfg.journal_dir, cfg.name)
+    except Exception:  # a fault of the check itself must not keep the daemon from serving
+        log.exception("arena not compared with the journal: the check failed")
+        if freed:
+            log.error("arena damage: %d damaged record(s) freed; their timers are LOST", freed)
+        return len(repairs), freed
+    took_ms = (time.monotonic() - started) * 1000
+    if not result.trusted:
+        log.info("arena not compared with the journal: %s", result.reason)
+        if freed:
+            log.error("arena damage: %d damaged record(s) freed; their timers are LOST (the journal cannot "
+                      "restore them: %s)", freed, result.reason)
+        return len(repairs), freed
+    if result.batch_open and result.damaged:
+        # the previous daemon stopped between applying a batch and journaling it: that batch
+        # and damage cannot be told apart (the batch's commands are applied again from the rings)
+        for example in result.examples + result.unsure:
+            log.warning("arena settled from the journal: %s", example)
+        log.warning("arena compared with the journal in %.0f ms, after a stop inside a batch: %s", took_ms,
+                    summary(result))
+        return len(repairs), result.not_restored
+    for example in result.examples:
+        log.error("arena damage: %s", example)
+    for example in result.unsure:
+        log.warning("arena settled from the journal: %s", example)
+    level = logging.ERROR if result.damaged else logging.WARNING if result.fired_freed else logging.INFO
+    log.log(level, "arena compared with the journal in %.0f ms: %s", took_ms, summary(result))
+    return len(repairs) + result.rewritten + result.freed, result.not_restored
+
+
+def _check_attached(wheel: TimerWheel, damaged: int = 0, lost: int = 0) -> None:
     """Run the arena's one invariant checker (shm/fsck.py, through ``TimerWheel.check``)
     over what attaching left: the replayed intents and the rebuilt links, lists, key
     index and counters. A problem here is a fault of the rebuild, not of the crash
-    it recovered from; it is logged, and the daemon serves on."""
+    it recovered from; it is logged, and the daemon serves on. An arena in which
+    damage was found and repaired is consistent, not sound: it says so."""
     started = time.monotonic()
     problems = wheel.check()
     took_ms = (time.monotonic() - started) * 1000
+    if not problems and damaged:
+        log.error("arena checked after attach in %.0f ms: consistent after repairing %d damaged record(s), "
+                  "%d timer(s) lost", took_ms, damaged, lost)
+        return
     if not problems:
         log.info("arena checked after attach in %.0f ms: sound", took_ms)
         return

@@ -42,6 +42,8 @@ Header (little-endian, offsets in bytes)::
     128  -- cache line: doorbell eventcount (the daemon's "parked" flag) --
     128  parked           u64
     136  wake_seq         u64
+    144  journal_open     u64   1 while the daemon has applied a batch to the records that it
+                                has not appended to its journal yet (daemon/recorder.py)
     192  -- counters: COUNTERS u64 words, names in COUNTER_NAMES --
     192+8*COUNTERS  -- lateness histogram: LATENESS_BUCKETS u64 --
     GROUPS_OFFSET   -- group table: max_groups names, GROUP_NAME_BYTES each; an entry
@@ -104,6 +106,7 @@ H_INTENT_COUNT = 84
 
 H_PARKED = 128
 H_WAKE_SEQ = 136
+H_JOURNAL_OPEN = 144
 
 H_COUNTERS = 192
 
@@ -164,6 +167,8 @@ _COUNTER_TABLE = (
     ("journal_stalls_total", DAEMON),  # times the journal stopped being writable (daemon/recorder.py)
     ("journal_unwritten_events_total", DAEMON),  # events it could not write (the snapshot of a resume covers them)
     ("journal_flushes_refused_total", DAEMON),  # FLUSHes answered with JournalUnavailable
+    ("arena_damaged_records_total", DAEMON),  # records found damaged (at attach, or when delivered): daemon/startup.py
+    ("arena_timers_lost_total", DAEMON),  # timers of damaged records nothing could restore (no journal to restore from)
 )
 COUNTERS = 64
 assert len(_COUNTER_TABLE) <= COUNTERS
@@ -174,6 +179,24 @@ COUNTER = {name: index for index, name in enumerate(COUNTER_NAMES)}
 WHEEL_COUNTER_NAMES = tuple(name for name, writer in _COUNTER_TABLE if writer == WHEEL)
 DAEMON_COUNTER_NAMES = tuple(name for name, writer in _COUNTER_TABLE if writer == DAEMON)
 _COUNTER_WORDS = struct.Struct(f"<{COUNTERS}q")
+#: the most a counter word (a total, a histogram bucket, the lateness sum) ever holds. The
+#: words outlive the daemon (a restart reads its totals back), so a word is clamped to
+#: ``0..COUNTER_MAX`` when it is read back (:func:`sane_counter`: a damaged word is repaired,
+#: not added to) and additions saturate there (:func:`saturating_add`): no sum of
+#: client-chosen values and no damaged word can overflow a 64-bit word. 2**62 leaves a
+#: counter counting a billion events a second 146 years of room.
+COUNTER_MAX = 1 << 62
+
+
+def sane_counter(value: int) -> int:
+    """A counter word as read back from an arena: clamped to ``0..COUNTER_MAX``."""
+    return 0 if value < 0 else min(value, COUNTER_MAX)
+
+
+def saturating_add(words, index: int, amount: int) -> None:
+    """``words[index] += amount`` on a counter word (an int64 view of the header), clamped
+    to ``0..COUNTER_MAX``: what the word held before is taken through :func:`sane_counter`."""
+    words[index] = sane_counter(sane_counter(words[index]) + amount)
 
 
 def read_counters(buf) -> dict[str, int]:

@@ -352,6 +352,22 @@ def encode_expirations_frame(items: list[tuple]) -> bytearray:
     return buffer
 
 
+def expirations_frame_problem(frame) -> str | None:
+    """Why a client would refuse this ``Expirations`` frame (a whole frame, header
+    included), or None: the client's own decoder and key check
+    (:func:`decode_daemon_body`, :func:`expiry_keys`) run on it. The daemon builds its
+    items from arena records, which the daemon's uid (or damage) can overwrite; it checks
+    a frame this way before sending it rather than send one its client refuses."""
+    try:
+        message = decode_daemon_body(memoryview(frame)[framing.HEADER_SIZE:])
+        if type(message) is not ExpirationRows:
+            return f"not an Expirations frame: {type(message).__name__}"
+        expiry_keys(message.items)
+    except ProtocolError as exc:
+        return str(exc)
+    return None
+
+
 def decode_daemon_body(body) -> DaemonMessage | ExpirationRows:
     """A daemon frame body as a message: ``Expirations`` as :class:`ExpirationRows`,
     anything else through :func:`decode_daemon_message`. Raises ProtocolError on

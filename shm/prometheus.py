@@ -60,6 +60,8 @@ wheeld_journal_writable                gauge      journal_stalled == 0
 wheeld_journal_stalls_total            counter    journal_stalls_total
 wheeld_journal_unwritten_events_total  counter    journal_unwritten_events_total
 wheeld_journal_flushes_refused_total   counter    journal_flushes_refused_total
+wheeld_arena_damaged_records_total     counter    arena_damaged_records_total
+wheeld_arena_timers_lost_total         counter    arena_timers_lost_total
 wheeld_daemon_up                       gauge      1 if the daemon process exists
 wheeld_daemon_heartbeat_age_seconds    gauge      now - daemon_heartbeat_ms
 wheeld_daemon_uptime_seconds           gauge      now - daemon_started_ms
@@ -123,6 +125,11 @@ _COUNTERS = (
      "snapshot written when it is again covers them).", "journal_unwritten_events_total"),
     ("wheeld_journal_flushes_refused_total", "Flushes answered with JournalUnavailable (not durable).",
      "journal_flushes_refused_total"),
+    ("wheeld_arena_damaged_records_total",
+     "Arena records found damaged (at attach, or when delivered): repaired, freed, or restored from the journal.",
+     "arena_damaged_records_total"),
+    ("wheeld_arena_timers_lost_total", "Timers of damaged arena records that nothing could restore.",
+     "arena_timers_lost_total"),
 )
 
 

@@ -470,6 +470,10 @@ class TimerWheel:
         self._count_array = array("q", bytes(8 * len(_OWN_COUNTERS)))  # _OWN_COUNTERS, in order
         self._count = memoryview(self._count_array)
         self._closed = False
+        #: repairs of corruption the last attach made (messages), and how many live records
+        #: they freed (timers lost unless restored, see rewrite_records)
+        self.repairs: list[str] = []
+        self.lost = 0
         # cascade_ahead's place in the next level-1 bucket: (its expiration, the next
         # record to look at or the sentinel when a pass ended, the clock the pass began at)
         self._ahead: tuple[int, int, int] | None = None
@@ -1759,6 +1763,85 @@ class TimerWheel:
         """The header's first page as int64 words (counters, parked flag, histogram)."""
         return self._hq
 
+    # ------------------------------------------------------------------ repairs from outside
+    def live_records(self) -> tuple[np.ndarray, ...]:
+        """Every SCHEDULED or FIRED record: ``(slots, states, groups, deadlines, tags, idents)``,
+        arrays in slot order (``idents``: the 33-byte record forms, meta byte + key)."""
+        states = self.records["state"] & _STATE_MASK
+        slots = np.flatnonzero(states != _FREE)
+        slots = slots[slots >= self.first_entry]
+        rec = self.records[slots]
+        return (slots, states[slots], rec["group"].astype(np.int64), rec["deadline"].copy(),
+                rec["tag"].astype(np.int64), self._idents[slots].copy())
+
+    def rewrite_records(self, free=(), rewrite=(), restore=()) -> list[int]:
+        """Repairs of corruption from a record of the truth kept outside the arena (the
+        daemon's journal, :mod:`wheeld.daemon.reconcile`), made right after :meth:`attach`
+        and before any other call; then everything derived is rebuilt as attach does.
+
+        ``free``: slots of live records to free; ``rewrite``: ``(slot, state, deadline,
+        tag)`` of live records (SCHEDULED or FIRED); ``restore``: ``(ident, group, state,
+        deadline, tag)`` of records to make (in the lowest free slots, generation bumped, aux
+        -1: a plain timer). The caller keeps the keys unique among SCHEDULED records.
+        Returns the restored slots (-1 where the arena had no free record).
+
+        Each record commits at its state byte, written last (as every writer here does),
+        so a writer killed in the middle leaves records that attach takes as they are and a
+        second pass of the same repairs finishes. Raises InvalidRequest (and changes
+        nothing) for a slot that is not live, a deadline the clock does not reach within
+        ``MAX_DELAY_MS``, a group outside the table, or a malformed ident.
+        """
+        rec, first, cur = self.records, self.first_entry, self.current_ms
+        states = rec["state"] & _STATE_MASK
+        for slot in list(free) + [r[0] for r in rewrite]:
+            if not first <= slot < self.n_records or states[slot] == _FREE:
+                raise InvalidRequest(f"slot {slot} is not a live record")
+        for state, deadline in [(r[1], r[2]) for r in rewrite] + [(r[2], r[3]) for r in restore]:
+            if state not in (_SCHEDULED, _FIRED) or not cur - _MAX_DELAY <= deadline <= cur + _MAX_DELAY:
+                raise InvalidRequest(f"cannot write state {state}, deadline {deadline} (clock {cur})")
+        for ident, group, _state, _deadline, tag in restore:
+            if len(ident) != 33 or not VALID_KEY_METAS[ident[0]] or not 0 <= group < self.max_groups \
+                    or not 0 <= tag <= 0xFFFFFFFF:
+                raise InvalidRequest("malformed ident, group or tag")
+        repairs = self.repairs
+        for slot in free:
+            rec["state"][slot] = _FREE
+        for slot, state, deadline, tag in rewrite:
+            rec["deadline"][slot] = deadline
+            rec["tag"][slot] = tag
+            rec["state"][slot] = state  # commit point
+        vacant = np.flatnonzero(rec["state"][first:] & _STATE_MASK == _FREE)[: len(restore)] + first
+        made = []
+        for n, (ident, group, state, deadline, tag) in enumerate(restore):
+            if n >= vacant.size:
+                made.append(-1)
+                continue
+            slot = int(vacant[n])
+            rec["gen"][slot] = (int(rec["gen"][slot]) + 1) & _GEN_MASK
+            rec["tag"][slot] = tag
+            rec["aux"][slot] = -1
+            rec["group"][slot] = group
+            rec["deadline"][slot] = deadline
+            base = slot * _RB
+            self._rb[base + _KM : base + _RB] = ident
+            rec["state"][slot] = state  # commit point
+            made.append(slot)
+        self._rebuild()  # (adds what it finds to lost, and lists it in repairs)
+        self.repairs = repairs + self.repairs
+        return made
+
+    def mask_generation(self, slot: int, generation: int) -> int | None:
+        """A FIRED record whose generation reads beyond 31 bits (``GENERATION_MASK``: every
+        allocation masks it, so only damage puts it there) gets it masked, one aligned
+        store; returns the new generation, or None when ``(slot, generation)`` is not such a
+        record. Expirations carry generations as signed 32-bit values."""
+        if not self.first_entry <= slot < self.n_records or self._rb[slot * _RB + _ST] != _FIRED:
+            return None
+        if self._u[slot * _IW + _GEN] != generation or generation <= _GEN_MASK:
+            return None
+        self._u[slot * _IW + _GEN] = generation & _GEN_MASK
+        return generation & _GEN_MASK
+
     # ------------------------------------------------------------------ rebuild
     def _rebuild(self) -> None:
         """Derive links, free list, key index, bucket heap and counts from the records."""
@@ -1782,6 +1865,7 @@ class TimerWheel:
         self._rebuild_buckets(sched)
         for s, kept in self._index.rebuild(sched):  # never written by a wheel, but the index must stay sound
             self.repairs.append(f"record {s}: duplicate key of record {kept}, cancelled")
+            self.lost += 1
             self._unlink(s)
             rec["state"][s] = _FREE
             self._free(s)
@@ -1795,13 +1879,22 @@ class TimerWheel:
         self.publish_stats()
 
     def _free_invalid(self) -> list[str]:
-        """Free the live records with an unknown state, a malformed key or a group id outside
-        the table: not something an interrupted writer can leave, but corruption. Returns
-        the repairs made (the daemon logs them)."""
+        """Free the live records with an unknown state, a malformed key, a group id outside
+        the table or a deadline no clock the wheel accepts is within ``MAX_DELAY_MS`` of:
+        not something an interrupted writer can leave, but corruption (each is counted in
+        ``lost``: its timer is gone unless someone restores it). A generation beyond 31 bits
+        (``GENERATION_MASK``, which every allocation applies) is masked back into range.
+        Returns the repairs made (the daemon logs them)."""
         entries = self.records[self.first_entry :]
         states = entries["state"] & _STATE_MASK
         metas = entries["key_meta"]
-        invalid = (states > _FIRED) | ((states != _FREE) & (~_VALID_META[metas] | (entries["group"] >= self.max_groups)))
+        deadlines = entries["deadline"]
+        invalid = (states > _FIRED) | ((states != _FREE) & (~_VALID_META[metas] | (entries["group"] >= self.max_groups)
+                                                           | (deadlines < _DEADLINE_LOW) | (deadlines > _DEADLINE_HIGH)))
+        wild = np.flatnonzero((entries["gen"] > _GEN_MASK) & (states != _FREE) & ~invalid)
+        masked = [f"record {self.first_entry + s}: generation {g} beyond 31 bits, masked"
+                  for s, g in zip(wild.tolist(), entries["gen"][wild].tolist())]
+        entries["gen"][wild] &= _GEN_MASK
         text = np.flatnonzero(~invalid & (states != _FREE) & _STR_META[metas])  # live string keys: valid UTF-8?
         rb, first = self._rb, self.first_entry
         for s in text.tolist():
@@ -1812,7 +1905,8 @@ class TimerWheel:
                 invalid[s] = True
         bad = np.flatnonzero(invalid)
         entries["state"][bad] = _FREE
-        return [f"record {self.first_entry + s}: invalid state/key/group, freed" for s in bad.tolist()]
+        self.lost += int(bad.size)
+        return masked + [f"record {self.first_entry + s}: invalid state/key/group/deadline, freed" for s in bad.tolist()]
 
     def _rebuild_buckets(self, sched: np.ndarray) -> None:
         """Link the scheduled records into the buckets their deadlines map to relative to the
@@ -1857,8 +1951,8 @@ class TimerWheel:
         c[_C_PENDING] = int(levels.size)
         c[_C_FIRED_UNACKED] = int(np.count_nonzero(low == _FIRED))
         base = L.H_COUNTERS // 8
-        for name in _TOTALS:
-            c[_COUNTER_INDEX[name]] = max(c[_COUNTER_INDEX[name]], self._hq[base + L.COUNTER[name]])
+        for name in _TOTALS:  # a damaged word is clamped (L.sane_counter): a restart must not overflow it
+            c[_COUNTER_INDEX[name]] = max(c[_COUNTER_INDEX[name]], L.sane_counter(self._hq[base + L.COUNTER[name]]))
 
     def _chain(self, sentinel: int, slots: np.ndarray) -> None:
         rec = self.records

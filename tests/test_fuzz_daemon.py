@@ -11,8 +11,10 @@ What the attackers send:
 
 * **ring records**, pushed straight into an attacker's ring: most sessions are
   *clean* (every record well-formed, checked with ``validate_records`` before it
-  is pushed: random ops, random valid keys, deadlines near now or anywhere in
-  int64, random touch indices, acks of random (slot, generation), flushes);
+  is pushed: random ops, random valid keys, deadlines across the whole int64
+  range (:meth:`Fuzzer.deadline`: near now, as far past and as far ahead as
+  accepted, which overflow a naive lateness sum, every range check's edges),
+  random touch indices, acks of random (slot, generation), flushes);
   the others are *dirty*: well-formed records, then one that is not (random
   bytes, a flipped check bit, a random op or field with a correct check word),
   after which the daemon drops the client and reads nothing more from that ring;
@@ -37,6 +39,7 @@ from __future__ import annotations
 import os
 import random
 import select
+import struct
 import time
 
 import msgspec
@@ -51,7 +54,11 @@ from wheeld.protocol import messages as M
 from wheeld.protocol import ring_layout as RL
 from wheeld.protocol.errors import WheeldError
 from wheeld.protocol.keys import encode_key
+from wheeld.daemon.sessions import CLIENT_MAX_DELAY_MS
+from wheeld.protocol import arena_layout as AL
 from wheeld.shm import check as CK
+from wheeld.shm import reader as R
+from wheeld.shm.wheel import MAX_CLOCK_MS, MAX_DELAY_MS
 
 RING_CAPACITY = 1024
 TOUCH_CAPACITY = 1024
@@ -90,14 +97,30 @@ class Fuzzer:
         return encode_key(rng.randint(-(2**63), 2**63 - 1))
 
     def deadline(self) -> int:
+        """Deadlines across the whole int64 range: mostly near now, then as far in the past
+        as the daemon accepts (each such expiration adds ~7e16 us of naive lateness: a
+        hundred and thirty of them overflow an int64 sum), as far in the future, every
+        boundary of every range check (the wheel's +-MAX_DELAY_MS around its clock, the
+        client's advertised maximum, the 64-bit extremes the wheel refuses outright), and
+        log-uniform and uniform values of either sign."""
         rng = self.rng
         roll = rng.random()
-        if roll < 0.85:
-            return now_ms() + rng.randint(0, 3000)
-        if roll < 0.9:
-            return now_ms() - rng.randint(0, 10**6)
+        now = now_ms()
+        if roll < 0.7:
+            return now + rng.randint(0, 3000)
+        if roll < 0.74:
+            return now - rng.randint(0, 10**6)
+        if roll < 0.82:  # accepted, ~2230 years ago: fires at once (the daemon's clock lags by < 1 s)
+            return now - MAX_DELAY_MS + rng.randint(1000, 60_000)
+        if roll < 0.85:  # accepted, ~2230 years ahead: stays pending
+            return now + MAX_DELAY_MS - rng.randint(1000, 60_000)
+        if roll < 0.9:  # the edges of every range check, either side
+            edge = rng.choice([now - MAX_DELAY_MS, now + MAX_DELAY_MS, now + CLIENT_MAX_DELAY_MS,
+                               MAX_CLOCK_MS + MAX_DELAY_MS, -(MAX_CLOCK_MS + MAX_DELAY_MS), MAX_CLOCK_MS,
+                               -MAX_CLOCK_MS, 2**63 - 1, -(2**63), 0])
+            return max(-(2**63), min(2**63 - 1, edge + rng.choice([-1001, -1, 0, 1, 1001])))
         if roll < 0.95:
-            return rng.choice([2**62, -(2**62), 2**63 - 1, -(2**63), 0, 1])
+            return rng.choice([1, -1]) * min(int(2 ** rng.uniform(0, 63)), 2**63 - 1)
         return rng.randint(-(2**63), 2**63 - 1)
 
     def well_formed(self, keys: list) -> bytes:
@@ -313,6 +336,12 @@ def fuzz(tmp_path, daemon_factory, seed: int, records: int, frames: int) -> dict
         assert "Traceback" not in d.log(), d.log()[-5000:]
         report = CK.check(d.name)
         assert report.ok, report.problems
+        with R.ArenaReader(d.name) as reader:  # the far-past deadlines' lateness, summed without overflow
+            lateness_sum = struct.unpack_from("<q", reader.buf, AL.H_LATENESS_SUM_US)[0]
+            beyond_top = struct.unpack_from("<q", reader.buf, AL.H_LATENESS + 8 * (AL.LATENESS_BUCKETS - 1))[0]
+        assert 0 <= lateness_sum <= AL.COUNTER_MAX
+        # enough far-past timers fired to overflow a naive int64 sum (~132 of them): the class was exercised
+        assert beyond_top >= 200, beyond_top
         wait_until(lambda: counters(d.name)["clients_dropped_total"] >= fuzzer.stats["dirty"], 10,
                    what="every dirty ring dropped")
         summary = dict(fuzzer.stats, seconds=round(elapsed, 1), rss_start_mb=start_kb // 1024,

@@ -3,6 +3,10 @@
 A deadline is ``ceil(now in ms) + delay_ms`` and the daemon fires once its floored
 clock reaches it, so an expiration is never handed over before ``delay_ms`` of
 real time has passed since the call (or since the last touch of an idle timer).
+For an idle timer that holds for every touch the application made before it was
+handed the expiration: a touch the daemon had not seen when it fired (stored after
+its last read of the touch word) is seen by the library, which arms the timer again
+instead of handing the expiration over (``ClientCore._stale_idle``).
 """
 
 from __future__ import annotations
@@ -43,14 +47,13 @@ def test_ten_thousand_timers_through_the_daemon_are_never_early(daemon):
 
 
 def _early_ones(expirations: list, touches_ns: dict, idle_ms: int) -> list:
-    """Expirations received before ``idle_ms`` of real time since the last touch the
-    daemon could have seen: one made before the millisecond in which it fired
-    (``fired_ms``); a touch during or after that millisecond may come after the fire."""
+    """Expirations handed over before ``idle_ms`` of real time since the last touch call
+    the application made before it received them (its time read just before the call)."""
     early = []
     for expired, received_ns in expirations:
-        before = [t for t in touches_ns[expired.key] if t < expired.fired_ms * 1_000_000]
+        before = [t for t in touches_ns[expired.key] if t < received_ns]
         if received_ns - max(before) < idle_ms * 1_000_000:
-            early.append(expired.key)
+            early.append((expired.key, (received_ns - max(before)) / 1e6))
     return early
 
 
@@ -90,6 +93,63 @@ def test_idle_timers_through_the_daemon_are_never_early(daemon):
         while len(received) < 600 and time.monotonic() < end:
             _receive(w, received, 1.0)
     assert sorted(e.key for e, _ in received) == sorted(touches_ns)
+    assert _early_ones(received, touches_ns, idle_ms) == []
+
+
+def test_a_touch_stored_after_the_daemon_fired_the_timer_is_not_followed_by_its_expiration(daemon):
+    """The race, made deterministic: the daemon fires an idle timer and writes its
+    expiration to the socket; the application touches the key before the library has
+    read that frame. Handing the expiration over would follow the touch by far less than
+    idle_ms: the library arms the timer again instead (for last touch + idle_ms)."""
+    from daemon_harness import wait_until
+
+    idle_ms = 300
+    with wheeld.connect(daemon.socket_path, group="touch-race") as w:
+        before = daemon.counters()["expirations_total"]
+        w.add_idle("conn", idle_ms)
+        w.flush()
+        wait_until(lambda: daemon.counters()["expirations_total"] > before, 10, what="the daemon to fire it")
+        touched_ns = time.monotonic_ns()
+        w.touch("conn")  # the frame is in our socket, not read: the library still tracks the key
+        got = []
+        end = time.monotonic() + 10
+        while not got and time.monotonic() < end:
+            got += [(e, time.monotonic_ns()) for e in w.poll(0.05)]
+        assert got, "the re-armed idle timer never fired"
+        expired, received_ns = got[0]
+        assert expired.key == "conn"
+        assert received_ns - touched_ns >= idle_ms * 1_000_000, (received_ns - touched_ns) / 1e6
+        assert expired.fired_ms >= expired.deadline_ms >= touched_ns // 1_000_000 + idle_ms
+        assert w.poll(0.3) == []  # the stale expiration was acknowledged, not handed over
+
+
+def test_two_thousand_idle_timers_of_two_ms_touched_in_a_race_are_never_early(daemon):
+    """Idle timers of 2 ms touched at sub-millisecond offsets right around their deadlines:
+    every expiration handed over comes idle_ms after every touch made before it."""
+    idle_ms = 2
+    rng = random.Random(9)
+    keys = [f"r{i}" for i in range(2000)]
+    touches_ns: dict[str, list[int]] = {key: [] for key in keys}
+    received: list = []
+    with wheeld.connect(daemon.socket_path, group="never-early-race") as w:
+        for start in range(0, len(keys), 100):
+            batch = keys[start : start + 100]
+            for key in batch:
+                touches_ns[key].append(time.monotonic_ns())
+                w.add_idle(key, idle_ms)
+            for _ in range(rng.randint(1, 4)):  # touch each a few times, around its deadline
+                time.sleep(rng.random() / 1000)
+                for key in batch:
+                    touches_ns[key].append(time.monotonic_ns())
+                    try:
+                        w.touch(key)
+                    except wheeld.InvalidKey:  # handed to the library already: it fired
+                        touches_ns[key].pop()
+                _receive(w, received, 0)
+        end = time.monotonic() + 20
+        while len(received) < len(keys) and time.monotonic() < end:
+            _receive(w, received, 0.2)
+    assert sorted(e.key for e, _ in received) == sorted(keys)
     assert _early_ones(received, touches_ns, idle_ms) == []
 
 

@@ -793,7 +793,7 @@ def test_checker_flags_a_live_record_outside_the_group_table():
         try:
             copy[:] = bytes(buf)
             repairs, after = CK.recover_copy(copy, len(buf))
-            assert repairs == [f"record {slot}: invalid state/key/group, freed"] and after == []
+            assert repairs == [f"record {slot}: invalid state/key/group/deadline, freed"] and after == []
         finally:
             copy.close()
     finally:

@@ -1,0 +1,375 @@
+"""An attached arena checked against the journal, the journal's word taken where they disagree.
+
+The arena is shared memory: the daemon's uid (and root) can write it, and a
+scribble into its records survives the daemon. Attach repairs what it can see on
+its own (:meth:`wheeld.shm.wheel.TimerWheel.recover`: records with an impossible
+state, key, group or deadline are freed, a generation beyond 31 bits is masked),
+but a scribbled deadline, tag, state or key can look perfectly valid. With
+``--journal`` the daemon holds a second copy of every timer: at every attach of an
+existing arena (:func:`reconcile`, called by :mod:`wheeld.daemon.startup` before the
+journal is opened) each live record is compared with the journal's state
+(:func:`wheeld.protocol.journal_recovery.recover`, read-only) and the journal wins:
+
+* a timer the journal has and the arena lost (freed as corrupt, or its key
+  overwritten) is **restored**: pending ones as SCHEDULED at the journal's
+  deadline, fired-unacknowledged ones as FIRED (delivered again);
+* a SCHEDULED record whose deadline is not the journal's takes the journal's (so a
+  damaged deadline fires neither early nor late); one whose arming tag differs takes
+  the journal's tag (and its deadline, unless its own is the journal's);
+* a FIRED record the journal still has pending, due in the future, goes back on
+  the wheel at the journal's deadline (a state byte turned FIRED would otherwise
+  deliver it early);
+* a live record the journal does not know is freed (the key or group of another
+  timer written over it, or a freed record's state byte turned live). A FIRED one
+  may also be a repeat: the journal keeps one unacknowledged fire per key and arming,
+  and an arming applied twice (a ring applied again from the head the last daemon
+  published, after its timer fired) fires twice; freeing the repeat is right either
+  way, and it is not counted as damage.
+
+What a crash between applying a batch and journaling it leaves (the arena ahead of
+the journal) is settled the same way and costs nothing: that batch's ring head was
+not published, so its commands are applied again when the client hands its ring
+back; a fire not yet journaled is either kept (due) or fires again. The arena says
+whether a batch was open (``H_JOURNAL_OPEN``, set by the Recorder from its
+``begin`` to its ``commit``): only when none was are the differences certainly
+damage (ERROR lines, counted); after a crash inside a batch they are reported as
+settled (a WARNING), since that batch and damage cannot be told apart.
+
+Which deadlines are the journal's: the journal stores ``d = arena deadline +
+offset`` (wall-clock ms, the offset between the clocks when the event was
+written, rounded up), so for a sound record ``d - deadline`` *is* an offset the
+clocks had. The offsets they had are known: each segment's header records both
+clocks when it was opened (``mono0``, ``wall0``), and the clocks are read now. A
+record is taken for damaged only when ``d - deadline`` is within ``TOLERANCE_MS``
+of none of them; so a wall clock stepped since (between segments, or just now)
+is not mistaken for damage. A damaged record gets the journal's deadline
+converted with today's offset, as a recovery after a reboot does (a wall clock
+stepped in the middle of a segment's life moves it by the step); a deadline
+moved by at most ``TOLERANCE_MS`` is not told from the rounding.
+
+The journal is trusted only when it covers the arena: the arena's ``journal_lsn``
+counter (the last lsn the previous daemon appended and published) is not 0 (a
+daemon without ``--journal`` publishes 0) and the journal reaches it, the journal
+has no damaged range, and its newest segment was written by this instance's name.
+Otherwise nothing is changed here, and what attach freed is reported as lost.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from wheeld.protocol import arena_layout as AL
+from wheeld.protocol.errors import WheeldError
+from wheeld.protocol.journal_files import list_segments, read_clocks, wall_to_monotonic_ns
+from wheeld.protocol.journal_recovery import RecoveredState, recover
+from wheeld.protocol.keys import KEY_BYTES, encode_key
+from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel, encode_ident
+
+log = logging.getLogger("wheeld")
+
+#: how far ``d - deadline`` of a sound record may be from an offset read from the clocks
+#: (the journal's offset is rounded up, a segment header's clocks are read as floored ms
+#: one after the other): a difference up to this is rounding, not damage
+TOLERANCE_MS = 3
+_EXAMPLES = 5  # records named in the log per kind of repair
+
+
+@dataclass
+class Reconciled:
+    """What :func:`reconcile` did. ``trusted``: the journal was used (else ``reason`` says why not)."""
+
+    trusted: bool = False
+    reason: str = ""
+    batch_open: bool = False  # the previous daemon stopped between applying a batch and journaling it
+    checked: int = 0
+    restored: int = 0  # timers the arena had lost, made again from the journal
+    rewritten: int = 0  # live records whose deadline, tag or state took the journal's
+    freed: int = 0  # live records the journal does not know
+    not_restored: int = 0  # the arena had no free record for them
+    fired_freed: int = 0  # fired records the journal does not know: a repeat, or damage (see _compare)
+    examples: list[str] = field(default_factory=list)
+    unsure: list[str] = field(default_factory=list)  # examples of those
+
+    @property
+    def damaged(self) -> int:
+        """Records found in disagreement with the journal (each repaired, or lost if not restored)."""
+        return self.restored + self.not_restored + self.rewritten + self.freed
+
+
+def journal_covers(wheel: TimerWheel, directory: str, name: str) -> str | None:
+    """Why the journal in ``directory`` cannot be taken as the truth about this arena, or None."""
+    arena_lsn = wheel.header_words()[AL.H_COUNTERS // 8 + AL.COUNTER["journal_lsn"]]
+    if arena_lsn <= 0:
+        return "the arena was not kept with a journal by the daemon before this one"
+    segments = list_segments(directory)
+    if not segments:
+        return f"the journal has no segment, and the arena's journal reached lsn {arena_lsn}"
+    try:
+        with open(segments[-1][1], "rb") as f:
+            header = json.loads(f.readline())
+    except (OSError, ValueError):
+        return f"the journal's newest segment {segments[-1][1].name} has no readable header"
+    written_by = header.get("name") if isinstance(header, dict) else None
+    if written_by != name:
+        return f"the journal's newest segment was written by instance {written_by!r}, not {name!r}"
+    return None
+
+
+def reconcile(wheel: TimerWheel, directory: str, name: str, clocks=read_clocks) -> Reconciled:
+    """Check a freshly attached arena against the journal in ``directory`` and repair it
+    (module docstring). Never raises for what it finds: a journal it cannot use is
+    reported in the result (``trusted`` False)."""
+    words = wheel.header_words()
+    result = Reconciled(batch_open=words[AL.H_JOURNAL_OPEN // 8] != 0)
+    try:
+        _reconcile(wheel, directory, name, clocks, result)
+    finally:
+        words[AL.H_JOURNAL_OPEN // 8] = 0  # the records and the journal agree from here on
+    return result
+
+
+def _reconcile(wheel: TimerWheel, directory: str, name: str, clocks, result: Reconciled) -> None:
+    reason = journal_covers(wheel, directory, name)
+    state = None
+    if reason is None:
+        try:
+            state = recover(directory, repair=False, quiet=True)
+        except (WheeldError, OSError, ValueError) as exc:
+            reason = f"the journal cannot be read: {exc}"
+    if state is not None:
+        arena_lsn = wheel.header_words()[AL.H_COUNTERS // 8 + AL.COUNTER["journal_lsn"]]
+        if state.damage:
+            reason = f"the journal has {len(state.damage)} damaged range(s)"
+        elif state.last_lsn < arena_lsn:
+            reason = f"the journal ends at lsn {state.last_lsn}, before the arena's {arena_lsn}"
+    if reason is not None:
+        result.reason = reason
+        return
+    result.trusted = True
+    _compare(wheel, state, clocks, result, clock_offsets(directory))
+
+
+def clock_offsets(directory: str) -> list[int]:
+    """``wall0 - mono0`` of every segment header of the journal: offsets the clocks had."""
+    offsets = []
+    for _lsn, path in list_segments(directory):
+        try:
+            with open(path, "rb") as f:
+                header = json.loads(f.readline())
+            offsets.append(int(header["wall0"]) - int(header["mono0"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged header: that segment's offset is not known
+    return offsets
+
+
+def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconciled, offsets: list[int]) -> None:
+    wall_ns, mono_ns = clocks()
+    now = mono_ns // 1_000_000
+    low, high = wheel.current_ms - MAX_DELAY_MS, wheel.current_ms + MAX_DELAY_MS
+    offset_now = -(-(wall_ns - mono_ns) // 1_000_000)
+    offsets = sorted(set(offsets + [offset_now - 1, offset_now]))
+    tolerance = TOLERANCE_MS
+
+    def monotonic(deadline_wall_ms: int) -> int:
+        return min(max(wall_to_monotonic_ns(deadline_wall_ms, wall_ns, mono_ns), low), high)  # the wheel's range
+
+    def journals(deadline_wall_ms: int, deadline: int) -> bool:
+        """Is ``deadline`` the arena form of the journal's ``deadline_wall_ms`` at an offset the clocks had?"""
+        x = deadline_wall_ms - deadline
+        if -tolerance <= x - offset_now <= tolerance:
+            return True
+        at = bisect.bisect_left(offsets, x - tolerance)
+        return at < len(offsets) and offsets[at] <= x + tolerance
+
+    gid_of = {name: gid for gid, name in wheel.groups().items()}
+    # the journal's timers by (group id, ident); those of a group the arena no longer names apart
+    unacked, lost_groups = {}, []
+    j_gids, j_idents, j_timers = [], [], []
+    for (g, key), timer in state.pending.items():
+        gid = gid_of.get(g)
+        if gid is None:
+            lost_groups.append((g, AL.SCHEDULED, _ident_of(key), timer))
+        else:
+            j_gids.append(gid)
+            j_idents.append(_ident_of(key))
+            j_timers.append(timer)
+    for timer in state.unacked:
+        gid = gid_of.get(timer.group)
+        if gid is None:
+            lost_groups.append((timer.group, AL.FIRED, _ident_of(timer.key), timer))
+        else:
+            unacked[(gid, _ident_of(timer.key), timer.seq & 0xFFFFFFFF)] = timer
+    slots, states, groups, deadlines, tags, idents = wheel.live_records()
+    result.checked = len(slots)
+    # The usual case, in numpy: a SCHEDULED record with the journal's arming of its key and
+    # its deadline at today's offset. Only the others are looked at one by one below.
+    agree, consumed = _agreeing(slots, states, groups, deadlines, tags, idents, j_gids, j_idents, j_timers,
+                                offset_now)
+    pending = {(g, ident): timer for g, ident, timer, used in zip(j_gids, j_idents, j_timers, consumed) if not used}
+    keep = ~agree
+    slots, states, groups, deadlines, tags, idents = (a[keep] for a in (slots, states, groups, deadlines, tags, idents))
+    free, rewrite, restore = [], [], []
+    scheduled_keys = set()  # (group, ident) of the SCHEDULED records that stay
+    unmatched_scheduled, unmatched_fired = [], []
+    names = wheel.groups()
+
+    def note(text: str) -> None:
+        if len(result.examples) < 4 * _EXAMPLES:
+            result.examples.append(text)
+
+    # 1. exact matches: the same arming (tag) of the same key in the same state
+    scheduled, pop_pending, pop_unacked = AL.SCHEDULED, pending.pop, unacked.pop
+    for slot, st, g, d, tag, ident in zip(slots.tolist(), states.tolist(), groups.tolist(), deadlines.tolist(),
+                                          tags.tolist(), idents.tolist()):
+        if st == scheduled:
+            timer = pop_pending((g, ident), None)
+            if timer is not None and timer.seq & 0xFFFFFFFF == tag:
+                if not journals(timer.deadline_ms, d):
+                    dj = monotonic(timer.deadline_ms)
+                    rewrite.append((slot, scheduled, dj, tag))
+                    note(f"record {slot} ({names.get(g)}): deadline {d}, the journal's is {dj}: took the journal's")
+                scheduled_keys.add((g, ident))
+                continue
+            if timer is not None:
+                pending[(g, ident)] = timer  # another arming: step 3
+            unmatched_scheduled.append((slot, st, g, d, tag, ident))
+        elif pop_unacked((g, ident, tag), None) is None:
+            unmatched_fired.append((slot, st, g, d, tag, ident))
+    # 2. fired records the journal has as pending, that arming: not due yet means fired early
+    other_scheduled = {(u[2], u[5]) for u in unmatched_scheduled}
+    for slot, _st, g, d, tag, ident in unmatched_fired:
+        timer = pending.get((g, ident))
+        if timer is not None and timer.seq & 0xFFFFFFFF == tag and (g, ident) not in other_scheduled:
+            del pending[(g, ident)]
+            dj = monotonic(timer.deadline_ms)
+            if dj > now + TOLERANCE_MS:
+                rewrite.append((slot, scheduled, dj, tag))
+                scheduled_keys.add((g, ident))
+                note(f"record {slot} ({names.get(g)}): fired, the journal has it pending until {dj}: back on the wheel")
+            continue  # due: a fire the journal had not recorded yet
+        # The journal keeps one unacknowledged fire per (key, arming): an arming applied twice
+        # (a ring re-applied from the head the last daemon published, after the timer it
+        # armed had fired) fires twice, and the first ack leaves the journal without the
+        # other. A fired record the journal does not know is that, or damage: freed either
+        # way (a repeat of an arming delivered already), and not counted as damage.
+        free.append(slot)
+        result.fired_freed += 1
+        if len(result.unsure) < _EXAMPLES:
+            result.unsure.append(f"record {slot} ({names.get(g)}, key {ident[1:].rstrip(bytes(1))!r}, arming {tag}): "
+                                 f"fired, not in the journal (an arming applied twice, or damage): freed")
+    # 3. scheduled records of another arming, or of no timer the journal knows
+    for slot, _st, g, d, tag, ident in unmatched_scheduled:
+        timer = pending.pop((g, ident), None)
+        if timer is not None:
+            seq = timer.seq & 0xFFFFFFFF
+            rewrite.append((slot, scheduled, d if journals(timer.deadline_ms, d) else monotonic(timer.deadline_ms),
+                            seq))
+            scheduled_keys.add((g, ident))
+            note(f"record {slot} ({names.get(g)}): arming {tag}, the journal's is {seq}: took the journal's")
+        elif unacked.pop((g, ident, tag), None) is not None:
+            scheduled_keys.add((g, ident))  # fired and not acknowledged: due, it fires again
+        else:
+            free.append(slot)
+            note(f"record {slot} ({names.get(g)}, key {ident[1:].rstrip(bytes(1))!r}, arming {tag}): pending, not in "
+                     f"the journal: freed")
+    # 4. what the journal has and the arena lost
+    for (g, ident), timer in pending.items():
+        if (g, ident) not in scheduled_keys:
+            restore.append((ident, g, scheduled, monotonic(timer.deadline_ms), timer.seq & 0xFFFFFFFF))
+    for (g, ident, seq), timer in unacked.items():
+        restore.append((ident, g, AL.FIRED, min(monotonic(timer.deadline_ms), now), seq))
+    for name, st, ident, timer in lost_groups:  # its group's name was overwritten too: registered again
+        gid = _group(wheel, gid_of, name)
+        if gid is None:
+            result.not_restored += 1
+            continue
+        deadline = monotonic(timer.deadline_ms)
+        restore.append((ident, gid, st, deadline if st == scheduled else min(deadline, now), timer.seq & 0xFFFFFFFF))
+    for ident, _gid, st, d, _seq in restore[:_EXAMPLES]:
+        note(f"{'pending' if st == scheduled else 'fired'} timer {ident[1:].rstrip(bytes(1))!r} restored from the journal")
+    if not (free or rewrite or restore):
+        return
+    made = wheel.rewrite_records(free, rewrite, restore)
+    result.freed = len(free) - result.fired_freed
+    result.rewritten = len(rewrite)
+    missing = sum(1 for slot in made if slot < 0)
+    result.restored = len(made) - missing
+    result.not_restored += missing
+
+
+def _agreeing(slots, states, groups, deadlines, tags, idents, j_gids, j_idents, j_timers, offset_now):
+    """Which live records (a bool array) are SCHEDULED with the journal's arming (``j_*``:
+    its pending timers) and its deadline at ``offset_now`` (within ``TOLERANCE_MS``), and
+    which journal timers (a list of bools) they account for."""
+    n = len(j_timers)
+    agree = np.zeros(slots.size, dtype=bool)
+    if not n or not slots.size:
+        return agree, [False] * n
+    try:
+        seqs = np.fromiter((t.seq & 0xFFFFFFFF for t in j_timers), dtype=np.int64, count=n)
+        walls = np.fromiter((t.deadline_ms for t in j_timers), dtype=np.int64, count=n)
+    except OverflowError:  # a journaled deadline beyond 64 bits: every record the slow way
+        return agree, [False] * n
+    prefix = [gid.to_bytes(2, "big") for gid in range(max(max(j_gids), int(groups.max())) + 1)]
+    index = {prefix[g] + ident: j for j, (g, ident) in enumerate(zip(j_gids, j_idents))}
+    mine = np.empty(slots.size, dtype=_KEY_DTYPE)
+    mine["g"] = groups
+    mine["i"] = idents
+    get = index.get
+    j = np.fromiter((get(k, -1) for k in mine.view("V35").tolist()), dtype=np.int64, count=slots.size)
+    found = j >= 0
+    j = np.where(found, j, 0)
+    lateness = walls[j] - np.clip(deadlines, -(1 << 62), 1 << 62) - offset_now  # no int64 overflow
+    agree = found & (states == AL.SCHEDULED) & (tags == seqs[j]) & (np.abs(lateness) <= TOLERANCE_MS)
+    consumed = np.zeros(n, dtype=bool)
+    consumed[j[agree]] = True
+    return agree, consumed.tolist()
+
+
+_KEY_DTYPE = np.dtype([("g", ">u2"), ("i", "V33")])  # a (group id, ident) pair, compared as 35 bytes
+_PAD = [bytes(KEY_BYTES - n) for n in range(KEY_BYTES + 1)]
+_STR_METAS = [bytes((encode_key("x" * n)[1],)) if n else b"" for n in range(KEY_BYTES + 1)]
+_INT_META = bytes((encode_key(0)[1],))
+
+
+def _ident_of(key) -> bytes:
+    """:func:`~wheeld.shm.wheel.encode_ident` of a journal's key, with str and int keys (the
+    usual ones) encoded here without a call per key."""
+    if type(key) is str:
+        kb = key.encode()
+        n = len(kb)
+        if 0 < n <= KEY_BYTES:
+            return _STR_METAS[n] + kb + _PAD[n]
+    elif type(key) is int and -(1 << 63) <= key < (1 << 63):
+        return _INT_META + key.to_bytes(8, "little", signed=True) + _PAD[8]
+    return encode_ident(key)
+
+
+def _group(wheel: TimerWheel, gid_of: dict, name: str) -> int | None:
+    """The group id of ``name``, registered again if the arena lost it; None when no id is left."""
+    gid = gid_of.get(name)
+    if gid is None:
+        try:
+            gid = gid_of[name] = wheel.group_id(name)
+        except WheeldError:
+            return None
+    return gid
+
+
+def summary(result: Reconciled) -> str:
+    parts = [f"{result.checked} live records checked against the journal"]
+    for count, what in ((result.restored, "restored from it"), (result.rewritten, "took its deadline, tag or state"),
+                        (result.freed, "freed (not in it)"),
+                        (result.fired_freed, "fired and not in it, freed (a repeat, or damage)"),
+                        (result.not_restored, "NOT restored (no free record or group id)")):
+        if count:
+            parts.append(f"{count} {what}")
+    return ", ".join(parts)
+
+
+__all__ = ["Reconciled", "TOLERANCE_MS", "journal_covers", "reconcile", "summary"]
