@@ -30,9 +30,25 @@ from wheeld.protocol.keys import key_length
 Lookup = Callable[[list], list]
 
 
-def rejection(seq: int, raw_key: bytes, meta: int, reason: str, code: str) -> M.Rejected:
+class Rejection(NamedTuple):
+    """A command that was not applied: the fields of its ``Rejected`` answer (``raw_key``
+    may carry its zero padding). The message itself is made only if it is sent one by
+    one (:meth:`wheeld.daemon.connection.Session.answer`)."""
+
+    seq: int
+    raw_key: bytes
+    key_meta: int
+    reason: str
+    code: str
+
+    def message(self) -> M.Rejected:
+        return M.Rejected(self.seq, bytes(self.raw_key[: key_length(self.key_meta)]), self.key_meta, self.reason,
+                          self.code)
+
+
+def rejection(seq: int, raw_key: bytes, meta: int, reason: str, code: str) -> Rejection:
     """The answer to a command that was not applied (``raw_key`` may carry its zero padding)."""
-    return M.Rejected(seq, bytes(raw_key[: key_length(meta)]), meta, reason, code)
+    return Rejection(seq, raw_key, meta, reason, code)
 
 
 class CommandLog(NamedTuple):
@@ -83,7 +99,7 @@ class Plan:
     flushes are answered once all of it is applied."""
 
     flushes: list  # seqs of its FLUSH records
-    rejections: list  # M.Rejected for arms whose deadline is out of range
+    rejections: list  # Rejection of each arm whose deadline is out of range
     acks: tuple  # (slots, generations, stamps) of its ACK records, in ring order
     keyed: Keyed | None = None
     cancels: np.ndarray | None = None  # idents: every key with a CANCEL, cancelled first
@@ -158,11 +174,14 @@ def _in_range(plan: Plan, records: np.ndarray, keyed_at: np.ndarray, clock_ms: i
     bad = (ops != C.CANCEL) & ((deadlines > clock_ms + max_delay_ms) | (deadlines < clock_ms - max_delay_ms))
     if not bad.any():
         return keyed_at, ops, deadlines
-    for i in keyed_at[bad].tolist():
-        r = records[i]
-        plan.rejections.append(rejection(int(r["seq"]), r["key"].tobytes(), int(r["key_meta"]),
-                                         f"deadline {int(r['deadline_ms'])} is more than {max_delay_ms} ms "
-                                         f"from the clock ({clock_ms})", M.Rejected.INVALID_DEADLINE))
+    bad_at = keyed_at[bad]
+    keys = np.ascontiguousarray(records["key"][bad_at]).view("V32").ravel().tolist()
+    code = M.Rejected.INVALID_DEADLINE
+    plan.rejections.extend(
+        Rejection(seq, key, meta, f"deadline {deadline} is more than {max_delay_ms} ms from the clock ({clock_ms})",
+                  code)
+        for seq, key, meta, deadline in zip(records["seq"][bad_at].tolist(), keys,
+                                            records["key_meta"][bad_at].tolist(), deadlines[bad].tolist()))
     keep = ~bad
     return keyed_at[keep], ops[keep], deadlines[keep]
 
