@@ -56,6 +56,7 @@ log = logging.getLogger("wheeld")
 _PEERCRED = struct.Struct("3i")
 MAINTAIN_S = 1.0  # period of the bookkeeping timer (frame and ack timeouts, accept pauses)
 GC_INTERVAL_MS = 2000  # orphaned client slots and idle groups are looked for this often
+DEMAND_COLLECT_MS = 250  # ...and, for a Hello that needs a slot, at most this often
 # The longest delay a client may ask for: the wheel takes deadlines up to MAX_DELAY_MS past
 # its own clock, which lags real time by up to a park; a day of margin means a delay the
 # client accepted is never refused later (at flush) for being a few ms too far out.
@@ -83,6 +84,8 @@ class Sessions:
         self._log_limiter = _LogLimiter()
         self._last_ack_rotation = 0.0
         self._last_collect = 0
+        self._last_demand_collect = -DEMAND_COLLECT_MS
+        self._last_demand_reclaim = -DEMAND_COLLECT_MS
         self._full_groups: set[int] = set()  # groups at --group-quota (their members were told)
         self.wheel = self.delivery = self.executor = self.status = self.recorder = None
         self.arena_epoch = 0
@@ -259,10 +262,13 @@ class Sessions:
         held = self.table.groups_owned_by(session.uid, self.wheel.max_groups)
         if held < limit:
             return None
-        self.reclaim_groups()  # groups of its that went idle since the last periodic pass
-        held = self.table.groups_owned_by(session.uid, self.wheel.max_groups)
-        if held < limit:
-            return None
+        now = self.daemon.clock()
+        if now - self._last_demand_reclaim >= DEMAND_COLLECT_MS:  # groups of its that went idle since the
+            self._last_demand_reclaim = now                        # last periodic pass (not for every Hello)
+            self.reclaim_groups()
+            held = self.table.groups_owned_by(session.uid, self.wheel.max_groups)
+            if held < limit:
+                return None
         return (f"uid {session.uid} owns {held} groups, its limit (--groups-per-uid, {limit}): a group is given up "
                 f"once it has no member and nothing pending; use fewer group names")
 
@@ -367,8 +373,10 @@ class Sessions:
             self._refuse(session, over, M.Refused.BUSY)
             return None
         slot = self.table.free_slot_number(hello.resume_segment)
-        if slot is None:
-            self.collect_orphans(self.daemon.clock())  # slots whose client is gone for good, freed now
+        now = self.daemon.clock()
+        if slot is None and now - self._last_collect >= DEMAND_COLLECT_MS:
+            self._last_collect = now  # slots whose client is gone for good, freed now (not for every Hello)
+            self.collect_orphans(now)
             slot = self.table.free_slot_number(hello.resume_segment)
         if slot is None:
             self._refuse(session, f"too many clients: all {self.table.limit} client slots are in use (--max-clients)",
@@ -404,7 +412,7 @@ class Sessions:
         mine = [cs for cs in self.clients.values() if cs.uid == session.uid]
         if len(mine) < limit:
             return None
-        self.collect_orphans(self.daemon.clock())  # those of its clients that are gone for good
+        self.collect_orphans(self.daemon.clock(), session.uid)  # those of its clients that are gone for good
         mine = [cs for cs in self.clients.values() if cs.uid == session.uid]
         if len(mine) < limit:
             return None
@@ -493,19 +501,26 @@ class Sessions:
             self._last_collect = now
             self.collect_orphans(now)
 
-    def collect_orphans(self, now: int) -> None:
-        """Forget client slots whose client is gone: once the ring is drained and no idle
-        timer refers to the touch table any more; a slot waiting for its client after a
-        restart once ``resume_grace_s`` has passed; a poisoned slot at once."""
-        orphans = [cs for cs in self.clients.values() if cs.session is None and now - cs.orphan_since >= GC_INTERVAL_MS]
+    def collect_orphans(self, now: int, uid: int | None = None) -> None:
+        """Forget client slots whose client is gone for good (:meth:`_collectable`), and
+        reclaim idle groups. With ``uid`` (a Hello that needs a slot), only that uid's
+        slots, at most every ``DEMAND_COLLECT_MS``, and no groups: each pass looks at
+        every record of the arena once, which a stream of Hellos must not repeat."""
+        if uid is not None:
+            if now - self._last_demand_collect < DEMAND_COLLECT_MS:
+                return
+            self._last_demand_collect = now
+        orphans = [cs for cs in self.clients.values() if cs.session is None and (uid is None or cs.uid == uid)
+                   and now - cs.orphan_since >= GC_INTERVAL_MS]
         if orphans:
-            referenced = self._touch_references()
+            idle = _IdleTimers(self.wheel)
             for cs in orphans:
-                if self._collectable(cs, now, referenced):
-                    self.release_slot(cs, referenced)
-        self.reclaim_groups()
+                if self._collectable(cs, now, idle):
+                    self.release_slot(cs, idle)
+        if uid is None:
+            self.reclaim_groups()
 
-    def _collectable(self, cs: ClientSlot, now: int, referenced: set[int]) -> bool:
+    def _collectable(self, cs: ClientSlot, now: int, idle: _IdleTimers) -> bool:
         """Is this orphaned slot's client gone for good? A poisoned one at once; one that
         said Bye once its ring is drained; any other once its ring is drained and no
         idle timer refers to its touch table, or ``resume_grace_s`` after it left (a
@@ -524,63 +539,46 @@ class Sessions:
                 return False
         except ProtocolError:
             pass
-        return cs.said_bye or cs.slot not in referenced
+        return cs.said_bye or not idle.of(cs.slot).size
 
-    def _idle_records(self) -> tuple[np.ndarray, np.ndarray]:
-        """(aux column, mask of the live idle timers) of the arena's entries."""
-        rec = self.wheel.records
-        first = self.wheel.first_entry
-        aux = rec["aux"][first:]
-        return aux, (aux >= 0) & ((rec["state"][first:] & AL.STATE_MASK) != AL.FREE)
-
-    def _touch_references(self) -> set[int]:
-        """Client slots whose touch table some live idle timer refers to."""
-        aux, idle = self._idle_records()
-        return set(np.unique(aux[idle] >> CL.TOUCH_INDEX_BITS).tolist())
-
-    def release_slot(self, cs: ClientSlot, referenced: set[int] | None = None) -> None:
+    def release_slot(self, cs: ClientSlot, idle: _IdleTimers | None = None) -> None:
         """Forget a client slot (the slot may be given to another client). Idle timers
         that still refer to its touch table become plain timers (:meth:`_settle_idle_timers`)."""
-        if referenced is None:
-            referenced = self._touch_references()
-        if cs.slot in referenced:
-            self._settle_idle_timers(cs)
+        mine = (idle or _IdleTimers(self.wheel)).of(cs.slot)
+        if mine.size:
+            self._settle_idle_timers(cs, mine)
         log.info("client slot %d (pid %d) released", cs.slot, cs.pid)
         if cs.segment is not None:
             cs.segment.close()
         self.table.remove(cs)
 
-    def _settle_idle_timers(self, cs: ClientSlot) -> None:
-        """The idle timers that refer to this slot's touch table become plain timers at the
-        deadline the table gives them: ``last touch + idle_ms`` when that is later than
-        their deadline (the re-arm :meth:`Delivery.idle_check
+    def _settle_idle_timers(self, cs: ClientSlot, mine: np.ndarray) -> None:
+        """The idle timers (records ``mine``) that refer to this slot's touch table become
+        plain timers at the deadline the table gives them: ``last touch + idle_ms`` when
+        that is later than their deadline (the re-arm :meth:`Delivery.idle_check
         <wheeld.daemon.delivery.Delivery.idle_check>` would make when they come due),
         else their deadline. A table that holds impossible values for a timer (the
         values idle_check poisons a client for), or none at all (a slot still waiting
         for its client after a restart), or a poisoned client's, leaves the deadline."""
         wheel, rec = self.wheel, self.wheel.records
-        aux, idle = self._idle_records()
-        mine = np.flatnonzero(idle & ((aux >> CL.TOUCH_INDEX_BITS) == cs.slot))
-        slots = mine + wheel.first_entry
         moved = 0
-        if slots.size and cs.segment is not None and not cs.poisoned:
-            scheduled = (rec["state"][slots] & AL.STATE_MASK) == AL.SCHEDULED
-            slots = slots[scheduled]
+        if cs.segment is not None and not cs.poisoned:
+            slots = mine[(rec["state"][mine] & AL.STATE_MASK) == AL.SCHEDULED]
             index = rec["aux"][slots].astype(np.int64) & CL.TOUCH_INDEX_MASK
             inside = index < cs.segment.touch_capacity
             slots, index = slots[inside], index[inside]
             touched = np.frombuffer(cs.segment._last_touch, dtype=np.int64)[index]
             idle_ms = np.frombuffer(cs.segment._idle, dtype=np.int64)[index]
             now = max(wheel.current_ms, self.daemon.clock())
-            # ShmSegment.read_activity's checks, for many: 0 in either word is "no activity"
+            # ClientSegment.read_activity's checks, for many: 0 in either word is "no activity"
             sound = (touched > 0) & (touched <= now + 1) & (idle_ms > 0) & (idle_ms <= MAX_IDLE_MS)
             deadlines = rec["deadline"][slots]
-            later = sound & (touched + np.where(sound, idle_ms, 0) > deadlines)
-            slots, settle_at = slots[later], (touched + idle_ms)[later]
-            moved = int(slots.size)
+            settle_at = np.where(sound, touched + np.where(sound, idle_ms, 0), 0)
+            later = sound & (settle_at > deadlines)
+            moved = int(np.count_nonzero(later))
             if moved:
-                self._rearm_settled(slots, deadlines[later], settle_at, idle_ms[later])
-        rec["aux"][mine + wheel.first_entry] = -1
+                self._rearm_settled(slots[later], deadlines[later], settle_at[later], idle_ms[later])
+        rec["aux"][mine] = -1
         log.info("client slot %d: %d idle timers become plain timers (%d of them at last touch + idle time)",
                  cs.slot, int(mine.size), moved)
 
@@ -662,6 +660,25 @@ class Sessions:
                     self.config.ack_timeout_s / 2)
                 self.delivery.requeue(overdue, cs.group)
         self.wake()
+
+
+class _IdleTimers:
+    """The arena's live idle timers by the client slot whose touch table they refer to,
+    looked up on first use (one pass over the records' aux and state columns)."""
+
+    def __init__(self, wheel):
+        self.wheel = wheel
+        self._records = self._owners = None
+
+    def of(self, client_slot: int) -> np.ndarray:
+        """The record slots of the live idle timers that refer to ``client_slot``'s table."""
+        if self._records is None:
+            rec, first = self.wheel.records, self.wheel.first_entry
+            aux = rec["aux"][first:]
+            live = np.flatnonzero((aux >= 0) & ((rec["state"][first:] & AL.STATE_MASK) != AL.FREE))
+            self._records = live + first
+            self._owners = aux[live] >> CL.TOUCH_INDEX_BITS
+        return self._records[self._owners == client_slot]
 
 
 class _Passed:

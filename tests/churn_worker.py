@@ -1,7 +1,14 @@
-"""A seeded attacker for the churn fuzz: python churn_worker.py JSON_ARGS (run as a non-root uid).
+"""Attackers of another uid: python churn_worker.py JSON_ARGS, started as root.
 
-It plays, in a random order, three kinds of session against one daemon and
-prints its tally as one JSON line at the end:
+It imports all it needs while it is root, then becomes ``uid`` (gid the same, no
+supplementary groups) in the same process: the interpreter running the tests may
+live where another uid cannot read it (a pyenv under /root), so neither
+``subprocess.Popen(user=...)`` nor an import after the change would work (see
+tests/layout_roles.py). Then it runs ``code`` (a snippet with ``ARGS``, printing
+its result as the last JSON line), or else the churn.
+
+The churn, seeded, plays three kinds of session in a random order against one
+daemon and prints its tally as one JSON line at the end:
 
 * **answer floods**: a ring filled with commands the daemon answers (ADDs with
   deadlines it refuses, FLUSHes, ACKs of records that are not the client's),
@@ -21,12 +28,19 @@ other WheeldError is recorded as an error, and the worker exits 1 on one.
 from __future__ import annotations
 
 import json
+import os
+import pkgutil
 import random
 import socket
 import sys
 import time
 
+import msgspec  # noqa: F401
+import numpy  # noqa: F401
+
 import wheeld
+import wheeld.protocol
+import wheeld.shm
 from wheeld.protocol import commands as C
 from wheeld.protocol import messages as M
 from wheeld.protocol import ring_layout as RL
@@ -97,7 +111,7 @@ class Churn:
         sock.setblocking(False)
         trickle = rng.choice([0, 0, 4096, 65536, 1 << 20])
         every_s = rng.choice([0.01, 0.1, 0.5])
-        end = time.monotonic() + rng.uniform(0.2, 3.0)
+        end = time.monotonic() + rng.uniform(0.1, 1.0)
         last_read = time.monotonic()
         try:
             while time.monotonic() < end:
@@ -140,7 +154,7 @@ class Churn:
         except wheeld.RingFull:
             self.tally["ring_full"] += 1
         self.open.append(client)
-        if len(self.open) > rng.randint(0, 20):
+        if len(self.open) > rng.randint(4, 30):
             self.settle_open(rng.randint(1, len(self.open)))
 
     def settle_open(self, count: int) -> None:
@@ -174,7 +188,7 @@ class Churn:
         rng = self.rng
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            action = rng.choices([self.flood, self.slots, self.groups], [2, 5, 4])[0]
+            action = rng.choices([self.flood, self.slots, self.groups], [1, 5, 5])[0]
             try:
                 action()
             except wheeld.WheeldError as exc:
@@ -185,8 +199,23 @@ class Churn:
         return self.tally
 
 
+def become(uid: int) -> None:
+    """Import what the client may load lazily, then take ``uid`` for good."""
+    for package in (wheeld, wheeld.protocol, wheeld.shm):
+        for module in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            __import__(module.name)
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+
+
 def main() -> int:
     args = json.loads(sys.argv[1])
+    become(args["uid"])
+    if "code" in args:
+        exec(compile(args["code"], "<snippet>", "exec"), {"ARGS": args, "json": json, "wheeld": wheeld, "os": os,
+                                                        "socket": socket, "time": time})
+        return 0
     tally = Churn(args).run(args["seconds"])
     print(json.dumps(tally))
     return 1 if tally["errors"] else 0

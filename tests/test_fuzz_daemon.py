@@ -343,9 +343,24 @@ def test_fuzz_long(tmp_path, daemon_factory):
 CHURN_WORKER = os.path.join(os.path.dirname(__file__), "churn_worker.py")
 CHURN_UIDS = (65534, 65533)  # not root, not the daemon's uid: the per-uid bounds apply to them
 CHURN_MAX_CLIENTS = 48
-CHURN_CLIENTS_PER_UID = 12
+CHURN_CLIENTS_PER_UID = 8
 CHURN_MAX_GROUPS = 64  # a quarter of them (16) per uid by default
 CHURN_GROUP_POOL = 40  # group names each attacker draws from: more than its bound
+_FRESH_CLIENT = """
+end = time.monotonic() + 30
+while True:  # slots left without a Bye come back within --resume-grace-s
+    try:
+        w = wheeld.connect(ARGS["socket"], group=ARGS["group"], connect_timeout_s=10)
+        break
+    except wheeld.BackPressure:
+        if time.monotonic() > end:
+            raise
+        time.sleep(0.2)
+w.add("x", 5)
+got = [e.key for e in w.poll(10)]
+w.close()
+print(json.dumps({"served": got}))
+"""
 
 
 def churn(tmp_path, daemon_factory, seed: int, seconds: float) -> dict:
@@ -357,6 +372,8 @@ def churn(tmp_path, daemon_factory, seed: int, seconds: float) -> dict:
     import subprocess
     import sys
     import tempfile
+
+    from test_hostile_bounds import run_as
 
     base = tempfile.mkdtemp(prefix="wheeld-churn-")
     os.chmod(base, 0o755)
@@ -376,11 +393,10 @@ def churn(tmp_path, daemon_factory, seed: int, seconds: float) -> dict:
         start_kb = rss_kb(d.pid)
         peak_kb = start_kb
         for n, uid in enumerate(CHURN_UIDS):
-            args = {"socket": d.socket_path, "seed": seed * 100 + n, "prefix": f"churn{uid}", "seconds": seconds,
-                    "group_pool": CHURN_GROUP_POOL}
-            attackers.append(subprocess.Popen([sys.executable, CHURN_WORKER, json.dumps(args)], user=uid, group=uid,
-                                              extra_groups=[], cwd="/", stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE))
+            args = {"uid": uid, "socket": d.socket_path, "seed": seed * 100 + n, "prefix": f"churn{uid}",
+                    "seconds": seconds, "group_pool": CHURN_GROUP_POOL}
+            attackers.append(subprocess.Popen([sys.executable, CHURN_WORKER, json.dumps(args)],
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         while any(a.poll() is None for a in attackers):
             assert d.proc.poll() is None, f"the daemon exited:\n{d.log()[-3000:]}"
             peak_kb = max(peak_kb, rss_kb(d.pid))
@@ -393,18 +409,7 @@ def churn(tmp_path, daemon_factory, seed: int, seconds: float) -> dict:
         honest.wait_served(20)
         # the bounds were met, and what the attackers held came back: each uid gets a slot and a new group
         for uid in CHURN_UIDS:
-            fresh = {"socket": d.socket_path, "seed": 0, "prefix": f"fresh{uid}", "seconds": 0, "group_pool": 1}
-            code = ("import json, sys, time, wheeld\nargs = json.loads(sys.argv[1])\nend = time.monotonic() + 30\n"
-                    "while True:\n"
-                    "    try:\n"
-                    "        w = wheeld.connect(args['socket'], group=args['prefix'], connect_timeout_s=10)\n"
-                    "        break\n"
-                    "    except wheeld.BackPressure:\n"
-                    "        if time.monotonic() > end: raise\n"
-                    "        time.sleep(0.2)\n"
-                    "w.add('x', 5)\nassert [e.key for e in w.poll(10)] == ['x']\nw.close()\n")
-            subprocess.run([sys.executable, "-c", code, json.dumps(fresh)], user=uid, group=uid, extra_groups=[],
-                           cwd="/", check=True, timeout=60)
+            assert run_as(uid, _FRESH_CLIENT, socket=d.socket_path, group=f"fresh{uid}") == {"served": ["x"]}
         result = honest.finish()
         assert result["max_late_ms"] <= LATE_BOUND_MS, result
         published = counters(d.name)

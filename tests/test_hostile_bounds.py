@@ -67,12 +67,15 @@ def shared_daemon(tmp_path, daemon_factory):
         shutil.rmtree(base, ignore_errors=True)
 
 
+OTHER_UID_WORKER = os.path.join(os.path.dirname(__file__), "churn_worker.py")
+
+
 def run_as(uid: int, code: str, timeout_s: float = 120.0, **args) -> dict:
-    """Run ``code`` in a new interpreter as ``uid`` (gid the same) with ``args`` as the dict
-    ``ARGS``; it prints its result as one JSON line last. Returns that result."""
-    prelude = "import json, sys\nARGS = json.loads(sys.argv[1])\n"
-    proc = subprocess.run([sys.executable, "-c", prelude + code, json.dumps(args)], user=uid, group=uid,
-                          extra_groups=[], capture_output=True, timeout=timeout_s, cwd="/")
+    """Run ``code`` as ``uid`` (tests/churn_worker.py) with ``args`` as the dict ``ARGS``
+    (``json``, ``os``, ``socket``, ``time`` and ``wheeld`` imported); it prints its result
+    as one JSON line last. Returns that result."""
+    proc = subprocess.run([sys.executable, OTHER_UID_WORKER, json.dumps(dict(args, uid=uid, code=code))],
+                          capture_output=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
     return json.loads(proc.stdout.decode().strip().splitlines()[-1])
 
@@ -263,7 +266,6 @@ def test_a_departed_clients_idle_timers_fire_after_its_last_touch_never_sooner(h
 SLOTS_PER_UID = 8
 
 _HOLD_SLOTS = """
-import os, socket, time, wheeld
 held, refused = [], None
 for i in range(ARGS["sessions"]):
     try:
@@ -307,7 +309,6 @@ def test_one_uid_holds_at_most_its_share_of_slots_and_departed_ones_come_back(sh
 MAX_GROUPS = 64  # the default bound per uid is a quarter of them: 16
 
 _TAKE_GROUPS = """
-import wheeld
 made, refused = 0, None
 for i in range(ARGS["groups"]):
     try:
