@@ -78,8 +78,8 @@ EXIT_JOURNAL_DAMAGED = 65
                    "and the slot is freed.")
 @click.option("--ack-timeout-s", type=click.FloatRange(1.0, 86_400.0), default=30.0, show_default=True,
               help="An expiration a client leaves unacknowledged this long is sent again (to any member of "
-                   "its group) and counted; a client that reads nothing from its socket this long while "
-                   "the daemon has output for it is disconnected.")
+                   "its group) and counted; a client that has not read, this long after, what the daemon "
+                   "queued for it is disconnected (however much it reads meanwhile).")
 @click.option("--frame-timeout-s", type=click.FloatRange(0.1, 3600.0), default=5.0, show_default=True,
               help="A client that starts a message must finish it within this (else it is disconnected).")
 @click.option("--coalesce-us", type=click.IntRange(0, 10_000), default=500, show_default=True,
