@@ -45,6 +45,11 @@ class Rejection(NamedTuple):
         return M.Rejected(self.seq, bytes(self.raw_key[: key_length(self.key_meta)]), self.key_meta, self.reason,
                           self.code)
 
+    @property
+    def key(self):
+        """The refused command's key (None for a command without one)."""
+        return self.message().key
+
 
 def rejection(seq: int, raw_key: bytes, meta: int, reason: str, code: str) -> Rejection:
     """The answer to a command that was not applied (``raw_key`` may carry its zero padding)."""
