@@ -118,7 +118,7 @@ class Churn:
                 head = seg._words[RL.HEAD_WORD]
                 if seg._tail < head + capacity:
                     self.tally["flooded_records"] += head + capacity - seg._tail
-                    seg._publish(head + capacity)
+                    seg._tail = seg._words[RL.TAIL_WORD] = head + capacity  # publish the tail
                     sock.send(M.encode_client_frame(M.Doorbell(urgent=True)))
                 if trickle and time.monotonic() - last_read >= every_s:
                     last_read = time.monotonic()

@@ -83,10 +83,10 @@ def run_as(uid: int, code: str, timeout_s: float = 120.0, **args) -> dict:
 # ---------------------------------------------------------------------------- answers
 
 FLOOD_S = 8.0
-TRICKLE_BYTES = 2048  # what the flooder reads from its socket...
-TRICKLE_EVERY_S = 0.5  # ...this often: enough to have looked alive to a "took a byte lately" rule
-#: how much the daemon may grow while one client floods it with refused commands
-FLOOD_RSS_BOUND_KB = 64 * 1024
+TRICKLE_BYTES = 256 * 1024  # what the flooder reads from its socket...
+TRICKLE_EVERY_S = 1.0  # ...this often: enough to have looked alive to a "took a byte lately" rule
+#: how much the daemon may grow while one client floods it with refused commands and flushes
+FLOOD_RSS_BOUND_KB = 32 * 1024
 #: how late (fired_ms - deadline_ms) the daemon may fire an honest timer meanwhile (as the fuzz's bound)
 LATE_BOUND_MS = 1000
 
@@ -113,7 +113,7 @@ def _flooder(socket_path: str, stop: threading.Event, stats: dict) -> None:
                 head = seg._words[RL.HEAD_WORD]
                 if seg._tail < head + capacity:
                     stats["republished"] += head + capacity - seg._tail
-                    seg._publish(head + capacity)
+                    seg._tail = seg._words[RL.TAIL_WORD] = head + capacity  # publish the tail
                     sock.send(M.encode_client_frame(M.Doorbell(urgent=True)))
                 if time.monotonic() - last_read >= TRICKLE_EVERY_S:
                     last_read = time.monotonic()
