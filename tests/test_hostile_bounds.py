@@ -154,12 +154,50 @@ def test_a_client_flooding_answers_and_reading_a_trickle_stays_bounded(hostile):
     print(f"flood: {stats}, daemon RSS {before_kb // 1024} -> peak {peak_kb // 1024} MiB")
     assert stats["republished"] >= 16384 and stats["read"] > 0  # it flooded (a ring's worth at least), and it read
     assert peak_kb - before_kb < FLOOD_RSS_BOUND_KB, (before_kb, peak_kb, stats)
-    # the flooder's session was ended for the answers it left unread, its trickle notwithstanding
-    wait_until(lambda: "has not read its socket" in d.log(), 10, what="the flooder disconnected for its progress")
     assert counters(d.name)["rejected_total"] >= 16384 * 3 // 4
     result = unharmed(d, honest)
     print(f"honest: max {result['max_late_ms']} ms late")
     assert result["max_late_ms"] <= LATE_BOUND_MS, result
+
+
+BACKLOG = 60_000  # expirations waiting for a member: ~4 MB of frames
+
+
+def test_a_member_reading_a_trickle_of_its_backlog_is_judged_by_its_progress(hostile):
+    """A member with megabytes of expirations queued that reads 256 KiB a second takes
+    bytes off its socket all the time, but what it was sent is still unread
+    ``--ack-timeout-s`` later: it is disconnected, and what it held goes to a member
+    that reads."""
+    d, honest = hostile(extra=["--ack-timeout-s", "3"])
+    with wheeld.connect(d.socket_path, group="backlog") as adder:
+        for i in range(BACKLOG):
+            adder.add(i, 1)
+        adder.flush()
+    wait_until(lambda: counters(d.name)["undelivered"] == BACKLOG, 20, what="the backlog fired, waiting for a member")
+    slow = wheeld.connect(d.socket_path, group="backlog")
+    sock, read = slow._sock, 0
+    sock.settimeout(1.0)
+    started = time.monotonic()
+    closed = False
+    try:
+        while not closed and time.monotonic() - started < 20:
+            time.sleep(1.0)
+            try:
+                data = sock.recv(TRICKLE_BYTES)
+            except TimeoutError:
+                continue
+            except OSError:
+                data = b""
+            closed = data == b""
+            read += len(data)
+    finally:
+        abandon(slow)
+    assert closed and read > 0, read
+    assert time.monotonic() - started >= 3.0  # not before the timeout
+    wait_until(lambda: "has not read its socket" in d.log(), 5, what="the reason logged")
+    with wheeld.connect(d.socket_path, group="backlog") as reader:
+        assert {e.key for e in collect(reader, BACKLOG, timeout_s=60)} == set(range(BACKLOG))
+    unharmed(d, honest)
 
 
 def _read_answers(client, until_applied: int, timeout_s: float = 20.0) -> list:
