@@ -160,7 +160,8 @@ def test_a_client_flooding_answers_and_reading_a_trickle_stays_bounded(hostile):
     assert result["max_late_ms"] <= LATE_BOUND_MS, result
 
 
-BACKLOG = 60_000  # expirations waiting for a member: ~4 MB of frames
+BACKLOG = 40_000  # expirations waiting for a member: ~3 MB of frames
+BACKLOG_DELAY_MS = 5000  # they fire once their adder has gone (it would take any that fired while it is there)
 
 
 def test_a_member_reading_a_trickle_of_its_backlog_is_judged_by_its_progress(hostile):
@@ -171,9 +172,9 @@ def test_a_member_reading_a_trickle_of_its_backlog_is_judged_by_its_progress(hos
     d, honest = hostile(extra=["--ack-timeout-s", "3"])
     with wheeld.connect(d.socket_path, group="backlog") as adder:
         for i in range(BACKLOG):
-            adder.add(i, 1)
+            adder.add(i, BACKLOG_DELAY_MS)
         adder.flush()
-    wait_until(lambda: counters(d.name)["undelivered"] == BACKLOG, 20, what="the backlog fired, waiting for a member")
+    wait_until(lambda: counters(d.name)["undelivered"] == BACKLOG, 30, what="the backlog fired, waiting for a member")
     slow = wheeld.connect(d.socket_path, group="backlog")
     sock, read = slow._sock, 0
     sock.settimeout(1.0)
