@@ -352,12 +352,17 @@ while True:  # slots left without a Bye come back within --resume-grace-s
     try:
         w = wheeld.connect(ARGS["socket"], group=ARGS["group"], connect_timeout_s=10)
         break
-    except wheeld.BackPressure:
+    except wheeld.BackPressure as exc:
+        if isinstance(exc, wheeld.ArenaFull):
+            raise
         if time.monotonic() > end:
             raise
         time.sleep(0.2)
-w.add("x", 5)
-got = [e.key for e in w.poll(10)]
+w.add("fresh-x", 5)
+got = []
+while "fresh-x" not in got and time.monotonic() < end + 10:
+    got += [e.key for e in w.poll(1)]  # idle timers of the group may come due to this member too
+got = [k for k in got if k == "fresh-x"]
 w.close()
 print(json.dumps({"served": got}))
 """
@@ -407,9 +412,10 @@ def churn(tmp_path, daemon_factory, seed: int, seconds: float) -> dict:
             assert a.returncode == 0, (out.decode()[-2000:], err.decode(errors="replace")[-3000:])
             tallies.append(json.loads(out.decode().strip().splitlines()[-1]))
         honest.wait_served(20)
-        # the bounds were met, and what the attackers held came back: each uid gets a slot and a new group
+        # the slots the attackers left behind came back: each uid gets one again (its groups keep their
+        # hour-long timers, so it joins one of its own)
         for uid in CHURN_UIDS:
-            assert run_as(uid, _FRESH_CLIENT, socket=d.socket_path, group=f"fresh{uid}") == {"served": ["x"]}
+            assert run_as(uid, _FRESH_CLIENT, socket=d.socket_path, group=f"churn{uid}-idle") == {"served": ["fresh-x"]}
         result = honest.finish()
         assert result["max_late_ms"] <= LATE_BOUND_MS, result
         published = counters(d.name)
@@ -438,7 +444,7 @@ def churn(tmp_path, daemon_factory, seed: int, seconds: float) -> dict:
 @pytest.mark.parametrize("seed", [1])
 def test_fuzz_answer_floods_and_slot_and_group_churn(tmp_path, daemon_factory, seed):
     summary = churn(tmp_path, daemon_factory, seed, seconds=15)
-    assert summary["flooded_records"] >= 100_000
+    assert summary["flooded_records"] >= 2 * RING_CAPACITY and summary["rejected"] >= RING_CAPACITY
     assert summary["refused_slots"] and summary["refused_groups"]  # both bounds were met...
     assert summary["left_without_bye"] and summary["idle_timers"]  # ...and slots left behind came back
 
@@ -447,4 +453,4 @@ def test_fuzz_answer_floods_and_slot_and_group_churn(tmp_path, daemon_factory, s
 @pytest.mark.timeout(3600)
 def test_fuzz_churn_long(tmp_path, daemon_factory):
     summary = churn(tmp_path, daemon_factory, 2, seconds=180)
-    assert summary["flooded_records"] >= 1_000_000
+    assert summary["flooded_records"] >= 50 * RING_CAPACITY
