@@ -42,10 +42,12 @@ APPLY_CHUNK = 4096  # applied, then committed, at a time, at most
 # The daemon's time one ring may take per loop iteration: once a ring's chunks have
 # taken this long, the drain moves on to the next ring (and, in the next iteration,
 # back to it). A chunk is sized by what its commands cost so far (ClientSlot.apply_ns:
-# the last chunk's ns per command, or less than an eighth below the one before), so
-# one chunk of expensive commands (each refused, say) does not hold the loop either.
-# A chunk of 4096 ordinary commands fits it (~1.5-5 ms, compiled or planned).
+# the last chunk's ns per command, or less than an eighth below the one before; a
+# ring whose cost is not known yet gets FIRST_CHUNK), so one chunk of expensive
+# commands (each refused, say) does not hold the loop either. A chunk of 4096
+# ordinary commands fits it (~1.5-5 ms, compiled or planned).
 RING_BUDGET_NS = 5_000_000
+FIRST_CHUNK = 512
 MIN_CHUNK = 64
 # On the Python path smaller drained chunks are cheaper one command at a time: a plan
 # costs ~300 us fixed + ~1.2 us/command, one by one ~3.5-4 us/command (crossover
@@ -113,14 +115,14 @@ class Executor:
             done = spent = 0
             while done < max_per_ring and not cs.poisoned:
                 cost = cs.apply_ns
-                want = min(APPLY_CHUNK, max_per_ring - done,
-                           max(MIN_CHUNK, RING_BUDGET_NS // cost) if cost else APPLY_CHUNK)
+                want = min(max(MIN_CHUNK, RING_BUDGET_NS // cost) if cost else FIRST_CHUNK, APPLY_CHUNK,
+                           max_per_ring - done)
                 started = perf_counter_ns()
                 applied = self.apply_ring(cs, want)
                 took = perf_counter_ns() - started
                 spent += took
                 if applied:
-                    cs.apply_ns = max(took // applied, cost - cost // 8)
+                    cs.apply_ns = max(took // applied, cost - cost // 8, 1)
                 done += applied
                 if applied < want or spent >= RING_BUDGET_NS or (stop_at_ms is not None and clock() >= stop_at_ms):
                     break

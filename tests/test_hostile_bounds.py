@@ -17,6 +17,7 @@ suite runs as: those attacks run in a child process as another uid
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -32,12 +33,16 @@ from daemon_harness import mono_ms, wait_for_clock, wait_until
 import wheeld
 from hostile_harness import Honest, counters, rss_kb
 from test_hostile import abandon, collect, hostile, unharmed  # noqa: F401 - hostile: the fixture
+from wheeld.daemon import executor as E
+from wheeld.daemon.client_table import ClientSlot
 from wheeld.protocol import commands as C
 from wheeld.protocol import framing
 from wheeld.protocol import messages as M
 from wheeld.protocol import ring_layout as RL
 from wheeld.protocol.keys import encode_key
 from wheeld.shm import reader as R
+from wheeld.shm.ring import ClientSegment
+from wheeld.shm.wheel import TimerWheel
 
 NOBODY = 65534
 OTHER_UID = 65533  # a second uid without a passwd entry: SO_PEERCRED reports it all the same
@@ -252,6 +257,61 @@ def test_refusals_beyond_what_a_client_reads_are_summarised_and_none_is_lost(hos
         client.add("still-served", 10)
         assert [e.key for e in collect(client, 1)] == ["still-served"]
     unharmed(d, honest)
+
+
+# ---------------------------------------------------------------------------- one ring's share of the loop
+
+EXPENSIVE_NS = 20_000  # what each command of the costly ring takes (a refusal on a slow machine, say)
+CHEAP_NS = 400  # ...and each of the ordinary ring's
+
+
+def test_one_ring_gets_a_bounded_share_of_each_loop_iteration(monkeypatch):
+    """Executor.drain, on a clock that counts what each chunk of commands costs: a ring
+    whose commands are expensive gets a small first chunk, then chunks that fit the
+    per-ring budget, while an ordinary ring beside it is drained as much as before."""
+    clock = [0]
+    monkeypatch.setattr(E, "perf_counter_ns", lambda: clock[0])
+    wheel = TimerWheel.create(100_000, start_ms=1000)
+    gid = wheel.group_id("g")
+    executor = E.Executor(wheel, {}, 1, 0, collections.Counter(), _never_poisoned, lambda: 1000)
+    segments, cost = [], {}
+    try:
+        for slot, per_command in ((1, EXPENSIVE_NS), (2, CHEAP_NS)):
+            consumer = ClientSegment.create(f"/wheeld-test-{os.getpid()}-share-{slot}", 1 << 14, 16)
+            producer = ClientSegment.attach(os.dup(consumer.fd), consumer.name)
+            segments += [consumer, producer]
+            for i in range(1 << 14):
+                kb, meta = encode_key(f"{slot}-{i}")
+                deadline = 2**62 if per_command == EXPENSIVE_NS else 5000  # refused / armed
+                assert producer.try_push_record(C.encode_add(kb, meta, deadline, 1))
+            executor.clients[slot] = ClientSlot(slot, consumer, f"share-{slot}", gid, "g", os.getpid(), os.getuid())
+            cost[slot] = per_command
+        real_apply = executor.apply_ring
+
+        def apply_ring(cs, max_records):
+            applied = real_apply(cs, max_records)
+            clock[0] += applied * cost[cs.slot]
+            return applied
+
+        executor.apply_ring = apply_ring
+        depth = {slot: cs.segment.depth for slot, cs in executor.clients.items()}
+        taken = []
+        for _ in range(4):
+            before = {slot: d() for slot, d in depth.items()}
+            executor.drain()
+            taken.append({slot: before[slot] - depth[slot]() for slot in depth})
+        expensive = [t[1] for t in taken]
+        assert expensive[0] == E.FIRST_CHUNK  # its cost was not known yet
+        assert all(n == E.RING_BUDGET_NS // EXPENSIVE_NS for n in expensive[1:]), expensive  # ~5 ms of it each
+        assert all(t[2] == E.DRAIN_BATCH for t in taken[:2]), taken  # the ordinary ring: a full batch each time
+    finally:
+        for segment in segments:
+            segment.close()
+        wheel.close()
+
+
+def _never_poisoned(cs, reason):
+    raise AssertionError(f"poisoned: {reason}")
 
 
 # ---------------------------------------------------------------------------- client slots
