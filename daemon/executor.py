@@ -61,6 +61,7 @@ _ADD, _ADD_IDLE, _CANCEL, _ACK, _FLUSH = C.ADD, C.ADD_IDLE, C.CANCEL, C.ACK, C.F
 # Compiled (executor.pxd), the in-order loop reads the records through C arrays.
 _COMPILED = not __file__.endswith(".py")
 _IW, _I_PREV, _I_NEXT = L.I_PER_RECORD, L.I_PREV, L.I_NEXT  # an arena record's int32 words (prefetches)
+_I_AUX = L.I_AUX  # ...and its touch reference (an arm's, set after the arm)
 # per key meta byte, for the compiled record check: commands' tables as bytes
 _META_VALID = C._VALID_KEY_META.view(np.uint8)
 _META_LENGTH = C._KEY_LENGTH.astype(np.uint8)
@@ -183,7 +184,8 @@ class Executor:
         return plan_batch(records, self.wheel.current_ms, MAX_DELAY_MS, cs.slot << CL.TOUCH_INDEX_BITS, lookup)
 
     def apply_plan(self, cs, plan: Plan, records: np.ndarray) -> tuple[list, list]:
-        """Cancels, then acks, then arms; the arms the arena had no room for are rejected."""
+        """Cancels, then acks, then arms (each with its last arm's touch reference, as in
+        ring order); the arms the arena had no room for are rejected."""
         wheel, gid = self.wheel, cs.group
         rejects = list(plan.rejections)
         if plan.cancels is not None:
@@ -193,6 +195,8 @@ class Executor:
         refused: set = set()
         if plan.arms is not None:
             slots = self._schedule(plan, gid, records, rejects)
+            armed = slots > 0
+            wheel.records["aux"][slots[armed]] = plan.arms.aux[armed]  # re-arms keep theirs otherwise
             refused, full = plan.arena_full(slots < 0, records)
             rejects.extend(full)
         if self.recorder is not None:
@@ -388,10 +392,13 @@ def _in_order(executor: Executor, cs, records: np.ndarray) -> tuple[list, list]:
             elif quota and executor._over_quota(cs, ident):
                 rejects.append(executor._quota_rejection(cs, seqs[i], _key_at(records, i), metas[i]))
                 continue
-            elif op == _ADD:
-                wheel.schedule_ident(ident, deadlines[i], gid, seqs[i])
-            else:
-                wheel.schedule_ident(ident, deadlines[i], gid, seqs[i], touch_base | aux1[i])
+            elif op == _ADD:  # a plain timer, also when it re-arms an idle one: no touch reference
+                slot = wheel.schedule_ident(ident, deadlines[i], gid, seqs[i])[0]
+                wheel._i[slot * _IW + _I_AUX] = -1
+            else:  # an idle timer reads this arm's touch index, also when it re-arms a timer
+                touch = touch_base | aux1[i]
+                slot = wheel.schedule_ident(ident, deadlines[i], gid, seqs[i], touch)[0]
+                wheel._i[slot * _IW + _I_AUX] = touch
         except ArenaFull as exc:
             rejects.append(rejection(seqs[i], _key_at(records, i), metas[i], str(exc), M.Rejected.ARENA_FULL))
             continue

@@ -143,11 +143,10 @@ def plan_batch(records: np.ndarray, clock_ms: int, max_delay_ms: int, touch_base
 
     * a key with a CANCEL in the chunk is cancelled first; if an arm follows the
       last cancel, the key is then armed afresh (a new record, as in order);
-    * the arm uses the last arm's deadline and tag (its ``seq``), and the aux
-      (``touch_base | touch index``) of the first arm after the last cancel: in
-      order, that one created the record and later arms re-armed it, which keeps
-      the aux; a key armed before the chunk and not cancelled in it is re-armed
-      (keeps its aux, as a scalar re-arm does);
+    * the arm uses the last arm's deadline, tag (its ``seq``) and touch reference
+      (aux: ``touch_base | touch index`` for an ADD_IDLE, -1 for an ADD): in order,
+      each arm sets the record's touch reference, so an ADD makes an idle timer a
+      plain one and an ADD_IDLE reads the touch index it names;
     * an arm with a deadline more than ``max_delay_ms`` from ``clock_ms`` is
       rejected (INVALID_DEADLINE, its own seq) and takes no part; an arm the
       arena has no room for is rejected (ARENA_FULL) by :meth:`Plan.arena_full`;
@@ -219,19 +218,6 @@ def _plan_keyed(plan: Plan, records: np.ndarray, keyed_at: np.ndarray, clock_ms:
 
 
 def _touch_aux(keyed: Keyed, records: np.ndarray, arm_at: np.ndarray, touch_base: int) -> np.ndarray:
-    """The aux of each collapsed arm: the touch index of the arm that creates its record
-    (the first arm after the key's last cancel) when that one is an ADD_IDLE, else -1."""
-    aux = np.full(arm_at.size, -1, dtype=np.int64)
-    idle = keyed.ops == C.ADD_IDLE
-    if not idle.any():
-        return aux
-    first: dict = {}  # ident -> j of its first arm after its last cancel
-    ident_list, last_cancel = keyed.ident_list, keyed.last_cancel
-    for j in np.flatnonzero(keyed.arm).tolist():
-        ident = ident_list[j]
-        if ident not in first and j > last_cancel.get(ident, -1):
-            first[ident] = j
-    creator = np.fromiter((first[ident_list[j]] for j in arm_at.tolist()), dtype=np.int64, count=arm_at.size)
-    by_idle = idle[creator]
-    aux[by_idle] = touch_base | records["aux1"][keyed.at[creator[by_idle]]]
-    return aux
+    """The aux of each collapsed arm (its last arm): the touch reference of an ADD_IDLE, else -1."""
+    idle = keyed.ops[arm_at] == C.ADD_IDLE
+    return np.where(idle, touch_base | records["aux1"][keyed.at[arm_at]].astype(np.int64), -1)

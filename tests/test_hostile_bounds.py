@@ -365,6 +365,29 @@ def test_a_departed_clients_idle_timers_fire_after_its_last_touch_never_sooner(h
     unharmed(d, honest)
 
 
+def test_an_idle_timer_re_armed_by_add_is_a_plain_timer(hostile):
+    """``add`` of a key armed by ``add_idle`` makes it a plain timer: the library frees its
+    touch index (here taken at once by another key, touched all along), and the daemon
+    no longer reads that index for it. It fires with the deadline ``add`` returned."""
+    d, honest = hostile()
+    with wheeld.connect(d.socket_path, group="rearmed") as w:
+        w.add_idle("a", 5000)
+        w.flush()
+        deadline = w.add("a", 300)
+        w.add_idle("b", 5000)  # the index "a" had
+        w.flush()
+        got = []
+        end = time.monotonic() + 10
+        while not got and time.monotonic() < end:
+            w.touch("b")
+            got = [e for e in w.poll(0.05) if e.key == "a"]
+        assert got, "the re-armed timer did not fire"
+        assert got[0].deadline_ms == deadline and got[0].fired_ms >= deadline
+        assert w.cancel("b")
+        w.flush()
+    unharmed(d, honest)
+
+
 def _slots_in_use(d) -> list:
     """The client slots in the daemon's client table (wheelctl's view)."""
     with R.ArenaReader(d.name) as reader:
