@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import collections
+import logging
 import os
 import socket
 import time
@@ -17,6 +18,8 @@ import time
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ProtocolError
 from wheeld.protocol.framing import FrameReader
+
+log = logging.getLogger("wheeld")
 
 HIGH_WATER = 8 << 20  # bytes queued to one client before we stop sending it expirations
 # Answers (Applied, Rejected) come from the commands a client writes into its ring, as
@@ -59,6 +62,7 @@ class Session:
         self._answer_runs: collections.deque = collections.deque()  # [end in the out stream, bytes] of answers
         self._answer_bytes = 0  # answer bytes still in out (a run partly taken counts whole)
         self.held_rejections: dict[str, list] = {}  # code -> [count, last reason]: rejections not sent one by one
+        self._told_held_back = False  # logged that its ring waits (once until its output is all read)
         self.writing = False
         self.closed = False
         self.client = None  # its ClientSlot, once the Hello is accepted
@@ -116,6 +120,11 @@ class Session:
         self._write(b"".join(parts), True)
         if self.held_rejections and not self.out:  # the socket took it all: room for the summary now
             self._write(b"".join(self._summaries()), True)
+        if not self._told_held_back and self.held_back:
+            self._told_held_back = True
+            cs = self.client
+            log.warning("client pid %d (slot %s): %d bytes of answers to its commands unread; its ring waits until it "
+                        "reads them", self.pid, cs.slot if cs is not None else "-", self.answers_queued())
 
     def _summaries(self) -> list[bytes]:
         """One ``Rejected`` per code for the rejections held back (and forget them)."""
@@ -201,6 +210,7 @@ class Session:
             self._write(b"".join(self._summaries()), True)
         if not self.out:
             self.writing = False
+            self._told_held_back = False
             self.out = bytearray()  # give a large buffer back
             self.owner.loop.remove_writer(self.sock.fileno())
             self.owner.wake()  # it may take more expirations now
