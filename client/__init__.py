@@ -37,7 +37,7 @@ _EXPORTS = {
         (
             "WheeldError", "InvalidRequest", "InvalidKey", "InvalidDelay", "BackPressure", "RingFull", "ArenaFull",
             "QuotaExceeded", "GroupLimit", "Timeout", "ProtocolError", "NotAllowed", "Closed", "ForkedClient",
-            "BrokenPeer", "DaemonNotRunning", "CorruptArena",
+            "BrokenPeer", "DaemonNotRunning", "CorruptArena", "JournalUnavailable",
         ),
         _ERRORS,
     ),
@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
         InvalidDelay,
         InvalidKey,
         InvalidRequest,
+        JournalUnavailable,
         NotAllowed,
         ProtocolError,
         QuotaExceeded,

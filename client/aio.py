@@ -18,7 +18,7 @@ from wheeld.protocol import messages as M
 from wheeld.protocol.errors import BrokenPeer, DaemonNotRunning, NotAllowed, RingFull, Timeout
 from wheeld.protocol.framing import FrameReader
 
-from .core import _FDS_SPACE, ClientCore, Expired, close_quietly, decode_daemon_body, passed_fds
+from .core import _FDS_SPACE, ClientCore, Expired, close_quietly, decode_daemon_body, not_applied, passed_fds
 
 _DOORBELL = M.encode_client_frame(M.Doorbell())
 _DOORBELL_URGENT = M.encode_client_frame(M.Doorbell(urgent=True))
@@ -32,6 +32,7 @@ class AsyncClient(ClientCore):
         self._sock: socket.socket | None = None
         self._reader = FrameReader()
         self._gone_since: float | None = None
+        self._gone_reason = ""  # why the last attempt to reconnect failed
 
     async def _connect(self, until: float, first: bool) -> None:
         """Open a session before ``until`` (time.monotonic()); see :mod:`wheeld.sync`."""
@@ -107,6 +108,7 @@ class AsyncClient(ClientCore):
         try:
             await self._connect(give_up if until is None else min(until, give_up), first=False)
         except (BrokenPeer, Timeout) as exc:
+            self._gone_reason = str(exc)
             if time.monotonic() >= give_up:
                 raise BrokenPeer(f"wheeld at {self.socket_path} has been unreachable for "
                                  f"{self.reconnect_timeout_s:.0f} s: {exc}") from None
@@ -176,14 +178,16 @@ class AsyncClient(ClientCore):
         """Return once the daemon has applied every command sent before this call.
 
         Raises ArenaFull / QuotaExceeded / InvalidRequest for commands it refused since
-        the last flush, and Timeout (a TimeoutError) after ``timeout_s`` at the latest."""
+        the last flush, JournalUnavailable when the daemon applied them but could not
+        write its journal (a later flush that succeeds covers them), and Timeout (a
+        TimeoutError) after ``timeout_s`` at the latest."""
         self._check_open()
         end = time.monotonic() + timeout_s
         seq = self._push_flush()
         while self._applied != seq:
             remaining = end - time.monotonic()
             if remaining <= 0:
-                raise Timeout(f"wheeld did not apply the commands within {timeout_s} s")
+                raise not_applied(timeout_s, self._gone_since, self._gone_reason)
             if not await self._read(min(remaining, 0.05), end):
                 self._ring_doorbell()
         self._raise_rejections()

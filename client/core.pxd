@@ -52,6 +52,7 @@ cdef long long _STR_META
 cdef list _META
 cdef Py_ssize_t _CANCEL_MARK_EVERY
 cdef long long _CANCEL
+cdef long long _ADD_IDLE
 
 
 cdef class ClientCore:
@@ -80,6 +81,9 @@ cdef class ClientCore:
     cdef public object _recent_order
     cdef public object _ready
     cdef public object _ready_handles
+    cdef public object _received
+    cdef public list _done
+    cdef public object _done_order
     cdef public object _to_ack
     cdef public object _acks_pending
     cdef public object _applied
@@ -105,6 +109,11 @@ cdef class ClientCore:
                    epoch=cython.longlong, shard=dict, seg=ClientSegment,
                    text=str, kb=bytes, bkey=object, tag=object)
     cpdef add(self, key, delay_ms)
+
+    @cython.locals(header="const long long[::1]", meta=cython.longlong, seq=cython.longlong, now_ns=cython.longlong,
+                   seg=ClientSegment, text=str, kb=bytes, bkey=object, tag=object, index=object, now=object,
+                   deadline=object, ident=bytes)
+    cpdef add_idle(self, key, idle_ms)
 
     @cython.locals(meta=cython.longlong, seq=cython.longlong, latest=dict, hit=cython.bint, seg=ClientSegment,
                    cancelled=list, text=str, kb=bytes, bkey=object, parked="const long long[::1]",

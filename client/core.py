@@ -21,11 +21,17 @@ str or int key is its own dict key (no bytes built, a str's hash is cached).
 Exactly once to the application, per arming: every arming carries a *tag*
 (``client slot << 21 | sequence``). The library remembers the tag of this
 client's latest arming of each key; an expiration of an older arming of this
-client's (the key was re-armed or cancelled since) is dropped, and so is one it
-already handed over (a daemon restart re-sends unacknowledged expirations).
-Acknowledgements go back through the ring when the application comes back for
-more (the next ``poll``) or closes. Two windows are at least once instead of
-exactly once: an expiration handed to a process that dies before acknowledging
+client's (the key was re-armed or cancelled since) is dropped, and so is a copy
+of one it already received (a daemon restart, a reboot recovery and an ack
+timeout send unacknowledged expirations again). An expiration is acknowledged
+only once the application was handed it: acknowledgements go back through the
+ring when the application comes back for more (the next ``poll``), flushes or
+closes. A copy of one still waiting in this library is not acknowledged (the
+process may die before the application polls: then the daemon gives it to
+another member); it only renews the handle the acknowledgement will carry. A
+dropped expiration whose arming the application replaced or cancelled, or a copy
+of one it was handed, is acknowledged with the next acknowledgements. Two
+windows are at least once instead of exactly once: an expiration handed to a process that dies before acknowledging
 it reaches another member of the group; and after a power cut (with
 ``--journal``), one whose acknowledgement was not yet durable (still in the
 ring, or inside the fsync window) is delivered again, to a member that does not
@@ -62,10 +68,12 @@ from wheeld.protocol.errors import (
     InvalidDelay,
     InvalidKey,
     InvalidRequest,
+    JournalUnavailable,
     NotAllowed,
     ProtocolError,
     QuotaExceeded,
     RingFull,
+    Timeout,
 )
 from wheeld.protocol.keys import (
     KEY_BYTES,
@@ -79,7 +87,7 @@ from wheeld.protocol.keys import (
 )
 from wheeld.protocol.messages import decode_daemon_body
 from wheeld.protocol.naming import default_socket_path
-from wheeld.shm.ring import ClientSegment
+from wheeld.shm.ring import MAX_IDLE_MS, ClientSegment
 from wheeld.shm.status import StatusPage
 
 _META = [bytes((m,)) for m in range(256)]
@@ -97,7 +105,8 @@ _GROUP_FULL = RL.GROUP_FULL_WORD
 _FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 _SEQ_BITS = 21
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
-_RECENT = 1 << 17  # the latest armings handed over, and the latest cancelled, remembered to drop re-sent expirations
+_RECENT = 1 << 17  # the latest expirations received, the latest cancelled armings, and the latest keys no
+# longer tracked (their last arming), remembered to drop re-sent and replaced expirations
 # The per-key bookkeeping is split into this many dicts/sets (by hash). A Python dict or
 # set grows, and under insert/delete churn compacts, by rehashing all its entries at
 # once: 7 ms for one insert among 300k, 46 ms to drop a 131k-entry set (python -m
@@ -114,6 +123,8 @@ _SHARD_MASK = _SHARDS - 1
 _HASHED_ENTRIES = object()
 _SPIN_YIELDS = 20_000  # a full ring: sched_yield polls (~0.5-5 ms) before sleeping between polls
 _CANCEL = C.CANCEL
+_ADD_IDLE = C.ADD_IDLE
+_IDLE_MS_MAX = MAX_IDLE_MS
 _KEY_BYTES = KEY_BYTES
 _monotonic_ns = time.monotonic_ns
 # This module is compiled by Cython (wheeld.protocol.accel, core.pxd). Compiled, the hot
@@ -130,6 +141,29 @@ def ceil_ms() -> int:
     early in real time: the daemon fires it once its floored clock reaches the deadline,
     i.e. at least ``delay_ms`` after the call. A touch stores it for the same reason."""
     return -(-time.monotonic_ns() // 1_000_000)
+
+
+def not_applied(timeout_s: float, gone_since: float | None, gone_reason: str) -> Timeout:
+    """The Timeout of a ``flush()`` not answered in ``timeout_s``; it says so when the daemon
+    is gone (the connection closed at ``gone_since``, time.monotonic(), and reconnecting
+    failed with ``gone_reason``) rather than connected and silent."""
+    text = f"wheeld did not apply the commands within {timeout_s} s"
+    if gone_since is not None:
+        text += (f": the daemon is gone (its connection closed {time.monotonic() - gone_since:.1f} s ago; "
+                 f"reconnecting: {gone_reason or 'not tried yet'}); the commands stay in the ring for a "
+                 f"daemon that comes back")
+    return Timeout(text)
+
+
+def check_delay_ms(delay_ms, max_delay_ms: int | None = None) -> None:
+    """InvalidDelay unless ``delay_ms`` is an int from 0 to ``max_delay_ms`` (the daemon's,
+    from its Welcome; None: not known here, only the sign is checked)."""
+    if type(delay_ms) is not int:
+        raise InvalidDelay(f"delay_ms must be an int, not {type(delay_ms).__name__}")
+    if delay_ms < 0:
+        raise InvalidDelay(f"delay_ms must not be negative ({delay_ms})")
+    if max_delay_ms is not None and delay_ms > max_delay_ms:
+        raise InvalidDelay(f"delay_ms {delay_ms} exceeds the daemon's maximum of {max_delay_ms}")
 
 
 def _bookkeeping_key(kb: bytes, meta: int):
@@ -254,14 +288,22 @@ class ClientCore:
         self._touch_table = None
         self._free_touch: list[int] = []
         self._next_touch = 0
-        # expirations already handed over, by (key, arming tag): survives a daemon
-        # restart (same records) and a reboot recovery (new records, same journaled arming).
-        # The latest _RECENT, in _SHARDS sets by tag; the oldest is forgotten one at a time.
+        # expirations received (buffered or handed over), by (key, arming tag) -> their
+        # receipt number (see _on_expirations): survives a daemon restart (same records)
+        # and a reboot recovery (new records, same journaled arming). The latest _RECENT,
+        # in _SHARDS dicts by tag; the oldest is forgotten one at a time.
         # (Cancelled armings are remembered apart, in the cancel log: see _cancelled.)
-        self._recent: list[set[tuple[bytes, int]]] = [set() for _ in range(_SHARDS)]
+        self._recent: list[dict[tuple[bytes, int], int]] = [{} for _ in range(_SHARDS)]
         self._recent_order: collections.deque[tuple[bytes, int]] = collections.deque()
         self._ready: collections.deque[Expired] = collections.deque()  # received, not handed over
         self._ready_handles: collections.deque[tuple[int, int, int]] = collections.deque()  # their acks, in step
+        self._received = 0  # expirations ever put in _ready: those handed over are the first _received - len(_ready)
+        # the tag of our latest arming of each key _latest forgot (its expiration received, or
+        # its cancel applied), for the latest _RECENT such keys, in _SHARDS dicts by hash(key):
+        # an older arming's expiration that comes later is one the application replaced (see
+        # _superseded); (key, tag) in the order remembered, to forget the oldest
+        self._done: list[dict] = [{} for _ in range(_SHARDS)]
+        self._done_order: collections.deque[tuple] = collections.deque()
         self._to_ack: list[tuple[int, int, int]] = []  # (slot, generation, arena epoch): handed over, ack at the next poll
         self._acks_pending: list[tuple[int, int, int]] = []  # could not be pushed yet (ring full)
         self._applied = -1
@@ -409,12 +451,7 @@ class ClientCore:
         return self._tag_base | self._seq
 
     def _deadline(self, delay_ms) -> int:
-        if type(delay_ms) is not int:
-            raise InvalidDelay(f"delay_ms must be an int, not {type(delay_ms).__name__}")
-        if delay_ms < 0:
-            raise InvalidDelay(f"delay_ms must not be negative ({delay_ms})")
-        if delay_ms > self.max_delay_ms:
-            raise InvalidDelay(f"delay_ms {delay_ms} exceeds the daemon's maximum of {self.max_delay_ms}")
+        check_delay_ms(delay_ms, self.max_delay_ms)
         return ceil_ms() + delay_ms
 
     def _push(self, op: int, kb: bytes, meta: int, deadline: int, tag: int, aux0: int = 0, aux1: int = 0) -> None:
@@ -538,37 +575,74 @@ class ClientCore:
     def add_idle(self, key, idle_ms: int) -> int:
         """An idle timer: fires ``idle_ms`` after the last :meth:`touch` of ``key``.
         Returns its first deadline (as :meth:`add`); each touch moves it."""
-        self._check_open()
-        kb, meta = encode_key(key)
-        if type(idle_ms) is not int or idle_ms <= 0:
-            raise InvalidDelay(f"idle_ms must be a positive int, not {idle_ms!r}")
-        now = ceil_ms()
-        deadline = now + idle_ms
-        self._deadline(idle_ms)  # range check
-        if idle_ms > (1 << 31) - 1:
-            raise InvalidDelay("idle_ms must fit in 32 bits (about 24 days)")
-        ident = _META[meta] + kb
-        bkey = key if type(key) is str or type(key) is int else _bookkeeping_key(kb, meta)
-        self._refuse_if_full(bkey)
+        # The hot path, inlined as in add: a str or int key's encoding, the range and
+        # arena-full checks (the precise errors from the helpers), one clock read.
+        if self._closed:
+            self._raise_closed()
+        if type(key) is str:
+            text = key  # (compiled: a str variable, so the encoding is one C call)
+            try:
+                kb = text.encode()
+            except UnicodeEncodeError:
+                kb = b""  # encode_key below raises InvalidKey
+            meta = _STR_META | len(kb)
+            if not 0 < len(kb) <= _KEY_BYTES:
+                kb, meta = encode_key(key)  # raises InvalidKey
+            bkey = key
+        elif type(key) is int and _INT_LOW <= key <= _INT_HIGH:
+            kb = key.to_bytes(8, "little", signed=True)  # encode_key's int encoding, inlined
+            meta = _INT_META
+            bkey = key
+        else:
+            kb, meta = encode_key(key)
+            bkey = key if type(key) is int else _bookkeeping_key(kb, meta)
+        if type(idle_ms) is not int or not 0 < idle_ms <= self.max_delay_ms or idle_ms > _IDLE_MS_MAX:
+            self._check_idle_ms(idle_ms)  # raises the precise InvalidDelay
         seg = self._segment
+        if seg is None:
+            self._raise_unconnected()
+        header = self._page
+        if header is None or header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD] \
+                or self._group_words[_GROUP_FULL]:
+            self._refuse_if_full(bkey)
+        ident = _META[meta] + kb
         index = self._touch_index.get(ident)
         if index is None:
-            if self._free_touch:
-                index = self._free_touch.pop()
-            elif self._next_touch < seg.touch_capacity:
-                index = self._next_touch
-                self._next_touch += 1
-            else:
-                raise InvalidRequest(f"all {seg.touch_capacity} idle-timer slots of this client are in use")
+            index = self._new_touch_index()
+        # the deadline in ms rounded up (ceil_ms, inlined): never early in real time
+        now_ns = _clock_ns() if _COMPILED else _monotonic_ns()  # noqa: F821 - _clock_ns: core.pxd
+        now = -(-now_ns // 1_000_000)
+        deadline = now + idle_ms
         seg.set_idle(index, idle_ms)
-        seg.touch(index, now)
-        tag = self._next_tag()
-        self._push(C.ADD_IDLE, kb, meta, deadline, tag, idle_ms, index)
+        self._touch_table[index] = now  # touch(): its first activity
+        self._seq = seq = (self._seq + 1) & _SEQ_MASK
+        tag = self._tag_base | seq
+        if not seg.try_push(_ADD_IDLE, kb, meta, deadline, tag, idle_ms, index):
+            self._push(_ADD_IDLE, kb, meta, deadline, tag, idle_ms, index)
         self._touch_index[ident] = index
         self._touch_by_key[key] = index
         self._latest[hash(bkey) & _SHARD_MASK][bkey] = tag
         self._after_push()
         return deadline
+
+    def _check_idle_ms(self, idle_ms) -> None:
+        """InvalidDelay for an ``idle_ms`` add_idle does not take (a positive int, at most the
+        daemon's maximum delay and 32 bits)."""
+        if type(idle_ms) is not int or idle_ms <= 0:
+            raise InvalidDelay(f"idle_ms must be a positive int, not {idle_ms!r}")
+        check_delay_ms(idle_ms, self.max_delay_ms)
+        if idle_ms > _IDLE_MS_MAX:
+            raise InvalidDelay("idle_ms must fit in 32 bits (about 24 days)")
+
+    def _new_touch_index(self) -> int:
+        """A touch-table row for a new idle key (InvalidRequest when all are in use)."""
+        if self._free_touch:
+            return self._free_touch.pop()
+        capacity = self._segment.touch_capacity
+        if self._next_touch < capacity:
+            self._next_touch += 1
+            return self._next_touch - 1
+        raise InvalidRequest(f"all {capacity} idle-timer slots of this client are in use")
 
     def _release_touch(self, ident: bytes, key) -> None:
         index = self._touch_index.pop(ident, None)
@@ -714,6 +788,33 @@ class ClientCore:
             self._cancel_indexed = len(cancelled)
         return (bkey, seq) in index
 
+    def _remember_done(self, bkey, tag: int) -> None:
+        """``_latest`` forgets ``bkey``, whose latest arming of ours, ``tag``, was received or
+        cancelled: remember that arming for :meth:`_superseded` (the latest _RECENT keys)."""
+        done = self._done[hash(bkey) & _SHARD_MASK]
+        done[bkey] = tag
+        order = self._done_order
+        order.append((bkey, tag))
+        if len(order) > _RECENT:
+            old_key, old_tag = order.popleft()
+            done = self._done[hash(old_key) & _SHARD_MASK]
+            if done.get(old_key) == old_tag:
+                del done[old_key]
+
+    def _superseded(self, bkey, seq: int, my_slot: int) -> bool:
+        """True if the application armed ``bkey`` again after our arming ``seq``, whose
+        expiration comes only now (it fired before the re-arm and went to a member that
+        died, or waited in the daemon), and ``_latest`` has forgotten the key since: the
+        later arming was received or cancelled (:meth:`_remember_done`). A tag of this
+        session is later than one of a former session; within one session the sequence
+        numbers compare modulo their width."""
+        done = self._done[hash(bkey) & _SHARD_MASK].get(bkey)
+        if done is None or done == seq:
+            return False
+        if seq >> _SEQ_BITS != done >> _SEQ_BITS:
+            return done >> _SEQ_BITS == my_slot
+        return ((done - seq) & _SEQ_MASK) < (1 << (_SEQ_BITS - 1))
+
     def _push_flush(self) -> int:
         self._flush_acks()
         seq = self._next_tag()
@@ -744,6 +845,9 @@ class ClientCore:
         elif kind is M.Applied:
             self._applied = message.seq
             position = self._flush_positions.get(message.seq)
+            rejected = self._rejected
+            if rejected and rejected[-1].seq == message.seq and rejected[-1].code == M.Rejected.JOURNAL_UNAVAILABLE:
+                position = None  # applied but not on disk (the daemon's journal stalled): keep the replay position
             if position is not None:  # everything before it is acknowledged: no replay from before
                 self._replay_from = position
                 while self._flush_positions:
@@ -759,6 +863,7 @@ class ClientCore:
                     tag = latest.get(bkey)
                     if tag is not None and tag < 0:
                         del latest[bkey]
+                        self._remember_done(bkey, ~tag)
         elif kind is M.Rejected:
             self._rejected.append(message)
         elif kind is M.Goodbye:
@@ -775,14 +880,25 @@ class ClientCore:
         latest_shards = self._latest
         ready, handles = self._ready, self._ready_handles
         acks_pending = self._acks_pending
+        received = self._received
+        handed = received - len(ready)  # receipt numbers below this were handed to the application
         for e, key in zip(items, keys):
             seq = e.seq
             handle = (e.slot, e.generation, epoch)
             ident = _META[e.key_meta] + e.key_bytes
             seen = (ident, seq)
-            seen_set = recent[seq & _SHARD_MASK]
-            if seen in seen_set:
-                acks_pending.append(handle)  # handed over already (a daemon restart)
+            seen_map = recent[seq & _SHARD_MASK]
+            number = seen_map.get(seen)
+            if number is not None:  # sent again: a daemon restart, a reboot, an ack timeout
+                if number >= handed:
+                    # Still buffered: not handed twice, and not acknowledged, since the
+                    # application has not had it (were this process to die now, that ack
+                    # would take the timer with it). Its ack goes out when it is handed,
+                    # under this copy's handle: after a reboot the arena is another one,
+                    # and an ack stamped with the old epoch is ignored.
+                    handles[number - handed] = handle
+                else:
+                    acks_pending.append(handle)  # handed over already
                 continue
             if seq >> _SEQ_BITS == my_slot or seq >> _SEQ_BITS in former:
                 bkey = ident if type(key) is bytes else key  # _bookkeeping_key: key decoded already
@@ -793,16 +909,19 @@ class ClientCore:
                         acks_pending.append(handle)  # re-armed or cancelled since: not for the app
                         continue
                     del latest[bkey]
-                elif self._cancelled(bkey, seq):
-                    acks_pending.append(handle)  # cancelled (its ~tag forgotten since)
+                    self._remember_done(bkey, seq)
+                elif self._cancelled(bkey, seq) or self._superseded(bkey, seq, my_slot):
+                    acks_pending.append(handle)  # cancelled or re-armed (that entry forgotten since)
                     continue
                 if self._touch_index:
                     self._release_touch(ident, key)
-            seen_set.add(seen)
+            seen_map[seen] = received
+            received += 1
+            self._received = received
             recent_order.append(seen)
             if len(recent_order) > _RECENT:
                 old = recent_order.popleft()
-                recent[old[1] & _SHARD_MASK].discard(old)
+                recent[old[1] & _SHARD_MASK].pop(old, None)
             ready.append(Expired(key, e.deadline_ms, e.fired_ms, e.late))
             handles.append(handle)
 
@@ -827,6 +946,11 @@ class ClientCore:
         rejected = self.rejected()
         if not rejected:
             return
+        # a flush the journal could not make durable: raised last, since a later flush that
+        # succeeds covers those commands too, while a refused command is never applied
+        unsynced = [r for r in rejected if r.code == M.Rejected.JOURNAL_UNAVAILABLE]
+        if unsynced:
+            rejected = [r for r in rejected if r.code != M.Rejected.JOURNAL_UNAVAILABLE]
         full = [r for r in rejected if r.code == M.Rejected.ARENA_FULL]
         quota = [r for r in rejected if r.code == M.Rejected.QUOTA_EXCEEDED]
         summary = ", ".join(f"{r.key!r}: {r.reason}" for r in rejected[:5])
@@ -834,7 +958,9 @@ class ClientCore:
             raise ArenaFull(f"{len(full)} add(s) refused because the arena is full ({summary})")
         if quota:
             raise QuotaExceeded(f"{len(quota)} add(s) refused: group {self.group!r} holds its quota ({summary})")
-        raise InvalidRequest(f"{len(rejected)} command(s) refused ({summary})")
+        if rejected:
+            raise InvalidRequest(f"{len(rejected)} command(s) refused ({summary})")
+        raise JournalUnavailable(unsynced[-1].reason)
 
     def _ring_doorbell(self, urgent: bool = True) -> None:  # pragma: no cover - provided by the I/O shells
         """Wake a parked daemon; ``urgent=False`` (commands nobody waits for yet) lets it

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -57,12 +58,14 @@ from wheeld.protocol.errors import (
     BrokenPeer,
     CorruptArena,
     DaemonNotRunning,
+    InvalidDelay,
     InvalidRequest,
     NotAllowed,
     WheeldError,
 )
 from wheeld.protocol.keys import encode_key
-from wheeld.protocol.naming import SHM_DIR, arena_name, default_name, default_socket_path
+from wheeld.protocol.instance_lock import reader_segments
+from wheeld.protocol.naming import SHM_DIR, default_name, default_socket_path
 from wheeld.shm import check as CK
 from wheeld.shm import reader as R
 from wheeld.shm import snapshot as SN
@@ -114,7 +117,7 @@ class Ctl:
         except R.NoArena as exc:
             raise CtlError(str(exc), EXIT_NO_DAEMON) from None
         except CorruptArena as exc:
-            raise CtlError(f"{arena_name(self.name)}: {exc}", EXIT_FAILED) from None
+            raise CtlError(f"{reader_segments(self.name)[0]}: {exc}", EXIT_FAILED) from None
 
     def optional_reader(self) -> R.ArenaReader | None:
         try:
@@ -143,7 +146,7 @@ class Ctl:
             raise CtlError(f"nothing listens on {path} (a socket left by a daemon that is gone)",
                            EXIT_NO_DAEMON) from None
         except PermissionError:
-            raise CtlError(f"may not connect to {path}: permission denied (join the daemon's client group)",
+            raise CtlError(f"may not connect to {path}: permission denied ({_join_hint(mode, path)})",
                            EXIT_NO_DAEMON) from None
         except (TimeoutError, socket.timeout, BlockingIOError):
             raise CtlError(f"wheeld at {path} does not accept connections (backlog full)",
@@ -168,6 +171,19 @@ class Ctl:
             raise CtlError(str(exc), EXIT_USAGE) from None
         except WheeldError as exc:
             raise CtlError(str(exc), EXIT_FAILED) from None
+
+
+def _join_hint(mode: int, path: str) -> str:
+    """Which group lets this user connect to the socket at ``path``, when its mode lets a group in."""
+    import grp
+
+    if not mode & 0o020:
+        return "the socket lets no group in: ask for a wider --socket-mode"
+    gid = os.stat(path).st_gid
+    try:
+        return f"join the group {grp.getgrgid(gid).gr_name!r} that owns it, then log in again"
+    except KeyError:
+        return f"join the group {gid} that owns it, then log in again"
 
 
 @contextlib.contextmanager
@@ -238,6 +254,32 @@ def _parse_key(key: str, key_type: str):
 
 def _show_key(key) -> str:
     return f"0x{key.hex()} (bytes)" if type(key) is bytes else f"{key} (int)" if type(key) is int else repr(key)
+
+
+_NEGATIVE_INT = re.compile(r"-[0-9]+")
+
+
+class _SignedArguments(click.Command):
+    """A command whose arguments may be negative integers (``add k -5``, ``--key-type int
+    cancel -3``), which click would otherwise take for unknown options ("No such option
+    '-5'"). Only when every other token that looks like an option is one of the command's
+    own is the line parsed again with unknown options left to the arguments, so a
+    mistyped option is still refused as one."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, list(args))
+        except click.NoSuchOption:
+            known = {opt for param in self.get_params(ctx) for opt in (*param.opts, *param.secondary_opts)}
+            tokens = args[:args.index("--")] if "--" in args else args
+            for token in tokens:
+                if token.startswith("-") and len(token) > 1 and not _NEGATIVE_INT.fullmatch(token) \
+                        and token.split("=", 1)[0] not in known and (token.startswith("--") or token[:2] not in known):
+                    raise click.NoSuchOption(token, ctx=ctx) from None
+            if not any(_NEGATIVE_INT.fullmatch(token) for token in tokens):
+                raise
+        ctx.ignore_unknown_options = True
+        return super().parse_args(ctx, list(args))
 
 
 _key_type_option = click.option("--key-type", type=click.Choice(["str", "int", "bytes"]), default="str",
@@ -324,6 +366,18 @@ def _daemon_lines(snap: SN.Snapshot) -> list[str]:
         lines.append(f"journal  DAMAGED: the recovery that built this arena skipped {_fmt_int(ranges)} damaged "
                      f"range{'s' if ranges != 1 else ''} ({_fmt_int(damaged)} line{'s' if damaged != 1 else ''}) of "
                      f"the journal; their events are lost (the daemon's log lists them; wheelctl check --journal DIR)")
+    stalled = c["journal_stalled"]
+    if stalled:
+        import errno
+        import os
+
+        lines.append(f"journal  NOT WRITABLE: {os.strerror(stalled)} ({errno.errorcode.get(stalled, stalled)}); "
+                     f"timers fire, every flush() fails with JournalUnavailable until it can be written again "
+                     f"({_fmt_int(c['journal_unwritten_events_total'])} events not written, "
+                     f"{_fmt_int(c['journal_flushes_refused_total'])} flushes refused so far)")
+    elif c["journal_stalls_total"]:
+        lines.append(f"journal  writable; it was not {_fmt_int(c['journal_stalls_total'])} time(s) "
+                     f"({_fmt_int(c['journal_flushes_refused_total'])} flushes refused)")
     return lines
 
 
@@ -475,9 +529,9 @@ def stats(ctl: Ctl, as_json: bool, prometheus: bool, watch: float | None, interv
 
 
 # ---------------------------------------------------------------------------- add / cancel
-@main.command()
+@main.command(cls=_SignedArguments)
 @click.argument("key")
-@click.argument("delay_ms", type=click.IntRange(min=0))
+@click.argument("delay_ms", type=int)
 @_group_option
 @_key_type_option
 @click.pass_obj
@@ -485,17 +539,24 @@ def add(ctl: Ctl, key: str, delay_ms: int, group: str, key_type: str) -> None:
     """Schedule KEY to expire DELAY_MS from now (an armed key is re-armed).
 
     Connects as a member of the group for a moment, adds, and waits until the
-    daemon applied it.
+    daemon applied it. The deadline printed is the one add() returned, which
+    the expiration carries and ``dump`` shows.
     """
     user_key = _parse_key(key, key_type)
+    if delay_ms < 0:  # the library's own check, before anything is sent or opened
+        from wheeld.core import check_delay_ms
+
+        try:
+            check_delay_ms(delay_ms)
+        except InvalidDelay as exc:
+            raise CtlError(f"InvalidDelay: {exc}", EXIT_USAGE) from None
     reader = ctl.optional_reader()
     try:
         before = reader.lookup(user_key, group) if reader is not None else None
         client = ctl.connect(group)
         try:
             with _daemon_errors(ctl):
-                start = SN.mono_ms()
-                client.add(user_key, delay_ms)
+                deadline = client.add(user_key, delay_ms)
                 client.flush(timeout_s=ctl.timeout_s)
         finally:
             _leave(client)
@@ -503,12 +564,12 @@ def add(ctl: Ctl, key: str, delay_ms: int, group: str, key_type: str) -> None:
         if reader is not None:
             reader.close()
     verb = "re-armed" if before is not None else "added"
-    was = f" (was due in {_fmt_ms(before.deadline_ms - start)})" if before is not None else ""
+    was = f" (was due in {_fmt_ms(before.deadline_ms - (deadline - delay_ms))})" if before is not None else ""
     click.echo(f"{verb} {_show_key(user_key)} in group {group!r}: due in {_fmt_ms(delay_ms)}, "
-               f"deadline {start + delay_ms} (CLOCK_MONOTONIC ms){was}")
+               f"deadline {deadline} (CLOCK_MONOTONIC ms){was}")
 
 
-@main.command()
+@main.command(cls=_SignedArguments)
 @click.argument("key")
 @_group_option
 @_key_type_option
@@ -686,7 +747,7 @@ def check(ctl: Ctl, as_json: bool, attempts: int, journal_dir: str | None) -> No
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        segment = arena_name(ctl.name)
+        segment = reader_segments(ctl.name)[0]
         if report.ok:
             copies = f"{report.copies} cop{'y' if report.copies == 1 else 'ies'}"
             click.echo(f"ok: {segment}: every invariant holds ({copies}"
@@ -716,7 +777,8 @@ def check(ctl: Ctl, as_json: bool, attempts: int, journal_dir: str | None) -> No
               help="The instance whose segments go (default: wheelctl's --name / $WHEELD_NAME).")
 @click.pass_obj
 def destroy(ctl: Ctl, instance: str | None) -> None:
-    """Remove a stopped daemon's shared memory: arena, client table, lock, set-aside copies.
+    """Remove a stopped daemon's shared memory: lock, arena, client table, secret (plain and
+    uid-qualified names), set-aside copies.
 
     Refused (exit 1, nothing removed) while a daemon holds the instance's lock.
     Every pending timer in the arena goes with it; a journal (--journal DIR) is
@@ -726,13 +788,12 @@ def destroy(ctl: Ctl, instance: str | None) -> None:
 
     name = instance or ctl.name
     try:
-        pid = holder(name)
+        running = holder(name)
     except PermissionError:
         raise CtlError(f"may not read the lock of wheeld instance {name!r}: run as the daemon's user or root",
                        EXIT_NO_DAEMON) from None
-    if pid is not None:
-        who = f"pid {pid}" if pid else "another process"
-        raise CtlError(f"wheeld instance {name!r} is running ({who} holds its lock); stop it first", EXIT_FAILED)
+    if running is not None:
+        raise CtlError(f"{running.describe(name)} (it holds its lock); stop it first", EXIT_FAILED)
     try:
         removed = remove_instance_segments(name)
     except PermissionError as exc:

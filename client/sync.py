@@ -21,7 +21,7 @@ from wheeld.protocol import messages as M
 from wheeld.protocol.errors import BrokenPeer, DaemonNotRunning, NotAllowed, Timeout, WheeldError
 from wheeld.protocol.framing import FrameReader
 
-from .core import _FDS_SPACE, ClientCore, Expired, close_quietly, decode_daemon_body, passed_fds
+from .core import _FDS_SPACE, ClientCore, Expired, close_quietly, decode_daemon_body, not_applied, passed_fds
 
 
 class Client(ClientCore):
@@ -34,6 +34,7 @@ class Client(ClientCore):
         self._sock: socket.socket | None = None
         self._reader = FrameReader()
         self._gone_since: float | None = None  # when the daemon went away (reconnecting since)
+        self._gone_reason = ""  # why the last attempt to reconnect failed
         self._connect(time.monotonic() + connect_timeout_s, first=True)
 
     # ------------------------------------------------------------------ connection
@@ -114,6 +115,7 @@ class Client(ClientCore):
         try:
             self._connect(give_up if until is None else min(until, give_up), first=False)
         except (BrokenPeer, Timeout) as exc:
+            self._gone_reason = str(exc)
             if time.monotonic() >= give_up:
                 raise BrokenPeer(f"wheeld at {self.socket_path} has been unreachable for "
                                  f"{self.reconnect_timeout_s:.0f} s: {exc}") from None
@@ -188,8 +190,10 @@ class Client(ClientCore):
         """Return once the daemon has applied every command sent before this call.
 
         Raises ArenaFull / QuotaExceeded / InvalidRequest for commands it refused since
-        the last flush, and Timeout (a TimeoutError) if the daemon did not answer within
-        ``timeout_s``: a flush never waits longer, also not for a daemon restarting.
+        the last flush, JournalUnavailable when the daemon applied them but could not
+        write its journal (``--journal``: disk full, I/O error; a later flush that
+        succeeds covers them), and Timeout (a TimeoutError) if the daemon did not answer
+        within ``timeout_s``: a flush never waits longer, also not for a daemon restarting.
         """
         self._check_open()
         end = time.monotonic() + timeout_s
@@ -197,7 +201,7 @@ class Client(ClientCore):
         while self._applied != seq:
             remaining = end - time.monotonic()
             if remaining <= 0:
-                raise Timeout(f"wheeld did not apply the commands within {timeout_s} s")
+                raise not_applied(timeout_s, self._gone_since, self._gone_reason)
             # The FLUSH record stays in the ring across a daemon restart: the new daemon
             # adopts the ring, applies it and answers on the new connection.
             if not self._read(min(remaining, 0.05), end):

@@ -1,10 +1,15 @@
 """``wheeld``: run the daemon in the foreground (a thin click shell over ``server.run``).
 
-Exit codes: 0 after a clean stop; 2 when it cannot start (a bad option, a
-socket in use, an arena it cannot use); 65 (``EX_DATAERR`` of sysexits.h)
-when ``--journal-damage refuse`` finds the journal damaged (nothing on disk
-changed; the unit's ``RestartPreventExitStatus=65`` stops systemd from trying
-again).
+Exit codes: 0 after a clean stop; 2 when it cannot start (a bad option, an
+unknown user or group, a socket in use, a segment it may not use, a journal
+directory it cannot read or write for a reason other than a full disk); 65
+(``EX_DATAERR`` of sysexits.h) when ``--journal-damage refuse`` finds the
+journal damaged, or when the journal holds timers a new arena cannot take
+(nothing on disk changed; the unit's ``RestartPreventExitStatus=65`` stops
+systemd from trying again); 75 (``EX_TEMPFAIL``) when another daemon runs the
+instance, whatever its uid ("instance NAME is run by uid U, pid P"; nothing
+changed: it may be tried again once that daemon stops). A refused start prints
+one line on stderr and removes what it created.
 """
 
 from __future__ import annotations
@@ -15,14 +20,18 @@ import sys
 import click
 
 from wheeld.protocol import clients_layout as CL
-from wheeld.protocol.errors import WheeldError
+from wheeld.protocol.errors import InvalidRequest, WheeldError
 from wheeld.protocol.journal_recovery import DAMAGE_POLICIES, JournalDamaged
-from wheeld.protocol.naming import default_name, default_socket_path
+from wheeld.protocol.naming import default_name, default_socket_path, name_problem
 
-from .config import Config
+from .config import MAX_CAPACITY, Config
 
+#: a start refused for a bad option or a file it may not use
+EXIT_CANNOT_START = 2
 #: ``--journal-damage refuse`` found damage (sysexits.h: "the input data was incorrect").
 EXIT_JOURNAL_DAMAGED = 65
+#: another daemon runs the instance (sysexits.h EX_TEMPFAIL: "try again later")
+EXIT_INSTANCE_RUNNING = 75
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -33,8 +42,9 @@ EXIT_JOURNAL_DAMAGED = 65
               help="Instance name; shared-memory segments are /wheeld-NAME-* [env WHEELD_NAME; default 'default']")
 @click.option("--tick-ms", type=click.IntRange(1, 60_000), default=1, show_default=True, help="Width of a level-0 bucket.")
 @click.option("--wheel-size", type=click.IntRange(2, 1 << 16), default=256, show_default=True, help="Buckets per level.")
-@click.option("--capacity", type=click.IntRange(1, (1 << 31) - 100_000), default=1_000_000, show_default=True,
-              help="Timer records in the arena (64 bytes each).")
+@click.option("--capacity", type=click.IntRange(1, MAX_CAPACITY), default=1_000_000, show_default=True,
+              help="Timer records in the arena (64 bytes each). A new arena rebuilt from the journal is made "
+                   "larger when the journal holds more timers (none is dropped); an existing arena keeps its own.")
 @click.option("--ring-capacity", type=int, default=1 << 14, show_default=True, help="Commands per client ring (power of two).")
 @click.option("--touch-capacity", type=int, default=1 << 17, show_default=True, help="Idle-timer touch slots per client.")
 @click.option("--metrics", default=None, metavar="ADDR:PORT", help="Serve Prometheus metrics over HTTP (off by default).")
@@ -51,6 +61,13 @@ EXIT_JOURNAL_DAMAGED = 65
 @click.option("--allow-group", "allow_groups", multiple=True, metavar="GROUP",
               help="Allow members of this group (name or gid; the peer's primary or supplementary groups) to "
                    "connect; repeatable.")
+@click.option("--socket-mode", default=None, metavar="MODE",
+              help="Mode of the socket wheeld binds (octal, as systemd's SocketMode=) [default 0660: the "
+                   "daemon's user and the socket's group]. Not used with socket activation (wheeld.socket decides).")
+@click.option("--socket-group", default=None, metavar="GROUP",
+              help="Group of the socket wheeld binds (name or gid, as systemd's SocketGroup=; the daemon's user "
+                   "must belong to it unless it is root) [default: the daemon's group]. With the default mode its "
+                   "members may connect; --allow-uid/--allow-group still apply.")
 @click.option("--monitor-group", default=None, metavar="GROUP",
               help="Members of this group may read the arena and the client table (wheelctl stats, dump, "
                    "groups, check); without it only the daemon's user and root can. The daemon must belong to it.")
@@ -89,37 +106,47 @@ EXIT_JOURNAL_DAMAGED = 65
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_capacity, metrics, journal_dir, fsync,
-         journal_damage, allow_uids, allow_groups, monitor_group, group_owners, group_quota, max_groups,
-         groups_per_uid, max_clients, clients_per_uid, resume_grace_s, ack_timeout_s, frame_timeout_s, coalesce_us,
-         log_level):
+         journal_damage, allow_uids, allow_groups, socket_mode, socket_group, monitor_group, group_owners, group_quota,
+         max_groups, groups_per_uid, max_clients, clients_per_uid, resume_grace_s, ack_timeout_s, frame_timeout_s,
+         coalesce_us, log_level):
     """Run the wheeld timer daemon in the foreground."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s wheeld[%(process)d] %(levelname)s %(message)s",
                         stream=sys.stderr)
-    name = name or default_name()
-    config = Config(
-        socket_path=socket_path or default_socket_path(name), name=name, tick_ms=tick_ms, wheel_size=wheel_size,
-        capacity=capacity, ring_capacity=ring_capacity, touch_capacity=touch_capacity, metrics=metrics,
-        journal_dir=journal_dir, fsync=fsync, journal_damage=journal_damage, log_level=log_level,
-        coalesce_us=coalesce_us,
-        allowed_uids=_ids(allow_uids, _uid) if allow_uids or allow_groups else None,
-        allowed_gids=_ids(allow_groups, _gid) if allow_uids or allow_groups else None,
-        monitor_gid=next(iter(_ids([monitor_group], _gid))) if monitor_group else None,
-        arena_mode=0o640 if monitor_group else 0o600,
-        group_owners=tuple(_group_owner(spec) for spec in group_owners),
-        group_quota=group_quota, max_groups=max_groups, ack_timeout_s=ack_timeout_s, frame_timeout_s=frame_timeout_s,
-        groups_per_uid=groups_per_uid, max_clients=max_clients, clients_per_uid=clients_per_uid,
-        resume_grace_s=resume_grace_s,
-    )
-    from .server import run
+    from .instance import AlreadyRunning
+    from .recovery import TimersNotRestored
 
+    name = name or default_name()
     try:
+        if name_problem(name):
+            raise InvalidRequest(f"--name {name!r}: {name_problem(name)}")
+        config = Config(
+            socket_path=socket_path or default_socket_path(name), name=name, tick_ms=tick_ms, wheel_size=wheel_size,
+            capacity=capacity, ring_capacity=ring_capacity, touch_capacity=touch_capacity, metrics=metrics,
+            journal_dir=journal_dir, fsync=fsync, journal_damage=journal_damage, log_level=log_level,
+            coalesce_us=coalesce_us,
+            allowed_uids=_ids("--allow-uid", allow_uids, _uid) if allow_uids or allow_groups else None,
+            allowed_gids=_ids("--allow-group", allow_groups, _gid) if allow_uids or allow_groups else None,
+            socket_mode=_mode("--socket-mode", socket_mode) if socket_mode is not None else None,
+            socket_gid=_one_id("--socket-group", socket_group, _gid) if socket_group is not None else None,
+            monitor_gid=_one_id("--monitor-group", monitor_group, _gid) if monitor_group else None,
+            arena_mode=0o640 if monitor_group else 0o600,
+            group_owners=tuple(_group_owner(spec) for spec in group_owners),
+            group_quota=group_quota, max_groups=max_groups, ack_timeout_s=ack_timeout_s,
+            frame_timeout_s=frame_timeout_s, groups_per_uid=groups_per_uid, max_clients=max_clients,
+            clients_per_uid=clients_per_uid, resume_grace_s=resume_grace_s,
+        )
+        from .server import run
+
         sys.exit(run(config))
-    except JournalDamaged as exc:
+    except (JournalDamaged, TimersNotRestored) as exc:
         click.echo(f"wheeld: {exc}", err=True)
         sys.exit(EXIT_JOURNAL_DAMAGED)
+    except AlreadyRunning as exc:
+        click.echo(f"wheeld: {exc}", err=True)
+        sys.exit(EXIT_INSTANCE_RUNNING)
     except WheeldError as exc:
         click.echo(f"wheeld: {exc}", err=True)
-        sys.exit(2)
+        sys.exit(EXIT_CANNOT_START)
 
 
 def _uid(name: str) -> int:
@@ -138,17 +165,31 @@ def _group_owner(spec: str) -> tuple[str, str, int]:
     """``NAME=UID`` or ``NAME=@GROUP`` -> (name, "uid"|"gid", id)."""
     name, sep, owner = spec.partition("=")
     if not sep or not name or not owner:
-        raise click.BadParameter(f"{spec!r}: expected NAME=USER or NAME=@GROUP", param_hint="--group-owner")
+        raise InvalidRequest(f"--group-owner: {spec!r}: expected NAME=USER or NAME=@GROUP")
     if owner.startswith("@"):
-        return name, "gid", next(iter(_ids([owner[1:]], _gid)))
-    return name, "uid", next(iter(_ids([owner], _uid)))
+        return name, "gid", _one_id("--group-owner", owner[1:], _gid)
+    return name, "uid", _one_id("--group-owner", owner, _uid)
 
 
-def _ids(names, resolve) -> frozenset[int]:
+def _ids(option: str, names, resolve) -> frozenset[int]:
+    """Users or groups by name or number; an unknown one is a one-line error naming the option."""
+    return frozenset(_one_id(option, n, resolve) for n in names)
+
+
+def _one_id(option: str, name: str, resolve) -> int:
     try:
-        return frozenset(resolve(n) for n in names)
-    except KeyError as exc:
-        raise click.BadParameter(f"unknown user or group {exc}") from None
+        return resolve(name)
+    except KeyError:
+        kind = "group" if resolve is _gid else "user"
+        raise InvalidRequest(f"{option}: unknown {kind} {name!r}") from None
+
+
+def _mode(option: str, text: str) -> int:
+    """An access mode in octal (``0660``, ``660``), at most 0777."""
+    digits = text[2:] if text.lower().startswith("0o") else text
+    if not digits or len(digits) > 4 or any(c not in "01234567" for c in digits) or int(digits, 8) > 0o777:
+        raise InvalidRequest(f"{option}: {text!r} is not an octal access mode between 0000 and 0777")
+    return int(digits, 8)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,13 @@ import mmap
 import os
 
 import numpy as np
-import posix_ipc
 
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol.errors import ProtocolError
 from wheeld.shm.ring import ClientSegment
 
 from wheeld.protocol.naming import clients_name, segment_prefix
-from .instance import check_owned, set_aside
+from .instance import Unusable, create_segment, file_identity, set_aside, take_segment
 from .startup import hand_to_monitors
 
 log = logging.getLogger("wheeld")
@@ -37,7 +36,8 @@ class ClientSlot:
     again (to any member) and the newer one becomes the older."""
 
     __slots__ = ("slot", "segment", "label", "group", "group_name", "session", "unacked", "unacked_old", "poisoned",
-                 "pid", "uid", "orphan_since", "unanswered_flush", "said_bye", "apply_ns")
+                 "pid", "uid", "orphan_since", "unanswered_flush", "unanswered_flush_unsynced", "said_bye",
+                 "apply_ns")
 
     def __init__(self, slot: int, segment: ClientSegment | None, label: str, group: int, group_name: str, pid: int,
                  uid: int):
@@ -54,6 +54,7 @@ class ClientSlot:
         self.uid = uid
         self.orphan_since = 0
         self.unanswered_flush: int | None = None  # a FLUSH applied while no session was open
+        self.unanswered_flush_unsynced: str | None = None  # ...and why it is not durable (the journal stalled)
         self.said_bye = False  # its client ended its last session with Bye: it will not come back for it
         self.apply_ns = 0  # what applying one of its commands costs the daemon (Executor.drain), ns; 0 unknown
 
@@ -77,25 +78,35 @@ class ClientTable:
         self._static_owners = {name: (CL.OWNER_UID if kind == "uid" else CL.OWNER_GID, ident)
                                for name, kind, ident in config.group_owners}
         self._buf = None
+        self.segment_name = ""
+        self.identity = (0, 0)  # the table file's (device, inode): see instance.HeldSegment
+        self.created = False  # made by this start (else found)
 
-    def open(self, wheel, now: int) -> None:
-        """Map the client table; a restarted daemon finds the slots its clients had (they
-        wait ``resume_grace_s`` for their client to hand the ring back) and the group owners."""
-        name = clients_name(self.config.name)
-        untrusted = check_owned(name)
-        if untrusted is not None:
-            moved = set_aside(name)
-            log.error("client table %s set aside as %s because %s", name, moved, untrusted)
+    def open(self, wheel, now: int, qualifier: int | None = None) -> None:
+        """Map the client table (its segment lock taken first: :func:`~wheeld.daemon.instance.take_segment`;
+        ``qualifier``: the uid of the segment names in use, None for the plain ones); a restarted
+        daemon finds the slots its clients had (they wait ``resume_grace_s`` for their client to
+        hand the ring back) and the group owners."""
+        name = self.segment_name = clients_name(self.config.name, qualifier)
         mode = self.config.arena_mode
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT, mode=mode, size=CL.SEGMENT_BYTES)
         try:
-            if os.fstat(shm.fd).st_size != CL.SEGMENT_BYTES:
-                os.ftruncate(shm.fd, 0)
-                os.ftruncate(shm.fd, CL.SEGMENT_BYTES)
-            os.fchmod(shm.fd, mode)
-            self._buf = mmap.mmap(shm.fd, CL.SEGMENT_BYTES)
+            fd = take_segment(name, self.config.name)
+        except Unusable as exc:
+            moved = set_aside(name, str(exc))
+            log.error("client table %s set aside as %s because %s", name, moved, exc)
+            fd = None
+        self.created = fd is None
+        if fd is None:
+            fd = create_segment(name, mode)
+        try:
+            self.identity = file_identity(fd)
+            if os.fstat(fd).st_size != CL.SEGMENT_BYTES:
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, CL.SEGMENT_BYTES)
+            os.fchmod(fd, mode)
+            self._buf = mmap.mmap(fd, CL.SEGMENT_BYTES)  # keeps the segment lock (a dup of fd)
         finally:
-            shm.close_fd()
+            os.close(fd)
         hand_to_monitors(self.config, name)
         buf = self._buf
         magic, arena_created = CL.HEADER.unpack_from(buf, 0)

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from wheeld.protocol.naming import default_name, default_socket_path
 
 
+#: the largest ``--capacity`` (records of 64 bytes; the arena's int32 record numbers, with room)
+MAX_CAPACITY = (1 << 31) - 100_000
+
+
 @dataclass(frozen=True)
 class Config:
     socket_path: str = field(default_factory=default_socket_path)
@@ -20,7 +24,8 @@ class Config:
     clients_per_uid: int | None = None  # slots one uid may hold; None: a quarter of max_clients; 0: no bound
     arena_mode: int = 0o600  # 0o640 with monitor_gid: the arena is the daemon's and its monitors'
     monitor_gid: int | None = None  # --monitor-group: may read the arena (wheelctl stats/dump/check)
-    socket_mode: int = 0o660
+    socket_mode: int | None = None  # --socket-mode of a socket the daemon binds itself (None: 0660)
+    socket_gid: int | None = None  # --socket-group: that socket's group (None: the daemon's)
     allowed_uids: frozenset[int] | None = None  # None: anyone who can open the socket
     allowed_gids: frozenset[int] | None = None
     #: --group-owner NAME=UID|@GROUP: (name, "uid"|"gid", id); other groups belong to their first uid

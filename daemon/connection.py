@@ -87,12 +87,12 @@ class Session:
     def send(self, frame: bytes) -> None:
         self._write(frame, False)
 
-    def answer(self, flushes: list, rejects: list) -> None:
+    def answer(self, rejects: list, flush_answers: list) -> None:
         """The answers to a chunk of this client's commands: its rejections
-        (:class:`~wheeld.daemon.planner.Rejection`; counted
-        instead of sent beyond ``REJECT_DETAIL_BYTES`` unread), then an ``Applied`` per
-        FLUSH, each after a summary of the rejections held back until then."""
-        if self.closed or not (flushes or rejects):
+        (:class:`~wheeld.daemon.planner.Rejection`; counted instead of sent beyond
+        ``REJECT_DETAIL_BYTES`` unread), then the frames that answer each FLUSH
+        (``Applied``...), each after a summary of the rejections held back until then."""
+        if self.closed or not (flush_answers or rejects):
             return
         parts = []
         queued = self.answers_queued()
@@ -113,10 +113,10 @@ class Session:
             frame = encode(reject.message())
             parts.append(frame)
             queued += len(frame)
-        for seq in flushes:
+        for frames in flush_answers:
             if held:
                 parts.extend(self._summaries())
-            parts.append(encode(M.Applied(seq)))
+            parts.append(frames)
         self._write(b"".join(parts), True)
         if self.held_rejections and not self.out:  # the socket took it all: room for the summary now
             self._write(b"".join(self._summaries()), True)

@@ -157,12 +157,16 @@ class Executor:
         valid = valid_records(records, segment.touch_capacity)
         good = n if valid.all() else int(np.argmin(valid))
         flushes, rejects = self.apply(cs, records[:good]) if good else ([], [])
+        unsynced = None
         if self.recorder is not None:
             self.recorder.commit(self.clock())  # on disk before the head moves and before Applied (fsync=always)
+            unsynced = self.recorder.unavailable  # not on disk (the journal cannot be written): no flush succeeds
+            if unsynced and flushes:
+                self.totals["journal_flushes_refused_total"] += len(flushes)
         segment.commit(good)  # only now may the client reuse the slots: a crash above re-applies the chunk
         self.totals["commands_total"] += good
         self.totals["rejected_total"] += len(rejects)
-        _answer(cs, flushes, rejects)
+        _answer(cs, flushes, rejects, unsynced)
         if good < n:
             self.poison(cs, f"invalid command record (op {int(records['op'][good])}) at ring position {good}")
         return good
@@ -425,15 +429,27 @@ def _log_command(command_log: CommandLog, ident: bytes, op: int, deadline: int, 
     command_log.idle_ms.append(idle_ms if op == C.ADD_IDLE else None)
 
 
-def _answer(cs, flushes: list, rejects: list) -> None:
+def flush_answer(seq: int, unsynced) -> bytes:
+    """The frames that answer FLUSH ``seq``: ``Applied``, preceded by a ``Rejected`` with code
+    ``journal_unavailable`` when the commands before it are not on disk (``unsynced``: why)."""
+    applied = M.encode_daemon_frame(M.Applied(seq))
+    if not unsynced:
+        return applied
+    reason = (f"not durable: {unsynced}; the commands were applied (timers fire) but are not on disk; "
+              "a flush() once the journal is writable again covers them")
+    return M.encode_daemon_frame(M.Rejected(seq, b"", 0, reason[:4096], M.Rejected.JOURNAL_UNAVAILABLE)) + applied
+
+
+def _answer(cs, flushes: list, rejects: list, unsynced=None) -> None:
     """Send a chunk's rejections and flush answers (bounded: :meth:`Session.answer
     <wheeld.daemon.connection.Session.answer>`); a FLUSH applied while the client's
     session was closed is answered when it comes back (its Hello)."""
     session = cs.session
     if session is not None and not session.closed:
-        session.answer(flushes, rejects)
+        session.answer(rejects, [flush_answer(seq, unsynced) for seq in flushes])
     elif flushes:
         cs.unanswered_flush = flushes[-1]
+        cs.unanswered_flush_unsynced = unsynced
 
 
 def _held_back(cs) -> bool:

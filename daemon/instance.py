@@ -1,93 +1,473 @@
-"""One daemon per instance name, and an arena the daemon can trust.
+"""One daemon per instance name and per arena, and segments the daemon can trust.
 
-**The instance lock.** Two daemons on one arena corrupt it: the second one's
-attach "repairs" records the first is in the middle of changing, and both drain
-the same rings. So before anything is mapped for writing, ``wheeld`` takes an
-exclusive ``flock(2)`` on ``/dev/shm/wheeld-<name>-lock`` and keeps it for its
-whole life; the kernel drops it when the process dies, however it dies. A second
-``wheeld --name NAME`` fails at once with the pid that holds the lock, having
-changed nothing. The file holds that pid (for this message and for ``wheelctl
-destroy``) and a random secret that outlives restarts (clients' resume tokens
-are HMACs under it); it is created 0600 and must belong to the daemon's uid: a
-lock file another user created is refused, since that user could hold the lock
-forever or know the secret.
+**The instance lock.** Before anything is written, ``wheeld`` takes the
+instance lock, ``/dev/shm/wheeld-<name>-lock`` (:mod:`wheeld.protocol.instance_lock`
+describes it), and keeps it for its whole life. The file is shared by every
+uid (mode 0644): the lock is *tried* first, whoever owns the file, so a daemon
+of the same name finds out who runs the instance, whatever its uid, and exits
+with one line, ``instance NAME is run by uid U, pid P``, having changed
+nothing. A lock file another uid made that this uid may not even open (an
+older wheeld made them 0600) is judged by ``/proc/locks``: held, the same
+refusal; free, the daemon takes a lock of its own uid instead
+(``wheeld-<name>-uid<U>-lock``).
 
-**Trusting the arena.** ``/dev/shm`` is writable by everyone (sticky), so the
-arena's name can be squatted and the daemon checks what it attaches: the
-segment must belong to the daemon's uid and give nobody else write access. A
-segment that fails that check, or whose contents are not a usable arena (a
-truncated file, another layout version, broken invariants), is *set aside*:
-renamed ``wheeld-<name>-arena.unusable-<wall ms>`` so an operator can look at it,
-logged at error level, and replaced by a new arena (rebuilt from the journal when
-there is one). A restart therefore never refuses to come up because of what a
-client or an accident did to the arena; only a segment the daemon may not even
-rename (another user's, in the sticky directory) stops it, with a message that
-says so.
+**The segment locks.** A lock file can be unlinked under a running daemon (a
+``/dev/shm`` clean-up script, ``RemoveIPC=``). So the daemon also locks every
+segment it maps for writing (arena, client table: an OFD lock on the segment's
+open file description, which its mapping keeps) before it writes it; a second
+daemon that got past a removed lock file finds the arena locked and exits
+naming the holder. While it runs,
+the daemon looks once a second whether the lock file and its segments still
+have their names (:meth:`InstanceLock.check`, :class:`HeldSegment`): a removed
+lock file is made again; a removed or replaced arena or client table cannot be
+(Linux cannot give an unlinked file its name back), so the daemon says so at
+error level and in its sd_notify status, and keeps serving from the segment it
+has mapped. Its timers then end with the process, unless a journal rebuilds
+them at the next start.
+
+**Names across users.** The plain segment names belong to whoever made them.
+A daemon whose uid does not own the plain segments it finds (a root ``wheeld``
+run by hand left its arena, say), or that already has uid-qualified ones, uses
+the uid-qualified names (:func:`choose_names`, :mod:`wheeld.protocol.naming`),
+and its marks on the instance lock say so, so ``wheelctl`` finds its arena. A
+restart therefore never refuses, nor removes anything, because of what another
+uid left.
+
+**Trusting a segment.** ``/dev/shm`` is writable by everyone (sticky), so the
+daemon checks what it attaches: the segment must belong to the daemon's uid and
+give nobody else write access. A segment that fails that check, or whose
+contents are not a usable arena (a truncated file, another layout version,
+broken invariants), is *set aside*: renamed
+``wheeld-<name>-arena.unusable-<wall ms>`` so an operator can look at it,
+logged at error level, and replaced by a new one (rebuilt from the journal when
+there is one). Only a segment the daemon may not even rename (another user's,
+in the sticky directory, under a name only an attacker makes) stops it, with a
+message that says so.
+
+**The secret.** Resume tokens are HMACs under a random secret that outlives
+restarts: ``/dev/shm/wheeld-<name>-secret`` (or its uid-qualified spelling),
+mode 0600, the daemon's own.
+
+A start that is refused removes what it created (:meth:`InstanceLock.abandon`).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import secrets
 import stat
 import time
 
 from wheeld.protocol.errors import WheeldError
-from wheeld.protocol.instance_lock import PID_FIELD, SECRET_BYTES, read_pid
-from wheeld.protocol.naming import lock_path, shm_path
+from wheeld.protocol.instance_lock import (
+    PID_FIELD,
+    Holder,
+    flock_holder,
+    flock_holder_pid,
+    lock_segment,
+    mark,
+    read_marks,
+    read_pid,
+)
+from wheeld.protocol.naming import arena_name, lock_path, secret_name, segment_names, shm_path
+
+log = logging.getLogger("wheeld")
+
+SECRET_BYTES = 32
+_OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # never a symlink; never block on a FIFO
+_MARKS_WAIT_S = 0.5  # a holder marks its lock right after taking it
 
 
 class AlreadyRunning(WheeldError):
-    """Another daemon holds the instance lock of this name."""
+    """Another daemon holds the instance lock of this name, or one of its segments."""
 
 
 class UntrustedSegment(WheeldError):
     """A segment of this instance belongs to another user and cannot be set aside."""
 
 
-class InstanceLock:
-    """The exclusive lock of one instance name, held until :meth:`release` or exit."""
+class Unusable(Exception):
+    """A segment that exists but may not be used (its reason is the message)."""
 
-    def __init__(self, name: str, fd: int, secret: bytes):
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _owner(path: str) -> int | None:
+    try:
+        return os.stat(path, follow_symlinks=False).st_uid
+    except FileNotFoundError:
+        return None
+
+
+def choose_names(name: str, uid: int) -> int | None:
+    """The uid qualifying the segment names a daemon of ``uid`` uses (None: the plain names).
+
+    Qualified when this uid already has qualified segments (they hold its timers),
+    or when a plain segment exists that another uid owns; else plain."""
+    qualified = [shm_path(n) for n in segment_names(name, uid)]
+    if any(_owner(p) == uid for p in qualified):
+        return uid
+    plain = [shm_path(n) for n in segment_names(name)] + [shm_path(arena_name(name)) + ".new"]
+    if any(owner not in (None, uid) for owner in map(_owner, plain)):
+        return uid
+    return None
+
+
+def _held_by(path: str) -> Holder | None:
+    """The marks of whoever holds a segment or lock file (read without locking anything)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _OPEN)
+    except OSError:
+        return None
+    try:
+        return read_marks(fd)
+    finally:
+        os.close(fd)
+
+
+def _wait_marks(fd: int) -> Holder | None:
+    end = time.monotonic() + _MARKS_WAIT_S
+    while True:
+        found = read_marks(fd)
+        if found is not None or time.monotonic() >= end:
+            return found
+        time.sleep(0.01)
+
+
+def _unmarked_holder(path: str, fd: int) -> Holder:
+    """Who holds a lock file without marks (an older wheeld, or not a wheeld at all)."""
+    try:
+        found = flock_holder(path)
+    except PermissionError:
+        found = None
+    return found or Holder(read_pid(fd))
+
+
+def _running(name: str, holder: Holder | None, path: str, detail: str = "") -> AlreadyRunning:
+    who = holder.describe(name) if holder is not None else f"instance {name!r} is run by another process"
+    return AlreadyRunning(f"{who} ({detail or 'it holds ' + path}); nothing was changed: stop it first, "
+                          f"or pick another --name")
+
+
+# ---------------------------------------------------------------------------- the instance lock
+def _open_lock(path: str) -> tuple[int, bool, bool] | None:
+    """(fd, created, writable) of the lock file at ``path``, made (0644) when missing;
+    None when this uid cannot use that file as a lock (it may not open it, or it is not
+    a regular file)."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o644)
+            os.fchmod(fd, 0o644)  # exactly: the umask filtered it
+            return fd, True, True
+        except FileExistsError:
+            pass
+        try:
+            fd, writable = os.open(path, os.O_RDWR | _OPEN), True
+        except FileNotFoundError:
+            continue  # removed meanwhile: make it
+        except PermissionError:
+            try:
+                fd, writable = os.open(path, os.O_RDONLY | _OPEN), False
+            except FileNotFoundError:
+                continue
+            except OSError:
+                return None
+        except OSError:  # a symlink (ELOOP), a directory (EISDIR)...
+            return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        return fd, False, writable
+
+
+class InstanceLock:
+    """The instance lock of ``name``, held until :meth:`release` or exit; ``qualifier`` is
+    the uid of the segment names this daemon uses (None: plain); ``secret`` its secret."""
+
+    def __init__(self, name: str, path: str, fd: int, writable: bool):
         self.name = name
-        self._fd = fd
-        self.secret = secret
+        self.path = path
+        self._fd: int | None = fd
+        self._writable = writable
+        self.uid = os.geteuid()
+        self.qualifier: int | None = None
+        self.secret = b""
+        self.created: list[str] = []  # files this start made (a refused start removes them)
+        self._problem: str | None = None
 
     @classmethod
     def acquire(cls, name: str) -> InstanceLock:
-        path = lock_path(name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        lock, created = cls._take(name)
         try:
-            owner = os.fstat(fd).st_uid
-            if owner != os.geteuid():
-                raise UntrustedSegment(
-                    f"{path} belongs to uid {owner}, not to this daemon's uid {os.geteuid()}: another user "
-                    f"created it (and could hold the lock forever); remove it as root and start again")
+            if created:
+                lock.created.append(lock.path)
+            lock.qualifier = choose_names(name, lock.uid)
+            mark(lock._fd, os.getpid(), lock.uid, lock.qualifier is not None)
+            lock.secret = lock._load_secret()
+            lock._write_pid()
+        except BaseException:
+            lock.abandon()
+            raise
+        if lock.qualifier is not None:
+            log.info("instance %r: segments of another uid have the plain names; this daemon (uid %d) uses "
+                     "/dev/shm/wheeld-%s-uid%d-*", name, lock.uid, name, lock.uid)
+        return lock
+
+    @classmethod
+    def _take(cls, name: str) -> tuple[InstanceLock, bool]:
+        uid = os.geteuid()
+        path = lock_path(name)
+        for _ in range(100):
+            opened = _open_lock(path)
+            if opened is None:
+                if path != lock_path(name):
+                    raise UntrustedSegment(f"{path} cannot be used as this daemon's lock (it is another user's or "
+                                           f"not a regular file, and no process holds it): remove it and start again")
+                pid = flock_holder_pid(path)
+                owner = _owner(path)
+                if pid:
+                    raise _running(name, flock_holder(path) or Holder(pid), path,
+                                   f"it holds {path}, a lock file this uid {uid} may not open")
+                log.warning("%s belongs to uid %s and this daemon (uid %d) may not open it; %s: taking %s instead",
+                            path, owner, uid, "no process holds it" if pid == 0 else
+                            "whether a process holds it cannot be told (no /proc/locks)", lock_path(name, uid))
+                path = lock_path(name, uid)
+                continue
+            fd, created, writable = opened
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                pid = read_pid(fd)
-                holder = f"pid {pid}" if pid else "another process"
-                raise AlreadyRunning(
-                    f"another wheeld ({holder}) is running instance {name!r} (lock {path}); nothing was changed. "
-                    f"Stop it first, or pick another --name") from None
-            os.fchmod(fd, 0o600)
-            secret = os.pread(fd, SECRET_BYTES, PID_FIELD)
-            if len(secret) != SECRET_BYTES:
-                secret = secrets.token_bytes(SECRET_BYTES)
-                os.pwrite(fd, secret, PID_FIELD)
-            os.pwrite(fd, f"{os.getpid()}\n".encode().ljust(PID_FIELD, b" "), 0)
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(name, fd, secret)
+                holder = _wait_marks(fd) or _unmarked_holder(path, fd)
+                os.close(fd)
+                raise _running(name, holder, path, f"lock {path}") from None
+            if not _same_file(fd, path):  # removed or replaced between open and flock: the new one counts
+                os.close(fd)
+                continue
+            return cls(name, path, fd, writable), created
+        raise AlreadyRunning(f"instance {name!r}: its lock file {path} keeps being replaced; is something "
+                             f"removing /dev/shm/wheeld-{name}-lock in a loop?")
+
+    def _write_pid(self) -> None:
+        if self._writable:
+            os.pwrite(self._fd, f"{os.getpid()}\n".encode().ljust(PID_FIELD, b" "), 0)
+
+    def _load_secret(self) -> bytes:
+        """The secret of this daemon's names, made (0600) when missing; an older wheeld kept
+        it in its 0600 lock file, after the pid: moved from there once, then removed."""
+        legacy = None
+        own_file = self._writable and os.fstat(self._fd).st_uid == self.uid
+        if own_file and os.fstat(self._fd).st_size >= PID_FIELD + SECRET_BYTES:
+            legacy = os.pread(self._fd, SECRET_BYTES, PID_FIELD)
+        segment = secret_name(self.name, self.qualifier)
+        path = shm_path(segment)
+        for _ in range(10):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o600)
+            except FileExistsError:
+                secret = self._read_secret(segment, path)
+                if secret is not None:
+                    break
+                continue
+            try:
+                os.fchmod(fd, 0o600)
+                secret = legacy or secrets.token_bytes(SECRET_BYTES)
+                os.pwrite(fd, secret, 0)
+            finally:
+                os.close(fd)
+            self.created.append(path)
+            break
+        else:
+            raise UntrustedSegment(f"{path} keeps being replaced")
+        if own_file:
+            os.ftruncate(self._fd, PID_FIELD)  # nothing secret in a file everybody may read
+            os.fchmod(self._fd, 0o644)
+        return secret
+
+    def _read_secret(self, segment: str, path: str) -> bytes | None:
+        """The secret in an existing file, or None after setting aside one that may not be trusted."""
+        try:
+            fd = os.open(path, os.O_RDONLY | _OPEN)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            reason = exc.strerror
+        else:
+            try:
+                st = os.fstat(fd)
+                reason = _untrusted(st, self.uid) or (st.st_mode & 0o077 and "other users may read it")
+                if not reason:
+                    secret = os.pread(fd, SECRET_BYTES, 0)
+                    if len(secret) == SECRET_BYTES:
+                        return secret
+                    reason = f"it holds {len(secret)} bytes, not {SECRET_BYTES}"
+            finally:
+                os.close(fd)
+        moved = set_aside(segment, reason)
+        log.error("secret %s set aside as /dev/shm/%s because %s; a new one is made (clients of the previous "
+                  "daemon get new rings)", path, moved, reason)
+        return None
+
+    # ------------------------------------------------------------------ while it runs
+    def check(self) -> str | None:
+        """Is the lock file still this daemon's? A removed or replaced one is made again and
+        taken; returns what stays wrong (another process holds the new file), else None."""
+        if self._fd is None or _same_file(self._fd, self.path):
+            self._problem = None
+            return None
+        problem = None
+        opened = _open_lock(self.path)
+        if opened is None:
+            problem = f"the instance lock {self.path} was replaced by a file this daemon cannot use"
+        else:
+            fd, _created, writable = opened
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = read_marks(fd)
+                os.close(fd)
+                problem = (f"the instance lock {self.path} was replaced while this daemon ran, and "
+                           f"{holder.describe(self.name) if holder else 'another process'} holds the new one")
+            else:
+                mark(fd, os.getpid(), self.uid, self.qualifier is not None)
+                os.close(self._fd)
+                self._fd, self._writable = fd, writable
+                self._write_pid()
+                log.warning("the instance lock %s was removed while this daemon ran; it is made and held again",
+                            self.path)
+        if problem is not None and problem != self._problem:
+            log.error("%s", problem)
+        self._problem = problem
+        return problem
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing the last descriptor drops the flock
+            os.close(self._fd)  # closing the last descriptor drops the flock and the marks
             self._fd = None
+
+    def abandon(self, more: list[str] = ()) -> None:
+        """A refused start: remove what it created (``more``: segments made after the lock),
+        the lock file last, while it is still held, then release."""
+        for path in [*more, *self.created[1:], *self.created[:1]]:
+            if path == self.path and (self._fd is None or not _same_file(self._fd, path)):
+                continue
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.created.clear()
+        self.release()
+
+
+# ---------------------------------------------------------------------------- segments
+def _untrusted(st: os.stat_result, uid: int) -> str | None:
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_uid != uid:
+        return f"it belongs to uid {st.st_uid}, not to this daemon's uid {uid}"
+    if st.st_mode & 0o022:
+        return f"its mode {stat.S_IMODE(st.st_mode):04o} lets other users write it"
+    return None
+
+
+def take_segment(segment_name: str, instance: str) -> int | None:
+    """A descriptor of an existing segment of this daemon, open for writing, with its
+    segment lock taken (before anything is written) and marked; None when there is no
+    such segment. Map it, then close it: the mapping keeps the lock.
+
+    Raises AlreadyRunning when another process holds it, Unusable when it may not be
+    trusted (another owner, writable by others, not a regular file)."""
+    path = shm_path(segment_name)
+    try:
+        fd = os.open(path, os.O_RDWR | _OPEN)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        holder = _held_by(path)
+        if holder is not None:
+            raise _running(instance, holder, path) from None
+        raise Unusable(exc.strerror) from None
+    try:
+        if not lock_segment(fd):
+            raise _running(instance, _wait_marks(fd), path)
+        reason = _untrusted(os.fstat(fd), os.geteuid())
+        if reason:
+            raise Unusable(reason)
+        mark(fd, os.getpid(), os.geteuid())
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def create_segment(segment_name: str, mode: int) -> int:
+    """A new, empty segment of this daemon, open for writing, locked and marked (map it,
+    then close it: the mapping keeps the lock); FileExistsError when the name is taken."""
+    fd = os.open(shm_path(segment_name), os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, mode)
+    try:
+        os.fchmod(fd, mode)
+        if not lock_segment(fd):
+            raise AlreadyRunning(f"{shm_path(segment_name)} was locked by another process as it was made")
+        mark(fd, os.getpid(), os.geteuid())
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def file_identity(fd: int) -> tuple[int, int]:
+    """(device, inode) of the file open on ``fd``: what :class:`HeldSegment` compares."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+class HeldSegment:
+    """A segment the daemon holds (mapped, locked; ``identity``: its (device, inode)):
+    does its name still name it?"""
+
+    def __init__(self, kind: str, segment_name: str, identity: tuple[int, int]):
+        self.kind = kind
+        self.path = shm_path(segment_name)
+        self.identity = identity
+        self._problem: str | None = None
+
+    def _named(self) -> bool:
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self.identity
+
+    def check(self) -> str | None:
+        """What is wrong with the segment's name (logged once, at error level, when it
+        starts being wrong), else None."""
+        if self._named():
+            if self._problem is not None:
+                log.warning("%s names this daemon's %s again", self.path, self.kind)
+            self._problem = None
+            return None
+        if os.path.lexists(self.path):
+            holder = _held_by(self.path)
+            now = f"another file ({'held by ' + holder.who() if holder else 'held by no daemon'})"
+            what = f"{self.path} was replaced by {now}"
+        else:
+            what = f"{self.path} was removed"
+        problem = (f"{what} while this daemon runs: it keeps serving its timers from the {self.kind} it has "
+                   f"mapped, but wheelctl no longer sees them, and they end with this process unless a journal "
+                   f"rebuilds them at the next start")
+        if problem != self._problem:
+            log.error("%s", problem)
+        self._problem = problem
+        return problem
 
 
 def check_owned(segment_name: str) -> str | None:
@@ -96,20 +476,14 @@ def check_owned(segment_name: str) -> str | None:
         st = os.stat(shm_path(segment_name), follow_symlinks=False)
     except FileNotFoundError:
         return None
-    if not stat.S_ISREG(st.st_mode):
-        return "it is not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"it belongs to uid {st.st_uid}, not to this daemon's uid {os.geteuid()}"
-    if st.st_mode & 0o022:
-        return f"its mode {stat.S_IMODE(st.st_mode):04o} lets other users write it"
-    return None
+    return _untrusted(st, os.geteuid())
 
 
-def set_aside(segment_name: str) -> str:
-    """Rename an unusable segment out of the way; returns the new name.
+def set_aside(segment_name: str, reason: str = "it is unusable") -> str:
+    """Rename an unusable segment out of the way; returns the new name ("" when it vanished).
 
     Raises UntrustedSegment when the daemon may not rename it (another user's file
-    in the sticky /dev/shm)."""
+    in the sticky /dev/shm). Callers have made sure no process holds it."""
     source = shm_path(segment_name)
     target = f"{source}.unusable-{time.time_ns() // 1_000_000}"
     try:
@@ -118,8 +492,10 @@ def set_aside(segment_name: str) -> str:
         return ""
     except OSError as exc:
         if exc.errno in (errno.EPERM, errno.EACCES):
+            owner = _owner(source)
             raise UntrustedSegment(
-                f"{source} is unusable and this daemon may not move it ({exc.strerror}); "
-                f"remove it as root and start again") from None
+                f"{source} cannot be used ({reason}) and this daemon (uid {os.geteuid()}) may not move it "
+                f"({exc.strerror}): it belongs to uid {owner} and no process holds it; remove it (as root or "
+                f"uid {owner}) and start again") from None
         raise
     return os.path.basename(target)

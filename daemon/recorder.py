@@ -23,6 +23,22 @@ Snapshots bound recovery time: every ``snapshot_every_events`` journaled events
 written as a snapshot and the segments it covers are deleted. The snapshot is
 written from the loop (it pauses the loop for roughly 1-2 us per pending
 timer); idle timers are snapshotted as plain timers with their current deadline.
+
+When the journal cannot be written (a full disk, a quota, an I/O error, a
+read-only remount) the daemon keeps serving: commands are applied to the arena
+and timers fire as ever, but nothing is acknowledged as durable -- every FLUSH
+answered meanwhile is refused with ``JournalUnavailable`` (the executor asks
+:attr:`Recorder.unavailable`). The journal numbers the events it cannot write
+and drops them: the arena holds their result. About once a second
+(:data:`RETRY_S`, and never more often than ten times what a failed attempt
+cost) the Recorder tries :meth:`~wheeld.protocol.journal_files.Journal.resume`,
+which writes a snapshot of the arena and opens a new segment: from then on
+everything the arena holds is durable again, and so is every command applied
+during the stall. The state is logged (an ERROR when it starts, again every
+minute, a WARNING when it ends), counted in the arena (``journal_stalled``: the
+errno, 0 when writable; ``journal_stalls_total``;
+``journal_unwritten_events_total``; ``journal_flushes_refused_total``) and told
+to systemd (``STATUS=``, through :attr:`Recorder.on_change`).
 """
 
 from __future__ import annotations
@@ -38,11 +54,29 @@ from wheeld.protocol import journal as J
 from wheeld.protocol.keys import TYPE_INT, TYPE_STR, decode_key, key_length, key_type
 from wheeld.shm.wheel import TimerWheel
 
-from wheeld.protocol.journal_files import FiredTimer, Journal, PendingTimer, clock_offset_ns_above, list_segments
+from wheeld.protocol.errors import JournalUnavailable
+from wheeld.protocol.journal_files import (
+    FiredTimer,
+    Journal,
+    PendingTimer,
+    clock_offset_ns_above,
+    describe_error,
+    list_segments,
+)
 
 log = logging.getLogger("wheeld.journal")
 
 _UNSET = J.UNSET
+
+_LSN_WORD = AL.H_COUNTERS // 8 + AL.COUNTER["journal_lsn"]
+_DURABLE_WORD = AL.H_COUNTERS // 8 + AL.COUNTER["journal_durable_lsn"]
+RETRY_S = 1.0  # a stalled journal is tried again this often...
+RETRY_COST_FACTOR = 10  # ...and no more often than this many times what the last failed attempt took
+STILL_STALLED_LOG_S = 60.0  # a stall that goes on is logged again this often
+# free bytes a resume's snapshot needs at the least (a snapshot line holds a timer's group, key,
+# deadline and seq with its crc: more than this per timer): below this it is not even encoded
+MIN_SNAPSHOT_BYTES_PER_TIMER = 64
+MIN_SNAPSHOT_BYTES = 64 << 10
 
 
 def mono_ms() -> int:
@@ -67,7 +101,7 @@ class Recorder:
     """Collects the events of one loop iteration and appends them as one batch."""
 
     def __init__(self, journal: Journal, wheel: TimerWheel, snapshot_every_events: int = 1_000_000,
-                 snapshot_every_s: float = 300.0):
+                 snapshot_every_s: float = 300.0, totals: dict | None = None):
         self.journal = journal
         self.wheel = wheel
         self.events: list = []
@@ -77,11 +111,24 @@ class Recorder:
         self.snapshot_every_s = snapshot_every_s
         self._snapshot_lsn = journal.last_lsn
         self._snapshot_time = time.monotonic()
+        self._snapshot_retry_at = 0.0
+        self.totals = totals if totals is not None else {}
+        self._header = wheel.header_words()
+        #: called when the journal stops or starts being writable (the daemon tells systemd)
+        self.on_change = None
+        self._stalled_since: float | None = None
+        self._stall_logged = 0.0
+        self._next_retry = 0.0
         self._durable_log = os.environ.get("WHEELD_TEST_DURABLE_LOG")
         if self._durable_log:
             _observe_durability(journal, self._durable_log)
-        self._sync_previous_segments()
+        try:
+            self._sync_previous_segments()
+        except OSError as exc:
+            log.error("journal: the segments of the previous daemon cannot be fsynced: %s", describe_error(exc))
         self._fsyncs_at_start = journal.fsync_count
+        if not journal.writable:
+            self._retry()  # a resync (or a journal that could not be opened): try at once
 
     def _sync_previous_segments(self) -> None:
         """A daemon killed without a reboot leaves its last events written but maybe not
@@ -245,16 +292,39 @@ class Recorder:
 
     # ------------------------------------------------------------------ batches
     def commit(self, now_ms: int) -> int:
-        """Append what this iteration recorded (fsynced under ``always``)."""
+        """Append what this iteration recorded (fsynced under ``always``). A journal that
+        cannot be written numbers and drops them (:attr:`unavailable` says so)."""
         if self.events:
-            self.journal.append(self.events, now_ms)
-            self.events = []
-            if self._durable_log and self.journal.policy.mode == "always":
-                _note_durable(self.journal, self._durable_log)
+            events, self.events = self.events, []
+            try:
+                self.journal.append(events, now_ms)
+            except JournalUnavailable:
+                self.totals["journal_unwritten_events_total"] = (
+                    self.totals.get("journal_unwritten_events_total", 0) + len(events))
+                self._stalled()
+            else:
+                if self._durable_log and self.journal.policy.mode == "always":
+                    _note_durable(self.journal, self._durable_log)
+            self._publish_lsns()
         return self.journal.last_lsn
 
+    def _publish_lsns(self) -> None:
+        """The journal's last and durable lsns into the arena header at once (not at the next
+        publish): before any flush is answered, the arena knows what the journal holds, and a
+        daemon that attaches it after a crash can tell a journal cut short (recovery.py)."""
+        journal, words = self.journal, self._header
+        words[_LSN_WORD] = self.totals["journal_lsn"] = journal.last_lsn
+        words[_DURABLE_WORD] = self.totals["journal_durable_lsn"] = journal.durable_lsn
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why nothing applied now is durable (the journal cannot be written), in one
+        clause; None while the journal is writable."""
+        return self.journal.unavailable()
+
     def tick(self, now_ms: int) -> None:
-        """Group commit and snapshots; called once per loop iteration.
+        """Group commit, the durable mark, snapshots, and a stalled journal's retries;
+        called once per loop iteration.
 
         ``interval``: the fsync runs on the journal's helper thread
         (:meth:`Journal.start_sync`), so the loop keeps draining rings and
@@ -262,28 +332,40 @@ class Recorder:
         third of a 10 ms window if the loop waited for it); a later tick collects it.
         """
         journal = self.journal
-        if journal.policy.mode == "interval":
-            journal.start_sync(now_ms)
-        else:
-            journal.maybe_sync(now_ms)
+        if not journal.writable:
+            self._stalled()
+            self._retry()
+            return
+        try:
+            if journal.policy.mode == "interval":
+                journal.start_sync(now_ms)
+            else:
+                journal.maybe_sync(now_ms)
+        except JournalUnavailable:
+            self._stalled()
+            return
         due_events = self.journal.last_lsn - self._snapshot_lsn >= self.snapshot_every_events
         due_time = (time.monotonic() - self._snapshot_time >= self.snapshot_every_s
                     and self.journal.last_lsn > self._snapshot_lsn)
-        if due_events or due_time:
+        if (due_events or due_time) and time.monotonic() >= self._snapshot_retry_at:
             self.snapshot()
 
     def sync_due_ms(self) -> int | None:
-        """When the loop must run :meth:`tick` next (None: no sync pending).
+        """When the loop must run :meth:`tick` next (None: nothing pending).
 
-        While a background fsync is in flight, 1 ms from now: the loop looks for
-        its completion (which nothing else would wake it for) every millisecond.
+        While a background fsync or a mark write is in flight, 1 ms from now: the
+        loop looks for its completion (which nothing else would wake it for) every
+        millisecond. While the journal is stalled, at its next retry.
         """
-        if self.journal.sync_in_flight:
+        journal = self.journal
+        if not journal.writable:
+            return mono_ms() + max(1, int((self._next_retry - time.monotonic()) * 1000) + 1)
+        if journal.sync_in_flight or journal.mark_pending:
             return mono_ms() + 1
-        return self.journal.sync_due_ms
+        return journal.sync_due_ms
 
-    def snapshot(self) -> None:
-        started = time.perf_counter()
+    def _state(self) -> tuple[list, list]:
+        """The pending and fired-unacknowledged timers of the arena, as a snapshot holds them."""
         wheel = self.wheel
         off = wall_offset_ms()
         pending = [PendingTimer(self._group(gid), key, deadline + off, tag)
@@ -293,19 +375,99 @@ class Recorder:
         for slot in wheel.fired_slots():
             key, deadline, gid, tag, aux, gen = wheel.fired(slot)
             unacked.append(FiredTimer(self._group(gid), key, deadline + off, tag, now + off, False, now - deadline))
+        return pending, unacked
+
+    def snapshot(self) -> None:
+        """A snapshot of the arena at the journal's last lsn (then compaction). A snapshot
+        that cannot be written is logged and tried again 30 s later; a journal that
+        cannot be synced first stalls."""
+        if not self.journal.writable:
+            return
+        started = time.perf_counter()
+        pending, unacked = self._state()
         lsn = self.journal.last_lsn
-        self.journal.write_snapshot(lsn, pending, unacked)
+        try:
+            self.journal.write_snapshot(lsn, pending, unacked)
+        except JournalUnavailable:
+            self._stalled()
+            return
+        except OSError as exc:
+            self._snapshot_retry_at = time.monotonic() + 30.0
+            log.error("journal: a snapshot at lsn %d could not be written (%s); the journal goes on without it, "
+                      "another is tried in 30 s", lsn, describe_error(exc))
+            return
         self._snapshot_lsn = lsn
         self._snapshot_time = time.monotonic()
         log.info("journal: snapshot at lsn %d (%d pending, %d unacknowledged) in %.0f ms",
                  lsn, len(pending), len(unacked), (time.perf_counter() - started) * 1000)
 
+    # ------------------------------------------------------------------ stalls
+    def _stalled(self) -> None:
+        """The journal is not writable: say so once when it starts, then every minute."""
+        journal = self.journal
+        now = time.monotonic()
+        error = journal.stalled
+        self.totals["journal_stalled"] = (error.errno or 1) if error is not None else 1
+        if self._stalled_since is None:
+            self._stalled_since = self._stall_logged = now
+            self._next_retry = max(self._next_retry, now + RETRY_S)
+            self.totals["journal_stalls_total"] = self.totals.get("journal_stalls_total", 0) + 1
+            log.error("%s (from lsn %d on); the daemon goes on serving: commands are applied and timers "
+                      "fire, but every flush() fails with JournalUnavailable until the journal can be written again "
+                      "(tried every %.0f s: a snapshot of the arena then covers what was not written)",
+                      journal.unavailable(), journal.durable_lsn + 1, RETRY_S)
+            if self.on_change is not None:
+                self.on_change()
+        elif now - self._stall_logged >= STILL_STALLED_LOG_S:
+            self._stall_logged = now
+            log.error("journal: still not writable after %.0f s: %s; %d events not written (lsns %d..%d)",
+                      now - self._stalled_since, journal.unavailable(), journal.last_lsn - journal.durable_lsn,
+                      journal.durable_lsn + 1, journal.last_lsn)
+
+    def _retry(self) -> None:
+        """Try to make a stalled journal writable again (:meth:`Journal.resume`), at most
+        every :data:`RETRY_S`, and never more often than ten times what a failed try cost."""
+        now = time.monotonic()
+        if now < self._next_retry:
+            return
+        journal = self.journal
+        wheel = self.wheel
+        self.commit(mono_ms())  # events recorded and not yet committed: numbered, so the snapshot covers them
+        timers = len(wheel) + wheel.counters()["fired_unacked"]
+        started = time.perf_counter()
+        behind = journal.last_lsn - journal.durable_lsn
+        resumed = journal.resume(self._state, MIN_SNAPSHOT_BYTES + timers * MIN_SNAPSHOT_BYTES_PER_TIMER)
+        took = time.perf_counter() - started
+        self._next_retry = time.monotonic() + max(RETRY_S, RETRY_COST_FACTOR * took)
+        if not resumed:
+            self._stalled()
+            return
+        self._snapshot_lsn = journal.last_lsn
+        self._snapshot_time = time.monotonic()
+        self._publish_lsns()
+        self.totals["journal_stalled"] = 0
+        since = self._stalled_since
+        self._stalled_since = None
+        log.warning("journal: writable again%s: snapshot at lsn %d of the arena's %d timers written in %.0f ms (it "
+                    "covers the %d events that were not written); flush() is acknowledged again",
+                    f" after {now - since:.1f} s" if since is not None else "", journal.last_lsn, timers,
+                    took * 1000, behind)
+        if self.on_change is not None:
+            self.on_change()
+
     def close(self) -> None:
         journal = self.journal
+        if not journal.writable:  # a last try: a snapshot now saves what the stall left unwritten
+            self._next_retry = 0.0
+            self._retry()
         # bench/durability.py reads this line: fsyncs per policy over the daemon's life
         log.info("journal: closed at lsn %d after %d fsyncs (%d at start)",
                  journal.last_lsn, journal.fsync_count, self._fsyncs_at_start)
-        journal.sync()
+        if journal.writable:
+            try:
+                journal.sync()
+            except JournalUnavailable:
+                pass
         journal.close()
 
 

@@ -2,23 +2,44 @@
 
 ``wheeld --journal DIR`` rebuilds an arena that is gone (a reboot, /dev/shm
 cleared) from the journal: :func:`recover_journal` reads the directory (before
-the arena exists, so a refusal leaves nothing behind), :func:`load_recovered`
-puts the timers into the new arena, and :func:`open_journal` continues the
-journal after them with a :class:`~wheeld.daemon.recorder.Recorder`.
+the arena exists, so a refusal leaves nothing behind), :func:`arena_size_for`
+sizes the new arena so that every journaled timer fits, :func:`load_recovered`
+puts the timers into it (and refuses the start, :class:`TimersNotRestored`,
+should one still not go in), and :func:`open_journal` continues the journal
+after them with a :class:`~wheeld.daemon.recorder.Recorder`. A daemon that
+attaches an existing arena compares the journal with it first: a journal cut
+short, or behind what the arena holds, is caught up with a snapshot of the arena.
 """
 
 from __future__ import annotations
 
 import logging
 
-from wheeld.protocol.errors import ArenaFull, InvalidRequest
+from wheeld.protocol.errors import ArenaFull, InvalidRequest, JournalUnavailable, WheeldError
 from wheeld.shm.wheel import TimerWheel
 
-from wheeld.protocol.journal_files import Journal, read_clocks, wall_to_monotonic_ns
+from wheeld.protocol.journal_files import (
+    Journal,
+    describe_error,
+    last_lsn_on_disk,
+    read_clocks,
+    read_mark,
+    wall_to_monotonic_ns,
+)
 from wheeld.protocol.journal_recovery import RecoveredState, recover
+from .config import MAX_CAPACITY
 from .recorder import Recorder
 
 log = logging.getLogger("wheeld.journal")
+
+MAX_GROUPS = 65535  # group ids an arena can have (TimerWheel.create)
+
+
+class TimersNotRestored(WheeldError):
+    """Timers of the journal that the new arena did not take. The daemon does not start
+    (``wheeld`` exits 65): started, its next snapshot would drop them from the journal
+    for good. Nothing on disk was changed by the attempt (the arena being built is
+    removed)."""
 
 
 def recover_journal(directory: str, on_damage: str = "skip") -> RecoveredState:
@@ -29,9 +50,46 @@ def recover_journal(directory: str, on_damage: str = "skip") -> RecoveredState:
     :class:`~wheeld.protocol.journal_recovery.JournalDamaged`, a one-line message naming
     the ranges, and nothing on disk is changed. Called before the arena is
     created, so a refusal leaves no empty arena behind (one would make the next
-    start skip the journal).
+    start skip the journal). A directory that cannot be read (or repaired: a torn
+    tail cut) raises :class:`~wheeld.protocol.errors.JournalUnavailable`, one line.
     """
-    return recover(directory, on_damage=on_damage)
+    try:
+        return recover(directory, on_damage=on_damage)
+    except OSError as exc:
+        raise JournalUnavailable(f"journal directory {directory} cannot be recovered: {exc}") from exc
+
+
+def arena_size_for(state: RecoveredState, capacity: int, max_groups: int) -> tuple[int, int]:
+    """``(capacity, max_groups)`` of a new arena that holds every timer of ``state``:
+    the configured ones, raised where the journal holds more (each raise logged).
+
+    The journal's timers were accepted (a ``flush()`` may have acknowledged them);
+    an arena smaller than the journal would drop some, and its next snapshot
+    would make that permanent. Refusing to start instead would leave every one
+    of them unfired until an operator intervenes. So the arena grows, as an
+    existing arena keeps its own parameters whatever the command line says: a
+    capacity below the journal's timers becomes the journal's timers plus
+    ``capacity`` (what the operator asked for stays the room for new timers, so
+    adds are not refused from the first moment); ``max_groups`` likewise
+    becomes the journal's groups plus ``max_groups``. A later reboot with fewer
+    timers pending makes the arena the configured size again.
+    """
+    needed = len(state.pending) + len(state.unacked)
+    # + 1: a new arena registers its default group at id 0 (TimerWheel.create)
+    groups = len({group for group, _key in state.pending} | {timer.group for timer in state.unacked}) + 1
+    if needed > capacity:
+        raised = min(needed + capacity, MAX_CAPACITY)
+        log.warning("journal recovery: the journal holds %d timers, more than --capacity %d: the new arena is made "
+                    "with capacity %d (the journal's timers, and --capacity of room for new ones) so that none is "
+                    "dropped", needed, capacity, raised)
+        capacity = max(raised, needed)
+    if groups > max_groups:
+        raised = min(groups + max_groups, MAX_GROUPS)
+        log.warning("journal recovery: the journal's timers are in %d groups, more than --max-groups %d leaves "
+                    "room for: the new arena is made with %d group ids (theirs, and --max-groups more)",
+                    groups - 1, max_groups, raised)
+        max_groups = raised
+    return capacity, max_groups
 
 
 def load_recovered(wheel: TimerWheel, state: RecoveredState, directory: str = "",
@@ -78,13 +136,18 @@ def load_recovered(wheel: TimerWheel, state: RecoveredState, directory: str = ""
         wheel.expire(max(now_ms, wheel.current_ms))
     for t in state.pending.values():
         restore(t.group, t.key, wall_to_monotonic_ns(t.deadline_ms, wall_ns, mono_ns), t.seq)
+    if lost:
+        raise TimersNotRestored(
+            f"journal {directory}: {lost} of its {loaded + lost} timers could not be put into the new arena "
+            f"(capacity {wheel.capacity}, {wheel.max_groups} group ids; the first are in the errors above); "
+            "refusing to start, which would drop them from the journal at its next snapshot; nothing on disk "
+            "was changed")
     damage = (f"; {len(state.damage)} DAMAGED RANGES SKIPPED ({state.damaged_lines} lines, see the errors above; "
               f"wheelctl check --journal {directory})" if state.damage else "")
     log.info("journal recovery from %s: %d timers restored (%d pending, %d to deliver again), snapshot lsn %d, "
-             "%d events replayed from %d segments, last lsn %d, %.0f ms%s%s",
+             "%d events replayed from %d segments, last lsn %d, %.0f ms%s",
              directory, loaded, len(state.pending), len(state.unacked), state.snapshot_lsn,
-             state.events_replayed, state.segments_read, state.last_lsn, state.elapsed_ms,
-             f"; {lost} NOT restored (arena full?)" if lost else "", damage)
+             state.events_replayed, state.segments_read, state.last_lsn, state.elapsed_ms, damage)
     return state.last_lsn + 1
 
 
@@ -100,21 +163,69 @@ def open_journal(config, wheel: TimerWheel, recovered: RecoveredState | None, to
     ``next_lsn``: the state was already loaded (:func:`load_recovered` returned it).
 
     ``recovered`` is :func:`recover_journal`'s state when the arena was just
-    created (None when an existing arena was attached: the journal only
-    continues). Damage it skipped is added to ``totals``
-    (``journal_damaged_ranges_total``, ``journal_damaged_lines_total``: the
-    daemon publishes them in the arena header), and a snapshot is written at
-    once, so that later recoveries start after the damage and compaction
-    removes the damaged segments in time.
+    created (None when an existing arena was attached: the journal continues,
+    after :func:`_continue_after` compared it with the arena). Damage it skipped
+    is added to ``totals`` (``journal_damaged_ranges_total``,
+    ``journal_damaged_lines_total``: the daemon publishes them in the arena
+    header), and a snapshot is written at once, so that later recoveries start
+    after the damage and compaction removes the damaged segments in time.
+
+    A journal that cannot be written for a passing reason (a full disk) starts
+    stalled (:mod:`wheeld.daemon.recorder`); for another (read-only, not
+    permitted) this raises :class:`~wheeld.protocol.errors.JournalUnavailable`,
+    and ``wheeld`` exits 2 with that one line.
     """
+    resync = False
     if recovered is not None:
         if next_lsn is None:
             next_lsn = load_recovered(wheel, recovered, config.journal_dir)
         totals["journal_damaged_ranges_total"] = totals.get("journal_damaged_ranges_total", 0) + len(recovered.damage)
         totals["journal_damaged_lines_total"] = totals.get("journal_damaged_lines_total", 0) + recovered.damaged_lines
-    journal = Journal(config.journal_dir, fsync=config.fsync, name=config.name, next_lsn=next_lsn)
-    recorder = Recorder(journal, wheel)
+    else:
+        next_lsn, resync = _continue_after(config.journal_dir, wheel, totals)
+    journal = Journal(config.journal_dir, fsync=config.fsync, name=config.name, next_lsn=next_lsn, resync=resync,
+                      stall_on_error=True)
+    recorder = Recorder(journal, wheel, totals=totals)
     if recovered is not None and recovered.damage:
         recorder.snapshot()
-    log.info("journal %s (fsync %s) continues at lsn %d", config.journal_dir, config.fsync, journal.last_lsn + 1)
+    log.info("journal %s (fsync %s) continues at lsn %d%s", config.journal_dir, config.fsync, journal.last_lsn + 1,
+             "" if journal.writable else f", NOT WRITABLE: {journal.unavailable()}")
     return recorder
+
+
+def _continue_after(directory: str, wheel: TimerWheel, totals: dict) -> tuple[int, bool]:
+    """For an attached arena: ``(next lsn, whether a snapshot of the arena must come first)``.
+
+    The arena's header says up to which lsn the previous daemon numbered events
+    (``journal_lsn``) and which it knew durable (``journal_durable_lsn``); the
+    directory says where its files end and its durable mark. Events that were
+    durable and are no longer in the files were cut away (damage: logged,
+    counted); events numbered but never written (the journal could not be
+    written) are simply missing. Either way the arena still holds their
+    result: the journal continues after every lsn ever used, with a snapshot of
+    the arena first, and nothing is lost. So it does when the directory is empty
+    and the arena holds timers (a journal turned on, or moved, under a live arena).
+    """
+    try:
+        on_disk = last_lsn_on_disk(directory, repair=True)
+        mark = read_mark(directory)
+    except FileNotFoundError:
+        on_disk = mark = 0
+    except OSError as exc:
+        raise JournalUnavailable(f"journal directory {directory} cannot be read: {describe_error(exc)}") from exc
+    numbered = totals.get("journal_lsn", 0)
+    durable = max(mark, totals.get("journal_durable_lsn", 0))
+    after = max(on_disk, mark, numbered)
+    if on_disk < durable:
+        totals["journal_damaged_ranges_total"] = totals.get("journal_damaged_ranges_total", 0) + 1
+        log.error("journal: damaged range: %s ends at lsn %d but lsn %d was on disk (its durable mark / the arena): "
+                  "events %d..%d were cut away after they were synced; the arena still holds their timers, a "
+                  "snapshot of it is written now and the journal continues at lsn %d",
+                  directory, on_disk, durable, on_disk + 1, durable, after + 1)
+    elif after > on_disk:
+        log.warning("journal: the arena holds changes up to lsn %d that %s does not (it ends at lsn %d: the previous "
+                    "daemon could not write them); a snapshot of the arena is written now", after, directory, on_disk)
+    elif on_disk == 0 and len(wheel) + wheel.counters()["fired_unacked"]:
+        log.warning("journal: %s is empty and the arena holds timers: a snapshot of them is written now", directory)
+        after = 1  # the snapshot stands for lsn 1: "what the arena held before the journal"
+    return after + 1, after > on_disk

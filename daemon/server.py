@@ -58,6 +58,7 @@ import time
 from wheeld.protocol import accel
 from wheeld.protocol import arena_layout as AL
 from wheeld.protocol import status_layout as SL
+from wheeld.protocol.naming import shm_path
 from wheeld.shm.status import StatusPage
 from wheeld.shm.wheel import TimerWheel
 
@@ -65,7 +66,7 @@ from .alarm import Alarm
 from .config import Config
 from .delivery import Delivery
 from .executor import DRAIN_BATCH, Executor
-from .instance import InstanceLock
+from .instance import HeldSegment, InstanceLock
 from .sdnotify import Notifier
 from .sessions import MAINTAIN_S, Sessions
 from .startup import open_arena, open_socket
@@ -113,6 +114,9 @@ class Daemon:
         self.started_ms = 0
         self.arena_epoch = 0
         self.lock: InstanceLock | None = None
+        self.held: list[HeldSegment] = []  # the segments whose locks it holds (their names are checked)
+        self._created: list[str] = []  # segments this start made (a refused start removes them)
+        self._name_problem: str | None = None  # a lock file, arena or client table that lost its name
         self.status: StatusPage | None = None
         self._wake_future: asyncio.Future | None = None
         self._alarm: Alarm | None = None  # the park's precise wake-up (a timerfd), where Linux has it
@@ -131,8 +135,12 @@ class Daemon:
         and the executor, and the client table. Call with the instance lock held."""
         cfg, totals = self.config, self.totals
         now = self.clock()
-        opened = open_arena(cfg, now)
+        qualifier = self.lock.qualifier if self.lock is not None else None
+        opened = open_arena(cfg, now, qualifier)
         wheel = self.wheel = opened.wheel
+        if opened.fresh:
+            self._created.append(shm_path(wheel.name))
+        self.held.append(HeldSegment("arena", wheel.name, opened.identity))
         if not opened.fresh:
             hq = wheel.header_words()
             for counter in DAEMON_TOTALS:  # totals carry on across restarts
@@ -143,6 +151,7 @@ class Daemon:
             from .recovery import open_journal
 
             self.recorder = open_journal(cfg, wheel, opened.recovered, totals, next_lsn=opened.next_lsn)
+            self.recorder.on_change = self._journal_changed
         self.started_ms = now
         # identifies the arena to clients: an ack stamped with another is ignored (Executor.ack_allowed)
         self.arena_epoch = (wheel.created_wall_ms & 0xFFFFFFFF) or 1
@@ -157,7 +166,11 @@ class Daemon:
         for s in wheel.fired_slots():  # every fired-but-unacknowledged timer is delivered again
             _key, deadline, group, _tag, _aux, gen = wheel.fired(s)
             self.delivery.queues[group].append((s, gen, now, deadline < now))
-        self.sessions.table.open(wheel, self.clock())
+        table = self.sessions.table
+        table.open(wheel, self.clock(), qualifier)
+        if table.created:
+            self._created.append(shm_path(table.segment_name))
+        self.held.append(HeldSegment("client table", table.segment_name, table.identity))
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
@@ -168,14 +181,34 @@ class Daemon:
     async def main(self) -> int:
         self.loop = asyncio.get_running_loop()
         # One daemon per instance: the lock comes before anything is mapped for writing,
-        # and the socket before the arena, so a second daemon changes nothing at all.
+        # and the socket before the arena, so a second daemon changes nothing at all
+        # (and a start refused later removes what it made: InstanceLock.abandon).
         self.lock = InstanceLock.acquire(self.config.name)
-        self.listener, self._owns_socket_path = open_socket(self.config)
         try:
-            self.open_arena()
+            metrics_server = await self._start()
         except BaseException:
-            self._close_listener()
+            if self.listener is not None:
+                self._close_listener()
+            self.lock.abandon(self._created)
             raise
+        self._publish(self.clock())  # ready means the arena's counters are this daemon's, not its predecessor's
+        self.ready = True
+        self.notifier.ready(status=self._status_line())
+        log.info("wheeld %s ready on %s (pid %d, %s hot path)", self.config.name, self.config.socket_path, os.getpid(),
+                 accel.implementation())
+        try:
+            await self._drive()
+        finally:
+            self.notifier.stopping()
+            if metrics_server is not None:
+                metrics_server.close()
+            self._shutdown()
+        return 0
+
+    async def _start(self):
+        """Everything between the instance lock and READY; the metrics server, if any."""
+        self.listener, self._owns_socket_path = open_socket(self.config)
+        self.open_arena()
         self.status = StatusPage.create(f"wheeld-{self.config.name}-status")
         self.sessions.serve(self.status, self.lock.secret)
         self._maintain_handle = self.loop.call_later(MAINTAIN_S, self._maintain)
@@ -192,19 +225,7 @@ class Daemon:
 
             metrics_server = await start_metrics_server(self, self.config.metrics)
         self._listen()
-        self._publish(self.clock())  # ready means the arena's counters are this daemon's, not its predecessor's
-        self.ready = True
-        self.notifier.ready(status=self._status_line())
-        log.info("wheeld %s ready on %s (pid %d, %s hot path)", self.config.name, self.config.socket_path, os.getpid(),
-                 accel.implementation())
-        try:
-            await self._drive()
-        finally:
-            self.notifier.stopping()
-            if metrics_server is not None:
-                metrics_server.close()
-            self._shutdown()
-        return 0
+        return metrics_server
 
     def _listen(self) -> None:
         """Readers for the listening socket and the park's alarm."""
@@ -242,6 +263,9 @@ class Daemon:
         self.wheel.close()
         self.lock.release()
         log.info("stopped; %d timers pending in the arena", self._stats_pending)
+        if self.held and self.held[0].check() is not None:
+            log.error("the arena these %d timers are in no longer has a name: they end with this process, "
+                      "unless a journal rebuilds them at the next start", self._stats_pending)
 
     def _close_listener(self) -> None:
         self.listener.close()
@@ -254,6 +278,16 @@ class Daemon:
     def _maintain(self) -> None:
         self._maintain_handle = self.loop.call_later(MAINTAIN_S, self._maintain)
         self.sessions.maintain()
+        self._check_names()
+
+    def _check_names(self) -> None:
+        """Do the lock file and the segments still have their names? (see
+        :mod:`wheeld.daemon.instance`); what is wrong goes into the status line too."""
+        problems = [p for p in (self.lock.check(), *(held.check() for held in self.held)) if p]
+        problem = problems[0] if problems else None
+        if problem != self._name_problem:
+            self._name_problem = problem
+            self.notifier.status(self._status_line())
 
     # ------------------------------------------------------------------ driver
     async def _drive(self) -> None:
@@ -426,7 +460,16 @@ class Daemon:
 
     def _status_line(self) -> str:
         w = self.wheel
-        return f"{len(w)} pending, {len(self.sessions.sessions)} clients, {w.counters()['fired_unacked']} awaiting ack"
+        line = f"{len(w)} pending, {len(self.sessions.sessions)} clients, {w.counters()['fired_unacked']} awaiting ack"
+        unavailable = self.recorder.unavailable if self.recorder is not None else None
+        if unavailable:
+            line += f"; JOURNAL NOT WRITABLE ({unavailable}): flush() fails, timers still fire"
+        return f"ERROR: {self._name_problem}; {line}" if self._name_problem else line
+
+    def _journal_changed(self) -> None:
+        """The journal stopped or started being writable: tell systemd (``STATUS=``) at once."""
+        if self.ready:
+            self.notifier.status(self._status_line())
 
 
 def run(config: Config) -> int:

@@ -50,10 +50,21 @@ from wheeld.shm.wheel import MAX_DELAY_MS
 from .client_table import ClientSlot, ClientTable
 from wheeld.protocol.naming import segment_prefix
 from .connection import Session
+from .executor import flush_answer
 
 log = logging.getLogger("wheeld")
 
 _PEERCRED = struct.Struct("3i")
+
+
+def _peer_gone(sock: socket.socket) -> bool:
+    """Has the peer closed its end (nothing more to read, end of stream)?"""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True  # ECONNRESET
 MAINTAIN_S = 1.0  # period of the bookkeeping timer (frame and ack timeouts, accept pauses)
 GC_INTERVAL_MS = 2000  # orphaned client slots and idle groups are looked for this often
 DEMAND_COLLECT_MS = 250  # ...and, for a Hello that needs a slot, at most this often
@@ -194,6 +205,14 @@ class Sessions:
                 raise ProtocolError("Hello sent twice")
             fd = session.passed_fds.pop(0) if session.passed_fds else None
             try:
+                if _peer_gone(session.sock):
+                    # it gave up waiting for the Welcome (its connection waited in the listen
+                    # backlog while the daemon restarted) and tries again on another one:
+                    # adopting its ring here would only log a join and a "Broken pipe"
+                    if fd is not None:
+                        os.close(fd)
+                    self.close(session, "the client gave up before its Hello was answered", quiet=True)
+                    return
                 self._hello(session, message, fd)
             finally:
                 session.close_passed_fds()
@@ -307,8 +326,8 @@ class Sessions:
         )
         session.send_with_fds(M.encode_daemon_frame(welcome), [cs.segment.fd] + ([status] if status is not None else []))
         if cs.unanswered_flush is not None:  # a client whose session the daemon closed may be waiting for it
-            session.send(M.encode_daemon_frame(M.Applied(cs.unanswered_flush)))
-            cs.unanswered_flush = None
+            session.send(flush_answer(cs.unanswered_flush, cs.unanswered_flush_unsynced))
+            cs.unanswered_flush = cs.unanswered_flush_unsynced = None
 
     def _admit(self, session: Session, hello: M.Hello, passed: _Passed) -> tuple[ClientSlot, bool] | None:
         """The checks of a Hello and (the client slot it gets, whether the ring it handed
@@ -450,7 +469,8 @@ class Sessions:
         return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
     # ------------------------------------------------------------------ the end of a session
-    def close(self, session: Session, reason: str, goodbye: bool = False, resume: bool = False) -> None:
+    def close(self, session: Session, reason: str, goodbye: bool = False, resume: bool = False,
+              quiet: bool = False) -> None:
         if session.closed:
             return
         self.arena_busy()
@@ -474,7 +494,8 @@ class Sessions:
             self._handshaking[session.uid] -= 1
             if self._handshaking[session.uid] <= 0:
                 del self._handshaking[session.uid]
-            log.info("connection from pid %d closed before the handshake: %s", session.pid, reason)
+            log.log(logging.DEBUG if quiet else logging.INFO, "connection from pid %d closed before the handshake: %s",
+                    session.pid, reason)
             return
         log.info("client pid %d (slot %d, group %s) left: %s", session.pid, cs.slot, cs.group_name, reason)
         members = self.delivery.members.get(cs.group)

@@ -160,6 +160,10 @@ _COUNTER_TABLE = (
     ("journal_damaged_lines_total", DAEMON),  # the lines in them
     ("groups_reclaimed_total", DAEMON),  # group ids freed (no member, nothing pending) for new names
     ("daemon_hot_path", DAEMON),  # which hot path the daemon runs: protocol/accel.py PATH_CODES (0: not published)
+    ("journal_stalled", DAEMON),  # the errno that stops the journal being written (ENOSPC 28...); 0: writable
+    ("journal_stalls_total", DAEMON),  # times the journal stopped being writable (daemon/recorder.py)
+    ("journal_unwritten_events_total", DAEMON),  # events it could not write (the snapshot of a resume covers them)
+    ("journal_flushes_refused_total", DAEMON),  # FLUSHes answered with JournalUnavailable
 )
 COUNTERS = 64
 assert len(_COUNTER_TABLE) <= COUNTERS

@@ -15,6 +15,8 @@ BrokenResourceError is the model):
 ``QuotaExceeded``      ......the group holds its quota of records (``--group-quota``)
 ``GroupLimit``         ......every group id is in use (``--max-groups``)
 ``Timeout``            ...the daemon did not answer in time (also a ``TimeoutError``)
+``JournalUnavailable`` ...the daemon cannot write its journal (disk full, I/O
+                       error, read-only): a ``flush()`` could not be made durable
 ``ProtocolError``      a peer sent something that does not decode (garbage,
                        wrong version, bad checksum); the peer is at fault
 ``NotAllowed``         the daemon refuses this user: not an allowed uid/gid, or a
@@ -76,6 +78,15 @@ class GroupLimit(ArenaFull):
 
 class Timeout(BackPressure, TimeoutError):
     """The daemon did not answer within the timeout (a ``flush()``, a handshake)."""
+
+
+class JournalUnavailable(BackPressure):
+    """The daemon's journal (``wheeld --journal``) cannot be written: the disk is full,
+    over quota, read-only or failing. The commands were applied to the daemon's
+    arena (the timers fire) but are not on disk, so the ``flush()`` that asked for
+    them is not acknowledged. The daemon keeps serving and writes a snapshot of
+    everything once the journal can be written again; a ``flush()`` after that
+    succeeds and covers them."""
 
 
 class ProtocolError(WheeldError):

@@ -145,6 +145,26 @@ of a check per line. A snapshot without a valid ``end`` line is not a
 snapshot. Snapshots are written to a temporary name, fsynced, renamed and the
 directory fsynced (see :mod:`wheeld.protocol.journal_files`).
 
+The durable mark
+================
+
+``<dir>/durable.mark``: the highest lsn the writer knows is on disk (fsynced),
+kept outside the segments, so that cutting a segment short cannot take it
+along. A crash mid-write can only lose what was never synced; a journal whose
+events (or newest snapshot) end *before* the mark was cut short after the fact
+(a truncated or deleted segment, a filesystem that lost synced blocks): that is
+damage, not a torn write (reason ``truncated``). The file is 256 bytes: two
+slots of 128, each one line padded with spaces before its newline::
+
+    {"ev":"durable","v":1,"lsn":5210,"t":1700000000000,"crc":1942212744}      ...\n
+
+The writer overwrites the two slots in turn (``pwrite`` + ``fdatasync``, never
+growing the file), so a write cut short spoils at most one slot and the other
+keeps an older, lower mark; a reader takes the highest lsn of the good slots
+(:func:`parse_mark`; 0 when none, or no file: nothing is known). The mark only
+ever trails what is durable: it is written after the fsync that made ``lsn``
+durable (:mod:`wheeld.protocol.journal_files`).
+
 Versioning
 ==========
 
@@ -236,6 +256,12 @@ __all__ = [
     "parse_snapshot",
     "segment_name",
     "snapshot_name",
+    "DurableMark",
+    "MARK_NAME",
+    "MARK_SLOT",
+    "TRUNCATED",
+    "encode_mark",
+    "parse_mark",
     "parse_segment_name",
     "parse_snapshot_name",
 ]
@@ -374,6 +400,13 @@ class SnapshotEnd(_Line, tag="end", kw_only=True):
     count: int
     unacked: int
     fcrc: int
+
+
+class DurableMark(_Line, tag="durable", kw_only=True):
+    """A slot of ``durable.mark``: every event with ``n <= lsn`` was on disk at wall ms ``t``."""
+
+    lsn: int
+    t: int
 
 
 TimerEvent = Union[Add, Rearm, Cancel, Fire, Ack, IdleRearm]
@@ -519,6 +552,7 @@ def decode_line(line: bytes) -> Event:
 
 
 TORN = "torn-tail"
+TRUNCATED = "truncated"  # the journal ends before its durable mark
 CHECKSUM = "checksum-mismatch"
 BAD_JSON = "bad-json"
 BAD_VERSION = "unsupported-version"
@@ -1039,6 +1073,36 @@ def parse_snapshot(
     ):
         raise CorruptJournal("snapshot lines are out of order")
     return header, pending, unacked
+
+
+# --------------------------------------------------------------------------- #
+# The durable mark
+# --------------------------------------------------------------------------- #
+
+MARK_NAME = "durable.mark"
+MARK_SLOT = 128  # bytes per slot; the file holds two
+_mark_decoder = msgspec.json.Decoder(DurableMark)
+
+
+def encode_mark(lsn: int, t: int) -> bytes:
+    """One slot of the mark file: the line of :class:`DurableMark`, padded to :data:`MARK_SLOT`."""
+    line = encode_event(DurableMark(lsn=lsn, t=t))
+    return line[:-1].ljust(MARK_SLOT - 1, b" ") + b"\n"
+
+
+def parse_mark(data: bytes) -> int:
+    """The highest ``lsn`` among the good slots of a mark file's bytes (0: none good)."""
+    best = 0
+    for start in range(0, len(data) - MARK_SLOT + 1, MARK_SLOT):
+        body = line_body(data[start : start + MARK_SLOT].rstrip(b" \n"))
+        if body is None:
+            continue
+        try:
+            mark = _mark_decoder.decode(body)
+        except msgspec.DecodeError:
+            continue
+        best = max(best, mark.lsn)
+    return best
 
 
 # --------------------------------------------------------------------------- #

@@ -56,9 +56,41 @@ A batch never straddles two segments, so a segment may pass the limit by one
 batch. After a restart the journal always opens a new segment: it never
 appends after bytes a previous process may have left torn.
 
-If a write fails (disk full), the segment is cut back to its previous length
-and the error propagates: the journal never holds half a batch followed by
-more events.
+The durable mark
+================
+
+After each fsync that makes events durable, the helper thread writes their lsn
+into ``durable.mark`` (format: :mod:`wheeld.protocol.journal`, "The durable
+mark"; ``pwrite`` + ``fdatasync`` of one 128-byte slot, at most one write in
+flight, so the loop never waits for it and it costs no fsync of its own under
+``always``). The mark thus trails :attr:`Journal.durable_lsn` by at most one
+mark write, and never passes it. Recovery compares it with where the journal
+ends: a torn write loses only what was never synced, so a journal that ends
+before the mark was cut short after the fact, and that is damage
+(:mod:`wheeld.protocol.journal_recovery`). ``off`` never fsyncs, so it writes
+no mark (nothing is known to be durable).
+
+When the journal cannot be written
+==================================
+
+A ``write(2)`` or ``fsync(2)`` that fails (``ENOSPC``, ``EDQUOT``, ``EIO``,
+``EROFS``, ...) *stalls* the journal: the segment is cut back to its last whole
+line (a partial line is never followed by more events), :attr:`Journal.stalled`
+holds the error, and :meth:`Journal.append` raises
+:class:`~wheeld.protocol.errors.JournalUnavailable`, then and at every append
+until the journal is resumed. Events keep their lsns while nothing is written
+(:attr:`Journal.last_lsn` goes on; :attr:`Journal.durable_lsn` stays), so the
+files show the gap for what it is.
+
+:meth:`Journal.resume` makes it writable again: it fsyncs (or cuts back) the
+segment that failed, writes a *snapshot* of the owner's state at
+:attr:`Journal.last_lsn` -- it covers every event of the stall, so nothing has
+to be kept in memory meanwhile -- and opens a new segment after it. The owner
+(the daemon, whose arena holds the timers) calls it about once a second; each
+failed attempt costs a little (a free-space check first, so a snapshot is not
+encoded for a disk that cannot take it). A recovery from that snapshot has
+everything; from an older one (the newest damaged) it reports the events of
+the stall as missing (``lsn-gap``).
 
 Snapshots and compaction
 ========================
@@ -105,6 +137,7 @@ loading a 1M-timer snapshot).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -117,8 +150,10 @@ from typing import Any
 import msgspec
 from msgspec import UNSET
 
-from .errors import Closed, InvalidRequest
+from .errors import Closed, InvalidRequest, JournalUnavailable
 from .journal import (
+    MARK_NAME,
+    MARK_SLOT,
     SEGMENT_PREFIX,
     SNAPSHOT_PREFIX,
     BadLines,
@@ -130,8 +165,10 @@ from .journal import (
     SnapshotUnacked,
     encode_event,
     encode_events,
+    encode_mark,
     encode_snapshot,
     key_to_json,
+    parse_mark,
     parse_segment_name,
     parse_snapshot_name,
     scan_lines,
@@ -158,6 +195,11 @@ __all__ = [
     "read_segment",
     "torn_tail",
     "cut_segment",
+    "last_lsn_on_disk",
+    "read_mark",
+    "free_bytes",
+    "describe_error",
+    "TRANSIENT_ERRNOS",
 ]
 
 log = logging.getLogger("wheeld.journal")
@@ -362,8 +404,9 @@ DIR_MODE = 0o750
 
 
 def _is_journal_file(name: str) -> bool:
-    """A segment, a snapshot, or what recovery keeps of them (``.cut-N``, ``.corrupt``, ``.tmp``)."""
-    return name.startswith((SEGMENT_PREFIX, SNAPSHOT_PREFIX)) and ".jsonl" in name
+    """A segment, a snapshot, or what recovery keeps of them (``.cut-N``, ``.corrupt``, ``.tmp``);
+    the durable mark."""
+    return name.startswith((SEGMENT_PREFIX, SNAPSHOT_PREFIX)) and ".jsonl" in name or name.startswith(MARK_NAME)
 
 
 def prepare_directory(directory: str | os.PathLike[str]) -> None:
@@ -441,8 +484,12 @@ def cut_segment(path: Path, offset: int, data: bytes) -> str:
     kept = ""
     if b"\n" in data[offset:]:  # complete lines go: keep them as evidence
         aside = path.with_name(f"{path.name}.cut-{offset}")
-        _write_file(aside, data[offset:])
-        kept = f"; cut bytes saved in {aside.name}"
+        try:
+            _write_file(aside, data[offset:])
+            kept = f"; cut bytes saved in {aside.name}"
+        except OSError as exc:  # a full disk: the cut goes on (it frees space), the evidence cannot
+            aside.unlink(missing_ok=True)
+            kept = f"; cut bytes NOT saved ({describe_error(exc)})"
     if offset == 0:
         path.unlink()
         _fsync_dir(path.parent)
@@ -502,12 +549,13 @@ def torn_tail(scan: SegmentScan) -> BadLines | None:
     return None
 
 
-def _last_lsn_on_disk(directory: Path, repair: bool) -> int:
+def last_lsn_on_disk(directory: str | os.PathLike[str], repair: bool = False) -> int:
     """Highest lsn in the newest non-empty segment or snapshot (0 for an empty dir).
 
     With ``repair`` the newest segment's torn tail is cut first. Damage in the
     middle of a segment is left alone: the lsn after it is what counts.
     """
+    directory = Path(directory)
     last = max((lsn for lsn, _ in list_snapshots(directory)), default=0)
     segments = list_segments(directory)
     for index in range(len(segments) - 1, -1, -1):
@@ -526,6 +574,36 @@ def _last_lsn_on_disk(directory: Path, repair: bool) -> int:
     return last
 
 
+def read_mark(directory: str | os.PathLike[str]) -> int:
+    """The durable mark of a journal directory (:func:`wheeld.protocol.journal.parse_mark`;
+    0 when it has none or it cannot be read)."""
+    try:
+        with open(Path(directory) / MARK_NAME, "rb") as file:
+            return parse_mark(file.read(2 * MARK_SLOT))
+    except FileNotFoundError:
+        return 0
+
+
+def free_bytes(directory: str | os.PathLike[str]) -> int:
+    """Bytes this process may still write on the filesystem of ``directory`` (root may
+    use the blocks reserved for it)."""
+    info = os.statvfs(directory)
+    return (info.f_bfree if os.geteuid() == 0 else info.f_bavail) * info.f_frsize
+
+
+#: errors that let a daemon start with its journal stalled (they come and go: space is
+#: freed, a quota raised, a path that failed answers again); any other error opening the
+#: journal at start (a read-only or unwritable directory) is a configuration to fix
+TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG})
+
+
+def describe_error(exc: BaseException) -> str:
+    """``[Errno 28] No space left on device`` (ENOSPC): an OSError in one clause."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return f"{exc.strerror or os.strerror(exc.errno)} ({errno.errorcode.get(exc.errno, exc.errno)})"
+    return str(exc)
+
+
 # --------------------------------------------------------------------------- #
 # The writer
 # --------------------------------------------------------------------------- #
@@ -538,6 +616,16 @@ class Journal:
     after a recovery; when None the journal reads the newest segment to find it
     (and cuts a torn tail it finds there). ``wall_ms``/``mono_ms`` are the
     clocks (ms); tests pass fake ones.
+
+    ``resync``: do not open a segment; the journal starts as if stalled (without
+    an error) and :meth:`resume` writes a snapshot first. For a daemon whose
+    arena holds changes the files do not (lsns numbered while the journal could
+    not be written). ``stall_on_error``: a segment that cannot be created for a
+    transient reason (:data:`TRANSIENT_ERRNOS`: disk full...) starts the journal
+    stalled instead of raising; any other error raises
+    :class:`~wheeld.protocol.errors.JournalUnavailable`.
+
+    Stalls: see the module docstring, "When the journal cannot be written".
     """
 
     def __init__(
@@ -550,19 +638,25 @@ class Journal:
         next_lsn: int | None = None,
         wall_ms: Callable[[], int] = _wall_ms,
         mono_ms: Callable[[], int] = _mono_ms,
+        *,
+        resync: bool = False,
+        stall_on_error: bool = False,
     ) -> None:
         self.policy = parse_fsync_policy(fsync)
         if segment_bytes <= 0:
             raise InvalidRequest(f"segment_bytes must be > 0, not {segment_bytes}")
         self.directory = Path(directory)
-        prepare_directory(self.directory)
+        try:
+            prepare_directory(self.directory)
+            if next_lsn is None:
+                next_lsn = last_lsn_on_disk(self.directory, repair=True) + 1
+        except OSError as exc:
+            raise JournalUnavailable(f"journal directory {self.directory} cannot be used: {exc}") from exc
         self.segment_bytes = segment_bytes
         self.host = host if host is not None else socket.gethostname()
         self.name = name
         self._wall_ms = wall_ms
         self._mono_ms = mono_ms
-        if next_lsn is None:
-            next_lsn = _last_lsn_on_disk(self.directory, repair=True) + 1
         if next_lsn < 1:
             raise InvalidRequest(f"next_lsn starts at 1, not {next_lsn}")
         self._last_lsn = next_lsn - 1
@@ -571,29 +665,56 @@ class Journal:
         self._always = self.policy.mode == "always"
         self._interval = self.policy.mode == "interval"
         self._fd = -1
-        self._segment_size = 0
+        self._closed = False
+        self._segment_size = 0  # bytes of the segment that are whole lines written
+        self._durable_size = 0  # ... of which fsynced
         self.segment_path: Path | None = None
         self.fsync_count = 0
-        # background group commit (start_sync/poll_sync): the helper thread, the fsync in
-        # flight as (future, lsn it covers, segment, bytes it covers, mono ms it started)
+        #: why the journal cannot be written (the OSError), None while it can
+        self.stalled: OSError | None = None
+        self.stalls = 0  # times it stopped being writable
+        self.unwritten_events = 0  # events numbered while it could not be written (a resume's snapshot covers them)
+        self._cut_to: int | None = None  # the segment must be cut back to this size before it is synced
+        # background group commit (start_sync/poll_sync) and the durable mark: the helper
+        # thread, the fsync in flight as (future, lsn it covers, segment, bytes it covers,
+        # mono ms it started), the mark write in flight as (future, lsn)
         self._sync_thread = None
         self._sync_in_flight = None
-        #: called as ``on_synced(segment_path, bytes_on_disk, started_mono_ms)`` when a
-        #: background fsync completes (the chaos test's power-cut model listens here)
+        self._mark_in_flight = None
+        self._mark_fd = -1
+        self._marked_lsn, self._mark_slot = _mark_state(self.directory)
+        self._synced_lsn = self._marked_lsn  # the highest lsn an fsync of this journal made durable
+        self.mark_error: OSError | None = None
+        #: called as ``on_synced(segment_path, bytes_on_disk, mono_ms)`` whenever an fsync made
+        #: bytes of a segment durable (for a background fsync: the moment it started), before
+        #: the durable mark can say so (the chaos test's power-cut model listens here)
         self.on_synced: Callable[[Path, int, int], None] | None = None
-        self._open_segment(next_lsn)
+        if resync:
+            return
+        try:
+            self._open_segment(next_lsn)
+        except OSError as exc:
+            if not stall_on_error or exc.errno not in TRANSIENT_ERRNOS:
+                raise JournalUnavailable(f"journal directory {self.directory} cannot be written: {exc}") from exc
+            self._stall(exc)
 
     # -- state -------------------------------------------------------------
 
     @property
     def last_lsn(self) -> int:
-        """Lsn of the last event appended (written to the file, maybe not synced)."""
+        """Lsn of the last event numbered (written to the file, maybe not synced; or, while
+        the journal is stalled, not written at all)."""
         return self._last_lsn
 
     @property
     def durable_lsn(self) -> int:
-        """Highest lsn known to be on disk (fsynced)."""
+        """Highest lsn known to be on disk (fsynced), in a segment or a snapshot."""
         return self._durable_lsn
+
+    @property
+    def marked_lsn(self) -> int:
+        """The durable mark on disk (or being written): at most :attr:`durable_lsn`."""
+        return self._marked_lsn
 
     @property
     def sync_due_ms(self) -> int | None:
@@ -604,7 +725,20 @@ class Journal:
 
     @property
     def closed(self) -> bool:
-        return self._fd < 0
+        return self._closed
+
+    @property
+    def writable(self) -> bool:
+        """False while stalled (or waiting for the first :meth:`resume` of ``resync``)."""
+        return self._fd >= 0 and self.stalled is None
+
+    def unavailable(self) -> str | None:
+        """Why appends are not written, in one clause (None while the journal is writable)."""
+        if self.writable:
+            return None
+        if self.stalled is None:
+            return f"journal {self.directory} waits for its first snapshot"
+        return f"journal {self.directory} cannot be written: {describe_error(self.stalled)}"
 
     # -- writing -----------------------------------------------------------
 
@@ -614,40 +748,57 @@ class Journal:
         Sets ``n`` on each event. With ``always`` the batch is fsynced before
         this returns; with ``interval`` ``now_ms`` (monotonic ms, read here if
         None) starts the sync window if nothing was pending.
+
+        A write or fsync that fails stalls the journal (the segment is cut back
+        to its last whole line) and raises :class:`~wheeld.protocol.errors.JournalUnavailable`;
+        so does every append while it is stalled. The events are numbered all the
+        same, and a :meth:`resume`'s snapshot covers them.
         """
-        if self._fd < 0:
+        if self._closed:
             raise Closed("journal is closed")
         if not events:
             return self._last_lsn
-        if self._segment_size >= self.segment_bytes:
-            self._rotate()
+        if self.writable and self._segment_size >= self.segment_bytes:
+            try:
+                self._rotate()
+            except JournalUnavailable:
+                pass  # stalled: the batch is numbered and not written, below
         lsn = self._last_lsn
         for event in events:
             lsn += 1
             event.n = lsn
+        if not self.writable:
+            self._last_lsn = lsn
+            self.unwritten_events += len(events)
+            raise JournalUnavailable(self.unavailable())
         data = encode_events(events)
+        before = self._segment_size
         try:
             _write_all(self._fd, data)
-        except OSError:
-            # never leave half a batch that later events would follow
-            try:
-                os.ftruncate(self._fd, self._segment_size)
-            except OSError:
-                pass
-            raise
+        except OSError as exc:
+            self._last_lsn = lsn
+            self.unwritten_events += len(events)
+            self._cut_to = before  # never leave half a batch that later events would follow
+            self._stall(exc)
+            raise JournalUnavailable(self.unavailable()) from exc
         self._segment_size += len(data)
         self._last_lsn = lsn
         if self._always:
-            os.fsync(self._fd)
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                self._stall(exc)
+                raise JournalUnavailable(self.unavailable()) from exc
             self.fsync_count += 1
-            self._durable_lsn = lsn
+            self._durable(lsn, self._segment_size)
         elif self._interval and self._unsynced_since_ms is None:
             self._unsynced_since_ms = self._mono_ms() if now_ms is None else now_ms
         return lsn
 
     def maybe_sync(self, now_ms: int | None = None) -> bool:
         """Fsync if the oldest unsynced event is ``interval`` ms old; True if it did."""
-        if self._unsynced_since_ms is None or self._fd < 0:
+        self._advance_mark()
+        if self._unsynced_since_ms is None or not self.writable:
             return False
         if now_ms is None:
             now_ms = self._mono_ms()
@@ -655,6 +806,101 @@ class Journal:
             return False
         self.sync()
         return True
+
+    def _durable(self, lsn: int, size: int | None, started_ms: int | None = None) -> None:
+        """An fsync made events up to ``lsn`` durable (``size``: bytes of the current segment
+        it covered; None: another segment's fsync): :attr:`on_synced` is told, then the mark
+        follows, on the helper thread (so whoever listens hears of the bytes first).
+
+        Only an fsync feeds the mark: the lsns a journal starts after (``next_lsn - 1``)
+        were not necessarily synced by the process that wrote them (``off``)."""
+        self._durable_lsn = max(self._durable_lsn, lsn)
+        self._synced_lsn = max(self._synced_lsn, lsn)
+        if size is not None:
+            self._durable_size = max(self._durable_size, size)
+            if self.on_synced is not None:
+                self.on_synced(self.segment_path, size, self._mono_ms() if started_ms is None else started_ms)
+        self._advance_mark()
+
+    # -- the durable mark ------------------------------------------------------
+
+    def _helper(self):
+        if self._sync_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._sync_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wheeld-fsync")
+        return self._sync_thread
+
+    def _write_mark(self, lsn: int) -> None:
+        """Write the mark ``lsn`` into the older slot and fdatasync it (on the helper thread).
+
+        The file is created whole (both slots) under a temporary name the first time; after
+        that it is only overwritten in place, so it never needs a new block."""
+        slot = encode_mark(lsn, self._wall_ms())
+        if self._mark_fd < 0:
+            path = self.directory / MARK_NAME
+            if not path.exists():
+                temporary = path.with_name(MARK_NAME + ".tmp")
+                fd = _create_file(temporary, os.O_TRUNC)
+                try:
+                    _write_all(fd, slot + slot)
+                    os.fdatasync(fd)  # the mark needs its bytes and size on disk, not its timestamps
+                finally:
+                    os.close(fd)
+                os.replace(temporary, path)
+                directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fdatasync(directory)
+                finally:
+                    os.close(directory)
+                self._mark_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                return
+            self._mark_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        os.pwrite(self._mark_fd, slot, self._mark_slot * MARK_SLOT)
+        os.fdatasync(self._mark_fd)
+        self._mark_slot ^= 1
+
+    def _poll_mark(self, wait: bool = False) -> None:
+        """Collect a finished mark write; an error is logged once (the mark is a check on
+        the journal, not its durability) and the mark stays where it was."""
+        in_flight = self._mark_in_flight
+        if in_flight is None or (not wait and not in_flight[0].done()):
+            return
+        self._mark_in_flight = None
+        try:
+            in_flight[0].result()
+        except OSError as exc:
+            if self.mark_error is None:
+                log.error("journal: the durable mark %s cannot be written (%s); a journal cut short before "
+                          "lsn %d would not be told from a torn write", self.directory / MARK_NAME, exc,
+                          self._durable_lsn)
+            self.mark_error = exc
+            return
+        if self.mark_error is not None:
+            log.warning("journal: the durable mark is written again")
+            self.mark_error = None
+        self._marked_lsn = max(self._marked_lsn, in_flight[1])
+
+    def _advance_mark(self) -> None:
+        """Collect a finished mark write; start the next if the mark trails what was fsynced."""
+        self._poll_mark()
+        if self._mark_in_flight is None and self._synced_lsn > self._marked_lsn and not self._closed:
+            lsn = self._synced_lsn
+            self._mark_in_flight = (self._helper().submit(self._write_mark, lsn), lsn)
+
+    def flush_mark(self) -> None:
+        """Wait for the mark write in flight, then write the mark up to what was fsynced."""
+        self._poll_mark(wait=True)
+        if self._synced_lsn > self._marked_lsn:
+            lsn = self._synced_lsn
+            self._mark_in_flight = (self._helper().submit(self._write_mark, lsn), lsn)
+            self._poll_mark(wait=True)
+
+    @property
+    def mark_pending(self) -> bool:
+        """A mark write is in flight, or the mark trails what was fsynced (and the last
+        mark write did not fail: a failing one is tried again at the next fsync)."""
+        return self._mark_in_flight is not None or (self._synced_lsn > self._marked_lsn and self.mark_error is None)
 
     # -- background group commit (the daemon's interval policy) ------------
 
@@ -674,17 +920,14 @@ class Journal:
         window. True if an fsync was started.
         """
         self.poll_sync()
-        if self._sync_in_flight is not None or self._unsynced_since_ms is None or self._fd < 0:
+        self._advance_mark()
+        if self._sync_in_flight is not None or self._unsynced_since_ms is None or not self.writable:
             return False
         if now_ms is None:
             now_ms = self._mono_ms()
         if now_ms - self._unsynced_since_ms < self.policy.interval_ms:
             return False
-        if self._sync_thread is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._sync_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wheeld-fsync")
-        future = self._sync_thread.submit(os.fsync, self._fd)
+        future = self._helper().submit(os.fsync, self._fd)
         self._sync_in_flight = (future, self._last_lsn, self.segment_path, self._segment_size, now_ms)
         self._unsynced_since_ms = None
         return True
@@ -693,7 +936,8 @@ class Journal:
         """Collect a finished background fsync (``wait``: wait for it); True if one was.
 
         An fsync error is raised here, in the caller's thread, as a synchronous
-        fsync would raise it.
+        fsync would raise it: it stalls the journal
+        (:class:`~wheeld.protocol.errors.JournalUnavailable`).
         """
         in_flight = self._sync_in_flight
         if in_flight is None:
@@ -702,46 +946,159 @@ class Journal:
         if not wait and not future.done():
             return False
         self._sync_in_flight = None
-        future.result()
+        try:
+            future.result()
+        except OSError as exc:
+            if self.stalled is None:
+                self._stall(exc)
+            raise JournalUnavailable(self.unavailable()) from exc
         self.fsync_count += 1
-        self._durable_lsn = max(self._durable_lsn, lsn)
-        if self.on_synced is not None:
-            self.on_synced(path, size, started_ms)
+        if path == self.segment_path:
+            self._durable(lsn, size, started_ms)
+        else:  # the segment was rotated meanwhile
+            if self.on_synced is not None:
+                self.on_synced(path, size, started_ms)
+            self._durable(lsn, None)
         return True
 
     def sync(self) -> None:
         """Fsync the current segment now (any policy); ``durable_lsn`` catches up."""
-        if self._fd < 0:
+        if self._closed:
             raise Closed("journal is closed")
         self.poll_sync(wait=True)
+        if not self.writable:
+            raise JournalUnavailable(self.unavailable())
         if self._durable_lsn != self._last_lsn:
-            os.fsync(self._fd)
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                self._stall(exc)
+                raise JournalUnavailable(self.unavailable()) from exc
             self.fsync_count += 1
-        self._durable_lsn = self._last_lsn
+        self._durable(self._last_lsn, self._segment_size)
         self._unsynced_since_ms = None
 
     def close(self) -> None:
-        """Sync (unless the policy is ``off``) and close. Idempotent."""
-        if self._fd < 0:
+        """Sync (unless the policy is ``off``), write the mark and close. Idempotent.
+
+        A stalled journal is closed as it is: the events it could not write stay unwritten."""
+        if self._closed:
             return
         try:
-            if self.policy.mode != "off":
+            if self.policy.mode != "off" and self.writable:
                 self.sync()
+            self.flush_mark()
         finally:
+            self._closed = True
             try:
-                self.poll_sync(wait=True)  # never close the fd under a running fsync
+                if self._sync_in_flight is not None:
+                    try:
+                        self.poll_sync(wait=True)  # never close the fd under a running fsync
+                    except JournalUnavailable:
+                        pass
             finally:
-                os.close(self._fd)
-                self._fd = -1
+                self._poll_mark(wait=True)
+                for fd in (self._fd, self._mark_fd):
+                    if fd >= 0:
+                        os.close(fd)
+                self._fd = self._mark_fd = -1
                 if self._sync_thread is not None:
                     self._sync_thread.shutdown(wait=True)
                     self._sync_thread = None
+                if self.stalled is not None and self.unwritten_events:
+                    log.warning("journal: closed while it could not be written (%s); events up to lsn %d are not "
+                                "on disk", describe_error(self.stalled), self._last_lsn)
 
     def __enter__(self) -> Journal:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    # -- when the journal cannot be written -------------------------------
+
+    def _stall(self, exc: OSError) -> None:
+        """Stop writing: cut the segment back to its last whole line (or remember to)."""
+        if self.stalled is None:
+            self.stalls += 1
+        self.stalled = exc
+        self._unsynced_since_ms = None
+        if self._cut_to is not None and self._fd >= 0:
+            try:
+                os.ftruncate(self._fd, self._cut_to)
+                self._segment_size = self._cut_to
+                self._cut_to = None
+            except OSError:
+                pass  # cut at the next resume, before anything else
+
+    def resume(self, state: Callable[[], tuple[Iterable[PendingTimer], Iterable[FiredTimer]]],
+               min_free: int = 0) -> bool:
+        """Make a stalled journal writable again; True if it is.
+
+        1. the segment that failed is cut back to its last whole line if that is
+           still to do, and fsynced (if that fails, cut back to what was fsynced
+           before); then closed;
+        2. if the filesystem has less than ``min_free`` bytes free, stop here
+           (False: no point encoding a snapshot that cannot fit);
+        3. a snapshot of ``state()`` (the pending and unacknowledged timers the
+           owner holds now) at :attr:`last_lsn`: it covers every event numbered
+           while nothing was written;
+        4. a new segment from ``last_lsn + 1``.
+
+        Any OSError on the way keeps the journal stalled (with that error) and
+        returns False; a call later starts over.
+        """
+        if self._closed:
+            raise Closed("journal is closed")
+        if self.writable:
+            return True
+        try:
+            self.poll_sync(wait=True)
+        except JournalUnavailable:
+            pass
+        try:
+            self._close_failed_segment()
+            if min_free:
+                free = free_bytes(self.directory)
+                if free < min_free:
+                    if self.stalled is None:  # a resync that has no room yet
+                        self._stall(OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {free} bytes free, a "
+                                                          f"snapshot needs about {min_free}"))
+                    return False
+            pending, unacked = state()
+            self._write_snapshot_file(self._last_lsn, pending, unacked)
+            del pending, unacked
+            self._open_segment(self._last_lsn + 1)
+        except OSError as exc:
+            self.stalled = exc
+            return False
+        self.stalled = None
+        self._durable(self._last_lsn, self._segment_size)
+        try:
+            self.compact()
+        except OSError as exc:
+            log.warning("journal: compaction after the snapshot failed: %s", exc)
+        return True
+
+    def _close_failed_segment(self) -> None:
+        fd = self._fd
+        if fd < 0:
+            return
+        if self._cut_to is not None:
+            os.ftruncate(fd, self._cut_to)
+            self._segment_size = self._cut_to
+            self._cut_to = None
+        if self.policy.mode != "off":
+            try:
+                os.fsync(fd)
+            except OSError:
+                # what was written since the last good fsync may not be on disk: keep only that
+                os.ftruncate(fd, self._durable_size)
+                self._segment_size = self._durable_size
+                os.fsync(fd)
+            self.fsync_count += 1
+        os.close(fd)
+        self._fd = -1
 
     # -- segments ----------------------------------------------------------
 
@@ -772,9 +1129,14 @@ class Journal:
                 self.fsync_count += 1
         except BaseException:
             os.close(fd)
+            try:
+                path.unlink()  # a header cut short would read as a damaged segment
+            except OSError:
+                pass
             raise
         self._fd = fd
         self._segment_size = len(header)
+        self._durable_size = len(header) if self.policy.mode != "off" else 0
         self.segment_path = path
 
     def _rotate(self) -> None:
@@ -783,7 +1145,11 @@ class Journal:
         self.poll_sync(wait=True)
         os.close(self._fd)
         self._fd = -1
-        self._open_segment(self._last_lsn + 1)
+        try:
+            self._open_segment(self._last_lsn + 1)
+        except OSError as exc:
+            self._stall(exc)
+            raise JournalUnavailable(self.unavailable()) from exc
 
     # -- snapshots ---------------------------------------------------------
 
@@ -797,13 +1163,21 @@ class Journal:
 
         ``pending``/``unacked`` must be the state after applying every event
         up to ``lsn`` (``lsn <= last_lsn``). The journal is fsynced first, so
-        the snapshot never gets ahead of the journal on disk.
+        the snapshot never gets ahead of the journal on disk. A snapshot file
+        that cannot be written raises its OSError (the temporary file removed,
+        the journal still writable); a journal that cannot be fsynced raises
+        :class:`~wheeld.protocol.errors.JournalUnavailable`.
         """
-        if self._fd < 0:
+        if self._closed:
             raise Closed("journal is closed")
         if not 0 <= lsn <= self._last_lsn:
             raise InvalidRequest(f"snapshot lsn {lsn} is not in 0..{self._last_lsn}")
         self.sync()
+        final = self._write_snapshot_file(lsn, pending, unacked)
+        self.compact()
+        return final
+
+    def _write_snapshot_file(self, lsn: int, pending: Iterable[PendingTimer], unacked: Iterable[FiredTimer]) -> Path:
         unset = UNSET
         pending_lines = [
             SnapshotPending(
@@ -833,11 +1207,17 @@ class Journal:
         del pending_lines, unacked_lines
         final = self.directory / snapshot_name(lsn)
         temporary = final.with_name(final.name + ".tmp")
-        _write_file(temporary, data)
-        os.replace(temporary, final)
+        try:
+            _write_file(temporary, data)
+            os.replace(temporary, final)
+        except OSError:
+            try:
+                temporary.unlink()
+            except OSError:
+                pass
+            raise
         _fsync_dir(self.directory)
         self.fsync_count += 2
-        self.compact()
         return final
 
     def compact(self) -> list[Path]:
@@ -864,3 +1244,15 @@ class Journal:
             _fsync_dir(self.directory)
             log.info("journal: compaction deleted %s", ", ".join(path.name for path in deleted))
         return deleted
+
+
+def _mark_state(directory: Path) -> tuple[int, int]:
+    """``(mark, slot to write next)`` of a directory's mark file: the slot that does not hold
+    the mark (a bad slot, or the lower one)."""
+    try:
+        with open(directory / MARK_NAME, "rb") as file:
+            data = file.read(2 * MARK_SLOT)
+    except FileNotFoundError:
+        return 0, 0
+    first, second = parse_mark(data[:MARK_SLOT]), parse_mark(data[MARK_SLOT : 2 * MARK_SLOT])
+    return max(first, second), 0 if first <= second else 1

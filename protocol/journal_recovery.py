@@ -18,7 +18,14 @@ Recovery
    them, what a crash in the middle of a write leaves -- is cut at the last
    good line and a warning names the file, the byte offset and the reason;
    bytes cut that held complete lines are first saved next to it as
-   ``<segment>.cut-<offset>``.
+   ``<segment>.cut-<offset>``;
+4. unless the journal ends before its durable mark (``durable.mark``, the
+   highest lsn the writer had fsynced): a torn write loses only what was never
+   synced, so events up to the mark that are missing were cut away after the
+   fact (a truncated or deleted segment). That is damage (reason
+   ``truncated``, the lsns from the journal's end to the mark lost), reported
+   and refused like any other; the bad tail, if there is one, stays in its
+   file, and the journal continues after the mark.
 
 The result, :class:`RecoveredState`, holds wall-clock deadlines. The arena runs
 on the monotonic clock: :func:`wall_to_monotonic_ns` converts, rounding up so
@@ -90,6 +97,8 @@ from .errors import InvalidRequest
 from .journal import (
     CHECKSUM,
     LSN_GAP,
+    MARK_NAME,
+    TRUNCATED,
     Ack,
     Add,
     BadLines,
@@ -110,6 +119,7 @@ from .journal_files import (
     cut_segment,
     list_segments,
     list_snapshots,
+    read_mark,
     read_segment,
     torn_tail,
 )
@@ -442,6 +452,10 @@ def recover(
     segments = list_segments(directory)
     snapshot_lsn, replay, tails = _replay_directory(directory, segments, findings, repair)
     last_lsn = max(replay.last_lsn, segments[-1][0] - 1 if segments else 0)
+    mark = read_mark(directory)
+    if mark > last_lsn:  # events that were on disk are gone: damage, not a torn write
+        tails = _cut_short(directory, segments, tails, last_lsn, mark, findings)
+        last_lsn = mark  # the journal continues after the mark: lsns that were durable are not reused
 
     if on_damage == "refuse" and findings.damage:
         findings.log()
@@ -509,6 +523,31 @@ def _replay_directory(directory: Path, segments: list, findings: _Findings, repa
         del data, scan
     replay.finish()
     return snapshot_lsn, replay, tails
+
+
+def _cut_short(directory: Path, segments: list, tails: list, end: int, mark: int, findings: _Findings) -> list:
+    """The journal ends at lsn ``end`` but its durable mark says ``mark`` was on disk: report
+    events ``end+1..mark`` as one damaged range (at the newest segment's bad tail, if it has
+    one: those bytes are what is left of them, and stay in the file). Returns the torn tails
+    that are still torn."""
+    lost = (end + 1, mark)
+    detail = (f"the journal ends at lsn {end} but lsn {mark} was on disk ({MARK_NAME}): events "
+              f"{end + 1}..{mark} were cut away after they were synced (a torn write loses only what was never "
+              "synced)")
+    action = "skipped, file left as is; the journal continues after the mark"
+    if tails:
+        path, tail, _data = tails[0]
+        findings.add_damage(DamagedRange(str(path), tail.start, tail.end, tail.first_line, tail.lines, TRUNCATED,
+                                         f"{detail}; {tail.detail}", lost, mark - end, action))
+        return tails[1:]
+    if segments:
+        path = segments[-1][1]
+        size = path.stat().st_size
+        findings.add_damage(DamagedRange(str(path), size, size, 0, 0, TRUNCATED, detail, lost, mark - end, action))
+    else:
+        findings.add_damage(DamagedRange(str(directory / MARK_NAME), 0, 0, 0, 0, TRUNCATED, detail, lost,
+                                         mark - end, action))
+    return tails
 
 
 def _settle_torn_tails(tails: list[tuple[Path, BadLines, bytes]], repair: bool, quiet: bool) -> list[Problem]:

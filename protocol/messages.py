@@ -246,6 +246,9 @@ class Rejected(_Message, tag="rejected"):
     INVALID_DEADLINE: ClassVar[str] = "invalid_deadline"
     INVALID_TOUCH_INDEX: ClassVar[str] = "invalid_touch_index"
     UNKNOWN_KEY: ClassVar[str] = "unknown_key"
+    #: for a FLUSH (``seq`` is the flush's, no key): the commands before it were applied
+    #: but the journal could not be written, so they are not durable (JournalUnavailable)
+    JOURNAL_UNAVAILABLE: ClassVar[str] = "journal_unavailable"
 
     def __post_init__(self) -> None:
         _check_key(self.key_bytes, self.key_meta, optional=True)
@@ -263,7 +266,8 @@ class Rejected(_Message, tag="rejected"):
 
 
 REJECT_CODES = frozenset(
-    {Rejected.ARENA_FULL, Rejected.QUOTA_EXCEEDED, Rejected.INVALID_DEADLINE, Rejected.INVALID_TOUCH_INDEX, Rejected.UNKNOWN_KEY}
+    {Rejected.ARENA_FULL, Rejected.QUOTA_EXCEEDED, Rejected.INVALID_DEADLINE, Rejected.INVALID_TOUCH_INDEX, Rejected.UNKNOWN_KEY,
+     Rejected.JOURNAL_UNAVAILABLE}
 )
 REFUSE_CODES = frozenset({Refused.VERSION, Refused.NOT_ALLOWED, Refused.GROUP_LIMIT, Refused.BAD_REQUEST, Refused.BUSY})
 

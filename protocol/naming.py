@@ -5,6 +5,18 @@ Shared by the daemon, which creates them, and by the client library and
 other. An instance has a *name* (``--name``, ``$WHEELD_NAME``, default
 ``default``); everything else follows from it unless ``$WHEELD_SOCKET`` says
 where the socket is.
+
+**Names across users.** ``/dev/shm`` is shared by every uid, and a file there
+can be renamed or removed only by its owner (and root). The instance lock
+(``wheeld-NAME-lock``) is the one name all uids share: it says whether instance
+NAME runs, and who runs it. The daemon's own segments (arena, client table,
+secret) come in two spellings: the *plain* ones, ``wheeld-NAME-arena``, and the
+*uid-qualified* ones of a uid U, ``wheeld-NAME-uidU-arena``. A daemon uses the
+qualified ones when it already has them, or when a plain one belongs to another
+uid (a root ``wheeld`` run by hand left its arena, say); else the plain ones
+(:func:`wheeld.daemon.instance.choose_names`). The daemon holding the instance
+lock says which spelling it uses (:mod:`wheeld.protocol.instance_lock`), so
+``wheelctl`` reads the arena of the daemon that runs, whoever that is.
 """
 
 from __future__ import annotations
@@ -41,14 +53,42 @@ def default_socket_path(name: str | None = None) -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "wheeld", f"{name}.sock")
 
 
-def arena_name(name: str) -> str:
-    """The arena's POSIX shared-memory name (``/dev/shm/wheeld-<name>-arena``)."""
-    return f"/wheeld-{name}-arena"
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name an instance, or None: it must be a non-empty file name
+    part (no ``/``, no NUL, at most 200 bytes) that does not end like a uid qualifier
+    (``-uid<digits>``: instance ``x-uid5`` would take the names of instance ``x``'s uid 5)."""
+    if not name or "/" in name or "\0" in name or len(name.encode()) > 200:
+        return "an instance name is 1 to 200 bytes without '/' or NUL"
+    head, sep, digits = name.rpartition("-uid")
+    if sep and head and digits.isdigit():
+        return f"an instance name may not end in '-uid{digits}' (the uid-qualified names of instance {head!r})"
+    return None
 
 
-def clients_name(name: str) -> str:
-    """The daemon's client table (``/dev/shm/wheeld-<name>-clients``)."""
-    return f"/wheeld-{name}-clients"
+def _owner_tag(uid: int | None) -> str:
+    return "" if uid is None else f"uid{int(uid)}-"
+
+
+def arena_name(name: str, uid: int | None = None) -> str:
+    """The arena's POSIX shared-memory name (``/dev/shm/wheeld-<name>-arena``; with
+    ``uid``, the uid-qualified ``wheeld-<name>-uid<uid>-arena``)."""
+    return f"/wheeld-{name}-{_owner_tag(uid)}arena"
+
+
+def clients_name(name: str, uid: int | None = None) -> str:
+    """The daemon's client table (``/dev/shm/wheeld-<name>-clients``; ``uid``: as for :func:`arena_name`)."""
+    return f"/wheeld-{name}-{_owner_tag(uid)}clients"
+
+
+def secret_name(name: str, uid: int | None = None) -> str:
+    """The daemon's secret (``/dev/shm/wheeld-<name>-secret``, mode 0600: resume tokens
+    are HMACs under it; ``uid``: as for :func:`arena_name`)."""
+    return f"/wheeld-{name}-{_owner_tag(uid)}secret"
+
+
+def segment_names(name: str, uid: int | None = None) -> tuple[str, str, str]:
+    """(arena, client table, secret) in one spelling: plain (``uid`` None) or qualified."""
+    return arena_name(name, uid), clients_name(name, uid), secret_name(name, uid)
 
 
 def segment_prefix(name: str) -> str:
@@ -61,9 +101,35 @@ def shm_prefix(name: str) -> str:
     return f"wheeld-{name}-"
 
 
-def lock_path(name: str) -> str:
-    """The instance lock (:mod:`wheeld.protocol.instance_lock`): ``/dev/shm/wheeld-<name>-lock``."""
-    return os.path.join(SHM_DIR, f"{shm_prefix(name)}lock")
+def lock_path(name: str, uid: int | None = None) -> str:
+    """The instance lock (:mod:`wheeld.protocol.instance_lock`): ``/dev/shm/wheeld-<name>-lock``,
+    shared by every uid. With ``uid``: the lock a daemon of that uid takes instead when the
+    shared one is another uid's file it may not even open (made by an older wheeld)."""
+    return os.path.join(SHM_DIR, f"{shm_prefix(name)}{_owner_tag(uid)}lock")
+
+
+def instance_entries(name: str, entries) -> list[str]:
+    """Which of ``entries`` (names in /dev/shm) are files of instance ``name``: its lock,
+    arena, client table and secret in either spelling, with what the daemon adds to them
+    (``.new`` while an arena is built, ``.unusable-<ms>`` when one is set aside). Another
+    instance whose name merely starts with ``name-`` is not matched."""
+    prefix = shm_prefix(name)
+    out = []
+    for entry in entries:
+        if not entry.startswith(prefix):
+            continue
+        rest = entry[len(prefix):]
+        if rest.startswith("uid"):
+            digits, dash, tail = rest[3:].partition("-")
+            if digits.isdigit() and dash:
+                rest = tail
+        kind = rest.split(".", 1)[0]
+        if kind in _KINDS:
+            out.append(entry)
+    return out
+
+
+_KINDS = ("lock", "arena", "clients", "secret")
 
 
 def shm_path(segment_name: str) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import posix_ipc
 
 from wheeld.protocol.errors import CorruptArena, InvalidRequest
+from wheeld.protocol.instance_lock import lock_segment, mark
 
 
 def normalize_name(name: str) -> str:
@@ -41,13 +42,19 @@ class Segment:
 
     @classmethod
     def create(cls, name: str | None, size: int, mode: int = 0o600) -> "Segment":
+        """A new segment ``name`` (private memory when None). A named one is locked by its
+        maker, with its marks, before anything is written (a segment lock of
+        :mod:`wheeld.protocol.instance_lock`), for as long as it is mapped."""
         if name is None:
             return cls(mmap.mmap(-1, size), None, size)
         name = normalize_name(name)
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
         try:
             os.fchmod(shm.fd, mode)  # exactly ``mode``: shm_open filters it through the umask
-            buf = mmap.mmap(shm.fd, size)
+            if not lock_segment(shm.fd):
+                raise FileExistsError(f"segment {name} was locked by another process as it was made")
+            mark(shm.fd, os.getpid(), os.geteuid())
+            buf = mmap.mmap(shm.fd, size)  # its descriptor shares the locked open file description
         except BaseException:
             shm.close_fd()
             posix_ipc.unlink_shared_memory(name)
@@ -56,20 +63,27 @@ class Segment:
         return cls(buf, name, size)
 
     @classmethod
-    def attach(cls, name: str, readonly: bool = False) -> "Segment":
+    def attach(cls, name: str, readonly: bool = False, fd: int | None = None) -> "Segment":
+        """Map segment ``name``; or, with ``fd``, the file open on that descriptor (it stays
+        the caller's; the mapping's own descriptor shares its open file description, and
+        with it a segment lock taken on it)."""
         name = normalize_name(name)
+        shm = None
+        if fd is None:
+            try:
+                shm = posix_ipc.SharedMemory(name, flags=0, read_only=readonly)
+            except posix_ipc.ExistentialError as exc:
+                raise FileNotFoundError(f"no shared-memory segment {name}") from exc
+            fd = shm.fd
         try:
-            shm = posix_ipc.SharedMemory(name, flags=0, read_only=readonly)
-        except posix_ipc.ExistentialError as exc:
-            raise FileNotFoundError(f"no shared-memory segment {name}") from exc
-        try:
-            size = os.fstat(shm.fd).st_size
+            size = os.fstat(fd).st_size
             if size == 0:
                 raise CorruptArena(f"segment {name} is empty")
             prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
-            buf = mmap.mmap(shm.fd, size, prot=prot)
+            buf = mmap.mmap(fd, size, prot=prot)
         finally:
-            shm.close_fd()
+            if shm is not None:
+                shm.close_fd()
         return cls(buf, name, size, readonly)
 
     def close(self) -> None:
@@ -102,19 +116,18 @@ def unlink(name: str) -> bool:
 
 
 def remove_instance_segments(name: str) -> list[str]:
-    """Remove every shared-memory file of daemon instance ``name`` (arena, client
-    table, lock, set-aside copies: ``/dev/shm/wheeld-<name>-*``); the names removed,
-    sorted. A file that vanishes meanwhile is skipped; PermissionError (with its
-    ``filename``) stops at the first file this process may not remove."""
-    from wheeld.protocol.naming import SHM_DIR, shm_prefix
+    """Remove every shared-memory file of daemon instance ``name`` (lock, arena, client
+    table, secret, in plain and uid-qualified spelling, and set-aside copies:
+    :func:`wheeld.protocol.naming.instance_entries`); the names removed, sorted. A file
+    that vanishes meanwhile is skipped; PermissionError (with its ``filename``) stops at
+    the first file this process may not remove."""
+    from wheeld.protocol.naming import SHM_DIR, instance_entries
 
-    prefix = shm_prefix(name)
     removed = []
-    for entry in sorted(os.listdir(SHM_DIR)):
-        if entry.startswith(prefix):
-            try:
-                os.unlink(os.path.join(SHM_DIR, entry))
-            except FileNotFoundError:
-                continue
-            removed.append(entry)
+    for entry in sorted(instance_entries(name, os.listdir(SHM_DIR))):
+        try:
+            os.unlink(os.path.join(SHM_DIR, entry))
+        except FileNotFoundError:
+            continue
+        removed.append(entry)
     return removed

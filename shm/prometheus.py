@@ -56,6 +56,10 @@ wheeld_wakeups_total                   counter    wakeups_total
 wheeld_daemon_restarts_total           counter    daemon_restarts_total
 wheeld_journal_damaged_ranges_total    counter    journal_damaged_ranges_total
 wheeld_journal_damaged_lines_total     counter    journal_damaged_lines_total
+wheeld_journal_writable                gauge      journal_stalled == 0
+wheeld_journal_stalls_total            counter    journal_stalls_total
+wheeld_journal_unwritten_events_total  counter    journal_unwritten_events_total
+wheeld_journal_flushes_refused_total   counter    journal_flushes_refused_total
 wheeld_daemon_up                       gauge      1 if the daemon process exists
 wheeld_daemon_heartbeat_age_seconds    gauge      now - daemon_heartbeat_ms
 wheeld_daemon_uptime_seconds           gauge      now - daemon_started_ms
@@ -113,6 +117,12 @@ _COUNTERS = (
      "Damaged journal ranges (bad lines followed by good ones, damaged snapshots, missing events) that recovery "
      "skipped when it rebuilt the arena.", "journal_damaged_ranges_total"),
     ("wheeld_journal_damaged_lines_total", "Journal lines in those damaged ranges.", "journal_damaged_lines_total"),
+    ("wheeld_journal_stalls_total", "Times the journal stopped being writable (disk full, I/O error...).",
+     "journal_stalls_total"),
+    ("wheeld_journal_unwritten_events_total", "Journal events not written while it was not writable (the "
+     "snapshot written when it is again covers them).", "journal_unwritten_events_total"),
+    ("wheeld_journal_flushes_refused_total", "Flushes answered with JournalUnavailable (not durable).",
+     "journal_flushes_refused_total"),
 )
 
 
@@ -183,6 +193,8 @@ def render(snap: Snapshot) -> str:
            [("", (), snap.used)])
     metric("wheeld_arena_bytes", "gauge", "Size of the arena segment.", [("", (), snap.arena_bytes)])
     metric("wheeld_tick_seconds", "gauge", "Width of a level-0 bucket.", [("", (), snap.tick_ms / 1000)])
+    metric("wheeld_journal_writable", "gauge", "0 while the daemon cannot write its journal (flush() fails with "
+           "JournalUnavailable), else 1.", [("", (), 0 if c["journal_stalled"] else 1)])
     metric("wheeld_daemon_up", "gauge", "1 if the daemon process that last wrote the arena exists.",
            [("", (), 1 if snap.daemon_alive else 0)])
     age = snap.heartbeat_age_ms

@@ -27,7 +27,8 @@ from wheeld.protocol import arena_layout as L
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol.errors import BrokenPeer, WheeldError
 from wheeld.protocol.keys import decode_key
-from wheeld.protocol.naming import arena_name, clients_name
+from wheeld.protocol.instance_lock import reader_segments
+from wheeld.protocol.naming import shm_path
 
 from .arena import Segment
 from .header import parse_header
@@ -68,20 +69,45 @@ class Timer:
                 "slot": self.slot}
 
 
+def may_not_read(segment_name: str) -> str:
+    """Why this process may not read a segment, and what would let it: the group to join
+    when the segment is readable by its group, else who may read it."""
+    import grp
+    import pwd
+
+    path = shm_path(segment_name)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return f"may not read the wheeld arena {segment_name}: run wheelctl as the daemon's user or root"
+    try:
+        owner = repr(pwd.getpwuid(st.st_uid).pw_name)
+    except KeyError:
+        owner = f"uid {st.st_uid}"
+    if st.st_mode & 0o040:
+        try:
+            group = grp.getgrgid(st.st_gid).gr_name
+        except KeyError:
+            group = str(st.st_gid)
+        return (f"may not read the wheeld arena {segment_name}: join the group {group!r} that may read it "
+                f"(usermod -aG {group} USER, then log in again), or run wheelctl as its owner {owner} or root")
+    return (f"may not read the wheeld arena {segment_name}: only its owner {owner} and root may (the daemon "
+            f"runs without --monitor-group): run wheelctl as {owner} or root")
+
+
 class ArenaReader:
     """The arena of daemon instance ``name``, mapped read-only. Close it (or use ``with``)."""
 
     def __init__(self, name: str):
         self.name = name
-        self.segment_name = arena_name(name)
+        self.segment_name, self.clients_segment = reader_segments(name)
         try:
             self._seg = Segment.attach(self.segment_name, readonly=True)
         except FileNotFoundError:
             raise NoArena(f"no wheeld arena named {name!r} ({self.segment_name}): "
                           f"is wheeld running with --name {name}?") from None
         except (PermissionError, posix_ipc.PermissionsError):
-            raise NoArena(f"may not read the wheeld arena {self.segment_name}: run wheelctl as the daemon's "
-                          f"user, or as a member of the group that owns /dev/shm{self.segment_name}") from None
+            raise NoArena(may_not_read(self.segment_name)) from None
         try:
             self.info = parse_header(self._seg.buf, self._seg.size, self.segment_name)
         except BaseException:
@@ -211,7 +237,7 @@ class ArenaReader:
     def rings(self) -> list[RingStat] | None:
         """The daemon's client table and each ring's depth; None if the table cannot be read."""
         groups = self.groups()
-        table = map_readonly(clients_name(self.name), CL.SEGMENT_BYTES)
+        table = map_readonly(self.clients_segment, CL.SEGMENT_BYTES)
         if table is None:
             return None
         try:

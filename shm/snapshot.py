@@ -29,6 +29,11 @@ What a snapshot holds and where each figure comes from::
     journal damage                 counters journal_damaged_ranges_total and
                                    journal_damaged_lines_total: what recovery
                                    skipped when it rebuilt this arena
+    journal writable               counter journal_stalled: the errno that
+                                   stops the daemon writing its journal (0:
+                                   writable), journal_stalls_total,
+                                   journal_unwritten_events_total,
+                                   journal_flushes_refused_total
     hot path                       counter daemon_hot_path: "compiled" or
                                    "python" (protocol/accel.py), as the daemon
                                    that last started said
@@ -293,6 +298,11 @@ class Snapshot:
             "journal": {
                 "damaged_ranges_total": c["journal_damaged_ranges_total"],
                 "damaged_lines_total": c["journal_damaged_lines_total"],
+                "writable": c["journal_stalled"] == 0,
+                "stalled_errno": c["journal_stalled"],
+                "stalls_total": c["journal_stalls_total"],
+                "unwritten_events_total": c["journal_unwritten_events_total"],
+                "flushes_refused_total": c["journal_flushes_refused_total"],
             },
             "counters": dict(c),
         }

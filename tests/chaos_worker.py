@@ -7,6 +7,11 @@ when a batch of expirations was acknowledged (pushed at the start of the next
 poll). Runs until the stop file exists and every timer it knows of has been
 received, or until it is killed.
 
+``"hoard": true`` makes a worker whose application never polls: each batch only
+adds new keys and flushes, and the expirations each flush reads off the socket
+stay in the library's buffer until the test kills the process (a worker that
+dies without polling). It stops adding once the stop file exists.
+
 Log lines (one event each, appended, unbuffered; times are CLOCK_MONOTONIC ms):
     a <key> <deadline_ms>              an arming of key (an add or a re-arm) is pushed
     d <key> <deadline_ms>              ...its deadline, as add() returned it, when it differs
@@ -61,12 +66,17 @@ def main(args: dict) -> None:
     pending_batch = None
     live: dict[str, int] = {}  # our keys armed and not received yet -> deadline of the latest arming
     flush_timeout_s = args.get("flush_timeout_s", 20)
+    hoard = args.get("hoard", False)
+    name = args.get("member", args["group"])
     while True:
         stopping = os.path.exists(args["stop"])
+        if hoard and stopping:
+            time.sleep(0.05)  # holds what it has read, never polls: the test kills it
+            continue
         if not stopping:
             armed, cancelled = [], []
             for _ in range(args["batch"]):
-                roll = rng.random()
+                roll = 1.0 if hoard else rng.random()
                 if live and roll < 0.15:  # re-arm one of ours
                     key = rng.choice(list(live))
                 elif live and roll < 0.25:  # cancel one of ours
@@ -79,7 +89,7 @@ def main(args: dict) -> None:
                     continue
                 else:
                     seq += 1
-                    key = f"{args['group']}-{args['incarnation']}-{seq}"
+                    key = f"{name}-{args['incarnation']}-{seq}"
                 delay = rng.randint(*args["delay_ms"])
                 if key in live:  # a re-arm goes later than the arming it replaces: deadlines tell armings apart
                     delay = max(delay, live[key] - ceil_ms() + 50)
@@ -98,6 +108,9 @@ def main(args: dict) -> None:
                 continue
             now = mono_ms()
             log.write("".join(f"A {k} {d} {now}\n" for k, d in armed) + "".join(f"C {k} {now}\n" for k in cancelled))
+        if hoard:
+            time.sleep(0.02)  # no poll: what the flushes read waits in the library's buffer
+            continue
         got = w.poll(0.02)  # acknowledges the batch handed over before (pushes its acks)
         if pending_batch is not None and not w._acks_pending:  # logged only once really pushed
             log.write(f"K {pending_batch} {mono_ms()}\n")

@@ -39,8 +39,8 @@ def daemon_factory(tmp_path):
 # cluster, the chaos and socket-scale runs, the crash sweeps): handed to the
 # workers first, so that no worker starts a long test when the others are
 # nearly done. Only the order changes; every test still runs.
-_LONG_FIRST = ("test_pipeline_cluster", "test_pipeline", "test_chaos", "test_bench_sockets", "test_fuzz_daemon",
-               "test_wheel_crash", "test_hostile")
+_LONG_FIRST = ("test_pipeline_cluster", "test_pipeline", "test_chaos", "test_chaos_unpolled", "test_bench_sockets",
+               "test_fuzz_daemon", "test_wheel_crash", "test_hostile")
 
 
 def pytest_collection_modifyitems(items):

@@ -70,9 +70,10 @@ class Honest:
     """An honest client process adding and receiving timers until :meth:`finish`."""
 
     def __init__(self, tmp_path, socket_path: str, *, group: str = "honest", rate: int = 200,
-                 delay_ms=(1, 250), seed: int = 0, tag: str = "honest"):
+                 delay_ms=(1, 250), seed: int = 0, tag: str = "honest", tolerate: tuple[str, ...] = ()):
         self.status_path = str(tmp_path / f"{tag}.json")
-        args = {"socket": socket_path, "group": group, "rate": rate, "delay_ms": list(delay_ms), "seed": seed}
+        args = {"socket": socket_path, "group": group, "rate": rate, "delay_ms": list(delay_ms), "seed": seed,
+                "tolerate": list(tolerate)}
         self.proc = subprocess.Popen([sys.executable, WORKER, json.dumps(args), self.status_path],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.delay_ms = delay_ms

@@ -218,7 +218,7 @@ def role_attacker(name: str, a_pid: str, a_ring_fd: str, daemon_pid: str, a_grou
     _attempt(results, "list A's /proc/PID/map_files", lambda: os.listdir(f"/proc/{a_pid}/map_files"))
     _attempt(results, "open A's /proc/PID/mem", lambda: os.close(os.open(f"/proc/{a_pid}/mem", os.O_RDONLY)))
     _attempt(results, "list the daemon's /proc/PID/fd", lambda: os.listdir(f"/proc/{daemon_pid}/fd"))
-    for segment in ("arena", "clients", "lock"):
+    for segment in ("arena", "clients", "lock", "secret"):
         path = f"/dev/shm/wheeld-{name}-{segment}"
         _attempt(results, f"open {segment} read-only", lambda path=path: os.close(os.open(path, os.O_RDONLY)))
         _attempt(results, f"open {segment} read-write", lambda path=path: os.close(os.open(path, os.O_RDWR)))

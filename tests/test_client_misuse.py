@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import signal
 import socket
 import time
 
@@ -123,6 +124,30 @@ def test_the_longest_delay_the_client_accepts_is_never_refused_later(daemon):
         w.flush()
 
 
+def test_add_idle_refuses_what_it_cannot_send_with_the_precise_error(daemon_factory):
+    d = daemon_factory(extra=["--touch-capacity", "4"]).start()
+    with wheeld.connect(d.socket_path, group="idle-edges") as w:
+        for idle_ms, message in (("5", "idle_ms must be a positive int, not '5'"), (0, "not 0"), (-3, "not -3"),
+                                 (1.5, "not 1.5"), (True, "not True"), ((1 << 31), "must fit in 32 bits"),
+                                 (w.max_delay_ms + 1, "exceeds the daemon's maximum")):
+            with pytest.raises(wheeld.InvalidDelay, match=message.replace("(", r"\(")):
+                w.add_idle("k", idle_ms)
+        for key in (b"", "x" * 33, 1 << 64, 2.0, None):
+            with pytest.raises(wheeld.InvalidKey):
+                w.add_idle(key, 1000)
+        w.add_idle("longest", (1 << 31) - 1)
+        for key in ("a", b"b", -7):  # every kind of key; with "longest", the four rows of the touch table
+            assert w.add_idle(key, 60_000) >= time.monotonic_ns() // 1_000_000 + 60_000
+        w.add_idle("a", 60_000)  # re-arming takes no new row
+        with pytest.raises(wheeld.InvalidRequest, match="all 4 idle-timer slots of this client are in use"):
+            w.add_idle("fifth", 60_000)
+        w.flush()  # nothing reached the daemon that it would refuse
+        assert w.cancel(b"b")
+        w.add_idle("fifth", 60_000)  # the cancelled key's row
+        w.flush()
+        wait_until(lambda: d.counters()["pending"] == 4, 5, "longest, a, -7 and fifth pending")
+
+
 def test_add_refuses_at_once_when_the_arena_is_full(daemon_factory):
     d = daemon_factory(capacity=50).start()
     with wheeld.connect(d.socket_path, group="full") as w:
@@ -138,3 +163,43 @@ def test_add_refuses_at_once_when_the_arena_is_full(daemon_factory):
         wait_until(lambda: status[SL.PENDING_WORD] < 50, 5, "the status page to show the cancel")
         w.add("one-more", 600_000)  # room again
         w.flush()
+
+
+def test_a_flush_that_finds_the_daemon_gone_says_so(daemon):
+    """A flush that times out tells a daemon that is gone (the connection closed, nothing
+    listens) from one that is connected but silent (stopped)."""
+    with wheeld.connect(daemon.socket_path, group="gone", reconnect_timeout_s=60) as w:
+        w.add("a", 60_000)
+        w.flush()
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(wheeld.Timeout) as silent:
+                w.flush(timeout_s=0.5)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert "gone" not in str(silent.value)
+        w.flush()
+        daemon.kill()
+        with pytest.raises(wheeld.Timeout) as gone:
+            w.flush(timeout_s=1.0)
+    message = str(gone.value)
+    assert "wheeld did not apply the commands within 1.0 s: the daemon is gone" in message, message
+    assert f"no wheeld listens at {daemon.socket_path}" in message, message
+
+
+def test_an_async_flush_that_finds_the_daemon_gone_says_so(daemon):
+    async def scenario() -> str:
+        w = await wheeld.connect_async(daemon.socket_path, group="gone", reconnect_timeout_s=60)
+        try:
+            w.add("a", 60_000)
+            await w.flush()
+            daemon.kill()
+            with pytest.raises(wheeld.Timeout) as gone:
+                await w.flush(timeout_s=1.0)
+            return str(gone.value)
+        finally:
+            await w.close()
+
+    message = asyncio.run(scenario())
+    assert "wheeld did not apply the commands within 1.0 s: the daemon is gone" in message, message
+    assert f"no wheeld listens at {daemon.socket_path}" in message, message

@@ -464,11 +464,12 @@ def check_isolation(layout: Layout, *, monitors: bool) -> None:
         "map the status page writable": "EACCES",
         "re-open the status page read-write via /proc/self/fd": "EACCES",
     }
-    for segment in ("arena", "clients", "lock"):
+    for segment in ("arena", "clients", "lock", "secret"):
         expected.update({f"open {segment} read-only": "EACCES", f"open {segment} read-write": "EACCES",
                          f"truncate {segment}": "EACCES"})
+    expected["open lock read-only"] = "allowed"  # 0644: anyone may try the lock and see who holds it
     assert {item["what"]: item["outcome"] for item in report["attempts"]} == expected
-    assert report["shm_names"] == sorted(f"wheeld-{name}-{s}" for s in ("arena", "clients", "lock")), \
+    assert report["shm_names"] == sorted(f"wheeld-{name}-{s}" for s in ("arena", "clients", "lock", "secret")), \
         "a ring or page has a name in /dev/shm"
     assert report["ring_size"][0] == report["ring_size"][1]
     assert report["socket_path"] == layout.socket_path
@@ -554,7 +555,8 @@ def test_unit_identities(layout_factory, people):
     daemon, monitor = layout.ids["daemon"], people["monitor_gid"]
     assert shm_mode(layout.name, "arena") == (daemon.uid, monitor, 0o640)
     assert shm_mode(layout.name, "clients") == (daemon.uid, monitor, 0o640)
-    assert shm_mode(layout.name, "lock") == (daemon.uid, daemon.gid, 0o600)
+    assert shm_mode(layout.name, "lock") == (daemon.uid, daemon.gid, 0o644)
+    assert shm_mode(layout.name, "secret") == (daemon.uid, daemon.gid, 0o600)
     assert people["clients_gid"] not in layout.daemon_as["groups"]  # the daemon needs no clients group
     assert monitor in layout.daemon_as["groups"]
     check_daemon_process(layout)
@@ -566,8 +568,9 @@ def test_root_daemon(layout_factory):
     """The same isolation with the daemon running as root and no monitoring group (arena 0600)."""
     layout = layout_factory(daemon_as_root=True)
     layout.start_daemon()
-    for segment in ("arena", "clients", "lock"):
+    for segment in ("arena", "clients", "secret"):
         assert shm_mode(layout.name, segment) == (0, 0, 0o600)
+    assert shm_mode(layout.name, "lock") == (0, 0, 0o644)
     check_daemon_process(layout)
     check_isolation(layout, monitors=False)
     stop_daemon(layout)

@@ -26,7 +26,7 @@ from wheeld.protocol.journal_files import (
 )
 from wheeld.protocol.journal_recovery import recover
 from wheeld.protocol import journal as pj
-from wheeld.protocol.errors import Closed, InvalidRequest
+from wheeld.protocol.errors import Closed, InvalidRequest, JournalUnavailable
 from wheeld.protocol.journal import (
     Add,
     Cancel,
@@ -88,6 +88,8 @@ def test_wrong_next_lsn_is_refused(tmp_path):
 
 
 def test_failed_write_leaves_no_partial_batch(tmp_path, monkeypatch):
+    """A write that fails half-way is cut back; the journal stalls (tests/test_journal_stall.py)
+    and its resume writes a snapshot of the owner's state, which covers that batch."""
     journal = make_journal(tmp_path, fsync="off")
     journal.append([Add(t=T0, g="g", k="a", d=T0, s=1)])
     size_before = journal.segment_path.stat().st_size
@@ -100,14 +102,16 @@ def test_failed_write_leaves_no_partial_batch(tmp_path, monkeypatch):
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", half_then_fail)
-    with pytest.raises(OSError):
+    with pytest.raises(JournalUnavailable):
         journal.append([Add(t=T0, g="g", k="b", d=T0, s=2), Add(t=T0, g="g", k="c", d=T0, s=3)])
     monkeypatch.setattr(os, "write", real_write)
-    assert journal.segment_path.stat().st_size == size_before and journal.last_lsn == 1
-    assert journal.append([Add(t=T0, g="g", k="d", d=T0, s=4)]) == 2
+    assert journal.segment_path.stat().st_size == size_before and journal.last_lsn == 3
+    state = [PendingTimer("g", key, T0, 1) for key in "abc"]
+    assert journal.resume(lambda: (state, []))
+    assert journal.append([Add(t=T0, g="g", k="d", d=T0, s=4)]) == 4
     journal.close()
     state = recover(tmp_path)
-    assert set(state.pending) == {("g", "a"), ("g", "d")} and state.problems == []
+    assert set(state.pending) == {("g", "a"), ("g", "b"), ("g", "c"), ("g", "d")} and state.problems == []
 
 
 def test_closed_journal_refuses(tmp_path):
@@ -350,8 +354,9 @@ def test_a_failed_background_fsync_raises_in_the_caller(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", failing)
     assert journal.start_sync(5) is True
-    with pytest.raises(OSError):
+    with pytest.raises(JournalUnavailable) as raised:
         journal.poll_sync(wait=True)
-    assert journal.durable_lsn == 0
+    assert isinstance(raised.value.__cause__, OSError) and raised.value.__cause__.errno == 5
+    assert journal.durable_lsn == 0 and not journal.writable
     monkeypatch.undo()
     journal.close()

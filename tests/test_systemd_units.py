@@ -338,3 +338,29 @@ def test_daemon_runtime_works_without_writable_executable_memory():
     if result.returncode == 77:
         pytest.skip("kernel has no PR_SET_MDWE (Linux < 6.3)")
     assert (result.returncode, result.stdout.strip()) == (0, "ok"), result.stderr
+
+
+def test_the_guides_virtual_environment_is_made_by_an_interpreter_the_service_can_see(tmp_path):
+    """A virtual environment links to the interpreter that made it: the guide must name one
+    outside the directories ProtectHome= hides (an interpreter of pyenv under /root would
+    leave /opt/wheeld/bin/python pointing into the dark), and the environment it makes must
+    say so in pyvenv.cfg."""
+    service = (REPO / "systemd" / "wheeld.service").read_text()
+    assert "ProtectHome=yes" in service
+    hidden = ("/home", "/root", "/run/user")  # what ProtectHome=yes makes inaccessible (systemd.exec(5))
+    guide = (REPO / "docs" / "operating.md").read_text()
+    install = guide.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line.split() for block in re.findall(r"```sh\n(.*?)```", install, re.S) for line in block.splitlines()]
+    venv = [argv for argv in lines if argv[1:3] == ["-m", "venv"]]
+    assert len(venv) == 1, venv
+    interpreter, target = venv[0][0], venv[0][3]
+    assert os.path.isabs(interpreter), f"the guide makes the environment with {interpreter!r}: a PATH lookup may find pyenv's"
+    assert not interpreter.startswith(hidden) and not target.startswith(hidden)
+    if not os.access(interpreter, os.X_OK):
+        pytest.skip(f"{interpreter} is not installed here")
+    made = tmp_path / "venv"
+    subprocess.run([interpreter, "-m", "venv", "--without-pip", str(made)], check=True, capture_output=True,
+                   timeout=120)
+    home = dict(line.split(" = ", 1) for line in (made / "pyvenv.cfg").read_text().splitlines() if " = " in line)["home"]
+    assert not os.path.realpath(home).startswith(hidden), home
+    assert "pyvenv.cfg" in install and all(h in install for h in hidden)  # the guide says where to look

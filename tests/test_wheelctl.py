@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import signal
 import socket
 import struct
@@ -324,6 +325,35 @@ def test_add_and_cancel(daemon):
         got = collect(w, 1)
         assert [e.key for e in got] == ["soon"]
         assert wheelctl(daemon, "cancel", "soon", "-g", "fast").exit_code == 1
+
+
+def test_add_prints_the_deadline_that_dump_shows(daemon):
+    """The deadline ``add`` prints is the one add() returned: the expiration carries it and
+    ``dump`` shows it (the clock in ms rounded up, plus the delay)."""
+    for i in range(3):
+        added = wheelctl(daemon, "add", f"due-{i}", "60000", "-g", "deadlines")
+        assert added.exit_code == 0, added.output
+        printed = int(re.search(r"deadline (\d+) \(CLOCK_MONOTONIC ms\)", added.stdout).group(1))
+        dumped = json.loads(wheelctl(daemon, "dump", "--json", "-g", "deadlines").stdout)
+        assert {t["key"]: t["deadline_ms"] for t in dumped["timers"]}[f"due-{i}"] == printed
+
+
+def test_a_negative_delay_is_an_invalid_delay_and_a_negative_int_key_a_key(daemon):
+    for args in (["add", "x", "-5"], ["add", "-g", "neg", "x", "-5000"], ["add", "x", "-5", "-g", "neg"]):
+        result = wheelctl(daemon, *args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "InvalidDelay: delay_ms must not be negative (-5" in result.stderr, (args, result.output)
+        assert "No such option" not in result.output
+    assert daemon.counters()["clients_total"] == 0, "refused before anything was sent"
+    # a mistyped option is still refused as one, beside a negative number or not
+    for args in (["add", "x", "5", "--bogus"], ["add", "x", "-5", "--bogus"], ["cancel", "--bogus", "x"]):
+        result = wheelctl(daemon, *args)
+        assert result.exit_code == 2 and "No such option '--bogus'" in result.output, (args, result.output)
+    added = wheelctl(daemon, "add", "--key-type", "int", "-3", "60000", "-g", "neg")
+    assert added.exit_code == 0 and added.stdout.startswith("added -3 (int) in group 'neg'"), added.output
+    with R.ArenaReader(daemon.name) as reader:
+        assert reader.lookup(-3, "neg") is not None and reader.lookup("x", "neg") is None
+    assert wheelctl(daemon, "cancel", "--key-type", "int", "-3", "-g", "neg").exit_code == 0
 
 
 def _expirations_waiting(daemon, group: str, n: int) -> None:
