@@ -19,6 +19,7 @@ import sys
 
 import click
 
+from wheeld.protocol import clients_layout as CL
 from wheeld.protocol.errors import InvalidRequest, WheeldError
 from wheeld.protocol.journal_recovery import DAMAGE_POLICIES, JournalDamaged
 from wheeld.protocol.naming import default_name, default_socket_path, name_problem
@@ -78,10 +79,24 @@ EXIT_INSTANCE_RUNNING = 75
                    "QuotaExceeded, other groups are unaffected. 0: no limit.")
 @click.option("--max-groups", type=click.IntRange(1, 65535), default=1024, show_default=True,
               help="Group ids of a new arena (an existing arena keeps its own).")
+@click.option("--groups-per-uid", type=click.IntRange(0, 65535), default=None,
+              help="Groups one user may own (it owns the groups it was the first to join, while they are in use); "
+                   "one more is refused with GroupLimit. Default: a quarter of the arena's group ids (256 of "
+                   "1024); 0: no bound. Root and the daemon's own user have none.")
+@click.option("--max-clients", type=click.IntRange(1, CL.MAX_CLIENTS), default=CL.MAX_CLIENTS, show_default=True,
+              help="Client slots: clients connected, plus those that left without a Bye less than "
+                   "--resume-grace-s ago.")
+@click.option("--clients-per-uid", type=click.IntRange(0, CL.MAX_CLIENTS), default=None,
+              help="Client slots one user may hold; one more is refused (BackPressure). Default: a quarter of "
+                   "--max-clients (511 of 2047); 0: no bound. Root and the daemon's own user have none.")
+@click.option("--resume-grace-s", type=click.FloatRange(0.0, 86_400.0), default=60.0, show_default=True,
+              help="How long the slot of a client that left without a Bye (or that has not come back since a "
+                   "restart) waits for it; then its idle timers become plain timers at last touch + idle time "
+                   "and the slot is freed.")
 @click.option("--ack-timeout-s", type=click.FloatRange(1.0, 86_400.0), default=30.0, show_default=True,
               help="An expiration a client leaves unacknowledged this long is sent again (to any member of "
-                   "its group) and counted; a client that reads nothing from its socket this long while "
-                   "the daemon has output for it is disconnected.")
+                   "its group) and counted; a client that has not read, this long after, what the daemon "
+                   "queued for it is disconnected (however much it reads meanwhile).")
 @click.option("--frame-timeout-s", type=click.FloatRange(0.1, 3600.0), default=5.0, show_default=True,
               help="A client that starts a message must finish it within this (else it is disconnected).")
 @click.option("--coalesce-us", type=click.IntRange(0, 10_000), default=500, show_default=True,
@@ -92,7 +107,8 @@ EXIT_INSTANCE_RUNNING = 75
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_capacity, metrics, journal_dir, fsync,
          journal_damage, allow_uids, allow_groups, socket_mode, socket_group, monitor_group, group_owners, group_quota,
-         max_groups, ack_timeout_s, frame_timeout_s, coalesce_us, log_level):
+         max_groups, groups_per_uid, max_clients, clients_per_uid, resume_grace_s, ack_timeout_s, frame_timeout_s,
+         coalesce_us, log_level):
     """Run the wheeld timer daemon in the foreground."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s wheeld[%(process)d] %(levelname)s %(message)s",
                         stream=sys.stderr)
@@ -116,7 +132,8 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
             arena_mode=0o640 if monitor_group else 0o600,
             group_owners=tuple(_group_owner(spec) for spec in group_owners),
             group_quota=group_quota, max_groups=max_groups, ack_timeout_s=ack_timeout_s,
-            frame_timeout_s=frame_timeout_s,
+            frame_timeout_s=frame_timeout_s, groups_per_uid=groups_per_uid, max_clients=max_clients,
+            clients_per_uid=clients_per_uid, resume_grace_s=resume_grace_s,
         )
         from .server import run
 

@@ -13,6 +13,8 @@ import logging
 import mmap
 import os
 
+import numpy as np
+
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol.errors import ProtocolError
 from wheeld.shm.ring import ClientSegment
@@ -34,7 +36,8 @@ class ClientSlot:
     again (to any member) and the newer one becomes the older."""
 
     __slots__ = ("slot", "segment", "label", "group", "group_name", "session", "unacked", "unacked_old", "poisoned",
-                 "pid", "uid", "orphan_since", "unanswered_flush", "unanswered_flush_unsynced")
+                 "pid", "uid", "orphan_since", "unanswered_flush", "unanswered_flush_unsynced", "said_bye",
+                 "apply_ns")
 
     def __init__(self, slot: int, segment: ClientSegment | None, label: str, group: int, group_name: str, pid: int,
                  uid: int):
@@ -52,6 +55,8 @@ class ClientSlot:
         self.orphan_since = 0
         self.unanswered_flush: int | None = None  # a FLUSH applied while no session was open
         self.unanswered_flush_unsynced: str | None = None  # ...and why it is not durable (the journal stalled)
+        self.said_bye = False  # its client ended its last session with Bye: it will not come back for it
+        self.apply_ns = 0  # what applying one of its commands costs the daemon (Executor.drain), ns; 0 unknown
 
     def take_unacked(self) -> list[tuple[int, int]]:
         """Everything in flight to this client, forgotten here (it goes back to the queue)."""
@@ -152,10 +157,15 @@ class ClientTable:
                     continue
                 CL.DEPTH.pack_into(self._buf, CL.entry_offset(cs.slot) + CL.DEPTH_OFFSET, depth)
 
+    @property
+    def limit(self) -> int:
+        """How many client slots there are (``--max-clients``, at most the table's)."""
+        return min(self.config.max_clients, CL.MAX_CLIENTS)
+
     def free_slot_number(self, previous_label: str) -> int | None:
         """A free client slot: the one the label names when free (a ring from before a
         reboot keeps its slot, and so its arming tags), else the next one round robin."""
-        limit = min(self.config.max_clients, CL.MAX_CLIENTS)
+        limit = self.limit
         prefix = segment_prefix(self.config.name)
         if previous_label.startswith(prefix):
             wanted = previous_label[len(prefix):].partition("-")[0]
@@ -179,6 +189,15 @@ class ClientTable:
             return None
         kind, ident = CL.OWNER.unpack_from(self._buf, CL.owner_offset(group))
         return None if kind == CL.OWNER_NONE else (kind, ident)
+
+    def static_owner(self, group_name: str) -> bool:
+        """Does ``--group-owner`` name this group's owner?"""
+        return group_name in self._static_owners
+
+    def groups_owned_by(self, uid: int, max_groups: int) -> int:
+        """How many of the first ``max_groups`` group ids ``uid`` owns (joined first)."""
+        owners = np.frombuffer(self._buf, dtype=np.uint32, count=2 * max_groups, offset=CL.OWNERS_OFFSET)
+        return int(np.count_nonzero((owners[0::2] == CL.OWNER_UID) & (owners[1::2] == uid)))
 
     def claim(self, group_name: str, group: int, uid: int) -> bool:
         """Record ``uid`` as the owner of a group nobody owns (not one ``--group-owner`` names)."""

@@ -20,7 +20,8 @@ class Config:
     capacity: int = 1_000_000
     ring_capacity: int = 1 << 14
     touch_capacity: int = 1 << 17
-    max_clients: int = 2047
+    max_clients: int = 2047  # client slots (at most clients_layout.MAX_CLIENTS)
+    clients_per_uid: int | None = None  # slots one uid may hold; None: a quarter of max_clients; 0: no bound
     arena_mode: int = 0o600  # 0o640 with monitor_gid: the arena is the daemon's and its monitors'
     monitor_gid: int | None = None  # --monitor-group: may read the arena (wheelctl stats/dump/check)
     socket_mode: int | None = None  # --socket-mode of a socket the daemon binds itself (None: 0660)
@@ -31,6 +32,7 @@ class Config:
     group_owners: tuple[tuple[str, str, int], ...] = ()
     group_quota: int = 0  # pending + unacknowledged records a group may hold; 0: no limit
     max_groups: int = 1024  # group ids of a new arena
+    groups_per_uid: int | None = None  # groups one uid may own; None: a quarter of the arena's ids; 0: no bound
     ack_timeout_s: float = 30.0  # an expiration unacknowledged this long is sent again (to any member)
     frame_timeout_s: float = 5.0  # a frame started must be complete within this
     resume_grace_s: float = 60.0  # after a restart, a client slot waits this long for its client

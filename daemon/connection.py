@@ -3,12 +3,14 @@
 A client sends only small messages (Hello, Doorbell, Bye); what it is sent
 (Welcome, Expirations, Applied, Rejected, Goodbye) is buffered when the socket
 is full. What a message means is :class:`wheeld.daemon.sessions.Sessions`'s
-business; this module keeps the socket bounded.
+business; this module keeps the socket, and every buffer behind it, bounded.
 """
 
 from __future__ import annotations
 
 import array
+import collections
+import logging
 import os
 import socket
 import time
@@ -17,7 +19,15 @@ from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ProtocolError
 from wheeld.protocol.framing import FrameReader
 
-HIGH_WATER = 8 << 20  # bytes queued to one client before we stop sending to it
+log = logging.getLogger("wheeld")
+
+HIGH_WATER = 8 << 20  # bytes queued to one client before we stop sending it expirations
+# Answers (Applied, Rejected) come from the commands a client writes into its ring, as
+# many as it likes: past ANSWER_HIGH_WATER of them unread, its ring is not drained (its
+# producer finds the ring full, back pressure), and past REJECT_DETAIL_BYTES a rejection
+# is counted rather than sent (one summary per code follows once the client reads).
+ANSWER_HIGH_WATER = 1 << 20
+REJECT_DETAIL_BYTES = 256 << 10
 CLIENT_MAX_FRAME = 4096  # the largest client -> daemon frame (a Hello is a few hundred bytes)
 _RECV_BYTES = 65536
 _FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)  # room for a few passed descriptors
@@ -46,29 +56,116 @@ class Session:
         self.partial_since = 0.0  # time.monotonic() when an incomplete frame started, 0 at a boundary
         self.passed_fds: list[int] = []  # SCM_RIGHTS descriptors that came with the Hello
         self.out = bytearray()
-        self.stuck_since = 0.0  # time.monotonic() since when out has waited without the client taking a byte
+        self.out_added = 0  # bytes ever queued in out (the socket did not take them at once)
+        self.out_taken = 0  # bytes of out the socket took since
+        self._marks: collections.deque = collections.deque()  # (out_added, time.monotonic()) of each look
+        self._answer_runs: collections.deque = collections.deque()  # [end in the out stream, bytes] of answers
+        self._answer_bytes = 0  # answer bytes still in out (a run partly taken counts whole)
+        self.held_rejections: dict[str, list] = {}  # code -> [count, last reason]: rejections not sent one by one
+        self._told_held_back = False  # logged that its ring waits (once until its output is all read)
         self.writing = False
         self.closed = False
         self.client = None  # its ClientSlot, once the Hello is accepted
 
     @property
     def congested(self) -> bool:
+        """No more expirations for now."""
         return len(self.out) > HIGH_WATER
 
+    @property
+    def held_back(self) -> bool:
+        """Its ring is not drained for now: too many answers wait unread."""
+        return self.answers_queued() > ANSWER_HIGH_WATER
+
+    def answers_queued(self) -> int:
+        """Bytes of answers (Applied, Rejected) still waiting in the output buffer."""
+        runs, taken = self._answer_runs, self.out_taken
+        while runs and runs[0][0] <= taken:
+            self._answer_bytes -= runs.popleft()[1]
+        return self._answer_bytes
+
     def send(self, frame: bytes) -> None:
-        if self.closed:
+        self._write(frame, False)
+
+    def answer(self, rejects: list, flush_answers: list) -> None:
+        """The answers to a chunk of this client's commands: its rejections
+        (:class:`~wheeld.daemon.planner.Rejection`; counted instead of sent beyond
+        ``REJECT_DETAIL_BYTES`` unread), then the frames that answer each FLUSH
+        (``Applied``...), each after a summary of the rejections held back until then."""
+        if self.closed or not (flush_answers or rejects):
+            return
+        parts = []
+        queued = self.answers_queued()
+        held = self.held_rejections
+        if held and queued <= REJECT_DETAIL_BYTES // 2:
+            parts.extend(self._summaries())
+            held = self.held_rejections
+        encode = M.encode_daemon_frame
+        for reject in rejects:
+            if queued > REJECT_DETAIL_BYTES:
+                count = held.get(reject.code)
+                if count is None:
+                    held[reject.code] = [1, reject.reason]
+                else:
+                    count[0] += 1
+                    count[1] = reject.reason
+                continue
+            frame = encode(reject.message())
+            parts.append(frame)
+            queued += len(frame)
+        for frames in flush_answers:
+            if held:
+                parts.extend(self._summaries())
+            parts.append(frames)
+        self._write(b"".join(parts), True)
+        if self.held_rejections and not self.out:  # the socket took it all: room for the summary now
+            self._write(b"".join(self._summaries()), True)
+        if not self._told_held_back and self.held_back:
+            self._told_held_back = True
+            cs = self.client
+            log.warning("client pid %d (slot %s): %d bytes of answers to its commands unread; its ring waits until it "
+                        "reads them", self.pid, cs.slot if cs is not None else "-", self.answers_queued())
+
+    def _summaries(self) -> list[bytes]:
+        """One ``Rejected`` per code for the rejections held back (and forget them)."""
+        frames = []
+        for code, (count, reason) in self.held_rejections.items():
+            text = f"{count} more command(s) refused, not listed one by one (their answers were not read): {reason}"
+            frames.append(M.encode_daemon_frame(M.Rejected(0, b"", 0, text[:1000], code)))
+        self.held_rejections = {}
+        return frames
+
+    def stalled(self, now: float, timeout_s: float) -> bool:
+        """Has output queued more than ``timeout_s`` ago still not been read? Called about
+        once a second: each call notes how much was queued by then (``_marks``), and a
+        mark is done with once the client has read past it. Progress, not activity:
+        reading a little now and then does not keep a session whose output stays unread."""
+        marks = self._marks
+        if not self.out:
+            marks.clear()
+            return False
+        taken = self.out_taken
+        while marks and marks[0][0] <= taken:
+            marks.popleft()
+        if not marks or marks[-1][0] < self.out_added:
+            marks.append((self.out_added, now))
+        return now - marks[0][1] > timeout_s
+
+    def _write(self, data: bytes, answer: bool) -> None:
+        if self.closed or not data:
             return
         if self.out:
-            self.out += frame
+            self._queue(data, answer)
             return
         try:
-            sent = self.sock.send(frame)
+            sent = self.sock.send(data)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError as exc:
             self.owner.close(self, f"send failed: {exc}")
             return
-        self._keep(frame, sent)
+        if sent < len(data):
+            self._queue(data[sent:] if sent else data, answer)
 
     def send_with_fds(self, frame: bytes, fds: list[int]) -> None:
         """Send ``frame`` with ``fds`` as SCM_RIGHTS data (the first frame of a session)."""
@@ -80,17 +177,26 @@ class Session:
         except OSError as exc:
             self.owner.close(self, f"send failed: {exc}")
             return
-        self._keep(frame, sent)  # the descriptors went with the first byte
+        if sent < len(frame):  # the descriptors went with the first byte
+            self._queue(frame[sent:], False)
 
-    def _keep(self, frame: bytes, sent: int) -> None:
-        if sent < len(frame):
-            self.out += frame[sent:]
-            if not self.writing:
-                self.writing = True
-                self.stuck_since = time.monotonic()
-                self.owner.loop.add_writer(self.sock.fileno(), self._on_writable)
+    def _queue(self, data: bytes, answer: bool) -> None:
+        self.out += data
+        self.out_added += len(data)
+        if answer:
+            runs = self._answer_runs
+            if runs and runs[-1][0] == self.out_added - len(data):  # right after the last run: one run
+                runs[-1][0] = self.out_added
+                runs[-1][1] += len(data)
+            else:
+                runs.append([self.out_added, len(data)])
+            self._answer_bytes += len(data)
+        if not self.writing:
+            self.writing = True
+            self.owner.loop.add_writer(self.sock.fileno(), self._on_writable)
 
     def _on_writable(self) -> None:
+        held_back = self.held_back
         try:
             sent = self.sock.send(self.out)
         except (BlockingIOError, InterruptedError):
@@ -99,13 +205,17 @@ class Session:
             self.owner.close(self, f"send failed: {exc}")
             return
         del self.out[:sent]
-        if sent:
-            self.stuck_since = time.monotonic()
+        self.out_taken += sent
+        if self.held_rejections and self.answers_queued() <= REJECT_DETAIL_BYTES // 2:
+            self._write(b"".join(self._summaries()), True)
         if not self.out:
             self.writing = False
+            self._told_held_back = False
             self.out = bytearray()  # give a large buffer back
             self.owner.loop.remove_writer(self.sock.fileno())
             self.owner.wake()  # it may take more expirations now
+        elif held_back and not self.held_back:
+            self.owner.wake()  # its ring is drained again
 
     def _recv(self) -> bytes:
         if self.client is not None:

@@ -61,7 +61,7 @@ cdef extern from *:
     void _prefetch_line "wheeld_prefetch" (const void *p) nogil
 
 cdef long _ADD, _ADD_IDLE, _CANCEL, _ACK, _FLUSH
-cdef Py_ssize_t _IW, _I_PREV, _I_NEXT
+cdef Py_ssize_t _IW, _I_PREV, _I_NEXT, _I_AUX
 cdef bint _COMPILED
 
 
@@ -78,7 +78,7 @@ cdef inline bytes _ident_at(const unsigned char[:, ::1] raw, Py_ssize_t i):
 @cython.locals(wheel=TimerWheel, n=Py_ssize_t, i=Py_ssize_t, op=long, raw="const unsigned char[:, ::1]",
                ops="const unsigned char[:]", metas="const unsigned char[:]", deadlines="const long long[:]",
                seqs="const unsigned int[:]", aux0="const int[:]", aux1="const int[:]", flushes=list, rejects=list,
-               ident=bytes, hashes="long long[::1]", unacked=dict, epoch="long long")
+               ident=bytes, hashes="long long[::1]", unacked=dict, epoch="long long", slot=Py_ssize_t, touch=int)
 cpdef tuple _in_order(executor, cs, records)
 
 

@@ -18,6 +18,7 @@ command is idempotent), FLUSHes answered with ``Applied`` and refusals with
 from __future__ import annotations
 
 import logging
+from time import perf_counter_ns
 from typing import Callable
 
 import numpy as np
@@ -31,13 +32,23 @@ from wheeld.protocol.errors import ArenaFull, InvalidRequest, ProtocolError
 from wheeld.protocol.keys import TYPE_STR
 from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
 
-from .planner import CommandLog, Plan, plan_batch, rejection
+from .planner import CommandLog, Plan, Rejection, plan_batch, rejection
 
 log = logging.getLogger("wheeld")
 
 _META = [bytes((m,)) for m in range(256)]
-DRAIN_BATCH = 8192  # commands taken from one ring per loop iteration
-APPLY_CHUNK = 4096  # applied, then committed, at a time
+DRAIN_BATCH = 8192  # commands taken from one ring per loop iteration, at most
+APPLY_CHUNK = 4096  # applied, then committed, at a time, at most
+# The daemon's time one ring may take per loop iteration: once a ring's chunks have
+# taken this long, the drain moves on to the next ring (and, in the next iteration,
+# back to it). A chunk is sized by what its commands cost so far (ClientSlot.apply_ns:
+# the last chunk's ns per command, or less than an eighth below the one before; a
+# ring whose cost is not known yet gets FIRST_CHUNK), so one chunk of expensive
+# commands (each refused, say) does not hold the loop either. A chunk of 4096
+# ordinary commands fits it (~1.5-5 ms, compiled or planned).
+RING_BUDGET_NS = 5_000_000
+FIRST_CHUNK = 512
+MIN_CHUNK = 64
 # On the Python path smaller drained chunks are cheaper one command at a time: a plan
 # costs ~300 us fixed + ~1.2 us/command, one by one ~3.5-4 us/command (crossover
 # ~130-190, measured by python -m bench.daemon_paths). At 64 the paced steady phase
@@ -50,6 +61,7 @@ _ADD, _ADD_IDLE, _CANCEL, _ACK, _FLUSH = C.ADD, C.ADD_IDLE, C.CANCEL, C.ACK, C.F
 # Compiled (executor.pxd), the in-order loop reads the records through C arrays.
 _COMPILED = not __file__.endswith(".py")
 _IW, _I_PREV, _I_NEXT = L.I_PER_RECORD, L.I_PREV, L.I_NEXT  # an arena record's int32 words (prefetches)
+_I_AUX = L.I_AUX  # ...and its touch reference (an arm's, set after the arm)
 # per key meta byte, for the compiled record check: commands' tables as bytes
 _META_VALID = C._VALID_KEY_META.view(np.uint8)
 _META_LENGTH = C._KEY_LENGTH.astype(np.uint8)
@@ -79,7 +91,10 @@ class Executor:
     # ------------------------------------------------------------------ draining
     def drain(self, max_per_ring: int = DRAIN_BATCH, stop_at_ms: int | None = None) -> int:
         """Apply up to ``max_per_ring`` commands of every ring, committing each chunk of
-        ``APPLY_CHUNK`` as soon as it is applied (a producer waiting for room gets it sooner).
+        ``APPLY_CHUNK`` as soon as it is applied (a producer waiting for room gets it sooner),
+        and no more of a ring than fits ``RING_BUDGET_NS`` (fairness: one client's
+        expensive commands do not make everyone else's timers late). A ring whose
+        client has too many answers unread waits (``Session.held_back``: back pressure).
 
         With ``stop_at_ms`` (the next timer's deadline) the drain stops between chunks
         once that moment has come, so a flood of commands delays an expiration by at
@@ -91,19 +106,26 @@ class Executor:
         for cs in list(self.clients.values()):
             if stop_at_ms is not None and clock() >= stop_at_ms:
                 break
-            if cs.poisoned or cs.segment is None:
+            if cs.poisoned or cs.segment is None or _held_back(cs):
                 continue
             try:
                 if cs.segment.depth() == cs.segment.ring_capacity:
                     self.totals["ring_full_total"] += 1  # the client found (or will find) it full
             except ProtocolError:
                 pass  # apply_ring reports it
-            done = 0
+            done = spent = 0
             while done < max_per_ring and not cs.poisoned:
-                want = min(APPLY_CHUNK, max_per_ring - done)
+                cost = cs.apply_ns
+                want = min(max(MIN_CHUNK, RING_BUDGET_NS // cost) if cost else FIRST_CHUNK, APPLY_CHUNK,
+                           max_per_ring - done)
+                started = perf_counter_ns()
                 applied = self.apply_ring(cs, want)
+                took = perf_counter_ns() - started
+                spent += took
+                if applied:
+                    cs.apply_ns = max(took // applied, cost - cost // 8, 1)
                 done += applied
-                if applied < want or (stop_at_ms is not None and clock() >= stop_at_ms):
+                if applied < want or spent >= RING_BUDGET_NS or (stop_at_ms is not None and clock() >= stop_at_ms):
                     break
             total += done
         self.totals["ring_depth"] = self.ring_depth
@@ -112,7 +134,7 @@ class Executor:
 
     def rings_pending(self) -> bool:
         for cs in self.clients.values():
-            if not cs.poisoned and cs.segment is not None:
+            if not cs.poisoned and cs.segment is not None and not _held_back(cs):
                 try:
                     if cs.segment.depth():
                         return True
@@ -166,7 +188,8 @@ class Executor:
         return plan_batch(records, self.wheel.current_ms, MAX_DELAY_MS, cs.slot << CL.TOUCH_INDEX_BITS, lookup)
 
     def apply_plan(self, cs, plan: Plan, records: np.ndarray) -> tuple[list, list]:
-        """Cancels, then acks, then arms; the arms the arena had no room for are rejected."""
+        """Cancels, then acks, then arms (each with its last arm's touch reference, as in
+        ring order); the arms the arena had no room for are rejected."""
         wheel, gid = self.wheel, cs.group
         rejects = list(plan.rejections)
         if plan.cancels is not None:
@@ -176,6 +199,8 @@ class Executor:
         refused: set = set()
         if plan.arms is not None:
             slots = self._schedule(plan, gid, records, rejects)
+            armed = slots > 0
+            wheel.records["aux"][slots[armed]] = plan.arms.aux[armed]  # re-arms keep theirs otherwise
             refused, full = plan.arena_full(slots < 0, records)
             rejects.extend(full)
         if self.recorder is not None:
@@ -216,7 +241,7 @@ class Executor:
         wheel = self.wheel
         return wheel.group_live(cs.group) >= self.group_quota and wheel.lookup_ident(ident, cs.group) is None
 
-    def _quota_rejection(self, cs, seq: int, raw_key: bytes, meta: int) -> M.Rejected:
+    def _quota_rejection(self, cs, seq: int, raw_key: bytes, meta: int) -> Rejection:
         return rejection(seq, raw_key, meta, f"group {cs.group_name!r} holds its quota of {self.group_quota} timers",
                          M.Rejected.QUOTA_EXCEEDED)
 
@@ -371,10 +396,13 @@ def _in_order(executor: Executor, cs, records: np.ndarray) -> tuple[list, list]:
             elif quota and executor._over_quota(cs, ident):
                 rejects.append(executor._quota_rejection(cs, seqs[i], _key_at(records, i), metas[i]))
                 continue
-            elif op == _ADD:
-                wheel.schedule_ident(ident, deadlines[i], gid, seqs[i])
-            else:
-                wheel.schedule_ident(ident, deadlines[i], gid, seqs[i], touch_base | aux1[i])
+            elif op == _ADD:  # a plain timer, also when it re-arms an idle one: no touch reference
+                slot = wheel.schedule_ident(ident, deadlines[i], gid, seqs[i])[0]
+                wheel._i[slot * _IW + _I_AUX] = -1
+            else:  # an idle timer reads this arm's touch index, also when it re-arms a timer
+                touch = touch_base | aux1[i]
+                slot = wheel.schedule_ident(ident, deadlines[i], gid, seqs[i], touch)[0]
+                wheel._i[slot * _IW + _I_AUX] = touch
         except ArenaFull as exc:
             rejects.append(rejection(seqs[i], _key_at(records, i), metas[i], str(exc), M.Rejected.ARENA_FULL))
             continue
@@ -413,17 +441,21 @@ def flush_answer(seq: int, unsynced) -> bytes:
 
 
 def _answer(cs, flushes: list, rejects: list, unsynced=None) -> None:
-    """Send a chunk's rejections and flush answers; a FLUSH applied while the client's
+    """Send a chunk's rejections and flush answers (bounded: :meth:`Session.answer
+    <wheeld.daemon.connection.Session.answer>`); a FLUSH applied while the client's
     session was closed is answered when it comes back (its Hello)."""
     session = cs.session
     if session is not None and not session.closed:
-        for reject in rejects:
-            session.send(M.encode_daemon_frame(reject))
-        for seq in flushes:
-            session.send(flush_answer(seq, unsynced))
+        session.answer(rejects, [flush_answer(seq, unsynced) for seq in flushes])
     elif flushes:
         cs.unanswered_flush = flushes[-1]
         cs.unanswered_flush_unsynced = unsynced
+
+
+def _held_back(cs) -> bool:
+    """Is this client's ring left undrained for now? (its answers wait unread: back pressure)"""
+    session = cs.session
+    return session is not None and session.held_back
 
 
 def _fired_or_none(wheel: TimerWheel, slot: int):

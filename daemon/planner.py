@@ -30,9 +30,30 @@ from wheeld.protocol.keys import key_length
 Lookup = Callable[[list], list]
 
 
-def rejection(seq: int, raw_key: bytes, meta: int, reason: str, code: str) -> M.Rejected:
+class Rejection(NamedTuple):
+    """A command that was not applied: the fields of its ``Rejected`` answer (``raw_key``
+    may carry its zero padding). The message itself is made only if it is sent one by
+    one (:meth:`wheeld.daemon.connection.Session.answer`)."""
+
+    seq: int
+    raw_key: bytes
+    key_meta: int
+    reason: str
+    code: str
+
+    def message(self) -> M.Rejected:
+        return M.Rejected(self.seq, bytes(self.raw_key[: key_length(self.key_meta)]), self.key_meta, self.reason,
+                          self.code)
+
+    @property
+    def key(self):
+        """The refused command's key (None for a command without one)."""
+        return self.message().key
+
+
+def rejection(seq: int, raw_key: bytes, meta: int, reason: str, code: str) -> Rejection:
     """The answer to a command that was not applied (``raw_key`` may carry its zero padding)."""
-    return M.Rejected(seq, bytes(raw_key[: key_length(meta)]), meta, reason, code)
+    return Rejection(seq, raw_key, meta, reason, code)
 
 
 class CommandLog(NamedTuple):
@@ -83,7 +104,7 @@ class Plan:
     flushes are answered once all of it is applied."""
 
     flushes: list  # seqs of its FLUSH records
-    rejections: list  # M.Rejected for arms whose deadline is out of range
+    rejections: list  # Rejection of each arm whose deadline is out of range
     acks: tuple  # (slots, generations, stamps) of its ACK records, in ring order
     keyed: Keyed | None = None
     cancels: np.ndarray | None = None  # idents: every key with a CANCEL, cancelled first
@@ -122,11 +143,10 @@ def plan_batch(records: np.ndarray, clock_ms: int, max_delay_ms: int, touch_base
 
     * a key with a CANCEL in the chunk is cancelled first; if an arm follows the
       last cancel, the key is then armed afresh (a new record, as in order);
-    * the arm uses the last arm's deadline and tag (its ``seq``), and the aux
-      (``touch_base | touch index``) of the first arm after the last cancel: in
-      order, that one created the record and later arms re-armed it, which keeps
-      the aux; a key armed before the chunk and not cancelled in it is re-armed
-      (keeps its aux, as a scalar re-arm does);
+    * the arm uses the last arm's deadline, tag (its ``seq``) and touch reference
+      (aux: ``touch_base | touch index`` for an ADD_IDLE, -1 for an ADD): in order,
+      each arm sets the record's touch reference, so an ADD makes an idle timer a
+      plain one and an ADD_IDLE reads the touch index it names;
     * an arm with a deadline more than ``max_delay_ms`` from ``clock_ms`` is
       rejected (INVALID_DEADLINE, its own seq) and takes no part; an arm the
       arena has no room for is rejected (ARENA_FULL) by :meth:`Plan.arena_full`;
@@ -158,11 +178,14 @@ def _in_range(plan: Plan, records: np.ndarray, keyed_at: np.ndarray, clock_ms: i
     bad = (ops != C.CANCEL) & ((deadlines > clock_ms + max_delay_ms) | (deadlines < clock_ms - max_delay_ms))
     if not bad.any():
         return keyed_at, ops, deadlines
-    for i in keyed_at[bad].tolist():
-        r = records[i]
-        plan.rejections.append(rejection(int(r["seq"]), r["key"].tobytes(), int(r["key_meta"]),
-                                         f"deadline {int(r['deadline_ms'])} is more than {max_delay_ms} ms "
-                                         f"from the clock ({clock_ms})", M.Rejected.INVALID_DEADLINE))
+    bad_at = keyed_at[bad]
+    keys = np.ascontiguousarray(records["key"][bad_at]).view("V32").ravel().tolist()
+    code = M.Rejected.INVALID_DEADLINE
+    plan.rejections.extend(
+        Rejection(seq, key, meta, f"deadline {deadline} is more than {max_delay_ms} ms from the clock ({clock_ms})",
+                  code)
+        for seq, key, meta, deadline in zip(records["seq"][bad_at].tolist(), keys,
+                                            records["key_meta"][bad_at].tolist(), deadlines[bad].tolist()))
     keep = ~bad
     return keyed_at[keep], ops[keep], deadlines[keep]
 
@@ -195,19 +218,6 @@ def _plan_keyed(plan: Plan, records: np.ndarray, keyed_at: np.ndarray, clock_ms:
 
 
 def _touch_aux(keyed: Keyed, records: np.ndarray, arm_at: np.ndarray, touch_base: int) -> np.ndarray:
-    """The aux of each collapsed arm: the touch index of the arm that creates its record
-    (the first arm after the key's last cancel) when that one is an ADD_IDLE, else -1."""
-    aux = np.full(arm_at.size, -1, dtype=np.int64)
-    idle = keyed.ops == C.ADD_IDLE
-    if not idle.any():
-        return aux
-    first: dict = {}  # ident -> j of its first arm after its last cancel
-    ident_list, last_cancel = keyed.ident_list, keyed.last_cancel
-    for j in np.flatnonzero(keyed.arm).tolist():
-        ident = ident_list[j]
-        if ident not in first and j > last_cancel.get(ident, -1):
-            first[ident] = j
-    creator = np.fromiter((first[ident_list[j]] for j in arm_at.tolist()), dtype=np.int64, count=arm_at.size)
-    by_idle = idle[creator]
-    aux[by_idle] = touch_base | records["aux1"][keyed.at[creator[by_idle]]]
-    return aux
+    """The aux of each collapsed arm (its last arm): the touch reference of an ADD_IDLE, else -1."""
+    idle = keyed.ops[arm_at] == C.ADD_IDLE
+    return np.where(idle, touch_base | records["aux1"][keyed.at[arm_at]].astype(np.int64), -1)

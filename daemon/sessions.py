@@ -7,12 +7,22 @@ handed back) and answers ``Welcome`` with a resume *token*. The socket then
 carries ``Doorbell`` frames one way and ``Expirations``/``Applied``/``Rejected``
 frames the other (:mod:`wheeld.daemon.connection`).
 
-A client's slot outlives its session: its ring is drained until it is empty
-and no idle timer refers to its touch table (so a touch made before a crash
-still counts), and a client reconnecting after a daemon restart resumes its
-slot by presenting the token. The client table (``/wheeld-NAME-clients``) keeps
+A client's slot outlives its session: its ring is drained until it is empty,
+the daemon goes on reading its touch table for the idle timers that refer to it
+(a client that lost its connection touches on, and comes back to its slot by
+presenting its token), and a client reconnecting after a daemon restart resumes
+its slot the same way. A slot whose client is gone for good is freed: at once
+after a ``Bye``, else ``resume_grace_s`` after its session ended. Its idle timers
+then become plain timers at the deadline its last touch gave them (``last touch
++ idle``, never sooner than they were due), so that no slot, and no ring or touch
+table, is held by timers alone. The client table (``/wheeld-NAME-clients``) keeps
 the slots and the group owners across daemon restarts. Orphaned slots are
 collected every ``GC_INTERVAL_MS``, idle groups reclaimed with them.
+
+Bounds per uid (root and the daemon's own uid have none: they can write the
+arena anyway): ``clients_per_uid`` client slots, the slots of its clients that
+left without a ``Bye`` and may still come back included; ``groups_per_uid``
+groups it owns (the groups it was the first to join that are still in use).
 """
 
 from __future__ import annotations
@@ -33,7 +43,8 @@ from wheeld.protocol import arena_layout as AL
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ArenaFull, GroupLimit, InvalidRequest, ProtocolError
-from wheeld.shm.ring import ClientSegment
+from wheeld.protocol.keys import decode_key
+from wheeld.shm.ring import MAX_IDLE_MS, ClientSegment
 from wheeld.shm.wheel import MAX_DELAY_MS
 
 from .client_table import ClientSlot, ClientTable
@@ -56,6 +67,7 @@ def _peer_gone(sock: socket.socket) -> bool:
         return True  # ECONNRESET
 MAINTAIN_S = 1.0  # period of the bookkeeping timer (frame and ack timeouts, accept pauses)
 GC_INTERVAL_MS = 2000  # orphaned client slots and idle groups are looked for this often
+DEMAND_COLLECT_MS = 250  # ...and, for a Hello that needs a slot, at most this often
 # The longest delay a client may ask for: the wheel takes deadlines up to MAX_DELAY_MS past
 # its own clock, which lags real time by up to a park; a day of margin means a delay the
 # client accepted is never refused later (at flush) for being a few ms too far out.
@@ -83,6 +95,8 @@ class Sessions:
         self._log_limiter = _LogLimiter()
         self._last_ack_rotation = 0.0
         self._last_collect = 0
+        self._last_demand_collect = -DEMAND_COLLECT_MS
+        self._last_demand_reclaim = -DEMAND_COLLECT_MS
         self._full_groups: set[int] = set()  # groups at --group-quota (their members were told)
         self.wheel = self.delivery = self.executor = self.status = self.recorder = None
         self.arena_epoch = 0
@@ -100,6 +114,18 @@ class Sessions:
     @property
     def loop(self):
         return self.daemon.loop
+
+    @property
+    def clients_per_uid(self) -> int:
+        """Client slots one uid may hold (0: no bound); by default a quarter of them."""
+        limit = self.config.clients_per_uid
+        return max(1, self.table.limit // 4) if limit is None else limit
+
+    @property
+    def groups_per_uid(self) -> int:
+        """Groups one uid may own (0: no bound); by default a quarter of the arena's group ids."""
+        limit = self.config.groups_per_uid
+        return max(1, self.wheel.max_groups // 4) if limit is None else limit
 
     def wake(self) -> None:
         self.daemon.wake()
@@ -197,6 +223,7 @@ class Sessions:
             cs = session.client
             self.close(session, "client said bye")
             if cs is not None:
+                cs.said_bye = True  # it will not come back for this ring
                 cs.orphan_since = -GC_INTERVAL_MS  # a clean goodbye: release its ring at the next check
                 self._last_collect = 0
             return
@@ -245,6 +272,25 @@ class Sessions:
         if not self._privileged(session) and self.table.claim(group_name, group, session.uid):
             log.info("group %r (id %d) now belongs to uid %d", group_name, group, session.uid)
 
+    def _over_group_bound(self, session: Session, name: str, owner) -> str | None:
+        """Why joining group ``name`` would take this uid past ``groups_per_uid``, or None.
+        Only a group the uid would come to own counts (a new one, or one nobody owns)."""
+        limit = self.groups_per_uid
+        if not limit or owner is not None or self._privileged(session) or self.table.static_owner(name):
+            return None
+        held = self.table.groups_owned_by(session.uid, self.wheel.max_groups)
+        if held < limit:
+            return None
+        now = self.daemon.clock()
+        if now - self._last_demand_reclaim >= DEMAND_COLLECT_MS:  # groups of its that went idle since the
+            self._last_demand_reclaim = now                        # last periodic pass (not for every Hello)
+            self.reclaim_groups()
+            held = self.table.groups_owned_by(session.uid, self.wheel.max_groups)
+            if held < limit:
+                return None
+        return (f"uid {session.uid} owns {held} groups, its limit (--groups-per-uid, {limit}): a group is given up "
+                f"once it has no member and nothing pending; use fewer group names")
+
     # ------------------------------------------------------------------ the handshake
     def _hello(self, session: Session, hello: M.Hello, fd: int | None) -> None:
         """Open a session: checks, the group, the ring (resumed, adopted or new), Welcome.
@@ -259,6 +305,7 @@ class Sessions:
         cs, resumed = admitted
         self._handshaking[session.uid] -= 1
         cs.pid = session.pid
+        cs.said_bye = False
         cs.session = session
         session.client = cs
         self.table.write_entry(cs.slot, cs)
@@ -319,6 +366,10 @@ class Sessions:
             self._refuse(session, f"group {name!r} belongs to {kind} {owner[1]}; uid {session.uid} may not "
                                   f"join it", M.Refused.NOT_ALLOWED)
             return None
+        over = self._over_group_bound(session, name, owner)
+        if over is not None:
+            self._refuse(session, over, M.Refused.GROUP_LIMIT)
+            return None
         try:
             try:
                 group = existing if existing is not None else self.wheel.group_id(name)
@@ -336,9 +387,19 @@ class Sessions:
         """A free slot with a new ring, or with the ring handed back when it comes from a
         daemon that is gone (a reboot): its commands are still to apply."""
         cfg = self.config
+        over = self._over_slot_bound(session)
+        if over is not None:
+            self._refuse(session, over, M.Refused.BUSY)
+            return None
         slot = self.table.free_slot_number(hello.resume_segment)
+        now = self.daemon.clock()
+        if slot is None and now - self._last_collect >= DEMAND_COLLECT_MS:
+            self._last_collect = now  # slots whose client is gone for good, freed now (not for every Hello)
+            self.collect_orphans(now)
+            slot = self.table.free_slot_number(hello.resume_segment)
         if slot is None:
-            self._refuse(session, "too many clients", M.Refused.BUSY)
+            self._refuse(session, f"too many clients: all {self.table.limit} client slots are in use (--max-clients)",
+                         M.Refused.BUSY)
             return None
         label = f"{segment_prefix(cfg.name)}{slot}-{secrets.token_hex(4)}"
         segment = None
@@ -361,6 +422,23 @@ class Sessions:
         cs = ClientSlot(slot, segment, label, group, hello.group, session.pid, session.uid)
         self.table.add(cs)
         return cs, resumed
+
+    def _over_slot_bound(self, session: Session) -> str | None:
+        """Why a new slot for this uid would take it past ``clients_per_uid``, or None."""
+        limit = self.clients_per_uid
+        if not limit or self._privileged(session):
+            return None
+        mine = [cs for cs in self.clients.values() if cs.uid == session.uid]
+        if len(mine) < limit:
+            return None
+        self.collect_orphans(self.daemon.clock(), session.uid)  # those of its clients that are gone for good
+        mine = [cs for cs in self.clients.values() if cs.uid == session.uid]
+        if len(mine) < limit:
+            return None
+        away = sum(1 for cs in mine if cs.session is None)
+        return (f"uid {session.uid} holds {len(mine)} client slots, its limit (--clients-per-uid, {limit}); {away} of "
+                f"them wait for a client that left without a Bye (freed {self.config.resume_grace_s:g} s after it "
+                f"left)")
 
     def _resumed_slot(self, session: Session, hello: M.Hello, group: int, passed: _Passed) -> ClientSlot | None:
         """The slot a reconnecting client had, if its token proves it and the ring it handed
@@ -444,61 +522,104 @@ class Sessions:
             self._last_collect = now
             self.collect_orphans(now)
 
-    def collect_orphans(self, now: int) -> None:
-        """Forget client slots whose client is gone: once the ring is drained and no idle
-        timer refers to the touch table any more; a slot waiting for its client after a
-        restart once ``resume_grace_s`` has passed; a poisoned slot at once."""
-        orphans = [cs for cs in self.clients.values() if cs.session is None and now - cs.orphan_since >= GC_INTERVAL_MS]
+    def collect_orphans(self, now: int, uid: int | None = None) -> None:
+        """Forget client slots whose client is gone for good (:meth:`_collectable`), and
+        reclaim idle groups. With ``uid`` (a Hello that needs a slot), only that uid's
+        slots, at most every ``DEMAND_COLLECT_MS``, and no groups: each pass looks at
+        every record of the arena once, which a stream of Hellos must not repeat."""
+        if uid is not None:
+            if now - self._last_demand_collect < DEMAND_COLLECT_MS:
+                return
+            self._last_demand_collect = now
+        orphans = [cs for cs in self.clients.values() if cs.session is None and (uid is None or cs.uid == uid)
+                   and now - cs.orphan_since >= GC_INTERVAL_MS]
         if orphans:
-            referenced = self._touch_references()
+            idle = _IdleTimers(self.wheel)
             for cs in orphans:
-                if self._collectable(cs, now, referenced):
-                    self.release_slot(cs, referenced)
-        self.reclaim_groups()
+                if self._collectable(cs, now, idle):
+                    self.release_slot(cs, idle)
+        if uid is None:
+            self.reclaim_groups()
 
-    def _collectable(self, cs: ClientSlot, now: int, referenced: set[int]) -> bool:
+    def _collectable(self, cs: ClientSlot, now: int, idle: _IdleTimers) -> bool:
+        """Is this orphaned slot's client gone for good? A poisoned one at once; one that
+        said Bye once its ring is drained; any other once its ring is drained and no
+        idle timer refers to its touch table, or ``resume_grace_s`` after it left (a
+        ring still written to by then is not waited for)."""
+        grace_over = now - cs.orphan_since >= self.config.resume_grace_s * 1000
         if cs.segment is None:
-            if now - cs.orphan_since < self.config.resume_grace_s * 1000:
+            if not grace_over:
                 return False
             log.warning("client slot %d (pid %d) did not come back within %.0f s; its ring is forgotten",
                         cs.slot, cs.pid, self.config.resume_grace_s)
             return True
-        if cs.poisoned:
+        if cs.poisoned or grace_over:
             return True
         try:
             if cs.segment.depth():
                 return False
         except ProtocolError:
             pass
-        return cs.slot not in referenced
+        return cs.said_bye or not idle.of(cs.slot).size
 
-    def _idle_records(self) -> tuple[np.ndarray, np.ndarray]:
-        """(aux column, mask of the live idle timers) of the arena's entries."""
-        rec = self.wheel.records
-        first = self.wheel.first_entry
-        aux = rec["aux"][first:]
-        return aux, (aux >= 0) & ((rec["state"][first:] & AL.STATE_MASK) != AL.FREE)
-
-    def _touch_references(self) -> set[int]:
-        """Client slots whose touch table some live idle timer refers to."""
-        aux, idle = self._idle_records()
-        return set(np.unique(aux[idle] >> CL.TOUCH_INDEX_BITS).tolist())
-
-    def release_slot(self, cs: ClientSlot, referenced: set[int] | None = None) -> None:
-        """Forget a client slot. Idle timers that still refer to its touch table become
-        plain timers (their deadline stays): the slot may be given to another client."""
-        if referenced is None:
-            referenced = self._touch_references()
-        if cs.slot in referenced:
-            aux, idle = self._idle_records()
-            mine = idle & ((aux >> CL.TOUCH_INDEX_BITS) == cs.slot)
-            aux[mine] = -1
-            log.info("client slot %d: %d idle timers lose their touch table and fire at their deadline",
-                     cs.slot, int(mine.sum()))
+    def release_slot(self, cs: ClientSlot, idle: _IdleTimers | None = None) -> None:
+        """Forget a client slot (the slot may be given to another client). Idle timers
+        that still refer to its touch table become plain timers (:meth:`_settle_idle_timers`)."""
+        mine = (idle or _IdleTimers(self.wheel)).of(cs.slot)
+        if mine.size:
+            self._settle_idle_timers(cs, mine)
         log.info("client slot %d (pid %d) released", cs.slot, cs.pid)
         if cs.segment is not None:
             cs.segment.close()
         self.table.remove(cs)
+
+    def _settle_idle_timers(self, cs: ClientSlot, mine: np.ndarray) -> None:
+        """The idle timers (records ``mine``) that refer to this slot's touch table become
+        plain timers at the deadline the table gives them: ``last touch + idle_ms`` when
+        that is later than their deadline (the re-arm :meth:`Delivery.idle_check
+        <wheeld.daemon.delivery.Delivery.idle_check>` would make when they come due),
+        else their deadline. A table that holds impossible values for a timer (the
+        values idle_check poisons a client for), or none at all (a slot still waiting
+        for its client after a restart), or a poisoned client's, leaves the deadline."""
+        wheel, rec = self.wheel, self.wheel.records
+        moved = 0
+        if cs.segment is not None and not cs.poisoned:
+            slots = mine[(rec["state"][mine] & AL.STATE_MASK) == AL.SCHEDULED]
+            index = rec["aux"][slots].astype(np.int64) & CL.TOUCH_INDEX_MASK
+            inside = index < cs.segment.touch_capacity
+            slots, index = slots[inside], index[inside]
+            touched = np.frombuffer(cs.segment._last_touch, dtype=np.int64)[index]
+            idle_ms = np.frombuffer(cs.segment._idle, dtype=np.int64)[index]
+            now = max(wheel.current_ms, self.daemon.clock())
+            # ClientSegment.read_activity's checks, for many: 0 in either word is "no activity"
+            sound = (touched > 0) & (touched <= now + 1) & (idle_ms > 0) & (idle_ms <= MAX_IDLE_MS)
+            deadlines = rec["deadline"][slots]
+            settle_at = np.where(sound, touched + np.where(sound, idle_ms, 0), 0)
+            later = sound & (settle_at > deadlines)
+            moved = int(np.count_nonzero(later))
+            if moved:
+                self._rearm_settled(slots[later], deadlines[later], settle_at[later], idle_ms[later])
+        rec["aux"][mine] = -1
+        log.info("client slot %d: %d idle timers become plain timers (%d of them at last touch + idle time)",
+                 cs.slot, int(mine.size), moved)
+
+    def _rearm_settled(self, slots: np.ndarray, deadlines: np.ndarray, settle_at: np.ndarray,
+                       idle_ms: np.ndarray) -> None:
+        """Move pending idle timers to ``settle_at`` (their key, group, arming tag and touch
+        reference unchanged), journaled as the idle re-arms they stand for."""
+        wheel, rec = self.wheel, self.wheel.records
+        idents = wheel._idents[slots]
+        groups = rec["group"][slots].astype(np.int64)
+        tags = rec["tag"][slots].astype(np.int64)
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.begin()
+        wheel.schedule_many(idents, settle_at, groups, tags)  # re-arms: each key is armed, so no new record
+        if recorder is not None:
+            for ident, group, tag, before, after, idle in zip(idents.tolist(), groups.tolist(), tags.tolist(),
+                                                              deadlines.tolist(), settle_at.tolist(), idle_ms.tolist()):
+                recorder.idle_rearmed(group, decode_key(ident[1:], ident[0]), before, after, tag, idle)
+            recorder.commit(self.daemon.clock())
 
     def reclaim_groups(self) -> None:
         """Free the id of every group with no member, no client slot, nothing queued and
@@ -536,8 +657,9 @@ class Sessions:
         for session in [s for s in self.sessions if s.partial_since and now - s.partial_since > timeout]:
             self.close(session, f"a frame stayed incomplete for more than {timeout:g} s", goodbye=True)
         ack_timeout = self.config.ack_timeout_s
-        for session in [s for s in self.sessions if s.writing and now - s.stuck_since > ack_timeout]:
-            self.close(session, f"it has not read its socket for {ack_timeout:g} s")
+        for session in [s for s in self.sessions if s.stalled(now, ack_timeout)]:
+            self.close(session, f"it has not read its socket: what it was sent {ack_timeout:g} s ago is still unread "
+                                f"({len(session.out)} bytes queued)")
         self._resume_accept()
         self.table.write_depths()
         if now - self._last_ack_rotation >= self.config.ack_timeout_s / 2:
@@ -559,6 +681,25 @@ class Sessions:
                     self.config.ack_timeout_s / 2)
                 self.delivery.requeue(overdue, cs.group)
         self.wake()
+
+
+class _IdleTimers:
+    """The arena's live idle timers by the client slot whose touch table they refer to,
+    looked up on first use (one pass over the records' aux and state columns)."""
+
+    def __init__(self, wheel):
+        self.wheel = wheel
+        self._records = self._owners = None
+
+    def of(self, client_slot: int) -> np.ndarray:
+        """The record slots of the live idle timers that refer to ``client_slot``'s table."""
+        if self._records is None:
+            rec, first = self.wheel.records, self.wheel.first_entry
+            aux = rec["aux"][first:]
+            live = np.flatnonzero((aux >= 0) & ((rec["state"][first:] & AL.STATE_MASK) != AL.FREE))
+            self._records = live + first
+            self._owners = aux[live] >> CL.TOUCH_INDEX_BITS
+        return self._records[self._owners == client_slot]
 
 
 class _Passed:

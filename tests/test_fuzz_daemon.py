@@ -365,3 +365,121 @@ def test_fuzz_one_daemon_with_random_records_touches_and_frames(tmp_path, daemon
 def test_fuzz_long(tmp_path, daemon_factory):
     summary = fuzz(tmp_path, daemon_factory, 2, records=1_000_000, frames=30_000)
     assert summary["records"] >= 1_000_000
+
+
+# ---------------------------------------------------------------------------- answer floods, slot and group churn
+
+CHURN_WORKER = os.path.join(os.path.dirname(__file__), "churn_worker.py")
+CHURN_UIDS = (65534, 65533)  # not root, not the daemon's uid: the per-uid bounds apply to them
+CHURN_MAX_CLIENTS = 48
+CHURN_CLIENTS_PER_UID = 8
+CHURN_MAX_GROUPS = 64  # a quarter of them (16) per uid by default
+CHURN_GROUP_POOL = 40  # group names each attacker draws from: more than its bound
+_FRESH_CLIENT = """
+end = time.monotonic() + 30
+while True:  # slots left without a Bye come back within --resume-grace-s
+    try:
+        w = wheeld.connect(ARGS["socket"], group=ARGS["group"], connect_timeout_s=10)
+        break
+    except wheeld.BackPressure as exc:
+        if isinstance(exc, wheeld.ArenaFull):
+            raise
+        if time.monotonic() > end:
+            raise
+        time.sleep(0.2)
+w.add("fresh-x", 5)
+got = []
+while "fresh-x" not in got and time.monotonic() < end + 10:
+    got += [e.key for e in w.poll(1)]  # idle timers of the group may come due to this member too
+got = [k for k in got if k == "fresh-x"]
+w.close()
+print(json.dumps({"served": got}))
+"""
+
+
+def churn(tmp_path, daemon_factory, seed: int, seconds: float) -> dict:
+    """Two attackers (two uids) churn slots and groups and flood answers for ``seconds``
+    against one daemon, beside the honest client; then a fresh client of each uid still
+    gets a slot and a group of its own, and the daemon is as the other fuzz requires."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from test_hostile_bounds import run_as
+
+    base = tempfile.mkdtemp(prefix="wheeld-churn-")
+    os.chmod(base, 0o755)
+    d = daemon_factory(capacity=CAPACITY, extra=[
+        "--max-clients", str(CHURN_MAX_CLIENTS), "--clients-per-uid", str(CHURN_CLIENTS_PER_UID),
+        "--max-groups", str(CHURN_MAX_GROUPS), "--resume-grace-s", "1", "--ack-timeout-s", "2",
+        "--ring-capacity", str(RING_CAPACITY), "--touch-capacity", str(TOUCH_CAPACITY),
+        "--group-quota", str(GROUP_QUOTA)])
+    d.socket_path = os.path.join(base, f"{d.name}.sock")
+    attackers = []
+    honest = None
+    try:
+        d.start()
+        os.chmod(d.socket_path, 0o666)
+        honest = Honest(tmp_path, d.socket_path, seed=seed)
+        honest.wait_served(20)
+        start_kb = rss_kb(d.pid)
+        peak_kb = start_kb
+        for n, uid in enumerate(CHURN_UIDS):
+            args = {"uid": uid, "socket": d.socket_path, "seed": seed * 100 + n, "prefix": f"churn{uid}",
+                    "seconds": seconds, "group_pool": CHURN_GROUP_POOL}
+            attackers.append(subprocess.Popen([sys.executable, CHURN_WORKER, json.dumps(args)],
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        while any(a.poll() is None for a in attackers):
+            assert d.proc.poll() is None, f"the daemon exited:\n{d.log()[-3000:]}"
+            peak_kb = max(peak_kb, rss_kb(d.pid))
+            time.sleep(0.05)
+        tallies = []
+        for a in attackers:
+            out, err = a.communicate(timeout=30)
+            assert a.returncode == 0, (out.decode()[-2000:], err.decode(errors="replace")[-3000:])
+            tallies.append(json.loads(out.decode().strip().splitlines()[-1]))
+        honest.wait_served(20)
+        # the slots the attackers left behind came back: each uid gets one again (its groups keep their
+        # hour-long timers, so it joins one of its own)
+        for uid in CHURN_UIDS:
+            assert run_as(uid, _FRESH_CLIENT, socket=d.socket_path, group=f"churn{uid}-idle") == {"served": ["fresh-x"]}
+        result = honest.finish()
+        assert result["max_late_ms"] <= LATE_BOUND_MS, result
+        published = counters(d.name)
+        assert published["daemon_pid"] == d.pid and published["daemon_restarts_total"] == 0
+        growth_kb = peak_kb - start_kb
+        assert growth_kb < RSS_GROWTH_BOUND_KB, (start_kb, peak_kb)
+        assert "Traceback" not in d.log(), d.log()[-5000:]
+        report = CK.check(d.name)
+        assert report.ok, report.problems
+        total = {key: sum(t[key] for t in tallies) for key in tallies[0] if key != "errors"}
+        summary = dict(total, rss_start_mb=start_kb // 1024, rss_peak_mb=peak_kb // 1024,
+                       rejected=published["rejected_total"], honest_delivered=result["delivered"],
+                       honest_max_late_ms=result["max_late_ms"])
+        print("churn summary:", summary)
+        return summary
+    finally:
+        for a in attackers:
+            if a.poll() is None:
+                a.kill()
+                a.wait(10)
+        if honest is not None:
+            honest.kill()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("seed", [1])
+def test_fuzz_answer_floods_and_slot_and_group_churn(tmp_path, daemon_factory, seed):
+    summary = churn(tmp_path, daemon_factory, seed, seconds=15)
+    assert summary["flooded_records"] >= 2 * RING_CAPACITY and summary["rejected"] >= RING_CAPACITY
+    assert summary["refused_slots"] and summary["refused_groups"]  # both bounds were met...
+    assert summary["left_without_bye"] and summary["idle_timers"]  # ...and slots left behind came back
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_fuzz_churn_long(tmp_path, daemon_factory):
+    summary = churn(tmp_path, daemon_factory, 2, seconds=180)
+    assert summary["flooded_records"] >= 50 * RING_CAPACITY

@@ -88,8 +88,8 @@ def test_a_plan_keeps_the_last_operation_per_key():
     assert sorted(plan.cancels.tolist()) == sorted([_ident(*x), _ident(*z)])
     arms = {ident: (d, s, a) for ident, d, s, a in zip(plan.arms.idents.tolist(), plan.arms.deadlines.tolist(),
                                                         plan.arms.seqs.tolist(), plan.arms.aux.tolist())}
-    # x: the last arm's deadline and tag, the touch index of the arm after the last cancel
-    assert arms == {_ident(*x): (4000, 4, SLOT << CL.TOUCH_INDEX_BITS | 7), _ident(*y): (2500, 5, -1)}
+    # x: the last arm's deadline, tag and touch reference (an ADD: none)
+    assert arms == {_ident(*x): (4000, 4, -1), _ident(*y): (2500, 5, -1)}
     assert plan.previous is None and plan.log(set()) is None
 
 
@@ -123,7 +123,7 @@ def test_a_plan_keeps_the_last_arming_and_reports_a_full_arena():
                 (C.FLUSH, b"", 0, 0, 7)]
     flushes, rejects = _planned(executor, cs, _records(commands))
     state = wheel_state(executor.wheel)
-    assert (x[1], x[0].ljust(32, b"\0"), 4000, 4, SLOT << CL.TOUCH_INDEX_BITS | 7) in state["scheduled"]
+    assert (x[1], x[0].ljust(32, b"\0"), 4000, 4, -1) in state["scheduled"]  # its last arm, an ADD: plain
     assert len(state["scheduled"]) == 3 and not state["problems"]
     assert [(r.seq, r.code) for r in rejects] == [(9, M.Rejected.ARENA_FULL), (10, M.Rejected.ARENA_FULL)]
     assert flushes == [7]
