@@ -1,0 +1,398 @@
+"""A simulated disk: files whose writes sit in a page cache until they are synced.
+
+The journal's engine does its file I/O through a small port with the names and
+signatures of the ``os`` functions it uses (``open``, ``write``, ``fsync``,
+``ftruncate``, ``replace``, ``scandir``...). The real daemon passes the ``os``
+module itself; the simulator passes a :class:`SimDisk`, which keeps everything in
+memory and models what a power cut and a failing device do to it:
+
+* **The page cache.** A write changes the file at once for every reader, but only
+  ``fsync(fd)`` makes its bytes *durable*. A directory change (a create, a
+  rename, an unlink) is durable once the directory is fsynced
+  (``open(dir, O_DIRECTORY)`` + ``fsync``), as POSIX requires of a careful
+  writer; until then it may or may not survive a power cut.
+* **A power cut** (:meth:`SimDisk.power_cut`) keeps, per file, the durable bytes
+  plus a random prefix of the bytes written since, the last part of which may be
+  torn (replaced by garbage or zeros, a sector half written); and of the
+  directory changes made since the last directory fsync, a random prefix in
+  order (a journaling file system commits metadata in order).
+* **Faults on demand** (:meth:`SimDisk.fail_next`): ``ENOSPC``, ``EIO``,
+  ``EDQUOT``... on the next ``write``/``fsync``/``open``. An ``fsync`` that fails
+  with ``EIO`` drops the dirty bytes it could not write: they stay readable
+  until the power goes, but a later ``fsync`` succeeds without making them
+  durable (Linux's behaviour since 4.13, which PostgreSQL met as "fsyncgate"):
+  a writer must treat a failed fsync as the loss of everything unsynced.
+* **A small disk** (``capacity``): a write that does not fit writes what fits
+  and returns a short count; the next one raises ``ENOSPC``. Deleting files
+  gives room back.
+* **Damage at rest** (:meth:`SimDisk.flip_bit`, :meth:`SimDisk.truncate_file`):
+  media or operator damage to a file's durable content, applied between runs.
+
+Deterministic: every random choice comes from the ``random.Random`` the caller
+passes, so one seed gives one history.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import random
+import stat as stat_module
+from dataclasses import dataclass, field
+
+__all__ = ["SimDisk", "SimStat", "SimDirEntry"]
+
+_DIR = object()
+
+
+@dataclass
+class _Inode:
+    data: bytearray = field(default_factory=bytearray)
+    durable: bytes = b""
+    mode: int = 0o600
+    #: bytes written but lost by a failed fsync: readable, never made durable
+    lost_from: int | None = None
+
+
+@dataclass
+class _Open:
+    path: str
+    inode: object  # _Inode, or _DIR for a directory
+    append: bool
+    writable: bool
+    readable: bool
+
+
+@dataclass(frozen=True)
+class SimStat:
+    st_size: int
+    st_mode: int
+    st_uid: int = 0
+
+
+@dataclass(frozen=True)
+class SimDirEntry:
+    name: str
+    path: str
+
+    def is_file(self) -> bool:
+        return True
+
+
+class SimDisk:
+    """An in-memory file system for one simulated host (see the module docstring).
+
+    Paths are absolute POSIX strings. ``capacity`` bounds the bytes held in
+    files (None: unbounded). ``uid`` is what ``stat`` reports as the owner."""
+
+    def __init__(self, rng: random.Random, capacity: int | None = None, uid: int = 0):
+        self.rng = rng
+        self.capacity = capacity
+        self.uid = uid
+        self._dirs: dict[str, dict[str, _Inode]] = {"/": {}}
+        self._dir_modes: dict[str, int] = {"/": 0o755}
+        # directory changes not yet made durable, in order: (dir, name, inode or None)
+        self._meta_log: list[tuple[str, str, _Inode | None]] = []
+        self._durable_dirs: dict[str, dict[str, _Inode]] = {"/": {}}
+        self._fds: dict[int, _Open] = {}
+        self._next_fd = 1000
+        self._faults: dict[str, list[int]] = {}
+        self._full = False  # the last write hit the capacity: the next one raises ENOSPC
+        self.counts: dict[str, int] = {}  # what was done and injected, for the run's report
+
+    # ------------------------------------------------------------------ faults
+    def fail_next(self, operation: str, error: int = errno.EIO, times: int = 1) -> None:
+        """The next ``times`` calls of ``operation`` ("write", "fsync", "open",
+        "replace", "ftruncate") raise ``OSError(error)``."""
+        self._faults.setdefault(operation, []).extend([error] * times)
+
+    def _fault(self, operation: str) -> None:
+        queue = self._faults.get(operation)
+        if queue:
+            error = queue.pop(0)
+            self._count(f"fault_{operation}_{errno.errorcode.get(error, error)}")
+            raise OSError(error, os.strerror(error))
+
+    def _count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    def used_bytes(self) -> int:
+        return sum(len(inode.data) for entries in self._dirs.values() for inode in entries.values())
+
+    # ------------------------------------------------------------------ paths
+    def _split(self, path) -> tuple[str, str]:
+        path = posixpath.normpath(os.fspath(path))
+        if not path.startswith("/"):
+            raise OSError(errno.EINVAL, f"the simulated disk takes absolute paths, not {path!r}")
+        return posixpath.dirname(path), posixpath.basename(path)
+
+    def _dir(self, directory: str) -> dict[str, _Inode]:
+        entries = self._dirs.get(directory)
+        if entries is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), directory)
+        return entries
+
+    def _lookup(self, path) -> _Inode:
+        directory, name = self._split(path)
+        inode = self._dir(directory).get(name)
+        if inode is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(path))
+        return inode
+
+    def _set_entry(self, directory: str, name: str, inode: _Inode | None) -> None:
+        entries = self._dir(directory)
+        if inode is None:
+            entries.pop(name, None)
+        else:
+            entries[name] = inode
+        self._meta_log.append((directory, name, inode))
+
+    # ------------------------------------------------------------------ the os port
+    def open(self, path, flags: int, mode: int = 0o777) -> int:
+        self._fault("open")
+        path = posixpath.normpath(os.fspath(path))
+        if flags & os.O_DIRECTORY:
+            if path not in self._dirs:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+            return self._new_fd(_Open(path, _DIR, False, False, True))
+        directory, name = self._split(path)
+        entries = self._dir(directory)
+        inode = entries.get(name)
+        if inode is None:
+            if not flags & os.O_CREAT:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+            inode = _Inode(mode=mode & 0o777)
+            self._set_entry(directory, name, inode)
+        elif flags & os.O_CREAT and flags & os.O_EXCL:
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+        access = flags & (os.O_RDONLY | os.O_WRONLY | os.O_RDWR)
+        writable = access in (os.O_WRONLY, os.O_RDWR)
+        if flags & os.O_TRUNC and writable:
+            del inode.data[:]
+            inode.lost_from = None
+        return self._new_fd(_Open(path, inode, bool(flags & os.O_APPEND), writable, access != os.O_WRONLY))
+
+    def _new_fd(self, entry: _Open) -> int:
+        fd = self._next_fd
+        self._next_fd += 1
+        self._fds[fd] = entry
+        return fd
+
+    def _file(self, fd: int) -> _Open:
+        entry = self._fds.get(fd)
+        if entry is None:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        return entry
+
+    def close(self, fd: int) -> None:
+        self._file(fd)
+        del self._fds[fd]
+
+    def write(self, fd: int, data) -> int:
+        entry = self._file(fd)
+        if not entry.writable or entry.inode is _DIR:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        self._fault("write")
+        data = bytes(data)
+        if not data:
+            return 0
+        room = len(data) if self.capacity is None else self.capacity - self.used_bytes()
+        if room <= 0 or (self._full and room < len(data)):
+            self._full = False
+            self._count("enospc")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written = data[:room]
+        self._full = len(written) < len(data)
+        entry.inode.data += written  # the journal only appends (O_APPEND)
+        self._count("write")
+        return len(written)
+
+    def pread(self, fd: int, length: int, offset: int) -> bytes:
+        entry = self._file(fd)
+        if entry.inode is _DIR:
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+        return bytes(entry.inode.data[offset:offset + length])
+
+    def fsync(self, fd: int) -> None:
+        entry = self._file(fd)
+        self._count("fsync")
+        if entry.inode is _DIR:
+            self._fault("fsync")
+            self._sync_directory(entry.path)
+            return
+        inode = entry.inode
+        try:
+            self._fault("fsync")
+        except OSError as exc:
+            if exc.errno == errno.EIO and inode.lost_from is None and len(inode.data) > len(inode.durable):
+                inode.lost_from = len(inode.durable)  # the dirty pages are dropped, marked clean
+            raise
+        end = len(inode.data) if inode.lost_from is None else inode.lost_from
+        inode.durable = bytes(inode.data[:end])
+
+    def _sync_directory(self, directory: str) -> None:
+        self._durable_dirs[directory] = dict(self._dirs[directory])
+        self._meta_log = [change for change in self._meta_log if change[0] != directory]
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        entry = self._file(fd)
+        self._fault("ftruncate")
+        inode = entry.inode
+        del inode.data[length:]
+        if inode.lost_from is not None and inode.lost_from >= length:
+            inode.lost_from = None
+        self._full = False
+
+    def fstat(self, fd: int) -> SimStat:
+        entry = self._file(fd)
+        if entry.inode is _DIR:
+            return SimStat(0, stat_module.S_IFDIR | self._dir_modes[entry.path], self.uid)
+        return SimStat(len(entry.inode.data), stat_module.S_IFREG | entry.inode.mode, self.uid)
+
+    def fchmod(self, fd: int, mode: int) -> None:
+        entry = self._file(fd)
+        if entry.inode is not _DIR:
+            entry.inode.mode = mode & 0o777
+
+    def stat(self, path, follow_symlinks: bool = True) -> SimStat:
+        path = posixpath.normpath(os.fspath(path))
+        if path in self._dirs:
+            return SimStat(0, stat_module.S_IFDIR | self._dir_modes[path], self.uid)
+        inode = self._lookup(path)
+        return SimStat(len(inode.data), stat_module.S_IFREG | inode.mode, self.uid)
+
+    def chmod(self, path, mode: int) -> None:
+        path = posixpath.normpath(os.fspath(path))
+        if path in self._dirs:
+            self._dir_modes[path] = mode & 0o777
+        else:
+            self._lookup(path).mode = mode & 0o777
+
+    def mkdir(self, path, mode: int = 0o777) -> None:
+        path = posixpath.normpath(os.fspath(path))
+        if path in self._dirs:
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+        parent = posixpath.dirname(path)
+        if parent not in self._dirs:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), parent)
+        self._dirs[path] = {}
+        self._durable_dirs[path] = {}  # directories themselves are taken as durable
+        self._dir_modes[path] = mode & 0o777
+
+    def makedirs(self, path, mode: int = 0o777, exist_ok: bool = False) -> None:
+        path = posixpath.normpath(os.fspath(path))
+        if path in self._dirs:
+            if not exist_ok:
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+            return
+        parent = posixpath.dirname(path)
+        if parent not in self._dirs:
+            self.makedirs(parent, mode, exist_ok=True)
+        self.mkdir(path, mode)
+
+    def exists(self, path) -> bool:
+        path = posixpath.normpath(os.fspath(path))
+        if path in self._dirs:
+            return True
+        directory, name = self._split(path)
+        return name in self._dirs.get(directory, {})
+
+    def unlink(self, path) -> None:
+        directory, name = self._split(path)
+        if name not in self._dir(directory):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(path))
+        self._set_entry(directory, name, None)
+
+    def replace(self, source, target) -> None:
+        self._fault("replace")
+        inode = self._lookup(source)
+        source_dir, source_name = self._split(source)
+        target_dir, target_name = self._split(target)
+        self._dir(target_dir)
+        self._set_entry(target_dir, target_name, inode)
+        self._set_entry(source_dir, source_name, None)
+
+    rename = replace
+
+    def scandir(self, directory) -> list[SimDirEntry]:
+        directory = posixpath.normpath(os.fspath(directory))
+        return [SimDirEntry(name, posixpath.join(directory, name)) for name in sorted(self._dir(directory))]
+
+    def listdir(self, directory) -> list[str]:
+        return [entry.name for entry in self.scandir(directory)]
+
+    def read_file(self, path) -> bytes:
+        """The whole file as every process sees it now (``open(path, "rb").read()``)."""
+        return bytes(self._lookup(path).data)
+
+    # ------------------------------------------------------------------ power and damage
+    def power_cut(self) -> None:
+        """The host loses power: what was not durable is lost, partly (see the module docstring).
+        Open descriptors are gone with the processes that held them."""
+        self._count("power_cut")
+        rng = self.rng
+        keep = rng.randint(0, len(self._meta_log))
+        survivors: dict[str, dict[str, _Inode]] = {d: dict(entries) for d, entries in self._durable_dirs.items()}
+        for directory, name, inode in self._meta_log[:keep]:
+            if inode is None:
+                survivors.get(directory, {}).pop(name, None)
+            else:
+                survivors.setdefault(directory, {})[name] = inode
+        seen: set[int] = set()
+        for entries in survivors.values():
+            for inode in entries.values():
+                if id(inode) in seen:
+                    continue
+                seen.add(id(inode))
+                self._cut_file(inode)
+        self._dirs = survivors
+        self._durable_dirs = {d: dict(entries) for d, entries in survivors.items()}
+        self._meta_log = []
+        self._fds.clear()
+        self._faults.clear()
+        self._full = False
+
+    def _cut_file(self, inode: _Inode) -> None:
+        rng = self.rng
+        durable = inode.durable
+        end = len(inode.data) if inode.lost_from is None else inode.lost_from
+        current = bytes(inode.data[:end])
+        if not current.startswith(durable):  # truncated or rewritten below the durable part
+            inode.data = bytearray(durable)
+            inode.lost_from = None
+            return
+        extra = current[len(durable):]
+        kept = extra[: rng.randint(0, len(extra))] if extra else b""
+        if kept and rng.random() < 0.5:  # the last write torn: its end is garbage or zeros
+            torn = rng.randint(1, min(len(kept), 512))
+            filler = bytes(rng.getrandbits(8) for _ in range(torn)) if rng.random() < 0.5 else bytes(torn)
+            kept = kept[:-torn] + filler
+            self._count("torn_write")
+        inode.data = bytearray(durable + kept)
+        inode.durable = bytes(inode.data)
+        inode.lost_from = None
+
+    def files(self, directory) -> list[str]:
+        """The paths of the files in ``directory`` (sorted)."""
+        return [entry.path for entry in self.scandir(directory)]
+
+    def flip_bit(self, path, offset: int | None = None) -> int:
+        """Flip one bit of a file (media damage at rest); returns the byte offset."""
+        inode = self._lookup(path)
+        if not inode.data:
+            return -1
+        at = self.rng.randrange(len(inode.data)) if offset is None else offset
+        inode.data[at] ^= 1 << self.rng.randrange(8)
+        inode.durable = bytes(inode.data)
+        self._count("bit_flip")
+        return at
+
+    def truncate_file(self, path, length: int | None = None) -> int:
+        """Cut a file short (an operator or a file system repair did it); returns the new length."""
+        inode = self._lookup(path)
+        length = self.rng.randint(0, len(inode.data)) if length is None else length
+        del inode.data[length:]
+        inode.durable = bytes(inode.data)
+        self._count("truncation")
+        return length
