@@ -1,0 +1,127 @@
+"""The ports through which the daemon's core reaches the world, and their real implementations.
+
+The core of the daemon (:mod:`wheeld.daemon.core` and the modules it drives:
+sessions, executor, delivery, recorder, start-up) makes every decision about a
+timer, a client or a byte on disk, and performs no I/O of its own: it reads the
+time, the disk, named shared memory, the user database and randomness only
+through the :class:`Host` it is given, and talks to clients only through one
+:class:`Transport` per connection. This is the "sans-I/O" shape of h11 (a
+protocol that never touches a socket) applied to a whole service:
+
+* the real daemon (:mod:`wheeld.daemon.server`, the *shell*) gives it
+  :func:`real_host` (``time``, ``os``, ``posix_ipc``, ``pwd``/``grp``, ``secrets``)
+  and socket transports driven by a uvloop event loop;
+* the simulator (``tests/sim``) gives it a simulated clock, disk, shared memory and
+  network, all driven by one seeded random generator, so that one seed is one
+  exactly reproducible history of clients, crashes, reboots and disk faults.
+
+What stays real in a simulation: the memory behind segments (a simulated
+"shared" segment is private memory the simulator keeps across a simulated
+daemon crash and drops at a simulated reboot) and the sealed memfds of client
+rings and the status page (in-process memory either way).
+
+**The events** the core takes are its methods (a connection accepted, bytes
+received, the socket writable, the loop's iteration, the once-a-second
+maintenance, stop); **the actions** it takes are calls on these ports: send
+these bytes (:meth:`Transport.send`), close, write and sync journal bytes
+(``host.fs``), end the park now or at T (:class:`Shell`). A port that fails
+raises ``OSError`` with the errno, as the system call would: that is the "write
+failed with ENOSPC" event, and the core decides what it means.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from wheeld.protocol import clock
+
+
+class Transport(Protocol):
+    """One client connection, as the core sees it (the shell owns the socket)."""
+
+    def send(self, data: bytes | bytearray | memoryview) -> int:
+        """Bytes of ``data`` taken now (0 when the peer's buffer is full). Raises ``OSError``
+        when the connection is broken."""
+
+    def send_with_fds(self, data: bytes, fds: list[int]) -> int:
+        """As :meth:`send`, with ``fds`` passed along with the first byte (SCM_RIGHTS).
+        Raises ``BlockingIOError`` when nothing could be taken (the descriptors not sent)."""
+
+    def want_writable(self, wanted: bool) -> None:
+        """Tell the core (``DaemonCore.writable``) when the connection can take more bytes."""
+
+    def close(self) -> None:
+        """Close the connection (idempotent); the core has forgotten it."""
+
+
+class Shell(Protocol):
+    """What the core asks of the loop that drives it."""
+
+    def wake(self) -> None:
+        """End the current park now (a doorbell that someone waits on, a closed session)."""
+
+    def soft_wake(self) -> None:
+        """End the current park within the coalescing window (commands nobody waits on)."""
+
+    def pause_accept(self) -> None:
+        """Stop accepting connections (out of descriptors) until :meth:`resume_accept`."""
+
+    def resume_accept(self) -> None: ...
+
+
+class Users(Protocol):
+    """The user database, as far as the core needs it."""
+
+    def groups_of(self, uid: int, primary_gid: int) -> frozenset[int]:
+        """The uid's supplementary groups and ``primary_gid``."""
+
+
+class RealUsers:
+    def groups_of(self, uid: int, primary_gid: int) -> frozenset[int]:
+        try:
+            import pwd
+
+            entry = pwd.getpwuid(uid)
+            gids = frozenset(os.getgrouplist(entry.pw_name, entry.pw_gid))
+        except (KeyError, OSError):
+            gids = frozenset()
+        return gids | {primary_gid}
+
+
+class RealRandom:
+    """Secrets and labels from the operating system's CSPRNG."""
+
+    token_bytes = staticmethod(secrets.token_bytes)
+    token_hex = staticmethod(secrets.token_hex)
+
+
+@dataclass
+class Host:
+    """The world as the core may see it (see the module docstring).
+
+    ``clock_ms`` is the arena's clock (CLOCK_MONOTONIC ms, floored), ``clock_ns``
+    the same clock in ns, ``wall_ms`` the wall clock in ms (the journal's). ``fs``
+    offers the ``os`` functions the journal's engine uses (``open``, ``write``,
+    ``fsync``, ``ftruncate``, ``replace``, ``unlink``, ``scandir``, ``stat``,
+    ``mkdir``, ``chmod``...). ``shm`` creates, attaches, renames and removes named
+    shared-memory segments. ``rng`` makes labels and secrets."""
+
+    clock_ms: Callable[[], int] = clock.mono_ms
+    clock_ns: Callable[[], int] = clock.mono_ns
+    wall_ms: Callable[[], int] = clock.wall_ms
+    fs: Any = os
+    shm: Any = None
+    users: Users = field(default_factory=RealUsers)
+    rng: Any = field(default_factory=RealRandom)
+    pid: int = field(default_factory=os.getpid)
+    euid: int = field(default_factory=os.geteuid)
+    hostname: str = field(default_factory=socket.gethostname)
+
+
+def real_host(clock_ms: Callable[[], int] = clock.mono_ms) -> Host:
+    """The host a real daemon runs on. ``clock_ms`` replaces the arena's clock (tests)."""
+    return Host(clock_ms=clock_ms)
