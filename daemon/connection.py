@@ -1,19 +1,20 @@
-"""One client connection: the socket, its frames in, its frames out.
+"""One client connection: its frames in, its frames out, every buffer behind it bounded.
 
 A client sends only small messages (Hello, Doorbell, Bye); what it is sent
-(Welcome, Expirations, Applied, Rejected, Goodbye) is buffered when the socket
-is full. What a message means is :class:`wheeld.daemon.sessions.Sessions`'s
-business; this module keeps the socket, and every buffer behind it, bounded.
+(Welcome, Expirations, Applied, Rejected, Goodbye) is buffered when the
+connection takes no more for now. What a message means is
+:class:`wheeld.daemon.sessions.Sessions`'s business; this module keeps the
+connection, and every buffer behind it, bounded. It performs no I/O: the shell
+gives each connection a :class:`~wheeld.daemon.host.Transport` (a socket in the
+real daemon, an in-memory pipe in the simulator) and hands over what it reads
+(:meth:`Session.received`) and when it can write again (:meth:`Session.writable`).
 """
 
 from __future__ import annotations
 
-import array
 import collections
 import logging
 import os
-import socket
-import time
 
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ProtocolError
@@ -29,12 +30,12 @@ HIGH_WATER = 8 << 20  # bytes queued to one client before we stop sending it exp
 ANSWER_HIGH_WATER = 1 << 20
 REJECT_DETAIL_BYTES = 256 << 10
 CLIENT_MAX_FRAME = 4096  # the largest client -> daemon frame (a Hello is a few hundred bytes)
-_RECV_BYTES = 65536
-_FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)  # room for a few passed descriptors
+RECV_BYTES = 65536  # the most the shell reads from one connection at a time
+MAX_PASSED_FDS = 4  # descriptors the shell takes from one read (a Hello passes one)
 
 
 class Session:
-    """One connected socket.
+    """One client connection.
 
     Bounded: a frame announcing more than ``CLIENT_MAX_FRAME`` bytes is a protocol
     error, a frame must be complete within ``frame_timeout_s`` of its first byte,
@@ -46,19 +47,21 @@ class Session:
     client that never reads.
 
     ``owner`` (the :class:`~wheeld.daemon.sessions.Sessions`) gets the messages
-    (``on_message``) and closes the session (``close``)."""
+    (``on_message``), closes the session (``close``) and tells the time
+    (``now_s()``, the core's clock in seconds); ``transport`` carries the bytes."""
 
-    def __init__(self, owner, sock: socket.socket, pid: int, uid: int, gid: int):
+    def __init__(self, owner, transport, pid: int, uid: int, gid: int, opened_s: float = 0.0):
         self.owner = owner
-        self.sock = sock
+        self.transport = transport
         self.pid, self.uid, self.gid = pid, uid, gid
+        self.opened_s = opened_s  # when it connected (the handshake timeout counts from here)
         self.reader = FrameReader(max_frame=CLIENT_MAX_FRAME)
-        self.partial_since = 0.0  # time.monotonic() when an incomplete frame started, 0 at a boundary
+        self.partial_since = 0.0  # owner.now_s() when an incomplete frame started, 0 at a boundary
         self.passed_fds: list[int] = []  # SCM_RIGHTS descriptors that came with the Hello
         self.out = bytearray()
         self.out_added = 0  # bytes ever queued in out (the socket did not take them at once)
         self.out_taken = 0  # bytes of out the socket took since
-        self._marks: collections.deque = collections.deque()  # (out_added, time.monotonic()) of each look
+        self._marks: collections.deque = collections.deque()  # (out_added, owner.now_s()) of each look
         self._answer_runs: collections.deque = collections.deque()  # [end in the out stream, bytes] of answers
         self._answer_bytes = 0  # answer bytes still in out (a run partly taken counts whole)
         self.held_rejections: dict[str, list] = {}  # code -> [count, last reason]: rejections not sent one by one
@@ -158,9 +161,7 @@ class Session:
             self._queue(data, answer)
             return
         try:
-            sent = self.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
+            sent = self.transport.send(data)
         except OSError as exc:
             self.owner.close(self, f"send failed: {exc}")
             return
@@ -170,7 +171,7 @@ class Session:
     def send_with_fds(self, frame: bytes, fds: list[int]) -> None:
         """Send ``frame`` with ``fds`` as SCM_RIGHTS data (the first frame of a session)."""
         try:
-            sent = self.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            sent = self.transport.send_with_fds(frame, fds)
         except (BlockingIOError, InterruptedError):
             self.owner.close(self, "the client does not read its socket")
             return
@@ -193,14 +194,15 @@ class Session:
             self._answer_bytes += len(data)
         if not self.writing:
             self.writing = True
-            self.owner.loop.add_writer(self.sock.fileno(), self._on_writable)
+            self.transport.want_writable(True)
 
-    def _on_writable(self) -> None:
+    def writable(self) -> None:
+        """The connection can take more bytes: send what waits."""
+        if self.closed:
+            return
         held_back = self.held_back
         try:
-            sent = self.sock.send(self.out)
-        except (BlockingIOError, InterruptedError):
-            return
+            sent = self.transport.send(self.out)
         except OSError as exc:
             self.owner.close(self, f"send failed: {exc}")
             return
@@ -212,46 +214,36 @@ class Session:
             self.writing = False
             self._told_held_back = False
             self.out = bytearray()  # give a large buffer back
-            self.owner.loop.remove_writer(self.sock.fileno())
+            self.transport.want_writable(False)
             self.owner.wake()  # it may take more expirations now
         elif held_back and not self.held_back:
             self.owner.wake()  # its ring is drained again
-
-    def _recv(self) -> bytes:
-        if self.client is not None:
-            return self.sock.recv(_RECV_BYTES)
-        # before the handshake a Hello may carry the client's old ring (SCM_RIGHTS)
-        data, ancillary, _flags, _addr = self.sock.recvmsg(_RECV_BYTES, _FDS_SPACE)
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-                self.passed_fds.extend(fds)
-        if len(self.passed_fds) > 1 or data == b"":
-            self.close_passed_fds(keep=1 if data else 0)
-        return data
 
     def close_passed_fds(self, keep: int = 0) -> None:
         for fd in self.passed_fds[keep:]:
             os.close(fd)
         del self.passed_fds[keep:]
 
-    def on_readable(self) -> None:
-        self.owner.arena_busy()  # what follows may write the arena while the loop is parked
-        try:
-            data = self._recv()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            self.owner.close(self, f"recv failed: {exc}")
-            return
+    def received(self, data: bytes, fds: list[int]) -> None:
+        """Bytes (and descriptors passed with them) read from the connection; ``b""`` is
+        the end of the stream. Descriptors are kept only before the handshake (a Hello
+        hands back one ring), at most one; the rest are closed."""
+        if fds:
+            if self.client is None:
+                self.passed_fds.extend(fds)
+            else:
+                for fd in fds:
+                    os.close(fd)
+        if len(self.passed_fds) > 1 or not data:
+            self.close_passed_fds(keep=1 if data else 0)
         if not data:
             self.owner.close(self, "peer closed the connection")
             return
+        self.owner.arena_busy()  # what follows may write the arena while the loop is parked
         try:
             frames = self.reader.feed(data)
             if self.reader.pending_bytes:
-                self.partial_since = self.partial_since or time.monotonic()
+                self.partial_since = self.partial_since or self.owner.now_s()
             else:
                 self.partial_since = 0.0
             for body in frames:

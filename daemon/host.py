@@ -54,23 +54,28 @@ class Transport(Protocol):
     def want_writable(self, wanted: bool) -> None:
         """Tell the core (``DaemonCore.writable``) when the connection can take more bytes."""
 
+    def peer_gone(self) -> bool:
+        """Has the peer closed its end (an end of stream waits to be read)?"""
+
     def close(self) -> None:
         """Close the connection (idempotent); the core has forgotten it."""
 
 
 class Shell(Protocol):
-    """What the core asks of the loop that drives it."""
+    """What the core asks of the loop that drives it (it parks as the core says:
+    ``DaemonCore.park`` returns until when)."""
 
     def wake(self) -> None:
         """End the current park now (a doorbell that someone waits on, a closed session)."""
 
-    def soft_wake(self) -> None:
-        """End the current park within the coalescing window (commands nobody waits on)."""
+    def wake_at(self, at_ns: int) -> None:
+        """End the current park at ``at_ns`` (the host's ``clock_ns``) instead, if sooner."""
 
-    def pause_accept(self) -> None:
-        """Stop accepting connections (out of descriptors) until :meth:`resume_accept`."""
+    def resume_accept(self) -> None:
+        """A session closed: accept again if accepting was paused (out of descriptors)."""
 
-    def resume_accept(self) -> None: ...
+    def status_changed(self) -> None:
+        """Something the status line says changed (``DaemonCore.status_line``)."""
 
 
 class Users(Protocol):

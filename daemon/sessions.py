@@ -28,14 +28,9 @@ groups it owns (the groups it was the first to join that are still in use).
 from __future__ import annotations
 
 import collections
-import errno
 import hmac
 import logging
 import os
-import secrets
-import socket
-import struct
-import time
 
 import numpy as np
 
@@ -54,17 +49,6 @@ from .executor import flush_answer
 
 log = logging.getLogger("wheeld")
 
-_PEERCRED = struct.Struct("3i")
-
-
-def _peer_gone(sock: socket.socket) -> bool:
-    """Has the peer closed its end (nothing more to read, end of stream)?"""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True  # ECONNRESET
 MAINTAIN_S = 1.0  # period of the bookkeeping timer (frame and ack timeouts, accept pauses)
 GC_INTERVAL_MS = 2000  # orphaned client slots and idle groups are looked for this often
 DEMAND_COLLECT_MS = 250  # ...and, for a Hello that needs a slot, at most this often
@@ -78,21 +62,26 @@ _LOG_EVERY_S = 1.0  # a repeated warning is logged at most this often, with a co
 class Sessions:
     """The connections, the client slots and who may use what.
 
-    ``daemon`` provides the loop and its hooks: ``loop``, ``clock()``, ``wake()``, ``soft_wake()``,
-    ``arena_busy()``, ``stopping``, ``listener``; after the arena is open,
-    :meth:`attach` and :meth:`serve` hand over what a session works with."""
+    ``daemon`` is the core (:class:`wheeld.daemon.core.DaemonCore`): its ``host`` (the
+    clock, the user database, randomness, the daemon's uid), ``clock()``, ``wake()``,
+    ``soft_wake()``, ``arena_busy()``, ``stopping`` and ``shell`` (to resume a paused
+    accept); after the arena is open, :meth:`attach` and :meth:`serve` hand over what a
+    session works with. Connections come from the shell (:meth:`connected`) with
+    their :class:`~wheeld.daemon.host.Transport`."""
 
     def __init__(self, config, totals: dict, daemon):
         self.config = config
         self.totals = totals
         self.daemon = daemon
+        self.host = daemon.host
         self.clients: dict[int, ClientSlot] = {}  # client slot -> ClientSlot (shared with delivery, executor)
-        self.sessions: set[Session] = set()
+        # the open connections, in the order they came (a dict: every pass over them is in
+        # that order, whatever their hashes: a simulated run replays exactly)
+        self.sessions: dict[Session, None] = {}
         self.table = ClientTable(config, self.clients)
         self._handshaking: collections.Counter = collections.Counter()  # uid -> sessions before Hello
-        self._accept_paused = False
         self._groups_of_uid: dict[int, tuple[float, frozenset[int]]] = {}
-        self._log_limiter = _LogLimiter()
+        self._log_limiter = _LogLimiter(self.now_s)
         self._last_ack_rotation = 0.0
         self._last_collect = 0
         self._last_demand_collect = -DEMAND_COLLECT_MS
@@ -111,9 +100,9 @@ class Sessions:
         """What a Welcome hands out: the status page, and resume tokens under the instance secret."""
         self.status, self.secret = status, secret
 
-    @property
-    def loop(self):
-        return self.daemon.loop
+    def now_s(self) -> float:
+        """The core's clock, in seconds (timeouts of frames, handshakes and acks)."""
+        return self.host.clock_ms() / 1000
 
     @property
     def clients_per_uid(self) -> int:
@@ -133,59 +122,30 @@ class Sessions:
     def arena_busy(self) -> None:
         self.daemon.arena_busy()
 
-    def connected(self) -> int:
+    def connected_clients(self) -> int:
         return sum(1 for s in self.sessions if s.client is not None)
 
     # ------------------------------------------------------------------ accept
-    def on_accept(self) -> None:
-        listener = self.daemon.listener
-        for _ in range(64):
-            try:
-                sock, _addr = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self._pause_accept(exc)
-                else:
-                    self._log_limiter.warning("accept", "accept: %s", exc)
-                return
-            sock.setblocking(False)
-            try:
-                pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            except OSError:
-                pid = uid = gid = -1
-            if self._handshaking[uid] >= self.config.max_handshakes_per_uid:
-                self._log_limiter.warning("handshakes", "uid %d has %d connections without a Hello; closing more",
-                                          uid, self._handshaking[uid])
-                self.totals["clients_refused_total"] += 1
-                sock.close()
-                continue
-            self._handshaking[uid] += 1
-            session = Session(self, sock, pid, uid, gid)
-            self.sessions.add(session)
-            self.loop.add_reader(sock.fileno(), session.on_readable)
-            self.loop.call_later(self.config.handshake_timeout_s, self._handshake_deadline, session)
+    def connected(self, transport, pid: int, uid: int, gid: int) -> Session | None:
+        """A connection the shell accepted, with its peer's credentials (SO_PEERCRED; -1
+        when unknown): its session, or None when it was closed at once (the uid has
+        ``max_handshakes_per_uid`` connections without a Hello already)."""
+        if self._handshaking[uid] >= self.config.max_handshakes_per_uid:
+            self._log_limiter.warning("handshakes", "uid %d has %d connections without a Hello; closing more",
+                                      uid, self._handshaking[uid])
+            self.totals["clients_refused_total"] += 1
+            transport.close()
+            return None
+        self._handshaking[uid] += 1
+        session = Session(self, transport, pid, uid, gid, self.now_s())
+        self.sessions[session] = None
+        return session
 
-    def _pause_accept(self, exc: OSError) -> None:
-        """Out of descriptors: stop accepting (the listening socket would stay readable and
-        spin the loop) until a session closes or a second has passed."""
-        if self._accept_paused:
-            return
-        self._accept_paused = True
+    def accept_paused(self, error: str) -> None:
+        """The shell stopped accepting (out of descriptors) until a session closes or a second passed."""
         self.totals["accept_pauses_total"] += 1
-        self.loop.remove_reader(self.daemon.listener.fileno())
         self._log_limiter.error("accept-paused", "accept paused: %s (%d sessions); resuming when a session closes "
-                                "or in %.0f s", exc.strerror, len(self.sessions), MAINTAIN_S)
-
-    def _resume_accept(self) -> None:
-        if self._accept_paused and not self.daemon.stopping:
-            self._accept_paused = False
-            self.loop.add_reader(self.daemon.listener.fileno(), self.on_accept)
-
-    def _handshake_deadline(self, session: Session) -> None:
-        if not session.closed and session.client is None:
-            self.close(session, "no Hello within the handshake timeout", goodbye=True)
+                                "or in %.0f s", error, len(self.sessions), MAINTAIN_S)
 
     def _refuse(self, session: Session, reason: str, code: str) -> None:
         log.warning("refusing client pid %d uid %d: %s", session.pid, session.uid, reason)
@@ -205,7 +165,7 @@ class Sessions:
                 raise ProtocolError("Hello sent twice")
             fd = session.passed_fds.pop(0) if session.passed_fds else None
             try:
-                if _peer_gone(session.sock):
+                if session.transport.peer_gone():
                     # it gave up waiting for the Welcome (its connection waited in the listen
                     # backlog while the daemon restarted) and tries again on another one:
                     # adopting its ring here would only log a join and a "Broken pipe"
@@ -232,22 +192,15 @@ class Sessions:
     # ------------------------------------------------------------------ who may do what
     def _privileged(self, session: Session) -> bool:
         """Root and the daemon's own uid may use any group (they can read the arena anyway)."""
-        return session.uid == 0 or session.uid == os.geteuid()
+        return session.uid == 0 or session.uid == self.host.euid
 
     def _gids_of(self, session: Session) -> frozenset[int]:
         """The peer's primary gid and the supplementary groups of its user (SO_PEERCRED
         carries only the primary one), cached for a minute."""
-        now = time.monotonic()
+        now = self.now_s()
         cached = self._groups_of_uid.get(session.uid)
         if cached is None or now - cached[0] > 60:
-            try:
-                import pwd
-
-                entry = pwd.getpwuid(session.uid)
-                gids = frozenset(os.getgrouplist(entry.pw_name, entry.pw_gid))
-            except (KeyError, OSError):
-                gids = frozenset()
-            cached = self._groups_of_uid[session.uid] = (now, gids)
+            cached = self._groups_of_uid[session.uid] = (now, self.host.users.groups_of(session.uid, session.gid))
         return cached[1] | {session.gid}
 
     def _allowed(self, session: Session) -> bool:
@@ -401,7 +354,7 @@ class Sessions:
             self._refuse(session, f"too many clients: all {self.table.limit} client slots are in use (--max-clients)",
                          M.Refused.BUSY)
             return None
-        label = f"{segment_prefix(cfg.name)}{slot}-{secrets.token_hex(4)}"
+        label = f"{segment_prefix(cfg.name)}{slot}-{self.host.rng.token_hex(4)}"
         segment = None
         if passed.fd is not None:
             # ...from the client's last acknowledged flush on when that daemon had another arena:
@@ -476,19 +429,14 @@ class Sessions:
         self.arena_busy()
         if goodbye:
             try:
-                session.sock.send(M.encode_daemon_frame(M.Goodbye(reason[:200] or "closed")))
+                session.transport.send(M.encode_daemon_frame(M.Goodbye(reason[:200] or "closed")))
             except OSError:
                 pass
         session.closed = True
         session.close_passed_fds()
-        self.sessions.discard(session)
-        fd = session.sock.fileno()
-        if fd >= 0:
-            self.loop.remove_reader(fd)
-            if session.writing:
-                self.loop.remove_writer(fd)
-        session.sock.close()
-        self._resume_accept()
+        self.sessions.pop(session, None)
+        session.transport.close()
+        self.daemon.shell.resume_accept()
         cs = session.client
         if cs is None:
             self._handshaking[session.uid] -= 1
@@ -650,9 +598,12 @@ class Sessions:
 
     # ------------------------------------------------------------------ bookkeeping, once a second
     def maintain(self) -> None:
-        """Frames that never complete, expirations nobody acknowledges, a paused accept."""
+        """Hellos that never come, frames that never complete, expirations nobody acknowledges."""
         self.arena_busy()
-        now = time.monotonic()
+        now = self.now_s()
+        hello_timeout = self.config.handshake_timeout_s
+        for session in [s for s in self.sessions if s.client is None and now - s.opened_s > hello_timeout]:
+            self.close(session, "no Hello within the handshake timeout", goodbye=True)
         timeout = self.config.frame_timeout_s
         for session in [s for s in self.sessions if s.partial_since and now - s.partial_since > timeout]:
             self.close(session, f"a frame stayed incomplete for more than {timeout:g} s", goodbye=True)
@@ -660,7 +611,6 @@ class Sessions:
         for session in [s for s in self.sessions if s.stalled(now, ack_timeout)]:
             self.close(session, f"it has not read its socket: what it was sent {ack_timeout:g} s ago is still unread "
                                 f"({len(session.out)} bytes queued)")
-        self._resume_accept()
         self.table.write_depths()
         if now - self._last_ack_rotation >= self.config.ack_timeout_s / 2:
             self._last_ack_rotation = now
@@ -718,9 +668,10 @@ class _Passed:
 
 
 class _LogLimiter:
-    """At most one line per ``_LOG_EVERY_S`` per topic, saying how many were held back."""
+    """At most one line per ``_LOG_EVERY_S`` per topic (``clock()`` in s), saying how many were held back."""
 
-    def __init__(self):
+    def __init__(self, clock):
+        self._clock = clock
         self._last: dict[str, float] = {}
         self._held: collections.Counter = collections.Counter()
 
@@ -731,7 +682,7 @@ class _LogLimiter:
         self._log(logging.ERROR, topic, message, args)
 
     def _log(self, level: int, topic: str, message: str, args) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last.get(topic, -_LOG_EVERY_S) < _LOG_EVERY_S:
             self._held[topic] += 1
             return

@@ -1,4 +1,4 @@
-"""A Daemon on an injected clock: its loop iteration run by hand, time passed by the test.
+"""The daemon's core on an injected clock: its loop iteration run by hand, time passed by the test.
 
 The daemon's own counters (late_total, journal_lsn, journal_durable_lsn) are checked
 in the arena header, where wheelctl and the metrics endpoint read them.
@@ -12,9 +12,25 @@ import pytest
 
 from daemon_harness import unique_name, unlink_segments
 from wheeld.daemon.config import Config
-from wheeld.daemon.server import Daemon
+from wheeld.daemon.core import DaemonCore
+from wheeld.daemon.host import real_host
 from wheeld.protocol import arena_layout as AL
-from wheeld.shm.status import StatusPage
+
+
+class QuietShell:
+    """A shell that is never asked to do anything the tests look at."""
+
+    def wake(self) -> None:
+        pass
+
+    def wake_at(self, at_ns: int) -> None:
+        pass
+
+    def resume_accept(self) -> None:
+        pass
+
+    def status_changed(self) -> None:
+        pass
 
 
 class FakeClock:
@@ -27,17 +43,19 @@ class FakeClock:
 
 @pytest.fixture
 def daemon_on_a_fake_clock(tmp_path):
-    """A Daemon whose arena is open (no socket, no loop) and whose clock the test moves."""
+    """A core whose arena is open (no socket, no loop) and whose clock the test moves."""
     name = unique_name()
     config = Config(socket_path=str(tmp_path / "w.sock"), name=name, capacity=1000,
                     journal_dir=str(tmp_path / "journal"), fsync="always")
     clock = FakeClock(10_000_000)
-    daemon = Daemon(config, clock=clock)
+    daemon = DaemonCore(config, real_host(clock), QuietShell())
     try:
-        daemon.open_arena()
-        daemon.status = StatusPage.create(f"wheeld-{name}-status")
+        daemon.acquire()
+        daemon.open()
         yield daemon, clock
     finally:
+        if daemon.lock is not None:
+            daemon.lock.release()
         if daemon.recorder is not None:
             daemon.recorder.close()
         if daemon.status is not None:
@@ -47,7 +65,7 @@ def daemon_on_a_fake_clock(tmp_path):
         unlink_segments(name)
 
 
-def _counter(daemon: Daemon, name: str) -> int:
+def _counter(daemon: DaemonCore, name: str) -> int:
     return daemon.wheel.header_words()[AL.H_COUNTERS // 8 + AL.COUNTER[name]]
 
 
@@ -58,13 +76,13 @@ def test_time_passes_when_the_test_says_so_and_late_fires_are_counted(daemon_on_
     daemon.wheel.schedule("on-time", start + 5, gid)
     daemon.wheel.schedule("late", start + 6, gid)
     clock.ms = start + 4
-    daemon._iterate()
+    daemon.iterate()
     assert len(daemon.wheel) == 2 and daemon.delivery.undelivered() == 0, "nothing fires early"
     clock.ms = start + 5
-    daemon._iterate()
+    daemon.iterate()
     assert daemon.delivery.undelivered() == 1
     clock.ms = start + 10  # the loop was held up: "late" fires 4 ms (more than a tick) after its deadline
-    daemon._iterate()
+    daemon.iterate()
     assert daemon.delivery.undelivered() == 2 and len(daemon.wheel) == 0
     assert _counter(daemon, "late_total") == 1
     assert _counter(daemon, "daemon_heartbeat_ms") == start + 10
@@ -76,7 +94,7 @@ def test_the_journal_positions_are_published(daemon_on_a_fake_clock):
     gid = daemon.wheel.group_id("g")
     daemon.wheel.schedule("k", clock.ms + 1, gid)
     clock.ms += 2
-    daemon._iterate()  # the fire is journaled (fsync always: durable at once)
+    daemon.iterate()  # the fire is journaled (fsync always: durable at once)
     journal = daemon.recorder.journal
     assert journal.last_lsn >= 1
     assert _counter(daemon, "journal_lsn") == journal.last_lsn

@@ -169,18 +169,18 @@ def test_no_watchdog_pings_without_watchdog_usec(daemon_factory, tmp_path, monke
         receiver.close()
 
 
-# Runs the real CLI after wrapping Daemon._publish (called once per loop iteration) so
+# Runs the real CLI after wrapping DaemonCore.publish (called once per loop iteration) so
 # that it blocks while a flag file exists: the loop is wedged, the process is not.
 _STALLABLE = """
 import os, sys, time
-from wheeld.daemon import server
+from wheeld.daemon import core
 flag = os.environ["WHEELD_TEST_STALL_FLAG"]
-publish = server.Daemon._publish
+publish = core.DaemonCore.publish
 def stallable_publish(self, now):
     while os.path.exists(flag):
         time.sleep(0.005)
     publish(self, now)
-server.Daemon._publish = stallable_publish
+core.DaemonCore.publish = stallable_publish
 from wheeld.daemon.cli import main
 main()
 """

@@ -1,0 +1,193 @@
+"""The contract as a model: every simulated history is checked against it.
+
+Honest simulated clients record what they did and what they were handed
+(:class:`History`); :func:`check` says what in that history breaks a promise of
+README.md and docs/contracts.md ("Delivery and durability"):
+
+1. **At least once.** Every arming (``add``, ``add_idle``) that a ``flush()``
+   acknowledged, and that its client neither re-armed nor cancelled afterwards,
+   is handed to the application of some member of its group, in this or a later
+   incarnation of a worker, by the end of the run (the run ends with a daemon up,
+   a live member in every group and the clock past every deadline).
+2. **Never early.** An expiration is handed no sooner than ``delay_ms`` after its
+   ``add()`` call (for an idle timer: ``idle_ms`` after the last ``touch()`` made
+   before it was handed, or after ``add_idle()``), in simulated real time.
+3. **Cancel and re-arm are honoured.** An arming replaced by a later ``add`` or
+   ``cancel`` of its key that a ``flush()`` acknowledged is never handed to the
+   client that replaced it, unless its expiration had reached that client's
+   library before the call (the call came too late: ``cancel()`` then returns
+   False). (Another member may have been handed it already: it fired before the
+   call reached the daemon.)
+4. **Exactly once** to the application per arming, in a group none of whose
+   members crashed (a daemon crash, a restart, a lost ``/dev/shm``: still once;
+   a client that dies holding an expiration may have it handed again elsewhere).
+5. **Nothing invented**: an expiration handed is of an arming some member of
+   the group made.
+
+Keys are per client incarnation (``c<id>-<n>``), so an arming is named by
+(incarnation, key, tag) and a key's history is its incarnation's calls in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["History", "Violation", "check"]
+
+
+@dataclass
+class Arming:
+    client: int
+    group: str
+    key: str
+    tag: int
+    called_ns: int
+    earliest_ns: int  # the earliest moment it may be handed (idle: re-computed from touches)
+    idle_ms: int | None
+    acked: bool = False  # a flush() that covers it returned
+    superseded_by: Command | None = None
+    received_before_superseded: bool = False
+    handed: list = field(default_factory=list)  # (client, at_ns)
+
+
+@dataclass
+class Command:
+    client: int
+    key: str
+    kind: str  # "add", "add_idle", "cancel"
+    called_ns: int
+    acked: bool = False
+    hit: bool | None = None  # cancel()'s answer
+
+
+@dataclass
+class Violation:
+    rule: str
+    text: str
+
+    def __str__(self) -> str:
+        return f"[{self.rule}] {self.text}"
+
+
+class History:
+    """What honest clients did, in the order they did it."""
+
+    def __init__(self):
+        self.armings: dict[tuple[int, str, int], Arming] = {}
+        self.latest: dict[tuple[int, str], Arming] = {}  # (client, key) -> its latest arming
+        self.touches: dict[tuple[int, str], list[int]] = {}
+        self.pending_commands: dict[int, list[Command | Arming]] = {}  # pushed since the client's last flush() call
+        self.crashed_groups: set[str] = set()
+        self.power_cuts = 0
+        self.group_of: dict[int, str] = {}
+        self.unknown: list[tuple[int, str, int]] = []  # handed, but no member armed it
+        self.violations: list[Violation] = []
+
+    # ------------------------------------------------------------------ what clients report
+    def joined(self, client: int, group: str) -> None:
+        self.group_of[client] = group
+
+    def armed(self, client: int, key: str, tag: int, called_ns: int, delay_ms: int, idle: bool) -> None:
+        previous = self.latest.get((client, key))
+        command = Command(client, key, "add_idle" if idle else "add", called_ns)
+        if previous is not None:
+            self._supersede(previous, command)
+        arming = Arming(client, self.group_of[client], key, tag, called_ns, called_ns + delay_ms * 1_000_000,
+                        delay_ms if idle else None)
+        self.armings[(client, key, tag)] = arming
+        self.latest[(client, key)] = arming
+        self.touches[(client, key)] = []
+        self.pending_commands.setdefault(client, []).extend((arming, command))
+
+    def cancelled(self, client: int, key: str, called_ns: int, hit: bool) -> None:
+        command = Command(client, key, "cancel", called_ns, hit=hit)
+        previous = self.latest.pop((client, key), None)
+        if previous is not None:
+            self._supersede(previous, command)
+        self.pending_commands.setdefault(client, []).append(command)
+
+    def _supersede(self, arming: Arming, command: Command) -> None:
+        if arming.superseded_by is None:
+            arming.superseded_by = command
+            arming.received_before_superseded = bool(arming.handed) or self._in_library(arming)
+
+    #: set by the simulator: (client, key) -> whether an expiration of it waits in the client's library
+    in_library = None
+
+    def _in_library(self, arming: Arming) -> bool:
+        return bool(self.in_library and self.in_library(arming.client, arming.key))
+
+    def touched(self, client: int, key: str, at_ns: int) -> None:
+        touches = self.touches.get((client, key))
+        if touches is not None:
+            touches.append(at_ns)
+
+    def flush_called(self, client: int) -> list:
+        """The commands a flush() called now covers (handed back by the caller on success)."""
+        covered = self.pending_commands.get(client, [])
+        self.pending_commands[client] = []
+        return covered
+
+    def flushed(self, covered: list) -> None:
+        """A flush() returned success: what it covered is acknowledged."""
+        for item in covered:
+            item.acked = True
+
+    def crashed(self, client: int) -> None:
+        self.crashed_groups.add(self.group_of[client])
+
+    def power_cut(self) -> None:
+        self.power_cuts += 1
+
+    def handed(self, client: int, key: str, tag: int, at_ns: int) -> None:
+        """An expiration handed to the application of ``client``: its key and arming tag."""
+        arming = self._find(key, tag)
+        if arming is None:
+            self.unknown.append((client, key, tag))
+            return
+        arming.handed.append((client, at_ns))
+        self._check_early(arming, client, at_ns)
+        if self.group_of[client] != arming.group:
+            self.violations.append(Violation("group", f"{key!r} (tag {tag}) of group {arming.group!r} was handed to "
+                                                      f"client {client} of group {self.group_of[client]!r}"))
+
+    def _find(self, key: str, tag: int) -> Arming | None:
+        owner = int(key.split("-", 1)[0][1:]) if key.startswith("c") and "-" in key else -1
+        return self.armings.get((owner, key, tag))
+
+    def _check_early(self, arming: Arming, client: int, at_ns: int) -> None:
+        earliest = arming.earliest_ns
+        if arming.idle_ms is not None:
+            touches = [t for t in self.touches.get((arming.client, arming.key), ()) if t <= at_ns]
+            if touches and arming is self.latest.get((arming.client, arming.key)):
+                earliest = max(earliest, touches[-1] + arming.idle_ms * 1_000_000)
+        if at_ns < earliest:
+            self.violations.append(Violation(
+                "early", f"{arming.key!r} (tag {arming.tag}) handed to client {client} "
+                         f"{(earliest - at_ns) / 1e6:.3f} ms early"))
+
+
+def check(history: History, end_ns: int, exact_groups: bool = True) -> list[Violation]:
+    """Every promise the history breaks (see the module docstring); ``end_ns``: when the run
+    ended (every arming due by then must have been handed)."""
+    out = list(history.violations)
+    for client, key, tag in history.unknown:
+        out.append(Violation("invented", f"client {client} was handed {key!r} (tag {tag}), which nobody armed"))
+    for arming in history.armings.values():
+        superseder = arming.superseded_by
+        if superseder is not None and superseder.acked and not arming.received_before_superseded:
+            mine = [at for client, at in arming.handed if client == arming.client]
+            if mine:
+                out.append(Violation(
+                    "superseded", f"{arming.key!r} (tag {arming.tag}) was handed to its client at {mine[0] / 1e6:.3f} "
+                                  f"ms after the client's acknowledged {superseder.kind} at "
+                                  f"{superseder.called_ns / 1e6:.3f} ms"))
+        if arming.acked and superseder is None and not arming.handed and arming.earliest_ns <= end_ns:
+            out.append(Violation(
+                "lost", f"{arming.key!r} (tag {arming.tag}, group {arming.group!r}, due at "
+                        f"{arming.earliest_ns / 1e6:.3f} ms) was acknowledged by a flush() and never handed"))
+        if (exact_groups and len(arming.handed) > 1 and arming.group not in history.crashed_groups
+                and not history.power_cuts):
+            out.append(Violation("twice", f"{arming.key!r} (tag {arming.tag}) was handed {len(arming.handed)} times "
+                                          f"({arming.handed}) in group {arming.group!r}, where no client crashed"))
+    return out
