@@ -403,3 +403,94 @@ def test_a_mark_write_whose_fdatasync_failed_is_not_on_disk_until_written_again(
     disk.power_cut()
     assert read_mark(DIRECTORY, disk) == (2 if retried else 1)  # ...the dropped write is not
     assert MARK_NAME in disk.listdir(DIRECTORY)
+
+
+# --------------------------------------------------------------------------- #
+# What the histories found, one case each
+# --------------------------------------------------------------------------- #
+
+
+def _journal(disk: SimDisk, policy: str = "always", **kwargs) -> Journal:
+    kwargs.setdefault("runner", SimRunner(inline=True))
+    return Journal(DIRECTORY, fsync=policy, host="sim", name="sim", fs=disk, **kwargs)
+
+
+def _keys(state) -> set:
+    return {key for (_group, key) in state.pending}
+
+
+def test_a_restart_writes_again_what_a_failed_fsync_dropped():
+    """The fsync of a batch fails with EIO: Linux drops its pages, marks them clean and
+    serves them from memory; the daemon dies; the next one reads those events back from
+    the page cache. Continuing after them would count them durable (the journal's lsns
+    go on, the next fsync succeeds without writing them) and a power cut would lose them:
+    the restart writes a snapshot of the arena first."""
+    disk = SimDisk(random.Random(3))
+    model = Model()
+    journal = _journal(disk)
+    journal.append([model.step("add", "g", "a", 60_000, 0)])
+    disk.fail_next("fsync", errno.EIO)
+    with pytest.raises(JournalUnavailable):
+        journal.append([model.step("add", "g", "b", 60_000, 0)])
+    totals = {"journal_lsn": journal.last_lsn, "journal_durable_lsn": journal.durable_lsn}
+    assert totals == {"journal_lsn": 2, "journal_durable_lsn": 1}
+    # the daemon dies, its arena holds a and b; the page cache still serves b's line
+    assert recover(DIRECTORY, repair=False, quiet=True, fs=disk).last_lsn == 2
+    next_lsn, resync = _continue_after(DIRECTORY, _Arena(model), totals, fs=disk)
+    assert (next_lsn, resync) == (3, True)
+    journal = _journal(disk, next_lsn=next_lsn, resync=resync)
+    assert journal.durable_lsn <= 1, "events nobody saw synced are not durable"
+    assert journal.resume(lambda: ([PendingTimer("g", k, d, s, i) for (_g, k), (d, s, i) in model.pending.items()],
+                                   []))
+    journal.append([model.step("add", "g", "c", 60_000, 0)])
+    disk.power_cut()
+    assert _keys(recover(DIRECTORY, quiet=True, fs=disk)) == {"a", "b", "c"}
+
+
+def test_a_recovery_from_the_page_cache_is_written_again_before_it_counts():
+    """As above, with the arena gone too (the host did not reboot): recovery reads the
+    dropped pages back, so the new arena's journal starts with a snapshot."""
+    disk = SimDisk(random.Random(4))
+    model = Model()
+    journal = _journal(disk)
+    journal.append([model.step("add", "g", "a", 60_000, 0)])
+    disk.fail_next("fsync", errno.EIO)
+    with pytest.raises(JournalUnavailable):
+        journal.append([model.step("add", "g", "b", 60_000, 0)])
+    state = recover(DIRECTORY, quiet=True, fs=disk)
+    assert _keys(state) == {"a", "b"} and read_mark(DIRECTORY, disk) == 1
+    assert _unsynced_after_recovery(DIRECTORY, state, disk) is True
+
+
+def test_the_restart_sync_of_the_previous_segments_makes_their_names_durable():
+    """Under off a segment's name is never synced when it is made; the next daemon's sync
+    of the previous segments must cover the directory, or a power cut after it drops
+    whole segments whose bytes it synced."""
+    for seed in range(20):
+        disk = SimDisk(random.Random(seed))
+        model = Model()
+        journal = _journal(disk, "off", segment_bytes=300)
+        for index in range(12):
+            journal.append([model.step("add", "g", f"k{index}", 60_000, 0)])
+        assert len(list_segments(DIRECTORY, disk)) > 3
+        # the daemon dies; the next continues after lsn 12 and syncs what it found
+        journal = _journal(disk, "off", next_lsn=13)
+        assert journal.sync_previous_segments()
+        disk.power_cut()
+        assert _keys(recover(DIRECTORY, quiet=True, fs=disk)) >= {f"k{index}" for index in range(12)}, seed
+
+
+def test_an_explicit_sync_under_off_covers_the_segments_it_rotated_away_from():
+    """``sync()`` (before a snapshot, at a clean stop) reports every event durable: under
+    off the segments rotated away from were never synced, nor the names of the new ones."""
+    for seed in range(20):
+        disk = SimDisk(random.Random(seed))
+        model = Model()
+        journal = _journal(disk, "off", segment_bytes=300)
+        for index in range(12):
+            journal.append([model.step("add", "g", f"k{index}", 60_000, 0)])
+        journal.sync()
+        assert journal.durable_lsn == 12
+        disk.power_cut()
+        state = recover(DIRECTORY, quiet=True, fs=disk)
+        assert state.damage == [] and _keys(state) == {f"k{index}" for index in range(12)}, seed
