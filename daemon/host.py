@@ -109,7 +109,10 @@ class Host:
     """The world as the core may see it (see the module docstring).
 
     ``clock_ms`` is the arena's clock (CLOCK_MONOTONIC ms, floored), ``clock_ns``
-    the same clock in ns, ``wall_ms`` the wall clock in ms (the journal's). ``fs``
+    the same clock in ns, ``wall_ms``/``wall_ns`` the wall clock in ms (the
+    journal's) and ns. ``runner`` runs the journal's background fsyncs and mark
+    writes (:class:`wheeld.protocol.journal_files.ThreadRunner`, a helper thread,
+    when None; a simulation runs them when it decides). ``fs``
     offers the ``os`` functions the journal's engine uses (``open``, ``write``,
     ``fsync``, ``ftruncate``, ``replace``, ``unlink``, ``scandir``, ``stat``,
     ``mkdir``, ``chmod``...). ``shm`` creates, attaches, renames and removes named
@@ -118,7 +121,9 @@ class Host:
     clock_ms: Callable[[], int] = clock.mono_ms
     clock_ns: Callable[[], int] = clock.mono_ns
     wall_ms: Callable[[], int] = clock.wall_ms
+    wall_ns: Callable[[], int] = clock.wall_ns
     fs: Any = os
+    runner: Any = None
     shm: Any = None
     users: Users = field(default_factory=RealUsers)
     rng: Any = field(default_factory=RealRandom)

@@ -59,11 +59,14 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from wheeld.protocol import arena_layout as AL
+from wheeld.protocol import fsport
 from wheeld.protocol.errors import WheeldError
 from wheeld.protocol.journal_files import list_segments, read_clocks, wall_to_monotonic_ns
 from wheeld.protocol.journal_recovery import RecoveredState, recover
@@ -101,17 +104,16 @@ class Reconciled:
         return self.restored + self.not_restored + self.rewritten + self.freed
 
 
-def journal_covers(wheel: TimerWheel, directory: str, name: str) -> str | None:
+def journal_covers(wheel: TimerWheel, directory: str, name: str, fs: Any = os) -> str | None:
     """Why the journal in ``directory`` cannot be taken as the truth about this arena, or None."""
     arena_lsn = wheel.header_words()[AL.H_COUNTERS // 8 + AL.COUNTER["journal_lsn"]]
     if arena_lsn <= 0:
         return "the arena was not kept with a journal by the daemon before this one"
-    segments = list_segments(directory)
+    segments = list_segments(directory, fs)
     if not segments:
         return f"the journal has no segment, and the arena's journal reached lsn {arena_lsn}"
     try:
-        with open(segments[-1][1], "rb") as f:
-            header = json.loads(f.readline())
+        header = json.loads(fsport.read_line(fs, segments[-1][1]))
     except (OSError, ValueError):
         return f"the journal's newest segment {segments[-1][1].name} has no readable header"
     written_by = header.get("name") if isinstance(header, dict) else None
@@ -120,25 +122,27 @@ def journal_covers(wheel: TimerWheel, directory: str, name: str) -> str | None:
     return None
 
 
-def reconcile(wheel: TimerWheel, directory: str, name: str, clocks=read_clocks) -> Reconciled:
+def reconcile(wheel: TimerWheel, directory: str, name: str, clocks=read_clocks, fs: Any = os) -> Reconciled:
     """Check a freshly attached arena against the journal in ``directory`` and repair it
     (module docstring). Never raises for what it finds: a journal it cannot use is
-    reported in the result (``trusted`` False)."""
+    reported in the result (``trusted`` False). ``clocks``: ``(wall ns, monotonic ns)``
+    (:func:`~wheeld.protocol.journal_files.read_clocks`); ``fs``: the file port
+    (:mod:`wheeld.protocol.fsport`; the real one is :mod:`os`)."""
     words = wheel.header_words()
     result = Reconciled(batch_open=words[AL.H_JOURNAL_OPEN // 8] != 0)
     try:
-        _reconcile(wheel, directory, name, clocks, result)
+        _reconcile(wheel, directory, name, clocks, result, fs)
     finally:
         words[AL.H_JOURNAL_OPEN // 8] = 0  # the records and the journal agree from here on
     return result
 
 
-def _reconcile(wheel: TimerWheel, directory: str, name: str, clocks, result: Reconciled) -> None:
-    reason = journal_covers(wheel, directory, name)
+def _reconcile(wheel: TimerWheel, directory: str, name: str, clocks, result: Reconciled, fs: Any) -> None:
+    reason = journal_covers(wheel, directory, name, fs)
     state = None
     if reason is None:
         try:
-            state = recover(directory, repair=False, quiet=True)
+            state = recover(directory, repair=False, quiet=True, fs=fs)
         except (WheeldError, OSError, ValueError) as exc:
             reason = f"the journal cannot be read: {exc}"
     if state is not None:
@@ -151,16 +155,15 @@ def _reconcile(wheel: TimerWheel, directory: str, name: str, clocks, result: Rec
         result.reason = reason
         return
     result.trusted = True
-    _compare(wheel, state, clocks, result, clock_offsets(directory))
+    _compare(wheel, state, clocks, result, clock_offsets(directory, fs))
 
 
-def clock_offsets(directory: str) -> list[int]:
+def clock_offsets(directory: str, fs: Any = os) -> list[int]:
     """``wall0 - mono0`` of every segment header of the journal: offsets the clocks had."""
     offsets = []
-    for _lsn, path in list_segments(directory):
+    for _lsn, path in list_segments(directory, fs):
         try:
-            with open(path, "rb") as f:
-                header = json.loads(f.readline())
+            header = json.loads(fsport.read_line(fs, path))
             offsets.append(int(header["wall0"]) - int(header["mono0"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a damaged header: that segment's offset is not known

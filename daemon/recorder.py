@@ -46,11 +46,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from wheeld.protocol import arena_layout as AL
+from wheeld.protocol import fsport
 from wheeld.protocol import journal as J
+from wheeld.protocol.clock import mono_ms
 from wheeld.protocol.keys import TYPE_INT, TYPE_STR, decode_key, key_length, key_type
 from wheeld.shm.wheel import TimerWheel
 
@@ -61,7 +64,6 @@ from wheeld.protocol.journal_files import (
     PendingTimer,
     clock_offset_ns_above,
     describe_error,
-    list_segments,
 )
 
 log = logging.getLogger("wheeld.journal")
@@ -80,11 +82,7 @@ MIN_SNAPSHOT_BYTES_PER_TIMER = 64
 MIN_SNAPSHOT_BYTES = 64 << 10
 
 
-def mono_ms() -> int:
-    return time.monotonic_ns() // 1_000_000
-
-
-def wall_offset_ms() -> int:
+def wall_offset_ms(mono_ns: Callable[[], int] | None = None, wall_ns: Callable[[], int] | None = None) -> int:
     """Wall-clock ms minus monotonic ms, rounded up: what turns an arena deadline into the journal's.
 
     The monotonic clock is read first (the tightest of a few bracketed readings,
@@ -93,36 +91,47 @@ def wall_offset_ms() -> int:
     wall-clock deadline at or after the moment the monotonic deadline stood
     for (at most 1 ms after), and recovery rounds up again on its way back
     (:func:`wheeld.protocol.journal_files.wall_to_monotonic_ns`): a timer is never
-    early across a reboot.
+    early across a reboot. The clocks are :mod:`wheeld.protocol.clock`'s unless others
+    are given (a simulation's).
     """
-    return -(-clock_offset_ns_above() // 1_000_000)
+    return -(-clock_offset_ns_above(mono_ns, wall_ns) // 1_000_000)
 
 
 class Recorder:
-    """Collects the events of one loop iteration and appends them as one batch."""
+    """Collects the events of one loop iteration and appends them as one batch.
+
+    ``clock_ms`` is the arena's clock (CLOCK_MONOTONIC ms) and ``offset_ms``
+    what turns it into the journal's wall clock (:func:`wall_offset_ms`); both the
+    real ones unless given. Every time the Recorder reads (event times, when a
+    snapshot or a retry is due) comes from ``clock_ms``; its file operations go
+    through the journal's port (``journal.fs``)."""
 
     def __init__(self, journal: Journal, wheel: TimerWheel, snapshot_every_events: int = 1_000_000,
-                 snapshot_every_s: float = 300.0, totals: dict | None = None):
+                 snapshot_every_s: float = 300.0, totals: dict | None = None,
+                 clock_ms: Callable[[], int] | None = None, offset_ms: Callable[[], int] | None = None):
         self.journal = journal
         self.wheel = wheel
         self.events: list = []
         self._group_names: dict[int, str] = {}
-        self._offset = wall_offset_ms()
+        self._clock_ms = clock_ms if clock_ms is not None else mono_ms
+        self._wall_offset_ms = offset_ms if offset_ms is not None else wall_offset_ms
+        self._offset = self._wall_offset_ms()
         self.snapshot_every_events = snapshot_every_events
         self.snapshot_every_s = snapshot_every_s
         self._snapshot_lsn = journal.last_lsn
-        self._snapshot_time = time.monotonic()
-        self._snapshot_retry_at = 0.0
+        now = self._clock_ms()
+        self._snapshot_time_ms = now
+        self._snapshot_retry_at_ms = now
         self.totals = totals if totals is not None else {}
         self._header = wheel.header_words()
         #: called when the journal stops or starts being writable (the daemon tells systemd)
         self.on_change = None
-        self._stalled_since: float | None = None
-        self._stall_logged = 0.0
-        self._next_retry = 0.0
+        self._stalled_since_ms: int | None = None
+        self._stall_logged_ms = 0
+        self._next_retry_ms = now
         self._durable_log = os.environ.get("WHEELD_TEST_DURABLE_LOG")
         if self._durable_log:
-            _observe_durability(journal, self._durable_log)
+            _observe_durability(journal, self._durable_log, self._clock_ms)
         try:
             self._sync_previous_segments()
         except OSError as exc:
@@ -135,17 +144,11 @@ class Recorder:
         """A daemon killed without a reboot leaves its last events written but maybe not
         fsynced (the page cache keeps them); this daemon writes a new segment and would
         only ever fsync that one, so a later power cut would lose them. Sync them now."""
-        for _lsn, path in list_segments(self.journal.directory):
-            if path == self.journal.segment_path:
-                continue
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if self._durable_log:
-                with open(self._durable_log, "a") as log_file:
-                    log_file.write(f"{path.name} {os.path.getsize(path)} {mono_ms()}\n")
+        synced = self.journal.sync_previous_segments()
+        if self._durable_log:
+            with open(self._durable_log, "a") as log_file:
+                for path, size in synced:
+                    log_file.write(f"{path.name} {size} {self._clock_ms()}\n")
 
     # ------------------------------------------------------------------ events
     def begin(self) -> None:
@@ -153,7 +156,7 @@ class Recorder:
         says so (``H_JOURNAL_OPEN``) until :meth:`commit`: a daemon that attaches the arena
         after a crash in between knows the two may differ by that batch
         (:mod:`wheeld.daemon.reconcile`)."""
-        self._offset = wall_offset_ms()
+        self._offset = self._wall_offset_ms()
         self._header[_JOURNAL_OPEN] = 1
 
     def _group(self, gid: int) -> str:
@@ -175,14 +178,14 @@ class Recorder:
         idle = _UNSET if idle_ms is None else idle_ms
         k = J.key_to_json(key)
         if previous_ms is None:
-            self.events.append(J.Add(t=mono_ms() + off, g=self._group(gid), k=k, d=deadline_ms + off, s=seq, i=idle))
+            self.events.append(J.Add(t=self._clock_ms() + off, g=self._group(gid), k=k, d=deadline_ms + off, s=seq, i=idle))
         else:
-            self.events.append(J.Rearm(t=mono_ms() + off, g=self._group(gid), k=k, d=deadline_ms + off,
+            self.events.append(J.Rearm(t=self._clock_ms() + off, g=self._group(gid), k=k, d=deadline_ms + off,
                                        pd=previous_ms + off, s=seq, i=idle))
 
     def cancelled(self, gid: int, key, seq: int, previous_ms: int | None) -> None:
         off = self._offset
-        self.events.append(J.Cancel(t=mono_ms() + off, g=self._group(gid), k=J.key_to_json(key), s=seq,
+        self.events.append(J.Cancel(t=self._clock_ms() + off, g=self._group(gid), k=J.key_to_json(key), s=seq,
                                     hit=previous_ms is not None,
                                     pd=_UNSET if previous_ms is None else previous_ms + off))
 
@@ -193,11 +196,11 @@ class Recorder:
                                   i=_UNSET if idle_ms is None else idle_ms))
 
     def acked(self, gid: int, key, seq: int) -> None:
-        self.events.append(J.Ack(t=mono_ms() + self._offset, g=self._group(gid), k=J.key_to_json(key), s=seq))
+        self.events.append(J.Ack(t=self._clock_ms() + self._offset, g=self._group(gid), k=J.key_to_json(key), s=seq))
 
     def idle_rearmed(self, gid: int, key, previous_ms: int, deadline_ms: int, seq: int, idle_ms: int) -> None:
         off = self._offset
-        self.events.append(J.IdleRearm(t=mono_ms() + off, g=self._group(gid), k=J.key_to_json(key),
+        self.events.append(J.IdleRearm(t=self._clock_ms() + off, g=self._group(gid), k=J.key_to_json(key),
                                        d=deadline_ms + off, pd=previous_ms + off, s=seq, i=idle_ms))
 
     # ------------------------------------------------------------------ batch events
@@ -221,7 +224,7 @@ class Recorder:
         """:meth:`armed` for a segment; ``previous_ms`` from :meth:`previous_deadlines`,
         ``idle_ms`` None (all plain timers) or a list with None for plain ones."""
         off = self._offset
-        t = mono_ms() + off
+        t = self._clock_ms() + off
         g = self._group(gid)
         append = self.events.append
         Add, Rearm, unset = J.Add, J.Rearm, _UNSET
@@ -236,7 +239,7 @@ class Recorder:
     def cancelled_many(self, gid: int, idents, seqs, previous_ms) -> None:
         """:meth:`cancelled` for a segment; ``previous_ms`` from :meth:`previous_deadlines`."""
         off = self._offset
-        t = mono_ms() + off
+        t = self._clock_ms() + off
         g = self._group(gid)
         append = self.events.append
         Cancel, unset = J.Cancel, _UNSET
@@ -264,7 +267,7 @@ class Recorder:
         cancel the arena had no room for (not applied: no event).
         """
         off = self._offset
-        t = mono_ms() + off
+        t = self._clock_ms() + off
         g = self._group(gid)
         append = self.events.append
         Add, Rearm, Cancel, unset = J.Add, J.Rearm, J.Cancel, _UNSET
@@ -310,7 +313,7 @@ class Recorder:
                 self._stalled()
             else:
                 if self._durable_log and self.journal.policy.mode == "always":
-                    _note_durable(self.journal, self._durable_log)
+                    _note_durable(self.journal, self._durable_log, self._clock_ms())
                 self._header[_JOURNAL_OPEN] = 0  # the records and the journal agree again
             self._publish_lsns()
         else:
@@ -354,9 +357,10 @@ class Recorder:
             self._stalled()
             return
         due_events = self.journal.last_lsn - self._snapshot_lsn >= self.snapshot_every_events
-        due_time = (time.monotonic() - self._snapshot_time >= self.snapshot_every_s
+        clock_ms = self._clock_ms()
+        due_time = (clock_ms - self._snapshot_time_ms >= self.snapshot_every_s * 1000
                     and self.journal.last_lsn > self._snapshot_lsn)
-        if (due_events or due_time) and time.monotonic() >= self._snapshot_retry_at:
+        if (due_events or due_time) and clock_ms >= self._snapshot_retry_at_ms:
             self.snapshot()
 
     def sync_due_ms(self) -> int | None:
@@ -367,16 +371,17 @@ class Recorder:
         millisecond. While the journal is stalled, at its next retry.
         """
         journal = self.journal
+        now = self._clock_ms()
         if not journal.writable:
-            return mono_ms() + max(1, int((self._next_retry - time.monotonic()) * 1000) + 1)
+            return now + max(1, self._next_retry_ms - now + 1)
         if journal.sync_in_flight or journal.mark_pending:
-            return mono_ms() + 1
+            return now + 1
         return journal.sync_due_ms
 
     def _state(self) -> tuple[list, list]:
         """The pending and fired-unacknowledged timers of the arena, as a snapshot holds them."""
         wheel = self.wheel
-        off = wall_offset_ms()
+        off = self._wall_offset_ms()
         pending = []
         for key, deadline, gid, tag in _scheduled(wheel):
             try:
@@ -384,7 +389,7 @@ class Recorder:
             except ValueError:  # a group id overwritten in the arena: left out, as a damaged key is
                 continue
         unacked = []
-        now = mono_ms()
+        now = self._clock_ms()
         for slot in wheel.fired_slots():
             try:
                 key, deadline, gid, tag, aux, gen = wheel.fired(slot)
@@ -409,12 +414,12 @@ class Recorder:
             self._stalled()
             return
         except OSError as exc:
-            self._snapshot_retry_at = time.monotonic() + 30.0
+            self._snapshot_retry_at_ms = self._clock_ms() + 30_000
             log.error("journal: a snapshot at lsn %d could not be written (%s); the journal goes on without it, "
                       "another is tried in 30 s", lsn, describe_error(exc))
             return
         self._snapshot_lsn = lsn
-        self._snapshot_time = time.monotonic()
+        self._snapshot_time_ms = self._clock_ms()
         log.info("journal: snapshot at lsn %d (%d pending, %d unacknowledged) in %.0f ms",
                  lsn, len(pending), len(unacked), (time.perf_counter() - started) * 1000)
 
@@ -422,12 +427,12 @@ class Recorder:
     def _stalled(self) -> None:
         """The journal is not writable: say so once when it starts, then every minute."""
         journal = self.journal
-        now = time.monotonic()
+        now = self._clock_ms()
         error = journal.stalled
         self.totals["journal_stalled"] = (error.errno or 1) if error is not None else 1
-        if self._stalled_since is None:
-            self._stalled_since = self._stall_logged = now
-            self._next_retry = max(self._next_retry, now + RETRY_S)
+        if self._stalled_since_ms is None:
+            self._stalled_since_ms = self._stall_logged_ms = now
+            self._next_retry_ms = max(self._next_retry_ms, now + int(RETRY_S * 1000))
             self.totals["journal_stalls_total"] = self.totals.get("journal_stalls_total", 0) + 1
             log.error("%s (from lsn %d on); the daemon goes on serving: commands are applied and timers "
                       "fire, but every flush() fails with JournalUnavailable until the journal can be written again "
@@ -435,47 +440,47 @@ class Recorder:
                       journal.unavailable(), journal.durable_lsn + 1, RETRY_S)
             if self.on_change is not None:
                 self.on_change()
-        elif now - self._stall_logged >= STILL_STALLED_LOG_S:
-            self._stall_logged = now
+        elif now - self._stall_logged_ms >= STILL_STALLED_LOG_S * 1000:
+            self._stall_logged_ms = now
             log.error("journal: still not writable after %.0f s: %s; %d events not written (lsns %d..%d)",
-                      now - self._stalled_since, journal.unavailable(), journal.last_lsn - journal.durable_lsn,
+                      (now - self._stalled_since_ms) / 1000, journal.unavailable(), journal.last_lsn - journal.durable_lsn,
                       journal.durable_lsn + 1, journal.last_lsn)
 
     def _retry(self) -> None:
         """Try to make a stalled journal writable again (:meth:`Journal.resume`), at most
         every :data:`RETRY_S`, and never more often than ten times what a failed try cost."""
-        now = time.monotonic()
-        if now < self._next_retry:
+        now = self._clock_ms()
+        if now < self._next_retry_ms:
             return
         journal = self.journal
         wheel = self.wheel
-        self.commit(mono_ms())  # events recorded and not yet committed: numbered, so the snapshot covers them
+        self.commit(now)  # events recorded and not yet committed: numbered, so the snapshot covers them
         timers = len(wheel) + wheel.counters()["fired_unacked"]
-        started = time.perf_counter()
         behind = journal.last_lsn - journal.durable_lsn
         resumed = journal.resume(self._state, MIN_SNAPSHOT_BYTES + timers * MIN_SNAPSHOT_BYTES_PER_TIMER)
-        took = time.perf_counter() - started
-        self._next_retry = time.monotonic() + max(RETRY_S, RETRY_COST_FACTOR * took)
+        done = self._clock_ms()
+        took_ms = done - now
+        self._next_retry_ms = done + max(int(RETRY_S * 1000), RETRY_COST_FACTOR * took_ms)
         if not resumed:
             self._stalled()
             return
         self._snapshot_lsn = journal.last_lsn
-        self._snapshot_time = time.monotonic()
+        self._snapshot_time_ms = done
         self._publish_lsns()
         self.totals["journal_stalled"] = 0
-        since = self._stalled_since
-        self._stalled_since = None
-        log.warning("journal: writable again%s: snapshot at lsn %d of the arena's %d timers written in %.0f ms (it "
+        since = self._stalled_since_ms
+        self._stalled_since_ms = None
+        log.warning("journal: writable again%s: snapshot at lsn %d of the arena's %d timers written in %d ms (it "
                     "covers the %d events that were not written); flush() is acknowledged again",
-                    f" after {now - since:.1f} s" if since is not None else "", journal.last_lsn, timers,
-                    took * 1000, behind)
+                    f" after {(now - since) / 1000:.1f} s" if since is not None else "", journal.last_lsn, timers,
+                    took_ms, behind)
         if self.on_change is not None:
             self.on_change()
 
     def close(self) -> None:
         journal = self.journal
         if not journal.writable:  # a last try: a snapshot now saves what the stall left unwritten
-            self._next_retry = 0.0
+            self._next_retry_ms = self._clock_ms()
             self._retry()
         # bench/durability.py reads this line: fsyncs per policy over the daemon's life
         log.info("journal: closed at lsn %d after %d fsyncs (%d at start)",
@@ -548,14 +553,14 @@ def _scheduled(wheel: TimerWheel):
     return out
 
 
-def _note_durable(journal: Journal, log_path: str) -> None:
+def _note_durable(journal: Journal, log_path: str, now_ms: int) -> None:
     path = journal.segment_path
     if path is not None:
         with open(log_path, "a") as log_file:
-            log_file.write(f"{path.name} {os.path.getsize(path)} {mono_ms()}\n")
+            log_file.write(f"{path.name} {fsport.file_size(journal.fs, path)} {now_ms}\n")
 
 
-def _observe_durability(journal: Journal, log_path: str) -> None:
+def _observe_durability(journal: Journal, log_path: str, clock_ms: Callable[[], int]) -> None:
     """Test hook, on only with WHEELD_TEST_DURABLE_LOG: after every fsync of a segment,
     log how many of its bytes are on disk. The chaos test simulates a power loss by
     cutting each segment back to that size (the page cache survives a SIGKILL, a
@@ -564,7 +569,7 @@ def _observe_durability(journal: Journal, log_path: str) -> None:
 
     def sync() -> None:
         original_sync()
-        _note_durable(journal, log_path)
+        _note_durable(journal, log_path, clock_ms())
 
     def synced(path, size: int, started_ms: int) -> None:
         # a background fsync: it covers the bytes written before it started, so the

@@ -14,6 +14,8 @@ short, or behind what the arena holds, is caught up with a snapshot of the arena
 from __future__ import annotations
 
 import logging
+import os
+from typing import Any
 
 from wheeld.protocol.errors import ArenaFull, InvalidRequest, JournalUnavailable, WheeldError
 from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
@@ -28,7 +30,7 @@ from wheeld.protocol.journal_files import (
 )
 from wheeld.protocol.journal_recovery import RecoveredState, recover
 from .config import MAX_CAPACITY
-from .recorder import Recorder
+from .recorder import Recorder, wall_offset_ms
 
 log = logging.getLogger("wheeld.journal")
 
@@ -42,7 +44,7 @@ class TimersNotRestored(WheeldError):
     removed)."""
 
 
-def recover_journal(directory: str, on_damage: str = "skip") -> RecoveredState:
+def recover_journal(directory: str, on_damage: str = "skip", fs: Any = os) -> RecoveredState:
     """Recover a journal directory for a daemon whose arena is gone (``wheeld --journal-damage``).
 
     ``skip``: damaged ranges are skipped (each logged at ERROR level) and the
@@ -52,9 +54,10 @@ def recover_journal(directory: str, on_damage: str = "skip") -> RecoveredState:
     created, so a refusal leaves no empty arena behind (one would make the next
     start skip the journal). A directory that cannot be read (or repaired: a torn
     tail cut) raises :class:`~wheeld.protocol.errors.JournalUnavailable`, one line.
+    ``fs``: the file port (:mod:`wheeld.protocol.fsport`; the real one is :mod:`os`).
     """
     try:
-        return recover(directory, on_damage=on_damage)
+        return recover(directory, on_damage=on_damage, fs=fs)
     except OSError as exc:
         raise JournalUnavailable(f"journal directory {directory} cannot be recovered: {exc}") from exc
 
@@ -154,16 +157,28 @@ def load_recovered(wheel: TimerWheel, state: RecoveredState, directory: str = ""
     return state.last_lsn + 1
 
 
-def recover_into(wheel: TimerWheel, directory: str, on_damage: str = "skip") -> int:
+def recover_into(wheel: TimerWheel, directory: str, on_damage: str = "skip", fs: Any = os,
+                 clocks=read_clocks) -> int:
     """Load a journal directory's state into an empty arena; return the next lsn."""
-    return load_recovered(wheel, recover_journal(directory, on_damage), directory)
+    return load_recovered(wheel, recover_journal(directory, on_damage, fs), directory, clocks)
+
+
+def host_clocks(host):
+    """:func:`~wheeld.protocol.journal_files.read_clocks` on the clocks of ``host`` (a
+    :class:`wheeld.daemon.host.Host`; None: the real clocks)."""
+    if host is None:
+        return read_clocks
+    return lambda: read_clocks(host.clock_ns, host.wall_ns)
 
 
 def open_journal(config, wheel: TimerWheel, recovered: RecoveredState | None, totals: dict,
-                 next_lsn: int | None = None) -> Recorder:
+                 next_lsn: int | None = None, host=None) -> Recorder:
     """The daemon's journal: load what was recovered (if the arena is new), open the writer.
 
     ``next_lsn``: the state was already loaded (:func:`load_recovered` returned it).
+    ``host``: the :class:`wheeld.daemon.host.Host` whose clocks, file port
+    (``host.fs``), background runner (``host.runner``) and name the journal uses
+    (None: the real ones).
 
     ``recovered`` is :func:`recover_journal`'s state when the arena was just
     created (None when an existing arena was attached: the journal continues,
@@ -178,17 +193,26 @@ def open_journal(config, wheel: TimerWheel, recovered: RecoveredState | None, to
     permitted) this raises :class:`~wheeld.protocol.errors.JournalUnavailable`,
     and ``wheeld`` exits 2 with that one line.
     """
+    fs = os if host is None else host.fs
     resync = False
     if recovered is not None:
         if next_lsn is None:
-            next_lsn = load_recovered(wheel, recovered, config.journal_dir)
+            next_lsn = load_recovered(wheel, recovered, config.journal_dir, host_clocks(host))
         totals["journal_damaged_ranges_total"] = totals.get("journal_damaged_ranges_total", 0) + len(recovered.damage)
         totals["journal_damaged_lines_total"] = totals.get("journal_damaged_lines_total", 0) + recovered.damaged_lines
+        resync = _unsynced_after_recovery(config.journal_dir, recovered, fs)
     else:
-        next_lsn, resync = _continue_after(config.journal_dir, wheel, totals)
-    journal = Journal(config.journal_dir, fsync=config.fsync, name=config.name, next_lsn=next_lsn, resync=resync,
-                      stall_on_error=True)
-    recorder = Recorder(journal, wheel, totals=totals)
+        next_lsn, resync = _continue_after(config.journal_dir, wheel, totals, fs)
+    if host is None:
+        journal = Journal(config.journal_dir, fsync=config.fsync, name=config.name, next_lsn=next_lsn, resync=resync,
+                          stall_on_error=True)
+        recorder = Recorder(journal, wheel, totals=totals)
+    else:
+        journal = Journal(config.journal_dir, fsync=config.fsync, host=host.hostname, name=config.name,
+                          next_lsn=next_lsn, wall_ms=host.wall_ms, mono_ms=host.clock_ms, resync=resync,
+                          stall_on_error=True, fs=fs, runner=host.runner)
+        recorder = Recorder(journal, wheel, totals=totals, clock_ms=host.clock_ms,
+                            offset_ms=lambda: wall_offset_ms(host.clock_ns, host.wall_ns))
     if recovered is not None and recovered.damage:
         recorder.snapshot()
     log.info("journal %s (fsync %s) continues at lsn %d%s", config.journal_dir, config.fsync, journal.last_lsn + 1,
@@ -196,7 +220,29 @@ def open_journal(config, wheel: TimerWheel, recovered: RecoveredState | None, to
     return recorder
 
 
-def _continue_after(directory: str, wheel: TimerWheel, totals: dict) -> tuple[int, bool]:
+def _unsynced_after_recovery(directory: str, state: RecoveredState, fs: Any) -> bool:
+    """Whether the journal just recovered holds events past its durable mark (the last lsn
+    a daemon saw fsynced): then a snapshot of the new arena comes first.
+
+    After a reboot the files hold only what reached the disk. But an arena can be gone
+    while the host runs on (removed, or set aside as damaged), and then recovery reads
+    the page cache: bytes written and never synced, or whose fsync failed -- Linux drops
+    the pages a failed writeback could not write, marks them clean and keeps serving
+    them from memory, and a later fsync, of any descriptor, succeeds without writing
+    them (the "fsyncgate" behaviour since 4.13). No later fsync can make them durable;
+    writing them again can, and the snapshot does."""
+    try:
+        mark = read_mark(directory, fs)
+    except OSError:
+        mark = 0
+    if state.last_lsn <= mark:
+        return False
+    log.warning("journal: %s holds events up to lsn %d but only up to lsn %d are known to have been synced: a "
+                "snapshot of the recovered timers is written first", directory, state.last_lsn, mark)
+    return True
+
+
+def _continue_after(directory: str, wheel: TimerWheel, totals: dict, fs: Any = os) -> tuple[int, bool]:
     """For an attached arena: ``(next lsn, whether a snapshot of the arena must come first)``.
 
     The arena's header says up to which lsn the previous daemon numbered events
@@ -208,10 +254,16 @@ def _continue_after(directory: str, wheel: TimerWheel, totals: dict) -> tuple[in
     result: the journal continues after every lsn ever used, with a snapshot of
     the arena first, and nothing is lost. So it does when the directory is empty
     and the arena holds timers (a journal turned on, or moved, under a live arena).
+
+    Events in the files past what was known durable (the previous daemon stopped
+    before it synced them, or their fsync failed) are written again the same way:
+    a failed fsync drops the pages it could not write while they stay readable in
+    the page cache, and a later fsync succeeds without writing them
+    (:func:`_unsynced_after_recovery`), so the files cannot be trusted past that lsn.
     """
     try:
-        on_disk = last_lsn_on_disk(directory, repair=True)
-        mark = read_mark(directory)
+        on_disk = last_lsn_on_disk(directory, repair=True, fs=fs)
+        mark = read_mark(directory, fs)
     except FileNotFoundError:
         on_disk = mark = 0
     except OSError as exc:
@@ -231,4 +283,8 @@ def _continue_after(directory: str, wheel: TimerWheel, totals: dict) -> tuple[in
     elif on_disk == 0 and len(wheel) + wheel.counters()["fired_unacked"]:
         log.warning("journal: %s is empty and the arena holds timers: a snapshot of them is written now", directory)
         after = 1  # the snapshot stands for lsn 1: "what the arena held before the journal"
-    return after + 1, after > on_disk
+    elif on_disk > durable:
+        log.warning("journal: %s holds events up to lsn %d but only up to lsn %d are known to have been synced (the "
+                    "previous daemon stopped before it synced them, or their fsync failed): a snapshot of the arena "
+                    "is written now", directory, on_disk, durable)
+    return after + 1, after > on_disk or after > durable

@@ -142,7 +142,6 @@ import logging
 import os
 import socket
 import stat
-import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -150,6 +149,8 @@ from typing import Any
 import msgspec
 from msgspec import UNSET
 
+from . import clock
+from . import fsport
 from .errors import Closed, InvalidRequest, JournalUnavailable
 from .journal import (
     MARK_NAME,
@@ -200,6 +201,7 @@ __all__ = [
     "free_bytes",
     "describe_error",
     "TRANSIENT_ERRNOS",
+    "ThreadRunner",
 ]
 
 log = logging.getLogger("wheeld.journal")
@@ -208,14 +210,6 @@ DEFAULT_SEGMENT_BYTES = 64 << 20
 SNAPSHOTS_KEPT = 2
 
 
-
-
-def _wall_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-def _mono_ms() -> int:
-    return time.monotonic_ns() // 1_000_000
 
 
 # --------------------------------------------------------------------------- #
@@ -306,33 +300,38 @@ class FiredTimer(
 # --------------------------------------------------------------------------- #
 
 
-def _bracketed_clocks(tries: int = 3) -> tuple[int, int, int]:
+def _bracketed_clocks(mono_ns: Callable[[], int] | None = None, wall_ns: Callable[[], int] | None = None,
+                      tries: int = 3) -> tuple[int, int, int]:
     """``(monotonic ns before, wall ns, monotonic ns after)``: the wall clock read between
     two monotonic reads, the tightest of ``tries`` attempts. A process preempted between
     two clock reads (a loaded host) would otherwise skew the offset by the time it waited;
-    it would have to be preempted in every attempt."""
+    it would have to be preempted in every attempt. The clocks are
+    :func:`wheeld.protocol.clock.mono_ns` and :func:`~wheeld.protocol.clock.wall_ns`
+    unless others are given (a simulation's)."""
+    mono_ns = clock.mono_ns if mono_ns is None else mono_ns
+    wall_ns = clock.wall_ns if wall_ns is None else wall_ns
     best = None
     for _ in range(tries):
-        before = time.monotonic_ns()
-        wall = time.time_ns()
-        after = time.monotonic_ns()
+        before = mono_ns()
+        wall = wall_ns()
+        after = mono_ns()
         if best is None or after - before < best[2] - best[0]:
             best = (before, wall, after)
     return best
 
 
-def read_clocks() -> tuple[int, int]:
+def read_clocks(mono_ns: Callable[[], int] | None = None, wall_ns: Callable[[], int] | None = None) -> tuple[int, int]:
     """``(wall ns, monotonic ns)`` with ``wall - mono`` at most the true offset between the
     clocks (the monotonic reading after the wall one; see :func:`wall_to_monotonic_ns`)."""
-    _before, wall, after = _bracketed_clocks()
+    _before, wall, after = _bracketed_clocks(mono_ns, wall_ns)
     return wall, after
 
 
-def clock_offset_ns_above() -> int:
+def clock_offset_ns_above(mono_ns: Callable[[], int] | None = None, wall_ns: Callable[[], int] | None = None) -> int:
     """``wall - mono`` in ns, at least the true offset between the clocks (the monotonic
     reading before the wall one): what turns a monotonic deadline into a wall-clock one
     that is never early."""
-    before, wall, _after = _bracketed_clocks()
+    before, wall, _after = _bracketed_clocks(mono_ns, wall_ns)
     return wall - before
 
 
@@ -365,36 +364,22 @@ def wall_to_monotonic(deadline_wall_ms: int, now_wall_ms: int, now_mono_ms: int)
 # --------------------------------------------------------------------------- #
 
 
-def list_segments(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """``(first_lsn, path)`` of every segment in ``directory``, in lsn order."""
-    return _listed(directory, parse_segment_name)
+def list_segments(directory: str | os.PathLike[str], fs: Any = os) -> list[tuple[int, Path]]:
+    """``(first_lsn, path)`` of every segment in ``directory``, in lsn order. ``fs``: the
+    file port (:mod:`wheeld.protocol.fsport`; the real one is :mod:`os`)."""
+    return _listed(directory, parse_segment_name, fs)
 
 
-def list_snapshots(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+def list_snapshots(directory: str | os.PathLike[str], fs: Any = os) -> list[tuple[int, Path]]:
     """``(lsn, path)`` of every snapshot in ``directory``, in lsn order."""
-    return _listed(directory, parse_snapshot_name)
+    return _listed(directory, parse_snapshot_name, fs)
 
 
-def _listed(directory: str | os.PathLike[str], parse) -> list[tuple[int, Path]]:
+def _listed(directory: str | os.PathLike[str], parse, fs: Any) -> list[tuple[int, Path]]:
     """``(lsn, path)`` of every entry whose name ``parse`` reads an lsn from, sorted."""
-    found = [(lsn, Path(entry.path)) for entry in os.scandir(directory) if (lsn := parse(entry.name)) is not None]
+    found = [(lsn, Path(entry.path)) for entry in fs.scandir(directory) if (lsn := parse(entry.name)) is not None]
     found.sort()
     return found
-
-
-def _fsync_dir(directory: str | os.PathLike[str]) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
 
 
 #: Modes of what the journal creates, whatever the umask: the files hold every
@@ -409,7 +394,7 @@ def _is_journal_file(name: str) -> bool:
     return name.startswith((SEGMENT_PREFIX, SNAPSHOT_PREFIX)) and ".jsonl" in name or name.startswith(MARK_NAME)
 
 
-def prepare_directory(directory: str | os.PathLike[str]) -> None:
+def prepare_directory(directory: str | os.PathLike[str], fs: Any = os) -> None:
     """Create the journal directory with mode 0750, or tighten an existing one.
 
     A new directory gets exactly :data:`DIR_MODE` (``chmod`` after ``mkdir``,
@@ -421,35 +406,35 @@ def prepare_directory(directory: str | os.PathLike[str]) -> None:
     owner) is logged as a warning and left alone.
     """
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
+    fs.makedirs(directory.parent, exist_ok=True)
     try:
-        os.mkdir(directory, DIR_MODE)
+        fs.mkdir(directory, DIR_MODE)
     except FileExistsError:
-        if not directory.is_dir():
+        if not fsport.is_dir(fs, directory):
             raise
-        mode = stat.S_IMODE(os.stat(directory).st_mode)
+        mode = stat.S_IMODE(fs.stat(directory).st_mode)
         if mode & ~DIR_MODE:
-            _tighten(directory, mode, mode & DIR_MODE)
+            _tighten(directory, mode, mode & DIR_MODE, fs)
     else:
-        os.chmod(directory, DIR_MODE)
+        fs.chmod(directory, DIR_MODE)
         return
     wide = []
-    for entry in os.scandir(directory):
+    for entry in fs.scandir(directory):
         if not _is_journal_file(entry.name) or not entry.is_file(follow_symlinks=False):
             continue
         mode = stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
         if mode & ~FILE_MODE:
             wide.append((Path(entry.path), mode))
     for path, mode in wide:
-        _tighten(path, mode, mode & FILE_MODE, quiet=True)
+        _tighten(path, mode, mode & FILE_MODE, fs, quiet=True)
     if wide:
         log.warning("journal: %d file(s) in %s were readable beyond owner and group (e.g. %s was %o); "
                     "tightened to %o", len(wide), directory, wide[0][0].name, wide[0][1], FILE_MODE)
 
 
-def _tighten(path: Path, mode: int, wanted: int, quiet: bool = False) -> None:
+def _tighten(path: Path, mode: int, wanted: int, fs: Any, quiet: bool = False) -> None:
     try:
-        os.chmod(path, wanted)
+        fs.chmod(path, wanted)
     except OSError as exc:
         log.warning("journal: %s has mode %o (keys and groups readable by others) and cannot be tightened "
                     "to %o: %s", path, mode, wanted, exc)
@@ -458,48 +443,48 @@ def _tighten(path: Path, mode: int, wanted: int, quiet: bool = False) -> None:
         log.warning("journal: %s had mode %o; tightened to %o", path, mode, wanted)
 
 
-def _create_file(path: Path, flags: int = 0) -> int:
+def _create_file(path: Path, fs: Any, flags: int = 0) -> int:
     """Open a new journal file with mode :data:`FILE_MODE` whatever the umask; return the fd."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, FILE_MODE)
+    fd = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, FILE_MODE)
     try:
-        os.fchmod(fd, FILE_MODE)
+        fs.fchmod(fd, FILE_MODE)
     except BaseException:
-        os.close(fd)
+        fs.close(fd)
         raise
     return fd
 
 
-def _write_file(path: Path, data: bytes) -> None:
+def _write_file(path: Path, data: bytes, fs: Any) -> None:
     """Write a whole new file (mode 0640) and fsync it."""
-    fd = _create_file(path, os.O_TRUNC)
+    fd = _create_file(path, fs, os.O_TRUNC)
     try:
-        _write_all(fd, data)
-        os.fsync(fd)
+        fsport.write_all(fs, fd, data)
+        fs.fsync(fd)
     finally:
-        os.close(fd)
+        fs.close(fd)
 
 
-def cut_segment(path: Path, offset: int, data: bytes) -> str:
+def cut_segment(path: Path, offset: int, data: bytes, fs: Any = os) -> str:
     """Truncate a segment at ``offset`` (its torn tail); keep cut complete lines aside."""
     kept = ""
     if b"\n" in data[offset:]:  # complete lines go: keep them as evidence
         aside = path.with_name(f"{path.name}.cut-{offset}")
         try:
-            _write_file(aside, data[offset:])
+            _write_file(aside, data[offset:], fs)
             kept = f"; cut bytes saved in {aside.name}"
         except OSError as exc:  # a full disk: the cut goes on (it frees space), the evidence cannot
-            aside.unlink(missing_ok=True)
+            fsport.unlink(fs, aside, missing_ok=True)
             kept = f"; cut bytes NOT saved ({describe_error(exc)})"
     if offset == 0:
-        path.unlink()
-        _fsync_dir(path.parent)
+        fs.unlink(path)
+        fsport.fsync_dir(fs, path.parent)
         return f"removed the file (no good line){kept}"
-    fd = os.open(path, os.O_WRONLY)
+    fd = fs.open(path, os.O_WRONLY)
     try:
-        os.ftruncate(fd, offset)
-        os.fsync(fd)
+        fs.ftruncate(fd, offset)
+        fs.fsync(fd)
     finally:
-        os.close(fd)
+        fs.close(fd)
     return f"truncated to {offset} bytes{kept}"
 
 
@@ -511,7 +496,7 @@ def _starts_at(scan: SegmentScan, lsn: int) -> bool:
     return bool(parts) and type(parts[0]) is list and parts[0][0].n == lsn
 
 
-def read_segment(path: Path, wanted_lsn: int | None = None) -> tuple[SegmentScan, bytes]:
+def read_segment(path: Path, wanted_lsn: int | None = None, fs: Any = os) -> tuple[SegmentScan, bytes]:
     """Scan a segment past damage; with ``wanted_lsn``, skip (unchecked) the events before it.
 
     The events before ``wanted_lsn`` are found by counting lines. If the first
@@ -520,8 +505,7 @@ def read_segment(path: Path, wanted_lsn: int | None = None) -> tuple[SegmentScan
     its lsn is looked up by its text; failing that, the whole file is read and
     the caller drops the events it already has.
     """
-    with open(path, "rb") as file:
-        data = file.read()
+    data = fsport.read_file(fs, path)
     name = str(path)
     first_lsn = parse_segment_name(path.name)
     skip = 0 if wanted_lsn is None or first_lsn is None else max(0, wanted_lsn - first_lsn)
@@ -549,21 +533,21 @@ def torn_tail(scan: SegmentScan) -> BadLines | None:
     return None
 
 
-def last_lsn_on_disk(directory: str | os.PathLike[str], repair: bool = False) -> int:
+def last_lsn_on_disk(directory: str | os.PathLike[str], repair: bool = False, fs: Any = os) -> int:
     """Highest lsn in the newest non-empty segment or snapshot (0 for an empty dir).
 
     With ``repair`` the newest segment's torn tail is cut first. Damage in the
     middle of a segment is left alone: the lsn after it is what counts.
     """
     directory = Path(directory)
-    last = max((lsn for lsn, _ in list_snapshots(directory)), default=0)
-    segments = list_segments(directory)
+    last = max((lsn for lsn, _ in list_snapshots(directory, fs)), default=0)
+    segments = list_segments(directory, fs)
     for index in range(len(segments) - 1, -1, -1):
         first_lsn, path = segments[index]
-        scan, data = read_segment(path)
+        scan, data = read_segment(path, fs=fs)
         tail = torn_tail(scan)
         if tail is not None and repair and index == len(segments) - 1:
-            action = cut_segment(path, tail.start, data)
+            action = cut_segment(path, tail.start, data, fs)
             log.warning("journal: torn tail %s -> %s", tail, action)
             if tail.start == 0:
                 continue
@@ -574,21 +558,19 @@ def last_lsn_on_disk(directory: str | os.PathLike[str], repair: bool = False) ->
     return last
 
 
-def read_mark(directory: str | os.PathLike[str]) -> int:
+def read_mark(directory: str | os.PathLike[str], fs: Any = os) -> int:
     """The durable mark of a journal directory (:func:`wheeld.protocol.journal.parse_mark`;
     0 when it has none or it cannot be read)."""
     try:
-        with open(Path(directory) / MARK_NAME, "rb") as file:
-            return parse_mark(file.read(2 * MARK_SLOT))
+        return parse_mark(fsport.read_file(fs, Path(directory) / MARK_NAME, 2 * MARK_SLOT))
     except FileNotFoundError:
         return 0
 
 
-def free_bytes(directory: str | os.PathLike[str]) -> int:
+def free_bytes(directory: str | os.PathLike[str], fs: Any = os) -> int:
     """Bytes this process may still write on the filesystem of ``directory`` (root may
     use the blocks reserved for it)."""
-    info = os.statvfs(directory)
-    return (info.f_bfree if os.geteuid() == 0 else info.f_bavail) * info.f_frsize
+    return fsport.free_bytes(fs, directory)
 
 
 #: errors that let a daemon start with its journal stalled (they come and go: space is
@@ -609,13 +591,45 @@ def describe_error(exc: BaseException) -> str:
 # --------------------------------------------------------------------------- #
 
 
+class ThreadRunner:
+    """Where the journal runs its background work: the fsyncs of ``interval`` and the
+    durable mark's writes (the *runner* port of :class:`Journal`).
+
+    ``submit(fn, *args)`` starts ``fn(*args)`` and returns a handle with ``done()``
+    (finished?) and ``result()`` (wait for it; its exception raised here);
+    ``shutdown()`` waits for what was submitted and releases the worker. This one
+    is the real daemon's: one helper thread (``fsync(2)`` and ``fdatasync(2)``
+    release the GIL, so the loop goes on meanwhile), made when first needed, so a
+    journal that never needs it starts no thread. One worker runs the tasks in the
+    order they were submitted. A simulation passes a runner of its own that runs
+    them when the simulator decides (``tests/sim/runner.py``)."""
+
+    def __init__(self) -> None:
+        self._pool = None
+
+    def submit(self, fn: Callable, *args: Any):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wheeld-fsync")
+        return self._pool.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
 class Journal:
     """Append-only writer of one journal directory (one daemon owns it).
 
     ``next_lsn`` is the lsn of the next event: pass ``recover(dir).last_lsn + 1``
     after a recovery; when None the journal reads the newest segment to find it
     (and cuts a torn tail it finds there). ``wall_ms``/``mono_ms`` are the
-    clocks (ms); tests pass fake ones.
+    clocks (ms; by default :mod:`wheeld.protocol.clock`'s); tests pass fake ones.
+    ``fs`` is the file port every file operation goes through (:mod:`os` itself
+    for real; :mod:`wheeld.protocol.fsport`), ``runner`` where the background
+    fsyncs and mark writes run (:class:`ThreadRunner` unless given).
 
     ``resync``: do not open a segment; the journal starts as if stalled (without
     an error) and :meth:`resume` writes a snapshot first. For a daemon whose
@@ -636,20 +650,23 @@ class Journal:
         host: str | None = None,
         name: str = "default",
         next_lsn: int | None = None,
-        wall_ms: Callable[[], int] = _wall_ms,
-        mono_ms: Callable[[], int] = _mono_ms,
+        wall_ms: Callable[[], int] = clock.wall_ms,
+        mono_ms: Callable[[], int] = clock.mono_ms,
         *,
         resync: bool = False,
         stall_on_error: bool = False,
+        fs: Any = os,
+        runner: Any = None,
     ) -> None:
         self.policy = parse_fsync_policy(fsync)
         if segment_bytes <= 0:
             raise InvalidRequest(f"segment_bytes must be > 0, not {segment_bytes}")
         self.directory = Path(directory)
+        self.fs = fs
         try:
-            prepare_directory(self.directory)
+            prepare_directory(self.directory, fs)
             if next_lsn is None:
-                next_lsn = last_lsn_on_disk(self.directory, repair=True) + 1
+                next_lsn = last_lsn_on_disk(self.directory, repair=True, fs=fs) + 1
         except OSError as exc:
             raise JournalUnavailable(f"journal directory {self.directory} cannot be used: {exc}") from exc
         self.segment_bytes = segment_bytes
@@ -660,7 +677,7 @@ class Journal:
         if next_lsn < 1:
             raise InvalidRequest(f"next_lsn starts at 1, not {next_lsn}")
         self._last_lsn = next_lsn - 1
-        self._durable_lsn = next_lsn - 1
+        self._durable_lsn = next_lsn - 1  # the caller says so; with resync, only the mark does (below)
         self._unsynced_since_ms: int | None = None
         self._always = self.policy.mode == "always"
         self._interval = self.policy.mode == "interval"
@@ -675,15 +692,21 @@ class Journal:
         self.stalls = 0  # times it stopped being writable
         self.unwritten_events = 0  # events numbered while it could not be written (a resume's snapshot covers them)
         self._cut_to: int | None = None  # the segment must be cut back to this size before it is synced
-        # background group commit (start_sync/poll_sync) and the durable mark: the helper
-        # thread, the fsync in flight as (future, lsn it covers, segment, bytes it covers,
-        # mono ms it started), the mark write in flight as (future, lsn)
-        self._sync_thread = None
+        # under "off": segments rotated away from without a sync, and whether the directory holds
+        # names not synced yet (sync() makes both durable)
+        self._unsynced_segments: list[Path] = []
+        self._directory_unsynced = False
+        # background group commit (start_sync/poll_sync) and the durable mark: the runner
+        # (a helper thread), the fsync in flight as (handle, lsn it covers, segment, bytes it
+        # covers, mono ms it started), the mark write in flight as (handle, lsn)
+        self._runner = runner if runner is not None else ThreadRunner()
         self._sync_in_flight = None
         self._mark_in_flight = None
         self._mark_fd = -1
-        self._marked_lsn, self._mark_slot = _mark_state(self.directory)
+        self._marked_lsn, self._mark_slot = _mark_state(self.directory, fs)
         self._synced_lsn = self._marked_lsn  # the highest lsn an fsync of this journal made durable
+        if resync:  # the files do not hold every lsn before next_lsn durably: what is known is the mark
+            self._durable_lsn = min(self._durable_lsn, self._marked_lsn)
         self.mark_error: OSError | None = None
         #: called as ``on_synced(segment_path, bytes_on_disk, mono_ms)`` whenever an fsync made
         #: bytes of a segment durable (for a background fsync: the moment it started), before
@@ -774,7 +797,7 @@ class Journal:
         data = encode_events(events)
         before = self._segment_size
         try:
-            _write_all(self._fd, data)
+            fsport.write_all(self.fs, self._fd, data)
         except OSError as exc:
             self._last_lsn = lsn
             self.unwritten_events += len(events)
@@ -785,7 +808,7 @@ class Journal:
         self._last_lsn = lsn
         if self._always:
             try:
-                os.fsync(self._fd)
+                self.fs.fsync(self._fd)
             except OSError as exc:
                 self._stall(exc)
                 raise JournalUnavailable(self.unavailable()) from exc
@@ -822,42 +845,60 @@ class Journal:
                 self.on_synced(self.segment_path, size, self._mono_ms() if started_ms is None else started_ms)
         self._advance_mark()
 
+    def sync_previous_segments(self) -> list[tuple[Path, int]]:
+        """Fsync every segment of the directory but the one being written; ``(path, size)``
+        of each.
+
+        A process killed without a reboot leaves its last events written but maybe not
+        fsynced (the page cache keeps them); a journal opened after it writes a new
+        segment and would only ever fsync that one, so a later power cut would lose them.
+        The directory is fsynced too: the names of segments created under ``off`` (which
+        never fsyncs the directory) are durable only then."""
+        fs = self.fs
+        synced = []
+        for _lsn, path in list_segments(self.directory, fs):
+            if path == self.segment_path:
+                continue
+            fd = fs.open(path, os.O_RDONLY)
+            try:
+                fs.fsync(fd)
+            finally:
+                fs.close(fd)
+            synced.append((path, fsport.file_size(fs, path)))
+        if synced:
+            fsport.fsync_dir(fs, self.directory)
+        return synced
+
     # -- the durable mark ------------------------------------------------------
-
-    def _helper(self):
-        if self._sync_thread is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._sync_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wheeld-fsync")
-        return self._sync_thread
 
     def _write_mark(self, lsn: int) -> None:
         """Write the mark ``lsn`` into the older slot and fdatasync it (on the helper thread).
 
         The file is created whole (both slots) under a temporary name the first time; after
         that it is only overwritten in place, so it never needs a new block."""
+        fs = self.fs
         slot = encode_mark(lsn, self._wall_ms())
         if self._mark_fd < 0:
             path = self.directory / MARK_NAME
-            if not path.exists():
+            if not fsport.exists(fs, path):
                 temporary = path.with_name(MARK_NAME + ".tmp")
-                fd = _create_file(temporary, os.O_TRUNC)
+                fd = _create_file(temporary, fs, os.O_TRUNC)
                 try:
-                    _write_all(fd, slot + slot)
-                    os.fdatasync(fd)  # the mark needs its bytes and size on disk, not its timestamps
+                    fsport.write_all(fs, fd, slot + slot)
+                    fs.fdatasync(fd)  # the mark needs its bytes and size on disk, not its timestamps
                 finally:
-                    os.close(fd)
-                os.replace(temporary, path)
-                directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+                    fs.close(fd)
+                fs.replace(temporary, path)
+                directory = fs.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
                 try:
-                    os.fdatasync(directory)
+                    fs.fdatasync(directory)
                 finally:
-                    os.close(directory)
-                self._mark_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                    fs.close(directory)
+                self._mark_fd = fs.open(path, os.O_RDWR | os.O_CLOEXEC)
                 return
-            self._mark_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        os.pwrite(self._mark_fd, slot, self._mark_slot * MARK_SLOT)
-        os.fdatasync(self._mark_fd)
+            self._mark_fd = fs.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fs.pwrite(self._mark_fd, slot, self._mark_slot * MARK_SLOT)
+        fs.fdatasync(self._mark_fd)
         self._mark_slot ^= 1
 
     def _poll_mark(self, wait: bool = False) -> None:
@@ -886,14 +927,14 @@ class Journal:
         self._poll_mark()
         if self._mark_in_flight is None and self._synced_lsn > self._marked_lsn and not self._closed:
             lsn = self._synced_lsn
-            self._mark_in_flight = (self._helper().submit(self._write_mark, lsn), lsn)
+            self._mark_in_flight = (self._runner.submit(self._write_mark, lsn), lsn)
 
     def flush_mark(self) -> None:
         """Wait for the mark write in flight, then write the mark up to what was fsynced."""
         self._poll_mark(wait=True)
         if self._synced_lsn > self._marked_lsn:
             lsn = self._synced_lsn
-            self._mark_in_flight = (self._helper().submit(self._write_mark, lsn), lsn)
+            self._mark_in_flight = (self._runner.submit(self._write_mark, lsn), lsn)
             self._poll_mark(wait=True)
 
     @property
@@ -927,7 +968,7 @@ class Journal:
             now_ms = self._mono_ms()
         if now_ms - self._unsynced_since_ms < self.policy.interval_ms:
             return False
-        future = self._helper().submit(os.fsync, self._fd)
+        future = self._runner.submit(self.fs.fsync, self._fd)
         self._sync_in_flight = (future, self._last_lsn, self.segment_path, self._segment_size, now_ms)
         self._unsynced_since_ms = None
         return True
@@ -962,18 +1003,28 @@ class Journal:
         return True
 
     def sync(self) -> None:
-        """Fsync the current segment now (any policy); ``durable_lsn`` catches up."""
+        """Fsync what was written now (any policy); ``durable_lsn`` catches up.
+
+        That is the current segment, and under ``off`` also the segments it rotated
+        away from without syncing them and the directory that names them: every event
+        up to :attr:`last_lsn` is then on disk."""
         if self._closed:
             raise Closed("journal is closed")
         self.poll_sync(wait=True)
         if not self.writable:
             raise JournalUnavailable(self.unavailable())
-        if self._durable_lsn != self._last_lsn:
+        if self._durable_lsn != self._last_lsn or self._unsynced_segments or self._directory_unsynced:
             try:
-                os.fsync(self._fd)
+                for path in self._unsynced_segments:
+                    self._fsync_path(path)
+                self.fs.fsync(self._fd)
+                if self._directory_unsynced:
+                    fsport.fsync_dir(self.fs, self.directory)
             except OSError as exc:
                 self._stall(exc)
                 raise JournalUnavailable(self.unavailable()) from exc
+            self._unsynced_segments.clear()
+            self._directory_unsynced = False
             self.fsync_count += 1
         self._durable(self._last_lsn, self._segment_size)
         self._unsynced_since_ms = None
@@ -1000,11 +1051,9 @@ class Journal:
                 self._poll_mark(wait=True)
                 for fd in (self._fd, self._mark_fd):
                     if fd >= 0:
-                        os.close(fd)
+                        self.fs.close(fd)
                 self._fd = self._mark_fd = -1
-                if self._sync_thread is not None:
-                    self._sync_thread.shutdown(wait=True)
-                    self._sync_thread = None
+                self._runner.shutdown()
                 if self.stalled is not None and self.unwritten_events:
                     log.warning("journal: closed while it could not be written (%s); events up to lsn %d are not "
                                 "on disk", describe_error(self.stalled), self._last_lsn)
@@ -1025,7 +1074,7 @@ class Journal:
         self._unsynced_since_ms = None
         if self._cut_to is not None and self._fd >= 0:
             try:
-                os.ftruncate(self._fd, self._cut_to)
+                self.fs.ftruncate(self._fd, self._cut_to)
                 self._segment_size = self._cut_to
                 self._cut_to = None
             except OSError:
@@ -1059,7 +1108,7 @@ class Journal:
         try:
             self._close_failed_segment()
             if min_free:
-                free = free_bytes(self.directory)
+                free = free_bytes(self.directory, self.fs)
                 if free < min_free:
                     if self.stalled is None:  # a resync that has no room yet
                         self._stall(OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {free} bytes free, a "
@@ -1073,6 +1122,7 @@ class Journal:
             self.stalled = exc
             return False
         self.stalled = None
+        self._unsynced_segments.clear()  # the snapshot holds what they held
         self._durable(self._last_lsn, self._segment_size)
         try:
             self.compact()
@@ -1084,33 +1134,35 @@ class Journal:
         fd = self._fd
         if fd < 0:
             return
+        fs = self.fs
         if self._cut_to is not None:
-            os.ftruncate(fd, self._cut_to)
+            fs.ftruncate(fd, self._cut_to)
             self._segment_size = self._cut_to
             self._cut_to = None
         if self.policy.mode != "off":
             try:
-                os.fsync(fd)
+                fs.fsync(fd)
             except OSError:
                 # what was written since the last good fsync may not be on disk: keep only that
-                os.ftruncate(fd, self._durable_size)
+                fs.ftruncate(fd, self._durable_size)
                 self._segment_size = self._durable_size
-                os.fsync(fd)
+                fs.fsync(fd)
             self.fsync_count += 1
-        os.close(fd)
+        fs.close(fd)
         self._fd = -1
 
     # -- segments ----------------------------------------------------------
 
     def _open_segment(self, first_lsn: int) -> None:
+        fs = self.fs
         path = self.directory / segment_name(first_lsn)
-        if path.exists():
+        if fsport.exists(fs, path):
             # only a segment that died before its first event can have our name
-            scan, _ = read_segment(path)
+            scan, _ = read_segment(path, fs=fs)
             if any(type(part) is list for part in scan.parts):
                 raise CorruptJournal(f"{path} already holds events from lsn {first_lsn}; next_lsn is wrong")
-            path.unlink()
-        fd = _create_file(path, os.O_EXCL | os.O_APPEND)
+            fs.unlink(path)
+        fd = _create_file(path, fs, os.O_EXCL | os.O_APPEND)
         header = encode_event(
             SegmentHeader(
                 host=self.host,
@@ -1122,15 +1174,17 @@ class Journal:
             )
         )
         try:
-            _write_all(fd, header)
+            fsport.write_all(fs, fd, header)
             if self.policy.mode != "off":
-                os.fsync(fd)
-                _fsync_dir(self.directory)
+                fs.fsync(fd)
+                fsport.fsync_dir(fs, self.directory)
                 self.fsync_count += 1
+            else:
+                self._directory_unsynced = True
         except BaseException:
-            os.close(fd)
+            fs.close(fd)
             try:
-                path.unlink()  # a header cut short would read as a damaged segment
+                fs.unlink(path)  # a header cut short would read as a damaged segment
             except OSError:
                 pass
             raise
@@ -1139,11 +1193,23 @@ class Journal:
         self._durable_size = len(header) if self.policy.mode != "off" else 0
         self.segment_path = path
 
+    def _fsync_path(self, path: Path) -> None:
+        try:
+            fd = self.fs.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return  # compacted away: nothing in it is needed
+        try:
+            self.fs.fsync(fd)
+        finally:
+            self.fs.close(fd)
+
     def _rotate(self) -> None:
         if self.policy.mode != "off":
             self.sync()
+        else:  # its events are on disk only after a sync() (a snapshot, a close)
+            self._unsynced_segments.append(self.segment_path)
         self.poll_sync(wait=True)
-        os.close(self._fd)
+        self.fs.close(self._fd)
         self._fd = -1
         try:
             self._open_segment(self._last_lsn + 1)
@@ -1207,16 +1273,17 @@ class Journal:
         del pending_lines, unacked_lines
         final = self.directory / snapshot_name(lsn)
         temporary = final.with_name(final.name + ".tmp")
+        fs = self.fs
         try:
-            _write_file(temporary, data)
-            os.replace(temporary, final)
+            _write_file(temporary, data, fs)
+            fs.replace(temporary, final)
         except OSError:
             try:
-                temporary.unlink()
+                fs.unlink(temporary)
             except OSError:
                 pass
             raise
-        _fsync_dir(self.directory)
+        fsport.fsync_dir(fs, self.directory)
         self.fsync_count += 2
         return final
 
@@ -1227,31 +1294,31 @@ class Journal:
         starts at or before ``older_snapshot_lsn + 1``; the segment being
         written is never deleted.
         """
+        fs = self.fs
         deleted: list[Path] = []
-        snapshots = list_snapshots(self.directory)
+        snapshots = list_snapshots(self.directory, fs)
         for _, path in snapshots[:-SNAPSHOTS_KEPT]:
-            path.unlink(missing_ok=True)
+            fsport.unlink(fs, path, missing_ok=True)
             deleted.append(path)
         kept = snapshots[-SNAPSHOTS_KEPT:]
         if len(kept) == SNAPSHOTS_KEPT:
             floor_lsn = kept[0][0]
-            segments = list_segments(self.directory)
+            segments = list_segments(self.directory, fs)
             for (_, path), (next_first, _) in zip(segments, segments[1:]):
                 if next_first <= floor_lsn + 1 and path != self.segment_path:
-                    path.unlink(missing_ok=True)
+                    fsport.unlink(fs, path, missing_ok=True)
                     deleted.append(path)
         if deleted:
-            _fsync_dir(self.directory)
+            fsport.fsync_dir(fs, self.directory)
             log.info("journal: compaction deleted %s", ", ".join(path.name for path in deleted))
         return deleted
 
 
-def _mark_state(directory: Path) -> tuple[int, int]:
+def _mark_state(directory: Path, fs: Any) -> tuple[int, int]:
     """``(mark, slot to write next)`` of a directory's mark file: the slot that does not hold
     the mark (a bad slot, or the lower one)."""
     try:
-        with open(directory / MARK_NAME, "rb") as file:
-            data = file.read(2 * MARK_SLOT)
+        data = fsport.read_file(fs, directory / MARK_NAME, 2 * MARK_SLOT)
     except FileNotFoundError:
         return 0, 0
     first, second = parse_mark(data[:MARK_SLOT]), parse_mark(data[MARK_SLOT : 2 * MARK_SLOT])

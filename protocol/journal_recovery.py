@@ -93,6 +93,7 @@ from typing import Any, Union
 import msgspec
 from msgspec import UNSET
 
+from . import fsport
 from .errors import InvalidRequest
 from .journal import (
     CHECKSUM,
@@ -362,7 +363,7 @@ def _report_snapshot(findings: _Findings, path: Path, data: bytes, error: str, a
                                             run.detail, None, lost if index == 0 else 0, action))
 
 
-def _load_base(directory: Path, segments: list, findings: _Findings, repair: bool):
+def _load_base(directory: Path, segments: list, findings: _Findings, repair: bool, fs: Any):
     """The state recovery starts from: ``(snapshot lsn, pending, unacked)``.
 
     The newest snapshot that passes its checks. A damaged one costs nothing
@@ -378,11 +379,10 @@ def _load_base(directory: Path, segments: list, findings: _Findings, repair: boo
         return first_segment is None or first_segment <= lsn + 1
 
     damaged: list[tuple[int, Path, bytes, str]] = []
-    for lsn, path in reversed(list_snapshots(directory)):
+    for lsn, path in reversed(list_snapshots(directory, fs)):
         data = b""
         try:
-            with open(path, "rb") as file:
-                data = file.read()
+            data = fsport.read_file(fs, path)
             header, pending, unacked = parse_snapshot(data, PendingTimer, FiredTimer)
             if header.lsn != lsn:
                 raise CorruptJournal(f"snapshot names lsn {header.lsn} but the file name says {lsn}")
@@ -391,12 +391,12 @@ def _load_base(directory: Path, segments: list, findings: _Findings, repair: boo
             continue
         if damaged and not journal_after(lsn):
             continue  # good, but the journal after it is gone: it would lose what the damaged ones hold
-        _replaced(findings, damaged, f"snapshot-{lsn} and the journal after it replace it", repair)
+        _replaced(findings, damaged, f"snapshot-{lsn} and the journal after it replace it", repair, fs)
         return header.lsn, pending, unacked
     if not damaged:
         return 0, [], []
     if journal_after(0):
-        _replaced(findings, damaged, "the journal from lsn 1 replaces it", repair)
+        _replaced(findings, damaged, "the journal from lsn 1 replaces it", repair, fs)
         return 0, [], []
     lsn, path, data, error = damaged[0]
     pending, unacked, bad, held = _salvage_snapshot(data, str(path))
@@ -405,16 +405,16 @@ def _load_base(directory: Path, segments: list, findings: _Findings, repair: boo
     action = (f"no older snapshot or journal replaces it: salvaged {kept} timers line by line "
               f"({'of ' + str(held) if held is not None else 'count unknown'}); file left as is")
     _report_snapshot(findings, path, data, error, action, lost, bad or None)
-    _replaced(findings, damaged[1:], "not used (a newer snapshot was salvaged)", repair)
+    _replaced(findings, damaged[1:], "not used (a newer snapshot was salvaged)", repair, fs)
     return lsn, pending, unacked
 
 
-def _replaced(findings: _Findings, damaged: list, how: str, repair: bool) -> None:
+def _replaced(findings: _Findings, damaged: list, how: str, repair: bool, fs: Any) -> None:
     for _lsn, path, data, error in damaged:
         action = how
         if repair:
             action += f"; renamed to {path.name}.corrupt"
-            findings.repairs.append(lambda path=path: path.rename(path.with_name(path.name + ".corrupt")))
+            findings.repairs.append(lambda path=path: fs.rename(path, path.with_name(path.name + ".corrupt")))
         _report_snapshot(findings, path, data, error, action)
 
 
@@ -423,6 +423,7 @@ def recover(
     repair: bool = True,
     on_damage: str = "skip",
     quiet: bool = False,
+    fs: Any = os,
 ) -> RecoveredState:
     """Rebuild pending and unacknowledged timers from a journal directory.
 
@@ -437,24 +438,25 @@ def recover(
     leftover temporary files are removed, so the directory is clean for a new
     :class:`Journal`; damaged lines in the middle of a segment stay where they
     are. With ``repair=False`` nothing on disk changes. ``quiet``: log nothing
-    (``wheelctl check --journal`` prints the findings itself).
+    (``wheelctl check --journal`` prints the findings itself). ``fs``: the file
+    port (:mod:`wheeld.protocol.fsport`; the real one is :mod:`os`).
     """
     if on_damage not in DAMAGE_POLICIES:
         raise InvalidRequest(f"journal damage policy is one of {', '.join(DAMAGE_POLICIES)}, not {on_damage!r}")
     started = time.perf_counter()
     directory = Path(directory)
     findings = _Findings(quiet)
-    if not directory.is_dir():
+    if not fsport.is_dir(fs, directory):
         return RecoveredState({}, [], 0, 0, [])
-    for entry in os.scandir(directory):
+    for entry in fs.scandir(directory):
         if entry.name.endswith(".jsonl.tmp"):
-            findings.repairs.append(lambda path=entry.path: os.unlink(path))
-    segments = list_segments(directory)
-    snapshot_lsn, replay, tails = _replay_directory(directory, segments, findings, repair)
+            findings.repairs.append(lambda path=entry.path: fs.unlink(path))
+    segments = list_segments(directory, fs)
+    snapshot_lsn, replay, tails = _replay_directory(directory, segments, findings, repair, fs)
     last_lsn = max(replay.last_lsn, segments[-1][0] - 1 if segments else 0)
-    mark = read_mark(directory)
+    mark = read_mark(directory, fs)
     if mark > last_lsn:  # events that were on disk are gone: damage, not a torn write
-        tails = _cut_short(directory, segments, tails, last_lsn, mark, findings)
+        tails = _cut_short(directory, segments, tails, last_lsn, mark, findings, fs)
         last_lsn = mark  # the journal continues after the mark: lsns that were durable are not reused
 
     if on_damage == "refuse" and findings.damage:
@@ -464,7 +466,7 @@ def recover(
     # now the disk: repairs, then the torn tails (their problems say what was done)
     if repair:
         findings.repair()
-    torn_problems = _settle_torn_tails(tails, repair, quiet)
+    torn_problems = _settle_torn_tails(tails, repair, quiet, fs)
     findings.problems += torn_problems
 
     pending, unacked = replay.pending, replay.unacked
@@ -483,7 +485,7 @@ def recover(
     )
 
 
-def _replay_directory(directory: Path, segments: list, findings: _Findings, repair: bool):
+def _replay_directory(directory: Path, segments: list, findings: _Findings, repair: bool, fs: Any):
     """The base snapshot, then every segment event after it: ``(snapshot lsn, replay, torn tails)``.
 
     The torn tail of the newest segment, if any, is returned as ``(path, tail,
@@ -492,7 +494,7 @@ def _replay_directory(directory: Path, segments: list, findings: _Findings, repa
     """
     # during replay keys stay in their journal form (str or int: cheap to hash);
     # the few escaped ones ("b64:", "str:") are converted at the end
-    snapshot_lsn, snapshot_pending, snapshot_unacked = _load_base(directory, segments, findings, repair)
+    snapshot_lsn, snapshot_pending, snapshot_unacked = _load_base(directory, segments, findings, repair, fs)
     pending: dict[tuple[str, Any], PendingTimer] = {(timer.group, timer.key): timer for timer in snapshot_pending}
     unacked: dict[tuple[str, Any, int], FiredTimer] = {
         (timer.group, timer.key, timer.seq): timer for timer in snapshot_unacked
@@ -510,7 +512,7 @@ def _replay_directory(directory: Path, segments: list, findings: _Findings, repa
         newest = index == len(segments) - 1
         if first_lsn > replay.last_lsn + 1:
             replay.missing(first_lsn, path, 0, "before this segment")
-        scan, data = read_segment(path, replay.last_lsn + 1)
+        scan, data = read_segment(path, replay.last_lsn + 1, fs)
         replay.segments_read += 1
         tail = torn_tail(scan) if newest else None
         for part in scan.parts:
@@ -525,7 +527,8 @@ def _replay_directory(directory: Path, segments: list, findings: _Findings, repa
     return snapshot_lsn, replay, tails
 
 
-def _cut_short(directory: Path, segments: list, tails: list, end: int, mark: int, findings: _Findings) -> list:
+def _cut_short(directory: Path, segments: list, tails: list, end: int, mark: int, findings: _Findings,
+               fs: Any) -> list:
     """The journal ends at lsn ``end`` but its durable mark says ``mark`` was on disk: report
     events ``end+1..mark`` as one damaged range (at the newest segment's bad tail, if it has
     one: those bytes are what is left of them, and stay in the file). Returns the torn tails
@@ -542,7 +545,7 @@ def _cut_short(directory: Path, segments: list, tails: list, end: int, mark: int
         return tails[1:]
     if segments:
         path = segments[-1][1]
-        size = path.stat().st_size
+        size = fsport.file_size(fs, path)
         findings.add_damage(DamagedRange(str(path), size, size, 0, 0, TRUNCATED, detail, lost, mark - end, action))
     else:
         findings.add_damage(DamagedRange(str(directory / MARK_NAME), 0, 0, 0, 0, TRUNCATED, detail, lost,
@@ -550,12 +553,13 @@ def _cut_short(directory: Path, segments: list, tails: list, end: int, mark: int
     return tails
 
 
-def _settle_torn_tails(tails: list[tuple[Path, BadLines, bytes]], repair: bool, quiet: bool) -> list[Problem]:
+def _settle_torn_tails(tails: list[tuple[Path, BadLines, bytes]], repair: bool, quiet: bool,
+                       fs: Any) -> list[Problem]:
     """Cut each torn tail (``repair``) or leave it; the problems say which."""
     problems = []
     for path, tail, data in tails:
         if repair:
-            action = cut_segment(path, tail.start, data)
+            action = cut_segment(path, tail.start, data, fs)
         else:
             action = "the lines from here on are ignored (repair=False: file left as is)"
         problem = Problem(str(path), tail.start, tail.reason, f"{tail.where()}: {tail.detail}", action)
@@ -739,7 +743,7 @@ class JournalReport(msgspec.Struct):
         }  # fmt: skip
 
 
-def check_journal(directory: str | os.PathLike[str]) -> JournalReport:
+def check_journal(directory: str | os.PathLike[str], fs: Any = os) -> JournalReport:
     """Read every file of a journal directory and list its damage; change nothing.
 
     A dry run of :func:`recover` says what recovery would lose; then every
@@ -747,13 +751,13 @@ def check_journal(directory: str | os.PathLike[str]) -> JournalReport:
     recovery would not read.
     """
     directory = Path(directory)
-    state = recover(directory, repair=False, quiet=True)
+    state = recover(directory, repair=False, quiet=True, fs=fs)
     damage = list(state.damage)
     known = {(item.path, item.start) for item in damage}
     torn = {(item.path, item.offset) for item in state.torn}
-    segments = list_segments(directory)
+    segments = list_segments(directory, fs)
     for _first_lsn, path in segments:
-        scan, _ = read_segment(path)
+        scan, _ = read_segment(path, fs=fs)
         for bad in scan.bad:
             if (bad.path, bad.start) in known or (bad.path, bad.start) in torn:
                 continue
@@ -761,13 +765,13 @@ def check_journal(directory: str | os.PathLike[str]) -> JournalReport:
                 bad.path, bad.start, bad.end, bad.first_line, bad.lines, bad.reason, bad.detail, None, 0,
                 f"not read by recovery: snapshot-{state.snapshot_lsn} covers these events",
             ))  # fmt: skip
-    snapshots = list_snapshots(directory)
+    snapshots = list_snapshots(directory, fs)
     for lsn, path in snapshots:
         if any(item.path == str(path) for item in damage):
             continue
         data = b""
         try:
-            data = path.read_bytes()
+            data = fsport.read_file(fs, path)
             header, _, _ = parse_snapshot(data)
             if header.lsn != lsn:
                 raise CorruptJournal(f"snapshot names lsn {header.lsn} but the file name says {lsn}")

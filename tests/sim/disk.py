@@ -16,15 +16,21 @@ memory and models what a power cut and a failing device do to it:
   torn (replaced by garbage or zeros, a sector half written); and of the
   directory changes made since the last directory fsync, a random prefix in
   order (a journaling file system commits metadata in order).
+* **Overwrites in place** (``pwrite`` below the durable end, as the durable
+  mark's slots are written): durable once synced; at a power cut each one not
+  synced survives whole, not at all, or in part (a torn sector).
 * **Faults on demand** (:meth:`SimDisk.fail_next`): ``ENOSPC``, ``EIO``,
-  ``EDQUOT``... on the next ``write``/``fsync``/``open``. An ``fsync`` that fails
-  with ``EIO`` drops the dirty bytes it could not write: they stay readable
-  until the power goes, but a later ``fsync`` succeeds without making them
-  durable (Linux's behaviour since 4.13, which PostgreSQL met as "fsyncgate"):
-  a writer must treat a failed fsync as the loss of everything unsynced.
+  ``EDQUOT``... on the next ``write``/``pwrite``/``fsync``/``fdatasync``/``open``.
+  An ``fsync`` (or ``fdatasync``) that fails with ``EIO`` drops the dirty bytes
+  it could not write: they stay readable until the power goes, but a later
+  ``fsync`` succeeds without making them durable (Linux's behaviour since 4.13,
+  which PostgreSQL met as "fsyncgate"): a writer must treat a failed fsync as
+  the loss of everything unsynced. Bytes written again after the failure are
+  dirty again, and a later ``fsync`` does write those.
 * **A small disk** (``capacity``): a write that does not fit writes what fits
   and returns a short count; the next one raises ``ENOSPC``. Deleting files
-  gives room back.
+  gives room back. ``statvfs`` reports the room left, in 1-byte blocks, exactly
+  what the next writes may take.
 * **Damage at rest** (:meth:`SimDisk.flip_bit`, :meth:`SimDisk.truncate_file`):
   media or operator damage to a file's durable content, applied between runs.
 
@@ -41,7 +47,7 @@ import random
 import stat as stat_module
 from dataclasses import dataclass, field
 
-__all__ = ["SimDisk", "SimStat", "SimDirEntry"]
+__all__ = ["SimDisk", "SimStat", "SimStatvfs", "SimDirEntry"]
 
 _DIR = object()
 
@@ -51,8 +57,15 @@ class _Inode:
     data: bytearray = field(default_factory=bytearray)
     durable: bytes = b""
     mode: int = 0o600
-    #: bytes written but lost by a failed fsync: readable, never made durable
+    #: bytes appended but lost by a failed fsync: readable, never made durable
     lost_from: int | None = None
+    #: offset -> the durable byte, for bytes rewritten in place whose write a failed fsync
+    #: dropped: the disk keeps the old byte until they are written again
+    lost: dict = field(default_factory=dict)
+    #: in-place rewrites below the durable end since the last sync: (offset, length), in order
+    dirty: list = field(default_factory=list)
+    #: cut below its durable end since the last sync (ftruncate, O_TRUNC)
+    shrunk: bool = False
 
 
 @dataclass
@@ -72,12 +85,27 @@ class SimStat:
 
 
 @dataclass(frozen=True)
+class SimStatvfs:
+    f_bfree: int
+    f_bavail: int
+    f_frsize: int = 1
+    f_bsize: int = 1
+
+
+@dataclass(frozen=True)
 class SimDirEntry:
     name: str
     path: str
+    disk: SimDisk | None = field(default=None, compare=False, repr=False)
 
-    def is_file(self) -> bool:
-        return True
+    def is_file(self, follow_symlinks: bool = True) -> bool:
+        return True  # a simulated directory lists its files (subdirectories are not entries)
+
+    def is_dir(self, follow_symlinks: bool = True) -> bool:
+        return False
+
+    def stat(self, follow_symlinks: bool = True) -> SimStat:
+        return self.disk.stat(self.path)
 
 
 class SimDisk:
@@ -103,8 +131,8 @@ class SimDisk:
 
     # ------------------------------------------------------------------ faults
     def fail_next(self, operation: str, error: int = errno.EIO, times: int = 1) -> None:
-        """The next ``times`` calls of ``operation`` ("write", "fsync", "open",
-        "replace", "ftruncate") raise ``OSError(error)``."""
+        """The next ``times`` calls of ``operation`` ("write", "pwrite", "fsync",
+        "fdatasync", "open", "replace", "ftruncate") raise ``OSError(error)``."""
         self._faults.setdefault(operation, []).extend([error] * times)
 
     def _fault(self, operation: str) -> None:
@@ -171,6 +199,9 @@ class SimDisk:
         if flags & os.O_TRUNC and writable:
             del inode.data[:]
             inode.lost_from = None
+            inode.lost.clear()
+            inode.dirty.clear()
+            inode.shrunk = inode.shrunk or bool(inode.durable)
         return self._new_fd(_Open(path, inode, bool(flags & os.O_APPEND), writable, access != os.O_WRONLY))
 
     def _new_fd(self, entry: _Open) -> int:
@@ -208,28 +239,69 @@ class SimDisk:
         self._count("write")
         return len(written)
 
+    def pwrite(self, fd: int, data, offset: int) -> int:
+        """Write ``data`` at ``offset`` (the file grows, zero-filled, if it ends before);
+        the fd's position and ``O_APPEND`` play no part (the journal uses it only to
+        rewrite a slot of its mark in place)."""
+        entry = self._file(fd)
+        if not entry.writable or entry.inode is _DIR:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        self._fault("pwrite")
+        data = bytes(data)
+        inode = entry.inode
+        growth = max(0, offset + len(data) - len(inode.data))
+        if growth and self.capacity is not None and self.capacity - self.used_bytes() < growth:
+            self._count("enospc")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if offset > len(inode.data):
+            inode.data.extend(bytes(offset - len(inode.data)))
+        inode.data[offset:offset + len(data)] = data
+        for at in range(offset, offset + len(data)):
+            inode.lost.pop(at, None)  # written again: dirty again
+        below = min(len(data), len(inode.durable) - offset)
+        if below > 0:
+            inode.dirty.append((offset, below))
+        self._count("pwrite")
+        return len(data)
+
     def pread(self, fd: int, length: int, offset: int) -> bytes:
         entry = self._file(fd)
         if entry.inode is _DIR:
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
         return bytes(entry.inode.data[offset:offset + length])
 
-    def fsync(self, fd: int) -> None:
+    def fsync(self, fd: int, _operation: str = "fsync") -> None:
         entry = self._file(fd)
-        self._count("fsync")
+        self._count(_operation)
         if entry.inode is _DIR:
-            self._fault("fsync")
+            self._fault(_operation)
             self._sync_directory(entry.path)
             return
         inode = entry.inode
         try:
-            self._fault("fsync")
+            self._fault(_operation)
         except OSError as exc:
-            if exc.errno == errno.EIO and inode.lost_from is None and len(inode.data) > len(inode.durable):
-                inode.lost_from = len(inode.durable)  # the dirty pages are dropped, marked clean
+            if exc.errno == errno.EIO:  # the dirty pages are dropped, marked clean
+                if inode.lost_from is None and len(inode.data) > len(inode.durable):
+                    inode.lost_from = len(inode.durable)
+                for offset, length in inode.dirty:
+                    for at in range(offset, min(offset + length, len(inode.durable))):
+                        inode.lost.setdefault(at, inode.durable[at])
+                inode.dirty.clear()
             raise
         end = len(inode.data) if inode.lost_from is None else inode.lost_from
-        inode.durable = bytes(inode.data[:end])
+        synced = bytearray(inode.data[:end])
+        for at, old in inode.lost.items():
+            if at < len(synced):
+                synced[at] = old
+        inode.durable = bytes(synced)
+        inode.dirty.clear()
+        inode.shrunk = False
+
+    def fdatasync(self, fd: int) -> None:
+        """As :meth:`fsync` (a file's size and bytes; its timestamps are not modelled);
+        its faults are queued under "fdatasync"."""
+        self.fsync(fd, "fdatasync")
 
     def _sync_directory(self, directory: str) -> None:
         self._durable_dirs[directory] = dict(self._dirs[directory])
@@ -239,9 +311,15 @@ class SimDisk:
         entry = self._file(fd)
         self._fault("ftruncate")
         inode = entry.inode
+        if length > len(inode.data):
+            inode.data.extend(bytes(length - len(inode.data)))
         del inode.data[length:]
         if inode.lost_from is not None and inode.lost_from >= length:
             inode.lost_from = None
+        inode.lost = {at: old for at, old in inode.lost.items() if at < length}
+        inode.dirty = [(offset, min(size, length - offset)) for offset, size in inode.dirty if offset < length]
+        if length < len(inode.durable):
+            inode.shrunk = True
         self._full = False
 
     def fstat(self, fd: int) -> SimStat:
@@ -261,6 +339,12 @@ class SimDisk:
             return SimStat(0, stat_module.S_IFDIR | self._dir_modes[path], self.uid)
         inode = self._lookup(path)
         return SimStat(len(inode.data), stat_module.S_IFREG | inode.mode, self.uid)
+
+    def statvfs(self, path) -> SimStatvfs:
+        """The room left on the disk, in 1-byte blocks (what writes may still take)."""
+        self.stat(path)
+        free = (1 << 50) if self.capacity is None else max(0, self.capacity - self.used_bytes())
+        return SimStatvfs(free, free)
 
     def chmod(self, path, mode: int) -> None:
         path = posixpath.normpath(os.fspath(path))
@@ -317,7 +401,7 @@ class SimDisk:
 
     def scandir(self, directory) -> list[SimDirEntry]:
         directory = posixpath.normpath(os.fspath(directory))
-        return [SimDirEntry(name, posixpath.join(directory, name)) for name in sorted(self._dir(directory))]
+        return [SimDirEntry(name, posixpath.join(directory, name), self) for name in sorted(self._dir(directory))]
 
     def listdir(self, directory) -> list[str]:
         return [entry.name for entry in self.scandir(directory)]
@@ -358,10 +442,20 @@ class SimDisk:
         durable = inode.durable
         end = len(inode.data) if inode.lost_from is None else inode.lost_from
         current = bytes(inode.data[:end])
-        if not current.startswith(durable):  # truncated or rewritten below the durable part
+        dirty, inode.dirty, inode.lost = inode.dirty, [], {}
+        if inode.shrunk or len(current) < len(durable):  # cut below its durable end, not synced
             inode.data = bytearray(durable)
             inode.lost_from = None
+            inode.shrunk = False
             return
+        if dirty:  # rewrites in place not synced: each kept whole, not at all, or its first part
+            base = bytearray(durable)
+            for offset, length in dirty:
+                kept = rng.choice((0, length, rng.randint(0, length)))
+                base[offset:offset + kept] = current[offset:offset + kept]
+                if 0 < kept < length:
+                    self._count("torn_write")
+            durable = bytes(base)
         extra = current[len(durable):]
         kept = extra[: rng.randint(0, len(extra))] if extra else b""
         if kept and rng.random() < 0.5:  # the last write torn: its end is garbage or zeros
