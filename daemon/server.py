@@ -66,6 +66,7 @@ from .alarm import Alarm
 from .config import Config
 from .delivery import Delivery
 from .executor import DRAIN_BATCH, Executor
+from .host import real_host
 from .instance import HeldSegment, InstanceLock
 from .sdnotify import Notifier
 from .sessions import MAINTAIN_S, Sessions
@@ -98,6 +99,7 @@ class Daemon:
     def __init__(self, config: Config, clock=mono_ms):
         self.config = config
         self.clock = clock
+        self.host = real_host(clock)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.wheel: TimerWheel | None = None
         self.totals: dict[str, int] = dict.fromkeys(DAEMON_TOTALS, 0)
@@ -136,11 +138,11 @@ class Daemon:
         cfg, totals = self.config, self.totals
         now = self.clock()
         qualifier = self.lock.qualifier if self.lock is not None else None
-        opened = open_arena(cfg, now, qualifier)
+        opened = open_arena(cfg, now, self.host, qualifier)
         wheel = self.wheel = opened.wheel
         if opened.fresh:
             self._created.append(shm_path(wheel.name))
-        self.held.append(HeldSegment("arena", wheel.name, opened.identity))
+        self.held.append(HeldSegment("arena", wheel.name, opened.identity, self.host.shm))
         if not opened.fresh:
             hq = wheel.header_words()
             for counter in DAEMON_TOTALS:  # totals carry on across restarts (a damaged word clamped)
@@ -169,10 +171,10 @@ class Daemon:
             _key, deadline, group, _tag, _aux, gen = wheel.fired(s)
             self.delivery.queues[group].append((s, gen, now, deadline < now))
         table = self.sessions.table
-        table.open(wheel, self.clock(), qualifier)
+        table.open(wheel, self.clock(), self.host, qualifier)
         if table.created:
             self._created.append(shm_path(table.segment_name))
-        self.held.append(HeldSegment("client table", table.segment_name, table.identity))
+        self.held.append(HeldSegment("client table", table.segment_name, table.identity, self.host.shm))
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
@@ -185,7 +187,7 @@ class Daemon:
         # One daemon per instance: the lock comes before anything is mapped for writing,
         # and the socket before the arena, so a second daemon changes nothing at all
         # (and a start refused later removes what it made: InstanceLock.abandon).
-        self.lock = InstanceLock.acquire(self.config.name)
+        self.lock = InstanceLock.acquire(self.config.name, self.host)
         try:
             metrics_server = await self._start()
         except BaseException:
