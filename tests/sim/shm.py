@@ -21,6 +21,9 @@ simulator gives each simulated process a :class:`SimShmPort` of one
   directories and symlinks in the way are made with :meth:`SimShm.plant`, so
   ownership checks answer as a test configures them.
   ``proc_locks=False`` hides who holds a ``flock`` (``ProcSubset=pid``).
+* **Crashes at any call**: :meth:`SimShm.crash_after` kills a process at its
+  n-th port call (:class:`SimCrashed`), so a test can stop a start-up between
+  any two of its shared-memory steps.
 * **Faults on demand**: :meth:`SimShm.truncate`, :meth:`SimShm.remove`,
   :meth:`SimShm.damage`, :meth:`SimShm.flip_bit` change a segment under (or
   between) daemons; :meth:`SimShm.fail_next` makes the next ``open``,
