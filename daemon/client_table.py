@@ -4,14 +4,14 @@
 slot, its group, pid, uid, ring label and last ring depth (wheelctl shows them:
 rings are memfds it cannot map), and per group id its owner. A restarted daemon
 finds the slots its clients had; they wait ``resume_grace_s`` for their client
-to hand the ring back.
+to hand the ring back. The table is reached through the host's shared-memory
+port (``ClientTable.open(wheel, now, host, qualifier)``: ``host.shm``,
+:class:`wheeld.daemon.host.SharedMemory`), like the arena.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from wheeld.protocol.errors import ProtocolError
 from wheeld.shm.ring import ClientSegment
 
 from wheeld.protocol.naming import clients_name, segment_prefix
+from .host import Host
 from .instance import Unusable, create_segment, file_identity, set_aside, take_segment
 from .startup import hand_to_monitors
 
@@ -78,36 +79,39 @@ class ClientTable:
         self._static_owners = {name: (CL.OWNER_UID if kind == "uid" else CL.OWNER_GID, ident)
                                for name, kind, ident in config.group_owners}
         self._buf = None
+        self._segment = None  # the mapped table (a wheeld.shm.arena.Segment)
         self.segment_name = ""
         self.identity = (0, 0)  # the table file's (device, inode): see instance.HeldSegment
         self.created = False  # made by this start (else found)
 
-    def open(self, wheel, now: int, qualifier: int | None = None) -> None:
+    def open(self, wheel, now: int, host: Host, qualifier: int | None = None) -> None:
         """Map the client table (its segment lock taken first: :func:`~wheeld.daemon.instance.take_segment`;
-        ``qualifier``: the uid of the segment names in use, None for the plain ones); a restarted
-        daemon finds the slots its clients had (they wait ``resume_grace_s`` for their client to
-        hand the ring back) and the group owners."""
+        ``host``: the ports, ``host.shm`` for the segment; ``qualifier``: the uid of the segment names
+        in use, None for the plain ones); a restarted daemon finds the slots its clients had (they wait
+        ``resume_grace_s`` for their client to hand the ring back) and the group owners."""
+        shm = host.shm
         name = self.segment_name = clients_name(self.config.name, qualifier)
         mode = self.config.arena_mode
         try:
-            fd = take_segment(name, self.config.name)
+            fd = take_segment(host, name, self.config.name)
         except Unusable as exc:
-            moved = set_aside(name, str(exc))
+            moved = set_aside(host, name, str(exc))
             log.error("client table %s set aside as %s because %s", name, moved, exc)
             fd = None
         self.created = fd is None
         if fd is None:
-            fd = create_segment(name, mode)
+            fd = create_segment(host, name, mode)
         try:
-            self.identity = file_identity(fd)
-            if os.fstat(fd).st_size != CL.SEGMENT_BYTES:
-                os.ftruncate(fd, 0)
-                os.ftruncate(fd, CL.SEGMENT_BYTES)
-            os.fchmod(fd, mode)
-            self._buf = mmap.mmap(fd, CL.SEGMENT_BYTES)  # keeps the segment lock (a dup of fd)
+            self.identity = file_identity(shm, fd)
+            if shm.fstat(fd).st_size != CL.SEGMENT_BYTES:
+                shm.ftruncate(fd, 0)
+                shm.ftruncate(fd, CL.SEGMENT_BYTES)
+            shm.fchmod(fd, mode)
+            self._segment = shm.map(fd, name, CL.SEGMENT_BYTES)  # keeps the segment lock
+            self._buf = self._segment.buf
         finally:
-            os.close(fd)
-        hand_to_monitors(self.config, name)
+            shm.close(fd)
+        hand_to_monitors(self.config, host, name)
         buf = self._buf
         magic, arena_created = CL.HEADER.unpack_from(buf, 0)
         if magic != CL.MAGIC or arena_created != wheel.created_wall_ms:

@@ -132,7 +132,7 @@ class DaemonCore:
     def acquire(self) -> None:
         """The instance lock: before anything is mapped for writing (and before the shell
         opens the socket), so a second daemon of the name changes nothing at all."""
-        self.lock = InstanceLock.acquire(self.config.name)
+        self.lock = InstanceLock.acquire(self.config.name, self.host)
 
     def abandon(self) -> None:
         """A start refused after :meth:`acquire`: remove what it made, drop the lock."""
@@ -145,11 +145,11 @@ class DaemonCore:
         cfg, totals = self.config, self.totals
         now = self.clock()
         qualifier = self.lock.qualifier if self.lock is not None else None
-        opened = open_arena(cfg, now, qualifier)
+        opened = open_arena(cfg, now, self.host, qualifier)
         wheel = self.wheel = opened.wheel
         if opened.fresh:
             self.created.append(shm_path(wheel.name))
-        self.held.append(HeldSegment("arena", wheel.name, opened.identity))
+        self.held.append(HeldSegment("arena", wheel.name, opened.identity, self.host.shm))
         if not opened.fresh:
             hq = wheel.header_words()
             for counter in DAEMON_TOTALS:  # totals carry on across restarts (a damaged word clamped)
@@ -178,10 +178,10 @@ class DaemonCore:
             _key, deadline, group, _tag, _aux, gen = wheel.fired(s)
             self.delivery.queues[group].append((s, gen, now, deadline < now))
         table = self.sessions.table
-        table.open(wheel, self.clock(), qualifier)
+        table.open(wheel, self.clock(), self.host, qualifier)
         if table.created:
             self.created.append(shm_path(table.segment_name))
-        self.held.append(HeldSegment("client table", table.segment_name, table.identity))
+        self.held.append(HeldSegment("client table", table.segment_name, table.identity, self.host.shm))
         self.status = StatusPage.create(f"wheeld-{cfg.name}-status")
         self.sessions.serve(self.status, self.lock.secret)
         self._park_epoch = wheel.header_words()[AL.H_WAKE_SEQ // 8]

@@ -97,11 +97,102 @@ class RealUsers:
         return gids | {primary_gid}
 
 
+class SharedMemory(Protocol):
+    """Named shared memory (``/dev/shm`` on Linux), as start-up and the instance lock use it.
+
+    Everything is named by its path (:func:`wheeld.protocol.naming.shm_path`,
+    :func:`~wheeld.protocol.naming.lock_path`). An open file is a *handle* (the real
+    port's are file descriptors; the core never looks inside one). The methods are
+    the system calls of today's code, one each, with their errors (``OSError`` with
+    the errno): the core keeps every decision (who may be trusted, what is set
+    aside, who runs the instance), the port only does what it is told. The real
+    implementation is :class:`wheeld.shm.named.RealShm`; the simulator's is
+    ``tests/sim/shm.py``.
+
+    *Segment lock* and *marks* are those of :mod:`wheeld.protocol.instance_lock`:
+    the lock and the marks belong to the open file (not to the handle number) and
+    last as long as a handle or a mapping of it does; the *instance lock* is an
+    exclusive ``flock`` on the handle's open file."""
+
+    def open(self, path: str, write: bool) -> Any:
+        """An existing file, read-write or read-only, never through a symlink (``ELOOP``) and
+        never blocking; ``FileNotFoundError``, ``PermissionError``, ``IsADirectoryError``..."""
+
+    def create(self, path: str, mode: int) -> Any:
+        """A new, empty file open read-write with exactly ``mode`` (the umask does not
+        apply); ``FileExistsError`` when the name is taken."""
+
+    def close(self, handle: Any) -> None: ...
+
+    def stat(self, path: str) -> os.stat_result | None:
+        """The file's status, not following a symlink; None when there is no such file."""
+
+    def fstat(self, handle: Any) -> os.stat_result: ...
+
+    def fchmod(self, handle: Any, mode: int) -> None: ...
+
+    def ftruncate(self, handle: Any, size: int) -> None: ...
+
+    def pread(self, handle: Any, size: int, offset: int) -> bytes: ...
+
+    def pwrite(self, handle: Any, data: bytes, offset: int) -> int: ...
+
+    def chown(self, path: str, uid: int, gid: int) -> None:
+        """As ``os.chown`` (-1 keeps an id)."""
+
+    def chmod(self, path: str, mode: int) -> None: ...
+
+    def rename(self, source: str, target: str) -> None:
+        """Atomically, replacing ``target``; ``PermissionError`` for another uid's file
+        (``/dev/shm`` is sticky), ``FileNotFoundError`` when ``source`` is gone."""
+
+    def unlink(self, path: str) -> None:
+        """``FileNotFoundError`` when missing."""
+
+    def flock(self, handle: Any) -> bool:
+        """Take the instance lock (exclusive, non-blocking); False when another holds it."""
+
+    def lock(self, handle: Any) -> bool:
+        """Take the segment lock (``handle`` open for writing); False when another holds it."""
+
+    def mark(self, handle: Any, pid: int, uid: int, qualified: bool | None = None) -> None:
+        """Leave the holder's marks (:func:`wheeld.protocol.instance_lock.mark`)."""
+
+    def read_marks(self, handle: Any) -> Any:
+        """The marks another open file left (a ``Holder``), or None."""
+
+    def wait_marks(self, handle: Any) -> Any:
+        """:meth:`read_marks`, allowing a holder that has just locked a moment to mark."""
+
+    def flock_holder_pid(self, path: str) -> int | None:
+        """The pid holding a ``flock`` on ``path`` without opening it; 0 when nobody does;
+        None when that cannot be told (:func:`wheeld.protocol.instance_lock.flock_holder_pid`)."""
+
+    def flock_holder(self, path: str) -> Any:
+        """:meth:`flock_holder_pid` as a ``Holder`` (None: nobody); ``PermissionError``
+        when that cannot be told."""
+
+    def map(self, handle: Any, name: str, size: int | None = None) -> Any:
+        """A read-write :class:`wheeld.shm.arena.Segment` named ``name`` over the file open on
+        ``handle`` (``size`` bytes, default the file's; ``CorruptArena`` when it is empty).
+        The mapping keeps the handle's open file, and so its segment lock, after
+        :meth:`close`. The segment's ``close``, ``rename`` and ``unlink`` come back here."""
+
+    def unmap(self, segment: Any) -> None:
+        """Unmap ``segment`` (:meth:`wheeld.shm.arena.Segment.close`)."""
+
+
 class RealRandom:
     """Secrets and labels from the operating system's CSPRNG."""
 
     token_bytes = staticmethod(secrets.token_bytes)
     token_hex = staticmethod(secrets.token_hex)
+
+
+def _real_shm() -> SharedMemory:
+    from wheeld.shm.named import RealShm
+
+    return RealShm()
 
 
 @dataclass
@@ -116,7 +207,9 @@ class Host:
     offers the ``os`` functions the journal's engine uses (``open``, ``write``,
     ``fsync``, ``ftruncate``, ``replace``, ``unlink``, ``scandir``, ``stat``,
     ``mkdir``, ``chmod``...). ``shm`` creates, attaches, renames and removes named
-    shared-memory segments. ``rng`` makes labels and secrets."""
+    shared-memory segments and takes their locks (:class:`SharedMemory`). ``rng``
+    makes labels and secrets. ``pid`` and ``euid`` are the daemon's, as its marks
+    and its ownership checks use them."""
 
     clock_ms: Callable[[], int] = clock.mono_ms
     clock_ns: Callable[[], int] = clock.mono_ns
@@ -124,7 +217,7 @@ class Host:
     wall_ns: Callable[[], int] = clock.wall_ns
     fs: Any = os
     runner: Any = None
-    shm: Any = None
+    shm: SharedMemory = field(default_factory=_real_shm)
     users: Users = field(default_factory=RealUsers)
     rng: Any = field(default_factory=RealRandom)
     pid: int = field(default_factory=os.getpid)

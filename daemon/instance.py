@@ -49,36 +49,33 @@ restarts: ``/dev/shm/wheeld-<name>-secret`` (or its uid-qualified spelling),
 mode 0600, the daemon's own.
 
 A start that is refused removes what it created (:meth:`InstanceLock.abandon`).
+
+**The host.** Every file operation, lock and mark goes through ``host.shm``
+(:class:`wheeld.daemon.host.SharedMemory`), the daemon's uid and pid are
+``host.euid`` and ``host.pid``, a new secret comes from ``host.rng`` and the
+stamp of a set-aside copy from ``host.wall_ms``: the real daemon passes
+:func:`~wheeld.daemon.host.real_host`, the simulator its simulated shared memory
+(``tests/sim/shm.py``). Entry points: :meth:`InstanceLock.acquire` ``(name, host)``,
+:func:`take_segment`, :func:`create_segment`, :func:`set_aside` ``(host, ...)``,
+:class:`HeldSegment` ``(kind, segment_name, identity, shm)``.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
-import secrets
 import stat
-import time
 
 from wheeld.protocol.errors import WheeldError
-from wheeld.protocol.instance_lock import (
-    PID_FIELD,
-    Holder,
-    flock_holder,
-    flock_holder_pid,
-    lock_segment,
-    mark,
-    read_marks,
-    read_pid,
-)
+from wheeld.protocol.instance_lock import PID_FIELD, Holder, read_pid
 from wheeld.protocol.naming import arena_name, lock_path, secret_name, segment_names, shm_path
+
+from .host import Host, SharedMemory, real_host
 
 log = logging.getLogger("wheeld")
 
 SECRET_BYTES = 32
-_OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # never a symlink; never block on a FIFO
-_MARKS_WAIT_S = 0.5  # a holder marks its lock right after taking it
 
 
 class AlreadyRunning(WheeldError):
@@ -93,64 +90,52 @@ class Unusable(Exception):
     """A segment that exists but may not be used (its reason is the message)."""
 
 
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
+def _same_file(shm: SharedMemory, fd, path: str) -> bool:
+    st = shm.stat(path)
+    if st is None:
         return False
-    own = os.fstat(fd)
+    own = shm.fstat(fd)
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
-def _owner(path: str) -> int | None:
-    try:
-        return os.stat(path, follow_symlinks=False).st_uid
-    except FileNotFoundError:
-        return None
+def _owner(shm: SharedMemory, path: str) -> int | None:
+    st = shm.stat(path)
+    return None if st is None else st.st_uid
 
 
-def choose_names(name: str, uid: int) -> int | None:
+def choose_names(shm: SharedMemory, name: str, uid: int) -> int | None:
     """The uid qualifying the segment names a daemon of ``uid`` uses (None: the plain names).
 
     Qualified when this uid already has qualified segments (they hold its timers),
     or when a plain segment exists that another uid owns; else plain."""
     qualified = [shm_path(n) for n in segment_names(name, uid)]
-    if any(_owner(p) == uid for p in qualified):
+    if any(_owner(shm, p) == uid for p in qualified):
         return uid
     plain = [shm_path(n) for n in segment_names(name)] + [shm_path(arena_name(name)) + ".new"]
-    if any(owner not in (None, uid) for owner in map(_owner, plain)):
+    if any(_owner(shm, p) not in (None, uid) for p in plain):
         return uid
     return None
 
 
-def _held_by(path: str) -> Holder | None:
+def _held_by(shm: SharedMemory, path: str) -> Holder | None:
     """The marks of whoever holds a segment or lock file (read without locking anything)."""
     try:
-        fd = os.open(path, os.O_RDONLY | _OPEN)
+        fd = shm.open(path, write=False)
     except OSError:
         return None
     try:
-        return read_marks(fd)
+        return shm.read_marks(fd)
     finally:
-        os.close(fd)
+        shm.close(fd)
 
 
-def _wait_marks(fd: int) -> Holder | None:
-    end = time.monotonic() + _MARKS_WAIT_S
-    while True:
-        found = read_marks(fd)
-        if found is not None or time.monotonic() >= end:
-            return found
-        time.sleep(0.01)
-
-
-def _unmarked_holder(path: str, fd: int) -> Holder:
+def _unmarked_holder(shm: SharedMemory, path: str, fd) -> Holder:
     """Who holds a lock file without marks (an older wheeld, or not a wheeld at all)."""
     try:
-        found = flock_holder(path)
+        found = shm.flock_holder(path)
     except PermissionError:
         found = None
-    return found or Holder(read_pid(fd))
+    return found or Holder(read_pid(fd, shm.pread))
 
 
 def _running(name: str, holder: Holder | None, path: str, detail: str = "") -> AlreadyRunning:
@@ -160,59 +145,65 @@ def _running(name: str, holder: Holder | None, path: str, detail: str = "") -> A
 
 
 # ---------------------------------------------------------------------------- the instance lock
-def _open_lock(path: str) -> tuple[int, bool, bool] | None:
+def _open_lock(shm: SharedMemory, path: str) -> tuple[object, bool, bool] | None:
     """(fd, created, writable) of the lock file at ``path``, made (0644) when missing;
     None when this uid cannot use that file as a lock (it may not open it, or it is not
     a regular file)."""
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o644)
-            os.fchmod(fd, 0o644)  # exactly: the umask filtered it
-            return fd, True, True
+            return shm.create(path, 0o644), True, True
         except FileExistsError:
             pass
         try:
-            fd, writable = os.open(path, os.O_RDWR | _OPEN), True
+            fd, writable = shm.open(path, write=True), True
         except FileNotFoundError:
             continue  # removed meanwhile: make it
         except PermissionError:
             try:
-                fd, writable = os.open(path, os.O_RDONLY | _OPEN), False
+                fd, writable = shm.open(path, write=False), False
             except FileNotFoundError:
                 continue
             except OSError:
                 return None
         except OSError:  # a symlink (ELOOP), a directory (EISDIR)...
             return None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
+        if not stat.S_ISREG(shm.fstat(fd).st_mode):
+            shm.close(fd)
             return None
         return fd, False, writable
 
 
 class InstanceLock:
     """The instance lock of ``name``, held until :meth:`release` or exit; ``qualifier`` is
-    the uid of the segment names this daemon uses (None: plain); ``secret`` its secret."""
+    the uid of the segment names this daemon uses (None: plain); ``secret`` its secret.
+    Take it with :meth:`acquire`."""
 
-    def __init__(self, name: str, path: str, fd: int, writable: bool):
+    def __init__(self, name: str, path: str, fd, writable: bool, host: Host):
         self.name = name
         self.path = path
-        self._fd: int | None = fd
+        self._fd = fd
         self._writable = writable
-        self.uid = os.geteuid()
+        self.host = host
+        self._shm = host.shm
+        self.uid = host.euid
         self.qualifier: int | None = None
         self.secret = b""
         self.created: list[str] = []  # files this start made (a refused start removes them)
         self._problem: str | None = None
 
     @classmethod
-    def acquire(cls, name: str) -> InstanceLock:
-        lock, created = cls._take(name)
+    def acquire(cls, name: str, host: Host | None = None) -> InstanceLock:
+        """Take the instance lock of ``name`` on ``host`` (default: the real one), choose the
+        segment names and load the secret; raises AlreadyRunning (another daemon runs the
+        instance) or UntrustedSegment, having changed nothing."""
+        if host is None:
+            host = real_host()
+        lock, created = cls._take(name, host)
         try:
             if created:
                 lock.created.append(lock.path)
-            lock.qualifier = choose_names(name, lock.uid)
-            mark(lock._fd, os.getpid(), lock.uid, lock.qualifier is not None)
+            lock.qualifier = choose_names(host.shm, name, lock.uid)
+            host.shm.mark(lock._fd, host.pid, lock.uid, lock.qualifier is not None)
             lock.secret = lock._load_secret()
             lock._write_pid()
         except BaseException:
@@ -224,19 +215,19 @@ class InstanceLock:
         return lock
 
     @classmethod
-    def _take(cls, name: str) -> tuple[InstanceLock, bool]:
-        uid = os.geteuid()
+    def _take(cls, name: str, host: Host) -> tuple[InstanceLock, bool]:
+        shm, uid = host.shm, host.euid
         path = lock_path(name)
         for _ in range(100):
-            opened = _open_lock(path)
+            opened = _open_lock(shm, path)
             if opened is None:
                 if path != lock_path(name):
                     raise UntrustedSegment(f"{path} cannot be used as this daemon's lock (it is another user's or "
                                            f"not a regular file, and no process holds it): remove it and start again")
-                pid = flock_holder_pid(path)
-                owner = _owner(path)
+                pid = shm.flock_holder_pid(path)
+                owner = _owner(shm, path)
                 if pid:
-                    raise _running(name, flock_holder(path) or Holder(pid), path,
+                    raise _running(name, shm.flock_holder(path) or Holder(pid), path,
                                    f"it holds {path}, a lock file this uid {uid} may not open")
                 log.warning("%s belongs to uid %s and this daemon (uid %d) may not open it; %s: taking %s instead",
                             path, owner, uid, "no process holds it" if pid == 0 else
@@ -244,75 +235,74 @@ class InstanceLock:
                 path = lock_path(name, uid)
                 continue
             fd, created, writable = opened
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _wait_marks(fd) or _unmarked_holder(path, fd)
-                os.close(fd)
-                raise _running(name, holder, path, f"lock {path}") from None
-            if not _same_file(fd, path):  # removed or replaced between open and flock: the new one counts
-                os.close(fd)
+            if not shm.flock(fd):
+                holder = shm.wait_marks(fd) or _unmarked_holder(shm, path, fd)
+                shm.close(fd)
+                raise _running(name, holder, path, f"lock {path}")
+            if not _same_file(shm, fd, path):  # removed or replaced between open and flock: the new one counts
+                shm.close(fd)
                 continue
-            return cls(name, path, fd, writable), created
+            return cls(name, path, fd, writable, host), created
         raise AlreadyRunning(f"instance {name!r}: its lock file {path} keeps being replaced; is something "
                              f"removing /dev/shm/wheeld-{name}-lock in a loop?")
 
     def _write_pid(self) -> None:
         if self._writable:
-            os.pwrite(self._fd, f"{os.getpid()}\n".encode().ljust(PID_FIELD, b" "), 0)
+            self._shm.pwrite(self._fd, f"{self.host.pid}\n".encode().ljust(PID_FIELD, b" "), 0)
 
     def _load_secret(self) -> bytes:
         """The secret of this daemon's names, made (0600) when missing; an older wheeld kept
         it in its 0600 lock file, after the pid: moved from there once, then removed."""
+        shm = self._shm
         legacy = None
-        own_file = self._writable and os.fstat(self._fd).st_uid == self.uid
-        if own_file and os.fstat(self._fd).st_size >= PID_FIELD + SECRET_BYTES:
-            legacy = os.pread(self._fd, SECRET_BYTES, PID_FIELD)
+        own_file = self._writable and shm.fstat(self._fd).st_uid == self.uid
+        if own_file and shm.fstat(self._fd).st_size >= PID_FIELD + SECRET_BYTES:
+            legacy = shm.pread(self._fd, SECRET_BYTES, PID_FIELD)
         segment = secret_name(self.name, self.qualifier)
         path = shm_path(segment)
         for _ in range(10):
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o600)
+                fd = shm.create(path, 0o600)
             except FileExistsError:
                 secret = self._read_secret(segment, path)
                 if secret is not None:
                     break
                 continue
             try:
-                os.fchmod(fd, 0o600)
-                secret = legacy or secrets.token_bytes(SECRET_BYTES)
-                os.pwrite(fd, secret, 0)
+                secret = legacy or self.host.rng.token_bytes(SECRET_BYTES)
+                shm.pwrite(fd, secret, 0)
             finally:
-                os.close(fd)
+                shm.close(fd)
             self.created.append(path)
             break
         else:
             raise UntrustedSegment(f"{path} keeps being replaced")
         if own_file:
-            os.ftruncate(self._fd, PID_FIELD)  # nothing secret in a file everybody may read
-            os.fchmod(self._fd, 0o644)
+            shm.ftruncate(self._fd, PID_FIELD)  # nothing secret in a file everybody may read
+            shm.fchmod(self._fd, 0o644)
         return secret
 
     def _read_secret(self, segment: str, path: str) -> bytes | None:
         """The secret in an existing file, or None after setting aside one that may not be trusted."""
+        shm = self._shm
         try:
-            fd = os.open(path, os.O_RDONLY | _OPEN)
+            fd = shm.open(path, write=False)
         except FileNotFoundError:
             return None
         except OSError as exc:
             reason = exc.strerror
         else:
             try:
-                st = os.fstat(fd)
+                st = shm.fstat(fd)
                 reason = _untrusted(st, self.uid) or (st.st_mode & 0o077 and "other users may read it")
                 if not reason:
-                    secret = os.pread(fd, SECRET_BYTES, 0)
+                    secret = shm.pread(fd, SECRET_BYTES, 0)
                     if len(secret) == SECRET_BYTES:
                         return secret
                     reason = f"it holds {len(secret)} bytes, not {SECRET_BYTES}"
             finally:
-                os.close(fd)
-        moved = set_aside(segment, reason)
+                shm.close(fd)
+        moved = set_aside(self.host, segment, reason)
         log.error("secret %s set aside as /dev/shm/%s because %s; a new one is made (clients of the previous "
                   "daemon get new rings)", path, moved, reason)
         return None
@@ -321,25 +311,24 @@ class InstanceLock:
     def check(self) -> str | None:
         """Is the lock file still this daemon's? A removed or replaced one is made again and
         taken; returns what stays wrong (another process holds the new file), else None."""
-        if self._fd is None or _same_file(self._fd, self.path):
+        shm = self._shm
+        if self._fd is None or _same_file(shm, self._fd, self.path):
             self._problem = None
             return None
         problem = None
-        opened = _open_lock(self.path)
+        opened = _open_lock(shm, self.path)
         if opened is None:
             problem = f"the instance lock {self.path} was replaced by a file this daemon cannot use"
         else:
             fd, _created, writable = opened
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = read_marks(fd)
-                os.close(fd)
+            if not shm.flock(fd):
+                holder = shm.read_marks(fd)
+                shm.close(fd)
                 problem = (f"the instance lock {self.path} was replaced while this daemon ran, and "
                            f"{holder.describe(self.name) if holder else 'another process'} holds the new one")
             else:
-                mark(fd, os.getpid(), self.uid, self.qualifier is not None)
-                os.close(self._fd)
+                shm.mark(fd, self.host.pid, self.uid, self.qualifier is not None)
+                shm.close(self._fd)
                 self._fd, self._writable = fd, writable
                 self._write_pid()
                 log.warning("the instance lock %s was removed while this daemon ran; it is made and held again",
@@ -351,17 +340,17 @@ class InstanceLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing the last descriptor drops the flock and the marks
+            self._shm.close(self._fd)  # closing the last descriptor drops the flock and the marks
             self._fd = None
 
     def abandon(self, more: list[str] = ()) -> None:
         """A refused start: remove what it created (``more``: segments made after the lock),
         the lock file last, while it is still held, then release."""
         for path in [*more, *self.created[1:], *self.created[:1]]:
-            if path == self.path and (self._fd is None or not _same_file(self._fd, path)):
+            if path == self.path and (self._fd is None or not _same_file(self._shm, self._fd, path)):
                 continue
             try:
-                os.unlink(path)
+                self._shm.unlink(path)
             except FileNotFoundError:
                 pass
         self.created.clear()
@@ -379,54 +368,55 @@ def _untrusted(st: os.stat_result, uid: int) -> str | None:
     return None
 
 
-def take_segment(segment_name: str, instance: str) -> int | None:
-    """A descriptor of an existing segment of this daemon, open for writing, with its
+def take_segment(host: Host, segment_name: str, instance: str):
+    """A handle of an existing segment of this daemon, open for writing, with its
     segment lock taken (before anything is written) and marked; None when there is no
-    such segment. Map it, then close it: the mapping keeps the lock.
+    such segment. Map it (``host.shm.map``), then close it: the mapping keeps the lock.
 
     Raises AlreadyRunning when another process holds it, Unusable when it may not be
     trusted (another owner, writable by others, not a regular file)."""
+    shm = host.shm
     path = shm_path(segment_name)
     try:
-        fd = os.open(path, os.O_RDWR | _OPEN)
+        fd = shm.open(path, write=True)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        holder = _held_by(path)
+        holder = _held_by(shm, path)
         if holder is not None:
             raise _running(instance, holder, path) from None
         raise Unusable(exc.strerror) from None
     try:
-        if not lock_segment(fd):
-            raise _running(instance, _wait_marks(fd), path)
-        reason = _untrusted(os.fstat(fd), os.geteuid())
+        if not shm.lock(fd):
+            raise _running(instance, shm.wait_marks(fd), path)
+        reason = _untrusted(shm.fstat(fd), host.euid)
         if reason:
             raise Unusable(reason)
-        mark(fd, os.getpid(), os.geteuid())
+        shm.mark(fd, host.pid, host.euid)
     except BaseException:
-        os.close(fd)
+        shm.close(fd)
         raise
     return fd
 
 
-def create_segment(segment_name: str, mode: int) -> int:
+def create_segment(host: Host, segment_name: str, mode: int):
     """A new, empty segment of this daemon, open for writing, locked and marked (map it,
     then close it: the mapping keeps the lock); FileExistsError when the name is taken."""
-    fd = os.open(shm_path(segment_name), os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, mode)
+    shm = host.shm
+    fd = shm.create(shm_path(segment_name), mode)
     try:
-        os.fchmod(fd, mode)
-        if not lock_segment(fd):
+        if not shm.lock(fd):
             raise AlreadyRunning(f"{shm_path(segment_name)} was locked by another process as it was made")
-        mark(fd, os.getpid(), os.geteuid())
+        shm.mark(fd, host.pid, host.euid)
     except BaseException:
-        os.close(fd)
+        shm.close(fd)
         raise
     return fd
 
 
-def file_identity(fd: int) -> tuple[int, int]:
+def file_identity(shm: SharedMemory, fd) -> tuple[int, int]:
     """(device, inode) of the file open on ``fd``: what :class:`HeldSegment` compares."""
-    st = os.fstat(fd)
+    st = shm.fstat(fd)
     return st.st_dev, st.st_ino
 
 
@@ -434,18 +424,16 @@ class HeldSegment:
     """A segment the daemon holds (mapped, locked; ``identity``: its (device, inode)):
     does its name still name it?"""
 
-    def __init__(self, kind: str, segment_name: str, identity: tuple[int, int]):
+    def __init__(self, kind: str, segment_name: str, identity: tuple[int, int], shm: SharedMemory):
         self.kind = kind
         self.path = shm_path(segment_name)
         self.identity = identity
+        self._shm = shm
         self._problem: str | None = None
 
     def _named(self) -> bool:
-        try:
-            st = os.stat(self.path, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        return (st.st_dev, st.st_ino) == self.identity
+        st = self._shm.stat(self.path)
+        return st is not None and (st.st_dev, st.st_ino) == self.identity
 
     def check(self) -> str | None:
         """What is wrong with the segment's name (logged once, at error level, when it
@@ -455,8 +443,8 @@ class HeldSegment:
                 log.warning("%s names this daemon's %s again", self.path, self.kind)
             self._problem = None
             return None
-        if os.path.lexists(self.path):
-            holder = _held_by(self.path)
+        if self._shm.stat(self.path) is not None:
+            holder = _held_by(self._shm, self.path)
             now = f"another file ({'held by ' + holder.who() if holder else 'held by no daemon'})"
             what = f"{self.path} was replaced by {now}"
         else:
@@ -470,31 +458,34 @@ class HeldSegment:
         return problem
 
 
-def check_owned(segment_name: str) -> str | None:
+def check_owned(host: Host, segment_name: str) -> str | None:
     """Why the segment may not be trusted (another owner, writable by others), or None."""
-    try:
-        st = os.stat(shm_path(segment_name), follow_symlinks=False)
-    except FileNotFoundError:
-        return None
-    return _untrusted(st, os.geteuid())
+    st = host.shm.stat(shm_path(segment_name))
+    return None if st is None else _untrusted(st, host.euid)
 
 
-def set_aside(segment_name: str, reason: str = "it is unusable") -> str:
-    """Rename an unusable segment out of the way; returns the new name ("" when it vanished).
+def set_aside(host: Host, segment_name: str, reason: str = "it is unusable") -> str:
+    """Rename an unusable segment out of the way (``<name>.unusable-<wall ms>``, with a
+    ``-<n>`` when that name is taken); returns the new name ("" when it vanished).
 
     Raises UntrustedSegment when the daemon may not rename it (another user's file
     in the sticky /dev/shm). Callers have made sure no process holds it."""
+    shm = host.shm
     source = shm_path(segment_name)
-    target = f"{source}.unusable-{time.time_ns() // 1_000_000}"
+    target = stamp = f"{source}.unusable-{host.wall_ms()}"
+    copies = 1
+    while shm.stat(target) is not None:  # set aside twice in one ms: keep both copies
+        copies += 1
+        target = f"{stamp}-{copies}"
     try:
-        os.rename(source, target)
+        shm.rename(source, target)
     except FileNotFoundError:
         return ""
     except OSError as exc:
         if exc.errno in (errno.EPERM, errno.EACCES):
-            owner = _owner(source)
+            owner = _owner(shm, source)
             raise UntrustedSegment(
-                f"{source} cannot be used ({reason}) and this daemon (uid {os.geteuid()}) may not move it "
+                f"{source} cannot be used ({reason}) and this daemon (uid {host.euid}) may not move it "
                 f"({exc.strerror}): it belongs to uid {owner} and no process holds it; remove it (as root or "
                 f"uid {owner}) and start again") from None
         raise

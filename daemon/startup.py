@@ -1,6 +1,12 @@
 """Start-up: the arena (attached, or made and rebuilt from the journal) and the socket.
 
-Called with the instance lock held (:class:`wheeld.daemon.instance.InstanceLock`).
+``open_arena(cfg, now, host, qualifier=None) -> OpenedArena`` is the core's: called
+with the instance lock held (:meth:`wheeld.daemon.instance.InstanceLock.acquire`
+``(cfg.name, host)``; ``qualifier`` is that lock's), it reaches named shared
+memory only through ``host.shm`` (:class:`wheeld.daemon.host.SharedMemory`) and
+stamps the arena with ``host.wall_ms``, so the simulator runs it over simulated
+shared memory. :func:`open_socket` is the shell's (the real daemon's listening
+socket; the simulator has none).
 The arena's segment lock is taken before the arena is written (attached or
 made); an arena another process holds stops the start. An arena that cannot be
 trusted or used is set aside (see :mod:`wheeld.daemon.instance`), never refused.
@@ -24,13 +30,12 @@ from dataclasses import dataclass, field
 
 from wheeld.protocol.errors import InvalidRequest, WheeldError
 from wheeld.protocol.naming import arena_name, shm_path
-from wheeld.shm.arena import Segment
-from wheeld.shm.arena import unlink as unlink_segment
 from wheeld.shm.wheel import TimerWheel
 
 from .activation import listen_fds, unix_stream_listener
 from .config import Config
-from .instance import Unusable, file_identity, set_aside, take_segment
+from .host import Host
+from .instance import Unusable, create_segment, file_identity, set_aside, take_segment
 
 log = logging.getLogger("wheeld")
 
@@ -47,14 +52,20 @@ class OpenedArena:
     lost: int = 0  # timers of damaged records nothing could restore
 
 
-def open_arena(cfg: Config, now: int, qualifier: int | None = None) -> OpenedArena:
+def open_arena(cfg: Config, now: int, host: Host, qualifier: int | None = None) -> OpenedArena:
     """Attach the instance's arena, or create one (rebuilt from the journal when there is one).
-    ``qualifier``: the uid of the segment names the daemon uses (None: the plain names)."""
+    ``now``: the arena's clock (a new arena starts there); ``host``: the ports (``host.shm``
+    for the segments, ``host.euid``/``host.pid`` for ownership and marks, ``host.wall_ms``);
+    ``qualifier``: the uid of the segment names the daemon uses (None: the plain names).
+    Raises AlreadyRunning (another process holds the arena), UntrustedSegment (an arena
+    this uid may not even move), or the journal's refusal; a new arena is removed again
+    when the start fails after making it (the caller removes it on a later refusal:
+    ``shm_path(opened.wheel.name)`` when ``opened.fresh``)."""
     name = arena_name(cfg.name, qualifier)
     aside: list[str] = []
-    attached = _attach_arena(cfg, name, aside)
+    attached = _attach_arena(cfg, host, name, aside)
     if attached is None:
-        opened = _new_arena(cfg, name, now)
+        opened = _new_arena(cfg, host, name, now)
         opened.set_aside = aside
         return opened
     wheel, identity = attached
@@ -84,7 +95,7 @@ def _repair_attached(cfg: Config, wheel: TimerWheel) -> tuple[int, int]:
         return len(repairs), freed
     from .reconcile import reconcile, summary
 
-    started = time.monotonic()
+    started = time.perf_counter()
     try:
         result = reconcile(wheel, cfg.journal_dir, cfg.name)
     except Exception:  # a fault of the check itself must not keep the daemon from serving
@@ -92,7 +103,7 @@ def _repair_attached(cfg: Config, wheel: TimerWheel) -> tuple[int, int]:
         if freed:
             log.error("arena damage: %d damaged record(s) freed; their timers are LOST", freed)
         return len(repairs), freed
-    took_ms = (time.monotonic() - started) * 1000
+    took_ms = (time.perf_counter() - started) * 1000
     if not result.trusted:
         log.info("arena not compared with the journal: %s", result.reason)
         if freed:
@@ -122,9 +133,9 @@ def _check_attached(wheel: TimerWheel, damaged: int = 0, lost: int = 0) -> None:
     index and counters. A problem here is a fault of the rebuild, not of the crash
     it recovered from; it is logged, and the daemon serves on. An arena in which
     damage was found and repaired is consistent, not sound: it says so."""
-    started = time.monotonic()
+    started = time.perf_counter()
     problems = wheel.check()
-    took_ms = (time.monotonic() - started) * 1000
+    took_ms = (time.perf_counter() - started) * 1000
     if not problems and damaged:
         log.error("arena checked after attach in %.0f ms: consistent after repairing %d damaged record(s), "
                   "%d timer(s) lost", took_ms, damaged, lost)
@@ -137,25 +148,26 @@ def _check_attached(wheel: TimerWheel, damaged: int = 0, lost: int = 0) -> None:
         log.error("arena check: %s", problem)
 
 
-def _attach_arena(cfg: Config, name: str, aside: list[str]) -> tuple[TimerWheel, tuple[int, int]] | None:
+def _attach_arena(cfg: Config, host: Host, name: str, aside: list[str]) -> tuple[TimerWheel, tuple[int, int]] | None:
     """The existing arena (its segment lock taken before it is mapped, kept by the
     mapping) and its file's identity, or None when there is none or it was set aside.
     Raises AlreadyRunning when another process holds it."""
+    shm = host.shm
     try:
-        fd = take_segment(name, cfg.name)
+        fd = take_segment(host, name, cfg.name)
     except Unusable as exc:
         reason = str(exc)
     else:
         if fd is None:
             return None
         try:
-            identity = file_identity(fd)
-            return TimerWheel.recover(Segment.attach(name, fd=fd)), identity
+            identity = file_identity(shm, fd)
+            return TimerWheel.recover(shm.map(fd, name)), identity
         except (WheeldError, ValueError, OSError) as exc:
             reason = f"it cannot be used: {exc}"  # unmapped: its lock went with it; renamed below
         finally:
-            os.close(fd)
-    moved = set_aside(name, reason)  # raises UntrustedSegment when it is not ours to move
+            shm.close(fd)
+    moved = set_aside(host, name, reason)  # raises UntrustedSegment when it is not ours to move
     if moved:
         aside.append(moved)
         log.error("arena %s set aside as /dev/shm/%s because %s; a new arena is made%s", name, moved, reason,
@@ -163,11 +175,12 @@ def _attach_arena(cfg: Config, name: str, aside: list[str]) -> tuple[TimerWheel,
     return None
 
 
-def _new_arena(cfg: Config, name: str, now: int) -> OpenedArena:
+def _new_arena(cfg: Config, host: Host, name: str, now: int) -> OpenedArena:
     """A new arena, rebuilt from the journal when there is one. It is built under a
     temporary name and renamed into place only when complete: a daemon killed in the
     middle of a recovery leaves no half-filled arena that the next start would take
     for the real one (it starts the recovery over)."""
+    shm = host.shm
     recovered = next_lsn = None
     capacity, max_groups = cfg.capacity, cfg.max_groups
     if cfg.journal_dir:  # before the arena exists: a refusal (--journal-damage refuse) leaves nothing
@@ -177,21 +190,38 @@ def _new_arena(cfg: Config, name: str, now: int) -> OpenedArena:
         capacity, max_groups = arena_size_for(recovered, capacity, max_groups)  # room for every journaled timer
     building = f"{name}.new"
     try:
-        left = take_segment(building, cfg.name)  # AlreadyRunning while another daemon builds it
+        left = take_segment(host, building, cfg.name)  # AlreadyRunning while another daemon builds it
     except Unusable as exc:
-        log.warning("set aside %s, left by a daemon that died while building its arena", set_aside(building, str(exc)))
+        log.warning("set aside %s, left by a daemon that died while building its arena",
+                    set_aside(host, building, str(exc)))
     else:
         if left is not None:
-            os.unlink(shm_path(building))
-            os.close(left)
+            try:
+                shm.unlink(shm_path(building))
+            finally:
+                shm.close(left)
             log.warning("removed %s, left by a daemon that died while building its arena", building)
-    wheel = TimerWheel.create(  # locked by its maker from the start (Segment.create)
-        capacity, tick_ms=cfg.tick_ms, wheel_size=cfg.wheel_size, name=building, start_ms=now,
-        max_groups=max_groups, mode=cfg.arena_mode,
+    made: list[tuple[int, int]] = []
+
+    def segment(size: int):
+        """The arena's segment, locked by its maker from the start (before anything is written)."""
+        fd = create_segment(host, building, cfg.arena_mode)
+        try:
+            made.append(file_identity(shm, fd))
+            shm.ftruncate(fd, size)
+            return shm.map(fd, building, size)
+        except BaseException:
+            shm.unlink(shm_path(building))
+            raise
+        finally:
+            shm.close(fd)
+
+    wheel = TimerWheel.create(
+        capacity, tick_ms=cfg.tick_ms, wheel_size=cfg.wheel_size, start_ms=now, max_groups=max_groups,
+        segment_factory=segment, created_wall_ms=host.wall_ms(),
     )
     try:
-        identity = os.stat(shm_path(building)).st_dev, os.stat(shm_path(building)).st_ino
-        hand_to_monitors(cfg, building)
+        hand_to_monitors(cfg, host, building)
         if recovered is not None:
             from .recovery import load_recovered
 
@@ -200,20 +230,23 @@ def _new_arena(cfg: Config, name: str, now: int) -> OpenedArena:
         wheel.name = name
     except BaseException:
         wheel.close()
-        unlink_segment(building)
+        try:
+            shm.unlink(shm_path(building))
+        except FileNotFoundError:
+            pass
         raise
     log.info("created arena %s (capacity %d, tick %d ms, wheel %d, %d levels)",
              name, capacity, cfg.tick_ms, cfg.wheel_size, wheel.levels)
-    return OpenedArena(wheel, True, identity, recovered=recovered, next_lsn=next_lsn)
+    return OpenedArena(wheel, True, made[0], recovered=recovered, next_lsn=next_lsn)
 
 
-def hand_to_monitors(cfg: Config, segment_name: str) -> None:
+def hand_to_monitors(cfg: Config, host: Host, segment_name: str) -> None:
     """Give a segment the daemon created to the monitoring group (``--monitor-group``)."""
     gid = cfg.monitor_gid
     if gid is not None:
         path = shm_path(segment_name)
-        os.chown(path, -1, gid)
-        os.chmod(path, 0o640)
+        host.shm.chown(path, -1, gid)
+        host.shm.chmod(path, 0o640)
 
 
 def open_socket(cfg: Config) -> tuple[socket.socket, bool]:

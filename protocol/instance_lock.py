@@ -122,10 +122,11 @@ def read_marks(fd: int) -> Holder | None:
                   None if spelling is None else bool(spelling[1] - SPELLING_MARK))
 
 
-def read_pid(fd: int) -> int:
-    """The pid field of an open lock file (0 when it holds none)."""
+def read_pid(fd, pread=os.pread) -> int:
+    """The pid field of an open lock file (0 when it holds none); ``pread`` reads it
+    (a shared-memory port's, :class:`wheeld.daemon.host.SharedMemory`)."""
     try:
-        return int(os.pread(fd, PID_FIELD, 0).split()[0])
+        return int(pread(fd, PID_FIELD, 0).split()[0])
     except (ValueError, IndexError, OSError):
         return 0
 

@@ -7,6 +7,11 @@ which would delete a live arena under the daemon's feet.
 
 A segment created with ``name=None`` is private anonymous memory: the same code
 runs in-process (tests, the in-process purgatory) without touching /dev/shm.
+
+A segment the daemon maps through its shared-memory port
+(:class:`wheeld.daemon.host.SharedMemory`: :class:`wheeld.shm.named.RealShm`, or the
+simulator's) carries that port in ``shm``: its ``close``, ``rename`` and ``unlink``
+go through it.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from __future__ import annotations
 import mmap
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import posix_ipc
 
 from wheeld.protocol.errors import CorruptArena, InvalidRequest
 from wheeld.protocol.instance_lock import lock_segment, mark
+from wheeld.protocol.naming import shm_path
 
 
 def normalize_name(name: str) -> str:
@@ -33,12 +40,14 @@ def normalize_name(name: str) -> str:
 
 @dataclass
 class Segment:
-    """A mapped segment: ``buf`` is the mmap, ``name`` None for private memory."""
+    """A mapped segment: ``buf`` is the mmap, ``name`` None for private memory; ``shm``
+    the port that mapped it (None: ``posix_ipc`` and ``/dev/shm`` directly)."""
 
     buf: mmap.mmap
     name: str | None
     size: int
     readonly: bool = False
+    shm: Any = None
 
     @classmethod
     def create(cls, name: str | None, size: int, mode: int = 0o600) -> "Segment":
@@ -87,23 +96,37 @@ class Segment:
         return cls(buf, name, size, readonly)
 
     def close(self) -> None:
-        try:
-            self.buf.close()
-        except BufferError:
-            # Views of the buffer are still alive somewhere; the mapping goes with them.
-            pass
+        if self.shm is not None:
+            self.shm.unmap(self)
+            return
+        close_mapping(self.buf)
 
     def unlink(self) -> None:
-        if self.name is not None:
+        if self.name is None:
+            return
+        if self.shm is None:
             unlink(self.name)
+            return
+        try:
+            self.shm.unlink(shm_path(self.name))
+        except FileNotFoundError:
+            pass
 
     def rename(self, new_name: str) -> None:
         """Give the segment another name, atomically (Linux keeps POSIX shared memory as
         files in /dev/shm, and a rename there replaces any segment of that name). The
         mapping stays valid."""
         new_name = normalize_name(new_name)
-        os.rename(f"/dev/shm{self.name}", f"/dev/shm{new_name}")
+        (os if self.shm is None else self.shm).rename(shm_path(self.name), shm_path(new_name))
         self.name = new_name
+
+
+def close_mapping(buf: mmap.mmap) -> None:
+    """Unmap ``buf``, unless views of it are still alive somewhere (it goes with them)."""
+    try:
+        buf.close()
+    except BufferError:
+        pass
 
 
 def unlink(name: str) -> bool:

@@ -373,8 +373,14 @@ class TimerWheel:
         levels: int | None = None,
         max_groups: int = L.DEFAULT_MAX_GROUPS,
         mode: int = 0o644,
+        segment_factory=None,
+        created_wall_ms: int | None = None,
     ) -> TimerWheel:
-        """A new, empty wheel: in shared memory ``name``, or private memory when None."""
+        """A new, empty wheel: in shared memory ``name``, or private memory when None; or in
+        the segment ``segment_factory(size)`` returns (a :class:`~wheeld.shm.arena.Segment`
+        of at least ``size`` bytes, zeroed, which the wheel then owns: the daemon makes its
+        arena through its shared-memory port; ``name`` and ``mode`` are then unused).
+        ``created_wall_ms`` stamps the arena's creation (default: the wall clock now)."""
         for label, value, low in (("capacity", capacity, 1), ("tick_ms", tick_ms, 1), ("wheel_size", wheel_size, 2)):
             if type(value) is not int or value < low:
                 raise InvalidRequest(f"{label} must be an integer >= {low}, not {value!r}")
@@ -389,12 +395,16 @@ class TimerWheel:
         if not 1 <= max_groups <= 65535:
             raise InvalidRequest("max_groups must be 1..65535")
         size = L.segment_bytes(capacity, levels, wheel_size, max_groups)
-        seg = Segment.create(name, size, mode=mode)
+        if created_wall_ms is None:
+            created_wall_ms = time.time_ns() // 1_000_000
+        seg = Segment.create(name, size, mode=mode) if segment_factory is None else segment_factory(size)
         try:
+            if seg.size < size:
+                raise InvalidRequest(f"the segment made for the arena holds {seg.size} bytes, not {size}")
             buf = seg.buf
             L.HEADER_FIXED.pack_into(
                 buf, 0, L.MAGIC, L.LAYOUT_VERSION, L.RECORD_BYTES, capacity, tick_ms, wheel_size,
-                levels, start_ms, start_ms, -1, max_groups, time.time_ns() // 1_000_000,
+                levels, start_ms, start_ms, -1, max_groups, created_wall_ms,
             )
             struct.pack_into("<i", buf, L.H_INTENT_SLOT, -1)
             name_bytes = b"default"
