@@ -15,10 +15,11 @@ import socket
 import time
 
 from wheeld.protocol import messages as M
-from wheeld.protocol.errors import BrokenPeer, DaemonNotRunning, NotAllowed, RingFull, Timeout
+from wheeld.protocol.errors import BrokenPeer, RingFull, Timeout
 from wheeld.protocol.framing import FrameReader
 
-from .core import _FDS_SPACE, ClientCore, Expired, close_quietly, decode_daemon_body, not_applied, passed_fds
+from .core import _FDS_SPACE, ClientCore, Expired, decode_daemon_body, passed_fds
+from .handshake import RETRY_FIRST_S, Handshake, Reconnection
 
 _DOORBELL = M.encode_client_frame(M.Doorbell())
 _DOORBELL_URGENT = M.encode_client_frame(M.Doorbell(urgent=True))
@@ -31,89 +32,65 @@ class AsyncClient(ClientCore):
         super().__init__(socket_path, group, ring_timeout_s, reconnect_timeout_s, client_name)
         self._sock: socket.socket | None = None
         self._reader = FrameReader()
-        self._gone_since: float | None = None
-        self._gone_reason = ""  # why the last attempt to reconnect failed
+        self._reconnection = Reconnection(self.socket_path, reconnect_timeout_s)
 
     async def _connect(self, until: float, first: bool) -> None:
         """Open a session before ``until`` (time.monotonic()); see :mod:`wheeld.sync`."""
-        delay = 0.01
+        pause = RETRY_FIRST_S
         while True:
             try:
                 await self._handshake(until)
                 return
-            except PermissionError as exc:
-                raise NotAllowed(f"may not connect to wheeld at {self.socket_path}: {exc.strerror}") from None
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
-                if first:
-                    raise DaemonNotRunning(
-                        f"no wheeld listens at {self.socket_path} ({exc.strerror}); start it (`make run`, "
-                        f"`systemctl start wheeld`) or point WHEELD_SOCKET / WHEELD_NAME at the running one") from None
-                failure: Exception = DaemonNotRunning(f"no wheeld listens at {self.socket_path} ({exc.strerror})")
-            except (asyncio.TimeoutError, TimeoutError):
-                failure = Timeout(f"wheeld at {self.socket_path} did not answer the handshake in time")
-            except (OSError, BrokenPeer) as exc:
-                if type(exc) is not BrokenPeer and not isinstance(exc, OSError):
-                    raise
-                failure = BrokenPeer(f"cannot reach wheeld at {self.socket_path}: {exc}")
-            if time.monotonic() + delay >= until:
+            except (OSError, BrokenPeer) as exc:  # asyncio.TimeoutError is TimeoutError, an OSError
+                failure = self._reconnection.attempt_failed(exc, first)  # raises what retrying will not heal
+            if time.monotonic() + pause >= until:
                 raise failure
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            await asyncio.sleep(pause)
+            pause = Reconnection.next_pause(pause)
 
     async def _handshake(self, until: float) -> None:
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
-        received: list[int] = []
+        attempt = None
         try:
             await asyncio.wait_for(loop.sock_connect(sock, self.socket_path), max(0.05, until - time.monotonic()))
-            frame, fds = self._hello_frame()
+            attempt = Handshake(self)
+            frame, fds = attempt.frame, attempt.fds
             if fds:
                 sent = await _wait_ready(loop, sock, until, write=True, op=lambda: sock.sendmsg(
                     [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]))
                 await loop.sock_sendall(sock, frame[sent:])
             else:
                 await loop.sock_sendall(sock, frame)
-            reader = FrameReader()
             while True:
                 data, ancillary, _flags, _addr = await _wait_ready(
                     loop, sock, until, write=False, op=lambda: sock.recvmsg(65536, _FDS_SPACE))
-                received += passed_fds(ancillary)
-                if not data:
-                    raise BrokenPeer("the daemon closed the connection during the handshake")
-                frames = reader.feed(data)
-                if frames:
+                if attempt.received(data, passed_fds(ancillary)):
                     break
-            welcome = self._welcome_of(frames[0])
-            taken, received = received, []
-            self._on_welcome(welcome, taken)
+            reader = attempt.open()
         except BaseException:
             sock.close()
-            for fd in received:
-                close_quietly(fd)
+            if attempt is not None:
+                attempt.abandon()
             raise
         if self._sock is not None:
             self._sock.close()
         self._sock, self._reader = sock, reader
-        for body in frames[1:]:
+        for body in attempt.rest:
             self._on_message(decode_daemon_body(body))
 
     async def _reconnect(self, until: float | None = None) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        if self._gone_since is None:
-            self._gone_since = time.monotonic()
-        give_up = self._gone_since + self.reconnect_timeout_s
+        give_up = self._reconnection.lost(time.monotonic())
         try:
             await self._connect(give_up if until is None else min(until, give_up), first=False)
         except (BrokenPeer, Timeout) as exc:
-            self._gone_reason = str(exc)
-            if time.monotonic() >= give_up:
-                raise BrokenPeer(f"wheeld at {self.socket_path} has been unreachable for "
-                                 f"{self.reconnect_timeout_s:.0f} s: {exc}") from None
+            self._reconnection.failed(exc, time.monotonic())  # raises BrokenPeer past give_up
             return
-        self._gone_since = None
+        self._reconnection.restored()
 
     def _wait_for_room(self) -> None:
         self._ring_doorbell()
@@ -187,7 +164,7 @@ class AsyncClient(ClientCore):
         while self._applied != seq:
             remaining = end - time.monotonic()
             if remaining <= 0:
-                raise not_applied(timeout_s, self._gone_since, self._gone_reason)
+                raise self._reconnection.not_applied(timeout_s, time.monotonic())
             if not await self._read(min(remaining, 0.05), end):
                 self._ring_doorbell()
         self._raise_rejections()

@@ -22,6 +22,10 @@ cdef extern from *:
     void _full_fence "wheeld_full_fence" () nogil
 
 cdef bint _COMPILED
+# _set_clock: a simulation's clock replaces CLOCK_MONOTONIC (tested before each clock read)
+cdef bint _clock_replaced
+
+cdef long long _now_ns() except? -1
 
 
 cdef inline object _decode_key_bytes(bytes kb, long long meta):
@@ -104,20 +108,26 @@ cdef class ClientCore:
     cdef public object _replay_from
     cdef public object _flush_positions
     cdef public object max_delay_ms
+    # _encode's outputs beside the key bytes it returns
+    cdef long long _key_meta
+    cdef object _key_name
     cdef object __weakref__
 
+    @cython.final
+    @cython.locals(text=str, kb=bytes, meta=cython.longlong)
+    cdef bytes _encode(self, key)
+
     @cython.locals(header="const long long[::1]", meta=cython.longlong, seq=cython.longlong, now_ns=cython.longlong,
-                   epoch=cython.longlong, shard=dict, seg=ClientSegment,
-                   text=str, kb=bytes, bkey=object, tag=object)
+                   epoch=cython.longlong, shard=dict, seg=ClientSegment, kb=bytes, bkey=object, tag=object)
     cpdef add(self, key, delay_ms)
 
     @cython.locals(header="const long long[::1]", meta=cython.longlong, seq=cython.longlong, now_ns=cython.longlong,
-                   seg=ClientSegment, text=str, kb=bytes, bkey=object, tag=object, index=object, now=object,
+                   seg=ClientSegment, kb=bytes, bkey=object, tag=object, index=object, now=object,
                    deadline=object, ident=bytes)
     cpdef add_idle(self, key, idle_ms)
 
     @cython.locals(meta=cython.longlong, seq=cython.longlong, latest=dict, hit=cython.bint, seg=ClientSegment,
-                   cancelled=list, text=str, kb=bytes, bkey=object, parked="const long long[::1]",
+                   cancelled=list, kb=bytes, bkey=object, parked="const long long[::1]",
                    epoch=cython.longlong)
     cpdef cancel(self, key)
 

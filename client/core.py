@@ -50,10 +50,10 @@ import collections
 import os
 import socket
 import threading
-import time
 import weakref
 
 import msgspec
+from wheeld.protocol import clock
 from wheeld.protocol import commands as C
 from wheeld.protocol import messages as M
 from wheeld.protocol import ring_layout as RL
@@ -121,38 +121,44 @@ _SHARD_MASK = _SHARDS - 1
 # in each entry, so a probe compares hashes without leaving the table (CPython 3.11+
 # "unicode" dict keys). Nothing iterates the shards, so the sentinel is never seen.
 _HASHED_ENTRIES = object()
-_SPIN_YIELDS = 20_000  # a full ring: sched_yield polls (~0.5-5 ms) before sleeping between polls
 _CANCEL = C.CANCEL
 _ADD_IDLE = C.ADD_IDLE
 _IDLE_MS_MAX = MAX_IDLE_MS
 _KEY_BYTES = KEY_BYTES
-_monotonic_ns = time.monotonic_ns
 # This module is compiled by Cython (wheeld.protocol.accel, core.pxd). Compiled, the hot
 # calls read the clock and fence with core.pxd's C functions (_clock_ns: the same
-# CLOCK_MONOTONIC as time.monotonic_ns; _full_fence: one locked instruction, what the
-# uncontended lock's acquire/release gives the Python source).
+# CLOCK_MONOTONIC as wheeld.protocol.clock.mono_ns; _full_fence: one locked instruction,
+# what the uncontended lock's acquire/release gives the Python source).
 _COMPILED = not __file__.endswith(".py")
 _CANCEL_MARK_EVERY = 256  # cancels between internal flushes that let us forget cancelled armings
 # (forgetting 1024 at once took ~1 ms of the receive path on a busy machine)
 
+# The one clock every client of this process reads (deadlines, touches, the idle check on
+# receipt): CLOCK_MONOTONIC in ns (wheeld.protocol.clock.mono_ns), rounded up to ms where
+# it makes a deadline (clock.ceil_ms's rule, inlined on the hot path). A simulation that
+# runs many clients in one thread on a simulated clock replaces it (_set_clock); compiled,
+# the hot calls test the C flag _clock_replaced before reading the clock in C.
+_monotonic_ns = clock.mono_ns
+_clock_replaced = False
 
-def ceil_ms() -> int:
-    """CLOCK_MONOTONIC in ms, rounded up. A deadline ``ceil_ms() + delay_ms`` is never
-    early in real time: the daemon fires it once its floored clock reaches the deadline,
-    i.e. at least ``delay_ms`` after the call. A touch stores it for the same reason."""
-    return -(-time.monotonic_ns() // 1_000_000)
+
+def _set_clock(now_ns=None) -> None:
+    """Read ``now_ns()`` (an int, ns on the CLOCK_MONOTONIC scale) wherever the client reads
+    the clock, in every client of this process; None: the real clock again. For a
+    deterministic simulation (tests/sim), never for a real client."""
+    global _monotonic_ns, _clock_replaced
+    if now_ns is not None and not callable(now_ns):
+        raise TypeError(f"the clock must be callable, not {type(now_ns).__name__}")
+    _monotonic_ns = clock.mono_ns if now_ns is None else now_ns
+    _clock_replaced = now_ns is not None
 
 
-def not_applied(timeout_s: float, gone_since: float | None, gone_reason: str) -> Timeout:
-    """The Timeout of a ``flush()`` not answered in ``timeout_s``; it says so when the daemon
-    is gone (the connection closed at ``gone_since``, time.monotonic(), and reconnecting
-    failed with ``gone_reason``) rather than connected and silent."""
-    text = f"wheeld did not apply the commands within {timeout_s} s"
-    if gone_since is not None:
-        text += (f": the daemon is gone (its connection closed {time.monotonic() - gone_since:.1f} s ago; "
-                 f"reconnecting: {gone_reason or 'not tried yet'}); the commands stay in the ring for a "
-                 f"daemon that comes back")
-    return Timeout(text)
+def _now_ns() -> int:
+    """The client's clock in ns (see _set_clock). On the Python path the hot calls read
+    ``_monotonic_ns()`` themselves (one Python call fewer); compiled, this is a C function."""
+    if _COMPILED and not _clock_replaced:
+        return _clock_ns()  # noqa: F821 - core.pxd
+    return _monotonic_ns()
 
 
 def check_delay_ms(delay_ms, max_delay_ms: int | None = None) -> None:
@@ -336,6 +342,8 @@ class ClientCore:
         self._replay_from = 0
         self._flush_positions: dict[int, int] = {}
         self.max_delay_ms = 0
+        self._key_meta = 0  # _encode's outputs beside the key bytes it returns
+        self._key_name = None
         _live_clients.add(self)
 
     # ------------------------------------------------------------------ fork
@@ -365,29 +373,7 @@ class ClientCore:
             self._status.close()
             self._status = None
 
-    # ------------------------------------------------------------------ handshake
-    def _hello_frame(self) -> tuple[bytes, list[int]]:
-        """The Hello frame, and the descriptors to pass with it: our ring, when we have
-        one, so that a restarted daemon adopts it (and the commands still in it)."""
-        seg = self._segment
-        replay_epoch = replay_from = 0
-        if seg is not None and self._welcome is not None and seg._tail - self._replay_from <= seg.ring_capacity:
-            # everything we pushed since the last acknowledged flush is still in the ring
-            replay_epoch, replay_from = self._welcome.arena_epoch, self._replay_from
-        hello = M.Hello(M.PROTOCOL_VERSION, self.group, os.getpid(), self.client_name,
-                        seg.name if seg is not None else "", self._welcome.token if self._welcome else 0,
-                        replay_epoch, replay_from)
-        return M.encode_client_frame(hello), [seg.fd] if seg is not None else []
-
-    def _welcome_of(self, body: bytes) -> M.Welcome:
-        """The daemon's answer to Hello: its Welcome, or the refusal's error raised."""
-        message = decode_daemon_body(body)
-        if type(message) is M.Refused:
-            self._on_message(message)  # raises the refusal's error
-        if type(message) is not M.Welcome:
-            raise ProtocolError(f"expected Welcome, got {type(message).__name__}")
-        return message
-
+    # ------------------------------------------------------------------ handshake (see wheeld.handshake)
     def _on_welcome(self, welcome: M.Welcome, fds: list[int]) -> None:
         """Take the session the daemon opened: ``fds`` are the descriptors that came with
         the Welcome (our ring, then the status page); every one is used or closed."""
@@ -454,9 +440,34 @@ class ClientCore:
         self._seq = (self._seq + 1) & _SEQ_MASK
         return self._tag_base | self._seq
 
+    def _encode(self, key) -> bytes:
+        """``key``'s bytes in a record (:func:`wheeld.protocol.keys.encode_key`, whose str and
+        int encodings are inlined here); InvalidKey for a key it refuses. Its meta byte is
+        left in ``_key_meta``, its name in the bookkeeping (:func:`_bookkeeping_key`) in
+        ``_key_name``: no tuple is built (compiled, both are C fields of the object)."""
+        if type(key) is str:
+            text = key  # (compiled: a str variable, so the encoding is one C call)
+            try:
+                kb = text.encode()
+            except UnicodeEncodeError:
+                kb = b""  # encode_key below raises InvalidKey
+            meta = _STR_META | len(kb)
+            if not 0 < len(kb) <= _KEY_BYTES:
+                kb, meta = encode_key(key)  # raises InvalidKey
+            self._key_name = key
+        elif type(key) is int and _INT_LOW <= key <= _INT_HIGH:
+            kb = key.to_bytes(8, "little", signed=True)
+            meta = _INT_META
+            self._key_name = key
+        else:
+            kb, meta = encode_key(key)
+            self._key_name = key if type(key) is int else _bookkeeping_key(kb, meta)
+        self._key_meta = meta
+        return kb
+
     def _deadline(self, delay_ms) -> int:
         check_delay_ms(delay_ms, self.max_delay_ms)
-        return ceil_ms() + delay_ms
+        return delay_ms - (-_now_ns() // 1_000_000)  # clock.ceil_ms's rule: never early
 
     def _push(self, op: int, kb: bytes, meta: int, deadline: int, tag: int, aux0: int = 0, aux1: int = 0) -> None:
         seg = self._segment
@@ -467,20 +478,12 @@ class ClientCore:
             raise RingFull(f"the ring stayed full for {self.ring_timeout_s} s; the daemon is not draining it")
 
     def _wait_for_room(self) -> None:
-        """Wait until the ring has room: the daemon commits every chunk it applied (a few
-        ms of work at most), so poll with ``sched_yield`` first (it lets the daemon run
-        if it shares our core), then with 0.2 ms sleeps, up to ``ring_timeout_s``."""
+        """The ring is full. Waiting for room is the I/O shell's business: the blocking
+        client waits (:meth:`wheeld.sync.Client._wait_for_room`); the state machine itself
+        never blocks (an asyncio client, or a simulated one that shares its thread with the
+        daemon, would wait forever). It wakes the daemon and raises RingFull at once."""
         self._ring_doorbell()
-        free_slots = self._segment.free_slots
-        for _ in range(_SPIN_YIELDS):
-            if free_slots():
-                return
-            os.sched_yield()
-        end = time.monotonic() + self.ring_timeout_s
-        while free_slots() == 0:
-            if time.monotonic() >= end:
-                raise RingFull(f"the ring stayed full for {self.ring_timeout_s} s; the daemon is not draining it")
-            time.sleep(0.0002)
+        raise RingFull("the ring is full; flush() or poll() and retry")
 
     def _refuse_if_full(self, bkey) -> None:
         """ArenaFull / QuotaExceeded now, when the daemon says it would refuse an add (a
@@ -518,27 +521,13 @@ class ClientCore:
         ``delay_ms`` of real time after this call (the deadline is the clock in ms
         rounded up, plus the delay).
         """
-        # The hot path, inlined: a str or int key's encoding (encode_key for anything else or
-        # anything it would refuse), the arena-full check and _after_push.
+        # The hot path, inlined: the arena-full check and _after_push (the key's encoding is
+        # _encode, a C call compiled).
         if self._closed:
             self._raise_closed()
-        if type(key) is str:
-            text = key  # (compiled: a str variable, so the encoding is one C call)
-            try:
-                kb = text.encode()
-            except UnicodeEncodeError:
-                kb = b""  # encode_key below raises InvalidKey
-            meta = _STR_META | len(kb)
-            if not 0 < len(kb) <= _KEY_BYTES:
-                kb, meta = encode_key(key)  # raises InvalidKey
-            bkey = key
-        elif type(key) is int and _INT_LOW <= key <= _INT_HIGH:
-            kb = key.to_bytes(8, "little", signed=True)  # encode_key's int encoding, inlined
-            meta = _INT_META
-            bkey = key
-        else:
-            kb, meta = encode_key(key)
-            bkey = key if type(key) is int else _bookkeeping_key(kb, meta)
+        kb = self._encode(key)  # raises InvalidKey
+        meta = self._key_meta
+        bkey = self._key_name
         if type(delay_ms) is not int or not 0 <= delay_ms <= self.max_delay_ms:
             self._deadline(delay_ms)  # raises the precise InvalidDelay
         header = self._page
@@ -548,14 +537,14 @@ class ClientCore:
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
         tag = self._tag_base | seq
         # the deadline in ms rounded up (ceil_ms, inlined): never early in real time
-        now_ns = _clock_ns() if _COMPILED else _monotonic_ns()  # noqa: F821 - _clock_ns: core.pxd
+        now_ns = _now_ns() if _COMPILED else _monotonic_ns()  # _now_ns inlined on the Python path
         deadline = delay_ms - (-now_ns // 1_000_000)
         seg = self._segment
         if seg is None:
             self._raise_unconnected()
         if not seg.push_add(kb, meta, deadline, tag):
             self._wait_for_room()
-            deadline = delay_ms - (-time.monotonic_ns() // 1_000_000)
+            deadline = delay_ms - (-_now_ns() // 1_000_000)
             self._push(C.ADD, kb, meta, deadline, tag)
         shard = self._latest[hash(bkey) & _SHARD_MASK]
         shard[bkey] = tag
@@ -579,27 +568,13 @@ class ClientCore:
     def add_idle(self, key, idle_ms: int) -> int:
         """An idle timer: fires ``idle_ms`` after the last :meth:`touch` of ``key``.
         Returns its first deadline (as :meth:`add`); each touch moves it."""
-        # The hot path, inlined as in add: a str or int key's encoding, the range and
-        # arena-full checks (the precise errors from the helpers), one clock read.
+        # The hot path, inlined as in add: the range and arena-full checks (the precise
+        # errors from the helpers), one clock read.
         if self._closed:
             self._raise_closed()
-        if type(key) is str:
-            text = key  # (compiled: a str variable, so the encoding is one C call)
-            try:
-                kb = text.encode()
-            except UnicodeEncodeError:
-                kb = b""  # encode_key below raises InvalidKey
-            meta = _STR_META | len(kb)
-            if not 0 < len(kb) <= _KEY_BYTES:
-                kb, meta = encode_key(key)  # raises InvalidKey
-            bkey = key
-        elif type(key) is int and _INT_LOW <= key <= _INT_HIGH:
-            kb = key.to_bytes(8, "little", signed=True)  # encode_key's int encoding, inlined
-            meta = _INT_META
-            bkey = key
-        else:
-            kb, meta = encode_key(key)
-            bkey = key if type(key) is int else _bookkeeping_key(kb, meta)
+        kb = self._encode(key)  # raises InvalidKey
+        meta = self._key_meta
+        bkey = self._key_name
         if type(idle_ms) is not int or not 0 < idle_ms <= self.max_delay_ms or idle_ms > _IDLE_MS_MAX:
             self._check_idle_ms(idle_ms)  # raises the precise InvalidDelay
         seg = self._segment
@@ -614,7 +589,7 @@ class ClientCore:
         if index is None:
             index = self._new_touch_index()
         # the deadline in ms rounded up (ceil_ms, inlined): never early in real time
-        now_ns = _clock_ns() if _COMPILED else _monotonic_ns()  # noqa: F821 - _clock_ns: core.pxd
+        now_ns = _now_ns() if _COMPILED else _monotonic_ns()  # _now_ns inlined on the Python path
         now = -(-now_ns // 1_000_000)
         deadline = now + idle_ms
         seg.set_idle(index, idle_ms)
@@ -663,30 +638,16 @@ class ClientCore:
             index = self._touch_by_key[key]
         except (KeyError, TypeError):
             raise InvalidKey(f"{key!r} is not an idle timer of this client (add_idle it first)") from None
-        now_ns = _clock_ns() if _COMPILED else _monotonic_ns()  # noqa: F821 - _clock_ns: core.pxd
+        now_ns = _now_ns() if _COMPILED else _monotonic_ns()  # _now_ns inlined on the Python path
         self._touch_table[index] = -(-now_ns // 1_000_000)  # ceil_ms(): never early
 
     def cancel(self, key) -> bool:
         """Cancel ``key``; True if this client's arming of it will not be delivered."""
         if self._closed:
             self._raise_closed()
-        if type(key) is str:
-            text = key  # (compiled: a str variable, so the encoding is one C call)
-            try:
-                kb = text.encode()
-            except UnicodeEncodeError:
-                kb = b""  # encode_key below raises InvalidKey
-            meta = _STR_META | len(kb)
-            if not 0 < len(kb) <= _KEY_BYTES:
-                kb, meta = encode_key(key)  # raises InvalidKey
-            bkey = key
-        elif type(key) is int and _INT_LOW <= key <= _INT_HIGH:
-            kb = key.to_bytes(8, "little", signed=True)  # encode_key's int encoding, inlined
-            meta = _INT_META
-            bkey = key
-        else:
-            kb, meta = encode_key(key)
-            bkey = key if type(key) is int else _bookkeeping_key(kb, meta)
+        kb = self._encode(key)  # raises InvalidKey
+        meta = self._key_meta
+        bkey = self._key_name
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
         seg = self._segment
         if seg is None:
@@ -948,7 +909,7 @@ class ClientCore:
         if index is None or table is None:
             return False
         touched = table[index]
-        now = time.monotonic_ns() // 1_000_000
+        now = _now_ns() // 1_000_000
         idle_ms = self._segment._idle[index]
         if touched <= 0 or idle_ms <= 0 or touched + idle_ms <= now:
             return False  # due: fired_ms >= last touch + idle_ms

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import array
 import math
+import os
 import select
 import socket
 import time
 
 from wheeld.protocol import messages as M
-from wheeld.protocol.errors import BrokenPeer, DaemonNotRunning, NotAllowed, Timeout, WheeldError
+from wheeld.protocol.errors import BrokenPeer, RingFull, Timeout
 from wheeld.protocol.framing import FrameReader
 
-from .core import _FDS_SPACE, ClientCore, Expired, close_quietly, decode_daemon_body, not_applied, passed_fds
+from .core import _FDS_SPACE, ClientCore, Expired, decode_daemon_body, passed_fds
+from .handshake import RETRY_FIRST_S, Handshake, Reconnection
+
+_SPIN_YIELDS = 20_000  # a full ring: sched_yield polls (~0.5-5 ms) before sleeping between polls
 
 
 class Client(ClientCore):
@@ -33,73 +37,54 @@ class Client(ClientCore):
         super().__init__(socket_path, group, ring_timeout_s, reconnect_timeout_s, client_name)
         self._sock: socket.socket | None = None
         self._reader = FrameReader()
-        self._gone_since: float | None = None  # when the daemon went away (reconnecting since)
-        self._gone_reason = ""  # why the last attempt to reconnect failed
+        self._reconnection = Reconnection(self.socket_path, reconnect_timeout_s)
         self._connect(time.monotonic() + connect_timeout_s, first=True)
 
     # ------------------------------------------------------------------ connection
     def _connect(self, until: float, first: bool) -> None:
         """Open a session before ``until`` (time.monotonic()). The first connect gives up at
         once when nothing listens; a reconnection keeps trying (a restarting daemon)."""
-        delay = 0.01
+        pause = RETRY_FIRST_S
         while True:
             try:
                 self._handshake(max(0.05, until - time.monotonic()))
                 return
-            except PermissionError as exc:
-                raise NotAllowed(f"may not connect to wheeld at {self.socket_path}: {exc.strerror}") from None
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
-                if first:
-                    raise DaemonNotRunning(
-                        f"no wheeld listens at {self.socket_path} ({exc.strerror}); start it (`make run`, "
-                        f"`systemctl start wheeld`) or point WHEELD_SOCKET / WHEELD_NAME at the running one") from None
-                failure: Exception = DaemonNotRunning(f"no wheeld listens at {self.socket_path} ({exc.strerror})")
-            except TimeoutError:
-                failure = Timeout(f"wheeld at {self.socket_path} did not answer the handshake in time")
             except (OSError, BrokenPeer) as exc:
-                if isinstance(exc, WheeldError) and type(exc) is not BrokenPeer:
-                    raise  # a refusal: it will not heal by retrying
-                failure = BrokenPeer(f"cannot reach wheeld at {self.socket_path}: {exc}")
-            if time.monotonic() + delay >= until:
+                failure = self._reconnection.attempt_failed(exc, first)  # raises what retrying will not heal
+            if time.monotonic() + pause >= until:
                 raise failure
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            time.sleep(pause)
+            pause = Reconnection.next_pause(pause)
 
     def _handshake(self, timeout_s: float) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        received: list[int] = []
+        attempt = None
         try:
             sock.settimeout(timeout_s)
             sock.connect(self.socket_path)
-            frame, fds = self._hello_frame()
+            attempt = Handshake(self)
+            frame, fds = attempt.frame, attempt.fds
             if fds:
                 sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
                 sock.sendall(frame[sent:])
             else:
                 sock.sendall(frame)
-            reader = FrameReader()
             while True:
                 data, ancillary, _flags, _addr = sock.recvmsg(65536, _FDS_SPACE)
-                received += passed_fds(ancillary)
-                if not data:
-                    raise BrokenPeer("the daemon closed the connection during the handshake")
-                frames = reader.feed(data)
-                if frames:
+                if attempt.received(data, passed_fds(ancillary)):
                     break
-            welcome = self._welcome_of(frames[0])
-            taken, received = received, []
-            self._on_welcome(welcome, taken)
+            reader = attempt.open()
             sock.setblocking(False)
         except BaseException:
             sock.close()
-            for fd in received:
-                close_quietly(fd)
+            if attempt is not None:
+                attempt.abandon()
             raise
         if self._sock is not None:
             self._sock.close()
         self._sock = sock
         self._reader = reader
-        for body in frames[1:]:
+        for body in attempt.rest:
             self._on_message(decode_daemon_body(body))
 
     def _reconnect(self, until: float | None = None) -> None:
@@ -108,19 +93,29 @@ class Client(ClientCore):
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        now = time.monotonic()
-        if self._gone_since is None:
-            self._gone_since = now
-        give_up = self._gone_since + self.reconnect_timeout_s
+        give_up = self._reconnection.lost(time.monotonic())
         try:
             self._connect(give_up if until is None else min(until, give_up), first=False)
         except (BrokenPeer, Timeout) as exc:
-            self._gone_reason = str(exc)
-            if time.monotonic() >= give_up:
-                raise BrokenPeer(f"wheeld at {self.socket_path} has been unreachable for "
-                                 f"{self.reconnect_timeout_s:.0f} s: {exc}") from None
+            self._reconnection.failed(exc, time.monotonic())  # raises BrokenPeer past give_up
             return  # not yet: the caller's own deadline came first
-        self._gone_since = None
+        self._reconnection.restored()
+
+    def _wait_for_room(self) -> None:
+        """Wait until the ring has room: the daemon commits every chunk it applied (a few
+        ms of work at most), so poll with ``sched_yield`` first (it lets the daemon run
+        if it shares our core), then with 0.2 ms sleeps, up to ``ring_timeout_s``."""
+        self._ring_doorbell()
+        free_slots = self._segment.free_slots
+        for _ in range(_SPIN_YIELDS):
+            if free_slots():
+                return
+            os.sched_yield()
+        end = time.monotonic() + self.ring_timeout_s
+        while free_slots() == 0:
+            if time.monotonic() >= end:
+                raise RingFull(f"the ring stayed full for {self.ring_timeout_s} s; the daemon is not draining it")
+            time.sleep(0.0002)
 
     def _ring_doorbell(self, urgent: bool = True) -> None:
         sock = self._sock
@@ -201,7 +196,7 @@ class Client(ClientCore):
         while self._applied != seq:
             remaining = end - time.monotonic()
             if remaining <= 0:
-                raise not_applied(timeout_s, self._gone_since, self._gone_reason)
+                raise self._reconnection.not_applied(timeout_s, time.monotonic())
             # The FLUSH record stays in the ring across a daemon restart: the new daemon
             # adopts the ring, applies it and answers on the new connection.
             if not self._read(min(remaining, 0.05), end):
