@@ -161,7 +161,7 @@ class DaemonCore:
         if cfg.journal_dir:
             from .recovery import open_journal
 
-            self.recorder = open_journal(cfg, wheel, opened.recovered, totals, next_lsn=opened.next_lsn)
+            self.recorder = open_journal(cfg, wheel, opened.recovered, totals, next_lsn=opened.next_lsn, host=self.host)
             self.recorder.on_change = self.shell.status_changed
         self.started_ms = now
         # identifies the arena to clients: an ack stamped with another is ignored (Executor.ack_allowed)

@@ -73,14 +73,14 @@ def open_arena(cfg: Config, now: int, host: Host, qualifier: int | None = None) 
         "attached existing arena %s: %d pending, %d fired awaiting delivery (tick %d ms, wheel %d, capacity %d)",
         name, len(wheel), wheel.counters()["fired_unacked"], wheel.tick_ms, wheel.wheel_size, wheel.capacity,
     )
-    damaged, lost = _repair_attached(cfg, wheel)
+    damaged, lost = _repair_attached(cfg, wheel, host)
     _check_attached(wheel, damaged, lost)
     if (wheel.tick_ms, wheel.wheel_size, wheel.capacity) != (cfg.tick_ms, cfg.wheel_size, cfg.capacity):
         log.warning("arena parameters differ from the command line; the arena's are used")
     return OpenedArena(wheel, False, identity, aside, damaged=damaged, lost=lost)
 
 
-def _repair_attached(cfg: Config, wheel: TimerWheel) -> tuple[int, int]:
+def _repair_attached(cfg: Config, wheel: TimerWheel, host: Host) -> tuple[int, int]:
     """Report what attach repaired and, with a journal, reconcile the arena with it;
     return (records found damaged, timers lost)."""
     repairs, freed = list(wheel.repairs), wheel.lost
@@ -94,10 +94,11 @@ def _repair_attached(cfg: Config, wheel: TimerWheel) -> tuple[int, int]:
                       "restore them from)", freed)
         return len(repairs), freed
     from .reconcile import reconcile, summary
+    from .recovery import host_clocks
 
     started = time.perf_counter()
     try:
-        result = reconcile(wheel, cfg.journal_dir, cfg.name)
+        result = reconcile(wheel, cfg.journal_dir, cfg.name, host_clocks(host), fs=host.fs)
     except Exception:  # a fault of the check itself must not keep the daemon from serving
         log.exception("arena not compared with the journal: the check failed")
         if freed:
@@ -186,7 +187,7 @@ def _new_arena(cfg: Config, host: Host, name: str, now: int) -> OpenedArena:
     if cfg.journal_dir:  # before the arena exists: a refusal (--journal-damage refuse) leaves nothing
         from .recovery import arena_size_for, recover_journal
 
-        recovered = recover_journal(cfg.journal_dir, cfg.journal_damage)
+        recovered = recover_journal(cfg.journal_dir, cfg.journal_damage, fs=host.fs)
         capacity, max_groups = arena_size_for(recovered, capacity, max_groups)  # room for every journaled timer
     building = f"{name}.new"
     try:
@@ -223,9 +224,9 @@ def _new_arena(cfg: Config, host: Host, name: str, now: int) -> OpenedArena:
     try:
         hand_to_monitors(cfg, host, building)
         if recovered is not None:
-            from .recovery import load_recovered
+            from .recovery import host_clocks, load_recovered
 
-            next_lsn = load_recovered(wheel, recovered, cfg.journal_dir)
+            next_lsn = load_recovered(wheel, recovered, cfg.journal_dir, host_clocks(host))
         wheel._seg.rename(name)
         wheel.name = name
     except BaseException:

@@ -11,7 +11,8 @@ README.md and docs/contracts.md ("Delivery and durability"):
    a live member in every group and the clock past every deadline).
 2. **Never early.** An expiration is handed no sooner than ``delay_ms`` after its
    ``add()`` call (for an idle timer: ``idle_ms`` after the last ``touch()`` made
-   before it was handed, or after ``add_idle()``), in simulated real time.
+   before it was handed, or after ``add_idle()``; the touches of a client that died
+   no longer count: its touch table died with it), in simulated real time.
 3. **Cancel and re-arm are honoured.** An arming replaced by a later ``add`` or
    ``cancel`` of its key that a ``flush()`` acknowledged is never handed to the
    client that replaced it, unless its expiration had reached that client's
@@ -78,6 +79,7 @@ class History:
         self.touches: dict[tuple[int, str], list[int]] = {}
         self.pending_commands: dict[int, list[Command | Arming]] = {}  # pushed since the client's last flush() call
         self.crashed_groups: set[str] = set()
+        self.crashed_clients: set[int] = set()
         self.power_cuts = 0
         self.group_of: dict[int, str] = {}
         self.unknown: list[tuple[int, str, int]] = []  # handed, but no member armed it
@@ -135,6 +137,7 @@ class History:
 
     def crashed(self, client: int) -> None:
         self.crashed_groups.add(self.group_of[client])
+        self.crashed_clients.add(client)
 
     def power_cut(self) -> None:
         self.power_cuts += 1
@@ -157,7 +160,10 @@ class History:
 
     def _check_early(self, arming: Arming, client: int, at_ns: int) -> None:
         earliest = arming.earliest_ns
-        if arming.idle_ms is not None:
+        if arming.idle_ms is not None and arming.client not in self.crashed_clients:
+            # touches are promised while their client lives: a client that died (a reboot
+            # kills every client) takes its touch table with it, and a timer restored from
+            # the journal is a plain timer at its last journaled deadline (docs/contracts.md)
             touches = [t for t in self.touches.get((arming.client, arming.key), ()) if t <= at_ns]
             if touches and arming is self.latest.get((arming.client, arming.key)):
                 earliest = max(earliest, touches[-1] + arming.idle_ms * 1_000_000)

@@ -187,6 +187,11 @@ class DaemonEnd:
     def want_writable(self, wanted: bool) -> None:
         self.wants_writable = wanted
 
+    def peer_gone(self) -> bool:
+        """The client closed its end and everything it sent was read (a recv would give EOF)."""
+        stream = self.connection.to_daemon
+        return stream.writer_closed and stream.size == 0
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
@@ -338,6 +343,12 @@ class SimClient(ClientCore):
         self._pause = RETRY_FIRST_S
         self._flushes: dict[int, None] = {}  # flush numbers not answered yet
         self._flushed: list[tuple[int, Exception | None]] = []
+        # for a checker: the arming tag of each expiration made ready, in step with the
+        # library's ready queue (taken by the caller after each poll), and the tags the
+        # library re-armed a touched idle timer with -> the tag it replaced
+        self.ready_tags: list[int] = []
+        self.handed_tags: list[int] = []
+        self.idle_rearms: dict[int, int] = {}
 
     def _now(self) -> float:
         return self._clock_ns() / 1e9
@@ -442,6 +453,47 @@ class SimClient(ClientCore):
             self._lost()
             return False
         return True
+
+    def _on_expirations(self, items) -> None:
+        before = len(self._ready)
+        rearms_before = len(self._rearms_pending)
+        super()._on_expirations(items)
+        made = list(self._ready)[before:]
+        if made:  # which item each came from: they are appended in the frame's order
+            cursor = 0
+            for expired in made:
+                while cursor < len(items):
+                    item = items[cursor]
+                    cursor += 1
+                    if item.deadline_ms == expired.deadline_ms and item.fired_ms == expired.fired_ms:
+                        self.ready_tags.append(item.seq)
+                        break
+                else:
+                    self.ready_tags.append(-1)
+        for entry in self._rearms_pending[rearms_before:]:
+            tag = entry[3]
+            for item in items:
+                if item.key_bytes == entry[0] and item.key_meta == entry[1]:
+                    self.idle_rearms[tag] = item.seq
+                    break
+
+    def resolve_tag(self, tag: int) -> int:
+        """The tag the application armed, for one the library re-armed an idle timer with."""
+        seen = 0
+        while tag in self.idle_rearms and seen < 1000:
+            tag = self.idle_rearms[tag]
+            seen += 1
+        return tag
+
+    @property
+    def closed_session(self) -> bool:
+        return self._closed
+
+    def _take_ready(self):
+        taken = super()._take_ready()
+        self.handed_tags += self.ready_tags[: len(taken)]
+        del self.ready_tags[: len(taken)]
+        return taken
 
     def _on_message(self, message) -> None:
         super()._on_message(message)

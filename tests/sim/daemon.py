@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from wheeld.daemon.config import Config
 from wheeld.daemon.core import DaemonCore
+from wheeld.daemon.sessions import MAINTAIN_S
 
 __all__ = ["Crash", "SimDaemon"]
 
@@ -55,6 +56,8 @@ class SimDaemon:
         self._wake_ns: int | None = None  # the park ends then (None: not parked, or no event queued)
         self._generation = 0  # bumped by every re-scheduling: stale wake events do nothing
         self.iterations = 0
+        self.guard = lambda action, *args: action(*args)  # runs each core call (a fault may strike inside)
+        self.on_raise = None  # called with what a core call raised (None: re-raised)
 
     def start(self) -> None:
         core = self.core
@@ -67,6 +70,20 @@ class SimDaemon:
         core.mark_ready()
         self.alive = True
         self.wake_at(self.world.now_ns)
+        self.world.after_ms(MAINTAIN_S * 1000, self._maintain)
+
+    def _maintain(self) -> None:
+        """The shell's once-a-second call."""
+        if not self.alive:
+            return
+        try:
+            self.guard(self.core.maintain)
+        except BaseException as exc:  # noqa: BLE001 - as in _run
+            if self.on_raise is None:
+                raise
+            self.on_raise(exc)
+            return
+        self.world.after_ms(MAINTAIN_S * 1000, self._maintain)
 
     # ------------------------------------------------------------------ the loop, as events
     def wake_at(self, at_ns: int) -> None:
@@ -83,6 +100,14 @@ class SimDaemon:
         if not self.alive or generation != self._generation:
             return
         self._wake_ns = None
+        try:
+            self.guard(self._loop)
+        except BaseException as exc:  # noqa: BLE001 - the simulator judges it (a crash fault, or a finding)
+            if self.on_raise is None:
+                raise
+            self.on_raise(exc)
+
+    def _loop(self) -> None:
         core = self.core
         if core._parked:
             core.unpark()

@@ -1,0 +1,702 @@
+"""One seed, one history: the whole service in a simulated world, checked against the contract.
+
+:class:`Simulation` builds a world from a seed (:class:`~sim.world.World`: the
+clock and the event queue), a host for the daemon (:class:`~sim.disk.SimDisk`
+behind the journal, :class:`~sim.shm.SimShm` behind ``/dev/shm``, the world's
+clocks and randomness), the real daemon core (:class:`~sim.daemon.SimDaemon`)
+and several worker processes running the real client library
+(:class:`~sim.client.SimClient`). The seed also picks the run's *profile*: the
+daemon's configuration (journal or not, its fsync policy, the coalescing window,
+small rings and arenas that fill) and how often each fault is injected. Then it
+runs ``ops`` operations:
+
+* honest workers ``add``, re-arm, ``add_idle``, ``touch``, ``cancel``,
+  ``flush`` and ``poll`` (and hand what they poll to the "application", which
+  the :class:`~sim.checker.History` records), some of them slow readers whose
+  connection delivers what the daemon sends in dribbles;
+* hostile workers write random ring records and touch words, and random bytes
+  on their connection;
+* faults: a worker killed (SIGKILL: no acknowledgement, no Bye), the daemon
+  killed between two events or *inside* one (at a random line of the core's
+  Python code: a commit point of the wheel, a journal write), restarted after a
+  while; a reboot (shared memory gone, a power cut keeps a random prefix of the
+  disk's unsynced bytes); the disk failing a write or an fsync (EIO, ENOSPC);
+  the journal's background fsync delayed across all of that.
+
+Then the faults stop, a daemon runs, every group gets a live member, and the
+clock runs past every deadline while the workers poll. :func:`~sim.checker.check`
+reads the history: nothing acknowledged lost, nothing early, nothing handed
+after an acknowledged cancel or re-arm, nothing twice where no worker died,
+nothing invented; and the daemon core never raised.
+
+Deterministic: every choice comes from the world's generator, events at one
+instant run in the order they were scheduled, and nothing reads the real clock
+(the client library reads the world's: :func:`~sim.client.client_clock`).
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import sys
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+
+from wheeld.daemon.config import Config
+from wheeld.daemon.host import Host
+from wheeld.protocol import commands as C
+from wheeld.protocol.errors import (ArenaFull, BrokenPeer, Closed, DaemonNotRunning, InvalidKey, InvalidRequest,
+                                    JournalUnavailable, QuotaExceeded, RingFull, WheeldError)
+
+from .checker import History, Violation, check
+from .client import SimClient, SimListener, client_clock
+from .daemon import Crash, SimDaemon
+from .disk import SimDisk
+from .runner import SimRunner
+from .shm import SimCrashed, SimShm
+from .world import SimRandom, SimUsers, World
+
+__all__ = ["Profile", "Result", "Simulation", "run_seed"]
+
+MS = 1_000_000  # ns
+JOURNAL_DIR = "/var/lib/wheeld/sim"
+GROUPS = ("g0", "g1", "g2")
+DAEMON_UID = 0
+WORKER_UID = 1000
+HOSTILE_UID = 2000
+HOSTILE_GROUP = "h0"
+
+
+@dataclass
+class Profile:
+    """What one seed runs: the daemon's configuration and the rate of every fault (per operation)."""
+
+    journal: bool = True
+    fsync: str = "always"
+    coalesce_us: int = 500
+    capacity: int = 4096
+    ring_capacity: int = 1 << 10
+    touch_capacity: int = 64
+    group_quota: int = 0
+    workers: int = 3
+    hostile: int = 0
+    slow_readers: int = 0
+    max_delay_ms: int = 30_000
+    worker_crash: float = 0.0
+    daemon_crash: float = 0.0
+    crash_inside: float = 0.0  # of the daemon crashes: at a random line inside an event
+    reboot: float = 0.0
+    disk_fault: float = 0.0
+    background_delay: bool = False  # the journal's background fsyncs run when the simulator says
+
+    @classmethod
+    def draw(cls, rng: random.Random) -> Profile:
+        p = cls()
+        p.journal = rng.random() < 0.8
+        p.fsync = rng.choice(["always", "always", "interval=5", "interval=50", "off"]) if p.journal else "off"
+        p.coalesce_us = rng.choice([0, 200, 500, 2000])
+        p.capacity = rng.choice([256, 4096, 4096])
+        p.ring_capacity = rng.choice([64, 1 << 10])
+        p.touch_capacity = rng.choice([16, 64])
+        p.group_quota = rng.choice([0, 0, 0, 64])
+        p.workers = rng.randint(1, 4)
+        p.hostile = 1 if rng.random() < 0.25 else 0
+        p.slow_readers = rng.randint(0, 1)
+        p.max_delay_ms = rng.choice([50, 2_000, 30_000, 600_000])
+        p.worker_crash = rng.choice([0.0, 0.002, 0.01])
+        p.daemon_crash = rng.choice([0.0, 0.002, 0.01])
+        p.crash_inside = rng.choice([0.0, 0.5, 1.0])
+        p.reboot = rng.choice([0.0, 0.0, 0.002]) if p.journal and p.fsync == "always" else 0.0
+        p.disk_fault = rng.choice([0.0, 0.0, 0.005]) if p.journal else 0.0
+        p.background_delay = p.journal and rng.random() < 0.5
+        return p
+
+    def describe(self) -> str:
+        journal = f"journal fsync={self.fsync}" if self.journal else "no journal"
+        return (f"{journal}, coalesce {self.coalesce_us} us, capacity {self.capacity}, ring {self.ring_capacity}, "
+                f"{self.workers} workers ({self.hostile} hostile, {self.slow_readers} slow), delays <= "
+                f"{self.max_delay_ms} ms")
+
+
+@dataclass
+class Result:
+    seed: int
+    profile: Profile
+    ops: int
+    violations: list[Violation]
+    faults: Counter
+    events: int
+    sim_ms: int
+    handed: int
+    acked: int
+    trace: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+class _Tracer:
+    """Raises :class:`Crash` at the n-th line the core runs (a SIGKILL at that line)."""
+
+    def __init__(self, lines: int):
+        self.left = lines
+
+    def __call__(self, frame, event, arg):
+        if event == "call":
+            module = frame.f_globals.get("__name__", "")
+            return self if module.startswith(("wheeld.daemon", "wheeld.shm", "wheeld.protocol")) else None
+        if event == "line":
+            self.left -= 1
+            if self.left <= 0:
+                raise Crash("killed inside the core")
+        return self
+
+
+class Worker:
+    """One worker process: a client incarnation and what its application does."""
+
+    def __init__(self, sim: Simulation, ident: int, group: str, slow: bool = False, hostile: bool = False):
+        self.sim = sim
+        self.ident = ident
+        self.group = group
+        self.slow = slow
+        self.hostile = hostile
+        self.pid = 10_000 + ident
+        self.client = SimClient(self._dial, sim.world.clock_ns, group=group, pid=self.pid,
+                                reconnect_timeout_s=10 ** 6, connect_timeout_s=10 ** 6)
+        self.connection = None
+        self.keys: list[str] = []
+        self.idle_keys: set[str] = set()
+        self.flushes: dict[int, list] = {}  # flush number -> what it covers (History.flush_called)
+        self.alive = True
+        self.started = False
+        self.aliases: dict[int, int] = {}  # a tag the library re-armed an idle timer with -> the arming's
+
+    def _dial(self):
+        uid = HOSTILE_UID if self.hostile else WORKER_UID
+        end = self.sim.listener.connect(self.pid, uid, uid)
+        self.connection = end.connection
+        self.sim.connections.append(end.connection)
+        if self.slow:
+            end.connection.to_client.hold = True
+        return end
+
+
+class Simulation:
+    """A run of one seed (module docstring)."""
+
+    def __init__(self, seed: int, ops: int = 1000, profile: Profile | None = None, trace: bool = False):
+        self.seed = seed
+        self.world = World(seed)
+        rng = self.rng = self.world.rng
+        self.profile = profile or Profile.draw(rng)
+        self.ops_target = ops
+        self.disk = SimDisk(random.Random(rng.getrandbits(64)))
+        self.shm = SimShm(random.Random(rng.getrandbits(64)))
+        self.listener = SimListener()
+        self.history = History()
+        self.history.in_library = self._in_library
+        self.faults: Counter = Counter()
+        self.violations: list[Violation] = []
+        self.connections: list = []  # every connection made; the closed ones are dropped as they are seen
+        self.sessions: dict[int, object] = {}  # id(connection) -> its session in the current daemon
+        self.daemon: SimDaemon | None = None
+        self.runner: SimRunner | None = None
+        self.workers: list[Worker] = []
+        self.next_ident = 0
+        self.ops = 0
+        self.pid = 100
+        self.tracing = trace
+        self.trace: list[str] = []
+        self._net_due = False
+        self._background_due = False
+        self.fault_free = False
+        p = self.profile
+        self.config = Config(
+            socket_path="sim:wheeld", name=f"sim{seed}", capacity=p.capacity, ring_capacity=p.ring_capacity,
+            touch_capacity=p.touch_capacity, max_groups=64, group_quota=p.group_quota,
+            journal_dir=JOURNAL_DIR if p.journal else None, fsync=p.fsync, coalesce_us=p.coalesce_us,
+            max_park_ms=500, ack_timeout_s=30.0, resume_grace_s=60.0, log_level="CRITICAL",
+        )
+
+    # ------------------------------------------------------------------ the log
+    def note(self, text: str) -> None:
+        if self.tracing:
+            self.trace.append(f"{self.world.now_ns / MS:14.3f} {text}")
+
+    # ------------------------------------------------------------------ the daemon
+    def _host(self) -> Host:
+        self.pid += 1
+        self.runner = SimRunner(inline=not self.profile.background_delay)
+        return Host(clock_ms=self.world.clock_ms, clock_ns=self.world.clock_ns, wall_ms=self.world.wall_ms,
+                    wall_ns=lambda: self.world.wall_ms() * MS, fs=self.disk, runner=self.runner,
+                    shm=self.shm.port(self.pid, DAEMON_UID, ()), users=SimUsers(), rng=SimRandom(self.rng),
+                    pid=self.pid, euid=DAEMON_UID, hostname="sim")
+
+    def start_daemon(self) -> None:
+        if self.daemon is not None and self.daemon.alive:
+            return
+        host = self._host()
+        daemon = SimDaemon(self.world, host, self.config)
+        daemon.on_raise = self._daemon_raised
+        daemon.guard = self._guard
+        try:
+            self._guard(daemon.start)
+        except (Crash, SimCrashed):
+            self.faults["daemon killed while starting"] += 1
+            self._daemon_died(daemon)
+            self.world.after_ms(self.rng.uniform(1, 300), self.start_daemon)
+            return
+        except WheeldError as exc:  # a refused start: systemd starts it again a little later
+            self.faults["daemon start refused"] += 1
+            self.note(f"daemon start refused: {exc}")
+            self._daemon_died(daemon)
+            self.world.after_ms(self.rng.uniform(50, 500), self.start_daemon)
+            return
+        self.daemon = daemon
+        self.sessions = {}
+        self.listener.listening = True
+        self.note(f"daemon {host.pid} started")
+
+    def _guard(self, action, *args):
+        """Run a core event; a crash fault may strike at a random line inside it."""
+        tracer = None
+        if not self.fault_free and self.profile.daemon_crash and self.rng.random() < self.profile.daemon_crash * \
+                self.profile.crash_inside * 0.05:
+            tracer = _Tracer(self.rng.randint(1, 3000))
+            self.faults["daemon killed inside an event"] += 1
+            sys.settrace(tracer)
+        try:
+            return action(*args)
+        finally:
+            if tracer is not None:
+                sys.settrace(None)
+
+    def _daemon_raised(self, exc: BaseException) -> None:
+        if isinstance(exc, (Crash, SimCrashed)):
+            self.note("daemon killed inside an event")
+            self.kill_daemon(counted=False)
+            return
+        text = "".join(traceback.format_exception(exc))
+        self.violations.append(Violation("raised", f"the daemon core raised: {text}"))
+        self.kill_daemon(counted=False)
+
+    def kill_daemon(self, counted: bool = True) -> None:
+        daemon = self.daemon
+        if daemon is None or not daemon.alive:
+            return
+        if counted:
+            self.faults["daemon killed between events"] += 1
+        self.note("daemon killed")
+        self._daemon_died(daemon)
+        self.world.after_ms(self.rng.uniform(1, 300), self.start_daemon)
+
+    def _daemon_died(self, daemon: SimDaemon) -> None:
+        daemon.crash()
+        self.listener.stop()
+        for connection in self.connections:
+            connection.cut()
+        self.sessions = {}
+        if self.runner is not None:
+            self.faults["background syncs lost with the daemon"] += self.runner.drop()
+        self.shm.crash(daemon.host.shm)
+        _release_fds(daemon.core)
+
+    def reboot(self) -> None:
+        self.faults["reboot"] += 1
+        self.note("reboot")
+        if self.daemon is not None and self.daemon.alive:
+            self._daemon_died(self.daemon)
+        for worker in list(self.workers):
+            if worker.alive:
+                self._kill_worker(worker, reboot=True)
+        self.shm.reboot()
+        self.disk.power_cut()
+        self.history.power_cut()
+        self.world.after_ms(self.rng.uniform(10, 1000), self._after_reboot)
+
+    def _after_reboot(self) -> None:
+        self.start_daemon()
+        for group in GROUPS[: max(1, min(len(GROUPS), self.profile.workers))]:
+            self.spawn(group)
+
+    # ------------------------------------------------------------------ workers
+    def spawn(self, group: str, slow: bool = False, hostile: bool = False) -> Worker:
+        self.next_ident += 1
+        worker = Worker(self, self.next_ident, group, slow, hostile)
+        self.workers.append(worker)
+        if not hostile:
+            self.history.joined(worker.ident, group)
+        self.world.after_ms(self.rng.uniform(0, 5), lambda: self._connect(worker))
+        return worker
+
+    def _connect(self, worker: Worker) -> None:
+        if not worker.alive:
+            return
+        try:
+            worker.client.connect()
+        except (DaemonNotRunning, BrokenPeer, OSError):
+            worker.client = SimClient(worker._dial, self.world.clock_ns, group=worker.group, pid=worker.pid,
+                                      reconnect_timeout_s=10 ** 6, connect_timeout_s=10 ** 6)
+            self.world.after_ms(self.rng.uniform(5, 100), lambda: self._connect(worker))
+            return
+        worker.started = True
+        self.world.after_ms(self.rng.uniform(0, 2), lambda: self._act(worker))
+
+    def _kill_worker(self, worker: Worker, reboot: bool = False) -> None:
+        worker.alive = False
+        worker.client.crash()
+        if not worker.hostile:
+            self.history.crashed(worker.ident)
+        self.note(f"worker {worker.ident} killed")
+        if not reboot:
+            self.faults["worker killed"] += 1
+            self.world.after_ms(self.rng.uniform(1, 200), lambda: self.spawn(worker.group, worker.slow,
+                                                                             worker.hostile))
+
+    def _act(self, worker: Worker) -> None:
+        """One operation of a worker's application, then the next one a little later."""
+        if not worker.alive:
+            return
+        if self.ops < self.ops_target:
+            self.ops += 1
+            self._faults()
+            if not worker.alive:
+                return
+            if worker.hostile:
+                self._hostile_step(worker)
+            else:
+                self._honest_step(worker)
+            pause = self.rng.choice([0.01, 0.05, 0.3, 2.0, 20.0])
+            self.world.after_ms(self.rng.uniform(0, pause), lambda: self._act(worker))
+        elif not worker.hostile:
+            self._poll(worker)
+
+    def _key(self, worker: Worker) -> str:
+        rng = self.rng
+        if worker.keys and rng.random() < 0.4:
+            return rng.choice(worker.keys)
+        key = f"c{worker.ident}-{len(worker.keys)}"
+        worker.keys.append(key)
+        return key
+
+    def _delay(self) -> int:
+        rng, top = self.rng, self.profile.max_delay_ms
+        roll = rng.random()
+        if roll < 0.5:
+            return rng.randint(0, min(top, 20))
+        if roll < 0.9:
+            return rng.randint(0, min(top, 500))
+        return rng.randint(0, top)
+
+    def _honest_step(self, worker: Worker) -> None:
+        rng, client, history, now = self.rng, worker.client, self.history, self.world.now_ns
+        roll = rng.random()
+        try:
+            if roll < 0.35:
+                key, delay = self._key(worker), self._delay()
+                client.add(key, delay)
+                worker.idle_keys.discard(key)
+                history.armed(worker.ident, key, _latest_tag(client, key), now, delay, idle=False)
+                self.note(f"w{worker.ident} add {key} {delay} tag {_latest_tag(client, key)}")
+            elif roll < 0.45:
+                key, idle = self._key(worker), rng.randint(1, min(self.profile.max_delay_ms, 2000))
+                client.add_idle(key, idle)
+                worker.idle_keys.add(key)
+                history.armed(worker.ident, key, _latest_tag(client, key), now, idle, idle=True)
+                self.note(f"w{worker.ident} add_idle {key} {idle} tag {_latest_tag(client, key)}")
+            elif roll < 0.6 and worker.idle_keys:
+                key = rng.choice(sorted(worker.idle_keys))
+                try:
+                    client.touch(key)
+                    history.touched(worker.ident, key, now)
+                    self.note(f"w{worker.ident} touch {key}")
+                except InvalidKey:  # its expiration was handed over: no longer armed
+                    worker.idle_keys.discard(key)
+            elif roll < 0.7 and worker.keys:
+                key = rng.choice(worker.keys)
+                hit = client.cancel(key)
+                worker.idle_keys.discard(key)
+                history.cancelled(worker.ident, key, now, hit)
+                self.note(f"w{worker.ident} cancel {key} -> {hit}")
+            elif roll < 0.85:
+                number = client.flush()
+                covered = history.flush_called(worker.ident)
+                worker.flushes[number] = covered
+                self.note(f"w{worker.ident} flush #{number}")
+            else:
+                self._poll(worker)
+        except RingFull:
+            self.faults["RingFull raised to a worker"] += 1
+        except (ArenaFull, QuotaExceeded):
+            self.faults["ArenaFull or QuotaExceeded raised at once"] += 1
+        except (BrokenPeer, Closed, DaemonNotRunning) as exc:
+            self.note(f"worker {worker.ident}: {exc!r}")
+
+    def _poll(self, worker: Worker) -> None:
+        if not worker.alive or worker.hostile or not worker.started:
+            return
+        try:
+            polled = worker.client.poll()
+        except (BrokenPeer, DaemonNotRunning, Closed) as exc:
+            self.note(f"worker {worker.ident} poll: {exc!r}")
+            return
+        except WheeldError as exc:
+            self.note(f"worker {worker.ident} poll raised {exc!r}")
+            return
+        now = self.world.now_ns
+        for expired, tag in zip(polled.expired, worker.client.handed_tags):
+            self.history.handed(worker.ident, expired.key, worker.client.resolve_tag(tag), now)
+            self.note(f"w{worker.ident} handed {expired.key} tag {tag}->{worker.client.resolve_tag(tag)} "
+                      f"deadline {expired.deadline_ms} fired {expired.fired_ms} late {expired.late}")
+            worker.idle_keys.discard(expired.key)
+        worker.client.handed_tags.clear()
+        for number, outcome in polled.flushed:
+            covered = worker.flushes.pop(number, None)
+            if covered is None:
+                continue
+            self.note(f"w{worker.ident} flush #{number} answered: {outcome!r}")
+            if outcome is None:
+                self.history.flushed(covered)
+            else:
+                self.faults[f"flush failed: {type(outcome).__name__}"] += 1
+                # what it covered stays unacknowledged; a later flush that succeeds covers it
+                self.history.pending_commands.setdefault(worker.ident, [])[:0] = covered
+
+    def _in_library(self, ident: int, key: str) -> bool:
+        for worker in self.workers:
+            if worker.ident == ident:
+                return any(e.key == key for e in worker.client._ready)
+        return False
+
+    def _hostile_step(self, worker: Worker) -> None:
+        rng, client = self.rng, worker.client
+        segment = client._segment
+        roll = rng.random()
+        self.faults["hostile writes"] += 1
+        try:
+            if segment is not None and roll < 0.6:
+                record = bytearray(rng.getrandbits(8 * C.RECORD_SIZE).to_bytes(C.RECORD_SIZE, "little"))
+                if rng.random() < 0.7:  # a valid opcode with hostile fields: the interesting ones
+                    record[0] = rng.choice([C.ADD, C.ADD_IDLE, C.CANCEL, C.ACK, C.FLUSH])
+                segment.try_push_record(bytes(record))
+                client._ring_doorbell()
+            elif segment is not None and roll < 0.8 and segment.touch_capacity:
+                segment.touch(rng.randrange(segment.touch_capacity), rng.getrandbits(64) - (1 << 63))
+            elif client._end is not None:
+                client._end.send(rng.getrandbits(8 * 24).to_bytes(24, "little"))
+        except (OSError, WheeldError, ValueError):
+            pass
+
+    # ------------------------------------------------------------------ faults
+    def _faults(self) -> None:
+        if self.fault_free:
+            return
+        rng, p = self.rng, self.profile
+        if p.daemon_crash and rng.random() < p.daemon_crash * (1 - p.crash_inside):
+            self.kill_daemon()
+        if p.reboot and rng.random() < p.reboot:
+            self.reboot()
+            return
+        if p.worker_crash and rng.random() < p.worker_crash:
+            live = [w for w in self.workers if w.alive]
+            if live:
+                self._kill_worker(rng.choice(live))
+        if p.disk_fault and rng.random() < p.disk_fault:
+            operation = rng.choice(["write", "fsync", "fdatasync"])
+            self.disk.fail_next(operation, rng.choice([errno.EIO, errno.ENOSPC]))
+            self.faults[f"disk {operation} failed"] += 1
+
+    # ------------------------------------------------------------------ the network
+    def _network(self) -> None:
+        """Move what waits: new connections to the daemon, bytes both ways, closes."""
+        daemon = self.daemon
+        live = daemon is not None and daemon.alive
+        if live:
+            while True:
+                connection = self.listener.accept()
+                if connection is None:
+                    break
+                pid, uid, gid = connection.peer
+                session = self._core_call(daemon.core.connected, connection.daemon, pid, uid, gid)
+                if session is not None:
+                    self.sessions[id(connection)] = session
+        keep = []
+        for connection in self.connections:
+            session = self.sessions.get(id(connection)) if live else None
+            if session is not None and daemon.alive:
+                for _ in range(8):
+                    got = connection.take_for_daemon()
+                    if got is None:
+                        break
+                    data, fds = got
+                    self._core_call(daemon.core.received, session, data, fds)
+                    if not daemon.alive or not data or connection.daemon.closed:
+                        break
+                if daemon.alive and connection.writable_due():
+                    self._core_call(daemon.core.writable, session)
+            if connection.to_client.hold and connection.to_client.size > connection.to_client.visible:
+                connection.deliver(self.rng.choice([1, 64, 4096]))
+            if connection.daemon.closed and connection.client_closed:
+                self.sessions.pop(id(connection), None)
+                continue
+            keep.append(connection)
+        self.connections = keep
+
+    def _core_call(self, action, *args):
+        try:
+            return self._guard(action, *args)
+        except BaseException as exc:  # noqa: BLE001 - every raise of the core is a finding or a crash fault
+            self._daemon_raised(exc)
+            return None
+
+    def _settle(self) -> None:
+        """After each event: the network moves, and workers with something to read poll (a
+        worker's event loop sees its socket readable)."""
+        self._network()
+        for worker in self.workers:
+            if not worker.alive or worker.hostile or not worker.started:
+                continue
+            connection = worker.connection
+            if connection is not None and connection.to_client.visible and not worker.client.closed_session:
+                self._poll(worker)
+        if any(c.to_daemon.size or c.writable_due() or (c.to_client.hold and c.to_client.size > c.to_client.visible)
+               for c in self.connections) or self.listener.backlog:
+            if not self._net_due:
+                self._net_due = True
+                self.world.after_ms(self.rng.choice([0.005, 0.02, 0.1]), self._net_tick)
+
+        runner = self.runner
+        if runner is not None and runner.pending and not self._background_due:
+            # the journal's helper thread finishes its task a little later
+            self._background_due = True
+            self.world.after_ms(self.rng.choice([0.05, 0.5, 3.0, 20.0]) * self.rng.random(),
+                                lambda: self._background(runner))
+
+    def _background(self, runner: SimRunner) -> None:
+        self._background_due = False
+        if runner is self.runner:
+            runner.run_next()
+
+    def _net_tick(self) -> None:
+        self._net_due = False
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> Result:
+        world, p = self.world, self.profile
+        with client_clock(world.clock_ns):
+            try:
+                self.start_daemon()
+                groups = GROUPS[: max(1, min(len(GROUPS), p.workers))]
+                for index in range(p.workers):
+                    self.spawn(groups[index % len(groups)], slow=index < p.slow_readers)
+                for _ in range(p.hostile):  # a uid of its own: it cannot join the honest groups
+                    self.spawn(HOSTILE_GROUP, hostile=True)
+                while self.ops < self.ops_target and world.step():
+                    self._settle()
+                self._wind_down()
+            finally:
+                self._close()
+        end = world.now_ns
+        self.violations += check(self.history, end - 2_000 * MS)
+        acked = sum(1 for a in self.history.armings.values() if a.acked)
+        handed = sum(len(a.handed) for a in self.history.armings.values())
+        return Result(self.seed, p, self.ops, self.violations, self.faults, world.events_run, end // MS,
+                      handed, acked, self.trace)
+
+    def _wind_down(self) -> None:
+        """No more faults: a daemon up, a live member in every group, pending background work
+        done, then the clock runs past every deadline while the workers flush and poll."""
+        world = self.world
+        self.fault_free = True
+        if self.runner is not None:
+            self.runner.run_all()
+        self.start_daemon()
+        for group in {w.group for w in self.workers if not w.hostile}:
+            if not any(w.alive and w.group == group and not w.hostile for w in self.workers):
+                self.spawn(group)
+        for worker in self.workers:
+            if worker.alive and not worker.hostile:
+                world.after_ms(1, lambda w=worker: self._final_flush(w))
+        last = max((a.earliest_ns for a in self.history.armings.values()), default=world.now_ns)
+        end = max(last, world.now_ns) + 5_000 * MS + int(self.config.ack_timeout_s * 1000) * MS
+        tick = 250 * MS
+        at = world.now_ns
+        while at < end:
+            at += tick
+            world.at(at, self._poll_all)
+        while world.step():
+            self._settle()
+            if world.now_ns > end:
+                break
+            if self.daemon is None or not self.daemon.alive:
+                continue
+
+    def _final_flush(self, worker: Worker) -> None:
+        if not worker.alive:
+            return
+        try:
+            if not worker.started or worker.client._segment is None:
+                raise RingFull("not connected yet")
+            number = worker.client.flush()
+            worker.flushes[number] = self.history.flush_called(worker.ident)
+        except WheeldError:
+            self.world.after_ms(10, lambda: self._final_flush(worker))
+
+    def _poll_all(self) -> None:
+        for worker in self.workers:
+            self._poll(worker)
+
+    def _close(self) -> None:
+        for worker in self.workers:
+            if worker.alive:
+                worker.alive = False
+                worker.client.crash()
+        if self.daemon is not None and self.daemon.alive:
+            self._daemon_died(self.daemon)
+        for connection in self.connections:
+            connection.discard()
+        self.shm.reboot()
+
+
+def _latest_tag(client: SimClient, key: str) -> int:
+    for shard in client._latest:
+        if key in shard:
+            return shard[key]
+    raise AssertionError(f"{key!r} has no arming in its client")
+
+
+def _release_fds(core) -> None:
+    """Close what a killed daemon process held (the kernel closes a dead process's descriptors)."""
+    sessions = getattr(core, "sessions", None)
+    for cs in list(getattr(core, "clients", {}).values()):
+        segment = getattr(cs, "segment", None)
+        if segment is not None:
+            try:
+                segment.close()
+            except Exception:  # noqa: BLE001 - best effort, as the kernel's close
+                pass
+    if sessions is not None:
+        for session in list(sessions.sessions):
+            try:
+                session.close_passed_fds(keep=0)
+            except Exception:  # noqa: BLE001
+                pass
+    for thing in (getattr(core, "status", None), getattr(core, "wheel", None)):
+        if thing is not None:
+            try:
+                thing.close()
+            except Exception:  # noqa: BLE001
+                pass
+    table = getattr(sessions, "table", None) if sessions is not None else None
+    if table is not None:
+        try:
+            table.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_seed(seed: int, ops: int = 1000, trace: bool = False, profile: Profile | None = None) -> Result:
+    return Simulation(seed, ops, profile=profile, trace=trace).run()
