@@ -46,6 +46,7 @@ from wheeld.handshake import RETRY_FIRST_S, Handshake, Reconnection
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import BrokenPeer
 from wheeld.protocol.framing import FrameReader
+from wheeld.protocol.keys import encode_key
 
 __all__ = ["SimClient", "SimConnection", "SimListener", "Polled", "client_clock", "DEFAULT_CAPACITY"]
 
@@ -68,6 +69,15 @@ def client_clock(clock_ns: Callable[[], int]):
         yield
     finally:
         client_core._set_clock(None)
+
+
+def _key_bytes(key) -> bytes:
+    """The bytes a key travels as (str: UTF-8; bytes as they are; int: its encoding)."""
+    if type(key) is str:
+        return key.encode()
+    if type(key) is bytes:
+        return key
+    return encode_key(key)[0]
 
 
 # ------------------------------------------------------------------------ the connection
@@ -349,6 +359,7 @@ class SimClient(ClientCore):
         self.ready_tags: list[int] = []
         self.handed_tags: list[int] = []
         self.idle_rearms: dict[int, int] = {}
+        self.flush_rejections: dict[int, list] = {}  # flush number -> (seq, code) of each command refused before it
 
     def _now(self) -> float:
         return self._clock_ns() / 1e9
@@ -465,7 +476,8 @@ class SimClient(ClientCore):
                 while cursor < len(items):
                     item = items[cursor]
                     cursor += 1
-                    if item.deadline_ms == expired.deadline_ms and item.fired_ms == expired.fired_ms:
+                    if (item.deadline_ms == expired.deadline_ms and item.fired_ms == expired.fired_ms
+                            and bytes(item.key_bytes) == _key_bytes(expired.key)):
                         self.ready_tags.append(item.seq)
                         break
                 else:
@@ -499,6 +511,7 @@ class SimClient(ClientCore):
         super()._on_message(message)
         if type(message) is M.Applied and message.seq in self._flushes:
             del self._flushes[message.seq]
+            self.flush_rejections[message.seq] = [(r.seq, r.code) for r in self._rejected]
             try:
                 self._raise_rejections()
                 outcome = None

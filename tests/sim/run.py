@@ -264,7 +264,7 @@ class Simulation:
         """Run a core event; a crash fault may strike at a random line inside it."""
         tracer = None
         if not self.fault_free and self.profile.daemon_crash and self.rng.random() < self.profile.daemon_crash * \
-                self.profile.crash_inside * 0.05:
+                self.profile.crash_inside * 0.3:
             tracer = _Tracer(self.rng.randint(1, 3000))
             self.faults["daemon killed inside an event"] += 1
             sys.settrace(tracer)
@@ -432,6 +432,10 @@ class Simulation:
             self.faults["RingFull raised to a worker"] += 1
         except (ArenaFull, QuotaExceeded):
             self.faults["ArenaFull or QuotaExceeded raised at once"] += 1
+        except InvalidRequest as exc:  # the touch table is full: an application error, refused at once
+            if "idle-timer slots" not in str(exc):
+                raise
+            self.faults["touch table full"] += 1
         except (BrokenPeer, Closed, DaemonNotRunning) as exc:
             self.note(f"worker {worker.ident}: {exc!r}")
 
@@ -458,6 +462,10 @@ class Simulation:
             if covered is None:
                 continue
             self.note(f"w{worker.ident} flush #{number} answered: {outcome!r}")
+            refused = {seq for seq, code in worker.client.flush_rejections.pop(number, ())
+                       if code != "journal_unavailable"}
+            if refused:  # never applied: not acknowledged by this flush nor any later one
+                covered = [item for item in covered if getattr(item, "tag", None) not in refused]
             if outcome is None:
                 self.history.flushed(covered)
             else:
@@ -600,7 +608,7 @@ class Simulation:
             finally:
                 self._close()
         end = world.now_ns
-        self.violations += check(self.history, end - 2_000 * MS)
+        self.violations += check(self.history, end - int((self.config.ack_timeout_s + self.config.resume_grace_s) * 1000) * MS)
         acked = sum(1 for a in self.history.armings.values() if a.acked)
         handed = sum(len(a.handed) for a in self.history.armings.values())
         return Result(self.seed, p, self.ops, self.violations, self.faults, world.events_run, end // MS,
@@ -621,7 +629,11 @@ class Simulation:
             if worker.alive and not worker.hostile:
                 world.after_ms(1, lambda w=worker: self._final_flush(w))
         last = max((a.earliest_ns for a in self.history.armings.values()), default=world.now_ns)
-        end = max(last, world.now_ns) + 5_000 * MS + int(self.config.ack_timeout_s * 1000) * MS
+        # past every deadline, an ack timeout (a copy held by a member that died goes to
+        # another) and a resume grace (the idle timers of a client that died wait that long
+        # for it to come back with its touch table)
+        wait_s = self.config.ack_timeout_s + self.config.resume_grace_s + 5
+        end = max(last, world.now_ns) + int(wait_s * 1000) * MS
         tick = 250 * MS
         at = world.now_ns
         while at < end:

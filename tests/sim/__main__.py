@@ -1,0 +1,143 @@
+"""Run simulated seeds: ``python -m sim`` from ``tests/`` (``make simulate`` wraps it).
+
+    python -m sim --seeds 1000               # 1000 fresh seeds (the first printed), both cores
+    python -m sim --seed 123456 --trace      # replay one seed, printing what happened
+    python -m sim --seed 123456 --shrink     # the fewest operations with which it still fails
+    python -m sim --regressions              # every seed in sim/regressions.txt
+
+A failing seed prints the command that replays it. The totals say how often
+each fault was injected across the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import os
+import sys
+import time
+from collections import Counter
+
+from .run import run_seed
+
+REGRESSIONS = os.path.join(os.path.dirname(__file__), "regressions.txt")
+
+
+def regression_cases() -> list[tuple[int, int]]:
+    """(seed, ops) of every seed that ever failed (sim/regressions.txt: ``seed ops  # why``)."""
+    cases = []
+    with open(REGRESSIONS) as f:
+        for line in f:
+            line = line.split("#", 1)[0].split()
+            if line:
+                cases.append((int(line[0]), int(line[1]) if len(line) > 1 else 1000))
+    return cases
+
+
+def _one(args: tuple[int, int]):
+    seed, ops = args
+    started = time.perf_counter()
+    try:
+        result = run_seed(seed, ops)
+    except BaseException as exc:  # noqa: BLE001 - the simulator itself failed: report the seed
+        return seed, ops, [f"[simulator] {type(exc).__name__}: {exc}"], Counter(), time.perf_counter() - started, 0
+    return seed, ops, [str(v) for v in result.violations], result.faults, time.perf_counter() - started, result.ops
+
+
+def shrink(seed: int, ops: int) -> int:
+    """The fewest operations with which ``seed`` still fails (the run is a prefix of the
+    longer one: the seed decides every choice, ``ops`` only where the faults stop)."""
+    low, high = 1, ops
+    while low < high:
+        middle = (low + high) // 2
+        if run_seed(seed, middle).violations:
+            high = middle
+        else:
+            low = middle + 1
+    return high
+
+
+def replay_command(seed: int, ops: int) -> str:
+    return f"make simulate SEED={seed} OPS={ops}   (or: cd tests && python -m sim --seed {seed} --ops {ops} --trace)"
+
+
+def run_many(cases: list[tuple[int, int]], jobs: int, out=sys.stdout) -> tuple[list, Counter, float]:
+    """Run every (seed, ops); returns the failures, the fault totals and the seconds per seed."""
+    failures, faults, spent = [], Counter(), 0.0
+    chunk = max(1, len(cases) // (jobs * 16))
+    if jobs > 1:
+        with multiprocessing.get_context("fork").Pool(jobs, initializer=_quiet) as pool:
+            results = pool.imap_unordered(_one, cases, chunksize=chunk)
+            for item in results:
+                spent += _collect(item, failures, faults, out)
+    else:
+        _quiet()
+        for case in cases:
+            spent += _collect(_one(case), failures, faults, out)
+    return failures, faults, spent / max(1, len(cases))
+
+
+def _collect(item, failures, faults, out) -> float:
+    seed, ops, violations, seed_faults, seconds, _done = item
+    faults.update(seed_faults)
+    if violations:
+        failures.append((seed, ops, violations))
+        print(f"FAILED seed {seed} ({ops} ops): {violations[0][:500]}", file=out)
+        print(f"  replay: {replay_command(seed, ops)}", file=out, flush=True)
+    return seconds
+
+
+def _quiet() -> None:
+    logging.disable(logging.CRITICAL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sim", description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=0, help="how many fresh seeds to run")
+    parser.add_argument("--first", type=int, default=None, help="the first of them (default: from the clock)")
+    parser.add_argument("--seed", type=int, default=None, help="run this one seed")
+    parser.add_argument("--ops", type=int, default=1000, help="operations per seed")
+    parser.add_argument("--regressions", action="store_true", help="run every seed that ever failed")
+    parser.add_argument("--trace", action="store_true", help="with --seed: print what happened")
+    parser.add_argument("--shrink", action="store_true", help="with --seed: the fewest ops that still fail")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args(argv)
+
+    if args.seed is not None:
+        _quiet()
+        started = time.perf_counter()
+        result = run_seed(args.seed, args.ops, trace=args.trace)
+        took = time.perf_counter() - started
+        if args.trace:
+            print("\n".join(result.trace))
+        print(f"seed {args.seed}: {result.profile.describe()}")
+        print(f"{result.ops} ops, {result.events} events, {result.sim_ms / 1000:.1f} s simulated in {took:.3f} s; "
+              f"{result.acked} armings acknowledged, {result.handed} hand-overs; faults: {dict(result.faults)}")
+        for violation in result.violations:
+            print(violation)
+        if result.violations and args.shrink:
+            fewest = shrink(args.seed, args.ops)
+            print(f"fails with as few as {fewest} operations: {replay_command(args.seed, fewest)}")
+        return 1 if result.violations else 0
+
+    cases = regression_cases() if args.regressions else []
+    if args.seeds:
+        first = args.first if args.first is not None else int(time.time() * 1000) % 10**12
+        print(f"seeds {first}..{first + args.seeds - 1}, {args.ops} operations each, {args.jobs} jobs", flush=True)
+        cases += [(seed, args.ops) for seed in range(first, first + args.seeds)]
+    if not cases:
+        parser.error("nothing to run: --seeds N, --seed S or --regressions")
+    started = time.perf_counter()
+    failures, faults, per_seed = run_many(cases, args.jobs)
+    wall = time.perf_counter() - started
+    print(f"{len(cases)} seeds in {wall:.1f} s ({per_seed * 1000:.0f} ms per seed on one core, {args.jobs} jobs): "
+          f"{len(failures)} failing")
+    print("faults injected:")
+    for name, count in sorted(faults.items()):
+        print(f"  {count:>9}  {name}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
