@@ -15,7 +15,7 @@ RUN_STAMP   := $(VENV)/.installed-run-$(HASH)
 CORE_STAMP  := $(VENV)/.installed-core-$(HASH)
 TEST_STAMP  := $(VENV)/.installed-test-$(HASH)
 
-.PHONY: install build-requirements build run test test-core test-pure test-long lint bench clean
+.PHONY: install build-requirements build run test test-core test-pure test-long lint bench clean simulate
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -87,6 +87,17 @@ test-long: $(TEST_STAMP) build
 # the import contracts of pyproject.toml ([tool.importlinter]): which layer may import which
 lint: $(TEST_STAMP)
 	$(BIN)/python .ci/lint_imports.py
+
+# the deterministic simulation (tests/sim, docs/testing.md): SEEDS fresh seeds on every core,
+# or one seed replayed with its trace (SEED=N [OPS=N]); a failing seed prints its replay command
+SEEDS ?= 1000
+OPS   ?= 1000
+simulate: $(TEST_STAMP) build
+ifdef SEED
+	cd tests && ../$(BIN)/python -m sim --seed $(SEED) --ops $(OPS) --trace --shrink
+else
+	cd tests && ../$(BIN)/python -m sim --seeds $(SEEDS) --ops $(OPS)
+endif
 
 bench: $(TEST_STAMP) build
 	$(BIN)/python -m bench.wheel_core

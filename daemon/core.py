@@ -172,7 +172,7 @@ class DaemonCore:
         poison = self.sessions.poison
         self.delivery = Delivery(wheel, self.clients, cfg, totals, now, poison, self.clock, self.recorder)
         self.executor = Executor(wheel, self.clients, self.arena_epoch, cfg.group_quota, totals, poison, self.clock,
-                                 self.recorder)
+                                 self.recorder, self.host.clock_ns)
         self.sessions.attach(wheel, self.delivery, self.executor, self.arena_epoch, self.recorder)
         for s in wheel.fired_slots():  # every fired-but-unacknowledged timer is delivered again
             _key, deadline, group, _tag, _aux, gen = wheel.fired(s)

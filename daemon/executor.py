@@ -77,8 +77,10 @@ class Executor:
     whose ring holds garbage; ``totals`` are the daemon's counters."""
 
     def __init__(self, wheel: TimerWheel, clients: dict, arena_epoch: int, group_quota: int, totals: dict,
-                 poison: Callable, clock: Callable[[], int], recorder=None):
+                 poison: Callable, clock: Callable[[], int], recorder=None,
+                 clock_ns: Callable[[], int] = perf_counter_ns):
         self.wheel = wheel
+        self.clock_ns = clock_ns  # times a ring's chunks for the fairness budget (the host's clock)
         self.clients = clients
         self.arena_epoch = arena_epoch
         self.group_quota = group_quota
@@ -109,18 +111,22 @@ class Executor:
             if cs.poisoned or cs.segment is None or _held_back(cs):
                 continue
             try:
-                if cs.segment.depth() == cs.segment.ring_capacity:
+                depth = cs.segment.depth()
+                if not depth:
+                    continue  # nothing to apply: no chunk is read
+                if depth == cs.segment.ring_capacity:
                     self.totals["ring_full_total"] += 1  # the client found (or will find) it full
             except ProtocolError:
                 pass  # apply_ring reports it
+            clock_ns = self.clock_ns
             done = spent = 0
             while done < max_per_ring and not cs.poisoned:
                 cost = cs.apply_ns
                 want = min(max(MIN_CHUNK, RING_BUDGET_NS // cost) if cost else FIRST_CHUNK, APPLY_CHUNK,
                            max_per_ring - done)
-                started = perf_counter_ns()
+                started = clock_ns()
                 applied = self.apply_ring(cs, want)
-                took = perf_counter_ns() - started
+                took = clock_ns() - started
                 spent += took
                 if applied:
                     cs.apply_ns = max(took // applied, cost - cost // 8, 1)

@@ -49,3 +49,13 @@ def pytest_collection_modifyitems(items):
         return _LONG_FIRST.index(module) if module in _LONG_FIRST else len(_LONG_FIRST)
 
     items.sort(key=rank)  # stable: the collection order within each rank
+
+
+def pytest_configure(config):
+    """The first fresh seed of this run's simulation slice (tests/test_simulation.py), chosen
+    once in the controlling process so that every xdist worker shares it (WHEELD_SIM_FIRST
+    set by hand replays a run's slice)."""
+    if "WHEELD_SIM_FIRST" not in os.environ:
+        import time
+
+        os.environ["WHEELD_SIM_FIRST"] = str(int(time.time() * 1000) % 10**12)

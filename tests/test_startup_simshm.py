@@ -255,10 +255,10 @@ def test_a_crash_half_way_through_loading_the_journal_leaves_only_a_temporary_ar
     host = world.host()
     real_load = recovery.load_recovered
 
-    def load_half_then_die(wheel, state, directory=""):
+    def load_half_then_die(wheel, state, directory="", *clocks):
         half = dict(list(state.pending.items())[:150])
         real_load(wheel, type(state)(pending=half, unacked=[], last_lsn=state.last_lsn,
-                                     snapshot_lsn=state.snapshot_lsn, problems=[]), directory)
+                                     snapshot_lsn=state.snapshot_lsn, problems=[]), directory, *clocks)
         world.machine.crash(host.shm)  # SIGKILL in the middle of the recovery
         raise SimCrashed("killed while loading")
 

@@ -1,0 +1,99 @@
+"""The deterministic simulation of the whole service (tests/sim, docs/testing.md), in the suite.
+
+Every seed that ever failed stays here as a regression case (sim/regressions.txt),
+and each run of the suite tries a slice of fresh seeds: their first is printed (and
+``WHEELD_SIM_FIRST`` replays the slice); a failing seed prints the command that
+replays it alone (``make simulate SEED=N OPS=N``). ``make simulate SEEDS=N`` runs
+as many as asked; the long variant (marked slow) runs more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+
+from sim.__main__ import regression_cases, replay_command
+from sim.run import run_seed
+
+SLICES = 6  # tests the fresh seeds are spread over (xdist runs them side by side)
+SLICE_SECONDS = 25.0  # each runs fresh seeds for about this long
+SLICE_OPS = 1000
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    logging.disable(logging.CRITICAL)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+def _failure(seed: int, ops: int, violations) -> str:
+    shown = "\n".join(str(v)[:2000] for v in violations[:5])
+    return f"seed {seed} ({ops} ops) broke the contract:\n{shown}\nreplay: {replay_command(seed, ops)}"
+
+
+@pytest.mark.parametrize("seed,ops", regression_cases())
+def test_every_seed_that_ever_failed_passes(seed, ops):
+    result = run_seed(seed, ops)
+    assert not result.violations, _failure(seed, ops, result.violations)
+    assert result.acked > 0, "the seed's workers had no acknowledged arming: it checks nothing"
+
+
+def _fresh(index: int, seconds: float, ops: int) -> None:
+    first = int(os.environ["WHEELD_SIM_FIRST"]) + index * 100_000
+    print(f"fresh seeds from {first} ({ops} ops each; WHEELD_SIM_FIRST={os.environ['WHEELD_SIM_FIRST']})")
+    deadline = time.monotonic() + seconds
+    seed, checked, handed = first, 0, 0
+    while checked < 3 or time.monotonic() < deadline:
+        result = run_seed(seed, ops)
+        assert not result.violations, _failure(seed, ops, result.violations)
+        checked += 1
+        handed += result.handed
+        seed += 1
+    print(f"{checked} seeds passed, {handed} expirations handed over")
+    assert handed > 0
+
+
+@pytest.mark.parametrize("index", range(SLICES))
+def test_a_slice_of_fresh_seeds_keeps_the_contract(index):
+    _fresh(index, SLICE_SECONDS, SLICE_OPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(SLICES, SLICES + 4))
+def test_a_long_run_of_fresh_seeds_keeps_the_contract(index):
+    _fresh(index, 600.0, SLICE_OPS)
+
+
+def test_one_seed_is_one_history():
+    """The same seed twice gives the same run, event for event (a replay is exact)."""
+    for seed in (11, 12):
+        a, b = run_seed(seed, 300, trace=True), run_seed(seed, 300, trace=True)
+        assert a.trace == b.trace and a.events == b.events and dict(a.faults) == dict(b.faults)
+        assert len(a.trace) > 50
+
+
+def test_the_checker_catches_what_it_is_for():
+    """Each rule of the checker fires on a history that breaks it (the checker is not vacuous)."""
+    from sim.checker import History, check
+
+    ms = 1_000_000
+    h = History()
+    h.joined(1, "g")
+    h.joined(2, "g")
+    h.armed(1, "c1-0", 10, 0, 100, idle=False)  # lost: acknowledged, never handed
+    h.armed(1, "c1-1", 11, 0, 100, idle=False)  # early: handed at 50 ms
+    h.armed(1, "c1-2", 12, 0, 100, idle=False)  # superseded by an acknowledged cancel, then handed
+    h.cancelled(1, "c1-2", 10 * ms, hit=True)
+    h.armed(1, "c1-3", 13, 0, 10, idle=False)  # twice
+    h.flushed(h.flush_called(1))
+    h.handed(1, "c1-1", 11, 50 * ms)
+    h.handed(1, "c1-2", 12, 200 * ms)
+    h.handed(1, "c1-3", 13, 20 * ms)
+    h.handed(2, "c1-3", 13, 30 * ms)
+    h.handed(2, "c1-9", 99, 30 * ms)  # invented
+    rules = sorted({v.rule for v in check(h, 10_000 * ms)})
+    assert rules == ["early", "invented", "lost", "superseded", "twice"]
