@@ -360,6 +360,11 @@ class Simulation:
         """One operation of a worker's application, then the next one a little later."""
         if not worker.alive:
             return
+        if not worker.hostile and worker.client._welcome is None:
+            # the first session is not open yet (wheeld.connect() returns only then)
+            self._poll(worker)
+            self.world.after_ms(self.rng.uniform(0.1, 5), lambda: self._act(worker))
+            return
         if self.ops < self.ops_target:
             self.ops += 1
             self._faults()
