@@ -55,13 +55,13 @@ from __future__ import annotations
 import math
 import os
 import struct
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol.accel import PATH_NAMES
+from wheeld.protocol.clock import mono_ms  # wheelctl reads the clock through here
 
 from .header import parse_header
 
@@ -80,10 +80,6 @@ RATE_COUNTERS = (
     "clients_dropped_total", "wakeups_total",
 )
 _LATENESS = struct.Struct(f"<{L.LATENESS_BUCKETS}q")
-
-
-def mono_ms() -> int:
-    return time.monotonic_ns() // 1_000_000
 
 
 def pid_alive(pid: int) -> bool:
