@@ -18,8 +18,8 @@ import pytest
 from sim.__main__ import regression_cases, replay_command
 from sim.run import run_seed
 
-SLICES = 6  # tests the fresh seeds are spread over (xdist runs them side by side)
-SLICE_SECONDS = 25.0  # each runs fresh seeds for about this long
+SLICES = 4  # tests the fresh seeds are spread over (xdist runs them side by side)
+SLICE_SECONDS = 20.0  # each runs fresh seeds for about this long
 SLICE_OPS = 1000
 
 
