@@ -447,7 +447,7 @@ def test_members_that_never_read_their_socket_are_closed_and_cost_little_memory(
             member = wheeld.connect(d.socket_path, group=f"deaf{g}")  # never reads its socket
             silent.append(member)
             for i in range(SILENT_BACKLOG):
-                member.add(i, 10)
+                member.add(i, 1000)  # due after its flush was answered, however loaded the machine
             member.flush()
         samples = [rss_kb(d.pid)]
 
