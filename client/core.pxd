@@ -101,6 +101,7 @@ cdef class ClientCore:
     cdef public Py_ssize_t _cancel_indexed
     cdef public Py_ssize_t _cancel_index_idle
     cdef public object _rejected
+    cdef public object _flush_answers
     cdef public bint _closed
     cdef public object _owner_pid
     cdef public object _forked

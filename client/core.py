@@ -329,7 +329,15 @@ class ClientCore:
         self._cancel_index: dict[tuple, int] | None = None
         self._cancel_indexed = 0  # entries of _cancelled_since_mark in the index
         self._cancel_index_idle = 0  # marks since the index was last asked
+        # Rejected messages received since the last Applied that answered a flush() waiting
+        # for it; that Applied hands them to its flush (_flush_answers), which raises them.
+        # The daemon answers in ring order (a refusal before the Applied of the first FLUSH
+        # after the refused command), so those are exactly the refusals of the commands
+        # before that FLUSH that no earlier flush() was told of.
         self._rejected: list[M.Rejected] = []
+        # seq of each flush() waiting for its Applied -> None until it comes, then the
+        # Rejected messages received before it (see _rejected)
+        self._flush_answers: dict[int, list | None] = {}
         self._closed = False
         self._owner_pid = os.getpid()
         self._forked = False
@@ -815,6 +823,10 @@ class ClientCore:
             rejected = self._rejected
             if rejected and rejected[-1].seq == message.seq and rejected[-1].code == M.Rejected.JOURNAL_UNAVAILABLE:
                 position = None  # applied but not on disk (the daemon's journal stalled): keep the replay position
+            answers = self._flush_answers
+            if answers and answers.get(message.seq, ()) is None:  # a flush() waits for it: its refusals
+                answers[message.seq] = rejected
+                self._rejected = []
             if position is not None:  # everything before it is acknowledged: no replay from before
                 self._replay_from = position
                 while self._flush_positions:
@@ -946,12 +958,28 @@ class ClientCore:
         return self._ready.popleft()
 
     def rejected(self) -> list[M.Rejected]:
-        """Commands the daemon refused since the last call (e.g. arena full)."""
+        """Commands the daemon refused since the last call (e.g. arena full) that no
+        ``flush()`` has been answered for yet."""
         out, self._rejected = self._rejected, []
         return out
 
-    def _raise_rejections(self) -> None:
-        rejected = self.rejected()
+    def _flush_waits(self, seq: int) -> None:
+        """A flush() waits for the Applied of its FLUSH ``seq`` (:meth:`_flush_answer`)."""
+        self._flush_answers[seq] = None
+
+    def _flush_answer(self, seq: int) -> list | None:
+        """None while FLUSH ``seq``'s Applied has not come, then the refusals it answers."""
+        return self._flush_answers[seq]
+
+    def _flush_abandoned(self, seq: int) -> None:
+        """The flush() of FLUSH ``seq`` ends without its answer (Timeout, a lost daemon, a
+        cancelled task): the refusals its Applied answered, if it came, are the next one's."""
+        answered = self._flush_answers.pop(seq, None)
+        if answered:
+            self._rejected[:0] = answered
+
+    def _raise_rejections(self, rejected: list) -> None:
+        """Raise what a flush() raises for the refusals answered before its Applied (if any)."""
         if not rejected:
             return
         # a flush the journal could not make durable: raised last, since a later flush that

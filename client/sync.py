@@ -184,24 +184,30 @@ class Client(ClientCore):
     def flush(self, timeout_s: float = 10.0) -> None:
         """Return once the daemon has applied every command sent before this call.
 
-        Raises ArenaFull / QuotaExceeded / InvalidRequest for commands it refused since
-        the last flush, JournalUnavailable when the daemon applied them but could not
-        write its journal (``--journal``: disk full, I/O error; a later flush that
-        succeeds covers them), and Timeout (a TimeoutError) if the daemon did not answer
-        within ``timeout_s``: a flush never waits longer, also not for a daemon restarting.
+        Raises ArenaFull / QuotaExceeded / InvalidRequest for commands pushed before it
+        that the daemon refused and no earlier flush raised (never for one pushed after
+        it), JournalUnavailable when the daemon applied them but could not write its
+        journal (``--journal``: disk full, I/O error; a later flush that succeeds covers
+        them), and Timeout (a TimeoutError) if the daemon did not answer within
+        ``timeout_s``: a flush never waits longer, also not for a daemon restarting.
         """
         self._check_open()
         end = time.monotonic() + timeout_s
         seq = self._push_flush()
-        while self._applied != seq:
-            remaining = end - time.monotonic()
-            if remaining <= 0:
-                raise self._reconnection.not_applied(timeout_s, time.monotonic())
-            # The FLUSH record stays in the ring across a daemon restart: the new daemon
-            # adopts the ring, applies it and answers on the new connection.
-            if not self._read(min(remaining, 0.05), end):
-                self._ring_doorbell()
-        self._raise_rejections()
+        self._flush_waits(seq)
+        try:
+            while self._flush_answer(seq) is None:
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    raise self._reconnection.not_applied(timeout_s, time.monotonic())
+                # The FLUSH record stays in the ring across a daemon restart: the new daemon
+                # adopts the ring, applies it and answers on the new connection.
+                if not self._read(min(remaining, 0.05), end):
+                    self._ring_doorbell()
+        except BaseException:
+            self._flush_abandoned(seq)  # what its Applied answered goes to the next flush
+            raise
+        self._raise_rejections(self._flush_answers.pop(seq))
 
     def close(self) -> None:
         """Acknowledge what was handed over, say goodbye, unmap. Pending timers stay.

@@ -20,6 +20,8 @@ from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ProtocolError
 from wheeld.protocol.framing import FrameReader
 
+from .planner import Rejection
+
 log = logging.getLogger("wheeld")
 
 HIGH_WATER = 8 << 20  # bytes queued to one client before we stop sending it expirations
@@ -29,6 +31,9 @@ HIGH_WATER = 8 << 20  # bytes queued to one client before we stop sending it exp
 # is counted rather than sent (one summary per code follows once the client reads).
 ANSWER_HIGH_WATER = 1 << 20
 REJECT_DETAIL_BYTES = 256 << 10
+# The answers to commands applied while a client has no session wait for its next one
+# (KeptAnswers): KEPT_REJECTIONS rejections one by one, the rest counted per code.
+KEPT_REJECTIONS = 4096
 CLIENT_MAX_FRAME = 4096  # the largest client -> daemon frame (a Hello is a few hundred bytes)
 RECV_BYTES = 65536  # the most the shell reads from one connection at a time
 MAX_PASSED_FDS = 4  # descriptors the shell takes from one read (a Hello passes one)
@@ -90,21 +95,52 @@ class Session:
     def send(self, frame: bytes) -> None:
         self._write(frame, False)
 
-    def answer(self, rejects: list, flush_answers: list) -> None:
-        """The answers to a chunk of this client's commands: its rejections
-        (:class:`~wheeld.daemon.planner.Rejection`; counted instead of sent beyond
-        ``REJECT_DETAIL_BYTES`` unread), then the frames that answer each FLUSH
-        (``Applied``...), each after a summary of the rejections held back until then."""
+    def answer(self, rejects: list, flush_answers: list, cuts: list | None = None) -> None:
+        """The answers to a chunk of this client's commands, in ring order: the frames that
+        answer each FLUSH (``Applied``...), each after the rejections
+        (:class:`~wheeld.daemon.planner.Rejection`) of the commands between the FLUSH before
+        it and itself, then the rejections of the commands after the chunk's last FLUSH.
+        ``rejects`` are in ring order and ``cuts[k]`` is how many of them come before FLUSH
+        k (None when there are no rejections). A rejection is never answered with a FLUSH
+        before its command: the client raises it from the first ``flush()`` whose
+        ``Applied`` follows it. Bounded: past ``REJECT_DETAIL_BYTES`` unread a rejection is
+        counted instead of sent, and the counts go out as one summary per code before the
+        next ``Applied`` (or as soon as the client reads)."""
         if self.closed or not (flush_answers or rejects):
             return
+        if rejects and flush_answers and (cuts is None or len(cuts) != len(flush_answers)):
+            raise ValueError("rejections and flush answers need a cut per flush")
         parts = []
         queued = self.answers_queued()
-        held = self.held_rejections
-        if held and queued <= REJECT_DETAIL_BYTES // 2:
+        if self.held_rejections and queued <= REJECT_DETAIL_BYTES // 2:
             parts.extend(self._summaries())
-            held = self.held_rejections
+        start = 0
+        for k, frames in enumerate(flush_answers):
+            if rejects and cuts[k] > start:
+                queued = self._rejections(rejects, start, cuts[k], parts, queued)
+                start = cuts[k]
+            if self.held_rejections:
+                parts.extend(self._summaries())
+            parts.append(frames)
+        if start < len(rejects):
+            self._rejections(rejects, start, len(rejects), parts, queued)
+        self._write(b"".join(parts), True)
+        if self.held_rejections and not self.out:  # the socket took it all: room for the summary now
+            self._write(b"".join(self._summaries()), True)
+        if not self._told_held_back and self.held_back:
+            self._told_held_back = True
+            cs = self.client
+            log.warning("client pid %d (slot %s): %d bytes of answers to its commands unread; its ring waits until it "
+                        "reads them", self.pid, cs.slot if cs is not None else "-", self.answers_queued())
+
+    def _rejections(self, rejects: list, start: int, end: int, parts: list, queued: int) -> int:
+        """Append the ``Rejected`` frames of ``rejects[start:end]`` to ``parts``, counting those past
+        ``REJECT_DETAIL_BYTES`` of unread answers in ``held_rejections`` instead; return the bytes
+        of answers queued then."""
+        held = self.held_rejections
         encode = M.encode_daemon_frame
-        for reject in rejects:
+        for n in range(start, end):
+            reject = rejects[n]
             if queued > REJECT_DETAIL_BYTES:
                 count = held.get(reject.code)
                 if count is None:
@@ -116,18 +152,7 @@ class Session:
             frame = encode(reject.message())
             parts.append(frame)
             queued += len(frame)
-        for frames in flush_answers:
-            if held:
-                parts.extend(self._summaries())
-            parts.append(frames)
-        self._write(b"".join(parts), True)
-        if self.held_rejections and not self.out:  # the socket took it all: room for the summary now
-            self._write(b"".join(self._summaries()), True)
-        if not self._told_held_back and self.held_back:
-            self._told_held_back = True
-            cs = self.client
-            log.warning("client pid %d (slot %s): %d bytes of answers to its commands unread; its ring waits until it "
-                        "reads them", self.pid, cs.slot if cs is not None else "-", self.answers_queued())
+        return queued
 
     def _summaries(self) -> list[bytes]:
         """One ``Rejected`` per code for the rejections held back (and forget them)."""
@@ -252,3 +277,65 @@ class Session:
                     return
         except ProtocolError as exc:
             self.owner.close(self, f"protocol error: {exc}", goodbye=True)
+
+
+class KeptAnswers:
+    """The answers to a client's commands applied while it had no session, kept for the
+    session it opens next (:meth:`send`), in ring order: the rejections of the commands
+    before the last FLUSH applied, that FLUSH's answer (the earlier ones' are not kept:
+    the last covers them), then the rejections of the commands after it.
+
+    Bounded: ``KEPT_REJECTIONS`` rejections are kept one by one, those past it are counted
+    per code on their side of the FLUSH, and sent as one summary per code (``seq`` 0, no
+    key, the reason beginning with the count, as :meth:`Session._summaries`)."""
+
+    __slots__ = ("flush_frames", "before", "after", "more_before", "more_after")
+
+    def __init__(self):
+        self.flush_frames: bytes | None = None  # the frames that answer the last FLUSH applied
+        self.before: list = []  # Rejections of the commands before that FLUSH, in ring order
+        self.after: list = []  # ...and after it
+        self.more_before: dict[str, list] = {}  # code -> [count, last reason] of those not kept one by one
+        self.more_after: dict[str, list] = {}
+
+    def add(self, rejects: list, flush_answers: list, cuts: list | None) -> None:
+        """A chunk's answers, as :meth:`Session.answer` takes them."""
+        if flush_answers:
+            self.before += self.after
+            for code, (count, reason) in self.more_after.items():
+                _count(self.more_before, code, count, reason)
+            self.after, self.more_after = [], {}
+            cut = cuts[-1] if rejects else 0
+            self._keep(rejects[:cut], self.before, self.more_before)
+            self.flush_frames = flush_answers[-1]
+            rejects = rejects[cut:]
+        self._keep(rejects, self.after, self.more_after)
+
+    def _keep(self, rejects: list, kept: list, more: dict) -> None:
+        room = max(0, KEPT_REJECTIONS - len(self.before) - len(self.after))
+        kept += rejects[:room]
+        for reject in rejects[room:]:
+            _count(more, reject.code, 1, reject.reason)
+
+    def send(self, session: Session) -> None:
+        """Answer them on ``session`` (the client's new one, right after its Welcome)."""
+        before = self.before + _summary_rejections(self.more_before)
+        flushes = [self.flush_frames] if self.flush_frames is not None else []
+        session.answer(before + self.after + _summary_rejections(self.more_after), flushes,
+                       [len(before)] if flushes else None)
+
+
+def _count(more: dict, code: str, count: int, reason: str) -> None:
+    entry = more.get(code)
+    if entry is None:
+        more[code] = [count, reason]
+    else:
+        entry[0] += count
+        entry[1] = reason
+
+
+def _summary_rejections(more: dict) -> list:
+    """One summary rejection per code of ``more`` (code -> [count, last reason])."""
+    return [Rejection(0, b"", 0, f"{count} more command(s) refused, not listed one by one (the client had no "
+                                 f"session when they were applied): {reason}"[:1000], code, -1)
+            for code, (count, reason) in more.items()]

@@ -12,7 +12,8 @@ each released ACK as it is released.
 Then the chunk is committed: journal appended (fsynced under ``--fsync always``),
 ring head published (a daemon killed before it re-applies the chunk: every
 command is idempotent), FLUSHes answered with ``Applied`` and refusals with
-``Rejected``.
+``Rejected``, in ring order: a refusal goes before the ``Applied`` of the first
+FLUSH after its command (:func:`answer_order`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from wheeld.protocol.errors import ArenaFull, InvalidRequest, ProtocolError
 from wheeld.protocol.keys import TYPE_STR
 from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
 
+from .connection import KeptAnswers
 from .planner import CommandLog, Plan, Rejection, plan_batch, rejection
 
 log = logging.getLogger("wheeld")
@@ -163,6 +165,7 @@ class Executor:
         valid = valid_records(records, segment.touch_capacity)
         good = n if valid.all() else int(np.argmin(valid))
         flushes, rejects = self.apply(cs, records[:good]) if good else ([], [])
+        cuts = answer_order(records[:good], rejects) if rejects and flushes else None
         unsynced = None
         if self.recorder is not None:
             self.recorder.commit(self.clock())  # on disk before the head moves and before Applied (fsync=always)
@@ -172,7 +175,7 @@ class Executor:
         segment.commit(good)  # only now may the client reuse the slots: a crash above re-applies the chunk
         self.totals["commands_total"] += good
         self.totals["rejected_total"] += len(rejects)
-        _answer(cs, flushes, rejects, unsynced)
+        _answer(cs, flushes, rejects, cuts, unsynced)
         if good < n:
             self.poison(cs, f"invalid command record (op {int(records['op'][good])}) at ring position {good}")
         return good
@@ -234,7 +237,7 @@ class Executor:
                 slots[n] = 0  # reported here, not as arena full
                 i = int(keyed.at[j])
                 rejects.append(rejection(int(arms.seqs[n]), records["key"][i].tobytes(), int(records["key_meta"][i]),
-                                         str(exc), M.Rejected.INVALID_DEADLINE))
+                                         str(exc), M.Rejected.INVALID_DEADLINE, i))
         return slots
 
     # ------------------------------------------------------------------ in ring order
@@ -247,9 +250,9 @@ class Executor:
         wheel = self.wheel
         return wheel.group_live(cs.group) >= self.group_quota and wheel.lookup_ident(ident, cs.group) is None
 
-    def _quota_rejection(self, cs, seq: int, raw_key: bytes, meta: int) -> Rejection:
+    def _quota_rejection(self, cs, seq: int, raw_key: bytes, meta: int, at: int) -> Rejection:
         return rejection(seq, raw_key, meta, f"group {cs.group_name!r} holds its quota of {self.group_quota} timers",
-                         M.Rejected.QUOTA_EXCEEDED)
+                         M.Rejected.QUOTA_EXCEEDED, at)
 
     def _in_order_log(self, gid: int, records: np.ndarray) -> CommandLog:
         """An empty log of the keyed commands to come, with the deadlines their keys have now."""
@@ -400,7 +403,7 @@ def _in_order(executor: Executor, cs, records: np.ndarray) -> tuple[list, list]:
             if op == _CANCEL:
                 wheel.cancel_ident(ident, gid)
             elif quota and executor._over_quota(cs, ident):
-                rejects.append(executor._quota_rejection(cs, seqs[i], _key_at(records, i), metas[i]))
+                rejects.append(executor._quota_rejection(cs, seqs[i], _key_at(records, i), metas[i], i))
                 continue
             elif op == _ADD:  # a plain timer, also when it re-arms an idle one: no touch reference
                 slot = wheel.schedule_ident(ident, deadlines[i], gid, seqs[i])[0]
@@ -410,10 +413,10 @@ def _in_order(executor: Executor, cs, records: np.ndarray) -> tuple[list, list]:
                 slot = wheel.schedule_ident(ident, deadlines[i], gid, seqs[i], touch)[0]
                 wheel._i[slot * _IW + _I_AUX] = touch
         except ArenaFull as exc:
-            rejects.append(rejection(seqs[i], _key_at(records, i), metas[i], str(exc), M.Rejected.ARENA_FULL))
+            rejects.append(rejection(seqs[i], _key_at(records, i), metas[i], str(exc), M.Rejected.ARENA_FULL, i))
             continue
         except InvalidRequest as exc:
-            rejects.append(rejection(seqs[i], _key_at(records, i), metas[i], str(exc), M.Rejected.INVALID_DEADLINE))
+            rejects.append(rejection(seqs[i], _key_at(records, i), metas[i], str(exc), M.Rejected.INVALID_DEADLINE, i))
             continue
         if command_log is not None:
             _log_command(command_log, ident, op, deadlines[i], seqs[i], aux0[i])
@@ -446,16 +449,33 @@ def flush_answer(seq: int, unsynced) -> bytes:
     return M.encode_daemon_frame(M.Rejected(seq, b"", 0, reason[:4096], M.Rejected.JOURNAL_UNAVAILABLE)) + applied
 
 
-def _answer(cs, flushes: list, rejects: list, unsynced=None) -> None:
-    """Send a chunk's rejections and flush answers (bounded: :meth:`Session.answer
-    <wheeld.daemon.connection.Session.answer>`); a FLUSH applied while the client's
-    session was closed is answered when it comes back (its Hello)."""
+def answer_order(records: np.ndarray, rejects: list) -> list[int]:
+    """Put a chunk's rejections in ring order (in place, by the position of their command)
+    and return, for each FLUSH of the chunk (``records``, the commands applied), how many of
+    them come before it: those are answered before its ``Applied``, the rest after it."""
+    rejects.sort(key=_position)
+    flush_at = np.flatnonzero(records["op"] == C.FLUSH)
+    positions = np.fromiter((r.at for r in rejects), dtype=np.int64, count=len(rejects))
+    return np.searchsorted(positions, flush_at).tolist()
+
+
+def _position(reject: Rejection) -> int:
+    return reject.at
+
+
+def _answer(cs, flushes: list, rejects: list, cuts: list | None, unsynced=None) -> None:
+    """Send a chunk's answers, each rejection before the ``Applied`` of the first FLUSH after
+    its command (``cuts``: :func:`answer_order`; bounded: :meth:`Session.answer
+    <wheeld.daemon.connection.Session.answer>`). Those of a chunk applied while the client's
+    session was closed are kept for the session it opens next (its Hello)."""
     session = cs.session
+    flush_answers = [flush_answer(seq, unsynced) for seq in flushes]
     if session is not None and not session.closed:
-        session.answer(rejects, [flush_answer(seq, unsynced) for seq in flushes])
-    elif flushes:
-        cs.unanswered_flush = flushes[-1]
-        cs.unanswered_flush_unsynced = unsynced
+        session.answer(rejects, flush_answers, cuts)
+    elif flushes or rejects:
+        if cs.unanswered is None:
+            cs.unanswered = KeptAnswers()
+        cs.unanswered.add(rejects, flush_answers, cuts)
 
 
 def _held_back(cs) -> bool:

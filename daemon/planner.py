@@ -32,14 +32,17 @@ Lookup = Callable[[list], list]
 
 class Rejection(NamedTuple):
     """A command that was not applied: the fields of its ``Rejected`` answer (``raw_key``
-    may carry its zero padding). The message itself is made only if it is sent one by
-    one (:meth:`wheeld.daemon.connection.Session.answer`)."""
+    may carry its zero padding), and ``at``, the command's position in its chunk, which
+    places the answer before the ``Applied`` of the first FLUSH after the command. The
+    message itself is made only if it is sent one by one
+    (:meth:`wheeld.daemon.connection.Session.answer`)."""
 
     seq: int
     raw_key: bytes
     key_meta: int
     reason: str
     code: str
+    at: int
 
     def message(self) -> M.Rejected:
         return M.Rejected(self.seq, bytes(self.raw_key[: key_length(self.key_meta)]), self.key_meta, self.reason,
@@ -51,9 +54,10 @@ class Rejection(NamedTuple):
         return self.message().key
 
 
-def rejection(seq: int, raw_key: bytes, meta: int, reason: str, code: str) -> Rejection:
-    """The answer to a command that was not applied (``raw_key`` may carry its zero padding)."""
-    return Rejection(seq, raw_key, meta, reason, code)
+def rejection(seq: int, raw_key: bytes, meta: int, reason: str, code: str, at: int) -> Rejection:
+    """The answer to the command at position ``at`` of its chunk, which was not applied
+    (``raw_key`` may carry its zero padding)."""
+    return Rejection(seq, raw_key, meta, reason, code, at)
 
 
 class CommandLog(NamedTuple):
@@ -125,7 +129,8 @@ class Plan:
                 if ident in idents and j > keyed.last_cancel.get(ident, -1):
                     i = int(keyed.at[j])
                     rejects.append(rejection(int(records["seq"][i]), records["key"][i].tobytes(),
-                                             int(records["key_meta"][i]), "the arena is full", M.Rejected.ARENA_FULL))
+                                             int(records["key_meta"][i]), "the arena is full", M.Rejected.ARENA_FULL,
+                                             i))
         return idents, rejects
 
     def log(self, refused: set) -> CommandLog | None:
@@ -183,9 +188,10 @@ def _in_range(plan: Plan, records: np.ndarray, keyed_at: np.ndarray, clock_ms: i
     code = M.Rejected.INVALID_DEADLINE
     plan.rejections.extend(
         Rejection(seq, key, meta, f"deadline {deadline} is more than {max_delay_ms} ms from the clock ({clock_ms})",
-                  code)
-        for seq, key, meta, deadline in zip(records["seq"][bad_at].tolist(), keys,
-                                            records["key_meta"][bad_at].tolist(), deadlines[bad].tolist()))
+                  code, at)
+        for seq, key, meta, deadline, at in zip(records["seq"][bad_at].tolist(), keys,
+                                                records["key_meta"][bad_at].tolist(), deadlines[bad].tolist(),
+                                                bad_at.tolist()))
     keep = ~bad
     return keyed_at[keep], ops[keep], deadlines[keep]
 

@@ -45,7 +45,6 @@ from wheeld.shm.wheel import MAX_DELAY_MS
 from .client_table import ClientSlot, ClientTable
 from wheeld.protocol.naming import segment_prefix
 from .connection import Session
-from .executor import flush_answer
 
 log = logging.getLogger("wheeld")
 
@@ -278,9 +277,9 @@ class Sessions:
             self.arena_epoch, status is not None, resumed,
         )
         session.send_with_fds(M.encode_daemon_frame(welcome), [cs.segment.fd] + ([status] if status is not None else []))
-        if cs.unanswered_flush is not None:  # a client whose session the daemon closed may be waiting for it
-            session.send(flush_answer(cs.unanswered_flush, cs.unanswered_flush_unsynced))
-            cs.unanswered_flush = cs.unanswered_flush_unsynced = None
+        if cs.unanswered is not None:  # a client whose session the daemon closed may be waiting for them
+            unanswered, cs.unanswered = cs.unanswered, None
+            unanswered.send(session)
 
     def _admit(self, session: Session, hello: M.Hello, passed: _Passed) -> tuple[ClientSlot, bool] | None:
         """The checks of a Hello and (the client slot it gets, whether the ring it handed

@@ -251,6 +251,10 @@ def test_random_chunks_through_apply_choose_either_path_and_agree(monkeypatch):
         records = _records(_encode(drawn, fired, gens))
         got, want = a.apply(cs_a, records), b.apply_in_order(cs_b, records)
         assert got[0] == want[0] and [(r.seq, r.code) for r in got[1]] == [(r.seq, r.code) for r in want[1]]
+        # answered in the same order: each refusal before the Applied of the first FLUSH after it
+        cuts = executor_module.answer_order(records, got[1])
+        assert cuts == executor_module.answer_order(records, want[1])
+        assert [(r.seq, r.code, r.at) for r in got[1]] == [(r.seq, r.code, r.at) for r in want[1]]
         assert wheel_state(a.wheel) == wheel_state(b.wheel), size
     assert wheel_state(a.wheel)["scheduled"], "the test should leave timers armed"
 

@@ -511,9 +511,10 @@ class SimClient(ClientCore):
         super()._on_message(message)
         if type(message) is M.Applied and message.seq in self._flushes:
             del self._flushes[message.seq]
-            self.flush_rejections[message.seq] = [(r.seq, r.code) for r in self._rejected]
+            rejected = self._flush_answers.pop(message.seq)
+            self.flush_rejections[message.seq] = [(r.seq, r.code) for r in rejected]
             try:
-                self._raise_rejections()
+                self._raise_rejections(rejected)
                 outcome = None
             except Exception as exc:  # what the blocking flush() raises once this Applied came
                 outcome = exc
@@ -562,6 +563,7 @@ class SimClient(ClientCore):
         self._check_open()
         seq = self._push_flush()
         self._flushes[seq] = None
+        self._flush_waits(seq)
         return seq
 
     def poll(self) -> Polled:
