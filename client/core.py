@@ -592,6 +592,11 @@ class ClientCore:
         if header is None or header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD] \
                 or self._group_words[_GROUP_FULL]:
             self._refuse_if_full(bkey)
+        if not seg.free_slots():
+            # Room first: the table row below is the daemon's to read as soon as it is
+            # written, so an add_idle the ring refuses (RingFull) must not have changed it
+            # (the key's earlier arming would fire by the new idle time), nor taken a row.
+            self._wait_for_room()
         ident = _META[meta] + kb
         index = self._touch_index.get(ident)
         if index is None:

@@ -526,3 +526,33 @@ def msgspec_encode(value) -> bytes:
     import msgspec
 
     return msgspec.msgpack.encode(value)
+
+
+def test_an_add_idle_the_full_ring_refuses_leaves_the_key_as_it_was(daemon_factory):
+    """add_idle writes the key's row of the touch table (its idle time, a first touch)
+    that the daemon reads for the key's pending timer; when the ring is full and the
+    call raises RingFull, nothing may have changed: the earlier arming keeps its idle
+    time (a shorter one written anyway would fire it early), and no row is used up."""
+    d = daemon_factory(extra=["--ring-capacity", "64", "--touch-capacity", "16"]).start()
+    with wheeld.connect(d.socket_path, group="ringfull", ring_timeout_s=0.05) as w:
+        w.add_idle("conn", 60_000)
+        w.flush()
+        segment = w._segment
+        row = w._touch_by_key["conn"]
+        os.kill(d.pid, signal.SIGSTOP)  # nothing drains: the ring fills
+        try:
+            with pytest.raises(wheeld.RingFull):
+                for i in range(1000):
+                    w.add(f"filler{i}", 60_000)
+            free_rows = w._free_touch[:], w._next_touch
+            with pytest.raises(wheeld.RingFull):
+                w.add_idle("conn", 5)  # refused: must not shorten conn's idle time
+            with pytest.raises(wheeld.RingFull):
+                w.add_idle("other", 5)  # refused: must not take a row
+            assert segment.read_idle(row) == 60_000
+            assert (w._free_touch[:], w._next_touch) == free_rows
+            assert "other" not in w._touch_by_key
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        w.flush()
+        assert w.poll(timeout_s=0.3) == []  # conn (60 s idle) did not fire at the refused 5 ms
