@@ -51,8 +51,11 @@ sent to acknowledges it through its ring (``ACK slot generation``), after the
 client library handed it to the application. If that client dies first, its
 unacknowledged expirations go back to the group's queue and reach another
 member; with no member connected they wait. After a daemon restart every FIRED
-record is sent again (the client library drops duplicates it already handed
-over); a timer whose deadline passed while the daemon was down is marked late.
+record is sent again: to the client it was last sent to first (the record keeps
+that client's slot, and the client resumes it: its library drops a copy of what
+it already handed over, and acknowledges it), to the group once that slot is
+freed, or at once when no recipient is known (see :mod:`~wheeld.daemon.delivery`,
+"Recipients"); a timer whose deadline passed while the daemon was down is marked late.
 
 Never early: ``expire(now)`` returns only timers with ``deadline <= now``; the
 sleep is computed from the bucket heap and a wake-up that comes early simply
@@ -174,17 +177,31 @@ class DaemonCore:
         self.executor = Executor(wheel, self.clients, self.arena_epoch, cfg.group_quota, totals, poison, self.clock,
                                  self.recorder, self.host.clock_ns)
         self.sessions.attach(wheel, self.delivery, self.executor, self.arena_epoch, self.recorder)
-        for s in wheel.fired_slots():  # every fired-but-unacknowledged timer is delivered again
-            _key, deadline, group, _tag, _aux, gen = wheel.fired(s)
-            self.delivery.queues[group].append((s, gen, now, deadline < now))
         table = self.sessions.table
         table.open(wheel, self.clock(), self.host, qualifier)
         if table.created:
             self.created.append(shm_path(table.segment_name))
         self.held.append(HeldSegment("client table", table.segment_name, table.identity, self.host.shm))
+        self._redeliver_fired(now)
         self.status = StatusPage.create(f"wheeld-{cfg.name}-status")
         self.sessions.serve(self.status, self.lock.secret)
         self._park_epoch = wheel.header_words()[AL.H_WAKE_SEQ // 8]
+
+    def _redeliver_fired(self, now: int) -> None:
+        """Every fired-but-unacknowledged timer is delivered again: to the client it was last
+        sent to first, when the client table still holds that client's slot (it waits for
+        the client to resume the slot, and goes to the group once the slot is freed), else
+        to its group."""
+        wheel, delivery, clients = self.wheel, self.delivery, self.clients
+        for s in wheel.fired_slots():
+            _key, deadline, group, _tag, aux, gen = wheel.fired(s)
+            entry = (s, gen, now, deadline < now)
+            recipient = AL.recipient_of(aux)
+            cs = clients.get(recipient) if recipient is not None else None
+            if cs is not None and cs.group == group:
+                delivery.hold(cs.slot, group, entry)
+            else:
+                delivery.queues[group].append(entry)
 
     def mark_ready(self) -> None:
         """Serving: the counters are published (they are this daemon's now, not its predecessor's)."""

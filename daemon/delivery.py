@@ -31,6 +31,17 @@
   fields (:func:`wheeld.protocol.messages.encode_expirations_frame`). A queued entry
   no longer FIRED with its generation (acknowledged meanwhile, e.g. by an ack left
   in a ring across a restart) is dropped.
+* **Recipients**: before a frame is sent, each of its records gets the client slot
+  it goes to in its aux word (:meth:`TimerWheel.mark_fired
+  <wheeld.shm.wheel.TimerWheel.mark_fired>`, ``arena_layout.recipient_aux``). A
+  daemon restarted on the arena *holds* a fired record whose recipient's slot it
+  finds in the client table (:meth:`Delivery.hold`): it goes to that client first,
+  once it resumes its slot (its library knows whether it handed the expiration
+  already: a copy is acknowledged, not handed again), and to its group when the slot
+  is freed (:meth:`Delivery.release_held`: a ``Bye``, ``--resume-grace-s`` without
+  the client, or the slot collected). What a session had in flight when it ended
+  while the daemon runs, or left unacknowledged for the ack timeout, goes to its
+  group (:meth:`Delivery.requeue`).
 
 Never early: ``expire(now)`` returns only timers with ``deadline <= now``.
 """
@@ -171,6 +182,9 @@ class Delivery:
         self.clock = clock
         self.recorder = recorder
         self.queues: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        # client slot -> (group, queue): fired records sent to that client before a restart,
+        # waiting for it to resume its slot (see "Recipients" above)
+        self.held: dict[int, tuple[int, collections.deque]] = {}
         self.members: dict[int, list] = collections.defaultdict(list)
         self.lateness = Lateness(wheel.tick_ms)
         self._rr = 0
@@ -356,13 +370,34 @@ class Delivery:
             self.queues[group].extendleft((s, gen, now, False) for s, gen in reversed(pairs))
             self.totals["redelivered_total"] += len(pairs)
 
+    def hold(self, client_slot: int, group: int, entry: tuple) -> None:
+        """A queue entry (slot, generation, fired_ms, late) of a fired record that was sent
+        to ``client_slot`` before a restart: it waits for that client (:meth:`dispatch`)."""
+        held = self.held.get(client_slot)
+        if held is None:
+            held = self.held[client_slot] = (group, collections.deque())
+        held[1].append(entry)
+
+    def release_held(self, client_slot: int) -> int:
+        """The slot is freed: what waits for its client goes to the front of its group's
+        queue, in the order it was held. Returns how many entries moved."""
+        held = self.held.pop(client_slot, None)
+        if held is None:
+            return 0
+        group, entries = held
+        self.queues[group].extendleft(reversed(entries))
+        return len(entries)
+
     def undelivered(self) -> int:
-        return sum(len(q) for q in self.queues.values())
+        return sum(len(q) for q in self.queues.values()) + sum(len(q) for _group, q in self.held.values())
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self) -> None:
-        """Send queued expirations to live group members, round robin, one frame per batch."""
+        """Send what is held for a client that is back to it, then queued expirations to live
+        group members, round robin; one frame per batch."""
         batch = self.config.delivery_batch
+        if self.held:
+            self._dispatch_held(batch)
         for gid, queue in self.queues.items():
             if not queue:
                 continue
@@ -371,20 +406,44 @@ class Delivery:
                 self._rr += 1
                 member = members[self._rr % len(members)]
                 popleft = queue.popleft
-                taken = [popleft() for _ in range(min(batch, len(queue)))]
-                items = self._items_from_columns(taken) if len(taken) >= COLUMNS_MIN else self._items_from_rows(taken)
-                if items:
-                    frame = M.encode_expirations_frame(items)
-                    # never a frame the client refuses: one with an item that may not decode
-                    # is checked with the client's own decoder
-                    if _suspect(items) and M.expirations_frame_problem(frame) is not None:
-                        items = self._receivable(items)
-                        frame = M.encode_expirations_frame(items)
-                if items:
-                    member.client.unacked.update([(item[5], item[6]) for item in items])
-                    member.send(frame)
-                    self.totals["delivered_total"] += len(items)
+                self._send(member, [popleft() for _ in range(min(batch, len(queue)))])
                 members = [m for m in members if not m.congested and not m.closed]
+
+    def _dispatch_held(self, batch: int) -> None:
+        """What waits for a client (:meth:`hold`) goes to it once it has a session again."""
+        for client_slot, (_group, queue) in list(self.held.items()):
+            cs = self.clients.get(client_slot)
+            member = cs.session if cs is not None else None
+            if member is None:
+                if cs is None:  # the slot is gone (its release moves what it held): to the group
+                    self.release_held(client_slot)
+                continue
+            while queue and not member.congested and not member.closed:
+                popleft = queue.popleft
+                self._send(member, [popleft() for _ in range(min(batch, len(queue)))])
+            if not queue:
+                del self.held[client_slot]
+
+    def _send(self, member, taken: list) -> None:
+        """One ``Expirations`` frame of queue entries to ``member`` (a session): the entries
+        still FIRED with their generation, each record marked as sent to its client first."""
+        items = self._items_from_columns(taken) if len(taken) >= COLUMNS_MIN else self._items_from_rows(taken)
+        if items:
+            frame = M.encode_expirations_frame(items)
+            # never a frame the client refuses: one with an item that may not decode
+            # is checked with the client's own decoder
+            if _suspect(items) and M.expirations_frame_problem(frame) is not None:
+                items = self._receivable(items)
+                frame = M.encode_expirations_frame(items)
+        if items:
+            client = member.client
+            pairs = [(item[5], item[6]) for item in items]
+            # before the frame leaves: a daemon killed once the client may have it finds the
+            # client it went to in the arena (see "Recipients" above)
+            self.wheel.mark_fired([slot for slot, _gen in pairs], AL.recipient_aux(client.slot))
+            client.unacked.update(pairs)
+            member.send(frame)
+            self.totals["delivered_total"] += len(items)
 
     def _items_from_rows(self, taken: list) -> list[tuple]:
         """``Expirations`` items (``M.ExpiryFields`` order) for queued (slot, gen, fired_ms, late)

@@ -511,10 +511,21 @@ class Sessions:
 
     def release_slot(self, cs: ClientSlot, idle: _IdleTimers | None = None) -> None:
         """Forget a client slot (the slot may be given to another client). Idle timers
-        that still refer to its touch table become plain timers (:meth:`_settle_idle_timers`)."""
-        mine = (idle or _IdleTimers(self.wheel)).of(cs.slot)
+        that still refer to its touch table become plain timers (:meth:`_settle_idle_timers`);
+        fired records sent to its client no longer name it, and those held for it since a
+        restart go to its group (:meth:`Delivery.release_held
+        <wheeld.daemon.delivery.Delivery.release_held>`)."""
+        idle = idle or _IdleTimers(self.wheel)
+        mine = idle.of(cs.slot)
         if mine.size:
             self._settle_idle_timers(cs, mine)
+        sent = idle.sent_to(cs.slot)
+        if sent.size:  # before the table forgets the slot: no record names a freed slot
+            self.wheel.mark_fired(sent.tolist(), -1)
+        moved = self.delivery.release_held(cs.slot)
+        if moved:
+            log.info("client slot %d: %d expirations it was sent before the restart go to group %s", cs.slot, moved,
+                     cs.group_name)
         log.info("client slot %d (pid %d) released", cs.slot, cs.pid)
         if cs.segment is not None:
             cs.segment.close()
@@ -634,11 +645,24 @@ class Sessions:
 
 class _IdleTimers:
     """The arena's live idle timers by the client slot whose touch table they refer to,
-    looked up on first use (one pass over the records' aux and state columns)."""
+    and its fired records by the client slot they were sent to (the aux word, see
+    ``arena_layout.recipient_aux``), each looked up on first use (one pass over the
+    records' aux and state columns)."""
 
     def __init__(self, wheel):
         self.wheel = wheel
         self._records = self._owners = None
+        self._sent = self._recipients = None
+
+    def sent_to(self, client_slot: int) -> np.ndarray:
+        """The record slots of the fired records whose aux names ``client_slot`` as their recipient."""
+        if self._sent is None:
+            rec, first = self.wheel.records, self.wheel.first_entry
+            aux = rec["aux"][first:]
+            sent = np.flatnonzero((aux <= AL.RECIPIENT_AUX_BASE) & ((rec["state"][first:] & AL.STATE_MASK) == AL.FIRED))
+            self._sent = sent + first
+            self._recipients = AL.RECIPIENT_AUX_BASE - aux[sent].astype(np.int64)
+        return self._sent[self._recipients == client_slot]
 
     def of(self, client_slot: int) -> np.ndarray:
         """The record slots of the live idle timers that refer to ``client_slot``'s table."""

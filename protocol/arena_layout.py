@@ -65,7 +65,10 @@ Entry record (64 bytes)::
     gen        generation: bumped each time the entry is allocated; a handle is
                (slot, gen), so a handle kept past its timer's life is harmless
     tag        opaque to the wheel: the client's arming id
-    aux        opaque to the wheel: the touch reference of an idle timer, or -1
+    aux        opaque to the wheel; the daemon keeps in it, for a SCHEDULED record, the
+               touch reference of an idle timer (>= 0) or -1; for a FIRED record the same
+               until it is sent, then ``-2 - client slot``: the client slot it was last
+               sent to (:func:`recipient_aux`, :func:`recipient_of`, "Recipients" below)
     grp        group id (index into the group table)
     st         bits 0-3 state (FREE, SCHEDULED, FIRED), bits 4-7 the level whose
                bucket holds the entry (DUE_LEVEL for the due list)
@@ -285,6 +288,26 @@ FIRED = 2
 STATE_NAMES = {FREE: "free", SCHEDULED: "scheduled", FIRED: "fired"}
 STATE_MASK = 0x0F
 LEVEL_SHIFT = 4
+
+# ---- recipients (the aux word of a FIRED record) ------------------------------
+# The daemon stores in a fired record's aux, before it sends the expiration, the client slot
+# it sends it to (daemon/delivery.py), so that a daemon restarted on the arena offers the
+# record to that client first: its library knows whether it handed the expiration already.
+# Nothing else writes an aux value below -1 (a touch reference is >= 0, a plain timer's aux
+# is -1): a fired record whose aux is -1 or more has no recipient known, and goes to its
+# group. Any arena of this layout version is read so, whoever wrote it.
+RECIPIENT_AUX_BASE = -2
+
+
+def recipient_aux(client_slot: int) -> int:
+    """The aux word of a fired record sent to ``client_slot`` (0 .. clients_layout.MAX_CLIENTS - 1)."""
+    return RECIPIENT_AUX_BASE - client_slot
+
+
+def recipient_of(aux: int) -> int | None:
+    """The client slot a fired record's aux word names as its recipient, or None (-1, or a
+    touch reference: it was not sent)."""
+    return RECIPIENT_AUX_BASE - aux if aux <= RECIPIENT_AUX_BASE else None
 
 
 def sentinel_count(levels: int, wheel_size: int) -> int:

@@ -984,7 +984,8 @@ class TimerWheel:
         """Move the clock to ``now_ms``; move every due timer to the fired list.
 
         Returns the slots, now FIRED: they keep their key, deadline, group, tag and
-        aux until :meth:`release` (delivery acknowledged) or :meth:`rearm_fired`.
+        aux until :meth:`release` (delivery acknowledged) or :meth:`rearm_fired` (the
+        aux word may be rewritten meanwhile: :meth:`mark_fired`).
         """
         out: list[int] = []
         fired = self._sweep(now_ms, True, out)
@@ -1014,6 +1015,21 @@ class TimerWheel:
             out.append(s)
             s = i[s * _IW + _NEXT]
         return out
+
+    def mark_fired(self, slots, aux: int) -> int:
+        """Store ``aux`` in the aux word of each FIRED record of ``slots`` (one aligned store
+        each; other slots are skipped). The wheel never reads a fired record's aux: the
+        daemon notes there the client a fired timer was sent to (``arena_layout.recipient_aux``).
+        Returns how many records were written."""
+        if type(aux) is not int or not -(1 << 31) <= aux < (1 << 31):
+            raise InvalidRequest("aux is i32")
+        first, end = self.first_entry, self.n_records
+        marked = 0
+        for slot in slots:
+            if first <= slot < end and self._b[slot * _RB + _ST] == _FIRED:
+                self._i[slot * _IW + _AUX] = aux
+                marked += 1
+        return marked
 
     def release(self, slot: int, generation: int) -> bool:
         """Free a FIRED record (its delivery was acknowledged). A stale handle is a no-op."""

@@ -6,11 +6,12 @@ scenario, one on the compiled path, one with ``WHEELD_PURE_PYTHON=1``, both with
 the same ``PYTHONHASHSEED`` (the key index hashes with Python's ``hash``). A
 scenario is a wheel shape and a sequence of scalar and batch calls (new timers,
 re-arms, cancels by key and by handle, advances, expiries, releases, re-arms of
-fired timers, ``cascade_ahead``, group names registered and forgotten), with bad
-input among them (deadlines off the clock's range or not integers, malformed
-keys, group ids and tags out of range) and re-attaches (the recovery a restart
-makes). Both sides must return the same results, raise the same exceptions,
-and leave byte-identical arenas (the header's creation wall-clock time aside).
+fired timers, ``cascade_ahead``, the aux word of fired records (``mark_fired``),
+group names registered and forgotten), with bad input among them (deadlines off
+the clock's range or not integers, malformed keys, group ids and tags out of
+range) and re-attaches (the recovery a restart makes). Both sides must return
+the same results, raise the same exceptions, and leave byte-identical arenas
+(the header's creation wall-clock time aside).
 
 The ``slow`` twin (``make test-long``) runs many more scenarios.
 """
@@ -91,7 +92,7 @@ def scenarios(draw):
         kind = draw(st.sampled_from([
             "schedule", "schedule", "schedule", "cancel", "advance", "expire", "release", "rearm_fired",
             "schedule_many", "cancel_many", "expire_many", "release_many", "records_of", "cascade_ahead", "cancel_handle",
-            "group", "forget", "reattach", "bad",
+            "mark_fired", "group", "forget", "reattach", "bad",
         ]))
         if kind == "schedule":
             ops.append(("schedule_ident", (encode_ident(draw(KEYS)), clock + draw(OFFSETS), draw(GROUPS),
@@ -121,6 +122,9 @@ def scenarios(draw):
             n = draw(st.integers(0, 6))
             ops.append(("release_many", ([draw(st.integers(0, 80)) for _ in range(n)],
                                          [draw(st.integers(0, 4)) for _ in range(n)])))
+        elif kind == "mark_fired":  # the recipient word of fired records (other slots are skipped)
+            n = draw(st.integers(0, 6))
+            ops.append(("mark_fired", ([draw(st.integers(0, 80)) for _ in range(n)], draw(st.integers(-6, 2)))))
         elif kind == "records_of":  # slots of the arena's records, negative ones counted from the end
             records = _records(shape)
             ops.append(("records_of", (np.array(draw(st.lists(st.integers(-records, records - 1), max_size=6)),
@@ -149,6 +153,8 @@ def scenarios(draw):
                 ("advance", (-(2**70),)),
                 ("rearm_fired", (0, 0, 2**70)),
                 ("release_many", ([1, 2], [1])),
+                ("mark_fired", ([1, 2], 2**31)),
+                ("mark_fired", ([1, 2], 1.5)),
                 ("group_id", ("",)),
                 ("forget_group", (-1,)),
             ])))

@@ -164,3 +164,77 @@ def test_requeued_expirations_go_to_the_front_and_count_as_redelivered():
     d.requeue([(7, 2), (8, 3)], cs.group)
     assert [entry[:2] for entry in d.queues[cs.group]] == [(7, 2), (8, 3), (50, 1)]
     assert d.totals["redelivered_total"] == 2
+
+
+class _Recipient(_Member):
+    """A member that reads, as each frame is sent, the recipient its records name in the arena."""
+
+    def __init__(self, client, wheel):
+        super().__init__(client)
+        self.wheel = wheel
+        self.named = []
+
+    def send(self, frame):
+        before = len(self.items)
+        super().send(frame)
+        self.named += [AL.recipient_of(self.wheel.fired(item[5])[4]) for item in self.items[before:]]
+
+
+def test_each_record_names_the_client_it_is_sent_to_before_the_frame_leaves():
+    d, cs = _delivery(1000)
+    other = ClientSlot(9, _TouchTable(), "other", cs.group, "g", 1, 0)
+    d.clients[other.slot] = other
+    mine, theirs = _Recipient(cs, d.wheel), _Recipient(other, d.wheel)
+    d.members[cs.group] += [mine, theirs]
+    d.config = Config(socket_path="/nonexistent/wheeld.sock", name="delivery", delivery_batch=4)
+    for i in range(16):
+        d.wheel.schedule(f"k{i}", 1001 + i % 3, cs.group, aux=(cs.slot << CL.TOUCH_INDEX_BITS | i) if i % 2 else -1)
+    d.expire(1005)
+    d.dispatch()
+    assert len(mine.items) + len(theirs.items) == 16 and mine.items and theirs.items
+    assert mine.named == [cs.slot] * len(mine.items) and theirs.named == [other.slot] * len(theirs.items)
+    # an ack timeout sends one again, to another member: it names that one from then on
+    slot, gen = theirs.items[0][5], theirs.items[0][6]
+    del other.unacked[slot]
+    d.members[cs.group].remove(theirs)
+    d.requeue([(slot, gen)], cs.group)
+    d.dispatch()
+    assert mine.items[-1][5] == slot and mine.named[-1] == cs.slot
+    assert d.wheel.check() == []
+
+
+def test_what_is_held_for_a_client_waits_for_it_and_goes_to_the_group_when_its_slot_is_freed():
+    """After a restart, fired records sent to a client whose slot the table still holds
+    are held for it (DaemonCore._redeliver_fired): not sent to another member; sent to
+    that client once it has a session again; to the group, in order, once the slot is freed."""
+    for freed in (False, True):
+        d, cs = _delivery(1000)
+        other = ClientSlot(9, _TouchTable(), "other", cs.group, "g", 1, 0)
+        d.clients[other.slot] = other
+        theirs = _Member(other)
+        other.session = theirs
+        d.members[cs.group].append(theirs)
+        handles = [d.wheel.schedule(f"k{i}", 1001, cs.group) for i in range(5)]
+        d.expire(1001)
+        entries = list(d.queues[cs.group])
+        d.queues[cs.group].clear()
+        d.queues[cs.group].append(entries[0])  # one with no recipient: to the group
+        for entry in entries[1:]:
+            d.hold(cs.slot, cs.group, entry)
+        d.dispatch()
+        assert [item[5] for item in theirs.items] == [handles[0][0]]
+        assert d.undelivered() == 4 and cs.session is None
+        d.wheel.release(*handles[2])  # acknowledged meanwhile (an ack left in the ring): dropped
+        if freed:
+            assert d.release_held(cs.slot) == 4
+            d.dispatch()
+            assert [item[5] for item in theirs.items] == [handles[i][0] for i in (0, 1, 3, 4)]
+        else:
+            mine = _Member(cs)
+            cs.session = mine
+            d.members[cs.group].append(mine)
+            d.dispatch()
+            assert [item[5] for item in mine.items] == [handles[i][0] for i in (1, 3, 4)]
+            assert len(theirs.items) == 1 and set(cs.unacked) == {handles[i][0] for i in (1, 3, 4)}
+            assert d.release_held(cs.slot) == 0
+        assert d.held == {} and d.undelivered() == 0

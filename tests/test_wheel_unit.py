@@ -283,6 +283,41 @@ def test_expire_fired_release_rearm_fired():
     assert wheel.check() == []
 
 
+def test_mark_fired_writes_the_aux_of_fired_records_only_and_attach_keeps_it(shm_name):
+    """The daemon notes in a fired record's aux word the client it was sent to: only FIRED
+    records take it, the arena stays sound (the fired list is untouched), and attach
+    (which rebuilds every link) leaves the word as it was."""
+    wheel = TimerWheel.create(16, tick_ms=1, wheel_size=8, levels=3, name=shm_name, start_ms=0)
+    fired_idle = wheel.schedule("idle", 5, tag=1, aux=(4 << 20) | 2)
+    fired = wheel.schedule("plain", 6, tag=2)
+    pending = wheel.schedule("later", 500, tag=3)
+    assert sorted(wheel.expire(10)) == sorted([fired_idle[0], fired[0]])
+    slots = [fired_idle[0], fired[0], pending[0], wheel.first_entry + 15, -1, 10**6]
+    assert wheel.mark_fired(slots, L.recipient_aux(7)) == 2
+    assert wheel.fired(fired_idle[0])[4] == wheel.fired(fired[0])[4] == L.recipient_aux(7)
+    assert L.recipient_of(wheel.fired(fired[0])[4]) == 7
+    assert int(wheel.records["aux"][pending[0]]) == -1, "a scheduled record is not written"
+    with pytest.raises(InvalidRequest):
+        wheel.mark_fired(slots, 1 << 31)
+    assert wheel.check() == []
+    wheel.close()
+    again = TimerWheel.attach(shm_name)
+    try:
+        assert again.repairs == [] and again.check() == []
+        assert [L.recipient_of(again.fired(s)[4]) for s in sorted(again.fired_slots())] == [7, 7]
+        assert again.mark_fired([fired[0]], -1) == 1 and L.recipient_of(again.fired(fired[0])[4]) is None
+        assert again.release(*fired_idle) and again.release(*fired) and again.check() == []
+    finally:
+        again.close()
+
+
+def test_recipient_words_are_below_every_other_aux_value():
+    assert L.recipient_of(-1) is None and L.recipient_of(0) is None and L.recipient_of((2046 << 20) | 5) is None
+    for client_slot in (0, 1, 2046):
+        aux = L.recipient_aux(client_slot)
+        assert aux <= -2 and L.recipient_of(aux) == client_slot and -(1 << 31) <= aux
+
+
 def test_batch_methods():
     wheel = TimerWheel.create(4, tick_ms=1, wheel_size=4, levels=3)
     idents = [encode_ident(k) for k in ("a", "b", "c", "d", "e")]

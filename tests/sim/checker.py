@@ -8,7 +8,8 @@ README.md and docs/contracts.md ("Delivery and durability"):
    acknowledged, and that its client neither re-armed nor cancelled afterwards,
    is handed to the application of some member of its group, in this or a later
    incarnation of a worker, by the end of the run (the run ends with a daemon up,
-   a live member in every group and the clock past every deadline).
+   a live member in every group and the clock past every deadline, the ack timeout
+   and the resume grace).
 2. **Never early.** An expiration is handed no sooner than ``delay_ms`` after its
    ``add()`` call (for an idle timer: ``idle_ms`` after the last ``touch()`` made
    before it was handed, or after ``add_idle()``; the touches of a client that died

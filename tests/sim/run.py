@@ -24,7 +24,9 @@ runs ``ops`` operations:
   the journal's background fsync delayed across all of that.
 
 Then the faults stop, a daemon runs, every group gets a live member, and the
-clock runs past every deadline while the workers poll. :func:`~sim.checker.check`
+clock runs past every deadline, the ack timeout and the resume grace (by then a
+client slot whose client is gone is freed, and what waited on it has moved on)
+while the workers poll. :func:`~sim.checker.check`
 reads the history: nothing acknowledged lost, nothing early, nothing handed
 after an acknowledged cancel or re-arm, nothing twice where no worker died,
 nothing invented; and the daemon core never raised.
@@ -43,8 +45,10 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 
+from wheeld.daemon import core as core_module
 from wheeld.daemon.config import Config
 from wheeld.daemon.host import Host
+from wheeld.daemon.sessions import GC_INTERVAL_MS
 from wheeld.protocol import commands as C
 from wheeld.protocol.errors import (ArenaFull, BrokenPeer, Closed, DaemonNotRunning, InvalidKey, InvalidRequest,
                                     JournalUnavailable, QuotaExceeded, RingFull, WheeldError)
@@ -621,7 +625,9 @@ class Simulation:
 
     def _wind_down(self) -> None:
         """No more faults: a daemon up, a live member in every group, pending background work
-        done, then the clock runs past every deadline while the workers flush and poll."""
+        done, then the clock runs past every deadline, the ack timeout and the resume grace
+        (plus a pass of the slot collection: a slot whose client is gone is freed by then,
+        and what waited on it has moved on) while the workers flush and poll."""
         world = self.world
         self.fault_free = True
         if self.runner is not None:
@@ -635,10 +641,10 @@ class Simulation:
                 world.after_ms(1, lambda w=worker: self._final_flush(w))
         last = max((a.earliest_ns for a in self.history.armings.values()), default=world.now_ns)
         # past every deadline, an ack timeout (a copy held by a member that died goes to
-        # another) and a resume grace (the idle timers of a client that died wait that long
-        # for it to come back with its touch table)
-        wait_s = self.config.ack_timeout_s + self.config.resume_grace_s + 5
-        end = max(last, world.now_ns) + int(wait_s * 1000) * MS
+        # another), a resume grace and one slot collection (the idle timers of a client that
+        # died, and what was sent to it, wait that long for it to come back)
+        wait_ms = int((self.config.ack_timeout_s + self.config.resume_grace_s + 5) * 1000) + GC_INTERVAL_MS
+        end = max(last, world.now_ns) + wait_ms * MS
         tick = 250 * MS
         at = world.now_ns
         while at < end:
@@ -713,6 +719,11 @@ def _release_fds(core) -> None:
             table.close()
         except Exception:  # noqa: BLE001
             pass
+    # a crash inside the core's fence leaves its lock (one per process: a default argument)
+    # taken; in a real daemon it dies with the process, here the next incarnation would wait
+    fence_lock = core_module._full_fence.__defaults__[0]
+    if fence_lock.locked():
+        fence_lock.release()
 
 
 def run_seed(seed: int, ops: int = 1000, trace: bool = False, profile: Profile | None = None) -> Result:

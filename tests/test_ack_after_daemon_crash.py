@@ -1,0 +1,78 @@
+"""A daemon crash between the hand-over and the acknowledgement hands nothing twice.
+
+The client library hands an expiration to the application and pushes the
+acknowledgement into its ring at its next poll; a daemon SIGKILLed in between never
+reads it. The restarted daemon finds the record still FIRED, and the client slot it
+was sent to in the record's aux word (daemon/delivery.py, "Recipients"): it keeps
+the record for that client, which resumes its slot, recognises the copy (by key
+and arming tag), and acknowledges it without handing it again. Another member of
+the group is not sent it meanwhile. Only when that slot is freed (here: its client
+died while the daemon was down, and ``--resume-grace-s`` passed) does the record
+go to the group.
+
+The worker whose library holds the expirations is tests/buffering_worker.py (it
+polls only when told); the other member is a client in this process.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from daemon_harness import wait_until
+from test_ack_only_what_was_handed import Worker, collect
+
+import wheeld
+
+N = 20
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_a_restarted_daemon_sends_what_it_had_sent_to_the_same_client_not_to_another(daemon_factory):
+    daemon = daemon_factory().start()
+    worker = Worker(daemon.socket_path, "g")
+    try:
+        worker.ask(f"add {N} 50")
+        assert worker.ask(f"buffer {N}")["buffered"] == N  # all sent to it: the only member
+        handed = worker.ask("poll")["keys"]
+        assert sorted(handed) == sorted(f"k{i}" for i in range(N))
+        assert worker.ask("state")["acks"] == N, "acknowledgements queued, pushed at the next poll"
+        with wheeld.connect(daemon.socket_path, group="g") as other:
+            assert other.poll(0.2) == []
+            daemon.kill()  # SIGKILL: the acknowledgements never reached it
+            daemon.start()
+            # the other member reconnects at once; the worker says nothing for a while
+            got = collect(other, N, 2.0)
+            assert got == [], f"handed to another member while its recipient's slot waits: {[e.key for e in got]}"
+            assert daemon.counters()["fired_unacked"] == N
+            # the worker resumes its slot, receives the copies and acknowledges them: handed once
+            assert worker.ask("poll")["keys"] == []
+            assert worker.ask("poll")["keys"] == []  # pushes the acknowledgements of the copies
+            worker.ask("flush")
+            wait_until(lambda: daemon.counters()["fired_unacked"] == 0, 10, "the copies acknowledged",
+                       detail=lambda: str(daemon.counters()))
+            assert other.poll(0.3) == []
+    finally:
+        worker.kill()
+
+
+def test_what_waits_for_a_client_that_never_comes_back_goes_to_the_group_once_its_slot_is_freed(daemon_factory):
+    daemon = daemon_factory(extra=["--resume-grace-s", "1"]).start()
+    worker = Worker(daemon.socket_path, "g")
+    try:
+        worker.ask(f"add {N} 50")
+        assert worker.ask(f"buffer {N}")["buffered"] == N  # sent to it, never handed
+        daemon.kill()
+        worker.kill()  # dies while the daemon is down: its slot waits, then is freed
+        daemon.start()
+        started = time.monotonic()
+        with wheeld.connect(daemon.socket_path, group="g") as other:
+            got = collect(other, N, 20)
+            waited = time.monotonic() - started
+            got += other.poll(0.3)
+        assert sorted(e.key for e in got) == sorted(f"k{i}" for i in range(N)), "each once, to the other member"
+        assert waited >= 0.9, "sent to the group before the slot was freed"
+        assert "expirations it was sent before the restart go to group" in daemon.log()
+    finally:
+        worker.kill()
