@@ -467,7 +467,6 @@ class SimClient(ClientCore):
 
     def _on_expirations(self, items) -> None:
         before = len(self._ready)
-        rearms_before = len(self._rearms_pending)
         super()._on_expirations(items)
         made = list(self._ready)[before:]
         if made:  # which item each came from: they are appended in the frame's order
@@ -482,12 +481,15 @@ class SimClient(ClientCore):
                         break
                 else:
                     self.ready_tags.append(-1)
-        for entry in self._rearms_pending[rearms_before:]:
-            tag = entry[3]
-            for item in items:
-                if item.key_bytes == entry[0] and item.key_meta == entry[1]:
-                    self.idle_rearms[tag] = item.seq
+
+    def _stale_idle(self, ident, e, bkey) -> bool:
+        rearmed = super()._stale_idle(ident, e, bkey)
+        if rearmed:  # armed again under a new tag: the same arming, for the checker
+            for shard in self._latest:
+                if bkey in shard:
+                    self.idle_rearms[shard[bkey]] = e.seq
                     break
+        return rearmed
 
     def resolve_tag(self, tag: int) -> int:
         """The tag the application armed, for one the library re-armed an idle timer with."""
