@@ -49,6 +49,7 @@ def test_miss_floor_times_a_load_per_working_set(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (Debian: apt install valgrind)")
+@pytest.mark.timeout(900)  # two trees built and run under valgrind: minutes on a loaded machine
 def test_python_path_counts_instructions_of_both_trees(tmp_path):
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
     if head.returncode != 0:

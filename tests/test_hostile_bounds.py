@@ -267,15 +267,15 @@ CHEAP_NS = 400  # ...and each of the ordinary ring's
 RING_SHARE_BOUND_NS = 12_000_000
 
 
-def test_one_ring_gets_a_bounded_share_of_each_loop_iteration(monkeypatch):
+def test_one_ring_gets_a_bounded_share_of_each_loop_iteration():
     """Executor.drain, on a clock that counts what each chunk of commands costs: a ring
     whose commands are expensive gets a small first chunk, then chunks that fit the
     per-ring budget, while an ordinary ring beside it is drained as much as before."""
     clock = [0]
-    monkeypatch.setattr(E, "perf_counter_ns", lambda: clock[0], raising=False)
     wheel = TimerWheel.create(100_000, start_ms=1000)
     gid = wheel.group_id("g")
-    executor = E.Executor(wheel, {}, 1, 0, collections.Counter(), _never_poisoned, lambda: 1000)
+    executor = E.Executor(wheel, {}, 1, 0, collections.Counter(), _never_poisoned, lambda: 1000,
+                          clock_ns=lambda: clock[0])
     segments, cost = [], {}
     try:
         for slot, per_command in ((1, EXPENSIVE_NS), (2, CHEAP_NS)):
