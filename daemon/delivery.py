@@ -41,7 +41,8 @@
   is freed (:meth:`Delivery.release_held`: a ``Bye``, ``--resume-grace-s`` without
   the client, or the slot collected). What a session had in flight when it ended
   while the daemon runs, or left unacknowledged for the ack timeout, goes to its
-  group (:meth:`Delivery.requeue`).
+  group (:meth:`Delivery.requeue`), and its record names no recipient until it is
+  sent again.
 
 Never early: ``expire(now)`` returns only timers with ``deadline <= now``.
 """
@@ -364,8 +365,18 @@ class Delivery:
 
     # ------------------------------------------------------------------ queues
     def requeue(self, pairs: list[tuple[int, int]], group: int) -> None:
-        """Expirations in flight to a client that is gone (or too slow) go to the front of its group's queue."""
+        """Expirations in flight to a client that is gone (or too slow) go to the front of its
+        group's queue. Their records no longer name that client as their recipient: a
+        daemon restarted before they are sent again must not hold them for a client that
+        is gone (for up to ``--resume-grace-s``), it queues them for the group."""
         if pairs:
+            rec = self.wheel.records
+            slots = np.fromiter((s for s, _gen in pairs), dtype=np.int64, count=len(pairs))
+            gens = np.fromiter((gen for _s, gen in pairs), dtype=np.int64, count=len(pairs))
+            inside = (slots >= self.wheel.first_entry) & (slots < len(rec))
+            same = slots[inside][rec["gen"][slots[inside]] == gens[inside]]  # not freed and used again since
+            if same.size:
+                self.wheel.mark_fired(same.tolist(), -1)
             now = self.clock()
             self.queues[group].extendleft((s, gen, now, False) for s, gen in reversed(pairs))
             self.totals["redelivered_total"] += len(pairs)

@@ -59,3 +59,51 @@ def pytest_configure(config):
         import time
 
         os.environ["WHEELD_SIM_FIRST"] = str(int(time.time() * 1000) % 10**12)
+
+
+_SHM = "/dev/shm"
+
+
+def _segments_of_dead_test_processes(pid: int | None = None) -> list[str]:
+    """Shared-memory segments named by a test of this suite (``wheeld-test-<pid>-...`` or
+    ``wheeld-test-cancel-log-<pid>-...``) whose process is ``pid`` or, without it, is gone."""
+    found = []
+    try:
+        names = os.listdir(_SHM)
+    except OSError:
+        return found
+    for name in names:
+        if not name.startswith("wheeld-test-"):
+            continue
+        digits = next((part for part in name[len("wheeld-test-"):].split("-") if part.isdigit()), None)
+        if digits is None:
+            continue
+        owner = int(digits)
+        if owner == pid or (pid is None and owner != os.getpid() and not os.path.exists(f"/proc/{owner}")):
+            found.append(name)
+    return found
+
+
+def pytest_sessionstart(session):
+    """Segments left by a test process that was killed (a CI job cut short) are removed:
+    each is named by its process id, and that process no longer exists."""
+    for name in _segments_of_dead_test_processes():
+        try:
+            os.unlink(os.path.join(_SHM, name))
+        except OSError:
+            pass
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Every test unlinks what it creates, even on failure; this catches what a test
+    killed by a timeout in its own finally block could not (it reports them, so the
+    test that leaked is found)."""
+    left = _segments_of_dead_test_processes(os.getpid())
+    for name in left:
+        try:
+            os.unlink(os.path.join(_SHM, name))
+        except OSError:
+            pass
+    if left:
+        sys.stderr.write(f"\nshared-memory segments left by tests of process {os.getpid()} (removed): "
+                         f"{sorted(left)[:8]}\n")

@@ -76,3 +76,27 @@ def test_what_waits_for_a_client_that_never_comes_back_goes_to_the_group_once_it
         assert "expirations it was sent before the restart go to group" in daemon.log()
     finally:
         worker.kill()
+
+
+def test_what_a_dead_client_had_in_flight_is_not_held_for_it_by_a_restarted_daemon(daemon_factory):
+    """The worker dies while the daemon runs: what it was sent goes back to its group's
+    queue. With no other member to take it, the daemon is then SIGKILLed: the restarted
+    one must queue those records for the group (their recipient was cleared when they
+    were queued again), not hold them for the dead client's slot for ``--resume-grace-s``."""
+    daemon = daemon_factory(extra=["--resume-grace-s", "60"]).start()
+    worker = Worker(daemon.socket_path, "g")
+    try:
+        worker.ask(f"add {N} 50")
+        assert worker.ask(f"buffer {N}")["buffered"] == N  # sent to it, never handed
+        worker.kill()
+        wait_until(lambda: "left:" in daemon.log(), 10, "the daemon saw the worker go")
+        daemon.kill()
+        daemon.start()
+        with wheeld.connect(daemon.socket_path, group="g") as other:
+            got = collect(other, N, 10)
+            got += other.poll(0.3)
+        assert sorted(e.key for e in got) == sorted(f"k{i}" for i in range(N)), (
+            f"{len(got)} of {N} within 10 s: held for a client that had gone?")
+        assert "expirations it was sent before the restart go to group" not in daemon.log()
+    finally:
+        worker.kill()

@@ -72,6 +72,7 @@ class Chaos:
         self.reboots: list[int] = []
         self.events = collections.Counter()
         self.check_failures: list[str] = []
+        self.timeline: list[tuple[int, str]] = []  # (ms, what): the failures, for a failing check's message
 
     def log_path(self, member: str, incarnation: int):
         return self.tmp / f"{member}.{incarnation}.log"
@@ -90,6 +91,7 @@ class Chaos:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+        self.timeline.append((mono_ms(), f"worker {member}.{self.incarnation[member]} killed"))
         self.killed_incarnations.add((member, self.incarnation[member]))
         self.events["worker_kills"] += 1
         if restart:
@@ -116,6 +118,7 @@ class Chaos:
         # the power cut: the daemon is dead, so nothing is fsynced or acknowledged after this
         # (a time read before the kill could precede a flush answered just before it landed)
         killed_at = mono_ms()
+        self.timeline.append((killed_at, "power cut" if reboot else "daemon killed"))
         self.check_arena()
         if reboot:
             unlink_segments(self.daemon.name)
@@ -126,6 +129,11 @@ class Chaos:
             self.events["daemon_kills"] += 1
         time.sleep(self.rng.uniform(0.05, 0.4))  # down for a random while: the chaos itself
         self.daemon.start(timeout_s=60, env={"WHEELD_TEST_DURABLE_LOG": str(self.durable_log)})
+        self.timeline.append((mono_ms(), "daemon up"))
+
+    def near(self, ms: int, before: int = 3000, after: int = 3000) -> list[tuple[int, str]]:
+        """The failures from ``before`` ms before ``ms`` to ``after`` ms after it."""
+        return [event for event in self.timeline if ms - before <= event[0] <= ms + after]
 
     def lose_page_cache(self) -> None:
         """A power cut: every journal segment goes back to what was fsynced."""
@@ -327,7 +335,11 @@ def check_run(chaos: Chaos, window_ms: int) -> dict:
             killed_before_ack = ((group, incarnation) in chaos.killed_incarnations
                                  and (group, incarnation, batch) not in acked_batches)
             ack_not_durable = any(0 <= reboot - received_at <= window_ms + 1250 for reboot in chaos.reboots)
-            assert killed_before_ack or ack_not_durable, f"{key} delivered twice: {copies}"
+            assert killed_before_ack or ack_not_durable, (
+                f"{key} delivered twice: {copies}; acked batches of {group}.{incarnation}: "
+                f"{sorted(b for (g, n, b) in acked_batches if (g, n) == (group, incarnation))[-3:]} "
+                f"(batch {batch} at {acked_batches.get((group, incarnation, batch))}); failures near: "
+                f"{chaos.near(received_at)}")
             chaos.events["duplicates_allowed"] += len(copies) - 1
     syncs = chaos.syncs()
     chaos.events["max_ms_between_fsyncs"] = max((b - a for a, b in zip(syncs, syncs[1:])), default=0)
