@@ -419,6 +419,16 @@ def _keys(state) -> set:
     return {key for (_group, key) in state.pending}
 
 
+def _b_not_synced(disk: SimDisk, model: Model) -> Journal:
+    """A journal that holds "a" synced, then "b" whose fsync failed with EIO."""
+    journal = _journal(disk)
+    journal.append([model.step("add", "g", "a", 60_000, 0)])
+    disk.fail_next("fsync", errno.EIO)
+    with pytest.raises(JournalUnavailable):
+        journal.append([model.step("add", "g", "b", 60_000, 0)])
+    return journal
+
+
 def test_a_restart_writes_again_what_a_failed_fsync_dropped():
     """The fsync of a batch fails with EIO: Linux drops its pages, marks them clean and
     serves them from memory; the daemon dies; the next one reads those events back from
@@ -427,11 +437,7 @@ def test_a_restart_writes_again_what_a_failed_fsync_dropped():
     the restart writes a snapshot of the arena first."""
     disk = SimDisk(random.Random(3))
     model = Model()
-    journal = _journal(disk)
-    journal.append([model.step("add", "g", "a", 60_000, 0)])
-    disk.fail_next("fsync", errno.EIO)
-    with pytest.raises(JournalUnavailable):
-        journal.append([model.step("add", "g", "b", 60_000, 0)])
+    journal = _b_not_synced(disk, model)
     totals = {"journal_lsn": journal.last_lsn, "journal_durable_lsn": journal.durable_lsn}
     assert totals == {"journal_lsn": 2, "journal_durable_lsn": 1}
     # the daemon dies, its arena holds a and b; the page cache still serves b's line
@@ -452,11 +458,7 @@ def test_a_recovery_from_the_page_cache_is_written_again_before_it_counts():
     dropped pages back, so the new arena's journal starts with a snapshot."""
     disk = SimDisk(random.Random(4))
     model = Model()
-    journal = _journal(disk)
-    journal.append([model.step("add", "g", "a", 60_000, 0)])
-    disk.fail_next("fsync", errno.EIO)
-    with pytest.raises(JournalUnavailable):
-        journal.append([model.step("add", "g", "b", 60_000, 0)])
+    journal = _b_not_synced(disk, model)
     state = recover(DIRECTORY, quiet=True, fs=disk)
     assert _keys(state) == {"a", "b"} and read_mark(DIRECTORY, disk) == 1
     assert _unsynced_after_recovery(DIRECTORY, state, disk) is True
