@@ -252,6 +252,7 @@ class Simulation:
         rng = self.rng = self.world.rng
         # the newer workloads and faults choose with a generator of their own
         self.xrng = random.Random(seed * 1_000_003 + 17)
+        self.extra = extra
         if profile is None:
             profile = Profile.draw(rng)
             if extra:  # (extra=False: the run as it was before the newer workloads and faults)
@@ -545,6 +546,14 @@ class Simulation:
             self._faults()
             if not worker.alive:
                 return
+            if worker.hostile and self.extra and (worker.client._segment is None or worker.kind == "crafted"):
+                # a hostile client reads its Welcome (and its ring) before it writes into the ring;
+                # the crafted kind reads on (and connects again when closed), the others read
+                # nothing after that (plain runs, as before: no ring, only the socket)
+                try:
+                    worker.client.receive()
+                except (WheeldError, OSError):
+                    pass
             if worker.kind == "crafted":
                 self._crafted_step(worker)
             elif worker.kind == "flooder":
@@ -781,7 +790,7 @@ class Simulation:
         capacity = segment.touch_capacity
         roll = x.random()
         try:
-            if roll < 0.5:
+            if roll < 0.6:
                 # a burst of adds whose deadlines sit at the edges of the range (far past
                 # first: they fire at once, and their lateness is counted)
                 for _ in range(x.randint(1, 16)):
@@ -792,9 +801,9 @@ class Simulation:
                         now - x.randint(0, 1 << 40)])
                     if not segment.try_push(C.ADD, key, meta, deadline, x.getrandbits(32)):
                         break
-            elif roll < 0.55:
+            elif roll < 0.65:
                 self._shrink_ring(worker, segment)
-            elif roll < 0.75 and capacity:
+            elif roll < 0.85 and capacity:
                 index = x.randrange(capacity)
                 idle = x.choice([1, 50, 1000, 2**31 - 1])
                 key, meta = encode_key(f"h{worker.ident}-i{x.randrange(64)}")
