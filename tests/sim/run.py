@@ -340,7 +340,7 @@ class Simulation:
         """The first starts after a reboot rebuild the arena from the journal: kill one at a
         random line of that work (a start that finishes first is not killed)."""
         self.faults["daemon start after a reboot under a kill"] += 1
-        sys.settrace(_Tracer(self.xrng.randint(1, 40_000)))
+        sys.settrace(_Tracer(self.xrng.randint(1, 5_000)))  # a start runs a few thousand lines
         try:
             daemon.start()
         finally:
@@ -900,6 +900,11 @@ class Simulation:
             self.faults["journal disk full"] += 1
             self.note("the journal's disk is full")
             self.world.after_ms(x.uniform(5, 3000), self._disk_freed)
+        if p.hoarders and p.worker_crash and x.random() < 0.005:
+            live = [w for w in self.workers if w.alive and w.kind == "hoarder"]
+            if live:  # a worker holding expirations its application has not polled yet
+                self.faults["hoarder killed"] += 1
+                self._kill_worker(x.choice(live))
         if p.churn and x.random() < p.churn:
             groups = GROUPS[: max(1, min(len(GROUPS), p.workers))]
             self.spawn(x.choice(groups), kind="churn")
@@ -962,6 +967,13 @@ class Simulation:
             if not worker.alive or worker.hostile or not worker.started:
                 continue
             connection = worker.connection
+            if worker.kind == "hoarder" and not worker.client.closed_session and not worker.client.connected:
+                try:  # its library connects again on its own (as the asyncio client's reader does)
+                    worker.client.receive()
+                except WheeldError as exc:
+                    self.note(f"worker {worker.ident} receive: {exc!r}")
+                    self._refused(worker, exc)
+                continue
             if connection is not None and connection.to_client.visible and not worker.client.closed_session:
                 if worker.kind == "hoarder":  # its library reads; its application polls later
                     try:
