@@ -1041,7 +1041,8 @@ class Simulation:
         if self.runner is not None:
             self.runner.run_all()
         self.start_daemon()
-        for group in {w.group for w in self.workers if not w.hostile}:
+        # sorted: a set of str iterates in an order that varies by process
+        for group in sorted({w.group for w in self.workers if not w.hostile}):
             if not any(w.alive and w.group == group and not w.hostile for w in self.workers):
                 self.spawn(group)
         for worker in self.workers:
