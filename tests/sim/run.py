@@ -282,6 +282,7 @@ class Simulation:
         self._memory_flagged = False
         self._damage_expected: bool | None = None  # a journal cut before the next start: is it damage?
         self._recovering = False  # no daemon has started since the last reboot
+        self._last_death_ns = 0  # when the last daemon died
         p = self.profile
         churn = {"max_clients": CHURN_MAX_CLIENTS, "clients_per_uid": 0} if p.churn else {}
         self.config = Config(
@@ -399,6 +400,7 @@ class Simulation:
 
     def _daemon_died(self, daemon: SimDaemon, damage: bool = False) -> None:
         daemon.crash()
+        self._last_death_ns = self.world.now_ns
         if damage and self.profile.arena_damage and not self.fault_free and \
                 self.xrng.random() < self.profile.arena_damage:
             self._damage_arena(daemon.core)
@@ -441,6 +443,7 @@ class Simulation:
     def reboot(self) -> None:
         self.faults["reboot"] += 1
         self.note("reboot")
+        was_alive = self.daemon is not None and self.daemon.alive
         if self.daemon is not None and self.daemon.alive:
             self._daemon_died(self.daemon)
         for worker in list(self.workers):
@@ -450,9 +453,11 @@ class Simulation:
         self.disk.power_cut()
         fsync = self.profile.fsync
         # --fsync interval=N: "a reboot loses at most what was applied in the last N ms plus
-        # one loop iteration" (docs/contracts.md); a loop iteration is given 50 ms here
+        # one loop iteration" (docs/contracts.md); a loop iteration is given 50 ms here. The
+        # last N ms of the last daemon's life: one killed before it synced, with none started
+        # since, leaves its unsynced tail to the cut (a started one syncs what it finds)
         window_ms = int(fsync.split("=", 1)[1]) + 50 if fsync.startswith("interval") else 0
-        self.history.power_cut(self.world.now_ns, window_ms * MS)
+        self.history.power_cut(self.world.now_ns if was_alive else self._last_death_ns, window_ms * MS)
         self._recovering = True
         self._damage_expected = False
         if self.profile.journal_cut and self.xrng.random() < self.profile.journal_cut:
