@@ -283,6 +283,7 @@ class Simulation:
         self._damage_expected: bool | None = None  # a journal cut before the next start: is it damage?
         self._recovering = False  # no daemon has started since the last reboot
         self._last_death_ns = 0  # when the last daemon died
+        self._damage_reported = False  # a start since the last journal cut counted damage, and died
         p = self.profile
         churn = {"max_clients": CHURN_MAX_CLIENTS, "clients_per_uid": 0} if p.churn else {}
         self.config = Config(
@@ -321,11 +322,13 @@ class Simulation:
                 self._guard(daemon.start)
         except (Crash, SimCrashed):
             self.faults["daemon killed while starting"] += 1
+            self._damage_reported |= bool(getattr(daemon.core, "totals", {}).get("journal_damaged_ranges_total"))
             self._daemon_died(daemon)
             self.world.after_ms(self.rng.uniform(1, 300), self.start_daemon)
             return
         except WheeldError as exc:  # a refused start: systemd starts it again a little later
             self.faults["daemon start refused"] += 1
+            self._damage_reported |= bool(getattr(daemon.core, "totals", {}).get("journal_damaged_ranges_total"))
             self.note(f"daemon start refused: {exc}")
             self._daemon_died(daemon)
             self.world.after_ms(self.rng.uniform(50, 500), self.start_daemon)
@@ -355,7 +358,10 @@ class Simulation:
         expected, self._damage_expected = self._damage_expected, None
         if expected is None or not self.profile.journal:
             return
-        reported = daemon.core.totals.get("journal_damaged_ranges_total", 0)
+        # a start killed after its recovery counted the damage (and may have written the
+        # snapshot after which the next recovery no longer sees it) reported it too
+        reported = daemon.core.totals.get("journal_damaged_ranges_total", 0) or self._damage_reported
+        self._damage_reported = False
         if expected and not reported:
             self.violations.append(Violation(
                 "silent-damage", "the journal was cut short below its durable mark before this start, and the "
@@ -484,6 +490,7 @@ class Simulation:
         self.disk.truncate_file(path, length)
         below = reaches < mark
         self._damage_expected = below
+        self._damage_reported = False
         self.history.disk_damaged(self.world.now_ns)
         self.faults["journal cut at a reboot" + (" below its durable mark" if below else "")] += 1
         self.note(f"journal {path} cut from {len(data)} to {length} bytes (reaches lsn {reaches}, mark {mark})")
@@ -541,7 +548,9 @@ class Simulation:
         """One operation of a worker's application, then the next one a little later."""
         if not worker.alive:
             return
-        if worker.retrying:  # its application waits for the connect it tries again after a refusal
+        if worker.retrying or (self.extra and not worker.hostile and worker.client._segment is None):
+            # its application waits for its connect (a real connect() returns after the
+            # Welcome; plain runs, as before, went on without it)
             if worker.client._segment is None:
                 self.world.after_ms(self.xrng.uniform(0.5, 1) * worker.backoff_ms, lambda: self._act(worker))
                 return
