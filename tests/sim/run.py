@@ -914,8 +914,8 @@ class Simulation:
             self.faults["journal disk full"] += 1
             self.note("the journal's disk is full")
             self.world.after_ms(x.uniform(5, 3000), self._disk_freed)
-        if p.hoarders and p.worker_crash and x.random() < 0.005:
-            live = [w for w in self.workers if w.alive and w.kind == "hoarder"]
+        if p.hoarders and p.worker_crash and x.random() < 0.02:
+            live = [w for w in self.workers if w.alive and w.kind == "hoarder" and w.client._ready]
             if live:  # a worker holding expirations its application has not polled yet
                 self.faults["hoarder killed"] += 1
                 self._kill_worker(x.choice(live))
@@ -981,7 +981,8 @@ class Simulation:
             if not worker.alive or worker.hostile or not worker.started:
                 continue
             connection = worker.connection
-            if worker.kind == "hoarder" and not worker.client.closed_session and not worker.client.connected:
+            cut = connection is not None and connection.to_client.writer_closed
+            if worker.kind == "hoarder" and not worker.client.closed_session and (cut or not worker.client.connected):
                 try:  # its library connects again on its own (as the asyncio client's reader does)
                     worker.client.receive()
                 except WheeldError as exc:
