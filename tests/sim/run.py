@@ -188,11 +188,49 @@ class Result:
         return not self.violations
 
 
+class _Life:
+    """Whether a simulated daemon process is dead. A raise in a trace function turns
+    tracing off, so the ``except``/``finally`` code the :class:`Crash` unwinds through
+    still runs, which a SIGKILL would not let run: once dead, the process's disk and
+    shared memory refuse every call (:class:`_ProcessFs`, the shm port's ``alive``), so
+    that code changes nothing a later process sees."""
+
+    def __init__(self):
+        self.dead = False
+        self.shm = None  # the process's shm port
+
+    def kill(self) -> None:
+        self.dead = True
+        if self.shm is not None:
+            self.shm.alive = False
+
+
+class _ProcessFs:
+    """One process's view of the simulated disk: every call raises Crash once it is dead."""
+
+    def __init__(self, disk: SimDisk, life: _Life):
+        self._disk = disk
+        self._life = life
+
+    def __getattr__(self, name):
+        attribute = getattr(self._disk, name)
+        if not callable(attribute):
+            return attribute
+        life = self._life
+
+        def call(*args, **kwargs):
+            if life.dead:
+                raise Crash("the process is dead")
+            return attribute(*args, **kwargs)
+        return call
+
+
 class _Tracer:
     """Raises :class:`Crash` at the n-th line the core runs (a SIGKILL at that line)."""
 
-    def __init__(self, lines: int):
+    def __init__(self, lines: int, life: _Life | None = None):
         self.left = lines
+        self.life = life
 
     def __call__(self, frame, event, arg):
         if event == "call":
@@ -201,6 +239,8 @@ class _Tracer:
         if event == "line":
             self.left -= 1
             if self.left <= 0:
+                if self.life is not None:
+                    self.life.kill()
                 raise Crash("killed inside the core")
         return self
 
@@ -284,6 +324,7 @@ class Simulation:
         self._recovering = False  # no daemon has started since the last reboot
         self._last_death_ns = 0  # when the last daemon died
         self._damage_reported = False  # a start since the last journal cut counted damage, and died
+        self._life = _Life()  # the daemon process that runs now, or was started last
         p = self.profile
         churn = {"max_clients": CHURN_MAX_CLIENTS, "clients_per_uid": 0} if p.churn else {}
         self.config = Config(
@@ -302,10 +343,15 @@ class Simulation:
     def _host(self) -> Host:
         self.pid += 1
         self.runner = SimRunner(inline=not self.profile.background_delay)
-        return Host(clock_ms=self.world.clock_ms, clock_ns=self.world.clock_ns, wall_ms=self.world.wall_ms,
-                    wall_ns=lambda: self.world.wall_ms() * MS, fs=self.disk, runner=self.runner,
+        life = self._life = _Life()
+        fs = _ProcessFs(self.disk, life) if self.extra else self.disk
+        host = Host(clock_ms=self.world.clock_ms, clock_ns=self.world.clock_ns, wall_ms=self.world.wall_ms,
+                    wall_ns=lambda: self.world.wall_ms() * MS, fs=fs, runner=self.runner,
                     shm=self.shm.port(self.pid, DAEMON_UID, ()), users=SimUsers(), rng=SimRandom(self.rng),
                     pid=self.pid, euid=DAEMON_UID, hostname="sim")
+        if self.extra:  # (plain runs, as before: the unwound code ran on)
+            life.shm = host.shm
+        return host
 
     def start_daemon(self) -> None:
         if self.daemon is not None and self.daemon.alive:
@@ -344,7 +390,7 @@ class Simulation:
         """The first starts after a reboot rebuild the arena from the journal: kill one at a
         random line of that work (a start that finishes first is not killed)."""
         self.faults["daemon start after a reboot under a kill"] += 1
-        sys.settrace(_Tracer(self.xrng.randint(1, 5_000)))  # a start runs a few thousand lines
+        sys.settrace(_Tracer(self.xrng.randint(1, 5_000), self._life))  # a start runs a few thousand lines
         try:
             daemon.start()
         finally:
@@ -376,7 +422,7 @@ class Simulation:
         tracer = None
         if not self.fault_free and self.profile.daemon_crash and self.rng.random() < self.profile.daemon_crash * \
                 self.profile.crash_inside * 0.3:
-            tracer = _Tracer(self.rng.randint(1, 3000))
+            tracer = _Tracer(self.rng.randint(1, 3000), self._life if self.extra else None)
             self.faults["daemon killed inside an event"] += 1
             sys.settrace(tracer)
         try:
@@ -703,7 +749,10 @@ class Simulation:
                       f"deadline {expired.deadline_ms} fired {expired.fired_ms} late {expired.late}")
             worker.idle_keys.discard(expired.key)
         worker.client.handed_tags.clear()
-        for number, outcome in polled.flushed:
+        self._flushes_answered(worker, polled.flushed)
+
+    def _flushes_answered(self, worker: Worker, flushed: list) -> None:
+        for number, outcome in flushed:
             covered = worker.flushes.pop(number, None)
             if covered is None:
                 continue
@@ -996,6 +1045,10 @@ class Simulation:
                     except WheeldError as exc:
                         self.note(f"worker {worker.ident} receive: {exc!r}")
                         self._refused(worker, exc)
+                    # its application's flush() returned when the answer came (only the
+                    # simulated flush hands its outcome over with a poll)
+                    flushed, worker.client._flushed = worker.client._flushed, []
+                    self._flushes_answered(worker, flushed)
                 else:
                     self._poll(worker)
         if any(c.to_daemon.size or c.writable_due() or (c.to_client.hold and c.to_client.size > c.to_client.visible)
