@@ -35,9 +35,9 @@ def _failure(seed: int, ops: int, violations) -> str:
     return f"seed {seed} ({ops} ops) broke the contract:\n{shown}\nreplay: {replay_command(seed, ops)}"
 
 
-@pytest.mark.parametrize("seed,ops", regression_cases())
-def test_every_seed_that_ever_failed_passes(seed, ops):
-    result = run_seed(seed, ops)
+@pytest.mark.parametrize("seed,ops,extra", regression_cases())
+def test_every_seed_that_ever_failed_passes(seed, ops, extra):
+    result = run_seed(seed, ops, extra=extra)
     assert not result.violations, _failure(seed, ops, result.violations)
     assert result.acked > 0, "the seed's workers had no acknowledged arming: it checks nothing"
 

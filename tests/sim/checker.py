@@ -26,6 +26,11 @@ README.md and docs/contracts.md ("Delivery and durability"):
 5. **Nothing invented**: an expiration handed is of an arming some member of
    the group made.
 
+Media damage the simulator injects on purpose (a journal cut short while the host
+was down) may take acknowledged armings with it: no promise covers bytes removed
+after they were synced, only that the loss is reported (the simulator checks that).
+An arming made before such damage is not held to rule 1.
+
 Keys are per client incarnation (``c<id>-<n>``), so an arming is named by
 (incarnation, key, tag) and a key's history is its incarnation's calls in order.
 """
@@ -47,6 +52,7 @@ class Arming:
     earliest_ns: int  # the earliest moment it may be handed (idle: re-computed from touches)
     idle_ms: int | None
     acked: bool = False  # a flush() that covers it returned
+    acked_ns: int = 0  # when
     superseded_by: Command | None = None
     received_before_superseded: bool = False
     handed: list = field(default_factory=list)  # (client, at_ns)
@@ -59,6 +65,7 @@ class Command:
     kind: str  # "add", "add_idle", "cancel"
     called_ns: int
     acked: bool = False
+    acked_ns: int = 0
     hit: bool | None = None  # cancel()'s answer
 
 
@@ -82,6 +89,8 @@ class History:
         self.crashed_groups: set[str] = set()
         self.crashed_clients: set[int] = set()
         self.power_cuts = 0
+        self.cuts: list[tuple[int, int]] = []  # (when, the window of applied commands it may lose) per power cut
+        self.disk_damage_ns: int | None = None  # the last time the journal's media was damaged on purpose
         self.group_of: dict[int, str] = {}
         self.unknown: list[tuple[int, str, int]] = []  # handed, but no member armed it
         self.violations: list[Violation] = []
@@ -131,17 +140,33 @@ class History:
         self.pending_commands[client] = []
         return covered
 
-    def flushed(self, covered: list) -> None:
-        """A flush() returned success: what it covered is acknowledged."""
+    def flushed(self, covered: list, at_ns: int = 0) -> None:
+        """A flush() returned success (at ``at_ns``): what it covered is acknowledged."""
         for item in covered:
             item.acked = True
+            item.acked_ns = at_ns
 
     def crashed(self, client: int) -> None:
         self.crashed_groups.add(self.group_of[client])
         self.crashed_clients.add(client)
 
-    def power_cut(self) -> None:
+    def power_cut(self, at_ns: int = 0, window_ns: int = 0) -> None:
+        """The power was cut at ``at_ns``; under ``--fsync interval=N`` it may lose what was
+        applied in its last ``window_ns`` (N ms plus one loop iteration)."""
         self.power_cuts += 1
+        if window_ns:
+            self.cuts.append((at_ns, window_ns))
+
+    def may_have_lost(self, arming: Arming) -> bool:
+        """An arming a power cut under ``--fsync interval`` may take (docs/contracts.md: "a
+        reboot loses at most what was applied in the last N ms plus one loop iteration",
+        "although a later flush() returns"): called before the cut, and not acknowledged
+        before the window it may lose began."""
+        return any(arming.called_ns <= at and arming.acked_ns >= at - window for at, window in self.cuts)
+
+    def disk_damaged(self, at_ns: int) -> None:
+        """The journal lost synced bytes (a cut, by the simulator): armings made before may be lost."""
+        self.disk_damage_ns = at_ns
 
     def handed(self, client: int, key: str, tag: int, at_ns: int) -> None:
         """An expiration handed to the application of ``client``: its key and arming tag."""
@@ -182,14 +207,17 @@ def check(history: History, end_ns: int, exact_groups: bool = True) -> list[Viol
         out.append(Violation("invented", f"client {client} was handed {key!r} (tag {tag}), which nobody armed"))
     for arming in history.armings.values():
         superseder = arming.superseded_by
-        if superseder is not None and superseder.acked and not arming.received_before_superseded:
+        if superseder is not None and superseder.acked and not arming.received_before_superseded and \
+                not history.may_have_lost(superseder):
             mine = [at for client, at in arming.handed if client == arming.client]
             if mine:
                 out.append(Violation(
                     "superseded", f"{arming.key!r} (tag {arming.tag}) was handed to its client at {mine[0] / 1e6:.3f} "
                                   f"ms after the client's acknowledged {superseder.kind} at "
                                   f"{superseder.called_ns / 1e6:.3f} ms"))
-        if arming.acked and superseder is None and not arming.handed and arming.earliest_ns <= end_ns:
+        damaged = (history.disk_damage_ns is not None and arming.called_ns <= history.disk_damage_ns) or \
+            history.may_have_lost(arming)
+        if arming.acked and superseder is None and not arming.handed and arming.earliest_ns <= end_ns and not damaged:
             out.append(Violation(
                 "lost", f"{arming.key!r} (tag {arming.tag}, group {arming.group!r}, due at "
                         f"{arming.earliest_ns / 1e6:.3f} ms) was acknowledged by a flush() and never handed"))

@@ -579,6 +579,13 @@ class SimClient(ClientCore):
         flushed, self._flushed = self._flushed, []
         return Polled(self._take_ready(), flushed)
 
+    def receive(self) -> None:
+        """Read what the connection holds into the library, as the asyncio client's reader
+        does while its application is busy elsewhere: nothing is handed to the application
+        and nothing is acknowledged (the next :meth:`poll` hands over what waits)."""
+        self._check_open()
+        self._fatal(self._pump)
+
     def pending_flushes(self) -> list[int]:
         """Flushes sent and not answered yet, oldest first."""
         return list(self._flushes)
