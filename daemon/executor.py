@@ -153,19 +153,32 @@ class Executor:
     def apply_ring(self, cs, max_records: int = DRAIN_BATCH) -> int:
         """Apply up to one chunk of this client's commands, commit and answer them; return how many."""
         segment = cs.segment
+        guard = cs.replay_guard
         try:
-            records = segment.peek(max_records)
+            # a ring handed back after a restart: its first chunk, as large as the killed
+            # daemon's may have been (see replayed_commands)
+            records = segment.peek(max_records if guard is None else max(max_records, DRAIN_BATCH))
         except ProtocolError as exc:
             self.poison(cs, str(exc))
             return 0
         n = len(records)
+        if guard is not None:
+            cs.replay_guard = None
         if not n:
             return 0
         self.ring_depth += n
         valid = valid_records(records, segment.touch_capacity)
         good = n if valid.all() else int(np.argmin(valid))
-        flushes, rejects = self.apply(cs, records[:good]) if good else ([], [])
-        cuts = answer_order(records[:good], rejects) if rejects and flushes else None
+        chunk = records[:good]
+        if guard is not None and good:
+            skip = replayed_commands(chunk, cs.group, guard)
+            if skip is not None:
+                log.info("client slot %d: %d commands of its ring were applied by the daemon before this one "
+                         "(killed before it published the ring's head); not applied again", cs.slot,
+                         int(np.count_nonzero(skip)))
+                chunk = chunk[~skip]
+        flushes, rejects = self.apply(cs, chunk) if len(chunk) else ([], [])
+        cuts = answer_order(chunk, rejects) if rejects and flushes else None
         unsynced = None
         if self.recorder is not None:
             self.recorder.commit(self.clock())  # on disk before the head moves and before Applied (fsync=always)
@@ -423,6 +436,44 @@ def _in_order(executor: Executor, cs, records: np.ndarray) -> tuple[list, list]:
     if command_log is not None and command_log.idents:
         recorder.commands(gid, command_log)
     return flushes, rejects
+
+
+def replayed_commands(chunk: np.ndarray, group: int, armings) -> np.ndarray | None:
+    """Which keyed commands of the first chunk of a ring handed back after a restart the
+    killed daemon had applied already (None: none). ``armings`` is the client table's
+    :class:`ArmingsAtStart <wheeld.daemon.client_table.ArmingsAtStart>`.
+
+    Decided per key, by its last command in the chunk: an ADD or ADD_IDLE whose
+    arming (key, group, tag) the arena held at start was applied, and so was every
+    earlier command of that key in the chunk (the ring is applied in order): all are
+    skipped. Any other key's commands are applied (again): a re-arm the killed daemon
+    did not reach puts the key where its last command says, an arming it did apply
+    earlier in the chunk is re-armed in place or, fired meanwhile, armed anew and then
+    moved by that last command before anything fires; a last CANCEL leaves the key
+    cancelled either way."""
+    ops = chunk["op"]
+    keyed = np.flatnonzero((ops == C.ADD) | (ops == C.ADD_IDLE) | (ops == C.CANCEL))
+    if not keyed.size:
+        return None
+    metas = chunk["key_meta"][keyed].astype(np.uint8)
+    idents = np.empty((keyed.size, 33), dtype=np.uint8)
+    idents[:, 0] = metas
+    idents[:, 1:] = chunk["key"][keyed]
+    names = idents.view("V33").reshape(-1).tolist()
+    last: dict = {}
+    for j, name in enumerate(names):
+        last[name] = j
+    arms = [j for j in last.values() if ops[keyed[j]] != C.CANCEL]
+    if not arms:
+        return None
+    at = np.array(arms, dtype=np.int64)
+    held = armings.holds(chunk["seq"][keyed[at]], group, idents[at])
+    if not held.any():
+        return None
+    done = {names[j] for j in at[held].tolist()}
+    skip = np.zeros(len(chunk), dtype=bool)
+    skip[keyed[[j for j, name in enumerate(names) if name in done]]] = True
+    return skip
 
 
 def _key_at(records: np.ndarray, i: int) -> bytes:

@@ -1,0 +1,107 @@
+"""A ring chunk a killed daemon applied, applied again by the next one, arms nothing twice.
+
+The daemon applies a chunk of a client's ring, journals it and only then publishes
+the ring's head (daemon/executor.py, ``Executor.apply_ring``). Killed in between,
+it leaves the whole chunk to the next daemon, which applies it once the client
+hands the ring back. Meanwhile that daemon has fired what came due while nothing
+ran, and may have delivered it and had it acknowledged by another member. An ADD
+applied again after its timer fired used to arm the key anew: the expiration was
+delivered twice (the chaos test saw it go to two incarnations of a worker). The
+client table notes the armings the arena held at start (``ArmingsAtStart``) and the
+first chunk of a ring handed back skips, per key, what the arena shows was applied.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import uuid
+
+import pytest
+
+from wheeld.daemon import executor as E
+from wheeld.daemon.client_table import ArmingsAtStart, ClientSlot
+from wheeld.protocol import commands as C
+from wheeld.protocol.keys import encode_key
+from wheeld.shm import TimerWheel
+from wheeld.shm.ring import ClientSegment
+
+
+def _never_poisoned(cs, reason):
+    raise AssertionError(f"poisoned: {reason}")
+
+
+def _chunk():
+    """a: due soon; b: armed, then re-armed later; c: armed, then cancelled; d: due late."""
+    k = {name: encode_key(name) for name in "abcd"}
+    return [(C.ADD, *k["a"], 1100, 1), (C.ADD, *k["b"], 5000, 2), (C.ADD, *k["b"], 6000, 3),
+            (C.ADD, *k["c"], 1200, 4), (C.CANCEL, *k["c"], 0, 5), (C.ADD, *k["d"], 9000, 6),
+            (C.FLUSH, b"", 0, 0, 7)]
+
+
+def _pending(wheel) -> dict:
+    return {key: deadline for key, deadline, _group in wheel.pending()}
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["in-order", "planned"])
+@pytest.mark.parametrize("applied_before", [7, 2, 0], ids=["all", "part", "none"])
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "unguarded"])
+def test_a_chunk_applied_again_after_a_restart_arms_nothing_twice(monkeypatch, planned, applied_before, guarded):
+    monkeypatch.setattr(E, "BATCH_MIN", 1 if planned else None)
+    wheel = TimerWheel.create(16, start_ms=1000)
+    gid = wheel.group_id("g")
+    consumer = ClientSegment.create(f"/wheeld-test-{os.getpid()}-{uuid.uuid4().hex[:8]}", 64, 16)
+    producer = ClientSegment.attach(os.dup(consumer.fd), consumer.name)
+    try:
+        cs = ClientSlot(1, consumer, "replayed", gid, "g", os.getpid(), os.getuid())
+        executor = E.Executor(wheel, {1: cs}, 1, 0, collections.Counter(), _never_poisoned, lambda: 1000)
+        for command in _chunk():
+            assert producer.try_push_record(C.encode_command(*command))
+        # the killed daemon: it applied the first records of the chunk, never published the head
+        if applied_before:
+            executor.apply(cs, consumer.peek(applied_before))
+        # the next daemon starts on the arena, fires what is due, and another member
+        # has it acknowledged before this client hands its ring back
+        armings = ArmingsAtStart(wheel, {gid})
+        for slot in wheel.expire(1150):
+            wheel.release(slot, wheel.fired(slot)[5])
+        cs.replay_guard = armings if guarded else None
+        assert executor.apply_ring(cs) == len(_chunk())
+        pending = _pending(wheel)
+        if applied_before and not guarded:  # what this guards against: "a" armed a second time
+            assert "a" in pending
+            return
+        expected = {"b": 6000, "d": 9000} | ({} if applied_before else {"a": 1100})
+        assert pending == expected
+        assert cs.replay_guard is None, "the guard covers the first chunk only"
+        # what the client pushes next is applied as usual
+        assert producer.try_push_record(C.encode_command(C.ADD, *encode_key("a"), 7000, 8))
+        assert executor.apply_ring(cs) == 1
+        assert _pending(wheel)["a"] == 7000
+    finally:
+        producer.close()
+        consumer.close()
+        wheel.close()
+
+
+def test_the_armings_at_start_are_those_of_the_slots_groups_pending_or_fired():
+    wheel = TimerWheel.create(16, start_ms=1000)
+    try:
+        g, other = wheel.group_id("g"), wheel.group_id("other")
+        for name, deadline, tag, group in (("p", 5000, 11, g), ("f", 1001, 12, g), ("x", 5000, 13, other)):
+            kb, meta = encode_key(name)
+            wheel.schedule(name, deadline, group, tag)
+        wheel.expire(1010)  # "f" is FIRED, unacknowledged
+        armings = ArmingsAtStart(wheel, {g})
+        import numpy as np
+
+        def ident(name):
+            kb, meta = encode_key(name)
+            return np.frombuffer(bytes([meta]) + kb.ljust(32, b"\0"), dtype=np.uint8)
+
+        names = ["p", "f", "x", "p"]
+        tags = np.array([11, 12, 13, 99])
+        held = armings.holds(tags, g, np.stack([ident(n) for n in names]))
+        assert held.tolist() == [True, True, False, False]
+    finally:
+        wheel.close()
