@@ -42,13 +42,14 @@ def test_every_seed_that_ever_failed_passes(seed, ops, extra):
     assert result.acked > 0, "the seed's workers had no acknowledged arming: it checks nothing"
 
 
-def _fresh(index: int, seconds: float, ops: int) -> None:
+def _fresh(index: int, seconds: float, ops: int, extra: bool) -> None:
     first = int(os.environ["WHEELD_SIM_FIRST"]) + index * 100_000
-    print(f"fresh seeds from {first} ({ops} ops each; WHEELD_SIM_FIRST={os.environ['WHEELD_SIM_FIRST']})")
+    print(f"fresh seeds from {first} ({ops} ops each, {'all workloads' if extra else 'plain'}; "
+          f"WHEELD_SIM_FIRST={os.environ['WHEELD_SIM_FIRST']})")
     deadline = time.monotonic() + seconds
     seed, checked, handed = first, 0, 0
     while checked < 3 or time.monotonic() < deadline:
-        result = run_seed(seed, ops)
+        result = run_seed(seed, ops, extra=extra)
         assert not result.violations, _failure(seed, ops, result.violations)
         checked += 1
         handed += result.handed
@@ -59,13 +60,17 @@ def _fresh(index: int, seconds: float, ops: int) -> None:
 
 @pytest.mark.parametrize("index", range(SLICES))
 def test_a_slice_of_fresh_seeds_keeps_the_contract(index):
-    _fresh(index, SLICE_SECONDS, SLICE_OPS)
+    """The plain workloads: every fresh seed of them has passed since the failures in
+    docs/testing.md were fixed. The newer ones (Profile.draw_extra) still fail about one
+    seed in a hundred on the Python path (the open findings listed there), so the
+    suite, which must not fail at random, runs them only in the slow variant below."""
+    _fresh(index, SLICE_SECONDS, SLICE_OPS, extra=False)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(SLICES, SLICES + 4))
 def test_a_long_run_of_fresh_seeds_keeps_the_contract(index):
-    _fresh(index, 600.0, SLICE_OPS)
+    _fresh(index, 600.0, SLICE_OPS, extra=True)
 
 
 def test_one_seed_is_one_history():

@@ -229,15 +229,26 @@ class _ProcessFs:
 
 
 class _Tracer:
-    """Raises :class:`Crash` at the n-th line the core runs (a SIGKILL at that line)."""
+    """Raises :class:`Crash` at the n-th line the core runs (a SIGKILL at that line), or
+    with ``at_call`` (module, function) as that function is called: a kill at one
+    chosen point, such as between applying a ring chunk and publishing the ring's
+    head. Only Python code is traced: on the compiled path a call made from compiled
+    code is not seen."""
 
-    def __init__(self, lines: int, life: _Life | None = None):
+    def __init__(self, lines: int, life: _Life | None = None, at_call: tuple[str, str] | None = None):
         self.left = lines
         self.life = life
+        self.at_call = at_call
 
     def __call__(self, frame, event, arg):
         if event == "call":
             module = frame.f_globals.get("__name__", "")
+            if self.at_call is not None:
+                if (module, frame.f_code.co_name) == self.at_call:
+                    if self.life is not None:
+                        self.life.kill()
+                    raise Crash(f"killed as {module}.{frame.f_code.co_name} was called")
+                return None
             return self if module.startswith(("wheeld.daemon", "wheeld.shm", "wheeld.protocol")) else None
         if event == "line":
             self.left -= 1
@@ -426,6 +437,10 @@ class Simulation:
         if not self.fault_free and self.profile.daemon_crash and self.rng.random() < self.profile.daemon_crash * \
                 self.profile.crash_inside * 0.3:
             tracer = _Tracer(self.rng.randint(1, 3000), self._life if self.extra else None)
+            if self.extra and self.xrng.random() < 0.25:
+                # the point where a killed daemon leaves work to redo: a ring chunk applied
+                # and journaled, its head not published (the next daemon applies it again)
+                tracer = _Tracer(0, self._life, at_call=("wheeld.shm.ring", "commit"))
             self.faults["daemon killed inside an event"] += 1
             sys.settrace(tracer)
         try:
