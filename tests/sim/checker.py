@@ -12,7 +12,7 @@ README.md and docs/contracts.md ("Delivery and durability"):
    and the resume grace).
 2. **Never early.** An expiration is handed no sooner than ``delay_ms`` after its
    ``add()`` call (for an idle timer: ``idle_ms`` after the last ``touch()`` made
-   before it was handed, or after ``add_idle()``; the touches of a client that died
+   before the daemon fired it, or after ``add_idle()``; the touches of a client that died
    no longer count: its touch table died with it), in simulated real time.
 3. **Cancel and re-arm are honoured.** An arming replaced by a later ``add`` or
    ``cancel`` of its key that a ``flush()`` acknowledged is never handed to the
@@ -168,14 +168,15 @@ class History:
         """The journal lost synced bytes (a cut, by the simulator): armings made before may be lost."""
         self.disk_damage_ns = at_ns
 
-    def handed(self, client: int, key: str, tag: int, at_ns: int) -> None:
-        """An expiration handed to the application of ``client``: its key and arming tag."""
+    def handed(self, client: int, key: str, tag: int, at_ns: int, fired_ns: int | None = None) -> None:
+        """An expiration handed to the application of ``client``: its key and arming tag, and
+        when the daemon fired it (its ``fired_ms``: a touch after that came too late)."""
         arming = self._find(key, tag)
         if arming is None:
             self.unknown.append((client, key, tag))
             return
         arming.handed.append((client, at_ns))
-        self._check_early(arming, client, at_ns)
+        self._check_early(arming, client, at_ns, at_ns if fired_ns is None else min(at_ns, fired_ns))
         if self.group_of[client] != arming.group:
             self.violations.append(Violation("group", f"{key!r} (tag {tag}) of group {arming.group!r} was handed to "
                                                       f"client {client} of group {self.group_of[client]!r}"))
@@ -184,13 +185,15 @@ class History:
         owner = int(key.split("-", 1)[0][1:]) if key.startswith("c") and "-" in key else -1
         return self.armings.get((owner, key, tag))
 
-    def _check_early(self, arming: Arming, client: int, at_ns: int) -> None:
+    def _check_early(self, arming: Arming, client: int, at_ns: int, fired_ns: int) -> None:
         earliest = arming.earliest_ns
         if arming.idle_ms is not None and arming.client not in self.crashed_clients:
             # touches are promised while their client lives: a client that died (a reboot
             # kills every client) takes its touch table with it, and a timer restored from
             # the journal is a plain timer at its last journaled deadline (docs/contracts.md)
-            touches = [t for t in self.touches.get((arming.client, arming.key), ()) if t <= at_ns]
+            # (only touches the daemon could see when it fired it: one after that is too late;
+            # fired_ms is the daemon's clock, whole ms, at or before the moment it read the table)
+            touches = [t for t in self.touches.get((arming.client, arming.key), ()) if t <= fired_ns]
             if touches and arming is self.latest.get((arming.client, arming.key)):
                 earliest = max(earliest, touches[-1] + arming.idle_ms * 1_000_000)
         if at_ns < earliest:

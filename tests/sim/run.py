@@ -767,7 +767,8 @@ class Simulation:
             return
         now = self.world.now_ns
         for expired, tag in zip(polled.expired, worker.client.handed_tags):
-            self.history.handed(worker.ident, expired.key, worker.client.resolve_tag(tag), now)
+            self.history.handed(worker.ident, expired.key, worker.client.resolve_tag(tag), now,
+                                expired.fired_ms * 1_000_000)
             self.note(f"w{worker.ident} handed {expired.key} tag {tag}->{worker.client.resolve_tag(tag)} "
                       f"deadline {expired.deadline_ms} fired {expired.fired_ms} late {expired.late}")
             worker.idle_keys.discard(expired.key)
