@@ -37,6 +37,7 @@ Keys are per client incarnation (``c<id>-<n>``), so an arming is named by
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 __all__ = ["History", "Violation", "check"]
@@ -90,6 +91,7 @@ class History:
         self.crashed_clients: set[int] = set()
         self.power_cuts = 0
         self.cuts: list[tuple[int, int]] = []  # (when, the window of applied commands it may lose) per power cut
+        self.disk_failures: list[int] = []  # when calls on the journal's disk failed (EIO, ENOSPC), in order
         self.disk_damage_ns: int | None = None  # the last time the journal's media was damaged on purpose
         self.group_of: dict[int, str] = {}
         self.unknown: list[tuple[int, str, int]] = []  # handed, but no member armed it
@@ -157,12 +159,27 @@ class History:
         if window_ns:
             self.cuts.append((at_ns, window_ns))
 
+    def disk_failed(self, at_ns: int) -> None:
+        """A call on the journal's disk failed (EIO, ENOSPC) at ``at_ns``."""
+        self.disk_failures.append(at_ns)
+
     def may_have_lost(self, arming: Arming) -> bool:
         """An arming a power cut under ``--fsync interval`` may take (docs/contracts.md: "a
         reboot loses at most what was applied in the last N ms plus one loop iteration",
         "although a later flush() returns"): called before the cut, and not acknowledged
-        before the window it may lose began."""
-        return any(arming.called_ns <= at and arming.acked_ns >= at - window for at, window in self.cuts)
+        before the window it may lose began; or one whose covering fsync may have failed (a
+        failure on the journal's disk within the window of its acknowledgement: "when a
+        write or fsync fails, what was applied since the last fsync that succeeded stays
+        at risk until the daemon has written its snapshot again")."""
+        for at, window in self.cuts:
+            if arming.called_ns > at:
+                continue
+            if arming.acked_ns >= at - window:
+                return True
+            first = bisect.bisect_left(self.disk_failures, arming.acked_ns - window)
+            if first < len(self.disk_failures) and self.disk_failures[first] <= min(at, arming.acked_ns + window):
+                return True
+        return False
 
     def disk_damaged(self, at_ns: int) -> None:
         """The journal lost synced bytes (a cut, by the simulator): armings made before may be lost."""

@@ -128,6 +128,7 @@ class SimDisk:
         self._faults: dict[str, list[int]] = {}
         self._full = False  # the last write hit the capacity: the next one raises ENOSPC
         self.counts: dict[str, int] = {}  # what was done and injected, for the run's report
+        self.on_failure = None  # called with no argument whenever a call fails (an injected fault, ENOSPC)
 
     # ------------------------------------------------------------------ faults
     def fail_next(self, operation: str, error: int = errno.EIO, times: int = 1) -> None:
@@ -140,7 +141,12 @@ class SimDisk:
         if queue:
             error = queue.pop(0)
             self._count(f"fault_{operation}_{errno.errorcode.get(error, error)}")
+            self._failed()
             raise OSError(error, os.strerror(error))
+
+    def _failed(self) -> None:
+        if self.on_failure is not None:
+            self.on_failure()
 
     def _count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
@@ -232,6 +238,7 @@ class SimDisk:
         if room <= 0 or (self._full and room < len(data)):
             self._full = False
             self._count("enospc")
+            self._failed()
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         written = data[:room]
         self._full = len(written) < len(data)
@@ -252,6 +259,7 @@ class SimDisk:
         growth = max(0, offset + len(data) - len(inode.data))
         if growth and self.capacity is not None and self.capacity - self.used_bytes() < growth:
             self._count("enospc")
+            self._failed()
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         if offset > len(inode.data):
             inode.data.extend(bytes(offset - len(inode.data)))
