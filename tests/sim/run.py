@@ -285,6 +285,7 @@ class Worker:
         self.alive = True
         self.started = False
         self.aliases: dict[int, int] = {}  # a tag the library re-armed an idle timer with -> the arming's
+        self.welcome_seen = None  # (a hoarder) the Welcome of the session it last read on
 
     def _dial(self):
         uid = HOSTILE_UID if self.hostile else WORKER_UID
@@ -602,6 +603,33 @@ class Simulation:
         worker.acting = True
         self.world.after_ms(self.rng.uniform(0, 2), lambda: self._act(worker))
 
+    def _flush_then_die(self, worker: Worker) -> None:
+        """A hoarder back on a new session after a daemon restart, still holding what its
+        application has not polled (the daemon sends it copies of those): sometimes it
+        flushes at once, which pushes the acknowledgements its library has, and dies a
+        moment later without polling. An acknowledgement of a copy of an expiration the
+        application never had would take that timer with it."""
+        welcome = worker.client._welcome
+        if welcome is None or welcome is worker.welcome_seen:
+            return
+        first = worker.welcome_seen is None
+        worker.welcome_seen = welcome
+        if first or self.fault_free or not worker.client._ready or self.xrng.random() >= 0.3:
+            return
+        self.faults["hoarder flushed after a restart and died"] += 1
+        try:
+            number = worker.client.flush()
+        except WheeldError as exc:
+            self.note(f"worker {worker.ident} flush: {exc!r}")
+        else:
+            worker.flushes[number] = self.history.flush_called(worker.ident)
+            self.note(f"w{worker.ident} flush #{number} (back after a restart, {len(worker.client._ready)} unpolled)")
+
+        def die() -> None:
+            if worker.alive:
+                self._kill_worker(worker)
+        self.world.after_ms(self.xrng.uniform(0.5, 20), die)
+
     def _kill_worker(self, worker: Worker, reboot: bool = False) -> None:
         worker.alive = False
         worker.client.crash()
@@ -667,6 +695,10 @@ class Simulation:
         at once after a Bye, else resume_grace_s after the session ended)."""
         if self.xrng.random() < 0.5:
             worker.alive = False
+            if not worker.client.connected and not worker.hostile:
+                # no daemon to read them: the acknowledgements close() pushes stay in a ring
+                # nobody will drain, as a crashed worker's (docs/contracts.md, at-least-once)
+                self.history.crashed(worker.ident)
             try:
                 worker.client.close()
             except WheeldError:
@@ -1075,6 +1107,7 @@ class Simulation:
                     except WheeldError as exc:
                         self.note(f"worker {worker.ident} receive: {exc!r}")
                         self._refused(worker, exc)
+                    self._flush_then_die(worker)
                     # its application's flush() returned when the answer came (only the
                     # simulated flush hands its outcome over with a poll)
                     flushed, worker.client._flushed = worker.client._flushed, []
