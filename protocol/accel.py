@@ -12,8 +12,11 @@ Selection:
 * ``WHEELD_NO_EXTENSIONS=1`` at install time builds nothing (the Python path).
 * ``WHEELD_PURE_PYTHON=1`` at run time imports the ``.py`` sources even where the
   extensions are built (:class:`_PureFinder`, installed by ``import wheeld``).
-* In a source checkout an extension older than its ``.py`` is not used: the
-  source runs, with a warning (``make build`` brings the extensions up to date).
+* In a source checkout an extension older than what it was built from is not
+  used: its ``.py``, the ``.pxd`` beside it, and the ``.pxd`` of every hot module
+  that one cimports (an edit to ``shm/wheel.pxd`` changes ``daemon/executor``
+  too). The source runs, with a warning naming the newer file (``make build``
+  brings the extensions up to date).
 
 :func:`implementation` says which path runs ("compiled", "python" or "mixed");
 the daemon logs it at start, publishes it (``wheelctl stats``, the Prometheus
@@ -26,6 +29,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import re
 import sys
 import warnings
 
@@ -86,10 +90,11 @@ class _PureFinder(importlib.abc.MetaPathFinder):
                 continue
             if not self.pure:
                 extension = _extension_beside(directory, leaf)
-                if extension is None or not _stale(extension, source, directory, leaf):
+                newer = None if extension is None else _stale(extension, source, directory, leaf, fullname)
+                if newer is None:
                     return None  # the ordinary finders pick the extension (or the source when none)
                 warnings.warn(
-                    f"wheeld: {extension} is older than {source}; running the Python source "
+                    f"wheeld: {extension} is older than {newer}; running the Python source "
                     "(run `make build` to recompile)",
                     RuntimeWarning,
                     stacklevel=2,
@@ -98,11 +103,49 @@ class _PureFinder(importlib.abc.MetaPathFinder):
         return None
 
 
-def _stale(extension: str, source: str, directory: str, leaf: str) -> bool:
-    """An in-place build (a source checkout: Cython's ``.c`` lies beside) older than its source."""
+_CIMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+cimport|cimport\s+([\w.]+))", re.MULTILINE)
+
+
+def _stale(extension: str, source: str, directory: str, leaf: str, fullname: str | None = None) -> str | None:
+    """For an in-place build (a source checkout: Cython's ``.c`` lies beside), the first of
+    its inputs (:func:`_build_inputs`) newer than the extension, or None."""
     if not os.path.exists(os.path.join(directory, leaf + ".c")):
-        return False  # an installed package: the extension is what was built from the source
-    return os.path.getmtime(extension) < os.path.getmtime(source)
+        return None  # an installed package: the extension is what was built from the source
+    built = os.path.getmtime(extension)
+    for path in _build_inputs(source, fullname):
+        if os.path.getmtime(path) > built:
+            return path
+    return None
+
+
+def _build_inputs(source: str, fullname: str | None) -> list[str]:
+    """What a hot module's extension is built from: its ``.py``, the ``.pxd`` beside it,
+    and, through that file's ``cimport`` lines (absolute ``wheeld.X`` or relative), the
+    ``.pxd`` of every other hot module it reaches. A hot module's file is found from
+    :data:`COMPILED_MODULES` (its path relative to the checkout's root)."""
+    root = None
+    if fullname in COMPILED_MODULES:
+        relative = COMPILED_MODULES[fullname]
+        root = source[: len(source) - len(relative)] if source.replace(os.sep, "/").endswith(relative) else None
+    inputs, queue, seen = [source], [(fullname, source[:-3] + ".pxd")], set()
+    while queue:
+        module, pxd = queue.pop()
+        if pxd in seen or not os.path.exists(pxd):
+            continue
+        seen.add(pxd)
+        inputs.append(pxd)
+        if root is None or module is None:
+            continue
+        with open(pxd, encoding="utf-8") as f:
+            text = f.read()
+        for match in _CIMPORT.finditer(text):
+            name = match.group(1) or match.group(2)
+            if name.startswith("."):
+                name = module.rpartition(".")[0] + name  # "from .keyindex" beside "wheeld.shm.wheel"
+            target = COMPILED_MODULES.get(name)
+            if target is not None:
+                queue.append((name, os.path.join(root, target[:-3] + ".pxd")))
+    return inputs
 
 
 def install_finder() -> None:

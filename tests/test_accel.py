@@ -103,6 +103,42 @@ def test_an_in_place_build_older_than_its_source_is_not_used(tmp_path, monkeypat
     assert finder.find_spec("hotpkg.other", [str(package)]) is None
 
 
+def test_a_build_older_than_a_pxd_it_cimports_is_not_used(tmp_path, monkeypatch):
+    """The extension's inputs are its .py, its .pxd, and the .pxd of each hot module that one
+    cimports (relative or absolute), found through COMPILED_MODULES from the checkout root."""
+    package = tmp_path / "hotpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("WHERE = 'source'\n")
+    (package / "a.c").write_text("/* generated */\n")
+    (package / "a.pxd").write_text("cimport cython\nfrom .b cimport Thing\n")
+    (package / "b.py").write_text("")
+    (package / "b.pxd").write_text("from hotpkg.c cimport Other\n")
+    (package / "c.pxd").write_text("cdef class Other:\n    pass\n")
+    extension = package / ("a" + EXTENSIONS[0])
+    extension.write_bytes(b"not a real extension")
+    for name in ("hotpkg.a", "hotpkg.b", "hotpkg.c"):
+        monkeypatch.setitem(accel.COMPILED_MODULES, name, f"hotpkg/{name[7:]}.py")
+    base = os.path.getmtime(package / "a.py")
+    for leaf in ("a.py", "a.pxd", "b.pxd", "c.pxd"):
+        os.utime(package / leaf, (base - 100, base - 100))
+    os.utime(extension, (base, base))
+    finder = accel._PureFinder(pure=False)
+    assert finder.find_spec("hotpkg.a", [str(package)]) is None, "up to date: the extension runs"
+    os.utime(package / "c.pxd", (base + 100, base + 100))  # two cimports away
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spec = finder.find_spec("hotpkg.a", [str(package)])
+    assert spec is not None and spec.origin == str(package / "a.py")
+    assert any(f"older than {package / 'c.pxd'}" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+def test_the_inputs_of_the_shipped_hot_modules_include_what_their_pxd_cimports():
+    inputs = accel._build_inputs(str(ROOT / "daemon" / "executor.py"), "wheeld.daemon.executor")
+    relative = {os.path.relpath(path, ROOT) for path in inputs}
+    assert {"daemon/executor.py", "daemon/executor.pxd", "shm/wheel.pxd", "shm/keyindex.pxd"} <= relative
+
+
 def _source_copy(into: Path) -> Path:
     tree = into / "src"
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
