@@ -210,7 +210,7 @@ class Recorder:
     # turned into their journal form straight from the 33-byte record form (no
     # intermediate user key), the previous deadlines found by one vectorized lookup.
     # The events are the same structs, in the same order, as the one-at-a-time
-    # methods would record for the same commands (tests/test_journal.py checks it).
+    # methods would record for the same commands (tests/test_journal_recorder.py checks it).
 
     def previous_deadlines(self, gid: int, idents) -> list:
         """Deadline (monotonic ms) of the pending timer of each ident, or None.

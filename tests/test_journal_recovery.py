@@ -1,4 +1,4 @@
-"""Recovery (daemon/journal.py ``recover``): random event sequences, snapshots and
+"""Recovery (protocol/journal_recovery.py ``recover``): random event sequences, snapshots and
 compaction agree with a reference model after recovery; torn and corrupted tails
 are cut at the last good record (and saved aside), damage in older segments is
 reported and skipped, gaps are reported."""

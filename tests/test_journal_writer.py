@@ -1,4 +1,4 @@
-"""The journal writer (daemon/journal.py ``Journal``): rotation, reopening, refused
+"""The journal writer (protocol/journal_files.py ``Journal``): rotation, reopening, refused
 and failed writes; the fsync policies observed through a counting ``os.fsync`` and
 a fake clock, durable_lsn; the background group commit of the interval policy."""
 
