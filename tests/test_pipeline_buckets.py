@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from wheeld.pipeline import reference
-from wheeld.pipeline.report import fmt_width
+pytest.importorskip("pandas", reason="the report needs the pipeline extra (pip install -e '.[pipeline]')")
+
+from wheeld.pipeline import reference  # noqa: E402
+from wheeld.pipeline.report import fmt_width  # noqa: E402
 
 MINUTE, HOUR, DAY = 60_000, 3_600_000, 86_400_000
 T0 = 1_700_000_000_000
