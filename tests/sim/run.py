@@ -338,6 +338,7 @@ class Simulation:
         self._memory_flagged = False
         self._damage_expected: bool | None = None  # a journal cut before the next start: is it damage?
         self._damaged_before = False  # a journal cut below its durable mark happened in this run
+        self._refused_in_a_row = 0  # daemon starts refused since the last one that succeeded
         self._recovering = False  # no daemon has started since the last reboot
         self._last_death_ns = 0  # when the last daemon died
         self._damage_reported = False  # a start since the last journal cut counted damage, and died
@@ -394,9 +395,20 @@ class Simulation:
             self._damage_reported |= bool(getattr(daemon.core, "totals", {}).get("journal_damaged_ranges_total"))
             self.note(f"daemon start refused: {exc}")
             self._daemon_died(daemon)
+            self._refused_in_a_row += 1
+            # a fault may make a start fail now and then; one refused again and again, or
+            # at all once the faults have stopped, leaves the service down for good
+            # (systemd's StartLimitBurst gives up after 5 starts)
+            if self._refused_in_a_row >= (5 if self.fault_free else 20):
+                self.violations.append(Violation(
+                    "no-daemon", f"{self._refused_in_a_row} daemon starts in a row were refused"
+                                 f"{' with no fault injected any more' if self.fault_free else ''}: {exc}"))
+                self.world.stop()
+                return
             self.world.after_ms(self.rng.uniform(50, 500), self.start_daemon)
             return
         self.daemon = daemon
+        self._refused_in_a_row = 0
         self.sessions = {}
         self.listener.listening = True
         self._recovering = False
@@ -1169,6 +1181,8 @@ class Simulation:
         (plus a pass of the slot collection: a slot whose client is gone is freed by then,
         and what waited on it has moved on) while the workers flush and poll."""
         world = self.world
+        if any(v.rule == "no-daemon" for v in self.violations):
+            return  # the service is down for good: nothing more to see
         self.fault_free = True
         self.disk.capacity = None
         if self.runner is not None:

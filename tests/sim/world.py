@@ -57,6 +57,10 @@ class World:
     def next_time(self) -> int | None:
         return self._queue[0][0] if self._queue else None
 
+    def stop(self) -> None:
+        """Drop every scheduled event: the run ends (a finding that leaves nothing to wait for)."""
+        self._queue.clear()
+
     def step(self) -> bool:
         """Run the next event (the clock moves to its time); False when none is left."""
         if not self._queue:
