@@ -234,6 +234,11 @@ def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconcile
             if timer is not None and timer.seq & 0xFFFFFFFF == tag:
                 if not journals(timer.deadline_ms, d):
                     dj = monotonic(timer.deadline_ms)
+                    if timer.idle_ms and dj < d <= _restored_deadline(timer, monotonic, now):
+                        # an idle timer an earlier attach restored (its touches out of sight):
+                        # moved later than the journal's deadline, as far as that allows
+                        scheduled_keys.add((g, ident))
+                        continue
                     rewrite.append((slot, scheduled, dj, tag))
                     note(f"record {slot} ({names.get(g)}): deadline {d}, the journal's is {dj}: took the journal's")
                 scheduled_keys.add((g, ident))
@@ -280,10 +285,11 @@ def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconcile
             free.append(slot)
             note(f"record {slot} ({names.get(g)}, key {ident[1:].rstrip(bytes(1))!r}, arming {tag}): pending, not in "
                      f"the journal: freed")
-    # 4. what the journal has and the arena lost
+    # 4. what the journal has and the arena lost (an idle timer comes back without its
+    # touch reference, which only the lost record held: :func:`_restored_deadline`)
     for (g, ident), timer in pending.items():
         if (g, ident) not in scheduled_keys:
-            restore.append((ident, g, scheduled, monotonic(timer.deadline_ms), timer.seq & 0xFFFFFFFF))
+            restore.append((ident, g, scheduled, _restored_deadline(timer, monotonic, now), timer.seq & 0xFFFFFFFF))
     for (g, ident, seq), timer in unacked.items():
         restore.append((ident, g, AL.FIRED, min(monotonic(timer.deadline_ms), now), seq))
     for name, st, ident, timer in lost_groups:  # its group's name was overwritten too: registered again
@@ -292,7 +298,8 @@ def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconcile
             result.not_restored += 1
             continue
         deadline = monotonic(timer.deadline_ms)
-        restore.append((ident, gid, st, deadline if st == scheduled else min(deadline, now), timer.seq & 0xFFFFFFFF))
+        restore.append((ident, gid, st, _restored_deadline(timer, monotonic, now) if st == scheduled
+                        else min(deadline, now), timer.seq & 0xFFFFFFFF))
     for ident, _gid, st, d, _seq in restore[:_EXAMPLES]:
         note(f"{'pending' if st == scheduled else 'fired'} timer {ident[1:].rstrip(bytes(1))!r} restored from the journal")
     if not (free or rewrite or restore):
@@ -376,3 +383,14 @@ def summary(result: Reconciled) -> str:
 
 
 __all__ = ["Reconciled", "TOLERANCE_MS", "journal_covers", "reconcile", "summary"]
+
+
+def _restored_deadline(timer, monotonic, now: int) -> int:
+    """The deadline of a pending timer restored from the journal into a live arena. An idle
+    timer's record held the reference to its client's touch table, which the journal does
+    not keep: restored, it can no longer see the touches its client goes on making, so it
+    fires no sooner than ``idle_ms`` after now (the last touch was at or before now), nor
+    before its journaled deadline. Never early; at most ``idle_ms`` late."""
+    deadline = monotonic(timer.deadline_ms)
+    idle_ms = getattr(timer, "idle_ms", None)
+    return max(deadline, now + idle_ms) if idle_ms else deadline

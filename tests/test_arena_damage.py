@@ -373,3 +373,21 @@ def test_rewrite_records_frees_rewrites_and_restores_and_leaves_a_sound_wheel():
         assert wheel.mask_generation(made[1], wheel.fired(made[1])[5]) is None  # within 31 bits already
     finally:
         wheel.close()
+
+
+def test_an_idle_timer_restored_without_its_touch_reference_fires_no_sooner_than_idle_after_the_restore():
+    """The journal keeps an idle timer's idle time but not its touch reference (the record
+    held it): restored into a live arena it cannot see its client's touches, so it goes
+    no sooner than ``idle_ms`` after the restore (the last touch was at or before it), nor
+    before its journaled deadline. A plain timer keeps the journal's deadline."""
+    from wheeld.daemon.reconcile import _restored_deadline
+    from wheeld.protocol.journal_files import PendingTimer
+
+    def same(ms):
+        return ms
+
+    idle = PendingTimer("g", "k", 1_000, 7, idle_ms=300)
+    assert _restored_deadline(idle, same, now=900) == 1_200
+    assert _restored_deadline(idle, same, now=500) == 1_000
+    plain = PendingTimer("g", "k", 1_000, 7)
+    assert _restored_deadline(plain, same, now=900) == 1_000

@@ -707,7 +707,7 @@ class Simulation:
         at once after a Bye, else resume_grace_s after the session ended)."""
         if self.xrng.random() < 0.5:
             worker.alive = False
-            if not worker.client.connected and not worker.hostile:
+            if not worker.hostile and (not worker.client.connected or self.daemon is None or not self.daemon.alive):
                 # no daemon to read them: the acknowledgements close() pushes stay in a ring
                 # nobody will drain, as a crashed worker's (docs/contracts.md, at-least-once)
                 self.history.crashed(worker.ident)
