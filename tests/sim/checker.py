@@ -92,6 +92,7 @@ class History:
         self.power_cuts = 0
         self.cuts: list[tuple[int, int]] = []  # (when, the window of applied commands it may lose) per power cut
         self.disk_failures: list[int] = []  # when calls on the journal's disk failed (EIO, ENOSPC), in order
+        self.syncs: list[int] = []  # when files on the journal's disk were synced, in order
         self.disk_damage_ns: int | None = None  # the last time the journal's media was damaged on purpose
         self.group_of: dict[int, str] = {}
         self.unknown: list[tuple[int, str, int]] = []  # handed, but no member armed it
@@ -163,12 +164,17 @@ class History:
         """A call on the journal's disk failed (EIO, ENOSPC) at ``at_ns``."""
         self.disk_failures.append(at_ns)
 
+    def disk_synced(self, at_ns: int) -> None:
+        """A file on the journal's disk was synced at ``at_ns``."""
+        self.syncs.append(at_ns)
+
     def may_have_lost(self, arming: Arming) -> bool:
         """An arming a power cut under ``--fsync interval`` may take (docs/contracts.md: "a
         reboot loses at most what was applied in the last N ms plus one loop iteration",
         "although a later flush() returns"): called before the cut, and not acknowledged
-        before the window it may lose began; or one whose covering fsync may have failed (a
-        failure on the journal's disk within the window of its acknowledgement: "when a
+        before the window it may lose began; or one whose covering fsync may have failed:
+        a call on the journal's disk failed after the window before its acknowledgement
+        began, and no file was synced between the last such failure and the cut ("when a
         write or fsync fails, what was applied since the last fsync that succeeded stays
         at risk until the daemon has written its snapshot again")."""
         for at, window in self.cuts:
@@ -176,9 +182,13 @@ class History:
                 continue
             if arming.acked_ns >= at - window:
                 return True
-            first = bisect.bisect_left(self.disk_failures, arming.acked_ns - window)
-            if first < len(self.disk_failures) and self.disk_failures[first] <= min(at, arming.acked_ns + window):
-                return True
+            # the last failure on the journal's disk from the window before the ack to the cut,
+            # with no file synced after it: the disk never recovered before the cut
+            last = bisect.bisect_right(self.disk_failures, at) - 1
+            if last >= 0 and self.disk_failures[last] >= arming.acked_ns - window:
+                failed = self.disk_failures[last]
+                if bisect.bisect_right(self.syncs, at) == bisect.bisect_right(self.syncs, failed):
+                    return True
         return False
 
     def disk_damaged(self, at_ns: int) -> None:

@@ -129,6 +129,7 @@ class SimDisk:
         self._full = False  # the last write hit the capacity: the next one raises ENOSPC
         self.counts: dict[str, int] = {}  # what was done and injected, for the run's report
         self.on_failure = None  # called with no argument whenever a call fails (an injected fault, ENOSPC)
+        self.on_sync = None  # called with no argument whenever a file's fsync or fdatasync succeeds
 
     # ------------------------------------------------------------------ faults
     def fail_next(self, operation: str, error: int = errno.EIO, times: int = 1) -> None:
@@ -305,6 +306,8 @@ class SimDisk:
         inode.durable = bytes(synced)
         inode.dirty.clear()
         inode.shrunk = False
+        if self.on_sync is not None:
+            self.on_sync()
 
     def fdatasync(self, fd: int) -> None:
         """As :meth:`fsync` (a file's size and bytes; its timestamps are not modelled);

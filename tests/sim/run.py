@@ -320,6 +320,7 @@ class Simulation:
         self.history = History()
         self.history.in_library = self._in_library
         self.disk.on_failure = lambda: self.history.disk_failed(self.world.now_ns)
+        self.disk.on_sync = lambda: self.history.disk_synced(self.world.now_ns)
         self.faults: Counter = Counter()
         self.violations: list[Violation] = []
         self.connections: list = []  # every connection made; the closed ones are dropped as they are seen
