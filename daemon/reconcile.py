@@ -287,8 +287,11 @@ def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconcile
                      f"the journal: freed")
     # 4. what the journal has and the arena lost (an idle timer comes back without its
     # touch reference, which only the lost record held: :func:`_restored_deadline`)
+    idle_restores: dict[int, tuple[int, object]] = {}  # index in restore -> (tag, timer): idle timers
     for (g, ident), timer in pending.items():
         if (g, ident) not in scheduled_keys:
+            if timer.idle_ms:
+                idle_restores[len(restore)] = (timer.seq & 0xFFFFFFFF, timer)
             restore.append((ident, g, scheduled, _restored_deadline(timer, monotonic, now), timer.seq & 0xFFFFFFFF))
     for (g, ident, seq), timer in unacked.items():
         restore.append((ident, g, AL.FIRED, min(monotonic(timer.deadline_ms), now), seq))
@@ -298,13 +301,26 @@ def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconcile
             result.not_restored += 1
             continue
         deadline = monotonic(timer.deadline_ms)
+        if st == scheduled and timer.idle_ms:
+            idle_restores[len(restore)] = (timer.seq & 0xFFFFFFFF, timer)
         restore.append((ident, gid, st, _restored_deadline(timer, monotonic, now) if st == scheduled
                         else min(deadline, now), timer.seq & 0xFFFFFFFF))
     for ident, _gid, st, d, _seq in restore[:_EXAMPLES]:
         note(f"{'pending' if st == scheduled else 'fired'} timer {ident[1:].rstrip(bytes(1))!r} restored from the journal")
     if not (free or rewrite or restore):
         return
+    # An idle timer's touch reference lives only in its record. The record attach freed
+    # for it (a damaged key meta or group) keeps its tag and aux until it is used again:
+    # read them before the restores take the lowest free records.
+    touch_refs = _touch_references(wheel, {tag for tag, _timer in idle_restores.values()})
+    for index, (tag, timer) in idle_restores.items():
+        if tag in touch_refs:  # its touches are in sight again: the journal's deadline
+            ident, g, st, _d, seq = restore[index]
+            restore[index] = (ident, g, st, monotonic(timer.deadline_ms), seq)
     made = wheel.rewrite_records(free, rewrite, restore)
+    for index, (tag, _timer) in idle_restores.items():
+        if tag in touch_refs and made[index] >= 0:
+            wheel.records["aux"][made[index]] = touch_refs[tag]
     result.freed = len(free) - result.fired_freed
     result.rewritten = len(rewrite)
     missing = sum(1 for slot in made if slot < 0)
@@ -394,3 +410,24 @@ def _restored_deadline(timer, monotonic, now: int) -> int:
     deadline = monotonic(timer.deadline_ms)
     idle_ms = getattr(timer, "idle_ms", None)
     return max(deadline, now + idle_ms) if idle_ms else deadline
+
+
+def _touch_references(wheel, tags: set[int]) -> dict[int, int]:
+    """Arming tag -> the touch reference (aux >= 0) of the FREE record holding that tag: the
+    record of an idle timer attach freed as damaged. A tag found in more than one free
+    record with a touch reference is ambiguous and left out (the timer then waits
+    ``idle_ms`` after the restore, :func:`_restored_deadline`)."""
+    if not tags:
+        return {}
+    rec = wheel.records[wheel.first_entry:]
+    free = (rec["state"] & AL.STATE_MASK) == AL.FREE
+    candidates = np.flatnonzero(free & (rec["aux"] >= 0) & np.isin(rec["tag"], np.fromiter(tags, dtype=np.int64)))
+    found: dict[int, int] = {}
+    ambiguous = set()
+    for tag, aux in zip(rec["tag"][candidates].tolist(), rec["aux"][candidates].tolist()):
+        if tag in found:
+            ambiguous.add(tag)
+        found[tag] = aux
+    for tag in ambiguous:
+        del found[tag]
+    return found
