@@ -122,7 +122,7 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
         config = Config(
             socket_path=socket_path or default_socket_path(name), name=name, tick_ms=tick_ms, wheel_size=wheel_size,
             capacity=capacity, ring_capacity=ring_capacity, touch_capacity=touch_capacity, metrics=metrics,
-            journal_dir=journal_dir, fsync=fsync, journal_damage=journal_damage, log_level=log_level,
+            journal_dir=journal_dir, fsync=fsync, journal_damage=journal_damage,
             coalesce_us=coalesce_us,
             allowed_uids=_ids("--allow-uid", allow_uids, _uid) if allow_uids or allow_groups else None,
             allowed_gids=_ids("--allow-group", allow_groups, _gid) if allow_uids or allow_groups else None,

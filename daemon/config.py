@@ -45,4 +45,3 @@ class Config:
     coalesce_us: int = 500  # a parked daemon wakes this long after a non-urgent doorbell (0: at once)
     delivery_batch: int = 4096
     handshake_timeout_s: float = 5.0
-    log_level: str = "INFO"

@@ -350,7 +350,7 @@ class Simulation:
             socket_path="sim:wheeld", name=f"sim{seed}", capacity=p.capacity, ring_capacity=p.ring_capacity,
             touch_capacity=p.touch_capacity, max_groups=64, group_quota=p.group_quota,
             journal_dir=JOURNAL_DIR if p.journal else None, fsync=p.fsync, coalesce_us=p.coalesce_us,
-            max_park_ms=500, ack_timeout_s=30.0, resume_grace_s=60.0, log_level="CRITICAL", **churn,
+            max_park_ms=500, ack_timeout_s=30.0, resume_grace_s=60.0, **churn,
         )
 
     # ------------------------------------------------------------------ the log
