@@ -29,12 +29,22 @@ N = 20
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_a_restarted_daemon_sends_what_it_had_sent_to_the_same_client_not_to_another(daemon_factory):
-    daemon = daemon_factory().start()
+def _holding(daemon) -> Worker:
+    """A worker of group "g" whose library holds N expirations its application never had."""
     worker = Worker(daemon.socket_path, "g")
     try:
         worker.ask(f"add {N} 50")
-        assert worker.ask(f"buffer {N}")["buffered"] == N  # all sent to it: the only member
+        assert worker.ask(f"buffer {N}")["buffered"] == N  # sent to it, never handed
+    except BaseException:
+        worker.kill()
+        raise
+    return worker
+
+
+def test_a_restarted_daemon_sends_what_it_had_sent_to_the_same_client_not_to_another(daemon_factory):
+    daemon = daemon_factory().start()
+    worker = _holding(daemon)  # all sent to it: the only member
+    try:
         handed = worker.ask("poll")["keys"]
         assert sorted(handed) == sorted(f"k{i}" for i in range(N))
         assert worker.ask("state")["acks"] == N, "acknowledgements queued, pushed at the next poll"
@@ -59,10 +69,8 @@ def test_a_restarted_daemon_sends_what_it_had_sent_to_the_same_client_not_to_ano
 
 def test_what_waits_for_a_client_that_never_comes_back_goes_to_the_group_once_its_slot_is_freed(daemon_factory):
     daemon = daemon_factory(extra=["--resume-grace-s", "1"]).start()
-    worker = Worker(daemon.socket_path, "g")
+    worker = _holding(daemon)
     try:
-        worker.ask(f"add {N} 50")
-        assert worker.ask(f"buffer {N}")["buffered"] == N  # sent to it, never handed
         daemon.kill()
         worker.kill()  # dies while the daemon is down: its slot waits, then is freed
         daemon.start()
@@ -84,10 +92,8 @@ def test_what_a_dead_client_had_in_flight_is_not_held_for_it_by_a_restarted_daem
     one must queue those records for the group (their recipient was cleared when they
     were queued again), not hold them for the dead client's slot for ``--resume-grace-s``."""
     daemon = daemon_factory(extra=["--resume-grace-s", "60"]).start()
-    worker = Worker(daemon.socket_path, "g")
+    worker = _holding(daemon)
     try:
-        worker.ask(f"add {N} 50")
-        assert worker.ask(f"buffer {N}")["buffered"] == N  # sent to it, never handed
         worker.kill()
         wait_until(lambda: "left:" in daemon.log(), 10, "the daemon saw the worker go")
         daemon.kill()

@@ -18,27 +18,25 @@ after it closed the session.
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import signal
 
 import numpy as np
 import pytest
 from daemon_harness import mono_ms, process_state, wait_until
+from ring_harness import ring_executor
 
 import wheeld
 from wheeld.core import ClientCore
 from wheeld.daemon import connection as CN
 from wheeld.daemon import executor as E
-from wheeld.daemon.client_table import ClientSlot
 from wheeld.daemon.planner import Rejection
 from wheeld.protocol import commands as C
 from wheeld.protocol import framing
 from wheeld.protocol import messages as M
 from wheeld.protocol import ring_layout as RL
 from wheeld.protocol.keys import encode_key
-from wheeld.shm.ring import ClientSegment
-from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
+from wheeld.shm.wheel import MAX_DELAY_MS
 
 QUOTA = M.Rejected.QUOTA_EXCEEDED
 INVALID = M.Rejected.INVALID_DEADLINE
@@ -195,13 +193,8 @@ def test_the_executor_answers_a_chunk_in_ring_order(monkeypatch, planned, connec
     Without a session they wait for the next one, each on its side of the last flush's
     Applied (the earlier flushes are not answered: the last covers them)."""
     monkeypatch.setattr(E, "BATCH_MIN", 1 if planned else None)
-    wheel = TimerWheel.create(2, start_ms=1000)
-    gid = wheel.group_id("g")
-    consumer = ClientSegment.create(f"/wheeld-test-{os.getpid()}-answers", 64, 16)
-    producer = ClientSegment.attach(os.dup(consumer.fd), consumer.name)
-    try:
-        cs = ClientSlot(1, consumer, "answers", gid, "g", os.getpid(), os.getuid())
-        executor = E.Executor(wheel, {1: cs}, 1, 0, collections.Counter(), _never_poisoned, lambda: 1000)
+    with ring_executor(2) as r:
+        cs, producer, executor = r.cs, r.producer, r.executor
         commands, answers = _chunk_commands()
         for command in commands:
             assert producer.try_push_record(C.encode_command(*command))
@@ -216,14 +209,6 @@ def test_the_executor_answers_a_chunk_in_ring_order(monkeypatch, planned, connec
             answers = [("rejected", 3, INVALID), ("rejected", 5, FULL), ("rejected", 7, INVALID), ("applied", 8),
                        ("rejected", 9, INVALID)]
         assert _told(transport.data) == answers
-    finally:
-        producer.close()
-        consumer.close()
-        wheel.close()
-
-
-def _never_poisoned(cs, reason):
-    raise AssertionError(f"poisoned: {reason}")
 
 
 # ---------------------------------------------------------------------------- the client's attribution

@@ -13,22 +13,15 @@ first chunk of a ring handed back skips, per key, what the arena shows was appli
 
 from __future__ import annotations
 
-import collections
-import os
-import uuid
-
+import numpy as np
 import pytest
+from ring_harness import ring_executor
 
 from wheeld.daemon import executor as E
-from wheeld.daemon.client_table import ArmingsAtStart, ClientSlot
+from wheeld.daemon.client_table import ArmingsAtStart
 from wheeld.protocol import commands as C
 from wheeld.protocol.keys import encode_key
 from wheeld.shm import TimerWheel
-from wheeld.shm.ring import ClientSegment
-
-
-def _never_poisoned(cs, reason):
-    raise AssertionError(f"poisoned: {reason}")
 
 
 def _chunk():
@@ -48,21 +41,16 @@ def _pending(wheel) -> dict:
 @pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "unguarded"])
 def test_a_chunk_applied_again_after_a_restart_arms_nothing_twice(monkeypatch, planned, applied_before, guarded):
     monkeypatch.setattr(E, "BATCH_MIN", 1 if planned else None)
-    wheel = TimerWheel.create(16, start_ms=1000)
-    gid = wheel.group_id("g")
-    consumer = ClientSegment.create(f"/wheeld-test-{os.getpid()}-{uuid.uuid4().hex[:8]}", 64, 16)
-    producer = ClientSegment.attach(os.dup(consumer.fd), consumer.name)
-    try:
-        cs = ClientSlot(1, consumer, "replayed", gid, "g", os.getpid(), os.getuid())
-        executor = E.Executor(wheel, {1: cs}, 1, 0, collections.Counter(), _never_poisoned, lambda: 1000)
+    with ring_executor(16) as r:
+        wheel, cs, producer, executor = r.wheel, r.cs, r.producer, r.executor
         for command in _chunk():
             assert producer.try_push_record(C.encode_command(*command))
         # the killed daemon: it applied the first records of the chunk, never published the head
         if applied_before:
-            executor.apply(cs, consumer.peek(applied_before))
+            executor.apply(cs, cs.segment.peek(applied_before))
         # the next daemon starts on the arena, fires what is due, and another member
         # has it acknowledged before this client hands its ring back
-        armings = ArmingsAtStart(wheel, {gid})
+        armings = ArmingsAtStart(wheel, {r.gid})
         for slot in wheel.expire(1150):
             wheel.release(slot, wheel.fired(slot)[5])
         cs.replay_guard = armings if guarded else None
@@ -78,10 +66,6 @@ def test_a_chunk_applied_again_after_a_restart_arms_nothing_twice(monkeypatch, p
         assert producer.try_push_record(C.encode_command(C.ADD, *encode_key("a"), 7000, 8))
         assert executor.apply_ring(cs) == 1
         assert _pending(wheel)["a"] == 7000
-    finally:
-        producer.close()
-        consumer.close()
-        wheel.close()
 
 
 def test_the_armings_at_start_are_those_of_the_slots_groups_pending_or_fired():
@@ -93,7 +77,6 @@ def test_the_armings_at_start_are_those_of_the_slots_groups_pending_or_fired():
             wheel.schedule(name, deadline, group, tag)
         wheel.expire(1010)  # "f" is FIRED, unacknowledged
         armings = ArmingsAtStart(wheel, {g})
-        import numpy as np
 
         def ident(name):
             kb, meta = encode_key(name)

@@ -919,12 +919,10 @@ class Simulation:
         accepted range, idle timers whose touch words and idle words it then overwrites. The
         contract: nothing a client writes into its own memory harms the daemon or other groups
         (docs/contracts.md, README "Security model")."""
-        x, client = self.xrng, worker.client
-        segment = client._segment
+        segment = self._hostile_ring(worker, "hostile crafted records")
         if segment is None:
             return
-        now = self.world.clock_ms()
-        self.faults["hostile crafted records"] += 1
+        x, client, now = self.xrng, worker.client, self.world.clock_ms()
         capacity = segment.touch_capacity
         roll = x.random()
         try:
@@ -980,15 +978,20 @@ class Simulation:
                           f"daemon's mapping: the daemon's next access of it dies of SIGBUS"))
             self.kill_daemon(counted=False)
 
+    def _hostile_ring(self, worker: Worker, fault: str):
+        """The ring a hostile worker writes into (None before its first Welcome), the fault counted."""
+        segment = worker.client._segment
+        if segment is not None:
+            self.faults[fault] += 1
+        return segment
+
     def _flood_step(self, worker: Worker) -> None:
         """A client that fills its ring with commands that are answered (adds the daemon
         refuses, and FLUSHes) and never reads its socket."""
-        x, client = self.xrng, worker.client
-        segment = client._segment
+        segment = self._hostile_ring(worker, "hostile ring floods")
         if segment is None:
             return
-        now = self.world.clock_ms()
-        self.faults["hostile ring floods"] += 1
+        x, client, now = self.xrng, worker.client, self.world.clock_ms()
         try:
             for _ in range(segment.ring_capacity):
                 if x.random() < 0.8:
