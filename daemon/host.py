@@ -195,6 +195,23 @@ def _real_shm() -> SharedMemory:
     return RealShm()
 
 
+def process_alive(pid: int) -> bool:
+    """Does process ``pid`` exist? ``kill(pid, 0)``: ESRCH says it does not; EPERM (another
+    uid's process) says it does. A pid this daemon cannot name (0: the client is in a pid
+    namespace the daemon does not see) counts as alive: nothing is concluded from it. A
+    pid used again by another process also counts as alive (the caller then waits as it
+    would have anyway)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 @dataclass
 class Host:
     """The world as the core may see it (see the module docstring).
@@ -209,7 +226,8 @@ class Host:
     ``mkdir``, ``chmod``...). ``shm`` creates, attaches, renames and removes named
     shared-memory segments and takes their locks (:class:`SharedMemory`). ``rng``
     makes labels and secrets. ``pid`` and ``euid`` are the daemon's, as its marks
-    and its ownership checks use them."""
+    and its ownership checks use them. ``process_alive(pid)`` says whether a client's
+    process still exists (:func:`process_alive`)."""
 
     clock_ms: Callable[[], int] = clock.mono_ms
     clock_ns: Callable[[], int] = clock.mono_ns
@@ -223,6 +241,7 @@ class Host:
     pid: int = field(default_factory=os.getpid)
     euid: int = field(default_factory=os.geteuid)
     hostname: str = field(default_factory=socket.gethostname)
+    process_alive: Callable[[int], bool] = process_alive
 
 
 def real_host(clock_ms: Callable[[], int] = clock.mono_ms) -> Host:

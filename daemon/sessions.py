@@ -492,11 +492,16 @@ class Sessions:
         """Is this orphaned slot's client gone for good? A poisoned one at once; one that
         said Bye once its ring is drained; any other once its ring is drained and no
         idle timer refers to its touch table, or ``resume_grace_s`` after it left (a
-        ring still written to by then is not waited for)."""
+        ring still written to by then is not waited for). A slot found in the table at
+        start, whose ring only its client can hand back, as soon as its process is
+        gone (``Host.process_alive``: it died while no daemon ran)."""
         grace_over = now - cs.orphan_since >= self.config.resume_grace_s * 1000
         if cs.segment is None:
             if not grace_over:
-                return False
+                if self.host.process_alive(cs.pid):
+                    return False
+                log.warning("client slot %d: its process (pid %d) is gone; its ring is forgotten", cs.slot, cs.pid)
+                return True
             log.warning("client slot %d (pid %d) did not come back within %.0f s; its ring is forgotten",
                         cs.slot, cs.pid, self.config.resume_grace_s)
             return True

@@ -106,3 +106,25 @@ def test_what_a_dead_client_had_in_flight_is_not_held_for_it_by_a_restarted_daem
         assert "expirations it was sent before the restart go to group" not in daemon.log()
     finally:
         worker.kill()
+
+
+def test_a_client_that_died_while_the_daemon_was_down_is_not_waited_for(daemon_factory):
+    """Its slot is found in the client table, waiting for its ring; its process is gone
+    (``kill(pid, 0)``: ESRCH), so the slot is freed at the next collection instead of
+    after ``--resume-grace-s``, and what was sent to it goes to the group."""
+    daemon = daemon_factory(extra=["--resume-grace-s", "60"]).start()
+    worker = _holding(daemon)
+    try:
+        daemon.kill()
+        worker.kill()
+        daemon.start()
+        started = time.monotonic()
+        with wheeld.connect(daemon.socket_path, group="g") as other:
+            got = collect(other, N, 20)
+            waited = time.monotonic() - started
+            got += other.poll(0.3)
+        assert sorted(e.key for e in got) == sorted(f"k{i}" for i in range(N)), f"{len(got)} of {N} within 20 s"
+        assert waited < 20
+        assert "its process (pid" in daemon.log()
+    finally:
+        worker.kill()

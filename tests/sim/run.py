@@ -367,10 +367,15 @@ class Simulation:
         host = Host(clock_ms=self.world.clock_ms, clock_ns=self.world.clock_ns, wall_ms=self.world.wall_ms,
                     wall_ns=lambda: self.world.wall_ms() * MS, fs=fs, runner=self.runner,
                     shm=self.shm.port(self.pid, DAEMON_UID, ()), users=SimUsers(), rng=SimRandom(self.rng),
-                    pid=self.pid, euid=DAEMON_UID, hostname="sim")
+                    pid=self.pid, euid=DAEMON_UID, hostname="sim", process_alive=self._process_alive)
         if self.extra:  # (plain runs, as before: the unwound code ran on)
             life.shm = host.shm
         return host
+
+    def _process_alive(self, pid: int) -> bool:
+        """A worker's process exists while it lives (a pid no worker has: unknown, alive)."""
+        worker = next((w for w in self.workers if w.pid == pid), None)
+        return worker is None or worker.alive
 
     def start_daemon(self) -> None:
         if self.daemon is not None and self.daemon.alive:
