@@ -328,6 +328,7 @@ class Simulation:
         self.daemon: SimDaemon | None = None
         self.runner: SimRunner | None = None
         self.workers: list[Worker] = []
+        self._by_ident: dict[int, Worker] = {}  # every worker ever spawned, by ident
         self.next_ident = 0
         self.ops = 0
         self.pid = 100
@@ -600,6 +601,7 @@ class Simulation:
         self.next_ident += 1
         worker = Worker(self, self.next_ident, group, slow, hostile, kind)
         self.workers.append(worker)
+        self._by_ident[worker.ident] = worker
         if not hostile:
             self.history.joined(worker.ident, group)
         self.world.after_ms(self.rng.uniform(0, 5), lambda: self._connect(worker))
@@ -809,6 +811,14 @@ class Simulation:
         except (BrokenPeer, Closed, DaemonNotRunning) as exc:
             self.note(f"worker {worker.ident}: {exc!r}")
 
+    def _resolve_tag(self, key, tag: int) -> int:
+        """The tag the application armed, for one a library re-armed an idle timer with: the
+        library of the key's owner (``c<id>-<n>``: only it re-arms its idle keys), whichever
+        member of the group is handed the expiration."""
+        owner = int(key.split("-", 1)[0][1:]) if isinstance(key, str) and key.startswith("c") and "-" in key else None
+        worker = self._by_ident.get(owner) if owner is not None else None
+        return worker.client.resolve_tag(tag) if worker is not None else tag
+
     def _poll(self, worker: Worker) -> None:
         if not worker.alive or worker.hostile or not worker.started:
             return
@@ -823,9 +833,9 @@ class Simulation:
             return
         now = self.world.now_ns
         for expired, tag in zip(polled.expired, worker.client.handed_tags):
-            self.history.handed(worker.ident, expired.key, worker.client.resolve_tag(tag), now,
+            self.history.handed(worker.ident, expired.key, self._resolve_tag(expired.key, tag), now,
                                 expired.fired_ms * 1_000_000)
-            self.note(f"w{worker.ident} handed {expired.key} tag {tag}->{worker.client.resolve_tag(tag)} "
+            self.note(f"w{worker.ident} handed {expired.key} tag {tag}->{self._resolve_tag(expired.key, tag)} "
                       f"deadline {expired.deadline_ms} fired {expired.fired_ms} late {expired.late}")
             worker.idle_keys.discard(expired.key)
         worker.client.handed_tags.clear()
