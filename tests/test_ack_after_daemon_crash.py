@@ -41,6 +41,18 @@ def _holding(daemon) -> Worker:
     return worker
 
 
+def _restart_and_collect(daemon) -> tuple[list, float]:
+    """Start the daemon again; what another member of "g" is handed (up to N, 20 s at most,
+    then 0.3 s more for repeats) and how long the first N took."""
+    daemon.start()
+    started = time.monotonic()
+    with wheeld.connect(daemon.socket_path, group="g") as other:
+        got = collect(other, N, 20)
+        waited = time.monotonic() - started
+        got += other.poll(0.3)
+    return got, waited
+
+
 def test_a_restarted_daemon_sends_what_it_had_sent_to_the_same_client_not_to_another(daemon_factory):
     daemon = daemon_factory().start()
     worker = _holding(daemon)  # all sent to it: the only member
@@ -73,12 +85,7 @@ def test_what_waits_for_a_client_that_never_comes_back_goes_to_the_group_once_it
     try:
         daemon.kill()
         worker.kill()  # dies while the daemon is down: its slot waits, then is freed
-        daemon.start()
-        started = time.monotonic()
-        with wheeld.connect(daemon.socket_path, group="g") as other:
-            got = collect(other, N, 20)
-            waited = time.monotonic() - started
-            got += other.poll(0.3)
+        got, waited = _restart_and_collect(daemon)
         assert sorted(e.key for e in got) == sorted(f"k{i}" for i in range(N)), "each once, to the other member"
         assert waited >= 0.9, "sent to the group before the slot was freed"
         assert "expirations it was sent before the restart go to group" in daemon.log()
@@ -117,12 +124,7 @@ def test_a_client_that_died_while_the_daemon_was_down_is_not_waited_for(daemon_f
     try:
         daemon.kill()
         worker.kill()
-        daemon.start()
-        started = time.monotonic()
-        with wheeld.connect(daemon.socket_path, group="g") as other:
-            got = collect(other, N, 20)
-            waited = time.monotonic() - started
-            got += other.poll(0.3)
+        got, waited = _restart_and_collect(daemon)
         assert sorted(e.key for e in got) == sorted(f"k{i}" for i in range(N)), f"{len(got)} of {N} within 20 s"
         assert waited < 20
         assert "its process (pid" in daemon.log()
