@@ -352,9 +352,9 @@ class Delivery:
             waited_ms = now - cs.orphan_since
             return (now + IDLE_WAIT_MS if waited_ms < self.config.resume_grace_s * 1000 else None), 0
         try:
-            # the bound for a touch is the clock now, not the iteration's ``now``: the client
-            # may have touched after this iteration read it
-            activity = cs.segment.read_activity(aux & CL.TOUCH_INDEX_MASK, max(now, self.clock()))
+            # the bound for a touch is the clock after the touch word was read, not the
+            # iteration's ``now``: the client may have touched after either clock read
+            activity = cs.segment.read_activity(aux & CL.TOUCH_INDEX_MASK, now, self.clock)
         except ProtocolError as exc:
             self.poison(cs, f"touch table: {exc}")
             return None, 0

@@ -553,6 +553,8 @@ class Sessions:
             slots, index = slots[inside], index[inside]
             touched = np.frombuffer(cs.segment._last_touch, dtype=np.int64)[index]
             idle_ms = np.frombuffer(cs.segment._idle, dtype=np.int64)[index]
+            # the clock after the words were read (copied): a touch the client stored
+            # meanwhile is not taken for one from the future
             now = max(wheel.current_ms, self.daemon.clock())
             # ClientSegment.read_activity's checks, for many: 0 in either word is "no activity"
             sound = (touched > 0) & (touched <= now + 1) & (idle_ms > 0) & (idle_ms <= MAX_IDLE_MS)

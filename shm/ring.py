@@ -661,20 +661,27 @@ class ClientSegment:
         self._check_open()
         return self._idle[index]
 
-    def read_activity(self, index: int, now_ms: int) -> tuple[int, int] | None:
+    def read_activity(self, index: int, now_ms: int, clock=None) -> tuple[int, int] | None:
         """An idle timer's (last_touch_ms, idle_ms) at touch ``index``, checked, or None.
 
         The two words are the client's to write, so they are checked before the daemon
         computes a deadline from them: None when the key carries no activity (either
         word is 0); ProtocolError when they are impossible: an index outside the table,
-        a touch later than ``now_ms + 1`` (a touch stores the clock rounded up), a
+        a touch later than the clock + 1 (a touch stores the clock rounded up), a
         negative one, or an ``idle_ms`` outside ``1 .. MAX_IDLE_MS``. So
         ``last_touch_ms + idle_ms`` always fits the wheel's range.
+
+        ``now_ms`` is a clock read made before this call. The client may store a touch
+        at any moment, so a touch later than ``now_ms + 1`` is checked again against
+        ``clock()`` (the daemon's clock, read after the word was): a touch stored
+        between the caller's clock read and the word's read is legitimate.
         """
         touched = self.read_touch(index)
         idle_ms = self._idle[index]
         if touched == 0 or idle_ms == 0:
             return None
+        if touched > now_ms + 1 and clock is not None:
+            now_ms = clock()  # after the read above: every honest touch is at most this + 1
         if not 0 < touched <= now_ms + 1:
             raise ProtocolError(f"touch index {index}: last touch {touched} ms is not a time before now ({now_ms})")
         if not 0 < idle_ms <= MAX_IDLE_MS:

@@ -25,7 +25,7 @@ class _TouchTable:
     def __init__(self):
         self.touched, self.idle = {}, {}
 
-    def read_activity(self, index, now_ms):
+    def read_activity(self, index, now_ms, clock=None):
         touched, idle_ms = self.touched.get(index, 0), self.idle.get(index, 0)
         return (touched, idle_ms) if touched and idle_ms else None
 

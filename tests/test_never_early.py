@@ -180,6 +180,43 @@ def test_a_touch_made_after_the_daemon_read_its_clock_is_not_taken_for_a_bad_val
         segment.close()
 
 
+def test_a_touch_stored_right_after_the_daemon_read_its_clock_does_not_poison_the_client():
+    """The race a loaded host opens: the daemon reads its clock, the client stores a touch
+    in the next millisecond (rounded up: two past what the daemon read), then the daemon
+    reads the touch word. That client is honest: it is not disconnected, and its timer
+    moves to the touch it stored (idle timers of a poisoned client fire at once, early)."""
+    import os
+
+    from wheeld.daemon.client_table import ClientSlot
+    from wheeld.daemon.config import Config
+    from wheeld.daemon.delivery import Delivery
+    from wheeld.protocol import clients_layout as CL
+    from wheeld.shm.ring import ClientSegment
+
+    segment = ClientSegment.create("touch-race-clock", 8, 4)
+    try:
+        cs = ClientSlot(2, segment, "touch-race-clock", 0, "g", os.getpid(), os.getuid())
+        config = Config(socket_path="/nonexistent/wheeld.sock", name="touch-race-clock")
+        base = time.monotonic_ns() // 1_000_000
+        reads = []
+
+        def clock():
+            # a millisecond later at each read, each read followed by a touch 0.x ms later
+            reads.append(base + len(reads) + 1)
+            segment._last_touch[1] = reads[-1] + 2
+            return reads[-1]
+
+        delivery = Delivery(_NoWheel(), {2: cs}, config, {}, 0, lambda cs, reason: setattr(cs, "poisoned", True),
+                            clock)
+        segment._last_touch[1] = base + 2  # touched at base + 0.x, after the loop read the clock
+        segment._idle[1] = 1_000
+        rearm_at, idle_ms = delivery.idle_check(2 << CL.TOUCH_INDEX_BITS | 1, base)
+        assert not cs.poisoned
+        assert idle_ms == 1_000 and rearm_at >= base + 2 + 1_000
+    finally:
+        segment.close()
+
+
 class _NoWheel:
     """Delivery's wheel, for a test that only checks touches."""
 

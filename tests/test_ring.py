@@ -233,6 +233,20 @@ def test_activity_read_by_the_daemon_is_range_checked(make_segments, touched, id
         assert consumer.read_activity(2, 1000) == expected
 
 
+def test_a_touch_stored_after_the_callers_clock_read_is_checked_against_a_later_one(make_segments):
+    """The daemon read its clock (1000.9 ms: 1000), then the client touched (1001.2 ms,
+    stored rounded up: 1002), then the daemon read the word: the touch is legitimate, and
+    ``clock``, read after the word, says so. Without a clock to ask it is refused."""
+    consumer, producer = make_segments(touch_capacity=4)
+    producer._last_touch[2] = 1002
+    producer._idle[2] = 30_000
+    assert consumer.read_activity(2, 1000, clock=lambda: 1001) == (1002, 30_000)
+    with pytest.raises(ProtocolError):
+        consumer.read_activity(2, 1000)
+    with pytest.raises(ProtocolError):  # still the future when the clock is read again
+        consumer.read_activity(2, 1000, clock=lambda: 1000)
+
+
 def test_touch_table_does_not_overlap_the_ring(make_segments):
     consumer, producer = make_segments(ring_capacity=4, touch_capacity=4)
     for index in range(4):
