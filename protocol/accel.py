@@ -34,8 +34,8 @@ import sys
 import warnings
 
 __all__ = [
-    "COMPILED_MODULES", "PATH_CODES", "PATH_NAMES", "compiled", "implementation", "module_paths", "pure_python_requested",
-    "install_finder",
+    "COMPILED_MODULES", "PATH_CODES", "PATH_NAMES", "compiled", "implementation", "module_paths",
+    "pure_python_requested", "install_finder",
 ]
 
 #: module -> its source, relative to the repository (setup.py compiles each one)
@@ -112,9 +112,21 @@ def _stale(extension: str, source: str, directory: str, leaf: str, fullname: str
     if not os.path.exists(os.path.join(directory, leaf + ".c")):
         return None  # an installed package: the extension is what was built from the source
     built = os.path.getmtime(extension)
-    for path in _build_inputs(source, fullname):
+    inputs, reached = _walk_cimports(source, fullname)
+    for path in inputs:
         if os.path.getmtime(path) > built:
             return path
+    # An extension built against another hot module's C types (a cimport) cannot run
+    # with that module's Python source: importing it would fail ("size changed"). So
+    # when a module it reaches runs from source (its extension is stale), so does it.
+    for name, other_source in reached:
+        other_extension = _extension_beside(os.path.dirname(other_source), name.rpartition(".")[2])
+        if other_extension is None:
+            continue
+        other_built = os.path.getmtime(other_extension)
+        for path in _walk_cimports(other_source, name)[0][:2]:  # its .py and .pxd
+            if os.path.getmtime(path) > other_built:
+                return path
     return None
 
 
@@ -123,17 +135,25 @@ def _build_inputs(source: str, fullname: str | None) -> list[str]:
     and, through that file's ``cimport`` lines (absolute ``wheeld.X`` or relative), the
     ``.pxd`` of every other hot module it reaches. A hot module's file is found from
     :data:`COMPILED_MODULES` (its path relative to the checkout's root)."""
+    return _walk_cimports(source, fullname)[0]
+
+
+def _walk_cimports(source: str, fullname: str | None) -> tuple[list[str], list[tuple[str, str]]]:
+    """:func:`_build_inputs`, and the (name, ``.py`` path) of every other hot module reached."""
     root = None
     if fullname in COMPILED_MODULES:
         relative = COMPILED_MODULES[fullname]
         root = source[: len(source) - len(relative)] if source.replace(os.sep, "/").endswith(relative) else None
     inputs, queue, seen = [source], [(fullname, source[:-3] + ".pxd")], set()
+    reached = []
     while queue:
         module, pxd = queue.pop()
         if pxd in seen or not os.path.exists(pxd):
             continue
         seen.add(pxd)
         inputs.append(pxd)
+        if module != fullname and module is not None:
+            reached.append((module, pxd[:-4] + ".py"))
         if root is None or module is None:
             continue
         with open(pxd, encoding="utf-8") as f:
@@ -145,7 +165,7 @@ def _build_inputs(source: str, fullname: str | None) -> list[str]:
             target = COMPILED_MODULES.get(name)
             if target is not None:
                 queue.append((name, os.path.join(root, target[:-3] + ".pxd")))
-    return inputs
+    return inputs, reached
 
 
 def install_finder() -> None:
@@ -159,8 +179,14 @@ def compiled(name: str) -> bool:
     """Whether importing hot module ``name`` loads (or has loaded) its extension. Found, not
     imported: the daemon asks about the client's modules without loading them."""
     module = sys.modules.get(name)
-    origin = (getattr(module, "__file__", None) if module is not None else importlib.util.find_spec(name).origin) or ""
-    return origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+    if module is not None:
+        origin = getattr(module, "__file__", None)
+    else:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            raise ModuleNotFoundError(f"no module named {name!r}", name=name)
+        origin = spec.origin
+    return (origin or "").endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
 
 
 def module_paths() -> dict[str, str]:

@@ -43,7 +43,8 @@ def _built() -> bool:
 
 def _paths_in_child(env_extra: dict) -> dict:
     env = dict(os.environ, **env_extra)
-    code = "import json; from wheeld.protocol import accel; print(json.dumps([accel.module_paths(), accel.implementation()]))"
+    code = ("import json; from wheeld.protocol import accel; "
+            "print(json.dumps([accel.module_paths(), accel.implementation()]))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
     paths, implementation = json.loads(out.stdout)
     return {"modules": paths, "implementation": implementation}
@@ -133,6 +134,38 @@ def test_a_build_older_than_a_pxd_it_cimports_is_not_used(tmp_path, monkeypatch)
     assert any(f"older than {package / 'c.pxd'}" in str(w.message) for w in caught), [str(w.message) for w in caught]
 
 
+def test_a_build_whose_cimported_module_runs_from_source_is_not_used(tmp_path, monkeypatch):
+    """An extension built against another hot module's C types cannot be imported beside
+    that module's Python source (Cython: "size changed"): when the module it cimports is
+    stale, and so runs from source, it runs from source too, with a warning."""
+    package = tmp_path / "hotpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for leaf in ("a", "b"):
+        (package / f"{leaf}.py").write_text("WHERE = 'source'\n")
+        (package / f"{leaf}.c").write_text("/* generated */\n")
+        (package / f"{leaf}{EXTENSIONS[0]}").write_bytes(b"not a real extension")
+    (package / "a.pxd").write_text("from hotpkg.b cimport Segment\n")
+    (package / "b.pxd").write_text("cdef class Segment:\n    pass\n")
+    for name in ("hotpkg.a", "hotpkg.b"):
+        monkeypatch.setitem(accel.COMPILED_MODULES, name, f"hotpkg/{name[7:]}.py")
+    base = os.path.getmtime(package / "a.py")
+    for leaf in ("a.py", "a.pxd", "b.py", "b.pxd"):
+        os.utime(package / leaf, (base - 100, base - 100))
+    for leaf in ("a", "b"):
+        os.utime(package / f"{leaf}{EXTENSIONS[0]}", (base, base))
+    finder = accel._PureFinder(pure=False)
+    assert finder.find_spec("hotpkg.a", [str(package)]) is None, "both up to date: the extension runs"
+    os.utime(package / "b.py", (base + 100, base + 100))  # b edited, not rebuilt: b runs from source
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spec = finder.find_spec("hotpkg.a", [str(package)])
+    assert spec is not None and spec.origin == str(package / "a.py")
+    assert any(f"older than {package / 'b.py'}" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    os.utime(package / f"b{EXTENSIONS[0]}", (base + 200, base + 200))  # b rebuilt (a needs no rebuild)
+    assert finder.find_spec("hotpkg.a", [str(package)]) is None
+
+
 def test_the_inputs_of_the_shipped_hot_modules_include_what_their_pxd_cimports():
     inputs = accel._build_inputs(str(ROOT / "daemon" / "executor.py"), "wheeld.daemon.executor")
     relative = {os.path.relpath(path, ROOT) for path in inputs}
@@ -143,7 +176,8 @@ def _source_copy(into: Path) -> Path:
     tree = into / "src"
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for name in tracked:
-        if name.startswith(("tests/", "bench/", "docs/", "examples/", "pipeline/")) and not name.endswith("__init__.py"):
+        if (name.startswith(("tests/", "bench/", "docs/", "examples/", "pipeline/"))
+                and not name.endswith("__init__.py")):
             continue
         target = tree / name
         target.parent.mkdir(parents=True, exist_ok=True)
