@@ -84,8 +84,12 @@ test-core: $(CORE_STAMP) build
 test-long: $(TEST_STAMP) build
 	$(BIN)/python -m pytest -n 4 -q -m slow
 
-# the import contracts of pyproject.toml ([tool.importlinter]): which layer may import which
+# ruff over the tree, mypy over wheeld.protocol and the client's public modules
+# (.ci/typecheck.py), and the import contracts of pyproject.toml ([tool.importlinter]):
+# which layer may import which. Their settings: pyproject's [tool.ruff] and [tool.mypy].
 lint: $(TEST_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python .ci/typecheck.py
 	$(BIN)/python .ci/lint_imports.py
 
 # the deterministic simulation (tests/sim, docs/testing.md): SEEDS fresh seeds on every core,

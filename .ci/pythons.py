@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--except", dest="skip", default=None, metavar="VERSION",
                         help="leave this version out (3.N)")
-    parser.add_argument("--pyenv-root", type=Path, default=None, help="pyenv's folder (default $PYENV_ROOT or ~/.pyenv)")
+    parser.add_argument("--pyenv-root", type=Path, default=None,
+                        help="pyenv's folder (default $PYENV_ROOT or ~/.pyenv)")
     parser.add_argument("--pyproject", type=Path, default=ROOT / "pyproject.toml", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     missing = []

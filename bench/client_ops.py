@@ -1,6 +1,7 @@
 """Per-call cost of the client's ``add``, ``cancel``, ``touch`` and ``add_idle``: compiled and Python path.
 
-    python -m bench.client_ops                 # ~1 min; prints a table, writes bench/runs/client_ops.json (--save: bench/results/)
+    python -m bench.client_ops                 # ~1 min; prints a table, writes bench/runs/client_ops.json
+                                               # (--save: bench/results/)
     python -m bench.client_ops --rounds 41 --batch 8192
 
 What is measured: the real client code (:class:`wheeld.core.ClientCore`, the state

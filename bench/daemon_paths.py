@@ -1,6 +1,7 @@
 """Four small measurements behind choices in the daemon and the client.
 
-    python -m bench.daemon_paths            # ~30 s: three tables + bench/runs/daemon_paths.json (--save: bench/results/)
+    python -m bench.daemon_paths            # ~30 s: three tables + bench/runs/daemon_paths.json
+                                            # (--save: bench/results/)
     python -m bench.daemon_paths --quick    # seconds
 
 1. **apply paths** (``daemon/executor.py`` ``BATCH_MIN``): the daemon applies a
@@ -206,7 +207,8 @@ def bookkeeping_pauses(count: int, recent: int) -> list[dict]:
     seen = {(b"\x45c0-%d" % i, i) for i in range(recent)}
     t = time.perf_counter_ns()
     del seen
-    rows.append({"what": f"drop a set of {recent:,} (ident, tag) at once", "longest_us": round((time.perf_counter_ns() - t) / 1e3, 1),
+    rows.append({"what": f"drop a set of {recent:,} (ident, tag) at once",
+                 "longest_us": round((time.perf_counter_ns() - t) / 1e3, 1),
                  "mean_ns_per_op": None})
     sets = [set() for _ in range(64)]
     order: collections.deque = collections.deque()
@@ -222,7 +224,8 @@ def bookkeeping_pauses(count: int, recent: int) -> list[dict]:
             sets[old[1] & 63].discard(old)
         longest = max(longest, time.perf_counter_ns() - t)
     rows.append({"what": f"{recent * 2:,} remembered, the oldest forgotten one at a time (64 sets)",
-                 "longest_us": round(longest / 1e3, 1), "mean_ns_per_op": round((time.perf_counter_ns() - t_all) / (recent * 2), 1)})
+                 "longest_us": round(longest / 1e3, 1),
+                 "mean_ns_per_op": round((time.perf_counter_ns() - t_all) / (recent * 2), 1)})
     return rows
 
 

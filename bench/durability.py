@@ -305,7 +305,8 @@ def targets(rows: list[dict], recovery: dict | None, comparable: bool = True) ->
     for row in rows:
         if row["policy"] == "interval=10" and row["vs_none"] is not None:
             out.append({"target": f"interval=10 >= {TARGET_INTERVAL_RATIO}x none (batch {row['batch']})",
-                        "value": row["vs_none"], "met": row["vs_none"] >= TARGET_INTERVAL_RATIO if comparable else None})
+                        "value": row["vs_none"],
+                        "met": row["vs_none"] >= TARGET_INTERVAL_RATIO if comparable else None})
     if recovery is not None:
         out.append({"target": f"recover 1M pending < {TARGET_RECOVERY_1M_S} s (journal only, this run)",
                     "value": recovery["best"], "met": recovery["best"] < TARGET_RECOVERY_1M_S})
@@ -336,7 +337,8 @@ def print_report(rows, target_rows, recovery, journal_figures, loadavgs) -> None
                       f"  ({numbers['bytes_on_disk'] / 1e6:,.0f} MB)")
     if journal_figures and journal_figures.get("bytes"):
         b = journal_figures["bytes"]
-        print(f"journal bytes per timer (bench/journal.py): add {b['add']:.0f}, add+cancel {b['timer_add_cancel']:.0f}, "
+        print(f"journal bytes per timer (bench/journal.py): add {b['add']:.0f}, "
+              f"add+cancel {b['timer_add_cancel']:.0f}, "
               f"add+fire+ack {b['timer_add_fire_ack']:.0f}, snapshot {b['snapshot_per_pending']:.0f} per pending")
     print("\ntargets")
     for t in target_rows:

@@ -1,6 +1,7 @@
 """End-to-end benchmark: wheeld against a Redis delayed queue and asyncio, in one run.
 
-    python -m bench.e2e              # full run, 3 repeats (~3 min); table + bench/runs/e2e.json (--save: bench/results/)
+    python -m bench.e2e              # full run, 3 repeats (~3 min); table + bench/runs/e2e.json
+                                     # (--save: bench/results/)
     python -m bench.e2e --quick      # seconds: a smoke run with small sizes, 1 repeat
     python -m bench.e2e --only wheeld --repeat 1 --profile /tmp/prof   # py-spy recordings of one run
     python -m bench.e2e --only wheeld --repeat 1 --raw /tmp/raw        # when did timers fire late?
@@ -273,9 +274,9 @@ class Phases:
             except queue_module.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(f"client process {dead[0].pid} exited with {dead[0].exitcode}")
+                    raise RuntimeError(f"client process {dead[0].pid} exited with {dead[0].exitcode}") from None
                 if time.monotonic() > end:
-                    raise TimeoutError(f"clients did not reach {kind} {phase} within {timeout_s} s")
+                    raise TimeoutError(f"clients did not reach {kind} {phase} within {timeout_s} s") from None
                 continue
             if what == "error":
                 raise RuntimeError(f"client {client} failed:\n{payload}")
@@ -549,7 +550,7 @@ def measure_touch(w, sizes: Sizes) -> dict:
 
     def loop_only():
         for _ in range(rounds):
-            for key in keys:
+            for _key in keys:
                 pass
 
     def encode_only():
@@ -561,7 +562,7 @@ def measure_touch(w, sizes: Sizes) -> dict:
 
     def clock_only():
         for _ in range(rounds):
-            for key in keys:
+            for _key in keys:
                 monotonic_ns() // 1_000_000
 
     segment = w._segment  # the bare store, for the breakdown only
@@ -940,9 +941,9 @@ def run_asyncio(sizes: Sizes, seed: int) -> dict:
                 break
             except queue_module.Empty:
                 if proc.exitcode not in (None, 0):
-                    raise RuntimeError(f"asyncio process exited with {proc.exitcode}")
+                    raise RuntimeError(f"asyncio process exited with {proc.exitcode}") from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError("asyncio baseline did not finish")
+                    raise TimeoutError("asyncio baseline did not finish") from None
         if kind == "error":
             raise RuntimeError(f"asyncio baseline failed:\n{payload}")
         return payload

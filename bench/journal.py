@@ -118,8 +118,10 @@ def bench_append(directory: Path, policy: str, events: int, batch: int, repeat: 
 def bench_bytes() -> dict:
     count = 10_000
     adds = [Add(n=10**8 + i, t=T0 + i, g="purgatory", k=f"req-{i:08d}", d=T0 + i + 500, s=i) for i in range(count)]
-    cancels = [Cancel(n=10**8 + i, t=T0 + i, g="purgatory", k=f"req-{i:08d}", s=i, hit=True, pd=T0 + i + 500) for i in range(count)]
-    fires = [Fire(n=10**8 + i, t=T0 + i, g="purgatory", k=f"req-{i:08d}", d=T0 + i, s=i, f=T0 + i + 1, lat=1) for i in range(count)]
+    cancels = [Cancel(n=10**8 + i, t=T0 + i, g="purgatory", k=f"req-{i:08d}", s=i, hit=True, pd=T0 + i + 500)
+               for i in range(count)]
+    fires = [Fire(n=10**8 + i, t=T0 + i, g="purgatory", k=f"req-{i:08d}", d=T0 + i, s=i, f=T0 + i + 1, lat=1)
+             for i in range(count)]
     acks = [Ack(n=10**8 + i, t=T0 + i, g="purgatory", k=f"req-{i:08d}", s=i) for i in range(count)]
     per = {
         "add": len(encode_events(adds)) / count,
@@ -227,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(tempfile.mkdtemp(prefix="wheeld-bench-journal-", dir=args.dir))
     result: dict = {
         "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count()},
-        "parameters": {"events": args.events, "always_events": args.always_events, "pending": args.pending, "repeat": args.repeat},
+        "parameters": {"events": args.events, "always_events": args.always_events, "pending": args.pending,
+                       "repeat": args.repeat},
     }
     if args.recovery_only:
         try:
@@ -255,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             for policy in ("off", "interval=10", "always"):
                 count = args.always_events if policy == "always" else args.events
                 append[f"{policy}_batch_{batch}"] = bench_append(base, policy, count, batch, args.repeat)
-                print(f"  append {policy:<12} batch {batch:>3}: {append[f'{policy}_batch_{batch}']['best'] / 1e3:8.0f}k events/s", file=sys.stderr)
+                print(f"  append {policy:<12} batch {batch:>3}: "
+                      f"{append[f'{policy}_batch_{batch}']['best'] / 1e3:8.0f}k events/s", file=sys.stderr)
         result["append_events_per_s"] = append
         result["bytes"] = bench_bytes()
         recovery = {f"{args.pending}": bench_recovery(base, args.pending, args.repeat)}

@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loads", type=int, default=20_000_000, help="dependent loads timed per size")
     ap.add_argument("--repeat", type=int, default=2, help="runs of the chase; the fastest per size is kept")
     ap.add_argument("--no-wheel", action="store_true", help="the chase only, no bench.wheel_core run")
-    ap.add_argument("--out", default="miss_floor", help="result name: writes NAME.json (into bench/runs/, or bench/results/ with --save)")
+    ap.add_argument("--out", default="miss_floor",
+                    help="result name: writes NAME.json (into bench/runs/, or bench/results/ with --save)")
     add_save_option(ap)
     args = ap.parse_args(argv)
 

@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         started = time.perf_counter()
         fleets[size] = fleet_for(size, data_dir)
-        print(f"fleet of {size:,} events ready in {time.perf_counter() - started:.1f} s: {fleets[size]}", file=sys.stderr)
+        print(f"fleet of {size:,} events ready in {time.perf_counter() - started:.1f} s: {fleets[size]}",
+              file=sys.stderr)
 
     started = time.perf_counter()
     spark = session(args.master, progress=False)
@@ -308,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = crc_bench(spark, fleets[sizes[0]])
         print(format_table(rows, ["variant", "lines", "kept", "seconds", "lines_per_s"],
                            ["crc check", "lines", "kept", "s", "lines/s"]))  # fmt: skip
-        print(f"wrote {write_json('pipeline_crc', {'master': spark.sparkContext.master, 'rows': rows}, save=args.save)}")
+        print("wrote "
+              f"{write_json('pipeline_crc', {'master': spark.sparkContext.master, 'rows': rows}, save=args.save)}")
         spark.stop()
         return 0
 

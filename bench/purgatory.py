@@ -645,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", help="comma-separated target rates (requests/s)")
     parser.add_argument("--case", dest="cases", default="low,high", help="low,high")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="old,new,daemon")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per point; the best (on time first, then rate) is kept, all are listed")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per point; the best (on time first, then rate) is kept, all are listed")
     parser.add_argument("--max-lag-s", type=float, default=2.0, help="a point stops once this far behind schedule")
     parser.add_argument("--keep-going", action="store_true", help="do not stop a sweep after two saturated points")
     parser.add_argument("--drain-s", type=float, default=10.0, help="wait this long for stragglers after a point")

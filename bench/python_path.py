@@ -1,6 +1,7 @@
 """The Python path against an earlier tree, in machine instructions per call (callgrind).
 
-    python -m bench.python_path                      # ~5 min; table + bench/runs/python_path.json (--save: bench/results/)
+    python -m bench.python_path                      # ~5 min; table + bench/runs/python_path.json
+                                                     # (--save: bench/results/)
     python -m bench.python_path --base 1c6bfd3 --ops 3000
 
 Wall-clock figures of the interpreter swing 10-40% within minutes on the
@@ -213,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", default=DEFAULT_BASE, help="git revision to compare with (its Python path)")
     ap.add_argument("--ops", type=int, default=5000, help="calls of each kind")
     ap.add_argument("--pending", type=int, default=20_000, help="timers in the wheel before the calls")
-    ap.add_argument("--out", default="python_path", help="result name: writes NAME.json (into bench/runs/, or bench/results/ with --save)")
+    ap.add_argument("--out", default="python_path",
+                    help="result name: writes NAME.json (into bench/runs/, or bench/results/ with --save)")
     add_save_option(ap)
     args = ap.parse_args(argv)
     for tool in ("valgrind", "callgrind_annotate", "git"):

@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                               "sys_us_per_read", "us_per_read"],
                        ["loop", "connections", "reads/s", "reads/wait", "user us", "sys us", "us/read"]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"benchmark": "read_floor", "machine": info, "results": rows}, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps({"benchmark": "read_floor", "machine": info, "results": rows}, indent=2)
+                              + "\n")
     return 0
 
 

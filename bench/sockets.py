@@ -843,8 +843,9 @@ def judge_closes(load: Load, closes: list, idle_ns: int, end_ns: int) -> dict:
             undetermined += 1  # the send call straddled the moment idle_ms before the close
     missed = sum(1 for i in range(load.n) if not load.active[i] and i not in closed)
     return {"wrong": len(wrong), "load_stalls": stalls, "undetermined": undetermined, "unknown_ports": unknown,
-            "missed": missed, "stall_examples": stall_examples, "wrong_examples": [{"active": load.active[i], "since_last_send_ms": ms}
-                                                 for i, ms in wrong[:10]]}
+            "missed": missed, "stall_examples": stall_examples,
+            "wrong_examples": [{"active": load.active[i], "since_last_send_ms": ms}
+                               for i, ms in wrong[:10]]}
 
 
 # =========================================================================== profiles (--profile DIR)
@@ -1178,7 +1179,8 @@ def format_row(r: dict) -> str:
     return (f"open {r['open_s']:.1f} s, {r['reads_per_s']:,.0f} reads/s, server {r['server_cpu_cores']:.2f} cores, "
             f"load {r['load_cpu_cores']:.2f} cores, cpu/read {r['server_us_per_read']:.2f}{daemon} us, wrong "
             f"{r['wrong_closes']}, early {r['early_closes']}, missed {r['missed']}, idle closes {r['idle_closes']}, "
-            f"load stalls {r['load_stalls']} (send lag p99/max {r['load_send_lag_ms_p99']}/{r['load_send_lag_ms_max']} ms), "
+            f"load stalls {r['load_stalls']} (send lag p99/max "
+            f"{r['load_send_lag_ms_p99']}/{r['load_send_lag_ms_max']} ms), "
             f"late p50/p99/max {ms(lat['p50'])}/{ms(lat['p99'])}/{ms(lat['max'])} ms"
             + (f" (daemon fired p50/p99 {ms(r['daemon_fire_lateness_ms']['p50'])}/"
                f"{ms(r['daemon_fire_lateness_ms']['p99'])} ms late)" if "daemon_fire_lateness_ms" in r else "")

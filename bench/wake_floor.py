@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="runs of each loop; the cheapest is kept")
     ap.add_argument("--ops-per-s", type=int, default=E2E_STEADY_OPS_PER_S,
                     help="client ops per second the wake-ups are shared by (bench.e2e's steady phase)")
-    ap.add_argument("--out", default="wake_floor", help="result name: writes NAME.json (into bench/runs/, or bench/results/ with --save)")
+    ap.add_argument("--out", default="wake_floor",
+                    help="result name: writes NAME.json (into bench/runs/, or bench/results/ with --save)")
     add_save_option(ap)
     args = ap.parse_args(argv)
 

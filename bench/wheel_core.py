@@ -375,7 +375,8 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         arena = f"{r['arena_bytes_per_timer']:.1f}" if r["arena_bytes_per_timer"] else "-"
         lines.append(
-            f"| {r['impl']} | {r.get('path', '-')} | {r['pending']:,} | {r['insert_per_s']:,.0f} | {r['cancel_per_s']:,.0f} "
+            f"| {r['impl']} | {r.get('path', '-')} | {r['pending']:,} | {r['insert_per_s']:,.0f} "
+            f"| {r['cancel_per_s']:,.0f} "
             f"| {r['rearm_per_s']:,.0f} | {r['expire_per_s']:,.0f} | {r['insert_ns']:,.0f} | {r['cancel_ns']:,.0f} "
             f"| {r['expire_ns']:,.0f} | {arena} | {r['rss_bytes_per_timer']:.1f} |")
     return "\n".join(lines)
@@ -385,14 +386,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10000,1000000,10000000", help="pending timers, comma separated")
     parser.add_argument("--quick", action="store_true", help="sizes 10k and 100k, one run")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per operation in one process; the best is kept")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="timed runs per operation in one process; the best is kept")
     parser.add_argument("--runs", type=int, default=1,
                         help="passes over all sizes and implementations (minutes apart: load spikes on a shared "
                              "machine last longer than --repeat); the best figure of all passes is kept")
     parser.add_argument("--batch", type=int, default=1000, help="operations per round (one batch call for wheel-batch)")
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--baseline-max", type=int, default=None, help="skip heapq/asyncio above this size")
-    parser.add_argument("--output", default="wheel_core", help="result name: writes NAME.json (into bench/runs/, or bench/results/ with --save)")
+    parser.add_argument("--output", default="wheel_core",
+                        help="result name: writes NAME.json (into bench/runs/, or bench/results/ with --save)")
     add_save_option(parser)
     parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     parser.add_argument("--worker", nargs=4, metavar=("IMPL", "SIZE", "BATCH", "REPEAT"), help=argparse.SUPPRESS)

@@ -28,7 +28,8 @@ _DOORBELL_URGENT = M.encode_client_frame(M.Doorbell(urgent=True))
 class AsyncClient(ClientCore):
     """A worker's connection to wheeld from asyncio code (one event loop)."""
 
-    def __init__(self, socket_path, group, ring_timeout_s, reconnect_timeout_s, client_name):
+    def __init__(self, socket_path: str | None, group: str, ring_timeout_s: float, reconnect_timeout_s: float,
+                 client_name: str) -> None:
         super().__init__(socket_path, group, ring_timeout_s, reconnect_timeout_s, client_name)
         self._sock: socket.socket | None = None
         self._reader = FrameReader()
@@ -173,7 +174,9 @@ class AsyncClient(ClientCore):
         except BaseException:
             self._flush_abandoned(seq)  # what its Applied answered goes to the next flush
             raise
-        self._raise_rejections(self._flush_answers.pop(seq))
+        rejected = self._flush_answers.pop(seq)
+        assert rejected is not None  # the Applied came: the loop above waited for it
+        self._raise_rejections(rejected)
 
     async def close(self) -> None:
         """Acknowledge what was handed over, say goodbye, unmap. Pending timers stay.
@@ -234,7 +237,7 @@ def _recv_now(sock: socket.socket) -> bytes | None:
         return b""
 
 
-def _resolve(future: asyncio.Future, value: bool) -> None:
+def _resolve(future: asyncio.Future, value: object) -> None:
     if not future.done():
         future.set_result(value)
 
@@ -249,7 +252,7 @@ async def _wait_ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, unti
             pass
         ready = loop.create_future()
         fd = sock.fileno()
-        (loop.add_writer if write else loop.add_reader)(fd, lambda: ready.done() or ready.set_result(None))
+        (loop.add_writer if write else loop.add_reader)(fd, _resolve, ready, None)
         try:
             await asyncio.wait_for(ready, max(0.0, until - time.monotonic()))
         finally:

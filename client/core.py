@@ -51,6 +51,7 @@ import os
 import socket
 import threading
 import weakref
+from typing import NoReturn
 
 import msgspec
 from wheeld.protocol import clock
@@ -73,7 +74,6 @@ from wheeld.protocol.errors import (
     ProtocolError,
     QuotaExceeded,
     RingFull,
-    Timeout,
 )
 from wheeld.protocol.keys import (
     KEY_BYTES,
@@ -85,7 +85,7 @@ from wheeld.protocol.keys import (
     key_meta_of,
     key_type,
 )
-from wheeld.protocol.messages import decode_daemon_body
+from wheeld.protocol.messages import decode_daemon_body  # noqa: F401 - the I/O shells import it from here
 from wheeld.protocol.naming import default_socket_path
 from wheeld.shm.ring import MAX_IDLE_MS, ClientSegment
 from wheeld.shm.status import StatusPage
@@ -157,7 +157,7 @@ def _now_ns() -> int:
     """The client's clock in ns (see _set_clock). On the Python path the hot calls read
     ``_monotonic_ns()`` themselves (one Python call fewer); compiled, this is a C function."""
     if _COMPILED and not _clock_replaced:
-        return _clock_ns()  # noqa: F821 - core.pxd
+        return _clock_ns()  # type: ignore[name-defined]  # noqa: F821 - core.pxd
     return _monotonic_ns()
 
 
@@ -188,7 +188,7 @@ def _expiry_keys(items) -> list:
     matched = True
     for e in items:
         try:
-            key = _decode_key_bytes(e.key_bytes, e.key_meta)  # noqa: F821 - core.pxd
+            key = _decode_key_bytes(e.key_bytes, e.key_meta)  # type: ignore[name-defined]  # noqa: F821 - core.pxd
         except UnicodeDecodeError:
             raise ProtocolError("invalid daemon message: a str key must be UTF-8") from None
         if key is None:
@@ -235,6 +235,14 @@ class _ForkedTouches(dict):
         raise ForkedClient(f"this wheeld client belongs to process {self.owner_pid}; connect again in the child")
 
 
+class _ClosedTouches(dict):
+    """Stands in for the touch index once the client is closed (its touch table unmapped):
+    every touch raises Closed."""
+
+    def __getitem__(self, key):
+        raise Closed("this wheeld client is closed")
+
+
 def passed_fds(ancillary) -> list[int]:
     """The descriptors in a ``recvmsg`` ancillary list (SCM_RIGHTS)."""
     fds = array.array("i")
@@ -278,9 +286,9 @@ class ClientCore:
         self.client_name = client_name
         self._segment: ClientSegment | None = None
         self._status: StatusPage | None = None
-        self._parked = None  # the status page's words: parked epoch, arena counters
-        self._page = None  # the same words for the hot path (compiled: a typed view)
-        self._group_words = None  # our ring's header words: the daemon's group_full flag
+        self._parked: memoryview | None = None  # the status page's words: parked epoch, arena counters
+        self._page: memoryview | None = None  # the same words for the hot path (compiled: a typed view)
+        self._group_words: memoryview | None = None  # our ring's header words: the daemon's group_full flag
         self._rang_epoch = 0
         self._welcome: M.Welcome | None = None
         self._seq = 0
@@ -291,7 +299,7 @@ class ClientCore:
         self._latest: list[dict] = [{_HASHED_ENTRIES: None} for _ in range(_SHARDS)]
         self._touch_index: dict[bytes, int] = {}  # ident -> touch index
         self._touch_by_key: dict = {}  # the user's key object -> touch index (touch's fast path)
-        self._touch_table = None
+        self._touch_table: memoryview | None = None
         self._free_touch: list[int] = []
         self._next_touch = 0
         # expirations received (buffered or handed over), by (key, arming tag) -> their
@@ -310,8 +318,10 @@ class ClientCore:
         # _superseded); (key, tag) in the order remembered, to forget the oldest
         self._done: list[dict] = [{} for _ in range(_SHARDS)]
         self._done_order: collections.deque[tuple] = collections.deque()
-        self._to_ack: list[tuple[int, int, int]] = []  # (slot, generation, arena epoch): handed over, ack at the next poll
-        self._acks_pending: list[tuple[int, int, int]] = []  # could not be pushed yet (ring full)
+        # (slot, generation, arena epoch): handed over, ack at the next poll
+        self._to_ack: list[tuple[int, int, int]] = []
+        # could not be pushed yet (ring full)
+        self._acks_pending: list[tuple[int, int, int]] = []
         # idle timers touched after the daemon last read their touch word: (kb, meta, deadline,
         # tag, idle_ms, touch index) of their ADD_IDLE again, pushed with the acks (_stale_idle)
         self._rearms_pending: list[tuple] = []
@@ -351,7 +361,7 @@ class ClientCore:
         self._flush_positions: dict[int, int] = {}
         self.max_delay_ms = 0
         self._key_meta = 0  # _encode's outputs beside the key bytes it returns
-        self._key_name = None
+        self._key_name: str | bytes | int | None = None
         _live_clients.add(self)
 
     # ------------------------------------------------------------------ fork
@@ -362,10 +372,10 @@ class ClientCore:
         self._closed = True
         self._touch_by_key = _ForkedTouches(self._owner_pid)
 
-    def _raise_unconnected(self):
+    def _raise_unconnected(self) -> NoReturn:
         raise Closed("this wheeld client has no session yet")
 
-    def _raise_closed(self):
+    def _raise_closed(self) -> NoReturn:
         if self._forked:
             raise ForkedClient(f"this wheeld client belongs to process {self._owner_pid}; connect again in the child")
         raise Closed("this wheeld client is closed")
@@ -374,6 +384,8 @@ class ClientCore:
         """Unmap the ring and the status page (this process's view only)."""
         self._touch_table = None  # (compiled: typed views of the segment; dropped before it is unmapped)
         self._group_words = None
+        if not self._forked:  # (a forked child keeps _ForkedTouches: its touches raise ForkedClient)
+            self._touch_by_key = _ClosedTouches()  # the table is gone: a touch raises Closed
         if self._segment is not None:
             self._segment.close()
         if self._status is not None:
@@ -394,6 +406,7 @@ class ClientCore:
             if welcome.resumed and old is not None and old.same_file(ring_fd):
                 os.close(ring_fd)  # the ring we handed back, kept: its commands will be applied
                 old.name = welcome.segment_name  # its label in this daemon (a reboot relabels it)
+                segment = old
                 backlog = []
             else:
                 segment = ClientSegment.attach(ring_fd, welcome.segment_name)  # takes ring_fd
@@ -408,11 +421,13 @@ class ClientCore:
                     self._touch_by_key.clear()
                     self._free_touch.clear()
                     self._next_touch = 0
-                    self._rearms_pending.clear()  # their touch indices were the old ring's
+                    # their touch indices were the old ring's; the copies they replace are acknowledged
+                    self._acks_pending.extend(rearm[6] for rearm in self._rearms_pending)
+                    self._rearms_pending.clear()
                 self._segment = segment
                 # touch() stores straight into the touch table: one 8-byte store (see shm.ring)
                 self._touch_table = segment._last_touch
-            self._group_words = self._segment._words
+            self._group_words = segment._words
             if self._status is not None:
                 self._parked = self._page = None
                 self._status.close()
@@ -434,6 +449,7 @@ class ClientCore:
 
     def _push_record(self, record: bytes) -> None:
         seg = self._segment
+        assert seg is not None  # pushed by _on_welcome, once the ring is mapped
         if not seg.try_push_record(record):
             self._wait_for_room()
             if not seg.try_push_record(record):
@@ -479,6 +495,8 @@ class ClientCore:
 
     def _push(self, op: int, kb: bytes, meta: int, deadline: int, tag: int, aux0: int = 0, aux1: int = 0) -> None:
         seg = self._segment
+        if seg is None:
+            self._raise_unconnected()
         if seg.try_push(op, kb, meta, deadline, tag, aux0, aux1):
             return
         self._wait_for_room()
@@ -499,7 +517,8 @@ class ClientCore:
         header = self._parked
         if header is not None and header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD]:
             raise ArenaFull("the daemon's arena is full")
-        if self._group_words[_GROUP_FULL] and self._latest[hash(bkey) & _SHARD_MASK].get(bkey, -1) < 0:
+        if self._group_words is not None and self._group_words[_GROUP_FULL] \
+                and self._latest[hash(bkey) & _SHARD_MASK].get(bkey, -1) < 0:
             raise QuotaExceeded(f"group {self.group!r} holds its quota of timers (wheeld --group-quota)")
 
     def _after_push(self) -> None:
@@ -508,7 +527,7 @@ class ClientCore:
         # instruction inside an uncontended lock's acquire/release forbids it, so
         # either we see parked=1 and ring, or the daemon's re-check sees our tail.
         if _COMPILED:
-            _full_fence()  # noqa: F821 - core.pxd
+            _full_fence()  # type: ignore[name-defined]  # noqa: F821 - core.pxd
         else:
             _fence_acquire()
             _fence_release()
@@ -538,18 +557,18 @@ class ClientCore:
         bkey = self._key_name
         if type(delay_ms) is not int or not 0 <= delay_ms <= self.max_delay_ms:
             self._deadline(delay_ms)  # raises the precise InvalidDelay
+        seg = self._segment
+        if seg is None:
+            self._raise_unconnected()
         header = self._page
         if header is None or header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD] \
-                or self._group_words[_GROUP_FULL]:
+                or self._group_words[_GROUP_FULL]:  # type: ignore[index]  # mapped with the ring
             self._refuse_if_full(bkey)
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
         tag = self._tag_base | seq
         # the deadline in ms rounded up (ceil_ms, inlined): never early in real time
         now_ns = _now_ns() if _COMPILED else _monotonic_ns()  # _now_ns inlined on the Python path
         deadline = delay_ms - (-now_ns // 1_000_000)
-        seg = self._segment
-        if seg is None:
-            self._raise_unconnected()
         if not seg.push_add(kb, meta, deadline, tag):
             self._wait_for_room()
             deadline = delay_ms - (-_now_ns() // 1_000_000)
@@ -560,7 +579,7 @@ class ClientCore:
             self._release_touch(_META[meta] + kb, key)
         # _after_push, inlined (see there for the ordering argument)
         if _COMPILED:
-            _full_fence()  # noqa: F821 - core.pxd
+            _full_fence()  # type: ignore[name-defined]  # noqa: F821 - core.pxd
         else:
             _fence_acquire()
             _fence_release()
@@ -590,7 +609,7 @@ class ClientCore:
             self._raise_unconnected()
         header = self._page
         if header is None or header[_PENDING] + header[_FIRED_UNACKED] >= header[_CAPACITY_WORD] \
-                or self._group_words[_GROUP_FULL]:
+                or self._group_words[_GROUP_FULL]:  # type: ignore[index]  # mapped with the ring
             self._refuse_if_full(bkey)
         if not seg.free_slots():
             # Room first: the table row below is the daemon's to read as soon as it is
@@ -606,7 +625,7 @@ class ClientCore:
         now = -(-now_ns // 1_000_000)
         deadline = now + idle_ms
         seg.set_idle(index, idle_ms)
-        self._touch_table[index] = now  # touch(): its first activity
+        self._touch_table[index] = now  # type: ignore[index]  # mapped with the ring; touch(): its first activity
         self._seq = seq = (self._seq + 1) & _SEQ_MASK
         tag = self._tag_base | seq
         if not seg.try_push(_ADD_IDLE, kb, meta, deadline, tag, idle_ms, index):
@@ -630,7 +649,9 @@ class ClientCore:
         """A touch-table row for a new idle key (InvalidRequest when all are in use)."""
         if self._free_touch:
             return self._free_touch.pop()
-        capacity = self._segment.touch_capacity
+        segment = self._segment
+        assert segment is not None  # add_idle checked the session
+        capacity = segment.touch_capacity
         if self._next_touch < capacity:
             self._next_touch += 1
             return self._next_touch - 1
@@ -652,7 +673,8 @@ class ClientCore:
         except (KeyError, TypeError):
             raise InvalidKey(f"{key!r} is not an idle timer of this client (add_idle it first)") from None
         now_ns = _now_ns() if _COMPILED else _monotonic_ns()  # _now_ns inlined on the Python path
-        self._touch_table[index] = -(-now_ns // 1_000_000)  # ceil_ms(): never early
+        # (the table is mapped while _touch_by_key holds the key: once closed, _ClosedTouches raises)
+        self._touch_table[index] = -(-now_ns // 1_000_000)  # type: ignore[index]  # ceil_ms(): never early
 
     def cancel(self, key) -> bool:
         """Cancel ``key``; True if this client's arming of it will not be delivered."""
@@ -673,7 +695,7 @@ class ClientCore:
         tag = latest.get(bkey)
         hit = tag is not None and tag >= 0
         if hit:
-            latest[bkey] = ~tag
+            latest[bkey] = ~tag  # type: ignore[operator]  # hit: tag is an int
             # Also in the cancel log, whose armings' expirations are dropped on sight: after
             # the next mark forgets ~tag, an expiration of this arming can still come, fired
             # before the cancel reached the daemon and queued there, or sent to a member that
@@ -686,7 +708,7 @@ class ClientCore:
                 self._mark()
         # _after_push, inlined (see there for the ordering argument)
         if _COMPILED:
-            _full_fence()  # noqa: F821 - core.pxd
+            _full_fence()  # type: ignore[name-defined]  # noqa: F821 - core.pxd
         else:
             _fence_acquire()
             _fence_release()
@@ -737,6 +759,7 @@ class ClientCore:
     def _count_cancels(self, cancelled: list, start: int, step: int) -> None:
         """Add ``step`` to the index's count of each (key, tag) of ``cancelled[start:]``."""
         index = self._cancel_index
+        assert index is not None  # called only while the index is kept
         for i in range(start, len(cancelled), 2):
             pair = (cancelled[i], cancelled[i + 1])
             count = index.get(pair, 0) + step
@@ -794,10 +817,13 @@ class ClientCore:
         return ((done - seq) & _SEQ_MASK) < (1 << (_SEQ_BITS - 1))
 
     def _push_flush(self) -> int:
+        seg = self._segment
+        if seg is None:
+            self._raise_unconnected()
         self._flush_acks()
         seq = self._next_tag()
         self._push(C.FLUSH, b"", 0, 0, seq)
-        self._flush_positions[seq] = self._segment._tail
+        self._flush_positions[seq] = seg._tail
         self._ring_doorbell()
         return seq
 
@@ -809,6 +835,8 @@ class ClientCore:
             self._acks_pending.extend(self._to_ack)
             self._to_ack = []
         seg = self._segment
+        if seg is None:  # no session yet: nothing was received, nothing to acknowledge
+            return
         pending = self._acks_pending
         done = 0
         for slot, gen, epoch in pending:
@@ -859,7 +887,9 @@ class ClientCore:
         keys = _expiry_keys(items) if _COMPILED else M.expiry_keys(items)  # the whole frame checked first
         my_slot = self._tag_base >> _SEQ_BITS
         former = self._former_slots
-        epoch = self._welcome.arena_epoch  # handles name records of this arena only
+        welcome = self._welcome
+        assert welcome is not None  # expirations come in a session, after its Welcome
+        epoch = welcome.arena_epoch  # handles name records of this arena only
         recent, recent_order = self._recent, self._recent_order
         latest_shards = self._latest
         ready, handles = self._ready, self._ready_handles
@@ -898,9 +928,8 @@ class ClientCore:
                     acks_pending.append(handle)  # cancelled or re-armed (that entry forgotten since)
                     continue
                 if self._touch_index:
-                    if self._stale_idle(ident, e, bkey):
-                        acks_pending.append(handle)  # touched since the daemon looked: armed again
-                        continue
+                    if self._stale_idle(ident, e, bkey, handle):
+                        continue  # touched since the daemon looked: armed again (acknowledged with it)
                     self._release_touch(ident, key)
             seen_map[seen] = received
             received += 1
@@ -912,39 +941,51 @@ class ClientCore:
             ready.append(Expired(key, e.deadline_ms, e.fired_ms, e.late))
             handles.append(handle)
 
-    def _stale_idle(self, ident: bytes, e, bkey) -> bool:
+    def _stale_idle(self, ident: bytes, e, bkey, handle) -> bool:
         """An expiration of one of our idle timers whose touch word shows a touch the daemon
         had not seen when it fired it (the touch was stored after the daemon's last read):
         handing it over would be early. It is armed again instead, for last touch +
-        idle_ms (an ADD_IDLE with a new tag, pushed with the next acks), and True returned.
+        idle_ms (an ADD_IDLE with a new tag, right behind the acknowledgement of this
+        copy: :meth:`_push_rearms`), and True returned.
 
         Exact, because this runs before the key's touch index is released: from then on
         :meth:`touch` raises InvalidKey, so every touch the application made before it is
         handed an expiration is in the word read here, and the clock is read after it."""
         index = self._touch_index.get(ident)
         table = self._touch_table
-        if index is None or table is None:
+        seg = self._segment
+        if index is None or table is None or seg is None:
             return False
         touched = table[index]
         now = _now_ns() // 1_000_000
-        idle_ms = self._segment._idle[index]
+        idle_ms = seg._idle[index]
         if touched <= 0 or idle_ms <= 0 or touched + idle_ms <= now:
             return False  # due: fired_ms >= last touch + idle_ms
         tag = self._next_tag()
-        self._rearms_pending.append((e.key_bytes, e.key_meta, touched + idle_ms, tag, idle_ms, index))
+        self._rearms_pending.append((e.key_bytes, e.key_meta, touched + idle_ms, tag, idle_ms, index, handle))
         self._latest[hash(bkey) & _SHARD_MASK][bkey] = tag
         self._push_rearms()
         return True
 
     def _push_rearms(self) -> None:
-        """Push the ADD_IDLEs :meth:`_stale_idle` made, as many as the ring takes now (the
-        rest at the next poll or flush), and wake the daemon if it is parked."""
+        """Push the re-arms :meth:`_stale_idle` made, as many as the ring takes now (the
+        rest at the next poll or flush), and wake the daemon if it is parked.
+
+        Each is two records, pushed together or not at all: the acknowledgement of the
+        copy it replaces, then the ADD_IDLE. In that order the copy's record is released
+        before the new arming needs one, so a group at its ``--group-quota`` (or a full
+        arena) does not refuse the re-arm of a timer it already holds: refused, the
+        re-arm would be lost with the copy acknowledged."""
         seg = self._segment
+        assert seg is not None  # rearms are of idle timers, armed through the ring
         pending = self._rearms_pending
         done = 0
-        for kb, meta, deadline, tag, idle_ms, index in pending:
-            if not seg.try_push(C.ADD_IDLE, kb, meta, deadline, tag, idle_ms, index):
+        for kb, meta, deadline, tag, idle_ms, index, handle in pending:
+            if seg.free_slots() < 2:
                 break
+            slot, gen, epoch = handle
+            seg.try_push(C.ACK, b"", 0, 0, epoch, slot, gen)
+            seg.try_push(C.ADD_IDLE, kb, meta, deadline, tag, idle_ms, index)
             done += 1
         if done:
             del pending[:done]

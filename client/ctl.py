@@ -63,7 +63,7 @@ from wheeld.protocol.errors import (
     NotAllowed,
     WheeldError,
 )
-from wheeld.protocol.keys import encode_key
+from wheeld.protocol.keys import Key, encode_key
 from wheeld.protocol.instance_lock import reader_segments
 from wheeld.protocol.naming import SHM_DIR, default_name, default_socket_path
 from wheeld.shm import check as CK
@@ -97,7 +97,7 @@ class CtlError(click.ClickException):
 
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares a ClassVar; each CtlError has its own
 
     def show(self, file=None) -> None:
         click.echo(f"wheelctl: {self.message}", err=True)
@@ -231,8 +231,9 @@ def _leave(client) -> None:
     client.close()
 
 
-def _parse_key(key: str, key_type: str):
+def _parse_key(key: str, key_type: str) -> Key:
     """The user's key as the type asked for; a key wheeld cannot store is a usage error (exit 2)."""
+    value: Key
     if key_type == "int":
         try:
             value = int(key, 0)
@@ -608,6 +609,7 @@ def cancel(ctl: Ctl, key: str, group: str, key_type: str) -> None:
         if generation == before.generation and state == "scheduled":
             raise CtlError(f"{shown} is still pending after the cancel (re-armed concurrently?)", EXIT_FAILED)
         could_have_fired = before.deadline_ms <= applied_ms
+        assert counters_before is not None  # read with the arena, which is readable here
         if could_have_fired and reader.counters()["cancels_total"] == counters_before["cancels_total"]:
             raise CtlError(f"{shown} expired before the cancel reached the daemon; nothing cancelled", EXIT_FAILED)
         click.echo(f"cancelled {shown} (was due in {_fmt_ms(max(0, before.deadline_ms - applied_ms))})")

@@ -115,10 +115,11 @@ class IdleTracker:
         self._backoff = Backoff(log, "idle tracker: " + ("the wheel's timer" if client is None
                                                          else "reading expirations"), fail_after_s)
         if client is None:
-            self._wheel = TimerWheel.create(capacity, tick_ms=tick_ms, start_ms=time.monotonic_ns() // 1_000_000)
+            self._wheel: TimerWheel | None = TimerWheel.create(capacity, tick_ms=tick_ms,
+                                                               start_ms=time.monotonic_ns() // 1_000_000)
             self._last_ns: dict[object, int] = {}  # key -> last activity, monotonic ns
             self._timer: asyncio.TimerHandle | None = None
-            self._armed_ms = None
+            self._armed_ms: int | None = None
             self.touch = self._make_local_touch()
             self._task = None
         else:
@@ -297,10 +298,12 @@ class IdleTracker:
         if self._queue is not None:
             self._queue.put_nowait(key)
             return
+        on_idle = self._on_idle
+        assert on_idle is not None  # no queue: the tracker was given on_idle
         try:
-            result = self._on_idle(key)
+            result = on_idle(key)
             if inspect.isawaitable(result):
-                self._loop.create_task(result)
+                asyncio.ensure_future(result, loop=self._loop)
         except Exception:
             log.exception("idle: on_idle(%r) raised", key)
 
@@ -313,6 +316,7 @@ class IdleTracker:
 
     # ------------------------------------------------------------------ in-process wheel
     def _schedule(self, key, deadline_ms: int) -> None:
+        assert self._wheel is not None  # the in-process backend's
         try:
             self._wheel.schedule(key, deadline_ms)
         except ArenaFull:
@@ -323,6 +327,7 @@ class IdleTracker:
 
     def _grow(self) -> None:
         old = self._wheel
+        assert old is not None  # the in-process backend's
         new = TimerWheel.create(old.capacity * 2, tick_ms=old.tick_ms, wheel_size=old.wheel_size,
                                 start_ms=old.current_ms)
         for key, deadline, _group in old.pending():
@@ -360,6 +365,7 @@ class IdleTracker:
 
     def _advance(self) -> list:
         wheel, last = self._wheel, self._last_ns
+        assert wheel is not None  # the in-process backend's
         now_ms = time.monotonic_ns() // 1_000_000
         idle = []
         for key, _deadline in wheel.advance(now_ms):
@@ -416,7 +422,9 @@ class IdleTracker:
             except ReaderFailed:
                 return
             except Exception as exc:
-                await asyncio.sleep(backoff.failure(exc))
+                delay_s = backoff.failure(exc)
+                assert delay_s is not None  # a backoff without fail_after_s never gives up
+                await asyncio.sleep(delay_s)
             else:
                 backoff.success()
 

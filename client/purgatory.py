@@ -124,8 +124,8 @@ timer, the wheel (or the daemon client, which is not thread-safe). It is never
 held while user code runs: ``check_and_complete`` copies the watch list under the
 lock and calls ``try_complete`` outside it; the clock takes the due operations
 off the timer, sets their one-shot flags and removes them from their watch lists
-in one critical section per pass, and runs their callbacks after it. Registration re-checks ``is_completed`` under the lock
-and completion sets the flag *before* it takes the lock to clean up, so an
+in one critical section per pass, and runs their callbacks after it. Registration
+re-checks ``is_completed`` under the lock and completion sets the flag *before* it takes the lock to clean up, so an
 operation completed by another thread while it is being watched is either not
 added or removed right after: nothing leaks. Conditions may be checked, and
 operations completed, from any number of threads (sync) or from tasks and
@@ -163,6 +163,7 @@ import socket
 import threading
 import time
 from collections.abc import Hashable, Iterable
+from typing import cast
 
 from wheeld.protocol.errors import ArenaFull, Closed, InvalidRequest
 from wheeld.protocol.keys import KEY_BYTES, encode_key
@@ -199,13 +200,13 @@ _COMPILED = not __file__.endswith(".py")
 def _ceil_ms() -> int:
     """Monotonic ms rounded up: a deadline computed from it is never early."""
     if _COMPILED:
-        return -(-_clock_ns() // 1_000_000)  # noqa: F821 - purgatory.pxd
+        return -(-_clock_ns() // 1_000_000)  # type: ignore[name-defined]  # noqa: F821 - purgatory.pxd
     return -(-time.monotonic_ns() // 1_000_000)
 
 
 def _floor_ms() -> int:
     if _COMPILED:
-        return _clock_ns() // 1_000_000  # noqa: F821 - purgatory.pxd
+        return _clock_ns() // 1_000_000  # type: ignore[name-defined]  # noqa: F821 - purgatory.pxd
     return time.monotonic_ns() // 1_000_000
 
 
@@ -229,16 +230,16 @@ class DelayedOperation:
             raise InvalidRequest(f"delay_ms must be a non-negative int, not {delay_ms!r}")
         self.delay_ms = delay_ms
         self.expired = False  # True once the timeout path completed it (set before on_complete)
-        self.error = None  # set when the purgatory completed it on close or failure
+        self.error: BaseException | None = None  # set when the purgatory completed it on close or failure
         if not _COMPILED:  # compiled: C flags (purgatory.pxd), zero when the object is made
             self._once = threading.Lock()  # one-shot flag: held by whoever completed the operation
             self._check_lock = threading.Lock()  # held while a try_complete() runs (see _safe_try_complete)
             self._check_pending = False  # a check was asked for while another ran
-        self._purgatory = None
-        self._op_id = None  # key of its timer while it has one
-        self._handle = None  # (slot, generation) in an in-process wheel
+        self._purgatory: _PurgatoryBase | None = None
+        self._op_id: int | None = None  # key of its timer while it has one
+        self._handle: tuple[int, int] | None = None  # (slot, generation) in an in-process wheel
         self._deadline_ms = 0
-        self._watch_keys = ()
+        self._watch_keys: tuple[Hashable, ...] = ()
 
     # ------------------------------------------------------------------ to override
     def try_complete(self) -> bool:
@@ -258,13 +259,13 @@ class DelayedOperation:
 
     def _completed(self) -> bool:
         if _COMPILED:
-            return _get_done(self)  # noqa: F821 - purgatory.pxd
+            return _get_done(self)  # type: ignore[name-defined]  # noqa: F821 - purgatory.pxd
         return self._once.locked()
 
     def _claim(self) -> bool:
         """Test-and-set of the one-shot flag: True for the one caller that completes the operation."""
         if _COMPILED:
-            return _take_done(self)  # noqa: F821 - purgatory.pxd: an atomic exchange
+            return _take_done(self)  # type: ignore[name-defined]  # noqa: F821 - purgatory.pxd: an atomic exchange
         return self._once.acquire(False)
 
     def force_complete(self) -> bool:
@@ -301,18 +302,18 @@ class DelayedOperation:
             if self._check_enter():
                 try:
                     if _COMPILED:
-                        _clear_pending(self)  # noqa: F821 - purgatory.pxd
+                        _clear_pending(self)  # type: ignore[name-defined]  # noqa: F821 - purgatory.pxd
                     else:
                         self._check_pending = False
                     done = bool(self.try_complete())
                 finally:
                     self._check_exit()
                 if _COMPILED:
-                    retry = _get_pending(self)  # noqa: F821 - purgatory.pxd
+                    retry = _get_pending(self)  # type: ignore[name-defined]  # noqa: F821 - purgatory.pxd
                 else:
                     retry = self._check_pending
-            elif _COMPILED:
-                retry = _take_pending(self)  # noqa: F821 - purgatory.pxd: set it; retry if it was not set
+            elif _COMPILED:  # set the flag; retry if it was not set
+                retry = _take_pending(self)  # type: ignore[name-defined]  # noqa: F821 - purgatory.pxd
             else:
                 retry = not self._check_pending
                 self._check_pending = True
@@ -321,12 +322,12 @@ class DelayedOperation:
 
     def _check_enter(self) -> bool:
         if _COMPILED:
-            return _take_checking(self)  # noqa: F821 - purgatory.pxd
+            return _take_checking(self)  # type: ignore[name-defined]  # noqa: F821 - purgatory.pxd
         return self._check_lock.acquire(False)
 
     def _check_exit(self) -> None:
         if _COMPILED:
-            _clear_checking(self)  # noqa: F821 - purgatory.pxd
+            _clear_checking(self)  # type: ignore[name-defined]  # noqa: F821 - purgatory.pxd
         else:
             self._check_lock.release()
 
@@ -348,14 +349,14 @@ class _WheelClock:
         self._p = purgatory
         self.tick_ms, self.wheel_size = tick_ms, wheel_size
         self.wheel = TimerWheel.create(capacity, tick_ms=tick_ms, wheel_size=wheel_size, start_ms=_floor_ms())
-        self._by_slot = [None] * self.wheel.n_records
+        self._by_slot: list[DelayedOperation | None] = [None] * self.wheel.n_records
         self._wake_at_ms = _BUSY
         self._backoff = Backoff(log, f"purgatory {purgatory.name!r}: the clock", purgatory.fail_after_s)
 
     # called with the purgatory lock held
     def add(self, op: DelayedOperation) -> None:
         deadline = _ceil_ms() + op.delay_ms
-        ident = _int_ident(op._op_id)
+        ident = _int_ident(op._op_id)  # type: ignore[arg-type]  # the purgatory numbered it before timing it
         try:
             handle = self.wheel.schedule_ident(ident, deadline)
         except ArenaFull:
@@ -368,16 +369,16 @@ class _WheelClock:
             self._wake_early(deadline)
 
     def remove(self, op: DelayedOperation) -> None:
-        handle = op._handle
-        if self.wheel.cancel_handle(handle):
-            self._by_slot[handle[0]] = None
+        handle = op._handle  # set by add: only an operation on the timer is removed
+        if self.wheel.cancel_handle(handle):  # type: ignore[arg-type]
+            self._by_slot[handle[0]] = None  # type: ignore[index]
 
     def _grow(self) -> None:
         """Move every pending timer to a wheel twice the size (amortised O(1) per add)."""
         old = self.wheel
         new = TimerWheel.create(old.capacity * 2, tick_ms=self.tick_ms, wheel_size=self.wheel_size,
                                 start_ms=old.current_ms)
-        by_slot = [None] * new.n_records
+        by_slot = cast("list[DelayedOperation | None]", [None] * new.n_records)
         for op_id, op in self._p._timed.items():
             op._handle = handle = new.schedule_ident(_int_ident(op_id), op._deadline_ms)
             by_slot[handle[0]] = op
@@ -404,8 +405,8 @@ class _WheelClock:
             if op is None:  # not reached: every scheduled record has its operation
                 wheel.release(slot, wheel.fired(slot)[5])
                 continue
-            wheel.release(slot, op._handle[1])
-            if timed.pop(op._op_id, None) is not None:
+            wheel.release(slot, op._handle[1])  # type: ignore[index]  # on the wheel: it has a handle
+            if timed.pop(op._op_id, None) is not None:  # type: ignore[arg-type]  # None pops nothing
                 ops.append(op)
         return ops
 
@@ -418,8 +419,8 @@ class _WheelClock:
 
 def _int_ident(op_id: int) -> bytes:
     """The wheel's record form of an int key (meta byte, 8 little-endian bytes, zero padding)."""
-    if _COMPILED:
-        return _int_ident_c(op_id)  # noqa: F821 - purgatory.pxd: the same 33 bytes, built in place
+    if _COMPILED:  # the same 33 bytes, built in place
+        return _int_ident_c(op_id)  # type: ignore[name-defined]  # noqa: F821 - purgatory.pxd
     return _INT_KEY_META + op_id.to_bytes(8, "little") + _KEY_PAD
 
 
@@ -536,7 +537,7 @@ class _LoopWheelClock(_WheelClock):
                 self._timer.cancel()
             if self.wheel is not None:
                 super().close()
-            self.wheel = None
+            self.wheel = None  # type: ignore[assignment]  # closed: _fire and close look for None
 
 
 def _client_fileno(client) -> int | None:
@@ -704,8 +705,9 @@ class _PurgatoryBase:
         self._timed: dict[int, DelayedOperation] = {}  # op id -> operation, while on the timer
         self._id_base = secrets.randbits(30) << _ID_SHIFT  # daemon keys are per group: avoid collisions
         self._next_id = 0  # op ids are _id_base | 1, 2, 3, ... (taken under the lock)
-        self._clock = None
-        self._wheel_clock = None  # the clock again when it is an in-process wheel (its add/remove are C calls)
+        self._clock: _WheelClock | _DaemonClock | _AsyncDaemonClock | None = None  # set by the subclass
+        # the clock again when it is an in-process wheel (its add/remove are C calls)
+        self._wheel_clock: _WheelClock | None = None
         self._closed = False
         self._owns_client = False
         self.error: ReaderFailed | None = None  # set when the purgatory failed (see "Errors")
@@ -757,7 +759,7 @@ class _PurgatoryBase:
                 if self._wheel_clock is not None:
                     self._wheel_clock.add(op)
                 else:
-                    self._clock.add(op)
+                    self._clock.add(op)  # type: ignore[union-attr]  # set by the subclass's __init__
             except BaseException:
                 op._op_id = None
                 self._unwatch(op)
@@ -788,7 +790,7 @@ class _PurgatoryBase:
             ops = self._watchers.get(key)
             if not ops:
                 return 0
-            ops = list(ops)
+            ops = list(ops)  # type: ignore[assignment]  # a copy to check outside the lock
         completed = 0
         for op in ops:
             if not op._completed() and op._safe_try_complete():
@@ -836,7 +838,7 @@ class _PurgatoryBase:
                     if self._wheel_clock is not None:
                         self._wheel_clock.remove(op)
                     else:
-                        self._clock.remove(op)
+                        self._clock.remove(op)  # type: ignore[union-attr]  # set by the subclass's __init__
                 op._op_id = None
             if op._watch_keys:
                 self._unwatch(op)
@@ -990,6 +992,7 @@ class Purgatory(_PurgatoryBase):
         if self._closed:
             return
         pending = self._take_pending_for_close()
+        assert self._clock is not None  # set by __init__
         self._clock.close()
         self._abort_all([op for _op_id, op in pending], Closed(f"purgatory {self.name!r} was closed"))
         if isinstance(self._clock, _DaemonClock):
@@ -1060,6 +1063,7 @@ class AsyncPurgatory(_PurgatoryBase):
         if self._closed:
             return
         pending = self._take_pending_for_close()
+        assert self._clock is not None  # set by __init__
         self._clock.close()
         if isinstance(self._clock, _AsyncDaemonClock):
             try:

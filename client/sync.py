@@ -106,7 +106,9 @@ class Client(ClientCore):
         ms of work at most), so poll with ``sched_yield`` first (it lets the daemon run
         if it shares our core), then with 0.2 ms sleeps, up to ``ring_timeout_s``."""
         self._ring_doorbell()
-        free_slots = self._segment.free_slots
+        segment = self._segment
+        assert segment is not None  # a full ring: there is one
+        free_slots = segment.free_slots
         for _ in range(_SPIN_YIELDS):
             if free_slots():
                 return
@@ -207,7 +209,9 @@ class Client(ClientCore):
         except BaseException:
             self._flush_abandoned(seq)  # what its Applied answered goes to the next flush
             raise
-        self._raise_rejections(self._flush_answers.pop(seq))
+        rejected = self._flush_answers.pop(seq)
+        assert rejected is not None  # the Applied came: the loop above waited for it
+        self._raise_rejections(rejected)
 
     def close(self) -> None:
         """Acknowledge what was handed over, say goodbye, unmap. Pending timers stay.

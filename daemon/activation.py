@@ -71,7 +71,8 @@ def listen_fds(
             return []  # inherited from a parent that was activated, not meant for us
         fd_count = int(listen_count)
     except ValueError:
-        raise WheeldError(f"bad socket activation environment: LISTEN_PID={listen_pid!r} LISTEN_FDS={listen_count!r}") from None
+        raise WheeldError(f"bad socket activation environment: LISTEN_PID={listen_pid!r} "
+                          f"LISTEN_FDS={listen_count!r}") from None
     if fd_count < 0:
         raise WheeldError(f"bad socket activation environment: LISTEN_FDS={listen_count!r}")
 
@@ -120,5 +121,6 @@ def unix_stream_listener(
     assert listener is not None  # candidates only hold sockets
     bound_path = listener.getsockname()
     if path is not None and bound_path != path:
-        logger.warning("socket activation: inherited socket is bound to %r, not --socket %r; using it", bound_path, path)
+        logger.warning("socket activation: inherited socket is bound to %r, not --socket %r; using it",
+                       bound_path, path)
     return listener

@@ -40,16 +40,23 @@ EXIT_INSTANCE_RUNNING = 75
                    "else $XDG_RUNTIME_DIR/wheeld-NAME.sock, else ~/.cache/wheeld/NAME.sock]")
 @click.option("--name", envvar="WHEELD_NAME", default=None,
               help="Instance name; shared-memory segments are /wheeld-NAME-* [env WHEELD_NAME; default 'default']")
-@click.option("--tick-ms", type=click.IntRange(1, 60_000), default=1, show_default=True, help="Width of a level-0 bucket.")
-@click.option("--wheel-size", type=click.IntRange(2, 1 << 16), default=256, show_default=True, help="Buckets per level.")
+@click.option("--tick-ms", type=click.IntRange(1, 60_000), default=1, show_default=True,
+              help="Width of a level-0 bucket.")
+@click.option("--wheel-size", type=click.IntRange(2, 1 << 16), default=256, show_default=True,
+              help="Buckets per level.")
 @click.option("--capacity", type=click.IntRange(1, MAX_CAPACITY), default=1_000_000, show_default=True,
               help="Timer records in the arena (64 bytes each). A new arena rebuilt from the journal is made "
                    "larger when the journal holds more timers (none is dropped); an existing arena keeps its own.")
-@click.option("--ring-capacity", type=int, default=1 << 14, show_default=True, help="Commands per client ring (power of two).")
-@click.option("--touch-capacity", type=int, default=1 << 17, show_default=True, help="Idle-timer touch slots per client.")
-@click.option("--metrics", default=None, metavar="ADDR:PORT", help="Serve Prometheus metrics over HTTP (off by default).")
-@click.option("--journal", "journal_dir", default=None, metavar="DIR", help="Write-ahead journal directory (off by default).")
-@click.option("--fsync", default="interval=10", show_default=True, metavar="POLICY", help="always | interval=N (ms) | off")
+@click.option("--ring-capacity", type=int, default=1 << 14, show_default=True,
+              help="Commands per client ring (power of two).")
+@click.option("--touch-capacity", type=int, default=1 << 17, show_default=True,
+              help="Idle-timer touch slots per client.")
+@click.option("--metrics", default=None, metavar="ADDR:PORT",
+              help="Serve Prometheus metrics over HTTP (off by default).")
+@click.option("--journal", "journal_dir", default=None, metavar="DIR",
+              help="Write-ahead journal directory (off by default).")
+@click.option("--fsync", default="interval=10", show_default=True, metavar="POLICY",
+              help="always | interval=N (ms) | off")
 @click.option("--journal-damage", type=click.Choice(DAMAGE_POLICIES), default="skip", show_default=True,
               help="When the arena is gone and is rebuilt from the journal: skip damaged journal lines (their "
                    "events are lost, each damaged range is logged as an error and counted in wheelctl stats) or "
@@ -57,7 +64,8 @@ EXIT_INSTANCE_RUNNING = 75
                    "--journal DIR).")
 @click.option("--allow-uid", "allow_uids", multiple=True, metavar="USER",
               help="Allow this user (name or uid) to connect; repeatable. Without any --allow-*, anyone who can "
-                   "open the socket may (the socket's mode and group decide). The daemon's own uid and root always may.")
+                   "open the socket may (the socket's mode and group decide). The daemon's own uid and root "
+                   "always may.")
 @click.option("--allow-group", "allow_groups", multiple=True, metavar="GROUP",
               help="Allow members of this group (name or gid; the peer's primary or supplementary groups) to "
                    "connect; repeatable.")

@@ -93,10 +93,13 @@ _PARKED_WORD = AL.H_PARKED // 8  # wheelctl's "at rest" word (the clients read t
 DAEMON_TOTALS = AL.DAEMON_COUNTER_NAMES
 
 
-def _full_fence(lock=threading.Lock()) -> None:
+_FENCE_LOCK = threading.Lock()
+
+
+def _full_fence() -> None:
     """A locked instruction (x86-64): orders the parked store before the ring loads."""
-    lock.acquire()
-    lock.release()
+    _FENCE_LOCK.acquire()
+    _FENCE_LOCK.release()
 
 
 class DaemonCore:

@@ -4,7 +4,8 @@
   backlog goes through the wheel's batch ``expire_many``, a level-0 bucket of a
   few timers through the scalar ``expire``; with the compiled wheel always the
   scalar ``expire`` (cheaper at every size there). From ``COLUMNS_MIN`` timers on
-  they are queued from the records' numpy columns, below from record tuples (*rows*). With ``--journal`` the rows are what the
+  they are queued from the records' numpy columns, below from record tuples (*rows*).
+  With ``--journal`` the rows are what the
   Recorder observes: every fire and idle re-arm becomes an event.
 * **Idle timers**: one that comes due and was touched since it was armed goes back
   on the wheel at ``last touch + idle time`` (:meth:`Delivery.idle_check` reads the

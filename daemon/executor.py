@@ -199,7 +199,8 @@ class Executor:
         if self.recorder is not None:
             self.recorder.begin()
         quota = self.group_quota
-        if BATCH_MIN is not None and len(records) >= BATCH_MIN and not (quota and self.wheel.group_live(cs.group) + len(records) > quota):
+        if BATCH_MIN is not None and len(records) >= BATCH_MIN and not (
+                quota and self.wheel.group_live(cs.group) + len(records) > quota):
             return self.apply_plan(cs, self.plan(cs, records), records)
         return self.apply_in_order(cs, records)
 

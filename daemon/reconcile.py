@@ -250,7 +250,7 @@ def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconcile
             unmatched_fired.append((slot, st, g, d, tag, ident))
     # 2. fired records the journal has as pending, that arming: not due yet means fired early
     other_scheduled = {(u[2], u[5]) for u in unmatched_scheduled}
-    for slot, _st, g, d, tag, ident in unmatched_fired:
+    for slot, _st, g, _d, tag, ident in unmatched_fired:
         timer = pending.get((g, ident))
         if timer is not None and timer.seq & 0xFFFFFFFF == tag and (g, ident) not in other_scheduled:
             del pending[(g, ident)]
@@ -305,8 +305,9 @@ def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconcile
             idle_restores[len(restore)] = (timer.seq & 0xFFFFFFFF, timer)
         restore.append((ident, gid, st, _restored_deadline(timer, monotonic, now) if st == scheduled
                         else min(deadline, now), timer.seq & 0xFFFFFFFF))
-    for ident, _gid, st, d, _seq in restore[:_EXAMPLES]:
-        note(f"{'pending' if st == scheduled else 'fired'} timer {ident[1:].rstrip(bytes(1))!r} restored from the journal")
+    for ident, _gid, st, _d, _seq in restore[:_EXAMPLES]:
+        note(f"{'pending' if st == scheduled else 'fired'} timer {ident[1:].rstrip(bytes(1))!r} "
+             "restored from the journal")
     if not (free or rewrite or restore):
         return
     # An idle timer's touch reference lives only in its record. The record attach freed

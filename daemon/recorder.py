@@ -178,7 +178,8 @@ class Recorder:
         idle = _UNSET if idle_ms is None else idle_ms
         k = J.key_to_json(key)
         if previous_ms is None:
-            self.events.append(J.Add(t=self._clock_ms() + off, g=self._group(gid), k=k, d=deadline_ms + off, s=seq, i=idle))
+            self.events.append(J.Add(t=self._clock_ms() + off, g=self._group(gid), k=k, d=deadline_ms + off, s=seq,
+                                     i=idle))
         else:
             self.events.append(J.Rearm(t=self._clock_ms() + off, g=self._group(gid), k=k, d=deadline_ms + off,
                                        pd=previous_ms + off, s=seq, i=idle))
@@ -443,7 +444,8 @@ class Recorder:
         elif now - self._stall_logged_ms >= STILL_STALLED_LOG_S * 1000:
             self._stall_logged_ms = now
             log.error("journal: still not writable after %.0f s: %s; %d events not written (lsns %d..%d)",
-                      (now - self._stalled_since_ms) / 1000, journal.unavailable(), journal.last_lsn - journal.durable_lsn,
+                      (now - self._stalled_since_ms) / 1000, journal.unavailable(),
+                      journal.last_lsn - journal.durable_lsn,
                       journal.durable_lsn + 1, journal.last_lsn)
 
     def _retry(self) -> None:

@@ -276,7 +276,8 @@ class Sessions:
             self.wheel.name or "", self.wheel.tick_ms, CLIENT_MAX_DELAY_MS, self._token(cs.slot, cs.label),
             self.arena_epoch, status is not None, resumed,
         )
-        session.send_with_fds(M.encode_daemon_frame(welcome), [cs.segment.fd] + ([status] if status is not None else []))
+        session.send_with_fds(M.encode_daemon_frame(welcome),
+                              [cs.segment.fd] + ([status] if status is not None else []))
         if cs.unanswered is not None:  # a client whose session the daemon closed may be waiting for them
             unanswered, cs.unanswered = cs.unanswered, None
             unanswered.send(session)
@@ -335,7 +336,8 @@ class Sessions:
         self._claim(session, name, group)
         return group
 
-    def _new_slot(self, session: Session, hello: M.Hello, group: int, passed: _Passed) -> tuple[ClientSlot, bool] | None:
+    def _new_slot(self, session: Session, hello: M.Hello, group: int,
+                  passed: _Passed) -> tuple[ClientSlot, bool] | None:
         """A free slot with a new ring, or with the ring handed back when it comes from a
         daemon that is gone (a reboot): its commands are still to apply."""
         cfg = self.config

@@ -228,7 +228,8 @@ def _simulate_conns(events, rng, op, t0, slow, start_ms, duration_ms, phase) -> 
     idle_out = ~closes
     touched_since = idle_out & (life > 0) & (last_activity > current - idle)
     final_deadline = np.where(touched_since, last_activity + idle, current)
-    events.add(op[touched_since], current[touched_since], IDLE_REARM, final_deadline[touched_since], pd=current[touched_since])
+    events.add(op[touched_since], current[touched_since], IDLE_REARM, final_deadline[touched_since],
+               pd=current[touched_since])
     _fires(events, rng, op[idle_out], final_deadline[idle_out], slow, start_ms, duration_ms, phase)
     return idle
 
@@ -248,7 +249,8 @@ def _simulate_purgatory(events, rng, op, t0, slow, start_ms, duration_ms, phase)
     events.add(op[late_ops], fired + _ack_delay(rng, len(fired)), ACK, deadline[late_ops])
     # a completion that lost the race still tries to cancel: a miss
     raced = rng.random(len(fired)) < 0.2
-    events.add(op[late_ops][raced], fired[raced] + rng.integers(1, 50, raced.sum()), CANCEL_MISS, deadline[late_ops][raced])
+    events.add(op[late_ops][raced], fired[raced] + rng.integers(1, 50, raced.sum()), CANCEL_MISS,
+               deadline[late_ops][raced])
 
 
 def _simulate_jobs(events, rng, op, t0, slow, start_ms, duration_ms, phase) -> None:
@@ -260,7 +262,8 @@ def _simulate_jobs(events, rng, op, t0, slow, start_ms, duration_ms, phase) -> N
     rescheduled = choice < 0.10
     cancelled = (choice >= 0.10) & (choice < 0.15)
     moved_at = t0 + (delay * rng.uniform(0.1, 0.9, size)).astype(np.int64)
-    new_deadline = moved_at + np.clip(rng.lognormal(math.log(300_000), 1.0, size), 1_000, 12 * 3_600_000).astype(np.int64)
+    new_deadline = moved_at + np.clip(rng.lognormal(math.log(300_000), 1.0, size), 1_000,
+                                      12 * 3_600_000).astype(np.int64)
     events.add(op[rescheduled], moved_at[rescheduled], REARM, new_deadline[rescheduled], pd=deadline[rescheduled])
     final = np.where(rescheduled, new_deadline, deadline)
     events.add(op[cancelled], moved_at[cancelled], CANCEL, deadline[cancelled], pd=deadline[cancelled])
@@ -291,7 +294,8 @@ def _simulate(rng, ops: int, start_ms: int, duration_ms: int, phase: float, slow
     group = rng.choice(len(GROUPS), ops, p=GROUP_MIX).astype(np.int8)
     idle_of_op = np.zeros(ops, dtype=np.int64)
     events = _Events()
-    for index, simulate in ((CONNS, _simulate_conns), (PURGATORY, _simulate_purgatory), (JOBS, _simulate_jobs), (LEASES, _simulate_leases)):
+    for index, simulate in ((CONNS, _simulate_conns), (PURGATORY, _simulate_purgatory), (JOBS, _simulate_jobs),
+                            (LEASES, _simulate_leases)):
         op = np.flatnonzero(group == index)
         idle = simulate(events, rng, op, t0[op], slow, start_ms, duration_ms, phase)
         if idle is not None:
@@ -403,7 +407,8 @@ def _open_journal(directory: Path, host: str, segment_bytes: int, next_lsn: int,
                    next_lsn=next_lsn, wall_ms=clock.wall_ms, mono_ms=clock.mono_ms)
 
 
-def _write(directory: Path, host: str, columns, seq, group, idle_of_op, keys, outage, rng, segment_bytes, start_ms) -> None:
+def _write(directory: Path, host: str, columns, seq, group, idle_of_op, keys, outage, rng, segment_bytes,
+           start_ms) -> None:
     ops, times, kinds, deadlines, previous, lateness, lates = (
         columns[name].tolist() for name in ("op", "t", "kind", "d", "pd", "lat", "late"))
     seqs = seq.tolist()
@@ -440,9 +445,11 @@ def _write(directory: Path, host: str, columns, seq, group, idle_of_op, keys, ou
         elif kind == FIRE:
             idle = idle_values[op]
             if idle:
-                append(Fire(t=t, g=g, k=k, d=deadlines[index], s=seqs[index], f=t, late=lates[index], lat=lateness[index], i=idle))
+                append(Fire(t=t, g=g, k=k, d=deadlines[index], s=seqs[index], f=t, late=lates[index],
+                            lat=lateness[index], i=idle))
             else:
-                append(Fire(t=t, g=g, k=k, d=deadlines[index], s=seqs[index], f=t, late=lates[index], lat=lateness[index]))
+                append(Fire(t=t, g=g, k=k, d=deadlines[index], s=seqs[index], f=t, late=lates[index],
+                            lat=lateness[index]))
         elif kind == ACK:
             append(Ack(t=t, g=g, k=k, s=seqs[index]))
         elif kind == IDLE_REARM:

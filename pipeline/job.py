@@ -537,7 +537,8 @@ def count_aggregate(events: "DataFrame", bucket_width_ms: int) -> "DataFrame":
     return rows.groupingSets(sets, *COUNT_KEYS).agg(F.grouping_id().alias("gid"), *counts)
 
 
-def _split(frame: "pd.DataFrame", keys: tuple[str, ...], sets: dict[str, tuple[str, ...]], metrics: tuple[str, ...] | None = None) -> dict[str, "pd.DataFrame"]:
+def _split(frame: "pd.DataFrame", keys: tuple[str, ...], sets: dict[str, tuple[str, ...]],
+           metrics: tuple[str, ...] | None = None) -> dict[str, "pd.DataFrame"]:
     out = {}
     for name, grouping in sets.items():
         part = frame[frame["gid"] == _grouping_id(keys, grouping)]

@@ -203,7 +203,8 @@ def chart_slowest_hosts(slowest: pd.DataFrame) -> str | None:
     positions = range(len(frame))
     axes.barh(positions, frame["p99_ms"].astype(float), color=PALETTE["p99_ms"], label="p99")
     axes.scatter(frame["p50_ms"].astype(float), positions, color=PALETTE["p50_ms"], zorder=3, s=18, label="p50")
-    axes.scatter(frame["max_ms"].astype(float), positions, color=PALETTE["max_ms"], marker="|", s=120, zorder=3, label="max")
+    axes.scatter(frame["max_ms"].astype(float), positions, color=PALETTE["max_ms"], marker="|", s=120, zorder=3,
+                 label="max")
     axes.set_yticks(list(positions), frame["host"])
     axes.set_xscale("symlog", linthresh=1)
     axes.set_xlabel("lateness (ms)")
@@ -280,8 +281,10 @@ def chart_idle_churn(idle: pd.DataFrame) -> str | None:
     frame = frame.sort_values("idle_rearms", ascending=True).tail(20)
     figure, axes = plt.subplots(layout="constrained", figsize=(10, 0.5 * len(frame) + 1.8))
     positions = list(range(len(frame)))
-    axes.barh([p + 0.2 for p in positions], frame["idle_rearms"], height=0.4, color=PALETTE["rearms"], label="re-armed (key was touched)")
-    axes.barh([p - 0.2 for p in positions], frame["idle_fires"], height=0.4, color=PALETTE["fires"], label="fired (really idle)")
+    axes.barh([p + 0.2 for p in positions], frame["idle_rearms"], height=0.4, color=PALETTE["rearms"],
+              label="re-armed (key was touched)")
+    axes.barh([p - 0.2 for p in positions], frame["idle_fires"], height=0.4, color=PALETTE["fires"],
+              label="fired (really idle)")
     for position, (_, row) in zip(positions, frame.iterrows()):
         ratio = row["rearms_per_fire"]
         label = "no idle fire" if pd.isna(ratio) else f"{ratio:.1f} re-arms per fire"
@@ -336,7 +339,8 @@ def chart_bad_input(segments: pd.DataFrame) -> str | None:
 # --------------------------------------------------------------------------- #
 
 _CSS = """
-body{font:14px/1.45 -apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1100px;color:#222;padding:0 16px}
+body{font:14px/1.45 -apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;\
+max-width:1100px;color:#222;padding:0 16px}
 h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:32px 0 6px;border-bottom:1px solid #ddd;padding-bottom:4px}
 .sub{color:#666;margin-bottom:18px}
 .cards{display:flex;flex-wrap:wrap;gap:10px}
@@ -355,7 +359,8 @@ details{margin:6px 0} summary{cursor:pointer;color:#345}
 
 def _card(label: str, value: str, bad: bool = False) -> str:
     klass = "card bad" if bad else "card"
-    return f'<div class="{klass}"><div class="v">{html.escape(value)}</div><div class="l">{html.escape(label)}</div></div>'
+    return (f'<div class="{klass}"><div class="v">{html.escape(value)}</div>'
+            f'<div class="l">{html.escape(label)}</div></div>')
 
 
 def _img(png: str | None, alt: str) -> str:
@@ -412,7 +417,8 @@ def render(
         _card("p99.9 lateness", _fmt_ms(summary.get("p999_ms"))),
         _card("max lateness", _fmt_ms(summary.get("max_ms"))),
         _card("timeout rate", _fmt_rate(summary.get("timeout_rate"))),
-        _card("overdue after downtime", _fmt_count(summary.get("overdue_fires")), bad=bool(summary.get("overdue_fires"))),
+        _card("overdue after downtime", _fmt_count(summary.get("overdue_fires")),
+              bad=bool(summary.get("overdue_fires"))),
         _card("bad lines skipped", _fmt_count(bad_lines), bad=bad_lines > 0),
         _card("damaged segments", str(damaged), bad=damaged > 0),
         _card("unreadable segments", str(unreadable), bad=unreadable > 0),

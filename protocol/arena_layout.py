@@ -162,7 +162,8 @@ _COUNTER_TABLE = (
     ("ack_timeouts_total", DAEMON),  # expirations sent again because their client left them unacknowledged
     ("arenas_set_aside_total", DAEMON),  # unusable arenas renamed out of the way at start-up
     ("accept_pauses_total", DAEMON),  # times the daemon stopped accepting for lack of descriptors
-    ("journal_damaged_ranges_total", DAEMON),  # damaged journal ranges recovery skipped (protocol/journal_recovery.py, "Damage")
+    # damaged journal ranges recovery skipped (protocol/journal_recovery.py, "Damage")
+    ("journal_damaged_ranges_total", DAEMON),
     ("journal_damaged_lines_total", DAEMON),  # the lines in them
     ("groups_reclaimed_total", DAEMON),  # group ids freed (no member, nothing pending) for new names
     ("daemon_hot_path", DAEMON),  # which hot path the daemon runs: protocol/accel.py PATH_CODES (0: not published)

@@ -7,8 +7,9 @@ lists clients from it). It outlives a daemon crash, so a restarted daemon knows:
 * which client slots were in use, with their group and uid: a client that
   reconnects hands its ring back (a memfd) and, presenting its resume token (an
   HMAC of the slot and ring label under a secret kept in the daemon-only lock
-  file, so the token itself is stored nowhere), gets its slot again. The slot is also the high bits of an idle timer's touch reference
-  (``aux``) and of the client's arming tags::
+  file, so the token itself is stored nowhere), gets its slot again. The slot is
+  also the high bits of an idle timer's touch reference (``aux``) and of the
+  client's arming tags::
 
       aux = slot << TOUCH_INDEX_BITS | touch_index
 

@@ -83,7 +83,8 @@ def _lk(kind: int, start: int, length: int) -> bytes:
 def _getlk(fd: int, start: int, length: int) -> tuple[int, int] | None:
     """(type, start) of a lock of another open file description that a write lock on
     [start, start+length) would meet, or None."""
-    kind, _whence, found, _length, _pid = _FLOCK.unpack(fcntl.fcntl(fd, _F_OFD_GETLK, _lk(fcntl.F_WRLCK, start, length)))
+    kind, _whence, found, _length, _pid = _FLOCK.unpack(
+        fcntl.fcntl(fd, _F_OFD_GETLK, _lk(fcntl.F_WRLCK, start, length)))
     return None if kind == fcntl.F_UNLCK else (kind, found)
 
 

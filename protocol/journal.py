@@ -206,7 +206,7 @@ import re
 import zlib
 from collections.abc import Iterable
 from itertools import accumulate
-from typing import Literal, Union
+from typing import Final, Literal, Union
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -266,7 +266,7 @@ __all__ = [
     "parse_snapshot_name",
 ]
 
-JOURNAL_VERSION = 1
+JOURNAL_VERSION: Final = 1
 
 SEGMENT_PREFIX = "journal-"
 SNAPSHOT_PREFIX = "snapshot-"
@@ -441,12 +441,11 @@ _ESCAPED = (_B64, _STR)
 
 def key_to_json(key: str | bytes | int) -> JsonKey:
     """Return the journal form of a user key (see the module docstring)."""
-    cls = type(key)
-    if cls is str:
+    if type(key) is str:
         return _STR + key if key.startswith(_ESCAPED) else key
-    if cls is int:
+    if type(key) is int:
         return key
-    if cls is bytes or cls is bytearray or cls is memoryview:
+    if type(key) is bytes or type(key) is bytearray or type(key) is memoryview:
         return _B64 + base64.b64encode(bytes(key)).decode("ascii")
     if isinstance(key, bool):
         raise InvalidKey("a key is str, bytes or int, not bool")
@@ -745,8 +744,8 @@ def _check_sequence(lines: _Lines, events: list[Event], good_end: int) -> tuple[
     expect = header.lsn if not lines.skip or len(events) < 2 else getattr(events[1], "n", -1)
     for index in range(1, len(events)):
         event = events[index]
-        if type(event) is SegmentHeader or event.n != expect:
-            got = "a second header" if type(event) is SegmentHeader else f"lsn {event.n}"
+        if isinstance(event, SegmentHeader) or event.n != expect:
+            got = "a second header" if isinstance(event, SegmentHeader) else f"lsn {event.n}"
             del events[index:]
             return (index, LSN_GAP, f"expected lsn {expect}, found {got}"), lines.offset_of(index)
         expect += 1
@@ -797,7 +796,8 @@ class BadLines(msgspec.Struct, frozen=True):
 
     def where(self) -> str:
         """``bytes 120-250 (line 3)`` / ``bytes 120-250 (lines 3-4, 2 lines)``."""
-        lines = f"line {self.first_line}" if self.lines == 1 else f"lines {self.first_line}-{self.last_line}, {self.lines} lines"
+        lines = (f"line {self.first_line}" if self.lines == 1
+                 else f"lines {self.first_line}-{self.last_line}, {self.lines} lines")
         return f"bytes {self.start}-{self.end} ({lines})"
 
     def __str__(self) -> str:

@@ -144,7 +144,7 @@ import socket
 import stat
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from msgspec import UNSET
@@ -164,6 +164,7 @@ from .journal import (
     SnapshotHeader,
     SnapshotPending,
     SnapshotUnacked,
+    TimerEvent,
     encode_event,
     encode_events,
     encode_mark,
@@ -176,6 +177,9 @@ from .journal import (
     segment_name,
     snapshot_name,
 )
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
@@ -310,12 +314,14 @@ def _bracketed_clocks(mono_ns: Callable[[], int] | None = None, wall_ns: Callabl
     unless others are given (a simulation's)."""
     mono_ns = clock.mono_ns if mono_ns is None else mono_ns
     wall_ns = clock.wall_ns if wall_ns is None else wall_ns
-    best = None
-    for _ in range(tries):
+    before = mono_ns()
+    wall = wall_ns()
+    best = (before, wall, mono_ns())
+    for _ in range(tries - 1):
         before = mono_ns()
         wall = wall_ns()
         after = mono_ns()
-        if best is None or after - before < best[2] - best[0]:
+        if after - before < best[2] - best[0]:
             best = (before, wall, after)
     return best
 
@@ -510,18 +516,17 @@ def read_segment(path: Path, wanted_lsn: int | None = None, fs: Any = os) -> tup
     first_lsn = parse_segment_name(path.name)
     skip = 0 if wanted_lsn is None or first_lsn is None else max(0, wanted_lsn - first_lsn)
     scan = scan_lines(data, name, skip)
-    if skip and not _starts_at(scan, wanted_lsn):
+    if skip and wanted_lsn is not None and not _starts_at(scan, wanted_lsn):
         position = data.find(b',"v":1,"n":%d,' % wanted_lsn)
-        scan = None
+        found: SegmentScan | None = None
         if position >= 0:
             line_start = data.rfind(b"\n", 0, position) + 1
             exact = data.count(b"\n", 0, line_start) - 1
             if exact >= 0:
-                scan = scan_lines(data, name, exact)
-                if not _starts_at(scan, wanted_lsn):
-                    scan = None
-        if scan is None:
-            scan = scan_lines(data, name)
+                found = scan_lines(data, name, exact)
+                if not _starts_at(found, wanted_lsn):
+                    found = None
+        scan = found if found is not None else scan_lines(data, name)
     return scan, data
 
 
@@ -605,7 +610,7 @@ class ThreadRunner:
     them when the simulator decides (``tests/sim/runner.py``)."""
 
     def __init__(self) -> None:
-        self._pool = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def submit(self, fn: Callable, *args: Any):
         if self._pool is None:
@@ -700,8 +705,8 @@ class Journal:
         # (a helper thread), the fsync in flight as (handle, lsn it covers, segment, bytes it
         # covers, mono ms it started), the mark write in flight as (handle, lsn)
         self._runner = runner if runner is not None else ThreadRunner()
-        self._sync_in_flight = None
-        self._mark_in_flight = None
+        self._sync_in_flight: tuple[Any, int, Path, int, int] | None = None
+        self._mark_in_flight: tuple[Any, int] | None = None
         self._mark_fd = -1
         self._marked_lsn, self._mark_slot = _mark_state(self.directory, fs)
         self._synced_lsn = self._marked_lsn  # the highest lsn an fsync of this journal made durable
@@ -765,7 +770,7 @@ class Journal:
 
     # -- writing -----------------------------------------------------------
 
-    def append(self, events: Sequence[msgspec.Struct], now_ms: int | None = None) -> int:
+    def append(self, events: Sequence[TimerEvent], now_ms: int | None = None) -> int:
         """Number, encode and write one batch; return the lsn of its last event.
 
         Sets ``n`` on each event. With ``always`` the batch is fsynced before
@@ -842,6 +847,7 @@ class Journal:
         if size is not None:
             self._durable_size = max(self._durable_size, size)
             if self.on_synced is not None:
+                assert self.segment_path is not None  # size is that of the segment being written
                 self.on_synced(self.segment_path, size, self._mono_ms() if started_ms is None else started_ms)
         self._advance_mark()
 
@@ -968,6 +974,7 @@ class Journal:
             now_ms = self._mono_ms()
         if now_ms - self._unsynced_since_ms < self.policy.interval_ms:
             return False
+        assert self.segment_path is not None  # writable: a segment is open
         future = self._runner.submit(self.fs.fsync, self._fd)
         self._sync_in_flight = (future, self._last_lsn, self.segment_path, self._segment_size, now_ms)
         self._unsynced_since_ms = None
@@ -1207,6 +1214,7 @@ class Journal:
         if self.policy.mode != "off":
             self.sync()
         else:  # its events are on disk only after a sync() (a snapshot, a close)
+            assert self.segment_path is not None  # rotated only while writable: a segment is open
             self._unsynced_segments.append(self.segment_path)
         self.poll_sync(wait=True)
         self.fs.close(self._fd)

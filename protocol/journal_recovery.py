@@ -83,6 +83,7 @@ without a snapshot in 1.7-1.9 s (target: under 5 s).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -414,7 +415,7 @@ def _replaced(findings: _Findings, damaged: list, how: str, repair: bool, fs: An
         action = how
         if repair:
             action += f"; renamed to {path.name}.corrupt"
-            findings.repairs.append(lambda path=path: fs.rename(path, path.with_name(path.name + ".corrupt")))
+            findings.repairs.append(functools.partial(fs.rename, path, path.with_name(path.name + ".corrupt")))
         _report_snapshot(findings, path, data, error, action)
 
 
@@ -450,7 +451,7 @@ def recover(
         return RecoveredState({}, [], 0, 0, [])
     for entry in fs.scandir(directory):
         if entry.name.endswith(".jsonl.tmp"):
-            findings.repairs.append(lambda path=entry.path: fs.unlink(path))
+            findings.repairs.append(functools.partial(fs.unlink, entry.path))
     segments = list_segments(directory, fs)
     snapshot_lsn, replay, tails = _replay_directory(directory, segments, findings, repair, fs)
     last_lsn = max(replay.last_lsn, segments[-1][0] - 1 if segments else 0)
@@ -675,7 +676,8 @@ def _apply(events: list, start: int, pending: dict, unacked: dict, end: int | No
         kind = type(event)
         if kind is Add or kind is Rearm:
             idle = event.i
-            pending[(event.g, event.k)] = PendingTimer(event.g, event.k, event.d, event.s, None if idle is unset else idle)
+            pending[(event.g, event.k)] = PendingTimer(event.g, event.k, event.d, event.s,
+                                                       None if idle is unset else idle)
         elif kind is Cancel:
             pop_pending((event.g, event.k), None)
         elif kind is Fire:

@@ -34,17 +34,16 @@ Key = str | bytes | int
 
 def encode_key(key: Key) -> tuple[bytes, int]:
     """Return ``(key_bytes, key_meta)`` for a user key; raise InvalidKey if unusable."""
-    cls = type(key)
-    if cls is bytes:
+    if type(key) is bytes:
         data = key
         kind = TYPE_BYTES
-    elif cls is str:
+    elif type(key) is str:
         try:
             data = key.encode("utf-8")
         except UnicodeEncodeError:
             raise InvalidKey("a str key must be encodable as UTF-8 (it holds a lone surrogate)") from None
         kind = TYPE_STR
-    elif cls is int:
+    elif type(key) is int:
         if not _INT_MIN <= key <= _INT_MAX:
             raise InvalidKey(f"int key {key} does not fit in a signed 64-bit integer")
         data = key.to_bytes(8, "little", signed=True)

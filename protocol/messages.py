@@ -45,7 +45,7 @@ its own for both ends (see "the Expirations codec" below).
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Union
+from typing import Annotated, ClassVar, Union, get_args
 
 import msgspec
 
@@ -98,7 +98,7 @@ class _Message(msgspec.Struct, frozen=True, array_like=True):
 # --------------------------------------------------------------------------- client -> daemon
 
 
-class Hello(_Message, tag="hello"):
+class Hello(_Message, frozen=True, tag="hello"):
     """First message of a session: who the client is and which key group it uses.
 
     A client that had a session hands its ring back: the memfd travels as
@@ -120,7 +120,7 @@ class Hello(_Message, tag="hello"):
     replay_from: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0  # ring positions never get near 2**63
 
 
-class Doorbell(_Message, tag="doorbell"):
+class Doorbell(_Message, frozen=True, tag="doorbell"):
     """'My ring has records': sent only when the daemon has said it is parked.
 
     ``urgent``: the client waits for the daemon (a flush, a full ring): apply now.
@@ -131,7 +131,7 @@ class Doorbell(_Message, tag="doorbell"):
     urgent: bool = False
 
 
-class Bye(_Message, tag="bye"):
+class Bye(_Message, frozen=True, tag="bye"):
     """The client ends its session; the daemon drains the ring, then closes."""
 
 
@@ -141,7 +141,7 @@ ClientMessage = Union[Hello, Doorbell, Bye]
 # --------------------------------------------------------------------------- daemon -> client
 
 
-class Welcome(_Message, tag="welcome"):
+class Welcome(_Message, frozen=True, tag="welcome"):
     """The session is open: map the ring passed with this frame and push commands.
 
     ``SCM_RIGHTS`` data with this frame: the ring's memfd, then (``status_page``)
@@ -170,7 +170,7 @@ class Welcome(_Message, tag="welcome"):
             raise InvalidRequest(f"ring_capacity {self.ring_capacity} is not a power of two")
 
 
-class Refused(_Message, tag="refused"):
+class Refused(_Message, frozen=True, tag="refused"):
     """The daemon will not open a session; it closes next. ``code`` says why, for the
     client to raise the right error (see REFUSE_CODES)."""
 
@@ -199,7 +199,7 @@ class ExpiryFields(msgspec.Struct, frozen=True, array_like=True, gc=False):
     late: bool
 
 
-class Expiry(ExpiryFields):
+class Expiry(ExpiryFields, frozen=True):
     """One timer that fired. ``late`` is True when it fired later than the daemon's promise."""
 
     def __post_init__(self) -> None:
@@ -217,19 +217,19 @@ class Expiry(ExpiryFields):
         return cls(key_bytes, key_meta, deadline_ms, fired_ms, seq, slot, generation, late)
 
 
-class Expirations(_Message, tag="expirations"):
+class Expirations(_Message, frozen=True, tag="expirations"):
     """A batch of fired timers, oldest deadline first within one tick's batch."""
 
     items: list[Expiry]
 
 
-class Applied(_Message, tag="applied"):
+class Applied(_Message, frozen=True, tag="applied"):
     """Every command before ``FLUSH(seq)`` in the ring has been applied."""
 
     seq: U32
 
 
-class Rejected(_Message, tag="rejected"):
+class Rejected(_Message, frozen=True, tag="rejected"):
     """A command was not applied. ``code`` is machine-readable (see REJECT_CODES).
 
     ``key_bytes``/``key_meta`` are empty/0 when the command had no key.
@@ -266,13 +266,13 @@ class Rejected(_Message, tag="rejected"):
 
 
 REJECT_CODES = frozenset(
-    {Rejected.ARENA_FULL, Rejected.QUOTA_EXCEEDED, Rejected.INVALID_DEADLINE, Rejected.INVALID_TOUCH_INDEX, Rejected.UNKNOWN_KEY,
-     Rejected.JOURNAL_UNAVAILABLE}
+    {Rejected.ARENA_FULL, Rejected.QUOTA_EXCEEDED, Rejected.INVALID_DEADLINE, Rejected.INVALID_TOUCH_INDEX,
+     Rejected.UNKNOWN_KEY, Rejected.JOURNAL_UNAVAILABLE}
 )
 REFUSE_CODES = frozenset({Refused.VERSION, Refused.NOT_ALLOWED, Refused.GROUP_LIMIT, Refused.BAD_REQUEST, Refused.BUSY})
 
 
-class Goodbye(_Message, tag="goodbye"):
+class Goodbye(_Message, frozen=True, tag="goodbye"):
     """The daemon ends the session (shutdown, garbage in the ring...); it closes next."""
 
     reason: Reason
@@ -280,8 +280,8 @@ class Goodbye(_Message, tag="goodbye"):
 
 DaemonMessage = Union[Welcome, Refused, Expirations, Applied, Rejected, Goodbye]
 
-_CLIENT_TYPES = frozenset(ClientMessage.__args__)
-_DAEMON_TYPES = frozenset(DaemonMessage.__args__)
+_CLIENT_TYPES = frozenset(get_args(ClientMessage))
+_DAEMON_TYPES = frozenset(get_args(DaemonMessage))
 
 # --------------------------------------------------------------------------- codecs
 
@@ -332,7 +332,7 @@ def decode_daemon_message(body) -> DaemonMessage:
 # :func:`expiry_keys`.
 
 
-class ExpirationRows(_Message, tag=Expirations.__struct_config__.tag):
+class ExpirationRows(_Message, frozen=True, tag=Expirations.__struct_config__.tag):
     """An ``Expirations`` frame as the client decodes it (see :func:`decode_daemon_body`)."""
 
     items: list[ExpiryFields]

@@ -97,7 +97,8 @@ class KeyIndex:
     def close(self) -> None:
         """Drop every view of the records (the arena can be unmapped after this)."""
         views = self._views
-        self._h = self._table = self._hash = self._pos = self._keys = None  # the typed views of the compiled build, first
+        # the typed views of the compiled build, first
+        self._h = self._table = self._hash = self._pos = self._keys = None
         self._rb = self._idents = self._groups = None
         for view in views:
             view.release()

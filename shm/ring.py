@@ -2,7 +2,8 @@
 
 The daemon creates one segment per client session (:meth:`ClientSegment.create`):
 a memfd sealed against resizing, passed to that client alone over its Unix socket
-(:mod:`wheeld.shm.memfd`); the client maps it (:meth:`ClientSegment.attach`) and appends 64-byte command records (:mod:`wheeld.protocol.commands`) to the
+(:mod:`wheeld.shm.memfd`); the client maps it (:meth:`ClientSegment.attach`) and appends 64-byte command
+records (:mod:`wheeld.protocol.commands`) to the
 ring; the daemon copies them out in batches (:meth:`ClientSegment.drain`). The
 byte layout is declared in :mod:`wheeld.protocol.ring_layout`.
 
@@ -305,7 +306,8 @@ class ClientSegment:
         that are impossible raise ProtocolError.
         """
         try:
-            size = memfd.check_sealed(fd, layout.HEADER_SIZE, layout.segment_size(max_ring_capacity, max_touch_capacity))
+            size = memfd.check_sealed(fd, layout.HEADER_SIZE,
+                                      layout.segment_size(max_ring_capacity, max_touch_capacity))
         except BaseException:
             os.close(fd)
             raise

@@ -185,7 +185,8 @@ Crash consistency
 -----------------
 The records are the truth; links, the free list, the key index, the bucket
 heap and the per-group live counts are derived from them (only the links live
-in the arena; the rest is in the owning process and rebuilt on attach). Every state change has one commit point, a single
+in the arena; the rest is in the owning process and rebuilt on attach). Every state change has one commit
+point, a single
 aligned store: the state byte (allocate: fields first, then ``SCHEDULED``;
 cancel/free: ``FREE``). The one update that changes several fields of a live
 record (a re-arm: deadline, tag and level; re-arming a fired timer: also the
@@ -501,7 +502,8 @@ class TimerWheel:
         self._clock = self._hq  # header words, for the scalar paths (header_words() hands out _hq)
         self._b = rec  # record bytes, one at a time (state bytes); _rb is sliced for keys
         self.records = np.frombuffer(buf, dtype=L.RECORD_DTYPE, count=self.n_records, offset=self._header_bytes)
-        self._raw = np.ndarray(shape=(self.n_records,), dtype=f"V{L.RECORD_BYTES}", buffer=buf, offset=self._header_bytes)
+        self._raw = np.ndarray(shape=(self.n_records,), dtype=f"V{L.RECORD_BYTES}", buffer=buf,
+                               offset=self._header_bytes)
         self._next = memoryview(self.records["next"])  # strided: record s's next link is _next[s]
         self._intent_batch = np.ndarray(
             shape=(L.INTENT_BATCH_MAX,), dtype=L.INTENT_DTYPE, buffer=buf, offset=L.intent_batch_offset(self.max_groups)
@@ -512,7 +514,8 @@ class TimerWheel:
         )
         # The group table in the arena: whole names (for compares) and their bytes.
         self._group_names = np.ndarray(shape=(self.max_groups,), dtype=f"V{_GNB}", buffer=buf, offset=L.GROUPS_OFFSET)
-        self._group_bytes = np.ndarray(shape=(self.max_groups, _GNB), dtype=np.uint8, buffer=buf, offset=L.GROUPS_OFFSET)
+        self._group_bytes = np.ndarray(shape=(self.max_groups, _GNB), dtype=np.uint8, buffer=buf,
+                                       offset=L.GROUPS_OFFSET)
 
     def close(self) -> None:
         """Unmap (the arena stays in shared memory)."""
@@ -716,7 +719,8 @@ class TimerWheel:
         ident, _meta = _ident(key)
         return self.schedule_ident(ident, deadline_ms, group, tag, aux)
 
-    def schedule_ident(self, ident: bytes, deadline_ms: int, group: int = 0, tag: int = 0, aux: int = -1) -> tuple[int, int]:
+    def schedule_ident(self, ident: bytes, deadline_ms: int, group: int = 0, tag: int = 0,
+                       aux: int = -1) -> tuple[int, int]:
         """``schedule`` for a key already encoded as its 33-byte record form (meta + padded key)."""
         if type(deadline_ms) is not int:
             raise InvalidDelay(f"a deadline is an integer number of ms, not {type(deadline_ms).__name__}")
@@ -1005,7 +1009,8 @@ class TimerWheel:
         if key is None:
             key = decode_key(bytes(self._rb[base + _KEY : base + _KEY_END[meta]]), meta)
         sp = slot * _IW
-        return key, self._q[slot * _QW], self._h[slot * _HW + _GROUP], self._u[sp + _TAG], self._i[sp + _AUX], self._u[sp + _GEN]
+        return (key, self._q[slot * _QW], self._h[slot * _HW + _GROUP], self._u[sp + _TAG], self._i[sp + _AUX],
+                self._u[sp + _GEN])
 
     def fired_slots(self) -> list[int]:
         """Every FIRED record, in the order they fired (rebuilt in deadline order on attach)."""
@@ -1209,7 +1214,8 @@ class TimerWheel:
         rec = self.records
         top, k = self._free_top, idents.size
         slots = self._free_np[top - k : top][::-1].astype(np.int64)
-        rec["gen"][slots] = (rec["gen"][slots] + np.uint32(1)) & np.uint32(GENERATION_MASK)  # wraps like the scalar path
+        # wraps like the scalar path
+        rec["gen"][slots] = (rec["gen"][slots] + np.uint32(1)) & np.uint32(GENERATION_MASK)
         rec["tag"][slots] = tags
         rec["aux"][slots] = auxs
         rec["group"][slots] = groups
@@ -1916,7 +1922,8 @@ class TimerWheel:
         metas = entries["key_meta"]
         deadlines = entries["deadline"]
         invalid = (states > _FIRED) | ((states != _FREE) & (~_VALID_META[metas] | (entries["group"] >= self.max_groups)
-                                                           | (deadlines < _DEADLINE_LOW) | (deadlines > _DEADLINE_HIGH)))
+                                                           | (deadlines < _DEADLINE_LOW)
+                                                           | (deadlines > _DEADLINE_HIGH)))
         wild = np.flatnonzero((entries["gen"] > _GEN_MASK) & (states != _FREE) & ~invalid)
         masked = [f"record {self.first_entry + s}: generation {g} beyond 31 bits, masked"
                   for s, g in zip(wild.tolist(), entries["gen"][wild].tolist())]
@@ -1932,7 +1939,8 @@ class TimerWheel:
         bad = np.flatnonzero(invalid)
         entries["state"][bad] = _FREE
         self.lost += int(bad.size)
-        return masked + [f"record {self.first_entry + s}: invalid state/key/group/deadline, freed" for s in bad.tolist()]
+        return masked + [f"record {self.first_entry + s}: invalid state/key/group/deadline, freed"
+                         for s in bad.tolist()]
 
     def _rebuild_buckets(self, sched: np.ndarray) -> None:
         """Link the scheduled records into the buckets their deadlines map to relative to the

@@ -84,9 +84,9 @@ async def run(args: dict, lines) -> None:
             answer["deadlines"] = [w.add(f"k{i}", delay) for i in range(n)]
             await flush()
         elif words[0] == "buffer":
-            await flush_until(lambda: len(w._ready) >= int(words[1]))
+            await flush_until(lambda: len(w._ready) >= int(words[1]))  # noqa: B023 - awaited here
         elif words[0] == "copies":
-            await flush_until(lambda: w.copies >= int(words[1]))
+            await flush_until(lambda: w.copies >= int(words[1]))  # noqa: B023 - awaited here
             await flush()
         elif words[0] == "flush":
             await flush()

@@ -65,7 +65,8 @@ def use(wheel: TimerWheel, rng: random.Random) -> list:
         op = rng.random()
         try:
             if op < 0.4:
-                out.append(wheel.schedule_ident(encode_ident(f"n{rng.randrange(60)}"), wheel.current_ms + rng.randint(0, 9000)))
+                out.append(wheel.schedule_ident(encode_ident(f"n{rng.randrange(60)}"),
+                                                wheel.current_ms + rng.randint(0, 9000)))
             elif op < 0.7:
                 out.append(wheel.cancel_ident(encode_ident(f"k{rng.randrange(40)}"), rng.randint(0, 1)))
             else:

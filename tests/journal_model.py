@@ -122,7 +122,8 @@ class Model:
             late = pick % 5 == 0
             self.unacked[(group, key, seq)] = (deadline, fired, late, fired - deadline, idle)
             extra = {} if idle is None else {"i": idle}
-            return Fire(t=fired, g=group, k=json_key, d=deadline, s=seq, f=fired, late=late, lat=fired - deadline, **extra)
+            return Fire(t=fired, g=group, k=json_key, d=deadline, s=seq, f=fired, late=late, lat=fired - deadline,
+                        **extra)
         if op == "idle_rearm" and current is not None and current[2] is not None:
             deadline, seq, idle = current
             self.pending[(group, key)] = (deadline + idle, seq, idle)
@@ -144,7 +145,8 @@ def assert_state_equals_model(state, model: Model) -> None:
             for (g, k, s), (d, f, late, lat, i) in model.unacked.items()
         )
     )
-    got_unacked = sorted((u.group, repr(u.key), u.seq, u.deadline_ms, u.fired_ms, u.late, u.lateness_ms, u.idle_ms) for u in state.unacked)
+    got_unacked = sorted((u.group, repr(u.key), u.seq, u.deadline_ms, u.fired_ms, u.late, u.lateness_ms, u.idle_ms)
+                         for u in state.unacked)
     assert got_unacked == expected_unacked
 
 

@@ -255,7 +255,8 @@ def role_attacker(name: str, a_pid: str, a_ring_fd: str, daemon_pid: str, a_grou
         _attempt(results, f"open {segment} read-only", lambda path=path: os.close(os.open(path, os.O_RDONLY)))
         _attempt(results, f"open {segment} read-write", lambda path=path: os.close(os.open(path, os.O_RDWR)))
         _attempt(results, f"truncate {segment}", lambda path=path: os.truncate(path, 0))
-    _attempt(results, "shm_open arena", lambda: posix_ipc.SharedMemory(f"/wheeld-{name}-arena", read_only=True).close_fd())
+    _attempt(results, "shm_open arena",
+             lambda: posix_ipc.SharedMemory(f"/wheeld-{name}-arena", read_only=True).close_fd())
     shm_names = sorted(entry for entry in os.listdir("/dev/shm") if entry.startswith(f"wheeld-{name}-"))
 
     _attempt(results, "join A's group", lambda: wheeld.connect(group=a_group, connect_timeout_s=5.0).close())
@@ -274,7 +275,8 @@ def role_attacker(name: str, a_pid: str, a_ring_fd: str, daemon_pid: str, a_grou
         size = os.fstat(ring).st_size
         _attempt(results, "ftruncate own ring smaller", lambda: os.ftruncate(ring, 0))
         _attempt(results, "ftruncate own ring larger", lambda: os.ftruncate(ring, size * 2))
-        _attempt(results, "seal own ring against writes", lambda: fcntl.fcntl(ring, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE))
+        _attempt(results, "seal own ring against writes",
+                 lambda: fcntl.fcntl(ring, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE))
         status = status_fds[0]
         _attempt(results, "ftruncate the status page", lambda: os.ftruncate(status, 0))
         _attempt(results, "map the status page writable", lambda: mmap.mmap(status, mmap.PAGESIZE).close())

@@ -266,7 +266,8 @@ def test_every_frame_the_daemon_builds_decodes_at_its_client_at_the_extremes_of_
             frames.append(M.encode_daemon_frame(rejection(seq, kb + bytes(KEY_BYTES - len(kb)), meta, reason,
                                                           M.Rejected.INVALID_DEADLINE, 0).message()))
     frames.append(M.encode_daemon_frame(M.Welcome(M.PROTOCOL_VERSION, 2**63 - 1, "wheeld-x-c" + "f" * 200,
-                                                  RL.MAX_RING_CAPACITY, RL.MAX_TOUCH_CAPACITY, "wheeld-" + "n" * 200, (1 << 31) - 1, CLIENT_MAX_DELAY_MS,
+                                                  RL.MAX_RING_CAPACITY, RL.MAX_TOUCH_CAPACITY, "wheeld-" + "n" * 200,
+                                                  (1 << 31) - 1, CLIENT_MAX_DELAY_MS,
                                                   (1 << 63) - 1, 0xFFFFFFFF, True, True)))
     frames.append(M.encode_daemon_frame(M.Goodbye("x" * 4096)))
     frames.append(M.encode_daemon_frame(M.Refused("y" * 4096, M.Refused.BUSY)))

@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import sockets  # noqa: E402
 
-SMALL = ["--idle-ms", "1000", "--min-interval-ms", "50", "--max-interval-ms", "200", "--duration-s", "1", "--connect-rate", "4000"]
+SMALL = ["--idle-ms", "1000", "--min-interval-ms", "50", "--max-interval-ms", "200", "--duration-s", "1",
+         "--connect-rate", "4000"]
 
 
 def leftover_segments() -> set[str]:

@@ -49,5 +49,6 @@ def test_a_call_of_an_undeclared_function_fails_the_build(tmp_path):
     refused = compile_c(tmp_path, "#include <Python.h>\n" + BODY)
     assert refused.returncode != 0, "an undeclared function compiled (its result would be taken for an int)"
     assert "wheeld_probe_hash" in refused.stderr
-    declared = compile_c(tmp_path, "#include <Python.h>\nPy_hash_t wheeld_probe_hash(const void *, Py_ssize_t);\n" + BODY)
+    declared = compile_c(tmp_path, "#include <Python.h>\n"
+                                   "Py_hash_t wheeld_probe_hash(const void *, Py_ssize_t);\n" + BODY)
     assert declared.returncode == 0, declared.stderr

@@ -232,7 +232,8 @@ class Chaos:
                                 command[2] = int(parts[-1])
                                 break
                     elif kind == "R" and len(parts) == 6:
-                        received[parts[1]].append((int(parts[2]), int(parts[3]), int(parts[4]), group, n, int(parts[5])))
+                        received[parts[1]].append((int(parts[2]), int(parts[3]), int(parts[4]), group, n,
+                                                   int(parts[5])))
                     elif kind == "K" and len(parts) == 3:
                         acked_batches[(group, n, int(parts[1]))] = int(parts[2])
                     elif kind == "F" and len(parts) == 2:
@@ -327,7 +328,7 @@ def check_run(chaos: Chaos, window_ms: int) -> dict:
         by_arming = collections.defaultdict(list)
         for delivery in deliveries:
             by_arming[delivery[0]].append(delivery)
-        for deadline, copies in by_arming.items():
+        for copies in by_arming.values():
             if len(copies) < 2:
                 continue
             first = copies[0]

@@ -30,7 +30,8 @@ def fake_interpreter(root: Path, version: str, patch: int) -> Path:
 
 def test_the_claimed_versions_start_at_requires_python_and_ci_runs_each():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    claimed = [c.rsplit(" :: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")]
+    claimed = [c.rsplit(" :: ", 1)[1] for c in project["classifiers"]
+               if c.startswith("Programming Language :: Python :: 3.")]
     assert claimed[0] == project["requires-python"].removeprefix(">=") and len(claimed) >= 3
     ci = (REPO / ".ci" / "run").read_text()
     assert ".ci/pythons.py --except" in ci and "make test-core PYTHON=" in ci

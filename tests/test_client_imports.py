@@ -21,7 +21,8 @@ NOT_FOR_CLIENTS = ("wheeld.shm.wheel", "wheeld.shm.keyindex", "wheeld.shm.placem
 
 def _loaded(code: str, pure: bool) -> list[str]:
     env_code = ("import os; os.environ['WHEELD_PURE_PYTHON'] = '1'; " if pure else "") + code
-    out = subprocess.run([sys.executable, "-c", env_code + "; import sys, json; print(json.dumps(sorted(sys.modules)))"],
+    out = subprocess.run([sys.executable, "-c",
+                          env_code + "; import sys, json; print(json.dumps(sorted(sys.modules)))"],
                          capture_output=True, text=True, check=True, timeout=60).stdout
     return json.loads(out.splitlines()[-1])
 

@@ -155,7 +155,8 @@ def test_add_refuses_at_once_when_the_arena_is_full(daemon_factory):
             w.add(i, 600_000)
         w.flush()
         status = w._parked
-        wait_until(lambda: status[SL.PENDING_WORD] >= 50, 5, "the status page to show 50 pending")  # published at the next iteration
+        wait_until(lambda: status[SL.PENDING_WORD] >= 50, 5,
+                   "the status page to show 50 pending")  # published at the next iteration
         with pytest.raises(wheeld.ArenaFull):
             w.add("one-more", 10)
         assert w.cancel(0)

@@ -91,7 +91,8 @@ def scenarios(draw):
     for _ in range(draw(st.integers(1, 40))):
         kind = draw(st.sampled_from([
             "schedule", "schedule", "schedule", "cancel", "advance", "expire", "release", "rearm_fired",
-            "schedule_many", "cancel_many", "expire_many", "release_many", "records_of", "cascade_ahead", "cancel_handle",
+            "schedule_many", "cancel_many", "expire_many", "release_many", "records_of", "cascade_ahead",
+            "cancel_handle",
             "mark_fired", "group", "forget", "reattach", "bad",
         ]))
         if kind == "schedule":
@@ -265,7 +266,8 @@ def test_large_batches_leave_the_same_bytes(workers):
     ops = [
         ("schedule_many", (_idents(keys[:n]), spread, 0, np.arange(n) % 5, np.arange(n) % 3 - 1)),
         ("schedule_many", ([encode_ident(k) for k in keys[:30]], spread[:30] + 9, [1, 2] * 15)),  # other groups
-        ("schedule_many", (_idents(keys[: n - 100] + keys[n : n + 400]), np.array([1000 + (13 * i) % 5000 for i in range(n + 300)]),
+        ("schedule_many", (_idents(keys[: n - 100] + keys[n : n + 400]),
+                           np.array([1000 + (13 * i) % 5000 for i in range(n + 300)]),
                            0, 7)),  # re-arms of n - 100 keys, and new ones
         ("schedule_many", (_idents(keys[n + 400 :]), 2000, 0)),  # 1600 new keys: the arena has room for 570
         ("records_of", (np.arange(first, first + 40, dtype=np.int64),)),

@@ -30,7 +30,8 @@ def _run(pure: bool, seed: int, count: int) -> list[dict]:
     env = dict(os.environ, PYTHONHASHSEED="0", **{accel.PURE_ENV: "1" if pure else "0"})
     done = subprocess.run([sys.executable, str(WORKER), str(seed), str(count)], env=env, capture_output=True,
                           text=True, timeout=600)
-    assert done.returncode == 0, f"exit {done.returncode} on the {'Python' if pure else 'default'} path:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, (f"exit {done.returncode} on the {'Python' if pure else 'default'} path:\n"
+                                  f"{done.stderr[-4000:]}")
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 

@@ -41,7 +41,8 @@ def test_reboot_recovers_every_flushed_timer_and_marks_late_ones(daemon_factory,
     assert any(name.endswith("-arena") for name in removed)
     # + 2: recovery maps a journaled wall-clock deadline back to the monotonic clock rounded
     # up (wall_to_monotonic_ns): a recovered timer may carry a deadline a ms or two later
-    wait_for_clock(max(deadlines[i] for i in range(1, 2000, 2)) + 2, "the 300 ms timers to come due while the host is down")
+    wait_for_clock(max(deadlines[i] for i in range(1, 2000, 2)) + 2,
+                   "the 300 ms timers to come due while the host is down")
     before_restart = mono_ms()
     d.start()
     after_restart = mono_ms()  # the daemon's start (what "late" is measured against) lies in between
@@ -59,7 +60,8 @@ def test_reboot_recovers_every_flushed_timer_and_marks_late_ones(daemon_factory,
     assert overdue <= late, "the overdue timers fire at once, marked late"
     # a timer due after the restart is on time (on a loaded machine the restart may take
     # long enough for some 2.5-3 s timers to be overdue too: those are late, rightly)
-    assert not late & {e.key for e in got if e.deadline_ms > after_restart}, "a timer due after the restart is marked late"
+    assert not late & {e.key for e in got if e.deadline_ms > after_restart}, (
+        "a timer due after the restart is marked late")
     for e in got:
         assert e.fired_ms >= e.deadline_ms
     # the journal is JSON Lines with checksums: every line parses (read once the daemon has
@@ -170,9 +172,10 @@ def test_one_big_journaled_batch_journals_the_commands_final_state(daemon_factor
     assert not state.problems
     got = {key: timer for (group, key), timer in state.pending.items() if group == "big"}
     assert set(got) == set(model)
-    for key, (delay, idle) in model.items():
+    for key, (delay, _idle) in model.items():
         assert abs(got[key].deadline_ms - (start_wall + delay)) < 5_000, key
-    lines = [json.loads(line) for path in sorted(journal.glob("journal-*.jsonl")) for line in path.read_bytes().splitlines()]
+    lines = [json.loads(line) for path in sorted(journal.glob("journal-*.jsonl"))
+             for line in path.read_bytes().splitlines()]
     cancels = [line for line in lines if line["ev"] == "cancel"]
     assert sum(c["hit"] for c in cancels) == hits[True] and len(cancels) == hits[True] + hits[False]
     rearms = [line for line in lines if line["ev"] == "rearm"]

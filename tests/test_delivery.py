@@ -104,7 +104,7 @@ def test_expiry_by_columns_delivers_what_expiry_by_rows_delivers():
     now, acked = 1000, None
     while now < 4200:
         now += rng.choice([1, 1, 1, 2, 5, 40])  # sometimes a backlog
-        for d, cs, members in setups:
+        for d, cs, _members in setups:
             d.expire(now)
             if acked is None and d.queues[cs.group]:  # an entry released before it is sent: dropped
                 acked = d.queues[cs.group][0][:2]

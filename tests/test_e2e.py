@@ -255,7 +255,7 @@ def _tail_word() -> int:
 def test_garbage_and_wrong_version_on_the_socket(daemon):
     with wheeld.connect(daemon.socket_path, group="victim") as w:
         rng = random.Random(3)
-        for i in range(20):
+        for _ in range(20):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(daemon.socket_path)
             s.sendall(bytes(rng.randrange(256) for _ in range(rng.randint(1, 300))))

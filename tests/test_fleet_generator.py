@@ -131,7 +131,8 @@ def test_generated_fleet_is_deterministic_and_torn_tails_are_real(tmp_path):
         files_a = [path.read_bytes() for _, path in list_segments(tmp_path / "a" / name)]
         files_b = [path.read_bytes() for _, path in list_segments(tmp_path / "b" / name)]
         assert files_a == files_b
-    torn = [name for name in first.hosts if not list_segments(tmp_path / "a" / name)[-1][1].read_bytes().endswith(b"\n")]
+    torn = [name for name in first.hosts
+            if not list_segments(tmp_path / "a" / name)[-1][1].read_bytes().endswith(b"\n")]
     assert len(torn) == 1
     state = recover(tmp_path / "a" / torn[0], repair=False)
     assert [problem.reason for problem in state.problems] == [pj.TORN]

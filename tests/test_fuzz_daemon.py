@@ -263,7 +263,8 @@ class Fuzzer:
         if roll < 0.3:
             return framing.HEADER.pack(rng.choice([4097, 1 << 20, framing.MAX_FRAME, 2**32 - 1])) + rng.randbytes(8)
         if roll < 0.6:  # shaped like a real message: a tag, then random fields
-            body = [rng.choice(["hello", "doorbell", "bye", "hell0"])] + [self.value(1) for _ in range(rng.randint(0, 7))]
+            body = ([rng.choice(["hello", "doorbell", "bye", "hell0"])]
+                    + [self.value(1) for _ in range(rng.randint(0, 7))])
         else:
             body = self.value()
         encoded = msgspec.msgpack.encode(body)

@@ -649,10 +649,13 @@ def test_garbage_ring_records_disconnect_only_their_client(hostile):
         attacker.flush()
         assert attacker._segment.try_push_record(record)
         attacker._ring_doorbell()
-        wait_until(lambda: peer_closed(attacker._sock), 10, what=f"{kind}: the attacker disconnected")
+        wait_until(lambda: peer_closed(attacker._sock), 10,  # noqa: B023 - called here
+                   what=f"{kind}: the attacker disconnected")
         abandon(attacker)
-        wait_until(lambda: counters(d.name)["clients_dropped_total"] == n, 5, what=f"{kind}: the drop counted")
-    poisoned = [line for line in d.log().splitlines() if "invalid command record" in line and "disconnecting it" in line]
+        wait_until(lambda: counters(d.name)["clients_dropped_total"] == n, 5,  # noqa: B023 - called here
+                   what=f"{kind}: the drop counted")
+    poisoned = [line for line in d.log().splitlines()
+                if "invalid command record" in line and "disconnecting it" in line]
     assert len(poisoned) == len(garbage), poisoned
     assert group_live(d.name, "garbage") == len(garbage)
     honest.wait_served(50)
@@ -724,7 +727,7 @@ def test_clients_killed_while_pushing_affect_nobody(hostile, tmp_path):
                                  stdout=subprocess.PIPE)
         try:
             assert child.stdout.readline() == b"ready\n"
-            wait_until(lambda: counters(d.name)["commands_total"] >= before + 2000 + n * 500, 20,
+            wait_until(lambda: counters(d.name)["commands_total"] >= before + 2000 + n * 500, 20,  # noqa: B023
                        what="the child pushing")
         finally:
             os.kill(child.pid, signal.SIGKILL)

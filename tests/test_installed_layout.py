@@ -159,7 +159,8 @@ def people():
     for name in every_user + every_group:
         assert not user_exists(name) and not group_exists(name), f"{name} exists already"
     commands = guide_install_commands()
-    documented = {(argv[0], name) for argv in commands for name in argv[1:] if name in (*names, "myworker", "myoperator")}
+    documented = {(argv[0], name) for argv in commands for name in argv[1:]
+                  if name in (*names, "myworker", "myoperator")}
     for needed in [("groupadd", "wheeld-clients"), ("groupadd", "wheeld-monitor"), ("useradd", "wheeld"),
                    ("usermod", "myworker"), ("usermod", "myoperator")]:
         assert needed in documented, f"docs/operating.md's Install section has no {needed[0]} ... {needed[1]}"
@@ -314,7 +315,8 @@ class Layout:
         assert one(self.service, "User") == "wheeld" and one(self.service, "Group") == "wheeld"
         supplementary = [grp.getgrnam(self.map_name(g)).gr_gid
                          for g in " ".join(self.service.get("SupplementaryGroups", [])).split()]
-        return {**identity, "uid": daemon.uid, "gid": daemon.gid, "groups": sorted(set(daemon.groups) | set(supplementary))}
+        return {**identity, "uid": daemon.uid, "gid": daemon.gid,
+                "groups": sorted(set(daemon.groups) | set(supplementary))}
 
     # -- processes
     def _env(self) -> dict:
@@ -402,7 +404,8 @@ def one_line_error(run: dict, expected_code: int, *fragments: str) -> None:
     """wheelctl failed cleanly: the exit code, one line on stderr, no traceback."""
     lines = run["err"].strip().splitlines()
     assert run["code"] == expected_code, f"wheelctl {run['args']}: exit {run['code']}, stderr:\n{run['err']}"
-    assert len(lines) == 1 and lines[0].startswith("wheelctl: "), f"wheelctl {run['args']}: not one clean line:\n{run['err']}"
+    assert len(lines) == 1 and lines[0].startswith("wheelctl: "), (
+        f"wheelctl {run['args']}: not one clean line:\n{run['err']}")
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
 
@@ -426,7 +429,8 @@ def check_isolation(layout: Layout, *, monitors: bool) -> None:
     # worker A keeps adding, flushing and receiving in its own group while everything below happens
     holder = layout.start_as("worker_a", "holder", a_group)
     outsider = layout.start_as("outsider", "outsider", "g-out", layout.state_dir, journal)
-    operator = layout.start_as("operator", "ctl", *map(json.dumps, (["stats", "--interval", "0"], ["groups"], ["check"])))
+    operator = layout.start_as("operator", "ctl",
+                               *map(json.dumps, (["stats", "--interval", "0"], ["groups"], ["check"])))
     line = holder.stdout.readline()
     assert line, f"worker A did not start: {holder.stderr.read() if holder.poll() is not None else ''}"
     a = json.loads(line)

@@ -41,7 +41,8 @@ def collect(client, want: int, timeout_s: float = 20.0) -> list:
     return got
 
 
-def run_second_daemon(name: str, socket_path: str, tmp_path, *extra: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_second_daemon(name: str, socket_path: str, tmp_path, *extra: str,
+                      timeout: float = 60) -> subprocess.CompletedProcess:
     """A daemon expected to be refused (subprocess.run kills it when it is not, at ``timeout``)."""
     cmd = [sys.executable, "-m", "wheeld.daemon.cli", "--socket", socket_path, "--name", name, "--capacity", "200000",
            *extra]

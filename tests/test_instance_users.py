@@ -8,7 +8,6 @@ segment made here is removed afterwards, also when a check fails.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil

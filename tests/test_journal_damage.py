@@ -247,7 +247,7 @@ def test_one_changed_byte_costs_at_most_its_lines(recorded, tmp_path):
     cases = []  # (file, offset, new byte or None for a random one)
     for _ in range(OFFSETS):  # anywhere: most of the bytes are in the middle of segments
         position = rng.randrange(sum(sizes))
-        for path, size in zip(files, sizes):
+        for path, size in zip(files, sizes):  # noqa: B007 - path is the one the loop stops at
             if position < size:
                 break
             position -= size
@@ -658,7 +658,8 @@ def test_wheelctl_check_journal_lists_ranges_and_exits_1_on_damage(tmp_path):
     assert result.exit_code == 1, result.stdout
     assert result.stdout.startswith("DAMAGED: journal ") and "1 damaged range, 1 line, 1 event lost" in result.stdout
     assert f"{segments[1][1].name} bytes {start}-" in result.stdout and "(line 3, 1 line)" in result.stdout
-    assert f"1 event lost (lsn {segments[1][0] + 1})" in result.stdout and "the events after it are kept" in result.stdout
+    assert (f"1 event lost (lsn {segments[1][0] + 1})" in result.stdout
+            and "the events after it are kept" in result.stdout)
     as_json = json.loads(_check(tmp_path, "--json").stdout)
     assert as_json["ok"] is False and as_json["damage"][0]["start"] == start and as_json["damaged_lines"] == 1
     assert _tree(tmp_path) == before  # check never writes

@@ -458,7 +458,7 @@ def test_a_recovery_from_the_page_cache_is_written_again_before_it_counts():
     dropped pages back, so the new arena's journal starts with a snapshot."""
     disk = SimDisk(random.Random(4))
     model = Model()
-    journal = _b_not_synced(disk, model)
+    _b_not_synced(disk, model)
     state = recover(DIRECTORY, quiet=True, fs=disk)
     assert _keys(state) == {"a", "b"} and read_mark(DIRECTORY, disk) == 1
     assert _unsynced_after_recovery(DIRECTORY, state, disk) is True

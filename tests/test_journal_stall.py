@@ -47,7 +47,8 @@ def small_tmpfs(where: Path, size: str):
     if os.geteuid() != 0:
         pytest.skip("mounting a small filesystem for the journal needs root")
     where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", f"wheeld-test-{uuid.uuid4().hex[:8]}",
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755",
+                           f"wheeld-test-{uuid.uuid4().hex[:8]}",
                            str(where)], capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")

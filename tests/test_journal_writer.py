@@ -38,7 +38,8 @@ def test_rotation_by_size(tmp_path):
     clock = FakeClock()
     journal = make_journal(tmp_path, clock, fsync="off", segment_bytes=1_000, name="svc")
     for index in range(100):
-        journal.append([Add(t=T0, g="g", k=index, d=T0 + index, s=index), Cancel(t=T0, g="g", k=index, s=index, hit=False)])
+        journal.append([Add(t=T0, g="g", k=index, d=T0 + index, s=index),
+                        Cancel(t=T0, g="g", k=index, s=index, hit=False)])
     journal.close()
     segments = list_segments(tmp_path)
     assert len(segments) > 10

@@ -28,7 +28,8 @@ def _loaded_after(statement: str) -> set[str]:
 ])  # fmt: skip
 def test_the_journal_format_loads_neither_the_client_nor_shared_memory(statement):
     loaded = _loaded_after(statement)
-    assert not loaded & {"wheeld.core", "wheeld.sync", "wheeld.aio", "posix_ipc", "numpy.core", "numpy._core"}, statement
+    assert not loaded & {"wheeld.core", "wheeld.sync", "wheeld.aio", "posix_ipc",
+                         "numpy.core", "numpy._core"}, statement
 
 
 @pytest.mark.parametrize("statement", [

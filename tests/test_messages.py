@@ -562,7 +562,8 @@ _VALID_KEYS = st.one_of(st.text(min_size=1, max_size=8), st.binary(min_size=1, m
                         st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1))
 
 
-@pytest.mark.skipif(not accel.compiled("wheeld.core"), reason="the compiled client's key decoding (Python path: expiry_keys itself)")
+@pytest.mark.skipif(not accel.compiled("wheeld.core"),
+                    reason="the compiled client's key decoding (Python path: expiry_keys itself)")
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(items=st.lists(st.one_of(
     _VALID_KEYS.map(lambda key: encode_key(key)),  # keys the daemon sends

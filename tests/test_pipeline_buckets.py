@@ -47,7 +47,8 @@ def test_every_width_divides_a_day_and_no_input_gives_the_narrowest():
 
 
 def test_width_labels():
-    assert [fmt_width(w) for w in (1_000, 15_000, 2 * MINUTE, 6 * HOUR, DAY)] == ["1 s", "15 s", "2 min", "6 h", "1 day"]
+    assert ([fmt_width(w) for w in (1_000, 15_000, 2 * MINUTE, 6 * HOUR, DAY)]
+            == ["1 s", "15 s", "2 min", "6 h", "1 day"])
 
 
 def test_a_few_minutes_of_journal_get_second_buckets_and_per_second_rates(tmp_path):

@@ -311,7 +311,8 @@ def _raw_memfd(size, seal=True):
         lambda fd: None,  # all zeros: no magic
         lambda fd: os.pwrite(fd, struct.pack("<QIIII", ring_layout.MAGIC, 99, 8, 4, 64), 0),  # other version
         lambda fd: os.pwrite(fd, struct.pack("<QIIII", ring_layout.MAGIC, 2, 12, 4, 64), 0),  # not a power of two
-        lambda fd: os.pwrite(fd, struct.pack("<QIIII", ring_layout.MAGIC, 2, 1 << 20, 4, 64), 0),  # larger than the file
+        # larger than the file
+        lambda fd: os.pwrite(fd, struct.pack("<QIIII", ring_layout.MAGIC, 2, 1 << 20, 4, 64), 0),
         lambda fd: os.pwrite(fd, struct.pack("<QIIII", ring_layout.MAGIC, 2, 8, 4, 32), 0),  # other record size
         lambda fd: os.pwrite(fd, struct.pack("<QIIII", ring_layout.MAGIC, 2, 4, 4, 64), 0),  # smaller than the file
     ],

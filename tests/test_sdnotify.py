@@ -187,7 +187,8 @@ def test_watchdog_interval_is_half_of_watchdog_sec_and_only_for_us(environment, 
 
 
 def test_unset_environment_removes_the_variables():
-    environment = {"NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_USEC": "1000000", "WATCHDOG_PID": str(os.getpid()), "PATH": "/bin"}
+    environment = {"NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_USEC": "1000000", "WATCHDOG_PID": str(os.getpid()),
+                   "PATH": "/bin"}
     notifier = Notifier(environment, unset_environment=True)
     assert notifier.enabled and notifier.watchdog_interval_s() == 0.5
     assert environment == {"PATH": "/bin"}

@@ -102,7 +102,7 @@ def test_a_full_disk_writes_what_fits_then_refuses_and_takes_room_back_after_unl
 def test_one_seed_gives_one_history():
     def run(seed):
         disk = _disk(seed)
-        fd = _append(disk, "/j/a", b"z" * 50)
+        _append(disk, "/j/a", b"z" * 50)
         disk.power_cut()
         return disk.exists("/j/a") and disk.read_file("/j/a")
 

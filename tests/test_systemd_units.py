@@ -144,7 +144,8 @@ def test_exposure_parser_sees_a_weaker_unit(tmp_path):
     """The score is read from the output, not assumed: strip the sandbox and it rises."""
     units = copy_units(tmp_path)
     service = units / "wheeld.service"
-    kept = [line for line in service.read_text().splitlines() if not line.startswith(("Protect", "Private", "SystemCall", "Restrict"))]
+    kept = [line for line in service.read_text().splitlines()
+            if not line.startswith(("Protect", "Private", "SystemCall", "Restrict"))]
     service.write_text("\n".join(kept) + "\n")
     assert overall_exposure(service) > RECORDED_EXPOSURE + EXPOSURE_MARGIN
 
@@ -232,13 +233,16 @@ def test_units_sysusers_and_tmpfiles_name_the_same_user_and_groups():
     assert values(SERVICE, "Service", "SupplementaryGroups") == [monitor_group]
     memberships = [entry[1:3] for entry in sysusers_entries() if entry[0] == "m"]
     assert memberships == [[user, monitor_group]]  # and not the clients group
-    tmpfiles_entry = [line.split() for line in (SYSTEMD_DIR / "wheeld.tmpfiles").read_text().splitlines() if line.startswith("d ")]
+    tmpfiles_entry = [line.split() for line in (SYSTEMD_DIR / "wheeld.tmpfiles").read_text().splitlines()
+                      if line.startswith("d ")]
     runtime_directory = "/run/" + values(SERVICE, "Service", "RuntimeDirectory")[0]
-    assert tmpfiles_entry == [["d", runtime_directory, values(SERVICE, "Service", "RuntimeDirectoryMode")[0], user, user, "-"]]
+    assert tmpfiles_entry == [["d", runtime_directory, values(SERVICE, "Service", "RuntimeDirectoryMode")[0],
+                               user, user, "-"]]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="tmpfiles must chown to the new user")
-@pytest.mark.skipif(not (shutil.which("systemd-sysusers") and shutil.which("systemd-tmpfiles")), reason="no systemd-sysusers/tmpfiles")
+@pytest.mark.skipif(not (shutil.which("systemd-sysusers") and shutil.which("systemd-tmpfiles")),
+                    reason="no systemd-sysusers/tmpfiles")
 def test_sysusers_and_tmpfiles_apply_to_a_fresh_root(tmp_path):
     root = tmp_path / "root"
     (root / "etc").mkdir(parents=True)
@@ -354,13 +358,15 @@ def test_the_guides_virtual_environment_is_made_by_an_interpreter_the_service_ca
     venv = [argv for argv in lines if argv[1:3] == ["-m", "venv"]]
     assert len(venv) == 1, venv
     interpreter, target = venv[0][0], venv[0][3]
-    assert os.path.isabs(interpreter), f"the guide makes the environment with {interpreter!r}: a PATH lookup may find pyenv's"
+    assert os.path.isabs(interpreter), (f"the guide makes the environment with {interpreter!r}: "
+                                        "a PATH lookup may find pyenv's")
     assert not interpreter.startswith(hidden) and not target.startswith(hidden)
     if not os.access(interpreter, os.X_OK):
         pytest.skip(f"{interpreter} is not installed here")
     made = tmp_path / "venv"
     subprocess.run([interpreter, "-m", "venv", "--without-pip", str(made)], check=True, capture_output=True,
                    timeout=120)
-    home = dict(line.split(" = ", 1) for line in (made / "pyvenv.cfg").read_text().splitlines() if " = " in line)["home"]
+    home = dict(line.split(" = ", 1) for line in (made / "pyvenv.cfg").read_text().splitlines()
+                if " = " in line)["home"]
     assert not os.path.realpath(home).startswith(hidden), home
     assert "pyvenv.cfg" in install and all(h in install for h in hidden)  # the guide says where to look

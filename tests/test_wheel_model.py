@@ -428,8 +428,10 @@ class BatchMachine(RuleBasedStateMachine):
         assert self.batch.check() == []
         assert self.scalar.check() == []
         assert Counter(self.batch.pending()) == Counter(self.scalar.pending())
-        tags = lambda w: Counter((k, g, t) for k, _d, g, t, _a, _gen in (w._entry(s) for s in range(w.first_entry, w.n_records)
-                                                                        if w.records["state"][s] & 0x0F))
+        def tags(w):
+            live = (w._entry(s) for s in range(w.first_entry, w.n_records) if w.records["state"][s] & 0x0F)
+            return Counter((k, g, t) for k, _d, g, t, _a, _gen in live)
+
         assert tags(self.batch) == tags(self.scalar)
         assert self.batch.counters() == self.scalar.counters()
         assert self.batch.group_counts().tolist() == self.scalar.group_counts().tolist()

@@ -486,7 +486,8 @@ def test_groups_of_an_arena_read_without_a_daemon():
         fired = wheel.expire(1012)  # a0..a2 fired, not acknowledged
         assert len(fired) == 3
         assert wheel.forget_group(gone) is True
-        wheel._seg.buf[L.GROUPS_OFFSET + 7 * L.GROUP_NAME_BYTES + 1 : L.GROUPS_OFFSET + 7 * L.GROUP_NAME_BYTES + 4] = b"xyz"
+        wheel._seg.buf[L.GROUPS_OFFSET + 7 * L.GROUP_NAME_BYTES + 1
+                       : L.GROUPS_OFFSET + 7 * L.GROUP_NAME_BYTES + 4] = b"xyz"
         expected_live = wheel.group_counts().tolist()
         wheel.publish_stats()
         result = wheelctl(None, "groups", "--json", name=name, socket_path="/nonexistent")
@@ -505,7 +506,8 @@ def test_groups_of_an_arena_read_without_a_daemon():
         assert lines[5].split() == ["6", "(no", "name)", "1", "1", "0", "0"]
         stats_doc = json.loads(wheelctl(None, "stats", "--json", "--interval", "0", name=name,
                                         socket_path="/nonexistent").stdout)  # exits 3 (no daemon) after printing
-        assert (stats_doc["groups"]["in_use"], stats_doc["groups"]["max"], stats_doc["groups"]["registered"]) == (4, 8, 3)
+        assert (stats_doc["groups"]["in_use"], stats_doc["groups"]["max"],
+                stats_doc["groups"]["registered"]) == (4, 8, 3)
     finally:
         wheel.close()
         unlink_segments(name)
@@ -719,7 +721,7 @@ def _exercised_wheel(seed: int):
     wheel = TimerWheel.create(3000, tick_ms=int(rng.choice([1, 2, 10])), wheel_size=int(rng.choice([4, 16, 256])),
                               start_ms=1000)
     now = 1000
-    for step in range(4000):
+    for _ in range(4000):
         op = rng.random()
         key = int(rng.integers(0, 2500))
         if op < 0.55:

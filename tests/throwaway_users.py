@@ -98,7 +98,8 @@ class Accounts:
                     shadow(["groupdel", name])
                 except AssertionError as exc:
                     errors.append(str(exc))
-        left = [n for n in self.users if _exists(pwd.getpwnam, n)] + [n for n in self.groups if _exists(grp.getgrnam, n)]
+        left = ([n for n in self.users if _exists(pwd.getpwnam, n)]
+                + [n for n in self.groups if _exists(grp.getgrnam, n)])
         assert not left, f"could not remove {left}: {errors}"
 
 
