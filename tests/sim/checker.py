@@ -57,6 +57,7 @@ class Arming:
     superseded_by: Command | None = None
     received_before_superseded: bool = False
     handed: list = field(default_factory=list)  # (client, at_ns)
+    fired_ns: int | None = None  # the earliest fired_ms of its copies handed so far
 
 
 @dataclass
@@ -89,6 +90,8 @@ class History:
         self.pending_commands: dict[int, list[Command | Arming]] = {}  # pushed since the client's last flush() call
         self.crashed_groups: set[str] = set()
         self.crashed_clients: set[int] = set()
+        self.touch_tables_lost: set[int] = set()  # departed clients whose touches a reboot took
+        self.left_ns: dict[int, int] = {}  # client -> when it left with a Bye
         self.power_cuts = 0
         self.cuts: list[tuple[int, int]] = []  # (when, the window of applied commands it may lose) per power cut
         self.disk_failures: list[int] = []  # when calls on the journal's disk failed (EIO, ENOSPC), in order
@@ -149,6 +152,33 @@ class History:
             item.acked = True
             item.acked_ns = at_ns
 
+    def left(self, client: int, at_ns: int) -> None:
+        """``client`` left with a Bye: the daemon journals its idle timers at last touch +
+        idle_ms when it frees its slot, a moment later."""
+        self.left_ns[client] = at_ns
+
+    def journal_may_have_lost(self, since_ns: int) -> bool:
+        """Whether what the daemon journaled from ``since_ns`` on may be gone, by the rules of
+        :meth:`may_have_lost` for an event no flush acknowledged: a power cut under
+        ``--fsync interval`` within its window, or after a failed call on the journal's
+        disk (from ``since_ns`` on) with no file synced between that failure and the cut."""
+        for at, window in self.cuts:
+            if since_ns > at:
+                continue
+            if since_ns >= at - window:
+                return True
+            last = bisect.bisect_right(self.disk_failures, at) - 1
+            if last >= 0 and self.disk_failures[last] >= since_ns - window:
+                failed = self.disk_failures[last]
+                if bisect.bisect_right(self.syncs, at) == bisect.bisect_right(self.syncs, failed):
+                    return True
+        return False
+
+    def touches_lost(self, client: int) -> None:
+        """A reboot took ``client``'s touch table before the daemon moved its idle timers
+        to last touch + idle_ms: its touches are no longer promised."""
+        self.touch_tables_lost.add(client)
+
     def crashed(self, client: int) -> None:
         self.crashed_groups.add(self.group_of[client])
         self.crashed_clients.add(client)
@@ -203,6 +233,12 @@ class History:
             self.unknown.append((client, key, tag))
             return
         arming.handed.append((client, at_ns))
+        if fired_ns is not None:
+            # a copy sent again (its first recipient died, or did not acknowledge it in time)
+            # carries the moment it was queued again: the daemon read the touch word at the
+            # first fire, which the earliest copy tells
+            arming.fired_ns = fired_ns if arming.fired_ns is None else min(arming.fired_ns, fired_ns)
+            fired_ns = arming.fired_ns
         self._check_early(arming, client, at_ns, at_ns if fired_ns is None else min(at_ns, fired_ns))
         if self.group_of[client] != arming.group:
             self.violations.append(Violation("group", f"{key!r} (tag {tag}) of group {arming.group!r} was handed to "
@@ -214,7 +250,16 @@ class History:
 
     def _check_early(self, arming: Arming, client: int, at_ns: int, fired_ns: int) -> None:
         earliest = arming.earliest_ns
-        if arming.idle_ms is not None and arming.client not in self.crashed_clients:
+        # a journal damaged after the arming was made may have lost the re-arms its touches
+        # made (docs/contracts.md: "a skipped event is lost with its consequences"), such as
+        # the move to last touch + idle_ms when its client left: it counts from the add only
+        damaged = self.disk_damage_ns is not None and arming.called_ns <= self.disk_damage_ns
+        # a client that left: its touches live on in the journal (the move its departure
+        # made), which a power cut after a failed fsync may take (may_have_lost)
+        left = self.left_ns.get(arming.client)
+        damaged = damaged or (left is not None and self.journal_may_have_lost(left))
+        if arming.idle_ms is not None and arming.client not in self.crashed_clients and not damaged \
+                and arming.client not in self.touch_tables_lost:
             # touches are promised while their client lives: a client that died (a reboot
             # kills every client) takes its touch table with it, and a timer restored from
             # the journal is a plain timer at its last journaled deadline (docs/contracts.md)

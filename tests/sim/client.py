@@ -482,8 +482,8 @@ class SimClient(ClientCore):
                 else:
                     self.ready_tags.append(-1)
 
-    def _stale_idle(self, ident, e, bkey) -> bool:
-        rearmed = super()._stale_idle(ident, e, bkey)
+    def _stale_idle(self, ident, e, bkey, handle) -> bool:
+        rearmed = super()._stale_idle(ident, e, bkey, handle)
         if rearmed:  # armed again under a new tag: the same arming, for the checker
             for shard in self._latest:
                 if bkey in shard:

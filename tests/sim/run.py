@@ -57,7 +57,7 @@ from wheeld.daemon.sessions import GC_INTERVAL_MS
 from wheeld.protocol import arena_layout as AL
 from wheeld.protocol import commands as C
 from wheeld.protocol.errors import (ArenaFull, BackPressure, BrokenPeer, Closed, DaemonNotRunning, InvalidDelay,
-                                    InvalidKey, InvalidRequest, JournalUnavailable, QuotaExceeded, RingFull,
+                                    InvalidKey, InvalidRequest, QuotaExceeded, RingFull,
                                     WheeldError)
 from wheeld.protocol.journal import scan_lines
 from wheeld.protocol.journal_files import list_segments, list_snapshots, read_mark
@@ -121,6 +121,8 @@ class Profile:
     disk_full: float = 0.0  # per operation: the journal's disk fills up for a while
     churn: float = 0.0  # per operation: a short-lived worker arms idle timers and leaves
     recovery_kill: float = 0.0  # per start after a reboot: the daemon killed at a line of its recovery
+    # Drawn from a generator of its own (draw_interleave), for the same reason:
+    interleave: float = 0.0  # per daemon event: time passes at its clock reads, and clients touch meanwhile
 
     @classmethod
     def draw(cls, rng: random.Random) -> Profile:
@@ -161,6 +163,10 @@ class Profile:
             self.reboot = 0.002  # the checker excuses what the contract lets such a reboot lose
         self.recovery_kill = rng.choice([0.0, 0.5]) if self.reboot else 0.0
 
+    def draw_interleave(self, rng: random.Random) -> None:
+        """How often a daemon event runs concurrently with the clients, from ``rng``."""
+        self.interleave = rng.choice([0.0, 0.3, 1.0])
+
     def describe(self) -> str:
         journal = f"journal fsync={self.fsync}" if self.journal else "no journal"
         return (f"{journal}, coalesce {self.coalesce_us} us, capacity {self.capacity}, ring {self.ring_capacity}, "
@@ -170,7 +176,7 @@ class Profile:
                         ("crafted", self.crafted), ("flooder", self.flooder), ("hoarders", self.hoarders),
                         ("arena damage", self.arena_damage), ("journal cut", self.journal_cut),
                         ("shrink", self.shrink), ("disk full", self.disk_full), ("churn", self.churn),
-                        ("recovery kill", self.recovery_kill)) if value))
+                        ("recovery kill", self.recovery_kill), ("interleave", self.interleave)) if value))
 
 
 @dataclass
@@ -307,11 +313,14 @@ class Simulation:
         rng = self.rng = self.world.rng
         # the newer workloads and faults choose with a generator of their own
         self.xrng = random.Random(seed * 1_000_003 + 17)
+        self.irng = random.Random(seed * 7_000_003 + 29)  # and the clients' stores inside daemon events
         self.extra = extra
         if profile is None:
             profile = Profile.draw(rng)
             if extra:  # (extra=False: the run as it was before the newer workloads and faults)
                 profile.draw_extra(self.xrng)
+                profile.draw_interleave(self.irng)
+        self._interleaving = 0  # clock reads of the current daemon event that may still let time pass
         self.profile = profile
         self.ops_target = ops
         self.disk = SimDisk(random.Random(rng.getrandbits(64)))
@@ -365,13 +374,43 @@ class Simulation:
         self.runner = SimRunner(inline=not self.profile.background_delay)
         life = self._life = _Life()
         fs = _ProcessFs(self.disk, life) if self.extra else self.disk
-        host = Host(clock_ms=self.world.clock_ms, clock_ns=self.world.clock_ns, wall_ms=self.world.wall_ms,
+        host = Host(clock_ms=self._daemon_clock_ms, clock_ns=self.world.clock_ns, wall_ms=self.world.wall_ms,
                     wall_ns=lambda: self.world.wall_ms() * MS, fs=fs, runner=self.runner,
                     shm=self.shm.port(self.pid, DAEMON_UID, ()), users=SimUsers(), rng=SimRandom(self.rng),
                     pid=self.pid, euid=DAEMON_UID, hostname="sim", process_alive=self._process_alive)
         if self.extra:  # (plain runs, as before: the unwound code ran on)
             life.shm = host.shm
         return host
+
+    def _daemon_clock_ms(self) -> int:
+        """The daemon's clock. The daemon shares the host with its clients: while it works
+        time passes, and a client may store into shared memory between any two of its
+        instructions. In an event chosen for it (:meth:`_guard`) a clock read is followed,
+        now and then, by a little time passing and an honest worker's application touching
+        its idle keys: the daemon then reads touch words stored after its clock read."""
+        now = self.world.clock_ms()
+        if self._interleaving and self.irng.random() < 0.5:
+            self._interleaving -= 1
+            self.world.now_ns += self.irng.randint(100_000, 1_900_000)  # the daemon's work takes time
+            self._touch_meanwhile()
+        return now
+
+    def _touch_meanwhile(self) -> None:
+        """An honest, live worker's application touches each of its idle keys, now."""
+        workers = [w for w in self.workers if w.alive and w.started and not w.hostile and w.idle_keys]
+        if not workers:
+            return
+        worker = self.irng.choice(workers)
+        now = self.world.now_ns
+        self.faults["client touches inside a daemon event"] += 1
+        for key in sorted(worker.idle_keys):
+            try:
+                worker.client.touch(key)
+            except InvalidKey:  # its expiration was handed over: no longer armed
+                worker.idle_keys.discard(key)
+                continue
+            self.history.touched(worker.ident, key, now)
+            self.note(f"w{worker.ident} touch {key} (inside a daemon event)")
 
     def _process_alive(self, pid: int) -> bool:
         """A worker's process exists while it lives (a pid no worker has: unknown, alive)."""
@@ -422,6 +461,19 @@ class Simulation:
         self.note(f"daemon {host.pid} started")
         self._check_damage_reported(daemon)
 
+    def _touches_not_settled(self) -> None:
+        """A reboot takes every touch table with it. A worker that left has its idle timers
+        moved to last touch + idle_ms, and journaled, when the daemon frees its slot; one
+        whose slot the last daemon still held (it had not got to it, or died first) loses
+        its touches as a live worker does: its idle timers come back at their journaled
+        deadlines (docs/contracts.md, "a timer restored from the journal after a reboot is
+        a plain timer")."""
+        clients = getattr(getattr(self.daemon, "core", None), "clients", None) or {}
+        held = {cs.pid for cs in clients.values()}
+        for worker in self._by_ident.values():
+            if not worker.alive and not worker.hostile and worker.pid in held:
+                self.history.touches_lost(worker.ident)
+
     def _start_killed(self, daemon: SimDaemon) -> None:
         """The first starts after a reboot rebuild the arena from the journal: kill one at a
         random line of that work (a start that finishes first is not killed)."""
@@ -468,9 +520,12 @@ class Simulation:
                 tracer = _Tracer(0, self._life, at_call=("wheeld.shm.ring", "commit"))
             self.faults["daemon killed inside an event"] += 1
             sys.settrace(tracer)
+        if self.profile.interleave and not self.fault_free and self.irng.random() < self.profile.interleave:
+            self._interleaving = 3
         try:
             return action(*args)
         finally:
+            self._interleaving = 0
             if tracer is not None:
                 sys.settrace(None)
 
@@ -539,6 +594,7 @@ class Simulation:
         self.faults["reboot"] += 1
         self.note("reboot")
         was_alive = self.daemon is not None and self.daemon.alive
+        self._touches_not_settled()
         if self.daemon is not None and self.daemon.alive:
             self._daemon_died(self.daemon)
         for worker in list(self.workers):
@@ -724,6 +780,7 @@ class Simulation:
             except WheeldError:
                 worker.client.crash()
             self.faults["short-lived worker left (Bye)"] += 1
+            self.history.left(worker.ident, self.world.now_ns)
             self.note(f"worker {worker.ident} left with a Bye")
         else:
             self._kill_worker(worker)
@@ -1188,7 +1245,8 @@ class Simulation:
             finally:
                 self._close()
         end = world.now_ns
-        self.violations += check(self.history, end - int((self.config.ack_timeout_s + self.config.resume_grace_s) * 1000) * MS)
+        self.violations += check(self.history,
+                                 end - int((self.config.ack_timeout_s + self.config.resume_grace_s) * 1000) * MS)
         acked = sum(1 for a in self.history.armings.values() if a.acked)
         handed = sum(len(a.handed) for a in self.history.armings.values())
         return Result(self.seed, p, self.ops, self.violations, self.faults, world.events_run, end // MS,
@@ -1294,9 +1352,9 @@ def _release_fds(core) -> None:
             table.close()
         except Exception:  # noqa: BLE001
             pass
-    # a crash inside the core's fence leaves its lock (one per process: a default argument)
-    # taken; in a real daemon it dies with the process, here the next incarnation would wait
-    fence_lock = core_module._full_fence.__defaults__[0]
+    # a crash inside the core's fence leaves its lock (one per process) taken; in a real
+    # daemon it dies with the process, here the next incarnation would wait
+    fence_lock = core_module._FENCE_LOCK
     if fence_lock.locked():
         fence_lock.release()
 
