@@ -292,10 +292,21 @@ def test_bad_input_raises_in_the_client_and_sends_nothing(daemon):
 def test_full_arena_is_reported_to_that_client_only(daemon_factory):
     d = daemon_factory(capacity=100).start()
     with wheeld.connect(d.socket_path, group="hog") as hog:
+        raised_by_add = False
         with pytest.raises(wheeld.ArenaFull):
             for i in range(150):
-                hog.add(f"h{i}", 60_000)
+                try:
+                    hog.add(f"h{i}", 60_000)
+                except wheeld.ArenaFull:
+                    raised_by_add = True  # the library saw the full arena at once
+                    raise
             hog.flush()
+        try:
+            hog.flush()
+        except wheeld.ArenaFull:
+            # only when add() raised first: the adds it had pushed before are refused by
+            # the daemon, and this flush is the first to report them
+            assert raised_by_add
         hog.flush()  # the rejections were reported once
     with wheeld.connect(d.socket_path, group="other") as other:
         other.cancel("nothing")
