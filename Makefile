@@ -15,7 +15,7 @@ RUN_STAMP   := $(VENV)/.installed-run-$(HASH)
 CORE_STAMP  := $(VENV)/.installed-core-$(HASH)
 TEST_STAMP  := $(VENV)/.installed-test-$(HASH)
 
-.PHONY: install build-requirements build run test test-core test-pure test-long lint bench clean simulate
+.PHONY: install build-requirements build run test test-fast test-core test-pure test-long lint bench clean simulate
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,11 @@ test-core: $(CORE_STAMP) build
 	$(BIN)/python -c 'import sys; print("make test-core:", sys.executable, sys.version.split()[0])'
 	$(BIN)/python -m pytest -n 4 -q $(CORE_TESTS)
 	WHEELD_PURE_PYTHON=1 $(BIN)/python -m pytest -n 4 -q $(PURE_TESTS)
+
+# the edit-test loop: the tests that start no process and need no PySpark (markers
+# `process` and `spark`, set by tests/conftest.py); `make test` still runs everything
+test-fast: $(CORE_STAMP) build
+	$(BIN)/python -m pytest -n 4 -q -m "not slow and not spark and not process"
 
 # the long chaos/scale/fuzz variants (marked slow), which `make test` leaves out
 test-long: $(TEST_STAMP) build

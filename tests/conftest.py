@@ -43,11 +43,37 @@ _LONG_FIRST = ("test_pipeline_cluster", "test_pipeline", "test_chaos", "test_cha
                "test_fuzz_daemon", "test_wheel_crash", "test_hostile")
 
 
+# The tiers (`make test-fast` runs what is neither): a test that starts processes (a
+# daemon, workers, a command-line tool) is marked `process`, one that needs PySpark `spark`.
+# A module that names one of these starts processes in some of its tests.
+_PROCESS_HINTS = ("daemon_harness", "subprocess", "multiprocessing", "Popen", "DaemonProcess")
+_DAEMON_FIXTURES = {"daemon", "daemon_factory"}
+
+
+def _starts_processes(module, cache: dict = {}) -> bool:  # noqa: B006 - a per-session cache
+    path = getattr(module, "__file__", None)
+    if path is None:
+        return False
+    if path not in cache:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        cache[path] = any(hint in text for hint in _PROCESS_HINTS)
+    return cache[path]
+
+
 def pytest_collection_modifyitems(items):
     def rank(item) -> int:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
         return _LONG_FIRST.index(module) if module in _LONG_FIRST else len(_LONG_FIRST)
 
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        module = item.module
+        name = module.__name__.rsplit(".", 1)[-1] if module else ""
+        if "spark" in fixtures or name.startswith("test_pipeline"):
+            item.add_marker(pytest.mark.spark)
+        if fixtures & _DAEMON_FIXTURES or (module is not None and _starts_processes(module)):
+            item.add_marker(pytest.mark.process)
     items.sort(key=rank)  # stable: the collection order within each rank
 
 

@@ -462,12 +462,13 @@ class Simulation:
         self._check_damage_reported(daemon)
 
     def _touches_not_settled(self) -> None:
-        """A reboot takes every touch table with it. A worker that left has its idle timers
-        moved to last touch + idle_ms, and journaled, when the daemon frees its slot; one
-        whose slot the last daemon still held (it had not got to it, or died first) loses
-        its touches as a live worker does: its idle timers come back at their journaled
-        deadlines (docs/contracts.md, "a timer restored from the journal after a reboot is
-        a plain timer")."""
+        """A worker that left has its idle timers moved to last touch + idle_ms, and
+        journaled, when the daemon frees its slot. Its touch table lives in its ring's
+        memfd, which no process holds once the worker has exited and the daemon has died
+        (or the host rebooted): a worker whose slot the daemon still held then loses its
+        touches as a crashed one does. Its idle timers keep their deadlines (the next
+        daemon frees the slot of a process that is gone, with no table to read), or come
+        back at their journaled ones after a reboot (docs/contracts.md)."""
         clients = getattr(getattr(self.daemon, "core", None), "clients", None) or {}
         held = {cs.pid for cs in clients.values()}
         for worker in self._by_ident.values():
@@ -549,6 +550,7 @@ class Simulation:
         self.world.after_ms(self.rng.uniform(1, 300), self.start_daemon)
 
     def _daemon_died(self, daemon: SimDaemon, damage: bool = False) -> None:
+        self._touches_not_settled()
         daemon.crash()
         self._last_death_ns = self.world.now_ns
         if damage and self.profile.arena_damage and not self.fault_free and \
