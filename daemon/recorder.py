@@ -205,9 +205,8 @@ class Recorder:
                                        d=deadline_ms + off, pd=previous_ms + off, s=seq, i=idle_ms))
 
     # ------------------------------------------------------------------ batch events
-    # The daemon applies a large drained batch through the wheel's batch methods
-    # (segments in which no key repeats). These record such a segment with one call
-    # per kind: one clock read and one group-name lookup for the whole segment, keys
+    # The daemon applies a drained chunk as a batch (a plan, or ring order). These
+    # record it with one clock read and one group-name lookup for the whole chunk, keys
     # turned into their journal form straight from the 33-byte record form (no
     # intermediate user key), the previous deadlines found by one vectorized lookup.
     # The events are the same structs, in the same order, as the one-at-a-time
@@ -220,35 +219,6 @@ class Recorder:
         and whether a cancel hit. ``idents`` are 33-byte record forms (meta + key).
         """
         return _lookup_many(self.wheel, idents, gid)
-
-    def armed_many(self, gid: int, idents, deadlines_ms, seqs, previous_ms, idle_ms=None) -> None:
-        """:meth:`armed` for a segment; ``previous_ms`` from :meth:`previous_deadlines`,
-        ``idle_ms`` None (all plain timers) or a list with None for plain ones."""
-        off = self._offset
-        t = self._clock_ms() + off
-        g = self._group(gid)
-        append = self.events.append
-        Add, Rearm, unset = J.Add, J.Rearm, _UNSET
-        idles = idle_ms if idle_ms is not None else [None] * len(idents)
-        for ident, deadline, seq, previous, idle in zip(idents, deadlines_ms, seqs, previous_ms, idles):
-            i = unset if idle is None else idle
-            if previous is None:
-                append(Add(t=t, g=g, k=_ident_to_json(ident), d=deadline + off, s=seq, i=i))
-            else:
-                append(Rearm(t=t, g=g, k=_ident_to_json(ident), d=deadline + off, pd=previous + off, s=seq, i=i))
-
-    def cancelled_many(self, gid: int, idents, seqs, previous_ms) -> None:
-        """:meth:`cancelled` for a segment; ``previous_ms`` from :meth:`previous_deadlines`."""
-        off = self._offset
-        t = self._clock_ms() + off
-        g = self._group(gid)
-        append = self.events.append
-        Cancel, unset = J.Cancel, _UNSET
-        for ident, seq, previous in zip(idents, seqs, previous_ms):
-            if previous is None:
-                append(Cancel(t=t, g=g, k=_ident_to_json(ident), s=seq, hit=False, pd=unset))
-            else:
-                append(Cancel(t=t, g=g, k=_ident_to_json(ident), s=seq, hit=True, pd=previous + off))
 
     def commands(self, gid: int, log) -> None:
         """The events of the keyed commands a chunk applied (a :class:`~wheeld.daemon.planner.CommandLog`,

@@ -157,12 +157,6 @@ def load_recovered(wheel: TimerWheel, state: RecoveredState, directory: str = ""
     return state.last_lsn + 1
 
 
-def recover_into(wheel: TimerWheel, directory: str, on_damage: str = "skip", fs: Any = os,
-                 clocks=read_clocks) -> int:
-    """Load a journal directory's state into an empty arena; return the next lsn."""
-    return load_recovered(wheel, recover_journal(directory, on_damage, fs), directory, clocks)
-
-
 def host_clocks(host):
     """:func:`~wheeld.protocol.journal_files.read_clocks` on the clocks of ``host`` (a
     :class:`wheeld.daemon.host.Host`; None: the real clocks)."""

@@ -840,7 +840,8 @@ def test_recovered_deadlines_are_never_early(tmp_path, monkeypatch, wall_phase_n
     try:
         monkeypatch.setattr(time_module, "time_ns", lambda: wall_ns)
         monkeypatch.setattr(time_module, "monotonic_ns", lambda: mono_ns)
-        recovery.recover_into(wheel, str(tmp_path / "journal"))
+        directory = str(tmp_path / "journal")
+        recovery.load_recovered(wheel, recovery.recover_journal(directory), directory)
         recorder = Recorder(make_journal(tmp_path / "other"), wheel)
         recorder.begin()
         recorder.armed(wheel.group_id("g"), "x", 5_000_250, 1, None, None)

@@ -16,7 +16,6 @@ from journal_model import (
 from wheeld.protocol.journal_files import (
     Journal,
 )
-from wheeld.protocol import journal as pj
 from wheeld.protocol.journal import (
     key_to_json,
 )
@@ -58,53 +57,6 @@ def test_ident_to_json_equals_key_to_json():
     for key in _BATCH_KEYS:
         value = _ident_to_json(_ident(key))
         assert value == key_to_json(key) and type(value) is type(key_to_json(key)), key
-
-
-def test_batch_methods_journal_exactly_what_the_scalar_methods_do(tmp_path, monkeypatch):
-    """Same commands, same clock: armed_many/cancelled_many write the bytes that
-    armed/cancelled write one command at a time (add vs rearm, cancel hit vs miss)."""
-    from wheeld.daemon import recorder as recorder_module
-
-    monkeypatch.setattr(recorder_module, "mono_ms", lambda: 5_000)
-    monkeypatch.setattr(recorder_module, "wall_offset_ms", lambda: T0 - 5_000)
-    keys = _BATCH_KEYS
-    files = {}
-    for mode in ("scalar", "batch"):
-        with _recorder(tmp_path, mode) as (recorder, wheel):
-            gid, other = wheel.group_id("g1"), wheel.group_id("g2")
-            recorder.begin()
-            for j, key in enumerate(keys[::2]):  # half of the keys are pending already
-                wheel.schedule(key, 9_000 + j, gid, 1)
-            wheel.schedule(keys[1], 9_999, other, 1)  # the same key in another group is not a re-arm
-            idents = [_ident(k) for k in keys]
-            deadlines = [20_000 + j for j in range(len(keys))]
-            seqs = list(range(100, 100 + len(keys)))
-            idle = [None if j % 3 else 7_000 for j in range(len(keys))]
-            if mode == "scalar":
-                for key, deadline, seq, idle_ms in zip(keys, deadlines, seqs, idle):
-                    previous = wheel.lookup(key, gid)
-                    wheel.schedule(key, deadline, gid, seq)
-                    recorder.armed(gid, key, deadline, seq, previous, idle_ms)
-                for key, seq in zip(keys[:5], seqs):
-                    previous = wheel.lookup(key, other)
-                    wheel.cancel(key, other)
-                    recorder.cancelled(other, key, seq, previous)
-            else:
-                previous = recorder.previous_deadlines(gid, idents)
-                assert previous == [wheel.lookup(k, gid) for k in keys]
-                assert previous[0] is not None and previous[1] is None
-                wheel.schedule_many(idents, deadlines, gid, seqs)
-                recorder.armed_many(gid, idents, deadlines, seqs, previous, idle)
-                previous = recorder.previous_deadlines(other, idents[:5])
-                assert [p is not None for p in previous] == [False, True, False, False, False]
-                wheel.cancel_many(idents[:5], other)
-                recorder.cancelled_many(other, idents[:5], seqs, previous)
-            recorder.commit(5_000)
-            files[mode] = recorder.journal.segment_path.read_bytes().split(b"\n", 1)[1]
-    assert files["batch"] == files["scalar"]
-    kinds = [msgspec.json.decode(line)["ev"] for line in files["batch"].splitlines()]
-    assert kinds.count("add") == 6 and kinds.count("rearm") == 6 and kinds.count("cancel") == 5
-    assert all(pj.check_line(line) for line in files["batch"].splitlines())
 
 
 def test_previous_deadlines_of_an_empty_batch_and_of_absent_keys(tmp_path):
