@@ -81,9 +81,12 @@ test-core: $(CORE_STAMP) build
 	WHEELD_PURE_PYTHON=1 $(BIN)/python -m pytest -n 4 -q $(PURE_TESTS)
 
 # the edit-test loop: the tests that start no process and need no PySpark (markers
-# `process` and `spark`, set by tests/conftest.py); `make test` still runs everything
+# `process` and `spark`, set by tests/conftest.py), with smaller random slices (fresh
+# simulation seeds for 5 s, 50 journal seeds per case, 30 model examples); `make test`
+# still runs everything, at full size
+FAST_SLICES := WHEELD_SIM_SLICE_S=5 WHEELD_SIM_SEEDS=50 WHEELD_MODEL_EXAMPLES=30
 test-fast: $(CORE_STAMP) build
-	$(BIN)/python -m pytest -n 4 -q -m "not slow and not spark and not process"
+	$(FAST_SLICES) $(BIN)/python -m pytest -n 4 -q -m "not slow and not spark and not process"
 
 # the long chaos/scale/fuzz variants (marked slow), which `make test` leaves out
 test-long: $(TEST_STAMP) build

@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 
 import pytest
@@ -50,14 +51,27 @@ _PROCESS_HINTS = ("daemon_harness", "subprocess", "multiprocessing", "Popen", "D
 _DAEMON_FIXTURES = {"daemon", "daemon_factory"}
 
 
+# ...or that imports a helper module of the suite (or bench/, whose benchmarks run daemons)
+# that does
+_HELPER_IMPORT = re.compile(r"^from (bench|[a-z_]+) import", re.MULTILINE)
+
+
 def _starts_processes(module, cache: dict = {}) -> bool:  # noqa: B006 - a per-session cache
     path = getattr(module, "__file__", None)
-    if path is None:
-        return False
+    return path is not None and _file_starts_processes(path, cache)
+
+
+def _file_starts_processes(path: str, cache: dict) -> bool:
     if path not in cache:
+        cache[path] = False  # (an import cycle ends here)
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        cache[path] = any(hint in text for hint in _PROCESS_HINTS)
+        found = any(hint in text for hint in _PROCESS_HINTS)
+        for match in _HELPER_IMPORT.finditer(text):
+            name = match.group(1)
+            helper = os.path.join(os.path.dirname(path), name + ".py")
+            found = found or name == "bench" or (os.path.exists(helper) and _file_starts_processes(helper, cache))
+        cache[path] = found
     return cache[path]
 
 

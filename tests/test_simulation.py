@@ -19,7 +19,8 @@ from sim.__main__ import regression_cases, replay_command
 from sim.run import run_seed
 
 SLICES = 4  # tests the fresh seeds are spread over (xdist runs them side by side)
-SLICE_SECONDS = 20.0  # each runs fresh seeds for about this long
+# each runs fresh seeds for about this long (make test-fast asks for less: WHEELD_SIM_SLICE_S)
+SLICE_SECONDS = float(os.environ.get("WHEELD_SIM_SLICE_S", "20"))
 SLICE_OPS = 1000
 
 

@@ -338,7 +338,9 @@ SHAPES = [  # tick_ms, wheel_size, levels (None: enough levels for ~35 years)
     (7, 256, 2),
 ]
 
-SETTINGS = settings(max_examples=75, stateful_step_count=40, deadline=None,
+# examples per machine (make test-fast asks for fewer: WHEELD_MODEL_EXAMPLES)
+EXAMPLES = int(os.environ.get("WHEELD_MODEL_EXAMPLES", "75"))
+SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 LONG_SETTINGS = settings(SETTINGS, max_examples=1000, stateful_step_count=100)
 
@@ -438,6 +440,6 @@ class BatchMachine(RuleBasedStateMachine):
         assert self.batch.next_deadline() == self.scalar.next_deadline()
 
 
-BatchMachine.TestCase.settings = settings(SETTINGS, max_examples=100)
+BatchMachine.TestCase.settings = settings(SETTINGS, max_examples=EXAMPLES + 25)
 TestBatchMatchesScalar = BatchMachine.TestCase
 TestBatchMatchesScalarLong = _long_twin(BatchMachine.TestCase)
