@@ -93,6 +93,7 @@ class History:
         self.touch_tables_lost: set[int] = set()  # departed clients whose touches a reboot took
         self.left_ns: dict[int, int] = {}  # client -> when it left with a Bye
         self.power_cuts = 0
+        self.every_cut: list[tuple[int, int]] = []  # (when, window) of every power cut, any policy
         self.cuts: list[tuple[int, int]] = []  # (when, the window of applied commands it may lose) per power cut
         self.disk_failures: list[int] = []  # when calls on the journal's disk failed (EIO, ENOSPC), in order
         self.syncs: list[int] = []  # when files on the journal's disk were synced, in order
@@ -161,14 +162,16 @@ class History:
         """Whether what the daemon journaled from ``since_ns`` on may be gone, by the rules of
         :meth:`may_have_lost` for an event no flush acknowledged: a power cut under
         ``--fsync interval`` within its window, or after a failed call on the journal's
-        disk (from ``since_ns`` on) with no file synced between that failure and the cut."""
-        for at, window in self.cuts:
+        disk with no file synced between that failure and the cut. The failure may come
+        before ``since_ns`` too: the journal was stalled then (it drops what it cannot
+        write until a snapshot covers it), and never wrote again before the cut."""
+        for at, window in self.every_cut:
             if since_ns > at:
                 continue
             if since_ns >= at - window:
                 return True
             last = bisect.bisect_right(self.disk_failures, at) - 1
-            if last >= 0 and self.disk_failures[last] >= since_ns - window:
+            if last >= 0:
                 failed = self.disk_failures[last]
                 if bisect.bisect_right(self.syncs, at) == bisect.bisect_right(self.syncs, failed):
                     return True
@@ -187,6 +190,7 @@ class History:
         """The power was cut at ``at_ns``; under ``--fsync interval=N`` it may lose what was
         applied in its last ``window_ns`` (N ms plus one loop iteration)."""
         self.power_cuts += 1
+        self.every_cut.append((at_ns, window_ns))
         if window_ns:
             self.cuts.append((at_ns, window_ns))
 
