@@ -124,8 +124,8 @@ def _stale(extension: str, source: str, directory: str, leaf: str, fullname: str
         if other_extension is None:
             continue
         other_built = os.path.getmtime(other_extension)
-        for path in _walk_cimports(other_source, name)[0][:2]:  # its .py and .pxd
-            if os.path.getmtime(path) > other_built:
+        for path in (other_source, other_source[:-3] + ".pxd"):  # its own inputs (its cimports are reached above)
+            if os.path.exists(path) and os.path.getmtime(path) > other_built:
                 return path
     return None
 
