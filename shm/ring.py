@@ -353,7 +353,10 @@ class ClientSegment:
                 raise ProtocolError(f"segment {name!r} is {size} bytes, not the size its header describes")
             return cls(name, segment, ring_capacity, touch_capacity, consumer=consumer, fd=fd)
         except BaseException:
-            segment.close()
+            try:
+                segment.close()
+            except BufferError:
+                pass  # a half-built instance still exports views; the map goes with them
             os.close(fd)
             raise
 

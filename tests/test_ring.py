@@ -361,6 +361,24 @@ def test_adopt_refuses_a_ring_that_could_be_resized_or_not_written(make_segments
         os.unlink(path)
 
 
+def test_adopt_failing_half_built_raises_its_own_error_and_closes_the_fd(make_segments, monkeypatch):
+    """An error while the instance is being built (its views already export the map)
+    is the error the caller sees, not a BufferError from closing the map under them,
+    and the handed fd is closed."""
+    consumer, producer = make_segments()
+    fd = os.dup(producer.fd)
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("simulated")
+
+    monkeypatch.setattr(np, "frombuffer", no_memory)
+    with pytest.raises(MemoryError, match="simulated"):
+        ClientSegment.adopt(fd, producer.name)
+    monkeypatch.undo()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
 def test_closed_session_is_reported_to_a_producer_with_a_full_ring(make_segments):
     consumer, producer = make_segments(ring_capacity=2)
     assert not producer.closed

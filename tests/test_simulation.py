@@ -31,15 +31,15 @@ def _quiet():
     logging.disable(logging.NOTSET)
 
 
-def _failure(seed: int, ops: int, violations) -> str:
+def _failure(seed: int, ops: int, violations, extra: bool = True) -> str:
     shown = "\n".join(str(v)[:2000] for v in violations[:5])
-    return f"seed {seed} ({ops} ops) broke the contract:\n{shown}\nreplay: {replay_command(seed, ops)}"
+    return f"seed {seed} ({ops} ops) broke the contract:\n{shown}\nreplay: {replay_command(seed, ops, extra)}"
 
 
 @pytest.mark.parametrize("seed,ops,extra", regression_cases())
 def test_every_seed_that_ever_failed_passes(seed, ops, extra):
     result = run_seed(seed, ops, extra=extra)
-    assert not result.violations, _failure(seed, ops, result.violations)
+    assert not result.violations, _failure(seed, ops, result.violations, extra)
     assert result.acked > 0, "the seed's workers had no acknowledged arming: it checks nothing"
 
 
@@ -51,7 +51,7 @@ def _fresh(index: int, seconds: float, ops: int, extra: bool) -> None:
     seed, checked, handed = first, 0, 0
     while checked < 3 or time.monotonic() < deadline:
         result = run_seed(seed, ops, extra=extra)
-        assert not result.violations, _failure(seed, ops, result.violations)
+        assert not result.violations, _failure(seed, ops, result.violations, extra)
         checked += 1
         handed += result.handed
         seed += 1

@@ -234,6 +234,19 @@ class _ProcessFs:
         return call
 
 
+def _a_kill(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a simulated kill, or was raised while handling one. A real
+    SIGKILL runs no cleanup; the simulated one unwinds through ``except`` blocks, and
+    whatever they raise after it belongs to the dead process too."""
+    seen = 0
+    while exc is not None and seen < 50:
+        if isinstance(exc, (Crash, SimCrashed)):
+            return True
+        exc = exc.__context__
+        seen += 1
+    return False
+
+
 class _Tracer:
     """Raises :class:`Crash` at the n-th line the core runs (a SIGKILL at that line), or
     with ``at_call`` (module, function) as that function is called: a kill at one
@@ -430,28 +443,15 @@ class Simulation:
                 self._start_killed(daemon)
             else:
                 self._guard(daemon.start)
-        except (Crash, SimCrashed):
+        except BaseException as exc:  # noqa: BLE001 - a kill, a refusal, or a finding
+            if not _a_kill(exc):
+                if isinstance(exc, WheeldError):
+                    return self._start_refused(daemon, exc)
+                raise
             self.faults["daemon killed while starting"] += 1
             self._damage_reported |= bool(getattr(daemon.core, "totals", {}).get("journal_damaged_ranges_total"))
             self._daemon_died(daemon)
             self.world.after_ms(self.rng.uniform(1, 300), self.start_daemon)
-            return
-        except WheeldError as exc:  # a refused start: systemd starts it again a little later
-            self.faults["daemon start refused"] += 1
-            self._damage_reported |= bool(getattr(daemon.core, "totals", {}).get("journal_damaged_ranges_total"))
-            self.note(f"daemon start refused: {exc}")
-            self._daemon_died(daemon)
-            self._refused_in_a_row += 1
-            # a fault may make a start fail now and then; one refused again and again, or
-            # at all once the faults have stopped, leaves the service down for good
-            # (systemd's StartLimitBurst gives up after 5 starts)
-            if self._refused_in_a_row >= (5 if self.fault_free else 20):
-                self.violations.append(Violation(
-                    "no-daemon", f"{self._refused_in_a_row} daemon starts in a row were refused"
-                                 f"{' with no fault injected any more' if self.fault_free else ''}: {exc}"))
-                self.world.stop()
-                return
-            self.world.after_ms(self.rng.uniform(50, 500), self.start_daemon)
             return
         self.daemon = daemon
         self._refused_in_a_row = 0
@@ -530,8 +530,26 @@ class Simulation:
             if tracer is not None:
                 sys.settrace(None)
 
+    def _start_refused(self, daemon: SimDaemon, exc: WheeldError) -> None:
+        """A refused start: systemd starts it again a little later."""
+        self.faults["daemon start refused"] += 1
+        self._damage_reported |= bool(getattr(daemon.core, "totals", {}).get("journal_damaged_ranges_total"))
+        self.note(f"daemon start refused: {exc}")
+        self._daemon_died(daemon)
+        self._refused_in_a_row += 1
+        # a fault may make a start fail now and then; one refused again and again, or
+        # at all once the faults have stopped, leaves the service down for good
+        # (systemd's StartLimitBurst gives up after 5 starts)
+        if self._refused_in_a_row >= (5 if self.fault_free else 20):
+            self.violations.append(Violation(
+                "no-daemon", f"{self._refused_in_a_row} daemon starts in a row were refused"
+                             f"{' with no fault injected any more' if self.fault_free else ''}: {exc}"))
+            self.world.stop()
+            return
+        self.world.after_ms(self.rng.uniform(50, 500), self.start_daemon)
+
     def _daemon_raised(self, exc: BaseException) -> None:
-        if isinstance(exc, (Crash, SimCrashed)):
+        if _a_kill(exc):
             self.note("daemon killed inside an event")
             self.kill_daemon(counted=False)
             return
