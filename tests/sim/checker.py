@@ -25,6 +25,10 @@ README.md and docs/contracts.md ("Delivery and durability"):
    a client that dies holding an expiration may have it handed again elsewhere).
 5. **Nothing invented**: an expiration handed is of an arming some member of
    the group made.
+6. **On time once settled.** Once faults have stopped and the service has
+   settled (a daemon up, a member polling in every group, every dead client past
+   its resume grace and every copy past the ack timeout), an acknowledged arming
+   is handed within a bound of the latest moment it can be due (:func:`late`).
 
 Media damage the simulator injects on purpose (a journal cut short while the host
 was down) may take acknowledged armings with it: no promise covers bytes removed
@@ -278,10 +282,55 @@ class History:
                          f"{(earliest - at_ns) / 1e6:.3f} ms early"))
 
 
-def check(history: History, end_ns: int, exact_groups: bool = True) -> list[Violation]:
+def latest_due_ns(history: History, arming: Arming) -> int:
+    """The latest moment the daemon may hold ``arming`` as due: its delay counted from the
+    acknowledging flush() (the daemon applied it by then), an idle timer's from its last
+    touch if that came later (every touch, even of a client that died since: the daemon may
+    have journaled it)."""
+    delay_ns = arming.earliest_ns - arming.called_ns if arming.idle_ms is None else arming.idle_ms * 1_000_000
+    start = arming.acked_ns
+    if arming.idle_ms is not None:
+        touches = history.touches.get((arming.client, arming.key))
+        if touches and history.latest.get((arming.client, arming.key)) is arming:
+            start = max(start, touches[-1])
+    return start + delay_ns
+
+
+def late(history: History, settled_ns: int, bound_ns: int, fire_bound_ns: int) -> list[Violation]:
+    """Rule 6, timeliness: an acknowledged arming that comes due once the service has
+    settled (no fault any more, a daemon up, a member polling in every group, every
+    client that died past its resume grace and every copy past the ack timeout) is fired
+    by the daemon within ``fire_bound_ns`` of :func:`latest_due_ns` (its ``fired_ms``)
+    and handed to an application within ``bound_ns`` (which leaves room for an
+    application that polls now and then)."""
+    out = []
+    for arming in history.armings.values():
+        if not arming.acked or arming.superseded_by is not None or not arming.handed:
+            continue
+        due = latest_due_ns(history, arming)
+        if due < settled_ns or history.may_have_lost(arming):
+            continue
+        if arming.fired_ns is not None and arming.fired_ns - due > fire_bound_ns:
+            out.append(Violation(
+                "late", f"{arming.key!r} (tag {arming.tag}, group {arming.group!r}) was due by {due / 1e6:.3f} ms "
+                        f"and fired {(arming.fired_ns - due) / 1e6:.3f} ms later, after the service had settled"))
+            continue
+        first = min(at for _client, at in arming.handed)
+        if first - due > bound_ns:
+            out.append(Violation(
+                "late", f"{arming.key!r} (tag {arming.tag}, group {arming.group!r}) was due by {due / 1e6:.3f} ms "
+                        f"and first handed {(first - due) / 1e6:.3f} ms later, after the service had settled"))
+    return out
+
+
+def check(history: History, end_ns: int, exact_groups: bool = True, settled_ns: int | None = None,
+          late_bound_ns: int = 0, fire_bound_ns: int = 0) -> list[Violation]:
     """Every promise the history breaks (see the module docstring); ``end_ns``: when the run
-    ended (every arming due by then must have been handed)."""
+    ended (every arming due by then must have been handed); ``settled_ns``: from when on
+    rule 6 holds armings to ``late_bound_ns`` and ``fire_bound_ns`` (None: not checked)."""
     out = list(history.violations)
+    if settled_ns is not None:
+        out += late(history, settled_ns, late_bound_ns, fire_bound_ns)
     for client, key, tag in history.unknown:
         out.append(Violation("invented", f"client {client} was handed {key!r} (tag {tag}), which nobody armed"))
     for arming in history.armings.values():
