@@ -130,6 +130,8 @@ class Profile:
     recovery_kill: float = 0.0  # per start after a reboot: the daemon killed at a line of its recovery
     # Drawn from a generator of its own (draw_interleave), for the same reason:
     interleave: float = 0.0  # per daemon event: time passes at its clock reads, and clients touch meanwhile
+    # Drawn from a generator of its own too (draw_pushes):
+    pushes: float = 0.0  # per client turn inside a daemon event: commands pushed into its ring, not touches
 
     @classmethod
     def draw(cls, rng: random.Random) -> Profile:
@@ -174,6 +176,10 @@ class Profile:
         """How often a daemon event runs concurrently with the clients, from ``rng``."""
         self.interleave = rng.choice([0.0, 0.3, 1.0])
 
+    def draw_pushes(self, rng: random.Random) -> None:
+        """How often a client's turn inside a daemon event pushes ring records, from ``rng``."""
+        self.pushes = rng.choice([0.0, 0.5]) if self.interleave else 0.0
+
     def describe(self) -> str:
         journal = f"journal fsync={self.fsync}" if self.journal else "no journal"
         return (f"{journal}, coalesce {self.coalesce_us} us, capacity {self.capacity}, ring {self.ring_capacity}, "
@@ -183,7 +189,8 @@ class Profile:
                         ("crafted", self.crafted), ("flooder", self.flooder), ("hoarders", self.hoarders),
                         ("arena damage", self.arena_damage), ("journal cut", self.journal_cut),
                         ("shrink", self.shrink), ("disk full", self.disk_full), ("churn", self.churn),
-                        ("recovery kill", self.recovery_kill), ("interleave", self.interleave)) if value))
+                        ("recovery kill", self.recovery_kill), ("interleave", self.interleave),
+                        ("pushes", self.pushes)) if value))
 
 
 @dataclass
@@ -334,12 +341,14 @@ class Simulation:
         # the newer workloads and faults choose with a generator of their own
         self.xrng = random.Random(seed * 1_000_003 + 17)
         self.irng = random.Random(seed * 7_000_003 + 29)  # and the clients' stores inside daemon events
+        self.prng = random.Random(seed * 11_000_003 + 37)  # and which of those stores are ring records
         self.extra = extra
         if profile is None:
             profile = Profile.draw(rng)
             if extra:  # (extra=False: the run as it was before the newer workloads and faults)
                 profile.draw_extra(self.xrng)
                 profile.draw_interleave(self.irng)
+                profile.draw_pushes(self.prng)
         self._interleaving = 0  # clock reads of the current daemon event that may still let time pass
         self.profile = profile
         self.ops_target = ops
@@ -413,8 +422,24 @@ class Simulation:
         if self._interleaving and self.irng.random() < 0.5:
             self._interleaving -= 1
             self.world.now_ns += self.irng.randint(100_000, 1_900_000)  # the daemon's work takes time
-            self._touch_meanwhile()
+            if self.profile.pushes and self.prng.random() < self.profile.pushes:
+                self._push_meanwhile()
+            else:
+                self._touch_meanwhile()
         return now
+
+    def _push_meanwhile(self) -> None:
+        """An honest, live worker's application arms, cancels, touches or flushes, now: its
+        records land in its ring (and its doorbell on the socket) while the daemon is between
+        two clock reads, e.g. between two chunks of a drain or after reading a ring's depth."""
+        workers = [w for w in self.workers if w.alive and w.started and not w.hostile and not w.kind
+                   and w.client.connected and not w.client.closed_session]
+        if not workers:
+            return
+        worker = self.prng.choice(workers)
+        self.faults["client commands inside a daemon event"] += 1
+        for _ in range(self.prng.randint(1, 8)):
+            self._honest_step(worker, self.prng, poll=False)
 
     def _touch_meanwhile(self) -> None:
         """An honest, live worker's application touches each of its idle keys, now."""
@@ -814,16 +839,16 @@ class Simulation:
             self._kill_worker(worker)
             self.faults["short-lived worker left (killed)"] += 1
 
-    def _key(self, worker: Worker) -> str:
-        rng = self.rng
+    def _key(self, worker: Worker, rng: random.Random | None = None) -> str:
+        rng = self.rng if rng is None else rng
         if worker.keys and rng.random() < 0.4:
             return rng.choice(worker.keys)
         key = f"c{worker.ident}-{len(worker.keys)}"
         worker.keys.append(key)
         return key
 
-    def _delay(self) -> int:
-        rng, top = self.rng, self.profile.max_delay_ms
+    def _delay(self, rng: random.Random | None = None) -> int:
+        rng, top = self.rng if rng is None else rng, self.profile.max_delay_ms
         roll = rng.random()
         if roll < 0.5:
             return rng.randint(0, min(top, 20))
@@ -831,8 +856,11 @@ class Simulation:
             return rng.randint(0, min(top, 500))
         return rng.randint(0, top)
 
-    def _honest_step(self, worker: Worker) -> None:
-        rng, client, history, now = self.rng, worker.client, self.history, self.world.now_ns
+    def _honest_step(self, worker: Worker, rng: random.Random | None = None, poll: bool = True) -> None:
+        """One call of a worker's application, chosen with ``rng`` (the run's by default);
+        ``poll=False``: anything but a poll."""
+        rng = self.rng if rng is None else rng
+        client, history, now = worker.client, self.history, self.world.now_ns
         roll = rng.random()
         try:
             if worker.kind == "churn" and roll < 0.6 and client.max_delay_ms:
@@ -847,13 +875,13 @@ class Simulation:
                     worker.flushes[number] = history.flush_called(worker.ident)
                 return
             if roll < 0.35:
-                key, delay = self._key(worker), self._delay()
+                key, delay = self._key(worker, rng), self._delay(rng)
                 client.add(key, delay)
                 worker.idle_keys.discard(key)
                 history.armed(worker.ident, key, _latest_tag(client, key), now, delay, idle=False)
                 self.note(f"w{worker.ident} add {key} {delay} tag {_latest_tag(client, key)}")
             elif roll < 0.45:
-                key, idle = self._key(worker), rng.randint(1, min(self.profile.max_delay_ms, 2000))
+                key, idle = self._key(worker, rng), rng.randint(1, min(self.profile.max_delay_ms, 2000))
                 client.add_idle(key, idle)
                 worker.idle_keys.add(key)
                 history.armed(worker.ident, key, _latest_tag(client, key), now, idle, idle=True)
@@ -877,7 +905,7 @@ class Simulation:
                 covered = history.flush_called(worker.ident)
                 worker.flushes[number] = covered
                 self.note(f"w{worker.ident} flush #{number}")
-            elif worker.kind != "hoarder" or self.xrng.random() < 0.1:  # a hoarder's application polls late
+            elif poll and (worker.kind != "hoarder" or self.xrng.random() < 0.1):  # a hoarder polls late
                 self._poll(worker)
         except InvalidDelay:
             if client.max_delay_ms:
