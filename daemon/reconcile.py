@@ -171,162 +171,204 @@ def clock_offsets(directory: str, fs: Any = os) -> list[int]:
 
 
 def _compare(wheel: TimerWheel, state: RecoveredState, clocks, result: Reconciled, offsets: list[int]) -> None:
-    wall_ns, mono_ns = clocks()
-    now = mono_ns // 1_000_000
-    low, high = wheel.current_ms - MAX_DELAY_MS, wheel.current_ms + MAX_DELAY_MS
-    offset_now = -(-(wall_ns - mono_ns) // 1_000_000)
-    offsets = sorted(set(offsets + [offset_now - 1, offset_now]))
-    tolerance = TOLERANCE_MS
+    """Every live record against the journal's state; the journal's word taken (see the
+    module docstring), in four steps over what the vectorised first pass leaves."""
+    comparison = _Comparison(wheel, state, clocks, result, offsets)
+    comparison.exact_matches()
+    comparison.fired_records()
+    comparison.other_armings()
+    comparison.lost_by_the_arena()
+    comparison.write()
 
-    def monotonic(deadline_wall_ms: int) -> int:
-        return min(max(wall_to_monotonic_ns(deadline_wall_ms, wall_ns, mono_ns), low), high)  # the wheel's range
 
-    def journals(deadline_wall_ms: int, deadline: int) -> bool:
+class _Comparison:
+    """The state of one :func:`_compare`: the journal's timers by (group id, ident) and
+    what is to be freed, rewritten and restored in the arena."""
+
+    def __init__(self, wheel: TimerWheel, state: RecoveredState, clocks, result: Reconciled, offsets: list[int]):
+        self.wheel, self.result = wheel, result
+        wall_ns, mono_ns = clocks()
+        self.wall_ns, self.mono_ns = wall_ns, mono_ns
+        self.now = mono_ns // 1_000_000
+        self.low, self.high = wheel.current_ms - MAX_DELAY_MS, wheel.current_ms + MAX_DELAY_MS
+        self.offset_now = -(-(wall_ns - mono_ns) // 1_000_000)
+        self.offsets = sorted(set(offsets + [self.offset_now - 1, self.offset_now]))
+        self.gid_of = {name: gid for gid, name in wheel.groups().items()}
+        self.names = wheel.groups()
+        self._index_journal(state)
+        slots, states, groups, deadlines, tags, idents = wheel.live_records()
+        result.checked = len(slots)
+        # The usual case, in numpy: a SCHEDULED record with the journal's arming of its key and
+        # its deadline at today's offset. Only the others are looked at one by one below.
+        agree, consumed = _agreeing(slots, states, groups, deadlines, tags, idents, self.j_gids, self.j_idents,
+                                    self.j_timers, self.offset_now)
+        self.pending = {(g, ident): timer for g, ident, timer, used
+                        in zip(self.j_gids, self.j_idents, self.j_timers, consumed) if not used}
+        keep = ~agree
+        self.records = tuple(a[keep] for a in (slots, states, groups, deadlines, tags, idents))
+        self.free: list = []
+        self.rewrite: list = []
+        self.restore: list = []
+        self.scheduled_keys: set = set()  # (group, ident) of the SCHEDULED records that stay
+        self.unmatched_scheduled: list = []
+        self.unmatched_fired: list = []
+        self.idle_restores: dict[int, tuple[int, object]] = {}  # index in restore -> (tag, timer): idle timers
+
+    def _index_journal(self, state: RecoveredState) -> None:
+        """The journal's timers by (group id, ident); those of a group the arena no longer names apart."""
+        self.unacked, self.lost_groups = {}, []
+        self.j_gids, self.j_idents, self.j_timers = [], [], []
+        for (g, key), timer in state.pending.items():
+            gid = self.gid_of.get(g)
+            if gid is None:
+                self.lost_groups.append((g, AL.SCHEDULED, _ident_of(key), timer))
+            else:
+                self.j_gids.append(gid)
+                self.j_idents.append(_ident_of(key))
+                self.j_timers.append(timer)
+        for timer in state.unacked:
+            gid = self.gid_of.get(timer.group)
+            if gid is None:
+                self.lost_groups.append((timer.group, AL.FIRED, _ident_of(timer.key), timer))
+            else:
+                self.unacked[(gid, _ident_of(timer.key), timer.seq & 0xFFFFFFFF)] = timer
+
+    def monotonic(self, deadline_wall_ms: int) -> int:
+        """The journal's wall-clock deadline as the arena's, within the wheel's range."""
+        return min(max(wall_to_monotonic_ns(deadline_wall_ms, self.wall_ns, self.mono_ns), self.low), self.high)
+
+    def journals(self, deadline_wall_ms: int, deadline: int) -> bool:
         """Is ``deadline`` the arena form of the journal's ``deadline_wall_ms`` at an offset the clocks had?"""
         x = deadline_wall_ms - deadline
-        if -tolerance <= x - offset_now <= tolerance:
+        if -TOLERANCE_MS <= x - self.offset_now <= TOLERANCE_MS:
             return True
-        at = bisect.bisect_left(offsets, x - tolerance)
-        return at < len(offsets) and offsets[at] <= x + tolerance
+        at = bisect.bisect_left(self.offsets, x - TOLERANCE_MS)
+        return at < len(self.offsets) and self.offsets[at] <= x + TOLERANCE_MS
 
-    gid_of = {name: gid for gid, name in wheel.groups().items()}
-    # the journal's timers by (group id, ident); those of a group the arena no longer names apart
-    unacked, lost_groups = {}, []
-    j_gids, j_idents, j_timers = [], [], []
-    for (g, key), timer in state.pending.items():
-        gid = gid_of.get(g)
-        if gid is None:
-            lost_groups.append((g, AL.SCHEDULED, _ident_of(key), timer))
-        else:
-            j_gids.append(gid)
-            j_idents.append(_ident_of(key))
-            j_timers.append(timer)
-    for timer in state.unacked:
-        gid = gid_of.get(timer.group)
-        if gid is None:
-            lost_groups.append((timer.group, AL.FIRED, _ident_of(timer.key), timer))
-        else:
-            unacked[(gid, _ident_of(timer.key), timer.seq & 0xFFFFFFFF)] = timer
-    slots, states, groups, deadlines, tags, idents = wheel.live_records()
-    result.checked = len(slots)
-    # The usual case, in numpy: a SCHEDULED record with the journal's arming of its key and
-    # its deadline at today's offset. Only the others are looked at one by one below.
-    agree, consumed = _agreeing(slots, states, groups, deadlines, tags, idents, j_gids, j_idents, j_timers,
-                                offset_now)
-    pending = {(g, ident): timer for g, ident, timer, used in zip(j_gids, j_idents, j_timers, consumed) if not used}
-    keep = ~agree
-    slots, states, groups, deadlines, tags, idents = (a[keep] for a in (slots, states, groups, deadlines, tags, idents))
-    free, rewrite, restore = [], [], []
-    scheduled_keys = set()  # (group, ident) of the SCHEDULED records that stay
-    unmatched_scheduled, unmatched_fired = [], []
-    names = wheel.groups()
+    def note(self, text: str) -> None:
+        if len(self.result.examples) < 4 * _EXAMPLES:
+            self.result.examples.append(text)
 
-    def note(text: str) -> None:
-        if len(result.examples) < 4 * _EXAMPLES:
-            result.examples.append(text)
+    def exact_matches(self) -> None:
+        """1. The same arming (tag) of the same key in the same state."""
+        scheduled, pending, pop_unacked = AL.SCHEDULED, self.pending, self.unacked.pop
+        slots, states, groups, deadlines, tags, idents = self.records
+        for slot, st, g, d, tag, ident in zip(slots.tolist(), states.tolist(), groups.tolist(), deadlines.tolist(),
+                                              tags.tolist(), idents.tolist()):
+            if st == scheduled:
+                timer = pending.pop((g, ident), None)
+                if timer is not None and timer.seq & 0xFFFFFFFF == tag:
+                    if not self.journals(timer.deadline_ms, d):
+                        dj = self.monotonic(timer.deadline_ms)
+                        if timer.idle_ms and dj < d <= _restored_deadline(timer, self.monotonic, self.now):
+                            # an idle timer an earlier attach restored (its touches out of sight):
+                            # moved later than the journal's deadline, as far as that allows
+                            self.scheduled_keys.add((g, ident))
+                            continue
+                        self.rewrite.append((slot, scheduled, dj, tag))
+                        self.note(f"record {slot} ({self.names.get(g)}): deadline {d}, the journal's is {dj}: "
+                                  "took the journal's")
+                    self.scheduled_keys.add((g, ident))
+                    continue
+                if timer is not None:
+                    pending[(g, ident)] = timer  # another arming: step 3
+                self.unmatched_scheduled.append((slot, st, g, d, tag, ident))
+            elif pop_unacked((g, ident, tag), None) is None:
+                self.unmatched_fired.append((slot, st, g, d, tag, ident))
 
-    # 1. exact matches: the same arming (tag) of the same key in the same state
-    scheduled, pop_pending, pop_unacked = AL.SCHEDULED, pending.pop, unacked.pop
-    for slot, st, g, d, tag, ident in zip(slots.tolist(), states.tolist(), groups.tolist(), deadlines.tolist(),
-                                          tags.tolist(), idents.tolist()):
-        if st == scheduled:
-            timer = pop_pending((g, ident), None)
-            if timer is not None and timer.seq & 0xFFFFFFFF == tag:
-                if not journals(timer.deadline_ms, d):
-                    dj = monotonic(timer.deadline_ms)
-                    if timer.idle_ms and dj < d <= _restored_deadline(timer, monotonic, now):
-                        # an idle timer an earlier attach restored (its touches out of sight):
-                        # moved later than the journal's deadline, as far as that allows
-                        scheduled_keys.add((g, ident))
-                        continue
-                    rewrite.append((slot, scheduled, dj, tag))
-                    note(f"record {slot} ({names.get(g)}): deadline {d}, the journal's is {dj}: took the journal's")
-                scheduled_keys.add((g, ident))
-                continue
+    def fired_records(self) -> None:
+        """2. Fired records the journal has as pending, that arming: not due yet means fired early."""
+        other_scheduled = {(u[2], u[5]) for u in self.unmatched_scheduled}
+        pending, result = self.pending, self.result
+        for slot, _st, g, _d, tag, ident in self.unmatched_fired:
+            timer = pending.get((g, ident))
+            if timer is not None and timer.seq & 0xFFFFFFFF == tag and (g, ident) not in other_scheduled:
+                del pending[(g, ident)]
+                dj = self.monotonic(timer.deadline_ms)
+                if dj > self.now + TOLERANCE_MS:
+                    self.rewrite.append((slot, AL.SCHEDULED, dj, tag))
+                    self.scheduled_keys.add((g, ident))
+                    self.note(f"record {slot} ({self.names.get(g)}): fired, the journal has it pending until {dj}: "
+                              "back on the wheel")
+                continue  # due: a fire the journal had not recorded yet
+            # The journal keeps one unacknowledged fire per (key, arming): an arming applied twice
+            # (a ring re-applied from the head the last daemon published, after the timer it
+            # armed had fired) fires twice, and the first ack leaves the journal without the
+            # other. A fired record the journal does not know is that, or damage: freed either
+            # way (a repeat of an arming delivered already), and not counted as damage.
+            self.free.append(slot)
+            result.fired_freed += 1
+            if len(result.unsure) < _EXAMPLES:
+                result.unsure.append(f"record {slot} ({self.names.get(g)}, key {ident[1:].rstrip(bytes(1))!r}, "
+                                     f"arming {tag}): fired, not in the journal (an arming applied twice, or "
+                                     "damage): freed")
+
+    def other_armings(self) -> None:
+        """3. Scheduled records of another arming, or of no timer the journal knows."""
+        for slot, _st, g, d, tag, ident in self.unmatched_scheduled:
+            timer = self.pending.pop((g, ident), None)
             if timer is not None:
-                pending[(g, ident)] = timer  # another arming: step 3
-            unmatched_scheduled.append((slot, st, g, d, tag, ident))
-        elif pop_unacked((g, ident, tag), None) is None:
-            unmatched_fired.append((slot, st, g, d, tag, ident))
-    # 2. fired records the journal has as pending, that arming: not due yet means fired early
-    other_scheduled = {(u[2], u[5]) for u in unmatched_scheduled}
-    for slot, _st, g, _d, tag, ident in unmatched_fired:
-        timer = pending.get((g, ident))
-        if timer is not None and timer.seq & 0xFFFFFFFF == tag and (g, ident) not in other_scheduled:
-            del pending[(g, ident)]
-            dj = monotonic(timer.deadline_ms)
-            if dj > now + TOLERANCE_MS:
-                rewrite.append((slot, scheduled, dj, tag))
-                scheduled_keys.add((g, ident))
-                note(f"record {slot} ({names.get(g)}): fired, the journal has it pending until {dj}: back on the wheel")
-            continue  # due: a fire the journal had not recorded yet
-        # The journal keeps one unacknowledged fire per (key, arming): an arming applied twice
-        # (a ring re-applied from the head the last daemon published, after the timer it
-        # armed had fired) fires twice, and the first ack leaves the journal without the
-        # other. A fired record the journal does not know is that, or damage: freed either
-        # way (a repeat of an arming delivered already), and not counted as damage.
-        free.append(slot)
-        result.fired_freed += 1
-        if len(result.unsure) < _EXAMPLES:
-            result.unsure.append(f"record {slot} ({names.get(g)}, key {ident[1:].rstrip(bytes(1))!r}, arming {tag}): "
-                                 f"fired, not in the journal (an arming applied twice, or damage): freed")
-    # 3. scheduled records of another arming, or of no timer the journal knows
-    for slot, _st, g, d, tag, ident in unmatched_scheduled:
-        timer = pending.pop((g, ident), None)
-        if timer is not None:
-            seq = timer.seq & 0xFFFFFFFF
-            rewrite.append((slot, scheduled, d if journals(timer.deadline_ms, d) else monotonic(timer.deadline_ms),
-                            seq))
-            scheduled_keys.add((g, ident))
-            note(f"record {slot} ({names.get(g)}): arming {tag}, the journal's is {seq}: took the journal's")
-        elif unacked.pop((g, ident, tag), None) is not None:
-            scheduled_keys.add((g, ident))  # fired and not acknowledged: due, it fires again
-        else:
-            free.append(slot)
-            note(f"record {slot} ({names.get(g)}, key {ident[1:].rstrip(bytes(1))!r}, arming {tag}): pending, not in "
-                     f"the journal: freed")
-    # 4. what the journal has and the arena lost (an idle timer comes back without its
-    # touch reference, which only the lost record held: :func:`_restored_deadline`)
-    idle_restores: dict[int, tuple[int, object]] = {}  # index in restore -> (tag, timer): idle timers
-    for (g, ident), timer in pending.items():
-        if (g, ident) not in scheduled_keys:
-            if timer.idle_ms:
+                seq = timer.seq & 0xFFFFFFFF
+                deadline = d if self.journals(timer.deadline_ms, d) else self.monotonic(timer.deadline_ms)
+                self.rewrite.append((slot, AL.SCHEDULED, deadline, seq))
+                self.scheduled_keys.add((g, ident))
+                self.note(f"record {slot} ({self.names.get(g)}): arming {tag}, the journal's is {seq}: "
+                          "took the journal's")
+            elif self.unacked.pop((g, ident, tag), None) is not None:
+                self.scheduled_keys.add((g, ident))  # fired and not acknowledged: due, it fires again
+            else:
+                self.free.append(slot)
+                self.note(f"record {slot} ({self.names.get(g)}, key {ident[1:].rstrip(bytes(1))!r}, arming {tag}): "
+                          "pending, not in the journal: freed")
+
+    def lost_by_the_arena(self) -> None:
+        """4. What the journal has and the arena lost (an idle timer comes back without its
+        touch reference, which only the lost record held: :func:`_restored_deadline`)."""
+        scheduled, restore, idle_restores, now = AL.SCHEDULED, self.restore, self.idle_restores, self.now
+        for (g, ident), timer in self.pending.items():
+            if (g, ident) not in self.scheduled_keys:
+                if timer.idle_ms:
+                    idle_restores[len(restore)] = (timer.seq & 0xFFFFFFFF, timer)
+                restore.append((ident, g, scheduled, _restored_deadline(timer, self.monotonic, now),
+                                timer.seq & 0xFFFFFFFF))
+        for (g, ident, seq), timer in self.unacked.items():
+            restore.append((ident, g, AL.FIRED, min(self.monotonic(timer.deadline_ms), now), seq))
+        for name, st, ident, timer in self.lost_groups:  # its group's name was overwritten too: registered again
+            gid = _group(self.wheel, self.gid_of, name)
+            if gid is None:
+                self.result.not_restored += 1
+                continue
+            if st == scheduled and timer.idle_ms:
                 idle_restores[len(restore)] = (timer.seq & 0xFFFFFFFF, timer)
-            restore.append((ident, g, scheduled, _restored_deadline(timer, monotonic, now), timer.seq & 0xFFFFFFFF))
-    for (g, ident, seq), timer in unacked.items():
-        restore.append((ident, g, AL.FIRED, min(monotonic(timer.deadline_ms), now), seq))
-    for name, st, ident, timer in lost_groups:  # its group's name was overwritten too: registered again
-        gid = _group(wheel, gid_of, name)
-        if gid is None:
-            result.not_restored += 1
-            continue
-        deadline = monotonic(timer.deadline_ms)
-        if st == scheduled and timer.idle_ms:
-            idle_restores[len(restore)] = (timer.seq & 0xFFFFFFFF, timer)
-        restore.append((ident, gid, st, _restored_deadline(timer, monotonic, now) if st == scheduled
-                        else min(deadline, now), timer.seq & 0xFFFFFFFF))
-    for ident, _gid, st, _d, _seq in restore[:_EXAMPLES]:
-        note(f"{'pending' if st == scheduled else 'fired'} timer {ident[1:].rstrip(bytes(1))!r} "
-             "restored from the journal")
-    if not (free or rewrite or restore):
-        return
-    # An idle timer's touch reference lives only in its record. The record attach freed
-    # for it (a damaged key meta or group) keeps its tag and aux until it is used again:
-    # read them before the restores take the lowest free records.
-    touch_refs = _touch_references(wheel, {tag for tag, _timer in idle_restores.values()})
-    for index, (tag, timer) in idle_restores.items():
-        if tag in touch_refs:  # its touches are in sight again: the journal's deadline
-            ident, g, st, _d, seq = restore[index]
-            restore[index] = (ident, g, st, monotonic(timer.deadline_ms), seq)
-    made = wheel.rewrite_records(free, rewrite, restore)
-    for index, (tag, _timer) in idle_restores.items():
-        if tag in touch_refs and made[index] >= 0:
-            wheel.records["aux"][made[index]] = touch_refs[tag]
-    result.freed = len(free) - result.fired_freed
-    result.rewritten = len(rewrite)
-    missing = sum(1 for slot in made if slot < 0)
-    result.restored = len(made) - missing
-    result.not_restored += missing
+            deadline = _restored_deadline(timer, self.monotonic, now) if st == scheduled \
+                else min(self.monotonic(timer.deadline_ms), now)
+            restore.append((ident, gid, st, deadline, timer.seq & 0xFFFFFFFF))
+        for ident, _gid, st, _d, _seq in restore[:_EXAMPLES]:
+            self.note(f"{'pending' if st == scheduled else 'fired'} timer {ident[1:].rstrip(bytes(1))!r} "
+                      "restored from the journal")
+
+    def write(self) -> None:
+        """Free, rewrite and restore in the arena, and count what was done."""
+        free, rewrite, restore, result = self.free, self.rewrite, self.restore, self.result
+        if not (free or rewrite or restore):
+            return
+        # An idle timer's touch reference lives only in its record. The record attach freed
+        # for it (a damaged key meta or group) keeps its tag and aux until it is used again:
+        # read them before the restores take the lowest free records.
+        touch_refs = _touch_references(self.wheel, {tag for tag, _timer in self.idle_restores.values()})
+        for index, (tag, timer) in self.idle_restores.items():
+            if tag in touch_refs:  # its touches are in sight again: the journal's deadline
+                ident, g, st, _d, seq = restore[index]
+                restore[index] = (ident, g, st, self.monotonic(timer.deadline_ms), seq)
+        made = self.wheel.rewrite_records(free, rewrite, restore)
+        for index, (tag, _timer) in self.idle_restores.items():
+            if tag in touch_refs and made[index] >= 0:
+                self.wheel.records["aux"][made[index]] = touch_refs[tag]
+        result.freed = len(free) - result.fired_freed
+        result.rewritten = len(rewrite)
+        missing = sum(1 for slot in made if slot < 0)
+        result.restored = len(made) - missing
+        result.not_restored += missing
 
 
 def _agreeing(slots, states, groups, deadlines, tags, idents, j_gids, j_idents, j_timers, offset_now):
