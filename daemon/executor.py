@@ -366,6 +366,23 @@ def _keys(records: np.ndarray) -> list[bytes]:
     return np.ascontiguousarray(records["key"]).view("V32").ravel().tolist()
 
 
+def _columns(index, records: np.ndarray, gid: int) -> tuple:
+    """The fields :func:`_in_order` loops over: (raw bytes, key hashes, op, key_meta,
+    deadline_ms, seq, aux0, aux1, keys). Compiled: arrays (the loop reads them through C
+    typed views), the records' raw bytes (each ident is built from them) and each
+    record's key-index hash, so the loop can prefetch the index cells and records the
+    commands a few places ahead will probe (``_prefetch``: at a million timers they are
+    cache misses). On the Python path: lists, and the 32-byte keys."""
+    if _COMPILED:
+        raw = np.ascontiguousarray(records).view(np.uint8).reshape(len(records), C.RECORD_SIZE)
+        hashes = np.empty(len(records), dtype=np.int64)
+        _hash_keys(index, raw, hashes, gid)  # noqa: F821 - executor.pxd
+        return (raw, hashes, records["op"], records["key_meta"], records["deadline_ms"], records["seq"],
+                records["aux0"], records["aux1"], None)
+    return (None, None, records["op"].tolist(), records["key_meta"].tolist(), records["deadline_ms"].tolist(),
+            records["seq"].tolist(), records["aux0"].tolist(), records["aux1"].tolist(), _keys(records))
+
+
 def _in_order(executor: Executor, cs, records: np.ndarray) -> tuple[list, list]:
     """:meth:`Executor.apply_in_order`, a function so that executor.pxd can give its loop C types.
 
@@ -378,19 +395,7 @@ def _in_order(executor: Executor, cs, records: np.ndarray) -> tuple[list, list]:
     wheel, gid, quota, recorder = executor.wheel, cs.group, executor.group_quota, executor.recorder
     touch_base = cs.slot << CL.TOUCH_INDEX_BITS
     n = len(records)
-    if _COMPILED:
-        raw = np.ascontiguousarray(records).view(np.uint8).reshape(n, C.RECORD_SIZE)
-        # each record's key-index hash, so the loop can prefetch the index cells and records
-        # the commands a few places ahead will probe (_prefetch): at a million timers they
-        # are cache misses
-        hashes = np.empty(n, dtype=np.int64)
-        _hash_keys(wheel._index, raw, hashes, gid)  # noqa: F821 - executor.pxd
-        ops, metas, deadlines = records["op"], records["key_meta"], records["deadline_ms"]
-        seqs, aux0, aux1 = records["seq"], records["aux0"], records["aux1"]
-    else:
-        ops, metas, deadlines = records["op"].tolist(), records["key_meta"].tolist(), records["deadline_ms"].tolist()
-        seqs, aux0, aux1 = records["seq"].tolist(), records["aux0"].tolist(), records["aux1"].tolist()
-        keys = _keys(records)
+    raw, hashes, ops, metas, deadlines, seqs, aux0, aux1, keys = _columns(wheel._index, records, gid)
     command_log = executor._in_order_log(gid, records) if recorder is not None else None
     # an ACK of what this daemon sent this client, without a journal: release_one's usual
     # case, inline (the others go through it)
@@ -426,11 +431,9 @@ def _in_order(executor: Executor, cs, records: np.ndarray) -> tuple[list, list]:
                 touch = touch_base | aux1[i]
                 slot = wheel.schedule_ident(ident, deadlines[i], gid, seqs[i], touch)[0]
                 wheel._i[slot * _IW + _I_AUX] = touch
-        except ArenaFull as exc:
-            rejects.append(rejection(seqs[i], _key_at(records, i), metas[i], str(exc), M.Rejected.ARENA_FULL, i))
-            continue
-        except InvalidRequest as exc:
-            rejects.append(rejection(seqs[i], _key_at(records, i), metas[i], str(exc), M.Rejected.INVALID_DEADLINE, i))
+        except (ArenaFull, InvalidRequest) as exc:
+            reason = M.Rejected.ARENA_FULL if isinstance(exc, ArenaFull) else M.Rejected.INVALID_DEADLINE
+            rejects.append(rejection(seqs[i], _key_at(records, i), metas[i], str(exc), reason, i))
             continue
         if command_log is not None:
             _log_command(command_log, ident, op, deadlines[i], seqs[i], aux0[i])
