@@ -176,6 +176,24 @@ def _attach_arena(cfg: Config, host: Host, name: str, aside: list[str]) -> tuple
     return None
 
 
+def _clear_half_built(cfg: Config, host: Host, building: str) -> None:
+    """Remove (or set aside, if unusable) the arena a daemon that died while building it
+    left under ``building``; AlreadyRunning while another daemon builds it."""
+    shm = host.shm
+    try:
+        left = take_segment(host, building, cfg.name)
+    except Unusable as exc:
+        log.warning("set aside %s, left by a daemon that died while building its arena",
+                    set_aside(host, building, str(exc)))
+        return
+    if left is not None:
+        try:
+            shm.unlink(shm_path(building))
+        finally:
+            shm.close(left)
+        log.warning("removed %s, left by a daemon that died while building its arena", building)
+
+
 def _new_arena(cfg: Config, host: Host, name: str, now: int) -> OpenedArena:
     """A new arena, rebuilt from the journal when there is one. It is built under a
     temporary name and renamed into place only when complete: a daemon killed in the
@@ -190,18 +208,7 @@ def _new_arena(cfg: Config, host: Host, name: str, now: int) -> OpenedArena:
         recovered = recover_journal(cfg.journal_dir, cfg.journal_damage, fs=host.fs)
         capacity, max_groups = arena_size_for(recovered, capacity, max_groups)  # room for every journaled timer
     building = f"{name}.new"
-    try:
-        left = take_segment(host, building, cfg.name)  # AlreadyRunning while another daemon builds it
-    except Unusable as exc:
-        log.warning("set aside %s, left by a daemon that died while building its arena",
-                    set_aside(host, building, str(exc)))
-    else:
-        if left is not None:
-            try:
-                shm.unlink(shm_path(building))
-            finally:
-                shm.close(left)
-            log.warning("removed %s, left by a daemon that died while building its arena", building)
+    _clear_half_built(cfg, host, building)
     made: list[tuple[int, int]] = []
 
     def segment(size: int):

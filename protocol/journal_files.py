@@ -681,8 +681,21 @@ class Journal:
         self._mono_ms = mono_ms
         if next_lsn < 1:
             raise InvalidRequest(f"next_lsn starts at 1, not {next_lsn}")
+        self._init_writer(next_lsn)
+        self._init_group_commit(runner, resync)
+        if resync:
+            return
+        try:
+            self._open_segment(next_lsn)
+        except OSError as exc:
+            if not stall_on_error or exc.errno not in TRANSIENT_ERRNOS:
+                raise JournalUnavailable(f"journal directory {self.directory} cannot be written: {exc}") from exc
+            self._stall(exc)
+
+    def _init_writer(self, next_lsn: int) -> None:
+        """The writer's state: numbering, the open segment, what is synced, stalls."""
         self._last_lsn = next_lsn - 1
-        self._durable_lsn = next_lsn - 1  # the caller says so; with resync, only the mark does (below)
+        self._durable_lsn = next_lsn - 1  # the caller says so; with resync, only the mark does
         self._unsynced_since_ms: int | None = None
         self._always = self.policy.mode == "always"
         self._interval = self.policy.mode == "interval"
@@ -701,6 +714,10 @@ class Journal:
         # names not synced yet (sync() makes both durable)
         self._unsynced_segments: list[Path] = []
         self._directory_unsynced = False
+
+    def _init_group_commit(self, runner: Any, resync: bool) -> None:
+        """The background fsync and the durable mark's state."""
+        fs = self.fs
         # background group commit (start_sync/poll_sync) and the durable mark: the runner
         # (a helper thread), the fsync in flight as (handle, lsn it covers, segment, bytes it
         # covers, mono ms it started), the mark write in flight as (handle, lsn)
@@ -717,14 +734,6 @@ class Journal:
         #: bytes of a segment durable (for a background fsync: the moment it started), before
         #: the durable mark can say so (the chaos test's power-cut model listens here)
         self.on_synced: Callable[[Path, int, int], None] | None = None
-        if resync:
-            return
-        try:
-            self._open_segment(next_lsn)
-        except OSError as exc:
-            if not stall_on_error or exc.errno not in TRANSIENT_ERRNOS:
-                raise JournalUnavailable(f"journal directory {self.directory} cannot be written: {exc}") from exc
-            self._stall(exc)
 
     # -- state -------------------------------------------------------------
 

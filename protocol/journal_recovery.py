@@ -449,7 +449,7 @@ def recover(
     findings = _Findings(quiet)
     if not fsport.is_dir(fs, directory):
         return RecoveredState({}, [], 0, 0, [])
-    for entry in fs.scandir(directory):
+    for entry in fs.scandir(directory):  # a snapshot's temporary file, left by a crash: removed
         if entry.name.endswith(".jsonl.tmp"):
             findings.repairs.append(functools.partial(fs.unlink, entry.path))
     segments = list_segments(directory, fs)
@@ -472,18 +472,22 @@ def recover(
 
     pending, unacked = replay.pending, replay.unacked
     _to_user_keys(pending, unacked)
-    elapsed_ms = (time.perf_counter() - started) * 1000
-    if not quiet:
-        log.info(
-            "journal: recovered %d pending and %d unacked timers (snapshot lsn %d + %d events in %d segments, "
-            "last lsn %d%s) in %.0f ms",
-            len(pending), len(unacked), snapshot_lsn, replay.events_replayed, replay.segments_read, last_lsn,
-            f"; {len(findings.damage)} damaged ranges skipped" if findings.damage else "", elapsed_ms,
-        )  # fmt: skip
-    return RecoveredState(
+    state = RecoveredState(
         pending, list(unacked.values()), last_lsn, snapshot_lsn, findings.problems, replay.segments_read,
-        replay.events_replayed, elapsed_ms, findings.damage, torn_problems,
+        replay.events_replayed, (time.perf_counter() - started) * 1000, findings.damage, torn_problems,
     )
+    if not quiet:
+        _log_recovered(state)
+    return state
+
+
+def _log_recovered(state: RecoveredState) -> None:
+    log.info(
+        "journal: recovered %d pending and %d unacked timers (snapshot lsn %d + %d events in %d segments, "
+        "last lsn %d%s) in %.0f ms",
+        len(state.pending), len(state.unacked), state.snapshot_lsn, state.events_replayed, state.segments_read,
+        state.last_lsn, f"; {len(state.damage)} damaged ranges skipped" if state.damage else "", state.elapsed_ms,
+    )  # fmt: skip
 
 
 def _replay_directory(directory: Path, segments: list, findings: _Findings, repair: bool, fs: Any):
