@@ -293,6 +293,27 @@ class ClientCore:
         self._welcome: M.Welcome | None = None
         self._seq = 0
         self._tag_base = 0
+        self._init_armings()
+        self._init_receipts()
+        self._init_cancels()
+        self._closed = False
+        self._owner_pid = os.getpid()
+        self._forked = False
+        self._former_slots: set[int] = set()  # client ids this client had before a reconnect
+        # Replay after a reboot: the ring position just after the last FLUSH the daemon
+        # acknowledged, and where each FLUSH not yet acknowledged ends (seq -> position).
+        # A daemon that recovers from the journal after a power cut may have lost commands
+        # a previous daemon applied (fsync interval) before answering our flush itself;
+        # it re-applies our ring from here (see _hello_frame).
+        self._replay_from = 0
+        self._flush_positions: dict[int, int] = {}
+        self.max_delay_ms = 0
+        self._key_meta = 0  # _encode's outputs beside the key bytes it returns
+        self._key_name: str | bytes | int | None = None
+        _live_clients.add(self)
+
+    def _init_armings(self) -> None:
+        """The armings the application made: latest tag per key, the touch table's rows."""
         # key -> tag of our live arming, or ~tag once cancelled; in _SHARDS dicts by hash(key).
         # A str or int key is its own name here (its hash is cached or trivial, no bytes to
         # build), a bytes key goes by its ident: see _bookkeeping_key.
@@ -302,6 +323,9 @@ class ClientCore:
         self._touch_table: memoryview | None = None
         self._free_touch: list[int] = []
         self._next_touch = 0
+
+    def _init_receipts(self) -> None:
+        """Expirations received, handed over and to acknowledge."""
         # expirations received (buffered or handed over), by (key, arming tag) -> their
         # receipt number (see _on_expirations): survives a daemon restart (same records)
         # and a reboot recovery (new records, same journaled arming). The latest _RECENT,
@@ -326,6 +350,9 @@ class ClientCore:
         # tag, idle_ms, touch index) of their ADD_IDLE again, pushed with the acks (_stale_idle)
         self._rearms_pending: list[tuple] = []
         self._applied = -1
+
+    def _init_cancels(self) -> None:
+        """Cancelled armings and the answers flush() waits for."""
         # Cancelled armings (see cancel): flat lists [key, tag, key, tag, ...] (keys named as
         # in _latest), one per mark.
         # _marks: (mark seq, its list) until the mark's Applied; _cancel_log: the lists of the
@@ -348,21 +375,6 @@ class ClientCore:
         # seq of each flush() waiting for its Applied -> None until it comes, then the
         # Rejected messages received before it (see _rejected)
         self._flush_answers: dict[int, list | None] = {}
-        self._closed = False
-        self._owner_pid = os.getpid()
-        self._forked = False
-        self._former_slots: set[int] = set()  # client ids this client had before a reconnect
-        # Replay after a reboot: the ring position just after the last FLUSH the daemon
-        # acknowledged, and where each FLUSH not yet acknowledged ends (seq -> position).
-        # A daemon that recovers from the journal after a power cut may have lost commands
-        # a previous daemon applied (fsync interval) before answering our flush itself;
-        # it re-applies our ring from here (see _hello_frame).
-        self._replay_from = 0
-        self._flush_positions: dict[int, int] = {}
-        self.max_delay_ms = 0
-        self._key_meta = 0  # _encode's outputs beside the key bytes it returns
-        self._key_name: str | bytes | int | None = None
-        _live_clients.add(self)
 
     # ------------------------------------------------------------------ fork
     def _inherited_by_child(self) -> None:
