@@ -1185,13 +1185,7 @@ class TimerWheel:
                 raise InvalidKey("malformed encoded key")
             hashes = self._index.key_hashes(ident_list, groups)
         if has_duplicates(hashes):  # a key twice: keep the order of the scalar path
-            for j in range(n):
-                try:
-                    slots_out[j], gens_out[j] = self.schedule_ident(
-                        ident_list[j], int(deadlines[j]), int(groups[j]), int(tags[j]), int(auxs[j]))
-                except ArenaFull:
-                    pass
-            return slots_out, gens_out
+            return self._schedule_each(ident_list, deadlines, groups, tags, auxs, slots_out, gens_out)
         found = self._index.find_many(ident_arr, hashes, groups)
         rearm = np.flatnonzero(found >= 0)
         if rearm.size:
@@ -1205,6 +1199,16 @@ class TimerWheel:
             slots_out[new] = self._add_many(ident_arr[new], hashes[new], deadlines[new], groups[new], tags[new],
                                             auxs[new], cur)
         gens_out[slots_out >= 0] = self.records["gen"][slots_out[slots_out >= 0]]
+        return slots_out, gens_out
+
+    def _schedule_each(self, ident_list, deadlines, groups, tags, auxs, slots_out, gens_out):
+        """:meth:`schedule_many` one by one with the scalar method (a key in the batch twice)."""
+        for j in range(len(ident_list)):
+            try:
+                slots_out[j], gens_out[j] = self.schedule_ident(
+                    ident_list[j], int(deadlines[j]), int(groups[j]), int(tags[j]), int(auxs[j]))
+            except ArenaFull:
+                pass
         return slots_out, gens_out
 
     def _add_many(self, idents: np.ndarray, hashes: np.ndarray, deadlines: np.ndarray, groups: np.ndarray,
@@ -1292,11 +1296,7 @@ class TimerWheel:
                                              CorruptArena)
             if not out:
                 return np.zeros(0, dtype=np.int64)
-            c = self._count
-            c[_C_EXPIRATIONS] += fired
-            c[_C_CASCADES] += cascaded
-            c[_C_PENDING] -= fired
-            c[_C_FIRED_UNACKED] += fired
+            self._count_expired(fired, cascaded)
             return out[0]
         whole, chains, mixed = self._collect_buckets(now_ms)
         if not whole and not mixed:
@@ -1317,28 +1317,35 @@ class TimerWheel:
             fired = np.concatenate((fired, fired_one_by_one))
         if fired.size:
             self._index.remove_many(fired)
-            i, fl = self._i, self.fired_list
-            flp = fl * _IW
-            for head, tail in chains:  # a whole bucket joins the fired list as one chain
-                last = i[flp + _PREV]
-                i[head * _IW + _PREV] = last
-                i[last * _IW + _NEXT] = head
-                i[tail * _IW + _NEXT] = fl
-                i[flp + _PREV] = tail
+            self._join_fired(chains)
             if fired_one_by_one.size:
-                self._append_run(fl, fired_one_by_one)
+                self._append_run(self.fired_list, fired_one_by_one)
             rec["state"][fired] = _FIRED  # commit points
         if again.size:
             buckets, expirations, levels = self._buckets_for(deadlines[~due], int(self._hq[_CUR]))
             self._splice_many(again, buckets, expirations)
             rec["state"][again] = (levels << _LEVEL_SHIFT) | _SCHEDULED
             self._count_levels(levels, +1)
-        c = self._count
-        c[_C_EXPIRATIONS] += int(fired.size)
-        c[_C_CASCADES] += int(again.size)
-        c[_C_PENDING] -= int(fired.size)
-        c[_C_FIRED_UNACKED] += int(fired.size)
+        self._count_expired(int(fired.size), int(again.size))
         return fired
+
+    def _join_fired(self, chains: list[tuple[int, int]]) -> None:
+        """Each whole bucket, a (head, tail) chain, joins the end of the fired list (four link stores)."""
+        i, fl = self._i, self.fired_list
+        flp = fl * _IW
+        for head, tail in chains:
+            last = i[flp + _PREV]
+            i[head * _IW + _PREV] = last
+            i[last * _IW + _NEXT] = head
+            i[tail * _IW + _NEXT] = fl
+            i[flp + _PREV] = tail
+
+    def _count_expired(self, fired: int, cascaded: int) -> None:
+        c = self._count
+        c[_C_EXPIRATIONS] += fired
+        c[_C_CASCADES] += cascaded
+        c[_C_PENDING] -= fired
+        c[_C_FIRED_UNACKED] += fired
 
     def _collect_buckets(self, now_ms: int) -> tuple[list[int], list[tuple[int, int]], list[int]]:
         """:meth:`_collect` for :meth:`expire_many`: detach every bucket due at ``now_ms``
