@@ -93,12 +93,14 @@ test-long: $(TEST_STAMP) build
 	$(BIN)/python -m pytest -n 4 -q -m slow
 
 # ruff over the tree, mypy over wheeld.protocol and the client's public modules
-# (.ci/typecheck.py), and the import contracts of pyproject.toml ([tool.importlinter]):
-# which layer may import which. Their settings: pyproject's [tool.ruff] and [tool.mypy].
+# (.ci/typecheck.py), the import contracts of pyproject.toml ([tool.importlinter]):
+# which layer may import which, and the size limits (.ci/sizes.py: functions <= 60
+# lines, classes <= 600). Their settings: pyproject's [tool.ruff] and [tool.mypy].
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python .ci/typecheck.py
 	$(BIN)/python .ci/lint_imports.py
+	$(BIN)/python .ci/sizes.py
 
 # the deterministic simulation (tests/sim, docs/testing.md): SEEDS fresh seeds on every core,
 # or one seed replayed with its trace (SEED=N [OPS=N]); a failing seed prints its replay command
