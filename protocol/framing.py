@@ -14,17 +14,15 @@ unbounded amount. Zero-length bodies are legal frames (they do not decode as a
 message; that is the message layer's error to report).
 
 Like h11, this module does no I/O of its own: :class:`FrameReader` turns bytes
-in (from asyncio's ``data_received`` or a socket read) into complete bodies out.
-The blocking helpers take the socket's ``recv``/``sendall`` bound methods, so
-this package never owns a socket.
+in (from asyncio's ``data_received`` or a socket read) into complete bodies out,
+and :func:`encode_frame` / :func:`write_header` build frames for the caller to send.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
 
-from .errors import BrokenPeer, InvalidRequest, ProtocolError
+from .errors import InvalidRequest, ProtocolError
 
 HEADER = struct.Struct("<I")
 HEADER_SIZE = HEADER.size
@@ -92,40 +90,3 @@ class FrameReader:
     def at_boundary(self) -> bool:
         """True if no partial frame is buffered (EOF here is a clean close)."""
         return not self._buffer
-
-
-def _recv_exactly(recv: Callable[[int], bytes], size: int, started: bool) -> bytes | None:
-    chunks = []
-    missing = size
-    while missing:
-        chunk = recv(min(missing, 1 << 20))
-        if not chunk:
-            if not started and missing == size:
-                return None
-            raise BrokenPeer(f"connection closed in the middle of a frame ({size - missing} of {size} bytes)")
-        chunks.append(chunk)
-        missing -= len(chunk)
-        started = True
-    return b"".join(chunks)
-
-
-def recv_frame(recv: Callable[[int], bytes], max_frame: int = MAX_FRAME) -> bytes | None:
-    """Read one frame body with a blocking ``recv`` (e.g. ``sock.recv``).
-
-    Returns None on a clean end of stream (EOF before a frame starts); raises
-    BrokenPeer on EOF inside a frame and ProtocolError on an oversized length.
-    """
-    header = _recv_exactly(recv, HEADER_SIZE, started=False)
-    if header is None:
-        return None
-    (length,) = HEADER.unpack(header)
-    if length > max_frame:
-        raise ProtocolError(f"peer announced a {length}-byte frame; the limit is {max_frame}")
-    if length == 0:
-        return b""
-    return _recv_exactly(recv, length, started=True)
-
-
-def send_frame(sendall: Callable[[bytes], object], body: bytes) -> None:
-    """Write one frame with a blocking ``sendall`` (e.g. ``sock.sendall``)."""
-    sendall(encode_frame(body))

@@ -6,8 +6,6 @@ ProtocolError, nothing else.
 
 from __future__ import annotations
 
-import socket
-import threading
 import zlib
 
 import msgspec
@@ -28,7 +26,7 @@ from wheeld.protocol.commands import (
     records_from_buffer,
     validate_records,
 )
-from wheeld.protocol.errors import BrokenPeer, InvalidKey, InvalidRequest, ProtocolError
+from wheeld.protocol.errors import InvalidKey, InvalidRequest, ProtocolError
 from wheeld.daemon.executor import valid_records
 from wheeld.protocol.keys import TYPE_STR, encode_key, key_meta_of
 from wheeld.protocol.messages import (
@@ -500,43 +498,6 @@ def test_empty_body_is_a_frame():
     assert framing.FrameReader().feed(b"\x00\x00\x00\x00") == [b""]
     with pytest.raises(ProtocolError):
         decode_client_message(b"")
-
-
-def test_blocking_helpers_over_a_socketpair():
-    left, right = socket.socketpair()
-    big = bytes(range(256)) * 4000  # larger than the socket buffer: the reader must loop
-
-    def send():
-        framing.send_frame(left.sendall, encode_client_message(Doorbell()))
-        left.sendall(encode_daemon_frame(Applied(3)))
-        framing.send_frame(left.sendall, big)
-        left.sendall(b"\x05\x00\x00\x00ab")  # a frame cut short by the peer
-        left.shutdown(socket.SHUT_WR)
-
-    sender = threading.Thread(target=send)
-    sender.start()
-    try:
-        assert decode_client_message(framing.recv_frame(right.recv)) == Doorbell()
-        assert decode_daemon_message(framing.recv_frame(right.recv)) == Applied(3)
-        assert framing.recv_frame(right.recv) == big
-        with pytest.raises(BrokenPeer):
-            framing.recv_frame(right.recv)
-        assert framing.recv_frame(right.recv) is None  # clean EOF at a boundary
-    finally:
-        sender.join(timeout=10)
-        left.close()
-        right.close()
-
-
-def test_blocking_reader_refuses_an_oversized_length():
-    left, right = socket.socketpair()
-    try:
-        left.sendall((framing.MAX_FRAME + 1).to_bytes(4, "little"))
-        with pytest.raises(ProtocolError):
-            framing.recv_frame(right.recv)
-    finally:
-        left.close()
-        right.close()
 
 
 def test_frame_helpers_agree_with_encode_frame():
