@@ -1,5 +1,5 @@
 """Helpers shared by the benchmarks: a plain-text table, a JSON result file, /proc
-readings of a process, and the daemon harness the tests use (tests/daemon_harness.py:
+readings of a process, and the daemon harness the tests use (wheeld.testing:
 start a wheeld on a private socket and name, wait until it is ready, stop it, unlink
 its segments).
 
@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.daemon_harness import DaemonProcess, unique_name, unlink_segments
+from wheeld.testing import DaemonProcess, unique_name, unlink_segments
 
 __all__ = ["DaemonProcess", "add_save_option", "compile_c", "format_table", "machine_info", "proc_cpu_s",
            "results_path", "rss_kb", "unique_name", "unlink_segments", "write_json"]
