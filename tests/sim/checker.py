@@ -62,6 +62,7 @@ class Arming:
     received_before_superseded: bool = False
     handed: list = field(default_factory=list)  # (client, at_ns)
     fired_ns: int | None = None  # the earliest fired_ms of its copies handed so far
+    rearmed_ns: list = field(default_factory=list)  # when its library armed it again (touched since it fired)
 
 
 @dataclass
@@ -101,6 +102,7 @@ class History:
         self.cuts: list[tuple[int, int]] = []  # (when, the window of applied commands it may lose) per power cut
         self.disk_failures: list[int] = []  # when calls on the journal's disk failed (EIO, ENOSPC), in order
         self.syncs: list[int] = []  # when files on the journal's disk were synced, in order
+        self.writes: list[int] = []  # when bytes were appended to files on the journal's disk, in order
         self.disk_damage_ns: int | None = None  # the last time the journal's media was damaged on purpose
         self.group_of: dict[int, str] = {}
         self.unknown: list[tuple[int, str, int]] = []  # handed, but no member armed it
@@ -166,20 +168,40 @@ class History:
         """Whether what the daemon journaled from ``since_ns`` on may be gone, by the rules of
         :meth:`may_have_lost` for an event no flush acknowledged: a power cut under
         ``--fsync interval`` within its window, or after a failed call on the journal's
-        disk with no file synced between that failure and the cut. The failure may come
-        before ``since_ns`` too: the journal was stalled then (it drops what it cannot
-        write until a snapshot covers it), and never wrote again before the cut."""
+        disk with no bytes written and synced on it between that failure and the cut
+        (:meth:`_wrote_again`). The failure may come before ``since_ns`` too: the journal
+        was stalled then (it drops what it cannot write until a snapshot covers it), and
+        never wrote again before the cut."""
         for at, window in self.every_cut:
             if since_ns > at:
                 continue
             if since_ns >= at - window:
                 return True
             last = bisect.bisect_right(self.disk_failures, at) - 1
-            if last >= 0:
-                failed = self.disk_failures[last]
-                if bisect.bisect_right(self.syncs, at) == bisect.bisect_right(self.syncs, failed):
-                    return True
+            if last >= 0 and not self._wrote_again(self.disk_failures[last], at):
+                return True
         return False
+
+    def idle_rearmed(self, client: int, key: str, tag: int, at_ns: int) -> None:
+        """``client``'s library took in an expiration of its idle arming ``tag`` that was touched
+        after the daemon read the touch word: it acknowledged that copy and armed the key again
+        (an ACK and an ADD_IDLE, pushed at ``at_ns``)."""
+        arming = self.armings.get((client, key, tag))
+        if arming is not None:
+            arming.rearmed_ns.append(at_ns)
+
+    def _wrote_again(self, failed: int, at: int) -> bool:
+        """Whether the journal's disk took new bytes after the failure at ``failed`` and synced
+        them, by ``at``: only then may a stalled journal have ended its stall. docs/contracts.md:
+        "what was applied since the last fsync that succeeded stays at risk until the daemon
+        has written its snapshot again"; a stalled journal writes nothing until that snapshot.
+        A sync alone proves nothing: a background fsync started before the failure (it covers
+        only what was written before it started) may complete after it, and a retry fsyncs
+        the segment that failed before it finds no room for the snapshot."""
+        first = bisect.bisect_right(self.writes, failed)  # (a write cut short by the failure: not after it)
+        if first == len(self.writes) or self.writes[first] > at:
+            return False
+        return bisect.bisect_right(self.syncs, at) > bisect.bisect_left(self.syncs, self.writes[first])
 
     def touches_lost(self, client: int) -> None:
         """A reboot took ``client``'s touch table before the daemon moved its idle timers
@@ -206,27 +228,41 @@ class History:
         """A file on the journal's disk was synced at ``at_ns``."""
         self.syncs.append(at_ns)
 
+    def disk_written(self, at_ns: int) -> None:
+        """Bytes were appended to a file on the journal's disk at ``at_ns``."""
+        self.writes.append(at_ns)
+
     def may_have_lost(self, arming: Arming) -> bool:
         """An arming a power cut under ``--fsync interval`` may take (docs/contracts.md: "a
         reboot loses at most what was applied in the last N ms plus one loop iteration",
         "although a later flush() returns"): called before the cut, and not acknowledged
         before the window it may lose began; or one whose covering fsync may have failed:
         a call on the journal's disk failed after the window before its acknowledgement
-        began, and no file was synced between the last such failure and the cut ("when a
-        write or fsync fails, what was applied since the last fsync that succeeded stays
-        at risk until the daemon has written its snapshot again")."""
+        began, and no bytes were written and synced between the last such failure and the
+        cut (:meth:`_wrote_again`; "when a write or fsync fails, what was applied since the
+        last fsync that succeeded stays at risk until the daemon has written its snapshot
+        again")."""
         for at, window in self.cuts:
             if arming.called_ns > at:
                 continue
-            if arming.acked_ns >= at - window:
+            # An idle arming its library armed again (docs/contracts.md, "Time": touched after
+            # the daemon read the word, its expiration "is acknowledged, not handed over, and
+            # the key is armed again ... (a new arming, an ADD_IDLE pushed at once ...)") lives
+            # on in that new arming from then on: the ACK of the old copy and the ADD_IDLE are
+            # commands applied when they were pushed, and "with --fsync interval=N a reboot
+            # loses at most what was applied in the last N ms" -- a cut inside the unsynced tail
+            # may keep the ACK and lose the ADD_IDLE behind it. So its last re-arm before the cut
+            # counts here as its acknowledgement would: a cut within the window after it may lose it.
+            # (a Command, superseding an arming, has no re-arms)
+            acked_ns = max([arming.acked_ns] + [r for r in getattr(arming, "rearmed_ns", ()) if r <= at])
+            if acked_ns >= at - window:
                 return True
             # the last failure on the journal's disk from the window before the ack to the cut,
-            # with no file synced after it: the disk never recovered before the cut
+            # with nothing written and synced after it: the journal never recovered before the cut
             last = bisect.bisect_right(self.disk_failures, at) - 1
-            if last >= 0 and self.disk_failures[last] >= arming.acked_ns - window:
-                failed = self.disk_failures[last]
-                if bisect.bisect_right(self.syncs, at) == bisect.bisect_right(self.syncs, failed):
-                    return True
+            if last >= 0 and self.disk_failures[last] >= acked_ns - window and \
+                    not self._wrote_again(self.disk_failures[last], at):
+                return True
         return False
 
     def disk_damaged(self, at_ns: int) -> None:

@@ -359,6 +359,7 @@ class SimClient(ClientCore):
         self.ready_tags: list[int] = []
         self.handed_tags: list[int] = []
         self.idle_rearms: dict[int, int] = {}
+        self.on_idle_rearm = None  # called (key, the tag it replaced) when the library re-arms an idle timer
         self.flush_rejections: dict[int, list] = {}  # flush number -> (seq, code) of each command refused before it
 
     def _now(self) -> float:
@@ -489,6 +490,8 @@ class SimClient(ClientCore):
                 if bkey in shard:
                     self.idle_rearms[shard[bkey]] = e.seq
                     break
+            if self.on_idle_rearm is not None:
+                self.on_idle_rearm(bkey, e.seq)
         return rearmed
 
     def resolve_tag(self, tag: int) -> int:

@@ -130,6 +130,7 @@ class SimDisk:
         self.counts: dict[str, int] = {}  # what was done and injected, for the run's report
         self.on_failure = None  # called with no argument whenever a call fails (an injected fault, ENOSPC)
         self.on_sync = None  # called with no argument whenever a file's fsync or fdatasync succeeds
+        self.on_write = None  # called with no argument whenever a write() appends bytes (not pwrite: below)
 
     # ------------------------------------------------------------------ faults
     def fail_next(self, operation: str, error: int = errno.EIO, times: int = 1) -> None:
@@ -245,6 +246,10 @@ class SimDisk:
         self._full = len(written) < len(data)
         entry.inode.data += written  # the journal only appends (O_APPEND)
         self._count("write")
+        # (pwrite() does not call it: the journal only rewrites its durable mark's slot in
+        # place with it, which carries no event and may be written while the journal is stalled)
+        if self.on_write is not None:
+            self.on_write()
         return len(written)
 
     def pwrite(self, fd: int, data, offset: int) -> int:

@@ -359,6 +359,7 @@ class Simulation:
         self.history.in_library = self._in_library
         self.disk.on_failure = lambda: self.history.disk_failed(self.world.now_ns)
         self.disk.on_sync = lambda: self.history.disk_synced(self.world.now_ns)
+        self.disk.on_write = lambda: self.history.disk_written(self.world.now_ns)
         self.faults: Counter = Counter()
         self.violations: list[Violation] = []
         self.connections: list = []  # every connection made; the closed ones are dropped as they are seen
@@ -709,6 +710,7 @@ class Simulation:
     def spawn(self, group: str, slow: bool = False, hostile: bool = False, kind: str = "") -> Worker:
         self.next_ident += 1
         worker = Worker(self, self.next_ident, group, slow, hostile, kind)
+        worker.client.on_idle_rearm = lambda key, tag, w=worker: self._idle_rearmed(w, key, tag)
         self.workers.append(worker)
         self._by_ident[worker.ident] = worker
         if not hostile:
@@ -931,6 +933,13 @@ class Simulation:
         owner = int(key.split("-", 1)[0][1:]) if isinstance(key, str) and key.startswith("c") and "-" in key else None
         worker = self._by_ident.get(owner) if owner is not None else None
         return worker.client.resolve_tag(tag) if worker is not None else tag
+
+    def _idle_rearmed(self, worker: Worker, key, tag: int) -> None:
+        """``worker``'s library took in an expiration of its idle ``key`` (arming ``tag``) that
+        was touched since it fired: it acknowledges that copy and arms the key again."""
+        original = self._resolve_tag(key, tag)
+        self.history.idle_rearmed(worker.ident, key, original, self.world.now_ns)
+        self.note(f"w{worker.ident} library re-armed {key} tag {tag}->{original} (touched since it fired)")
 
     def _poll(self, worker: Worker) -> None:
         if not worker.alive or worker.hostile or not worker.started:
