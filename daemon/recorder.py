@@ -100,6 +100,15 @@ def wall_offset_ms(mono_ns: Callable[[], int] | None = None, wall_ns: Callable[[
 class Recorder:
     """Collects the events of one loop iteration and appends them as one batch.
 
+    The batch's acknowledgements go last: a batch cut short (a power cut tearing its
+    write, under any ``--fsync`` policy) then loses acknowledgements, whose copies are
+    delivered again (at least once), rather than armings that came after them in the
+    ring. The library re-arms an idle timer touched after it fired with an ACK of the
+    fired copy and an ADD_IDLE right behind it; journaled in that order, a torn write
+    could keep the ACK and lose the re-arm. The order does not matter to a recovery
+    otherwise: an acknowledgement names its arming (key and tag), which nothing later
+    in the batch touches.
+
     ``clock_ms`` is the arena's clock (CLOCK_MONOTONIC ms) and ``offset_ms``
     what turns it into the journal's wall clock (:func:`wall_offset_ms`); both the
     real ones unless given. Every time the Recorder reads (event times, when a
@@ -112,6 +121,7 @@ class Recorder:
         self.journal = journal
         self.wheel = wheel
         self.events: list = []
+        self._acks: list = []  # the batch's acknowledgements, appended after its other events
         self._group_names: dict[int, str] = {}
         self._clock_ms = clock_ms if clock_ms is not None else mono_ms
         self._wall_offset_ms = offset_ms if offset_ms is not None else wall_offset_ms
@@ -197,7 +207,7 @@ class Recorder:
                                   i=_UNSET if idle_ms is None else idle_ms))
 
     def acked(self, gid: int, key, seq: int) -> None:
-        self.events.append(J.Ack(t=self._clock_ms() + self._offset, g=self._group(gid), k=J.key_to_json(key), s=seq))
+        self._acks.append(J.Ack(t=self._clock_ms() + self._offset, g=self._group(gid), k=J.key_to_json(key), s=seq))
 
     def idle_rearmed(self, gid: int, key, previous_ms: int, deadline_ms: int, seq: int, idle_ms: int) -> None:
         off = self._offset
@@ -274,8 +284,11 @@ class Recorder:
     def commit(self, now_ms: int) -> int:
         """Append what this iteration recorded (fsynced under ``always``). A journal that
         cannot be written numbers and drops them (:attr:`unavailable` says so)."""
-        if self.events:
+        if self.events or self._acks:
             events, self.events = self.events, []
+            if self._acks:
+                events += self._acks
+                self._acks = []
             try:
                 self.journal.append(events, now_ms)
             except JournalUnavailable:

@@ -134,3 +134,37 @@ def test_commands_many_journals_a_batch_with_repeated_keys_as_in_order(tmp_path,
     assert files["many"] == files["scalar"]
     kinds = {msgspec.json.decode(line)["ev"] for line in files["many"].splitlines()}
     assert kinds == {"add", "rearm", "cancel"}
+
+
+def test_a_batch_journals_its_acknowledgements_after_its_armings(tmp_path, monkeypatch):
+    """The library re-arms an idle timer touched after it fired with an ACK of the fired
+    copy and an ADD_IDLE behind it, applied in that order. The journal has the arming
+    first: a torn write that keeps only the start of the batch keeps the re-arm (the
+    copy is delivered again) instead of the acknowledgement alone (the timer lost)."""
+    from wheeld.daemon import recorder as recorder_module
+    from wheeld.protocol.journal_recovery import recover
+
+    monkeypatch.setattr(recorder_module, "mono_ms", lambda: 5_000)
+    monkeypatch.setattr(recorder_module, "wall_offset_ms", lambda: T0 - 5_000)
+    with _recorder(tmp_path, "acks-last") as (recorder, wheel):
+        gid = wheel.group_id("g")
+        recorder.begin()
+        recorder.armed(gid, "conn", 4_000, 1, None, 500)
+        recorder.commit(5_000)
+        recorder.begin()
+        recorder.fired(gid, "conn", 4_000, 1, 4_001, False, 500)
+        recorder.commit(5_000)
+        recorder.begin()  # the library's ACK of the stale copy, then its ADD_IDLE
+        recorder.acked(gid, "conn", 1)
+        recorder.armed(gid, "conn", 5_500, 2, None, 500)
+        recorder.commit(5_000)
+        path = recorder.journal.segment_path
+        lines = path.read_bytes().splitlines()
+    events = [msgspec.json.decode(line) for line in lines[1:]]
+    assert [(e["ev"], e["s"]) for e in events] == [("add", 1), ("fire", 1), ("add", 2), ("ack", 1)]
+    # a power cut tore the last batch's write after its first line: the re-arm survives,
+    # and the acknowledged copy is delivered again (at least once)
+    path.write_bytes(b"\n".join(lines[:-1]) + b"\n" + lines[-1][:10])
+    state = recover(tmp_path / "acks-last", repair=False, quiet=True)
+    assert [(timer.key, timer.seq) for timer in state.pending.values()] == [("conn", 2)]
+    assert [(timer.key, timer.seq) for timer in state.unacked] == [("conn", 1)]
