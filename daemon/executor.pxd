@@ -61,17 +61,18 @@ cdef extern from *:
     void _prefetch_line "wheeld_prefetch" (const void *p) nogil
 
 cdef long _ADD, _ADD_IDLE, _CANCEL, _ACK, _FLUSH
+# a ring record's field offsets, set by executor.py from wheeld.protocol.commands (their owner)
+cdef Py_ssize_t _O_META, _O_RESERVED, _O_DEADLINE, _O_AUX0, _O_AUX1, _O_CHECK, _O_PAD, _O_KEY, _KEY_FIELD
 cdef Py_ssize_t _IW, _I_PREV, _I_NEXT, _I_AUX
 cdef bint _COMPILED
 
 
 cdef inline bytes _ident_at(const unsigned char[:, ::1] raw, Py_ssize_t i):
-    """Record i's key as the wheel's 33-byte ident: its key_meta byte (offset 1), then
-    its 32-byte key field (offset 32)."""
-    cdef bytes ident = PyBytes_FromStringAndSize(NULL, 33)
+    """Record i's key as the wheel's 33-byte ident: its key_meta byte, then its 32-byte key field."""
+    cdef bytes ident = PyBytes_FromStringAndSize(NULL, 1 + _KEY_FIELD)
     cdef char *out = PyBytes_AS_STRING(ident)
-    out[0] = <char>raw[i, 1]
-    memcpy(out + 1, &raw[i, 32], 32)
+    out[0] = <char>raw[i, _O_META]
+    memcpy(out + 1, &raw[i, _O_KEY], _KEY_FIELD)
     return ident
 
 
@@ -89,8 +90,8 @@ cdef inline void _hash_keys(KeyIndex index, const unsigned char[:, ::1] raw, lon
     cdef Py_ssize_t i
     cdef long long mix = index._gmix[gid]
     for i in range(raw.shape[0]):
-        ident[0] = raw[i, 1]
-        memcpy(&ident[1], &raw[i, 32], 32)
+        ident[0] = raw[i, _O_META]
+        memcpy(&ident[1], &raw[i, _O_KEY], _KEY_FIELD)
         hashes[i] = _hash_bytes(ident, 33) ^ mix
 
 
@@ -144,13 +145,13 @@ cdef inline int _check_records(const unsigned char[:, ::1] raw, unsigned char[::
     for i in range(raw.shape[0]):
         r = &raw[i, 0]
         op = r[0]
-        meta = r[1]
-        memcpy(&reserved, r + 2, 2)
-        memcpy(&deadline, r + 8, 8)
-        memcpy(&aux0, r + 16, 4)
-        memcpy(&aux1, r + 20, 4)
-        memcpy(&check, r + 24, 4)
-        memcpy(&pad, r + 28, 4)
+        meta = r[_O_META]
+        memcpy(&reserved, r + _O_RESERVED, 2)
+        memcpy(&deadline, r + _O_DEADLINE, 8)
+        memcpy(&aux0, r + _O_AUX0, 4)
+        memcpy(&aux1, r + _O_AUX1, 4)
+        memcpy(&check, r + _O_CHECK, 4)
+        memcpy(&pad, r + _O_PAD, 4)
         if reserved or pad:
             continue
         if op == _ADD or op == _ADD_IDLE or op == _CANCEL:
@@ -164,8 +165,8 @@ cdef inline int _check_records(const unsigned char[:, ::1] raw, unsigned char[::
         else:
             continue
         high = 0
-        for k in range(length, 32):
-            high |= r[32 + k]
+        for k in range(length, _KEY_FIELD):
+            high |= r[_O_KEY + k]
         if high:  # a byte past the key's length
             continue
         if (op == _ADD or op == _CANCEL or op == _FLUSH) and (aux0 or aux1):
@@ -176,15 +177,15 @@ cdef inline int _check_records(const unsigned char[:, ::1] raw, unsigned char[::
             continue
         if op == _ACK and aux0 < 0:
             continue
-        if _crc32(_crc32(0, r, 24), r + 32, 32) != check:  # zlib.crc32(key, zlib.crc32(head))
+        if _crc32(_crc32(0, r, _O_CHECK), r + _O_KEY, _KEY_FIELD) != check:  # zlib.crc32(key, zlib.crc32(head))
             continue
         if length and meta_str[meta]:
             high = 0
             for k in range(length):
-                high |= r[32 + k]
+                high |= r[_O_KEY + k]
             if high & 0x80:  # not ASCII: must decode as UTF-8, as bytes.decode("utf-8") would
                 try:
-                    PyUnicode_DecodeUTF8(<const char *>(r + 32), length, "strict")
+                    PyUnicode_DecodeUTF8(<const char *>(r + _O_KEY), length, "strict")
                 except UnicodeDecodeError:
                     continue
         valid[i] = 1

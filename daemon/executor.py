@@ -60,6 +60,15 @@ MIN_CHUNK = 64
 PLAN_BATCH_MIN = 192
 BATCH_MIN = None if accel.compiled("wheeld.shm.wheel") else PLAN_BATCH_MIN
 _ADD, _ADD_IDLE, _CANCEL, _ACK, _FLUSH = C.ADD, C.ADD_IDLE, C.CANCEL, C.ACK, C.FLUSH
+# A ring record's fields as executor.pxd reads them from the raw bytes: the offsets from
+# their owner (wheeld.protocol.commands), the widths its loads assume checked here.
+_O_META, _O_RESERVED, _O_DEADLINE = C.KEY_META_OFFSET, C.RESERVED_OFFSET, C.DEADLINE_OFFSET
+_O_AUX0, _O_AUX1, _O_CHECK, _O_PAD, _O_KEY = C.AUX0_OFFSET, C.AUX1_OFFSET, C.CHECK_OFFSET, C.PAD_OFFSET, C.KEY_OFFSET
+_KEY_FIELD = C.KEY_FIELD_SIZE
+assert C.OP_OFFSET == 0 and _KEY_FIELD == 32  # op read as the first byte; a 33-byte ident buffer
+assert [C.RECORD_DTYPE.fields[name][0].itemsize for name in ("reserved", "deadline_ms", "aux0", "aux1", "check",
+                                                             "pad")] == [2, 8, 4, 4, 4, 4]
+assert C.CHECKED_HEAD_SIZE == _O_CHECK  # the crc covers the head before the check word, then the key
 # Compiled (executor.pxd), the in-order loop reads the records through C arrays.
 _COMPILED = not __file__.endswith(".py")
 _IW, _I_PREV, _I_NEXT = L.I_PER_RECORD, L.I_PREV, L.I_NEXT  # an arena record's int32 words (prefetches)
