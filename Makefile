@@ -92,7 +92,7 @@ test-fast: $(CORE_STAMP) build
 test-long: $(TEST_STAMP) build
 	$(BIN)/python -m pytest -n 4 -q -m slow
 
-# ruff over the tree, mypy over wheeld.protocol and the client's public modules
+# ruff over the tree, mypy over wheeld.protocol, wheeld.journal and the client's public modules
 # (.ci/typecheck.py), the import contracts of pyproject.toml ([tool.importlinter]):
 # which layer may import which, and the size limits (.ci/sizes.py: functions <= 60
 # lines, classes <= 600). Their settings: pyproject's [tool.ruff] and [tool.mypy].

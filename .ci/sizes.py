@@ -1,5 +1,5 @@
 """Size limits of the service's code: no function over 60 lines, no class over 600,
-in daemon/, shm/, client/ and protocol/ (lines from ``def``/``class`` to the end of
+in daemon/, shm/, journal/, client/ and protocol/ (lines from ``def``/``class`` to the end of
 the body, docstring and comments included).
 
 Classes still over the limit are listed in ``OVER`` with the most lines they may
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("daemon", "shm", "client", "protocol")
+FOLDERS = ("daemon", "shm", "journal", "client", "protocol")
 FUNCTION_LINES = 60
 CLASS_LINES = 600
 
@@ -26,7 +26,7 @@ CLASS_LINES = 600
 OVER = {
     "shm/wheel.py:TimerWheel": 1690,
     "client/core.py:ClientCore": 790,
-    "protocol/journal_files.py:Journal": 710,
+    "journal/files.py:Journal": 710,
 }
 
 

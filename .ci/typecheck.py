@@ -1,6 +1,6 @@
-"""Type-check ``wheeld.protocol`` and the client's public modules with mypy.
+"""Type-check ``wheeld.protocol``, ``wheeld.journal`` and the client's public modules with mypy.
 
-Checked: the package ``wheeld.protocol`` and the modules ``wheeld``, ``wheeld.sync``,
+Checked: the packages ``wheeld.protocol`` and ``wheeld.journal`` and the modules ``wheeld``, ``wheeld.sync``,
 ``wheeld.aio``, ``wheeld.core``, ``wheeld.handshake``, ``wheeld.idle``,
 ``wheeld.purgatory`` and ``wheeld.ctl``, with the options of pyproject.toml's
 ``[tool.mypy]``. What they import (``wheeld.shm``, the daemon, third-party
@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 #: checked as a package, with every module in it
-PACKAGES = ["wheeld.protocol"]
+PACKAGES = ["wheeld.protocol", "wheeld.journal"]
 #: the client's public modules, checked one by one
 MODULES = ["wheeld", "wheeld.sync", "wheeld.aio", "wheeld.core", "wheeld.handshake", "wheeld.idle",
            "wheeld.purgatory", "wheeld.ctl"]

@@ -44,7 +44,7 @@ ratios of the bests to ``none`` and to ``off``.
 
 Recovery: with ``--recovery N`` (1M by default, 0 to
 skip) the same run writes a journal of N adds (no snapshot, the worst case
-before the first snapshot) and times :func:`wheeld.protocol.journal_recovery.recover`
+before the first snapshot) and times :func:`wheeld.journal.recovery.recover`
 over it; the recovery and bytes-per-timer figures of ``bench/journal.py``
 (``bench/results/journal.json``: 1M and 10M pending, snapshot plus tail) are
 copied into the summary with their source named.

@@ -50,8 +50,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import add_save_option, results_path  # noqa: E402
-from wheeld.protocol.journal_files import Journal, PendingTimer
-from wheeld.protocol.journal_recovery import recover
+from wheeld.journal.files import Journal, PendingTimer
+from wheeld.journal.recovery import recover
 from wheeld.protocol.journal import Ack, Add, Cancel, Fire, encode_event, encode_events
 
 T0 = 1_700_000_000_000

@@ -64,7 +64,7 @@ from wheeld.protocol.errors import (
     WheeldError,
 )
 from wheeld.protocol.keys import Key, encode_key
-from wheeld.protocol.instance_lock import reader_segments
+from wheeld.shm.instance_lock import reader_segments
 from wheeld.protocol.naming import SHM_DIR, default_name, default_socket_path
 from wheeld.shm import check as CK
 from wheeld.shm import reader as R
@@ -785,7 +785,7 @@ def destroy(ctl: Ctl, instance: str | None) -> None:
     Refused (exit 1, nothing removed) while a daemon holds the instance's lock.
     Every pending timer in the arena goes with it; a journal (--journal DIR) is
     not touched, so a daemon started with it later rebuilds them from there."""
-    from wheeld.protocol.instance_lock import holder
+    from wheeld.shm.instance_lock import holder
     from wheeld.shm.arena import remove_instance_segments
 
     name = instance or ctl.name
@@ -808,7 +808,7 @@ def destroy(ctl: Ctl, instance: str | None) -> None:
 
 
 def _check_journal(directory: str, as_json: bool) -> None:
-    from wheeld.protocol.journal_recovery import check_journal
+    from wheeld.journal.recovery import check_journal
 
     try:
         report = check_journal(directory)

@@ -21,7 +21,7 @@ import click
 
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol.errors import InvalidRequest, WheeldError
-from wheeld.protocol.journal_recovery import DAMAGE_POLICIES, JournalDamaged
+from wheeld.journal.recovery import DAMAGE_POLICIES, JournalDamaged
 from wheeld.protocol.naming import default_name, default_socket_path, name_problem
 
 from .config import MAX_CAPACITY, Config

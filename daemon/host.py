@@ -109,7 +109,7 @@ class SharedMemory(Protocol):
     implementation is :class:`wheeld.shm.named.RealShm`; the simulator's is
     ``tests/sim/shm.py``.
 
-    *Segment lock* and *marks* are those of :mod:`wheeld.protocol.instance_lock`:
+    *Segment lock* and *marks* are those of :mod:`wheeld.shm.instance_lock`:
     the lock and the marks belong to the open file (not to the handle number) and
     last as long as a handle or a mapping of it does; the *instance lock* is an
     exclusive ``flock`` on the handle's open file."""
@@ -156,7 +156,7 @@ class SharedMemory(Protocol):
         """Take the segment lock (``handle`` open for writing); False when another holds it."""
 
     def mark(self, handle: Any, pid: int, uid: int, qualified: bool | None = None) -> None:
-        """Leave the holder's marks (:func:`wheeld.protocol.instance_lock.mark`)."""
+        """Leave the holder's marks (:func:`wheeld.shm.instance_lock.mark`)."""
 
     def read_marks(self, handle: Any) -> Any:
         """The marks another open file left (a ``Holder``), or None."""
@@ -166,7 +166,7 @@ class SharedMemory(Protocol):
 
     def flock_holder_pid(self, path: str) -> int | None:
         """The pid holding a ``flock`` on ``path`` without opening it; 0 when nobody does;
-        None when that cannot be told (:func:`wheeld.protocol.instance_lock.flock_holder_pid`)."""
+        None when that cannot be told (:func:`wheeld.shm.instance_lock.flock_holder_pid`)."""
 
     def flock_holder(self, path: str) -> Any:
         """:meth:`flock_holder_pid` as a ``Holder`` (None: nobody); ``PermissionError``
@@ -219,7 +219,7 @@ class Host:
     ``clock_ms`` is the arena's clock (CLOCK_MONOTONIC ms, floored), ``clock_ns``
     the same clock in ns, ``wall_ms``/``wall_ns`` the wall clock in ms (the
     journal's) and ns. ``runner`` runs the journal's background fsyncs and mark
-    writes (:class:`wheeld.protocol.journal_files.ThreadRunner`, a helper thread,
+    writes (:class:`wheeld.journal.files.ThreadRunner`, a helper thread,
     when None; a simulation runs them when it decides). ``fs``
     offers the ``os`` functions the journal's engine uses (``open``, ``write``,
     ``fsync``, ``ftruncate``, ``replace``, ``unlink``, ``scandir``, ``stat``,

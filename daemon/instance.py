@@ -1,7 +1,7 @@
 """One daemon per instance name and per arena, and segments the daemon can trust.
 
 **The instance lock.** Before anything is written, ``wheeld`` takes the
-instance lock, ``/dev/shm/wheeld-<name>-lock`` (:mod:`wheeld.protocol.instance_lock`
+instance lock, ``/dev/shm/wheeld-<name>-lock`` (:mod:`wheeld.shm.instance_lock`
 describes it), and keeps it for its whole life. The file is shared by every
 uid (mode 0644): the lock is *tried* first, whoever owns the file, so a daemon
 of the same name finds out who runs the instance, whatever its uid, and exits
@@ -68,7 +68,7 @@ import os
 import stat
 
 from wheeld.protocol.errors import WheeldError
-from wheeld.protocol.instance_lock import PID_FIELD, Holder, read_pid
+from wheeld.shm.instance_lock import PID_FIELD, Holder, read_pid
 from wheeld.protocol.naming import arena_name, lock_path, secret_name, segment_names, shm_path
 
 from .host import Host, SharedMemory, real_host

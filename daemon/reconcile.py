@@ -8,7 +8,7 @@ but a scribbled deadline, tag, state or key can look perfectly valid. With
 ``--journal`` the daemon holds a second copy of every timer: at every attach of an
 existing arena (:func:`reconcile`, called by :mod:`wheeld.daemon.startup` before the
 journal is opened) each live record is compared with the journal's state
-(:func:`wheeld.protocol.journal_recovery.recover`, read-only) and the journal wins:
+(:func:`wheeld.journal.recovery.recover`, read-only) and the journal wins:
 
 * a timer the journal has and the arena lost (freed as corrupt, or its key
   overwritten) is **restored**: pending ones as SCHEDULED at the journal's
@@ -68,8 +68,8 @@ import numpy as np
 from wheeld.protocol import arena_layout as AL
 from wheeld.protocol import fsport
 from wheeld.protocol.errors import WheeldError
-from wheeld.protocol.journal_files import list_segments, read_clocks, wall_to_monotonic_ns
-from wheeld.protocol.journal_recovery import RecoveredState, recover
+from wheeld.journal.files import list_segments, read_clocks, wall_to_monotonic_ns
+from wheeld.journal.recovery import RecoveredState, recover
 from wheeld.protocol.keys import KEY_BYTES, encode_key
 from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel, encode_ident
 
@@ -126,7 +126,7 @@ def reconcile(wheel: TimerWheel, directory: str, name: str, clocks=read_clocks, 
     """Check a freshly attached arena against the journal in ``directory`` and repair it
     (module docstring). Never raises for what it finds: a journal it cannot use is
     reported in the result (``trusted`` False). ``clocks``: ``(wall ns, monotonic ns)``
-    (:func:`~wheeld.protocol.journal_files.read_clocks`); ``fs``: the file port
+    (:func:`~wheeld.journal.files.read_clocks`); ``fs``: the file port
     (:mod:`wheeld.protocol.fsport`; the real one is :mod:`os`)."""
     words = wheel.header_words()
     result = Reconciled(batch_open=words[AL.H_JOURNAL_OPEN // 8] != 0)

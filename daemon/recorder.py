@@ -3,7 +3,7 @@
 ``wheeld --journal DIR --fsync POLICY`` turns this on. The arena survives a crash
 of the daemon; the journal is for when the arena itself is gone (a reboot, or
 /dev/shm cleared). The format and the writer live in ``wheeld.protocol.journal``
-and ``wheeld.protocol.journal_files``; this module only decides what to write, and
+and ``wheeld.journal.files``; this module only decides what to write, and
 :mod:`wheeld.daemon.recovery` reads it back into a new arena.
 
 Ordering with the rings (what makes ``always`` mean "on disk before flush()
@@ -31,7 +31,7 @@ answered meanwhile is refused with ``JournalUnavailable`` (the executor asks
 :attr:`Recorder.unavailable`). The journal numbers the events it cannot write
 and drops them: the arena holds their result. About once a second
 (:data:`RETRY_S`, and never more often than ten times what a failed attempt
-cost) the Recorder tries :meth:`~wheeld.protocol.journal_files.Journal.resume`,
+cost) the Recorder tries :meth:`~wheeld.journal.files.Journal.resume`,
 which writes a snapshot of the arena and opens a new segment: from then on
 everything the arena holds is durable again, and so is every command applied
 during the stall. The state is logged (an ERROR when it starts, again every
@@ -58,7 +58,7 @@ from wheeld.protocol.keys import TYPE_INT, TYPE_STR, decode_key, key_length, key
 from wheeld.shm.wheel import TimerWheel
 
 from wheeld.protocol.errors import JournalUnavailable
-from wheeld.protocol.journal_files import (
+from wheeld.journal.files import (
     FiredTimer,
     Journal,
     PendingTimer,
@@ -86,11 +86,11 @@ def wall_offset_ms(mono_ns: Callable[[], int] | None = None, wall_ns: Callable[[
     """Wall-clock ms minus monotonic ms, rounded up: what turns an arena deadline into the journal's.
 
     The monotonic clock is read first (the tightest of a few bracketed readings,
-    :func:`~wheeld.protocol.journal_files.clock_offset_ns_above`), so ``wall - mono`` in ns
+    :func:`~wheeld.journal.files.clock_offset_ns_above`), so ``wall - mono`` in ns
     is at least the true offset between the clocks; rounding it up keeps every journaled
     wall-clock deadline at or after the moment the monotonic deadline stood
     for (at most 1 ms after), and recovery rounds up again on its way back
-    (:func:`wheeld.protocol.journal_files.wall_to_monotonic_ns`): a timer is never
+    (:func:`wheeld.journal.files.wall_to_monotonic_ns`): a timer is never
     early across a reboot. The clocks are :mod:`wheeld.protocol.clock`'s unless others
     are given (a simulation's).
     """

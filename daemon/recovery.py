@@ -20,7 +20,7 @@ from typing import Any
 from wheeld.protocol.errors import ArenaFull, InvalidRequest, JournalUnavailable, WheeldError
 from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
 
-from wheeld.protocol.journal_files import (
+from wheeld.journal.files import (
     Journal,
     describe_error,
     last_lsn_on_disk,
@@ -28,7 +28,7 @@ from wheeld.protocol.journal_files import (
     read_mark,
     wall_to_monotonic_ns,
 )
-from wheeld.protocol.journal_recovery import RecoveredState, recover
+from wheeld.journal.recovery import RecoveredState, recover
 from .config import MAX_CAPACITY
 from .recorder import Recorder, wall_offset_ms
 
@@ -49,7 +49,7 @@ def recover_journal(directory: str, on_damage: str = "skip", fs: Any = os) -> Re
 
     ``skip``: damaged ranges are skipped (each logged at ERROR level) and the
     rest recovered; ``refuse``: any damage raises
-    :class:`~wheeld.protocol.journal_recovery.JournalDamaged`, a one-line message naming
+    :class:`~wheeld.journal.recovery.JournalDamaged`, a one-line message naming
     the ranges, and nothing on disk is changed. Called before the arena is
     created, so a refusal leaves no empty arena behind (one would make the next
     start skip the journal). A directory that cannot be read (or repaired: a torn
@@ -100,7 +100,7 @@ def load_recovered(wheel: TimerWheel, state: RecoveredState, directory: str = ""
     """Load a recovered state into an empty arena; return the next lsn.
 
     Wall-clock deadlines become monotonic ones rounded up
-    (:func:`~wheeld.protocol.journal_files.wall_to_monotonic_ns`), so no timer fires
+    (:func:`~wheeld.journal.files.wall_to_monotonic_ns`), so no timer fires
     before its wall-clock deadline; those already past fire at once, late.
     """
     wall_ns, mono_ns = clocks()
@@ -158,7 +158,7 @@ def load_recovered(wheel: TimerWheel, state: RecoveredState, directory: str = ""
 
 
 def host_clocks(host):
-    """:func:`~wheeld.protocol.journal_files.read_clocks` on the clocks of ``host`` (a
+    """:func:`~wheeld.journal.files.read_clocks` on the clocks of ``host`` (a
     :class:`wheeld.daemon.host.Host`; None: the real clocks)."""
     if host is None:
         return read_clocks

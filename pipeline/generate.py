@@ -7,7 +7,7 @@
 writes ``OUT/host-000/journal-0000000000000001.jsonl``, ... one folder per
 host, in exactly the format the daemon writes: the events are the structs of
 :mod:`wheeld.protocol.journal` and the files are written by the daemon's own
-writer, :class:`wheeld.protocol.journal_files.Journal` (lsns, segment headers,
+writer, :class:`wheeld.journal.files.Journal` (lsns, segment headers,
 rotation), with ``fsync="off"`` and simulated clocks.
 
 What a host does over its simulated day
@@ -76,7 +76,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wheeld.protocol.journal_files import DEFAULT_SEGMENT_BYTES, Journal, prepare_directory
+from wheeld.journal.files import DEFAULT_SEGMENT_BYTES, Journal, prepare_directory
 from wheeld.protocol.journal import Ack, Add, Cancel, Fire, IdleRearm, Rearm, key_to_json
 
 __all__ = ["FleetInfo", "generate_fleet", "generate_host", "main"]

@@ -31,7 +31,7 @@ Line status, in this order of precedence
     ``ok``                   a valid timer event: the only lines that count.
 
     The pipeline is per line: a bad line is skipped and counted, the lines
-    after it still count. (Recovery, in ``protocol.journal_recovery``, skips a
+    after it still count. (Recovery, in ``wheeld.journal.recovery``, skips a
     bad line too, but its state depends on every event, so it charges the events
     a bad line held to it by their lsns; statistics need no such accounting.)
 

@@ -162,7 +162,7 @@ _COUNTER_TABLE = (
     ("ack_timeouts_total", DAEMON),  # expirations sent again because their client left them unacknowledged
     ("arenas_set_aside_total", DAEMON),  # unusable arenas renamed out of the way at start-up
     ("accept_pauses_total", DAEMON),  # times the daemon stopped accepting for lack of descriptors
-    # damaged journal ranges recovery skipped (protocol/journal_recovery.py, "Damage")
+    # damaged journal ranges recovery skipped (journal/recovery.py, "Damage")
     ("journal_damaged_ranges_total", DAEMON),
     ("journal_damaged_lines_total", DAEMON),  # the lines in them
     ("groups_reclaimed_total", DAEMON),  # group ids freed (no member, nothing pending) for new names

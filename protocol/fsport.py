@@ -1,7 +1,7 @@
 """File operations through a port that has the names of the :mod:`os` functions.
 
-The journal's engine (:mod:`wheeld.protocol.journal_files`,
-:mod:`wheeld.protocol.journal_recovery`, and the daemon modules that read or
+The journal's engine (:mod:`wheeld.journal.files`,
+:mod:`wheeld.journal.recovery`, and the daemon modules that read or
 write journal files) performs every file operation through an ``fs`` object:
 ``fs.open``, ``fs.write``, ``fs.pwrite``, ``fs.fsync``, ``fs.fdatasync``,
 ``fs.ftruncate``, ``fs.close``, ``fs.fstat``, ``fs.fchmod``, ``fs.stat``,

@@ -3,8 +3,8 @@
 The daemon records every change to its timers in a write-ahead journal so
 that timers survive a reboot (``wheeld --journal DIR``). The same files are the
 input of the fleet analytics pipeline (``wheeld.pipeline``). This module is the
-one place that defines the bytes; the writer (:mod:`wheeld.protocol.journal_files`),
-recovery (:mod:`wheeld.protocol.journal_recovery`), the fleet generator and the
+one place that defines the bytes; the writer (:mod:`wheeld.journal.files`),
+recovery (:mod:`wheeld.journal.recovery`), the fleet generator and the
 pipeline all import it.
 
 Why JSON Lines
@@ -143,7 +143,7 @@ Snapshot files
 reader checks a whole snapshot with one pass of ``zlib.crc32`` (GB/s) instead
 of a check per line. A snapshot without a valid ``end`` line is not a
 snapshot. Snapshots are written to a temporary name, fsynced, renamed and the
-directory fsynced (see :mod:`wheeld.protocol.journal_files`).
+directory fsynced (see :mod:`wheeld.journal.files`).
 
 The durable mark
 ================
@@ -163,7 +163,7 @@ growing the file), so a write cut short spoils at most one slot and the other
 keeps an older, lower mark; a reader takes the highest lsn of the good slots
 (:func:`parse_mark`; 0 when none, or no file: nothing is known). The mark only
 ever trails what is durable: it is written after the fsync that made ``lsn``
-durable (:mod:`wheeld.protocol.journal_files`).
+durable (:mod:`wheeld.journal.files`).
 
 Versioning
 ==========
@@ -291,7 +291,7 @@ class _Line(msgspec.Struct, tag_field="ev", kw_only=True):
 
 
 class _TimerEvent(_Line, kw_only=True):
-    n: int = 0  # assigned by the writer (journal_files.Journal.append)
+    n: int = 0  # assigned by the writer (wheeld.journal.files.Journal.append)
     t: int
     g: str
     k: JsonKey
@@ -812,7 +812,7 @@ class SegmentScan(msgspec.Struct):
     The header is not in ``parts``: ``header`` is None when the first line is
     damaged (or is an event). ``good_end`` is the offset just past the last
     good line (0: none). Lsns are not checked here: the reader knows which lsn
-    it expects next (``journal_recovery.recover`` does).
+    it expects next (``wheeld.journal.recovery.recover`` does).
     """
 
     path: str

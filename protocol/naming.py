@@ -15,7 +15,7 @@ secret) come in two spellings: the *plain* ones, ``wheeld-NAME-arena``, and the
 qualified ones when it already has them, or when a plain one belongs to another
 uid (a root ``wheeld`` run by hand left its arena, say); else the plain ones
 (:func:`wheeld.daemon.instance.choose_names`). The daemon holding the instance
-lock says which spelling it uses (:mod:`wheeld.protocol.instance_lock`), so
+lock says which spelling it uses (:mod:`wheeld.shm.instance_lock`), so
 ``wheelctl`` reads the arena of the daemon that runs, whoever that is.
 """
 
@@ -102,7 +102,7 @@ def shm_prefix(name: str) -> str:
 
 
 def lock_path(name: str, uid: int | None = None) -> str:
-    """The instance lock (:mod:`wheeld.protocol.instance_lock`): ``/dev/shm/wheeld-<name>-lock``,
+    """The instance lock (:mod:`wheeld.shm.instance_lock`): ``/dev/shm/wheeld-<name>-lock``,
     shared by every uid. With ``uid``: the lock a daemon of that uid takes instead when the
     shared one is another uid's file it may not even open (made by an older wheeld)."""
     return os.path.join(SHM_DIR, f"{shm_prefix(name)}{_owner_tag(uid)}lock")

@@ -24,7 +24,7 @@ from typing import Any
 import posix_ipc
 
 from wheeld.protocol.errors import CorruptArena, InvalidRequest
-from wheeld.protocol.instance_lock import lock_segment, mark
+from wheeld.shm.instance_lock import lock_segment, mark
 from wheeld.protocol.naming import shm_path
 
 
@@ -53,7 +53,7 @@ class Segment:
     def create(cls, name: str | None, size: int, mode: int = 0o600) -> "Segment":
         """A new segment ``name`` (private memory when None). A named one is locked by its
         maker, with its marks, before anything is written (a segment lock of
-        :mod:`wheeld.protocol.instance_lock`), for as long as it is mapped."""
+        :mod:`wheeld.shm.instance_lock`), for as long as it is mapped."""
         if name is None:
             return cls(mmap.mmap(-1, size), None, size)
         name = normalize_name(name)

@@ -5,7 +5,7 @@ system calls start-up always made: POSIX shared memory is a file in ``/dev/shm``
 (``shm_open`` is ``open`` there with ``O_NOFOLLOW | O_CLOEXEC``), opened never
 through a symlink and never blocking on a FIFO; the instance lock is a
 ``flock(2)``; the segment locks and the marks are the open-file-description
-locks of :mod:`wheeld.protocol.instance_lock`; a mapping is an ``mmap`` whose own
+locks of :mod:`wheeld.shm.instance_lock`; a mapping is an ``mmap`` whose own
 descriptor shares the locked open file description (:class:`wheeld.shm.arena.Segment`).
 
 It decides nothing: which file may be trusted, what is set aside and who runs
@@ -20,7 +20,7 @@ import mmap
 import os
 import time
 
-from wheeld.protocol import instance_lock
+from wheeld.shm import instance_lock
 from wheeld.protocol.errors import CorruptArena
 
 from .arena import Segment, close_mapping, normalize_name

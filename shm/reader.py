@@ -27,7 +27,7 @@ from wheeld.protocol import arena_layout as L
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol.errors import BrokenPeer, WheeldError
 from wheeld.protocol.keys import decode_key
-from wheeld.protocol.instance_lock import reader_segments
+from wheeld.shm.instance_lock import reader_segments
 from wheeld.protocol.naming import shm_path
 
 from .arena import Segment

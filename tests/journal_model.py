@@ -11,7 +11,7 @@ from unittest import mock
 
 from hypothesis import Phase
 
-from wheeld.protocol.journal_files import (
+from wheeld.journal.files import (
     FiredTimer,
     Journal,
     PendingTimer,

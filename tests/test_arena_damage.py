@@ -382,7 +382,7 @@ def test_an_idle_timer_restored_without_its_touch_reference_fires_no_sooner_than
     no sooner than ``idle_ms`` after the restore (the last touch was at or before it), nor
     before its journaled deadline. A plain timer keeps the journal's deadline."""
     from wheeld.daemon.reconcile import _restored_deadline
-    from wheeld.protocol.journal_files import PendingTimer
+    from wheeld.journal.files import PendingTimer
 
     def same(ms):
         return ms

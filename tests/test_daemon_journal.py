@@ -134,7 +134,7 @@ def test_one_big_journaled_batch_journals_the_commands_final_state(daemon_factor
     import random
     import signal
 
-    from wheeld.protocol.journal_recovery import recover
+    from wheeld.journal.recovery import recover
     from wheeld.protocol.journal import key_to_json
 
     journal = tmp_path / "journal"
@@ -187,8 +187,8 @@ def test_one_big_journaled_batch_journals_the_commands_final_state(daemon_factor
 def test_a_key_with_a_fired_unacknowledged_arming_and_a_pending_one_keeps_both():
     """Recovery restores an arming that fired and was not acknowledged (to deliver it
     again) and a later arming of the same key still pending: neither replaces the other."""
-    from wheeld.protocol.journal_files import FiredTimer, PendingTimer
-    from wheeld.protocol.journal_recovery import RecoveredState
+    from wheeld.journal.files import FiredTimer, PendingTimer
+    from wheeld.journal.recovery import RecoveredState
     from wheeld.daemon.recovery import load_recovered
     from wheeld.shm.wheel import TimerWheel
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import msgspec
 
-from wheeld.protocol.journal_files import (
+from wheeld.journal.files import (
     list_segments,
 )
-from wheeld.protocol.journal_recovery import recover
+from wheeld.journal.recovery import recover
 from wheeld.protocol import journal as pj
 from wheeld.protocol.journal import (
     Ack,
@@ -156,7 +156,7 @@ def test_generator_makes_journal_directories_as_the_daemon_does(tmp_path, caplog
     import stat
 
     from wheeld.pipeline.generate import generate_fleet
-    from wheeld.protocol.journal_files import DIR_MODE
+    from wheeld.journal.files import DIR_MODE
 
     old = os.umask(0o022)
     try:

@@ -21,7 +21,7 @@ import wheeld
 from daemon_harness import DaemonProcess, unique_name, unlink_segments, wait_until
 from hostile_harness import Honest
 from wheeld.ctl import main as wheelctl_main
-from wheeld.protocol import instance_lock as IL
+from wheeld.shm import instance_lock as IL
 from wheeld.protocol.naming import SHM_DIR, arena_name, clients_name, instance_entries, lock_path, shm_path
 from wheeld.shm import check as CK
 from wheeld.shm import reader as R

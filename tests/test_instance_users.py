@@ -24,7 +24,7 @@ import wheeld
 from daemon_harness import DaemonProcess, unique_name, unlink_segments, wait_until
 from test_instance import one_line
 from throwaway_users import SKIP_REASON, Accounts, run_wheeld_as, start_wheeld_as, wheelctl_as
-from wheeld.protocol import instance_lock as IL
+from wheeld.shm import instance_lock as IL
 from wheeld.protocol.naming import SHM_DIR, arena_name, instance_entries, lock_path, shm_path
 
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")

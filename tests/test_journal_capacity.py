@@ -20,8 +20,8 @@ import wheeld
 from daemon_harness import unique_name, unlink_segments
 from hostile_harness import Honest
 from wheeld.protocol.journal import Add
-from wheeld.protocol.journal_files import Journal, read_clocks
-from wheeld.protocol.journal_recovery import recover
+from wheeld.journal.files import Journal, read_clocks
+from wheeld.journal.recovery import recover
 from wheeld.shm.reader import ArenaReader
 
 pytestmark = pytest.mark.timeout(240)

@@ -40,8 +40,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from daemon_harness import wait_until
 
-from wheeld.protocol.journal_files import DIR_MODE, FILE_MODE, Journal, list_segments, list_snapshots
-from wheeld.protocol.journal_recovery import JournalDamaged, check_journal, recover
+from wheeld.journal.files import DIR_MODE, FILE_MODE, Journal, list_segments, list_snapshots
+from wheeld.journal.recovery import JournalDamaged, check_journal, recover
 from wheeld.protocol import journal as pj
 from wheeld.protocol.journal import Ack, Add, Cancel, Fire, IdleRearm, Rearm, key_to_json
 
@@ -476,7 +476,7 @@ def _snapshot_history(tmp_path):
     """Two snapshots, compaction, events after each: returns the journal's final pending keys."""
     pending: dict = {}
     journal = make_journal(tmp_path, segment_bytes=600)
-    from wheeld.protocol.journal_files import PendingTimer
+    from wheeld.journal.files import PendingTimer
 
     for round_number in range(3):
         batch = [Add(t=T0, g="g", k=f"r{round_number}-{i}", d=T0 + i, s=i) for i in range(8)]
@@ -554,7 +554,7 @@ def test_refuse_raises_and_changes_nothing(tmp_path):
 
 
 def test_check_journal_lists_damage_recovery_does_not_read(tmp_path):
-    from wheeld.protocol.journal_files import PendingTimer
+    from wheeld.journal.files import PendingTimer
 
     journal = make_journal(tmp_path)
     journal.append([Add(t=T0, g="g", k=index, d=T0, s=index) for index in range(10)])
@@ -585,7 +585,7 @@ def _mode(path: Path) -> int:
 
 @pytest.mark.parametrize("umask", [0o000, 0o022, 0o077])
 def test_journal_files_are_0640_and_the_directory_0750_whatever_the_umask(tmp_path, umask):
-    from wheeld.protocol.journal_files import PendingTimer
+    from wheeld.journal.files import PendingTimer
 
     directory = tmp_path / "a" / "journal"
     old = os.umask(umask)

@@ -24,8 +24,8 @@ from daemon_harness import unique_name, unlink_segments
 from hostile_harness import Honest
 from wheeld.protocol import journal as pj
 from wheeld.protocol.journal import Add
-from wheeld.protocol.journal_files import Journal, list_segments, list_snapshots, read_mark
-from wheeld.protocol.journal_recovery import JournalDamaged, check_journal, recover
+from wheeld.journal.files import Journal, list_segments, list_snapshots, read_mark
+from wheeld.journal.recovery import JournalDamaged, check_journal, recover
 
 T0 = 1_700_000_000_000
 

@@ -13,7 +13,7 @@ from journal_model import (
     T0,
 )
 
-from wheeld.protocol.journal_files import (
+from wheeld.journal.files import (
     Journal,
 )
 from wheeld.protocol.journal import (
@@ -142,7 +142,7 @@ def test_a_batch_journals_its_acknowledgements_after_its_armings(tmp_path, monke
     first: a torn write that keeps only the start of the batch keeps the re-arm (the
     copy is delivered again) instead of the acknowledgement alone (the timer lost)."""
     from wheeld.daemon import recorder as recorder_module
-    from wheeld.protocol.journal_recovery import recover
+    from wheeld.journal.recovery import recover
 
     monkeypatch.setattr(recorder_module, "mono_ms", lambda: 5_000)
     monkeypatch.setattr(recorder_module, "wall_offset_ms", lambda: T0 - 5_000)

@@ -1,4 +1,4 @@
-"""Recovery (protocol/journal_recovery.py ``recover``): random event sequences, snapshots and
+"""Recovery (journal/recovery.py ``recover``): random event sequences, snapshots and
 compaction agree with a reference model after recovery; torn and corrupted tails
 are cut at the last good record (and saved aside), damage in older segments is
 reported and skipped, gaps are reported."""
@@ -22,11 +22,11 @@ from journal_model import (
     random_history,
 )
 
-from wheeld.protocol.journal_files import (
+from wheeld.journal.files import (
     list_segments,
     list_snapshots,
 )
-from wheeld.protocol.journal_recovery import recover
+from wheeld.journal.recovery import recover
 from wheeld.protocol import journal as pj
 from wheeld.protocol.journal import (
     Ack,

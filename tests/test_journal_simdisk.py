@@ -5,7 +5,7 @@ Each seed runs one history (``tests/sim/disk.py``: a page cache, power cuts that
 random prefix of what was not synced with a torn last write, ENOSPC/EIO on any call,
 Linux's "a failed fsync drops the dirty pages"; ``tests/sim/runner.py``: the helper
 thread's fsyncs and mark writes completed when the history says). The engine is the real
-one (:class:`~wheeld.protocol.journal_files.Journal`, :func:`~wheeld.protocol.journal_recovery.recover`,
+one (:class:`~wheeld.journal.files.Journal`, :func:`~wheeld.journal.recovery.recover`,
 the daemon's restart decision :func:`wheeld.daemon.recovery._continue_after`), through its
 file port. The checks:
 
@@ -37,8 +37,8 @@ from sim.runner import SimRunner
 from wheeld.daemon.recovery import _continue_after, _unsynced_after_recovery
 from wheeld.protocol.errors import JournalUnavailable
 from wheeld.protocol.journal import MARK_NAME
-from wheeld.protocol.journal_files import FiredTimer, Journal, PendingTimer, list_segments, list_snapshots, read_mark
-from wheeld.protocol.journal_recovery import check_journal, recover
+from wheeld.journal.files import FiredTimer, Journal, PendingTimer, list_segments, list_snapshots, read_mark
+from wheeld.journal.recovery import check_journal, recover
 
 POLICIES = ("always", "interval=5", "off")
 DIRECTORY = "/var/lib/wheeld/journal"

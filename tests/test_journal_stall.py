@@ -32,8 +32,8 @@ import pytest
 import wheeld
 from daemon_harness import unlink_segments, wait_until
 from hostile_harness import Honest
-from wheeld.protocol.journal_files import Journal, PendingTimer, list_segments, list_snapshots
-from wheeld.protocol.journal_recovery import check_journal, recover
+from wheeld.journal.files import Journal, PendingTimer, list_segments, list_snapshots
+from wheeld.journal.recovery import check_journal, recover
 from wheeld.protocol.journal import Add, Cancel
 
 pytestmark = pytest.mark.timeout(180)

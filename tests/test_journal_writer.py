@@ -1,4 +1,4 @@
-"""The journal writer (protocol/journal_files.py ``Journal``): rotation, reopening, refused
+"""The journal writer (journal/files.py ``Journal``): rotation, reopening, refused
 and failed writes; the fsync policies observed through a counting ``os.fsync`` and
 a fake clock, durable_lsn; the background group commit of the interval policy."""
 
@@ -18,13 +18,13 @@ from journal_model import (
     random_history,
 )
 
-from wheeld.protocol.journal_files import (
+from wheeld.journal.files import (
     FsyncPolicy,
     PendingTimer,
     list_segments,
     parse_fsync_policy,
 )
-from wheeld.protocol.journal_recovery import recover
+from wheeld.journal.recovery import recover
 from wheeld.protocol import journal as pj
 from wheeld.protocol.errors import Closed, InvalidRequest, JournalUnavailable
 from wheeld.protocol.journal import (

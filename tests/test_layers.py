@@ -24,7 +24,7 @@ def _loaded_after(statement: str) -> set[str]:
 
 @pytest.mark.parametrize("statement", [
     "import wheeld.protocol.journal",
-    "import wheeld.protocol.journal_files, wheeld.protocol.journal_recovery",
+    "import wheeld.journal.files, wheeld.journal.recovery",
 ])  # fmt: skip
 def test_the_journal_format_loads_neither_the_client_nor_shared_memory(statement):
     loaded = _loaded_after(statement)

@@ -52,7 +52,7 @@ def test_width_labels():
 
 
 def test_a_few_minutes_of_journal_get_second_buckets_and_per_second_rates(tmp_path):
-    from wheeld.protocol.journal_files import Journal
+    from wheeld.journal.files import Journal
     from wheeld.pipeline import report
     from wheeld.protocol.journal import Add, Fire
 

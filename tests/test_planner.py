@@ -185,7 +185,7 @@ def test_applying_a_plan_leaves_what_applying_in_ring_order_leaves(chunks):
 
 
 def _recorder(directory: Path, wheel: TimerWheel):
-    from wheeld.protocol.journal_files import Journal
+    from wheeld.journal.files import Journal
     from wheeld.daemon.recorder import Recorder
 
     return Recorder(Journal(directory, fsync="off", host="test-host"), wheel)

@@ -14,7 +14,7 @@ import pytest
 
 from daemon_harness import unique_name
 from sim.shm import SimCrashed, SimShm
-from wheeld.protocol.instance_lock import Holder
+from wheeld.shm.instance_lock import Holder
 from wheeld.protocol.naming import SHM_DIR
 from wheeld.shm.named import RealShm
 

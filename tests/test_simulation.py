@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +105,16 @@ def test_the_checker_catches_what_it_is_for():
     h.handed(2, "c1-9", 99, 30 * ms)  # invented
     rules = sorted({v.rule for v in check(h, 10_000 * ms)})
     assert rules == ["early", "invented", "lost", "superseded", "twice"]
+
+
+def test_every_known_bug_patch_still_applies():
+    """The re-introduced bugs of tests/sim/known_bugs (docs/testing.md, "It finds what we
+    know") stay measurable: each patch applies to the tree as it is."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout: git apply needs one")
+    patches = sorted((root / "tests" / "sim" / "known_bugs").glob("*.patch"))
+    assert patches
+    failed = [p.name for p in patches
+              if subprocess.run(["git", "apply", "--check", str(p)], cwd=root, capture_output=True).returncode]
+    assert not failed, f"these no longer apply (regenerate them against the code as it is): {failed}"

@@ -60,7 +60,7 @@ from wheeld.protocol.errors import (ArenaFull, BackPressure, BrokenPeer, Closed,
                                     InvalidKey, InvalidRequest, QuotaExceeded, RingFull,
                                     WheeldError)
 from wheeld.protocol.journal import scan_lines
-from wheeld.protocol.journal_files import list_segments, list_snapshots, read_mark
+from wheeld.journal.files import list_segments, list_snapshots, read_mark
 from wheeld.protocol.keys import encode_key
 from wheeld.shm.ring import MAX_IDLE_MS
 from wheeld.shm.wheel import MAX_DELAY_MS

@@ -2,7 +2,7 @@
 when the simulator decides.
 
 The real journal hands that work to a helper thread
-(:class:`wheeld.protocol.journal_files.ThreadRunner`): an fsync goes on while the
+(:class:`wheeld.journal.files.ThreadRunner`): an fsync goes on while the
 loop drains rings, and finishes whenever the disk is done. :class:`SimRunner` has
 the same port (``submit(fn, *args)`` returning a handle with ``done()`` and
 ``result()``, ``shutdown()``) and runs nothing on its own: the tasks wait in

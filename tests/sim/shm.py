@@ -49,7 +49,7 @@ import stat as stat_module
 from dataclasses import dataclass, field
 
 from wheeld.protocol.errors import CorruptArena
-from wheeld.protocol.instance_lock import Holder
+from wheeld.shm.instance_lock import Holder
 from wheeld.shm.arena import Segment, normalize_name
 
 __all__ = ["SimCrashed", "SimShm", "SimShmPort"]

@@ -1,6 +1,6 @@
 """Rebuilding the timers from a journal directory, and listing its damage.
 
-The files are written by :mod:`wheeld.protocol.journal_files` (segments,
+The files are written by :mod:`wheeld.journal.files` (segments,
 snapshots) in the format of :mod:`wheeld.protocol.journal`.
 
 
@@ -94,9 +94,9 @@ from typing import Any, Union
 import msgspec
 from msgspec import UNSET
 
-from . import fsport
-from .errors import InvalidRequest
-from .journal import (
+from wheeld.protocol import fsport
+from wheeld.protocol.errors import InvalidRequest
+from wheeld.protocol.journal import (
     CHECKSUM,
     LSN_GAP,
     MARK_NAME,
@@ -115,7 +115,7 @@ from .journal import (
     line_body,
     parse_snapshot,
 )
-from .journal_files import (
+from .files import (
     FiredTimer,
     PendingTimer,
     cut_segment,
@@ -125,7 +125,7 @@ from .journal_files import (
     read_segment,
     torn_tail,
 )
-from .keys import Key
+from wheeld.protocol.keys import Key
 
 __all__ = [
     "Problem",

@@ -45,7 +45,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from .naming import SHM_DIR, arena_name, clients_name, lock_path, shm_path, shm_prefix
+from wheeld.protocol.naming import SHM_DIR, arena_name, clients_name, lock_path, shm_path, shm_prefix
 
 PID_FIELD = 32  # bytes of the pid field at the start of the lock file
 

@@ -4,7 +4,7 @@ The bytes are defined in :mod:`wheeld.protocol.journal` (JSON Lines, a crc per
 line, ``journal-<lsn>.jsonl`` segments and ``snapshot-<lsn>.jsonl`` files).
 This module owns the files: it appends, decides when they reach the disk,
 rotates and compacts them. Rebuilding the timers from them after a reboot is
-:mod:`wheeld.protocol.journal_recovery`. Both are used by the daemon, by
+:mod:`wheeld.journal.recovery`. Both are used by the daemon, by
 ``wheelctl check --journal`` and by the pipeline's fleet generator, so they
 live in ``protocol/`` and import nothing of the daemon.
 
@@ -67,7 +67,7 @@ flight, so the loop never waits for it and it costs no fsync of its own under
 mark write, and never passes it. Recovery compares it with where the journal
 ends: a torn write loses only what was never synced, so a journal that ends
 before the mark was cut short after the fact, and that is damage
-(:mod:`wheeld.protocol.journal_recovery`). ``off`` never fsyncs, so it writes
+(:mod:`wheeld.journal.recovery`). ``off`` never fsyncs, so it writes
 no mark (nothing is known to be durable).
 
 When the journal cannot be written
@@ -110,7 +110,7 @@ Using it from the daemon
 
 ::
 
-    state = journal_recovery.recover(journal_dir, on_damage="skip")   # only when the arena is missing
+    state = recovery.recover(journal_dir, on_damage="skip")   # only when the arena is missing
     journal = Journal(journal_dir, fsync="interval=10", name=daemon_name,
                       next_lsn=state.last_lsn + 1)
     wall_ns, mono_ns = read_clocks()
@@ -149,10 +149,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from msgspec import UNSET
 
-from . import clock
-from . import fsport
-from .errors import Closed, InvalidRequest, JournalUnavailable
-from .journal import (
+from wheeld.protocol import clock, fsport
+from wheeld.protocol.errors import Closed, InvalidRequest, JournalUnavailable
+from wheeld.protocol.journal import (
     MARK_NAME,
     MARK_SLOT,
     SEGMENT_PREFIX,
