@@ -8,6 +8,10 @@ module only decides; :mod:`wheeld.daemon.executor` applies a :class:`Plan` to
 the wheel (and applies small chunks in ring order, which is the reference a plan
 must agree with: tests/test_planner.py).
 
+Live on the Python path only: with the compiled wheel the executor applies every
+chunk in ring order, which measures cheaper there at every chunk size
+(:data:`wheeld.daemon.executor.PLAN_BATCH_MIN` has the figures).
+
 Pure: ring records in, a plan out. No wheel, no daemon, no clock (the wheel's
 clock comes in as an argument), no I/O. The one question about the wheel, the
 deadline each key has pending before the chunk, is asked through a lookup

@@ -168,6 +168,15 @@ is the numpy code's, so both paths leave the same bytes (the differential test
 holds them to it); the key index and the bucket heap (C arrays on the compiled
 path) are derived state and may differ inside.
 
+Who calls them: the daemon on the Python path (its executor plans chunks of 192
+commands or more into ``cancel_many``/``release_many``/``schedule_many``, its
+delivery takes cascades and backlogs through ``expire_many``). The compiled
+daemon does not: there the executor applies every chunk in ring order and
+delivery always calls the scalar ``expire``, each cheaper at every size measured
+(``python -m bench.daemon_paths``, "expire paths"). The compiled batch methods
+serve an application that drives a :class:`TimerWheel` in its own process, and
+the benchmarks.
+
 Record life (the only legal steps)::
 
     FREE --schedule--> SCHEDULED --cancel--> FREE
