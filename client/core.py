@@ -109,9 +109,10 @@ _RECENT = 1 << 17  # the latest expirations received, the latest cancelled armin
 # longer tracked (their last arming), remembered to drop re-sent and replaced expirations
 # The per-key bookkeeping is split into this many dicts/sets (by hash). A Python dict or
 # set grows, and under insert/delete churn compacts, by rehashing all its entries at
-# once: 7 ms for one insert among 300k, 46 ms to drop a 131k-entry set (python -m
-# bench.daemon_paths). Those pauses stalled delivery (the application got expirations
-# 5-25 ms late); split in 64 each pause is 64 times shorter, for ~40 ns per operation.
+# once: milliseconds for one insert among hundreds of thousands (python -m
+# bench.daemon_paths, docs/figures.md). Those pauses stalled delivery (the application
+# got expirations late); split in 64 each pause is 64 times shorter, for a few ns per
+# operation.
 _SHARDS = 64
 _SHARD_MASK = _SHARDS - 1
 # A dict whose keys are all str keeps no hashes in its entries: every probe that meets

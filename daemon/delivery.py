@@ -68,10 +68,9 @@ from wheeld.shm.wheel import TimerWheel
 
 log = logging.getLogger("wheeld")
 
-EXPIRE_MANY_MIN = 24  # see Delivery.expire (expire_many ~30 us per call, expire ~1.7 us per timer)
+EXPIRE_MANY_MIN = 24  # see Delivery.expire (expire_many costs more per call, less per timer)
 # Compiled, the scalar expire is cheaper at every rate python -m bench.daemon_paths
-# measures ("expire paths": 6.5-50 us per ms for 10-200 timers a ms, expire_many
-# 61-108 us): there the daemon always expires through it.
+# measures ("expire paths"): there the daemon always expires through it (docs/figures.md).
 SCALAR_EXPIRE = accel.compiled("wheeld.shm.wheel")
 # Record tuples of a few expired timers: compiled, record_rows reads them from the arena in C
 # (no numpy call); the Python path takes numpy's records_of(...).tolist() (one call for all).

@@ -51,12 +51,10 @@ APPLY_CHUNK = 4096  # applied, then committed, at a time, at most
 RING_BUDGET_NS = 5_000_000
 FIRST_CHUNK = 512
 MIN_CHUNK = 64
-# On the Python path smaller drained chunks are cheaper one command at a time: a plan
-# costs ~300 us fixed + ~1.2 us/command, one by one ~3.5-4 us/command (crossover
-# ~130-190, measured by python -m bench.daemon_paths). At 64 the paced steady phase
-# paid ~7 us per command. Compiled, in order wins at every size the same bench measures
-# (32-4096 commands: 0.33-0.52 us per command in order, 1.1-14 planned), so there every
-# chunk is applied in order (BATCH_MIN None).
+# On the Python path smaller drained chunks are cheaper one command at a time, larger
+# ones planned (a plan has a fixed cost and a lower cost per command). Compiled, in
+# order wins at every size, so there every chunk is applied in order (BATCH_MIN None).
+# The crossover and the costs: docs/figures.md (python -m bench.daemon_paths).
 PLAN_BATCH_MIN = 192
 BATCH_MIN = None if accel.compiled("wheeld.shm.wheel") else PLAN_BATCH_MIN
 _ADD, _ADD_IDLE, _CANCEL, _ACK, _FLUSH = C.ADD, C.ADD_IDLE, C.CANCEL, C.ACK, C.FLUSH
@@ -111,9 +109,9 @@ class Executor:
 
         With ``stop_at_ms`` (the next timer's deadline) the drain stops between chunks
         once that moment has come, so a flood of commands delays an expiration by at
-        most about one chunk (~4-5 ms at worst) instead of the whole drain (two full
-        rings: ~20 ms). Chunks of 1024 would bound it to ~1 ms but cost ~0.3 us of
-        daemon CPU per command under load (more fixed costs per chunk), measured."""
+        most about one chunk instead of the whole drain (two full rings). Smaller chunks
+        would bound it tighter but cost more daemon CPU per command under load (more
+        fixed costs per chunk): docs/figures.md."""
         total = 0
         clock = self.clock
         for cs in list(self.clients.values()):

@@ -21,8 +21,8 @@ at once and fires marked ``late`` (like systemd's ``Persistent=``).
 Snapshots bound recovery time: every ``snapshot_every_events`` journaled events
 (or ``snapshot_every_s``) the pending and fired-unacknowledged timers are
 written as a snapshot and the segments it covers are deleted. The snapshot is
-written from the loop (it pauses the loop for roughly 1-2 us per pending
-timer); idle timers are snapshotted as plain timers with their current deadline.
+written from the loop (it pauses the loop in proportion to the pending timers:
+docs/figures.md); idle timers are snapshotted as plain timers with their current deadline.
 
 When the journal cannot be written (a full disk, a quota, an I/O error, a
 read-only remount) the daemon keeps serving: commands are applied to the arena

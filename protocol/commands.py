@@ -47,13 +47,13 @@ UTF-8, or a check word that does not match. A random 64-byte record passes with
 probability well below 2**-40, so torn or scribbled memory is detected rather than
 applied.
 
-Costs (this machine, see ``bench/ring.py``): encoding is one ``struct`` pack of the
+Costs (``bench/ring.py``, docs/figures.md): encoding is one ``struct`` pack of the
 56 checked bytes, one ``crc32`` and one ``pack_into``. The batch validator is
-vectorised for large batches (~0.15-0.2 us per record): the crc is computed with
+vectorised for large batches: the crc is computed with
 per-byte-position lookup tables (CRC-32 is affine over GF(2), so for a fixed
 56-byte message ``crc(m) = crc(0**56) ^ XOR_i T[i][m[i]]``). A batch of fewer than
-64 records is checked one record at a time in Python (a few us each), which is
-cheaper than the fixed cost of ~30 numpy passes; both paths apply the same rules
+64 records is checked one record at a time in Python, which is cheaper than the
+fixed cost of ~30 numpy passes; both paths apply the same rules
 (a property test holds them equal).
 """
 

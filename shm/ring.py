@@ -108,8 +108,8 @@ daemon it passes the descriptor back with its ``Hello``; the new daemon checks
 the seals and the header (:meth:`adopt`) and carries on from the head word the
 old one published, so commands pushed while no daemon ran are applied.
 
-Costs (``python bench/ring.py``): as Python, a push is one 56-byte ``struct`` pack,
-one ``crc32``, one ``pack_into`` and one 8-byte store (~0.35 us); compiled, eight
+Costs (``python bench/ring.py``, docs/figures.md): as Python, a push is one 56-byte
+``struct`` pack, one ``crc32``, one ``pack_into`` and one 8-byte store; compiled, eight
 8-byte stores and a slicing-by-8 CRC-32 in C. A touch is one 8-byte store; a drain
 is one numpy copy per contiguous run of slots.
 """

@@ -154,9 +154,8 @@ timers of due higher-level buckets are re-checked one by one (vectorized), to
 fire or cascade. What stays per item: hashing the keys, walking due buckets (to
 learn their slots), and batches that name one key twice (they take the scalar
 path). Re-arms in a batch go through a batch intent (below). At 1M pending a
-batch of 1000 costs about 0.5-0.8 us per insert, cancel or expiration, against
-2-4 us for the scalar methods (``python -m bench.wheel_core``; measured figures
-in docs/wheel.md).
+batch costs a fraction of the scalar methods per insert, cancel or expiration
+(``python -m bench.wheel_core``; measured figures in docs/wheel.md).
 
 The compiled build runs the same steps as C loops instead (the ``_c_*``
 functions of wheel.pxd), item by item over the callers' buffers: each key is
