@@ -71,10 +71,11 @@ test-pure: $(TEST_STAMP)
 	WHEELD_PURE_PYTHON=1 $(BIN)/python -m pytest -n 4 -q $(PURE_TESTS)
 
 # the core tests on one interpreter (PYTHON, VENV): compiled, then on the Python path (the
-# reference), and the differential test that holds the two to the same bytes; only the
+# reference), and the differential tests that hold the two (and each C twin) to the same answers; only the
 # test extra is installed. .ci/run runs it on every Python the project claims besides the
 # one `make test` runs on.
-CORE_TESTS := $(PURE_TESTS) tests/test_compiled_differential.py tests/test_corrupt_arena_fuzz.py tests/test_build_flags.py
+CORE_TESTS := $(PURE_TESTS) tests/test_compiled_differential.py tests/test_c_twins.py tests/test_corrupt_arena_fuzz.py \
+	tests/test_build_flags.py
 test-core: $(CORE_STAMP) build
 	$(BIN)/python -c 'import sys; print("make test-core:", sys.executable, sys.version.split()[0])'
 	$(BIN)/python -m pytest -n 4 -q $(CORE_TESTS)

@@ -1,11 +1,14 @@
 """Which implementation of the hot path runs: compiled (Cython) or plain Python.
 
-The hot modules listed in :data:`COMPILED_MODULES` are written once, in Python,
-and compiled by Cython into extension modules at install time (``setup.py``;
+The hot modules listed in :data:`COMPILED_MODULES` are written in Python and
+compiled by Cython into extension modules at install time (``setup.py``;
 ``.pxd`` files beside a module declare C types for its hot paths, the way
 Cython's "pure Python mode" augments a module). The ``.py`` source is both the
-executable specification and the fallback: a compiled module behaves exactly as
-its source does, and the tests hold the two to the same bytes.
+executable specification and the fallback. Some ``.pxd`` files also hold C
+functions that the ``.py`` calls only when compiled, twins of logic its Python
+path runs in Python (docs/compiled.md lists them, each with the test that holds
+it to its Python reference): a compiled module must behave exactly as its source
+does, and the tests hold the two to the same bytes.
 
 Selection:
 

@@ -641,8 +641,8 @@ cdef inline long long _c_floordiv(long long a, long long t, int shift) noexcept 
     if shift >= 0:
         return a >> shift  # an arithmetic shift: rounds down
     q = a // t
-    if (a % t) < 0:
-        q -= 1
+    if a - q * t < 0:  # q was rounded toward zero (not by the remainder's sign: Cython may floor `//`
+        q -= 1         # and not `%`, and a q floored already must not move again)
     return q
 
 

@@ -7,7 +7,8 @@ the same ``PYTHONHASHSEED`` (the key index hashes with Python's ``hash``). A
 scenario is a wheel shape and a sequence of scalar and batch calls (new timers,
 re-arms, cancels by key and by handle, advances, expiries, releases, re-arms of
 fired timers, ``cascade_ahead``, the aux word of fired records (``mark_fired``),
-group names registered and forgotten), with bad input among them (deadlines off
+group names registered and forgotten, reads: ``next_deadline``, ``record_rows``,
+``fired``), with bad input among them (deadlines off
 the clock's range or not integers, malformed keys, group ids and tags out of
 range) and re-attaches (the recovery a restart makes). Both sides must return
 the same results, raise the same exceptions, and leave byte-identical arenas
@@ -43,6 +44,9 @@ SHAPES = [
     {"capacity": 24, "tick_ms": 1, "wheel_size": 4, "levels": 3, "start_ms": 1000, "max_groups": 4},
     {"capacity": 40, "tick_ms": 10, "wheel_size": 8, "levels": 2, "start_ms": 0, "max_groups": 3},
     {"capacity": 64, "tick_ms": 1, "wheel_size": 256, "start_ms": 5_000, "max_groups": 8},
+    # neither the tick nor the wheel size a power of two, and a clock below 0: the C
+    # placement's divisions and remainders of negative numbers (wheel.pxd, _c_place)
+    {"capacity": 30, "tick_ms": 3, "wheel_size": 5, "levels": 3, "start_ms": -5_000, "max_groups": 4},
 ]
 
 
@@ -92,7 +96,7 @@ def scenarios(draw):
         kind = draw(st.sampled_from([
             "schedule", "schedule", "schedule", "cancel", "advance", "expire", "release", "rearm_fired",
             "schedule_many", "cancel_many", "expire_many", "release_many", "records_of", "cascade_ahead",
-            "cancel_handle",
+            "cancel_handle", "next_deadline", "record_rows", "fired",
             "mark_fired", "group", "forget", "reattach", "bad",
         ]))
         if kind == "schedule":
@@ -130,6 +134,12 @@ def scenarios(draw):
             records = _records(shape)
             ops.append(("records_of", (np.array(draw(st.lists(st.integers(-records, records - 1), max_size=6)),
                                                 dtype=np.int64),)))
+        elif kind == "next_deadline":  # the bucket heap (C arrays when compiled) between other calls
+            ops.append(("next_deadline", ()))
+        elif kind == "record_rows":  # every field of some records, the key field's 32 bytes included
+            ops.append(("record_rows", (draw(st.lists(st.integers(0, _records(shape)), max_size=6)),)))
+        elif kind == "fired":  # a fired timer's key, decoded from its record (or InvalidRequest)
+            ops.append(("fired", (draw(st.integers(0, 80)),)))
         elif kind == "group":
             ops.append(("group_id", (draw(st.sampled_from(["default", "g1", "g2", "g3", "x" * 31])),)))
         elif kind == "forget":
