@@ -254,6 +254,15 @@ def _continue_after(directory: str, wheel: TimerWheel, totals: dict, fs: Any = o
     a failed fsync drops the pages it could not write while they stay readable in
     the page cache, and a later fsync succeeds without writing them
     (:func:`_unsynced_after_recovery`), so the files cannot be trusted past that lsn.
+
+    An arena whose ``journal_lsn`` is 0 while the journal holds events was never kept
+    with this journal by a running daemon: a start that rebuilt it from the journal and
+    was killed before its first publish (maybe before the snapshot :func:`open_journal`
+    writes after a recovery that skipped damage, so that later recoveries, and the
+    comparisons of :mod:`wheeld.daemon.reconcile`, start after the damage), or a daemon
+    without ``--journal``. A snapshot of the arena comes first then too: without it a
+    damaged range stays in the journal, and every later attach refuses to compare the
+    arena with it (a damaged record then fires early, seed 15488 of the simulation).
     """
     try:
         on_disk = last_lsn_on_disk(directory, repair=True, fs=fs)
@@ -281,4 +290,9 @@ def _continue_after(directory: str, wheel: TimerWheel, totals: dict, fs: Any = o
         log.warning("journal: %s holds events up to lsn %d but only up to lsn %d are known to have been synced (the "
                     "previous daemon stopped before it synced them, or their fsync failed): a snapshot of the arena "
                     "is written now", directory, on_disk, durable)
+    elif numbered == 0 and after > 0:
+        log.warning("journal: the arena was not kept with %s by a running daemon (a start that rebuilt it from the "
+                    "journal stopped before its first snapshot, or its daemon ran without --journal): a snapshot of "
+                    "the arena is written now", directory)
+        return after + 1, True
     return after + 1, after > on_disk or after > durable

@@ -453,6 +453,40 @@ def test_a_restart_writes_again_what_a_failed_fsync_dropped():
     assert _keys(recover(DIRECTORY, quiet=True, fs=disk)) == {"a", "b", "c"}
 
 
+def test_a_start_killed_before_the_snapshot_after_a_damaged_recovery_leaves_it_to_the_next_start():
+    """A recovery that skipped damage is followed by a snapshot of the arena it built
+    (recovery.open_journal), so that later recoveries, and the comparison of an attached
+    arena with the journal (daemon/reconcile.py, which refuses a journal with a damaged
+    range), start after the damage. A start killed after it built the arena and opened
+    the journal, before that snapshot, leaves an arena whose ``journal_lsn`` was never
+    published (0); the next start attaches it and must write the snapshot itself, or the
+    damage stays in the journal and no later attach repairs a damaged record from it
+    (simulation seed 15488: a deadline moved earlier fired 477 ms early)."""
+    disk = SimDisk(random.Random(5))
+    model = Model()
+    journal = _journal(disk)
+    for key in "abcd":
+        journal.append([model.step("add", "g", key, 60_000, 0)])
+    journal.maybe_sync()
+    assert read_mark(DIRECTORY, disk) == 4
+    segment = list_segments(DIRECTORY, disk)[-1][1]
+    disk.power_cut()
+    disk.truncate_file(segment, len(disk.read_file(segment)) // 2)  # cut below the mark at the reboot
+    state = recover(DIRECTORY, quiet=True, fs=disk)
+    assert state.damage and state.last_lsn == 4
+    # the start that built the new arena from ``state`` opens the journal and dies before its snapshot
+    _journal(disk, next_lsn=state.last_lsn + 1)
+    # the next start attaches that arena: its header says no daemon published a journal lsn
+    totals = {"journal_lsn": 0, "journal_durable_lsn": 0}
+    next_lsn, resync = _continue_after(DIRECTORY, _Arena(model), totals, fs=disk)
+    assert (next_lsn, resync) == (5, True), "the snapshot that puts the damage behind is written"
+    journal = _journal(disk, next_lsn=next_lsn, resync=resync)
+    assert journal.resume(lambda: (list(state.pending.values()), []))  # the arena holds what was recovered
+    journal.append([model.step("add", "g", "e", 60_000, 0)])
+    again = recover(DIRECTORY, repair=False, quiet=True, fs=disk)
+    assert not again.damage and again.snapshot_lsn == 4 and "e" in _keys(again)
+
+
 def test_a_recovery_from_the_page_cache_is_written_again_before_it_counts():
     """As above, with the arena gone too (the host did not reboot): recovery reads the
     dropped pages back, so the new arena's journal starts with a snapshot."""
