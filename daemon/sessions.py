@@ -545,14 +545,21 @@ class Sessions:
         <wheeld.daemon.delivery.Delivery.idle_check>` would make when they come due),
         else their deadline. A table that holds impossible values for a timer (the
         values idle_check poisons a client for), or none at all (a slot still waiting
-        for its client after a restart), or a poisoned client's, leaves the deadline."""
+        for its client after a restart), or a poisoned client's, leaves the deadline.
+        The pending ones are journaled as the plain timers they now are
+        (:meth:`_journal_settled`)."""
         wheel, rec = self.wheel, self.wheel.records
         moved = 0
+        pending = mine[(rec["state"][mine] & AL.STATE_MASK) == AL.SCHEDULED]
+        before = rec["deadline"][pending].astype(np.int64)
+        after = before.copy()
+        recorder = self.recorder if pending.size else None
+        if recorder is not None:
+            recorder.begin()  # the records change ahead of the journal until the commit
         if cs.segment is not None and not cs.poisoned:
-            slots = mine[(rec["state"][mine] & AL.STATE_MASK) == AL.SCHEDULED]
-            index = rec["aux"][slots].astype(np.int64) & CL.TOUCH_INDEX_MASK
+            index = rec["aux"][pending].astype(np.int64) & CL.TOUCH_INDEX_MASK
             inside = index < cs.segment.touch_capacity
-            slots, index = slots[inside], index[inside]
+            slots, index = pending[inside], index[inside]
             touched = np.frombuffer(cs.segment._last_touch, dtype=np.int64)[index]
             idle_ms = np.frombuffer(cs.segment._idle, dtype=np.int64)[index]
             # the clock after the words were read (copied): a touch the client stored
@@ -565,28 +572,37 @@ class Sessions:
             later = sound & (settle_at > deadlines)
             moved = int(np.count_nonzero(later))
             if moved:
-                self._rearm_settled(slots[later], deadlines[later], settle_at[later], idle_ms[later])
+                # re-arms: each key is armed, so no new record (key, group and tag unchanged)
+                wheel.schedule_many(wheel._idents[slots[later]], settle_at[later],
+                                    rec["group"][slots[later]].astype(np.int64),
+                                    rec["tag"][slots[later]].astype(np.int64))
+                after[np.flatnonzero(inside)[later]] = settle_at[later]
         rec["aux"][mine] = -1
+        if recorder is not None:
+            self._journal_settled(recorder, pending, before, after)
         log.info("client slot %d: %d idle timers become plain timers (%d of them at last touch + idle time)",
                  cs.slot, int(mine.size), moved)
 
-    def _rearm_settled(self, slots: np.ndarray, deadlines: np.ndarray, settle_at: np.ndarray,
-                       idle_ms: np.ndarray) -> None:
-        """Move pending idle timers to ``settle_at`` (their key, group, arming tag and touch
-        reference unchanged), journaled as the idle re-arms they stand for."""
+    def _journal_settled(self, recorder, slots: np.ndarray, before: np.ndarray, after: np.ndarray) -> None:
+        """Journal the pending timers ``slots`` (their deadlines were ``before``) as the plain
+        timers they became: a ``rearm`` without ``i``, same arming tag, at their deadline now
+        (``after``: moved or not). The journal must not go on calling them idle timers: a record
+        damaged later is restored from it (:mod:`wheeld.daemon.reconcile`), and an idle
+        timer restored without its touch reference waits ``idle_ms`` from the restore
+        (``reconcile._restored_deadline``), which for a timer no touch can move any more is
+        only late (simulation seeds 16646 and 16733: fired up to the restart's distance
+        from the last touch after its deadline)."""
         wheel, rec = self.wheel, self.wheel.records
         idents = wheel._idents[slots]
         groups = rec["group"][slots].astype(np.int64)
         tags = rec["tag"][slots].astype(np.int64)
-        recorder = self.recorder
-        if recorder is not None:
-            recorder.begin()
-        wheel.schedule_many(idents, settle_at, groups, tags)  # re-arms: each key is armed, so no new record
-        if recorder is not None:
-            for ident, group, tag, before, after, idle in zip(idents.tolist(), groups.tolist(), tags.tolist(),
-                                                              deadlines.tolist(), settle_at.tolist(), idle_ms.tolist()):
-                recorder.idle_rearmed(group, decode_key(ident[1:], ident[0]), before, after, tag, idle)
-            recorder.commit(self.daemon.clock())
+        for ident, group, tag, previous, deadline in zip(idents.tolist(), groups.tolist(), tags.tolist(),
+                                                         before.tolist(), after.tolist()):
+            try:
+                recorder.armed(group, decode_key(ident[1:], ident[0]), deadline, tag, previous, None)
+            except ValueError:  # a key or group id overwritten in the arena: delivery frees that record
+                continue
+        recorder.commit(self.daemon.clock())
 
     def reclaim_groups(self) -> None:
         """Free the id of every group with no member, no client slot, nothing queued and

@@ -93,7 +93,10 @@ and then, by type (``d``: deadline, wall-clock ms):
                 pending is journaled as ``rearm``.
 ``rearm``       a pending key was armed again (and replaces the old timer):
                 ``d`` new deadline, ``pd`` previous deadline, ``s`` the new
-                arming seq, ``i`` as for ``add``
+                arming seq, ``i`` as for ``add``. Also written, without
+                ``i`` and with ``s`` unchanged, for each pending idle timer
+                of a client slot the daemon frees: it is a plain timer from
+                then on (at last touch + idle_ms, or its deadline if later)
 ``cancel``      the client cancelled the key: ``s`` (seq of the cancel
                 command), ``hit`` true if a pending timer was removed, then
                 ``pd`` its deadline (absent when ``hit`` is false)

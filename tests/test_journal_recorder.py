@@ -168,3 +168,55 @@ def test_a_batch_journals_its_acknowledgements_after_its_armings(tmp_path, monke
     state = recover(tmp_path / "acks-last", repair=False, quiet=True)
     assert [(timer.key, timer.seq) for timer in state.pending.values()] == [("conn", 2)]
     assert [(timer.key, timer.seq) for timer in state.unacked] == [("conn", 1)]
+
+
+def test_the_idle_timers_of_a_freed_client_slot_are_journaled_as_the_plain_timers_they_become(tmp_path, monkeypatch):
+    """A client slot freed (its client said Bye, or stayed away past its resume grace)
+    turns the idle timers that read its touch table into plain timers, at last touch +
+    idle_ms when that is later, else at their deadline (docs/contracts.md, "Sessions").
+    The journal must say so: a record damaged afterwards is restored from it
+    (daemon/reconcile.py), and an idle timer restored without its touch reference fires
+    no sooner than idle_ms after the restore (``_restored_deadline``), so a timer the
+    journal still called idle fired late by as much as the restart came after its last
+    touch (simulation seeds 16646, moved to last touch + idle, and 16733, not moved)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from wheeld.daemon import recorder as recorder_module
+    from wheeld.daemon.reconcile import _restored_deadline
+    from wheeld.daemon.sessions import Sessions
+    from wheeld.protocol import clients_layout as CL
+    from wheeld.journal.recovery import recover
+
+    monkeypatch.setattr(recorder_module, "mono_ms", lambda: 5_000)
+    monkeypatch.setattr(recorder_module, "wall_offset_ms", lambda: T0 - 5_000)
+    client_slot = 3
+    with _recorder(tmp_path, "settled") as (recorder, wheel):
+        gid = wheel.group_id("g")
+        recorder.begin()
+        slots = []
+        # (key, deadline, tag, touch index, idle_ms): "touched" was touched at 4_000 (settles
+        # at 7_000, later than its 6_000); "quiet" was never touched (keeps its 14_000)
+        for key, deadline, tag, index, idle_ms in (("touched", 6_000, 1, 0, 3_000), ("quiet", 14_000, 2, 1, 9_000)):
+            slot, _gen = wheel.schedule(key, deadline, gid, tag, client_slot << CL.TOUCH_INDEX_BITS | index)
+            recorder.armed(gid, key, deadline, tag, None, idle_ms)
+            slots.append(slot)
+        recorder.commit(5_000)
+        segment = SimpleNamespace(touch_capacity=2, _last_touch=np.array([4_000, 0], dtype=np.int64),
+                                  _idle=np.array([3_000, 9_000], dtype=np.int64))
+        sessions = Sessions.__new__(Sessions)
+        sessions.wheel, sessions.recorder = wheel, recorder
+        sessions.daemon = SimpleNamespace(clock=lambda: 5_000)
+        sessions._settle_idle_timers(SimpleNamespace(slot=client_slot, segment=segment, poisoned=False),
+                                     np.array(slots))
+        assert wheel.records["deadline"][slots].tolist() == [7_000, 14_000]
+        assert wheel.records["aux"][slots].tolist() == [-1, -1]
+        state = recover(tmp_path / "settled", repair=False, quiet=True)
+    pending = {key: timer for (_group, key), timer in state.pending.items()}
+    assert {key: (timer.deadline_ms - (T0 - 5_000), timer.seq, timer.idle_ms) for key, timer in pending.items()} == \
+        {"touched": (7_000, 1, None), "quiet": (14_000, 2, None)}
+    # a record of theirs damaged, then restored from the journal by a daemon started at 6_000:
+    # at its deadline, not idle_ms after the restart
+    monotonic = lambda wall_ms: wall_ms - (T0 - 5_000)  # noqa: E731
+    assert [_restored_deadline(pending[key], monotonic, 6_000) for key in ("touched", "quiet")] == [7_000, 14_000]

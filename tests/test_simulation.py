@@ -118,3 +118,38 @@ def test_every_known_bug_patch_still_applies():
     failed = [p.name for p in patches
               if subprocess.run(["git", "apply", "--check", str(p)], cwd=root, capture_output=True).returncode]
     assert not failed, f"these no longer apply (regenerate them against the code as it is): {failed}"
+
+
+def test_the_checker_reads_the_cut_and_the_first_fire_right():
+    """Seeds 16453 and 16362: what the disk took after a power cut at its very timestamp is the
+    next boot's, not the stalled journal writing again; and a copy sent again to another member
+    counts touches only up to the first fire, which a copy its dead first recipient read tells."""
+    from sim.checker import History, check
+
+    ms = 1_000_000
+    h = History()
+    h.joined(1, "g")
+    h.armed(1, "c1-0", 10, 0, 10_000, idle=False)
+    h.flushed(h.flush_called(1), 1 * ms)
+    h.disk_failed(2 * ms)  # the journal stalls before its fsync
+    h.power_cut(100 * ms, 60 * ms)
+    h.disk_written(100 * ms)  # the next daemon's snapshot, at the cut's timestamp
+    h.disk_synced(100 * ms)
+    assert h.may_have_lost(h.armings[(1, "c1-0", 10)])
+    assert not [v for v in check(h, 20_000 * ms) if v.rule == "lost"]
+
+    h = History()
+    h.joined(1, "g")
+    h.joined(2, "g")
+    h.armed(1, "c1-0", 10, 0, 14, idle=True)
+    h.touched(1, "c1-0", 1 * ms)
+    h.flushed(h.flush_called(1), 1 * ms)
+    h.received("c1-0", 10, 15 * ms)  # the first copy, to a member that dies unpolled
+    h.touched(1, "c1-0", 28 * ms)  # after the daemon read the word: too late for it
+    h.handed(2, "c1-0", 10, 29 * ms, h.first_fired_ns("c1-0", 10, 29 * ms))  # re-queued at 29 ms
+    assert not h.violations
+    h.armed(1, "c1-1", 11, 30 * ms, 14, idle=True)
+    h.touched(1, "c1-1", 40 * ms)  # before the first fire: held to its idle time
+    h.received("c1-1", 11, 44 * ms)
+    h.handed(2, "c1-1", 11, 50 * ms, h.first_fired_ns("c1-1", 11, 60 * ms))
+    assert [v.rule for v in h.violations] == ["early"]

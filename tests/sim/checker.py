@@ -103,7 +103,11 @@ class History:
         self.disk_failures: list[int] = []  # when calls on the journal's disk failed (EIO, ENOSPC), in order
         self.syncs: list[int] = []  # when files on the journal's disk were synced, in order
         self.writes: list[int] = []  # when bytes were appended to files on the journal's disk, in order
+        # per power cut (by its time): how many writes and syncs the disk had taken when the power went
+        self.disk_at_cut: dict[int, tuple[int, int]] = {}
         self.disk_damage_ns: int | None = None  # the last time the journal's media was damaged on purpose
+        # (key, the daemon's arming tag) -> the earliest fired_ms of a copy any library read
+        self.first_fired: dict[tuple[str, int], int] = {}
         self.group_of: dict[int, str] = {}
         self.unknown: list[tuple[int, str, int]] = []  # handed, but no member armed it
         self.violations: list[Violation] = []
@@ -198,10 +202,18 @@ class History:
         A sync alone proves nothing: a background fsync started before the failure (it covers
         only what was written before it started) may complete after it, and a retry fsyncs
         the segment that failed before it finds no room for the snapshot."""
-        first = bisect.bisect_right(self.writes, failed)  # (a write cut short by the failure: not after it)
-        if first == len(self.writes) or self.writes[first] > at:
+        # Only what the disk took before the power went counts, not what it took at the same
+        # moment after it: the next boot's recovery (a daemon started at once, e.g. when the run
+        # winds down right after the cut) writes and syncs its snapshot at the cut's timestamp,
+        # and "stays at risk until the daemon has written its snapshot again" means the daemon
+        # that was cut, not the one recovering after it (docs/contracts.md, "Delivery and durability").
+        writes_end, syncs_end = self.disk_at_cut.get(
+            at, (bisect.bisect_right(self.writes, at), bisect.bisect_right(self.syncs, at)))
+        # (a write cut short by the failure: not after it)
+        first = bisect.bisect_right(self.writes, failed, 0, writes_end)
+        if first == writes_end:
             return False
-        return bisect.bisect_right(self.syncs, at) > bisect.bisect_left(self.syncs, self.writes[first])
+        return syncs_end > bisect.bisect_left(self.syncs, self.writes[first], 0, syncs_end)
 
     def touches_lost(self, client: int) -> None:
         """A reboot took ``client``'s touch table before the daemon moved its idle timers
@@ -217,6 +229,7 @@ class History:
         applied in its last ``window_ns`` (N ms plus one loop iteration)."""
         self.power_cuts += 1
         self.every_cut.append((at_ns, window_ns))
+        self.disk_at_cut.setdefault(at_ns, (len(self.writes), len(self.syncs)))
         if window_ns:
             self.cuts.append((at_ns, window_ns))
 
@@ -268,6 +281,23 @@ class History:
     def disk_damaged(self, at_ns: int) -> None:
         """The journal lost synced bytes (a cut, by the simulator): armings made before may be lost."""
         self.disk_damage_ns = at_ns
+
+    def received(self, key: str, tag: int, fired_ns: int) -> None:
+        """A library read a copy of arming ``tag`` of ``key`` (``tag``: the daemon's, before any
+        re-arm by the library) fired at ``fired_ns``, whether its application is handed it or not."""
+        first = self.first_fired.get((key, tag))
+        if first is None or fired_ns < first:
+            self.first_fired[(key, tag)] = fired_ns
+
+    def first_fired_ns(self, key: str, tag: int, fired_ns: int) -> int:
+        """When the daemon read the touch word of arming ``tag`` of ``key``, at the latest: the
+        earliest fired_ms of its copies a library read, ``fired_ns`` (the copy handed) if none
+        came before. docs/contracts.md, "Time": "An expiration handed to another member of the
+        group is not checked again: touches stored after the daemon read the word are too late
+        for it. A copy sent again (its first recipient died or did not acknowledge it in time)
+        carries as fired_ms the moment it was queued again, not the first fire." The first copy
+        may have gone to a member that died without handing it (a hoarder)."""
+        return min(fired_ns, self.first_fired.get((key, tag), fired_ns))
 
     def handed(self, client: int, key: str, tag: int, at_ns: int, fired_ns: int | None = None) -> None:
         """An expiration handed to the application of ``client``: its key and arming tag, and
@@ -332,16 +362,21 @@ def latest_due_ns(history: History, arming: Arming) -> int:
     return start + delay_ns
 
 
-def late(history: History, settled_ns: int, bound_ns: int, fire_bound_ns: int) -> list[Violation]:
+def late(history: History, settled_ns: int, bound_ns: int, fire_bound_ns: int,
+         idle_late: bool = False) -> list[Violation]:
     """Rule 6, timeliness: an acknowledged arming that comes due once the service has
     settled (no fault any more, a daemon up, a member polling in every group, every
     client that died past its resume grace and every copy past the ack timeout) is fired
     by the daemon within ``fire_bound_ns`` of :func:`latest_due_ns` (its ``fired_ms``)
     and handed to an application within ``bound_ns`` (which leaves room for an
-    application that polls now and then)."""
+    application that polls now and then). ``idle_late``: idle timers are not held (arena
+    damage made attach free records that are restored from the journal without their
+    touch reference: such a timer waits idle_ms from the restore, docs/contracts.md)."""
     out = []
     for arming in history.armings.values():
         if not arming.acked or arming.superseded_by is not None or not arming.handed:
+            continue
+        if idle_late and arming.idle_ms is not None:
             continue
         due = latest_due_ns(history, arming)
         if due < settled_ns or history.may_have_lost(arming):
@@ -360,13 +395,13 @@ def late(history: History, settled_ns: int, bound_ns: int, fire_bound_ns: int) -
 
 
 def check(history: History, end_ns: int, exact_groups: bool = True, settled_ns: int | None = None,
-          late_bound_ns: int = 0, fire_bound_ns: int = 0) -> list[Violation]:
+          late_bound_ns: int = 0, fire_bound_ns: int = 0, idle_late: bool = False) -> list[Violation]:
     """Every promise the history breaks (see the module docstring); ``end_ns``: when the run
     ended (every arming due by then must have been handed); ``settled_ns``: from when on
     rule 6 holds armings to ``late_bound_ns`` and ``fire_bound_ns`` (None: not checked)."""
     out = list(history.violations)
     if settled_ns is not None:
-        out += late(history, settled_ns, late_bound_ns, fire_bound_ns)
+        out += late(history, settled_ns, late_bound_ns, fire_bound_ns, idle_late)
     for client, key, tag in history.unknown:
         out.append(Violation("invented", f"client {client} was handed {key!r} (tag {tag}), which nobody armed"))
     for arming in history.armings.values():

@@ -360,6 +360,7 @@ class SimClient(ClientCore):
         self.handed_tags: list[int] = []
         self.idle_rearms: dict[int, int] = {}
         self.on_idle_rearm = None  # called (key, the tag it replaced) when the library re-arms an idle timer
+        self.on_received = None  # called (key bytes, arming tag, fired_ms) for each expiration its library reads
         self.flush_rejections: dict[int, list] = {}  # flush number -> (seq, code) of each command refused before it
 
     def _now(self) -> float:
@@ -467,6 +468,9 @@ class SimClient(ClientCore):
         return True
 
     def _on_expirations(self, items) -> None:
+        if self.on_received is not None:
+            for item in items:
+                self.on_received(bytes(item.key_bytes), item.seq, item.fired_ms)
         before = len(self._ready)
         super()._on_expirations(items)
         made = list(self._ready)[before:]
