@@ -198,6 +198,8 @@ class DaemonCore:
         wheel, delivery, clients = self.wheel, self.delivery, self.clients
         for s in wheel.fired_slots():
             _key, deadline, group, _tag, aux, gen = wheel.fired(s)
+            if aux >= 0 and delivery.recheck_idle(s, aux, now):
+                continue  # an idle timer expired but not sent: its touches were maybe never read
             entry = (s, gen, now, deadline < now)
             recipient = AL.recipient_of(aux)
             cs = clients.get(recipient) if recipient is not None else None

@@ -335,6 +335,24 @@ class Delivery:
         elif self.recorder is not None:
             self.recorder.idle_rearmed(group, decode_key(key, meta), deadline, rearm_at, tag, idle_ms)
 
+    def recheck_idle(self, slot: int, aux: int, now: int) -> bool:
+        """A FIRED idle timer a restarted daemon found never sent (its aux word still its
+        touch reference): the previous daemon may have stopped between the wheel's expire
+        and :meth:`idle_check` (docs/contracts.md, "Time": it fires an idle timer once its
+        clock has passed the touch word it read plus ``idle_ms``; it read none for this
+        fire). Checked again as :meth:`expire` does: True when it went back on the wheel
+        (or was released: its key was armed again), False to deliver it now."""
+        rearm_at, idle_ms = self.idle_check(aux, now)
+        if rearm_at is None:
+            return False
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.begin()
+        self._rearm_idle(slot, self._rows([slot])[0], rearm_at, idle_ms)
+        if recorder is not None:
+            recorder.commit(now)
+        return True
+
     def idle_check(self, aux: int, now: int) -> tuple[int | None, int]:
         """For an idle timer that came due at ``now``: (when it must fire instead, or None
         to fire it now; its idle_ms, 0 when unknown).

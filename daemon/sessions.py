@@ -547,7 +547,7 @@ class Sessions:
         values idle_check poisons a client for), or none at all (a slot still waiting
         for its client after a restart), or a poisoned client's, leaves the deadline.
         The pending ones are journaled as the plain timers they now are
-        (:meth:`_journal_settled`)."""
+        (:func:`_journal_settled`)."""
         wheel, rec = self.wheel, self.wheel.records
         moved = 0
         pending = mine[(rec["state"][mine] & AL.STATE_MASK) == AL.SCHEDULED]
@@ -579,30 +579,9 @@ class Sessions:
                 after[np.flatnonzero(inside)[later]] = settle_at[later]
         rec["aux"][mine] = -1
         if recorder is not None:
-            self._journal_settled(recorder, pending, before, after)
+            _journal_settled(self.wheel, recorder, pending, before, after, self.daemon.clock())
         log.info("client slot %d: %d idle timers become plain timers (%d of them at last touch + idle time)",
                  cs.slot, int(mine.size), moved)
-
-    def _journal_settled(self, recorder, slots: np.ndarray, before: np.ndarray, after: np.ndarray) -> None:
-        """Journal the pending timers ``slots`` (their deadlines were ``before``) as the plain
-        timers they became: a ``rearm`` without ``i``, same arming tag, at their deadline now
-        (``after``: moved or not). The journal must not go on calling them idle timers: a record
-        damaged later is restored from it (:mod:`wheeld.daemon.reconcile`), and an idle
-        timer restored without its touch reference waits ``idle_ms`` from the restore
-        (``reconcile._restored_deadline``), which for a timer no touch can move any more is
-        only late (simulation seeds 16646 and 16733: fired up to the restart's distance
-        from the last touch after its deadline)."""
-        wheel, rec = self.wheel, self.wheel.records
-        idents = wheel._idents[slots]
-        groups = rec["group"][slots].astype(np.int64)
-        tags = rec["tag"][slots].astype(np.int64)
-        for ident, group, tag, previous, deadline in zip(idents.tolist(), groups.tolist(), tags.tolist(),
-                                                         before.tolist(), after.tolist()):
-            try:
-                recorder.armed(group, decode_key(ident[1:], ident[0]), deadline, tag, previous, None)
-            except ValueError:  # a key or group id overwritten in the arena: delivery frees that record
-                continue
-        recorder.commit(self.daemon.clock())
 
     def reclaim_groups(self) -> None:
         """Free the id of every group with no member, no client slot, nothing queued and
@@ -737,3 +716,25 @@ class _LogLimiter:
         self._last[topic] = now
         held = self._held.pop(topic, 0)
         log.log(level, message + (f" ({held} more like this since the last one)" if held else ""), *args)
+
+
+def _journal_settled(wheel, recorder, slots: np.ndarray, before: np.ndarray, after: np.ndarray, now: int) -> None:
+    """Journal the pending timers ``slots`` of a freed client slot (their deadlines were
+    ``before``) as the plain timers they became: a ``rearm`` without ``i``, same arming
+    tag, at their deadline now (``after``: moved or not). The journal must not go on
+    calling them idle timers: a record damaged later is restored from it
+    (:mod:`wheeld.daemon.reconcile`), and an idle timer restored without its touch
+    reference waits ``idle_ms`` from the restore (``reconcile._restored_deadline``), which
+    for a timer no touch can move any more is only late (simulation seeds 16646 and
+    16733: fired up to the restart's distance from the last touch after its deadline)."""
+    rec = wheel.records
+    idents = wheel._idents[slots]
+    groups = rec["group"][slots].astype(np.int64)
+    tags = rec["tag"][slots].astype(np.int64)
+    for ident, group, tag, previous, deadline in zip(idents.tolist(), groups.tolist(), tags.tolist(),
+                                                     before.tolist(), after.tolist()):
+        try:
+            recorder.armed(group, decode_key(ident[1:], ident[0]), deadline, tag, previous, None)
+        except ValueError:  # a key or group id overwritten in the arena: delivery frees that record
+            continue
+    recorder.commit(now)

@@ -238,3 +238,31 @@ def test_what_is_held_for_a_client_waits_for_it_and_goes_to_the_group_when_its_s
             assert len(theirs.items) == 1 and set(cs.unacked) == {handles[i][0] for i in (1, 3, 4)}
             assert d.release_held(cs.slot) == 0
         assert d.held == {} and d.undelivered() == 0
+
+
+def test_a_restart_checks_again_an_idle_timer_expired_but_never_sent():
+    """A daemon killed between the wheel's expire and the idle check leaves an idle timer
+    FIRED with its touch reference still in its aux word, its touches never read (sim seed
+    17766: a touch made while the daemon was down, the copy handed to another member 14.9 ms
+    early). The restarted daemon (DaemonCore._redeliver_fired) checks it again as expire
+    does: back on the wheel while its client has not handed its ring back, or at last touch
+    + idle_ms; delivered at once only when that is not ahead."""
+    from types import SimpleNamespace
+
+    from wheeld.daemon.core import DaemonCore
+    from wheeld.daemon.delivery import IDLE_WAIT_MS
+
+    for case, expected in (("away", 1001 + IDLE_WAIT_MS), ("touched", 1040), ("idle", None)):
+        d, cs = _delivery(1000)
+        ident = bytes((0x40 | 4,)) + b"idle".ljust(32, b"\0")
+        idle = d.wheel.schedule_ident(ident, 1001, cs.group, 7, cs.slot << CL.TOUCH_INDEX_BITS | 5)
+        plain = d.wheel.schedule("plain", 1001, cs.group)
+        assert sorted(d.wheel.expire(1001)) == sorted([idle[0], plain[0]])  # killed here: nothing queued
+        cs.segment.touched[5], cs.segment.idle[5] = (900 if case == "idle" else 1000), 40
+        if case == "away":  # a slot restored from the client table: its ring not handed back yet
+            cs.segment, cs.orphan_since = None, 1001
+        DaemonCore._redeliver_fired(SimpleNamespace(wheel=d.wheel, delivery=d, clients=d.clients), 1001)
+        queued = [entry[0] for entry in d.queues[cs.group]]
+        assert sorted(queued) == sorted([plain[0]] if expected else [plain[0], idle[0]]), case
+        assert d.wheel.next_deadline() == expected, case
+        assert d.wheel.check() == []
