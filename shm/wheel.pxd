@@ -52,8 +52,7 @@ cdef Py_ssize_t _C_PENDING, _C_FIRED_UNACKED, _C_ADDS, _C_REARMS, _C_CANCELS, _C
 cdef Py_ssize_t _C_CASCADES, _C_ACKS, _C_IDLE_REARMS, _C_ARENA_FULL
 
 
-@cython.final
-cdef class TimerWheel:
+cdef class WheelCore:
     cdef dict __dict__
     cdef public object _seg, records, _hq, _rb, max_groups
     cdef public Py_ssize_t first_entry, n_records, due_list, fired_list, _free_top
@@ -61,12 +60,13 @@ cdef class TimerWheel:
     cdef public KeyIndex _index
     cdef public list _heap, _queued
     cdef public long long[::1] _pending_by_level, _group_live
-    # the arena's words and bytes, and the free stack, as C arrays
-    cdef long long[::1] _clock, _q, _count
-    cdef int[::1] _hi, _i, _free_stack
-    cdef unsigned int[::1] _hu, _u
-    cdef unsigned short[::1] _h
-    cdef unsigned char[::1] _b
+    # the arena's words and bytes, and the free stack, as C arrays (public: the wheel's
+    # rooms, Python mixins, read them too)
+    cdef public long long[::1] _clock, _q, _count
+    cdef public int[::1] _hi, _i, _free_stack
+    cdef public unsigned int[::1] _hu, _u
+    cdef public unsigned short[::1] _h
+    cdef public unsigned char[::1] _b
     # the compiled path's bucket heap: (expiration, sentinel) pairs in C arrays (_c_heap_*)
     cdef long long[::1] _hx
     cdef int[::1] _hb
@@ -109,6 +109,27 @@ cdef class TimerWheel:
     @cython.locals(fl=cython.Py_ssize_t, flp=cython.Py_ssize_t, tail=cython.Py_ssize_t)
     cdef void _fire(self, Py_ssize_t s, list out)
 
+    @cython.locals(out=list)
+    cpdef list advance(self, now_ms)
+
+    @cython.locals(out=list, fired=cython.Py_ssize_t)
+    cpdef list expire(self, now_ms)
+
+    @cython.locals(c=cython.longlong[::1])
+    cpdef bint release(self, slot, generation) except -1
+
+    @cython.locals(cur=cython.longlong, deadline=cython.longlong, base=cython.Py_ssize_t, group=cython.Py_ssize_t,
+                   state=cython.int, c=cython.longlong[::1])
+    cpdef bint rearm_fired(self, slot, generation, deadline_ms) except -1
+
+    cpdef list _due_buckets(self, now_ms)
+
+
+# TimerWheel: WheelCore with its rooms (Python mixins: wheel_groups, wheel_attach,
+# wheel_batch) and the batch operations' entry points; final: what is typed TimerWheel
+# (the executor, the purgatory) calls its methods directly
+@cython.final
+cdef class TimerWheel(WheelCore):
     @cython.locals(i=cython.int[::1], by_level=cython.longlong[::1], ws=Py_ssize_t,
                    due_list=Py_ssize_t, whole=list, mixed=list, chains=list, out=list, b=Py_ssize_t, bp=Py_ssize_t,
                    s=Py_ssize_t, before=Py_ssize_t)
@@ -121,23 +142,8 @@ cdef class TimerWheel:
     cdef Py_ssize_t _move_each_to_level0(self, Py_ssize_t start, Py_ssize_t b, Py_ssize_t max_entries,
                                          long long expiration, long long pass_cur, long long cur) except -1
 
-    @cython.locals(out=list)
-    cpdef list advance(self, now_ms)
-
-    @cython.locals(out=list, fired=cython.Py_ssize_t)
-    cpdef list expire(self, now_ms)
-
-    @cython.locals(c=cython.longlong[::1])
-    cpdef bint release(self, slot, generation) except -1
-
     @cython.locals(out=list, s=Py_ssize_t, sp=Py_ssize_t, base=Py_ssize_t)
     cpdef list record_rows(self, slots)
-
-    @cython.locals(cur=cython.longlong, deadline=cython.longlong, base=cython.Py_ssize_t, group=cython.Py_ssize_t,
-                   state=cython.int, c=cython.longlong[::1])
-    cpdef bint rearm_fired(self, slot, generation, deadline_ms) except -1
-
-    cpdef list _due_buckets(self, now_ms)
 
 
 # ---------------------------------------------------------------------------- batch methods
@@ -230,7 +236,7 @@ cdef struct _Slots:  # a growing array of slots
     Py_ssize_t size, cap
 
 
-cdef inline int _c_views(TimerWheel w, _Arena *a, _Index *x) except -1:
+cdef inline int _c_views(WheelCore w, _Arena *a, _Index *x) except -1:
     """C pointers into the wheel's views (their lengths cover every record)."""
     cdef KeyIndex index = w._index
     a.q = &w._q[0]
@@ -284,7 +290,7 @@ cdef inline bint _c_heap_before(long long e1, Py_ssize_t b1, long long e2, Py_ss
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline int _c_heap_push(TimerWheel w, long long e, Py_ssize_t b) except -1:
+cdef inline int _c_heap_push(WheelCore w, long long e, Py_ssize_t b) except -1:
     """heapq.heappush(heap, (e, b))."""
     cdef Py_ssize_t i, parent
     cdef long long *hx
@@ -309,7 +315,7 @@ cdef inline int _c_heap_push(TimerWheel w, long long e, Py_ssize_t b) except -1:
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline void _c_heap_pop(TimerWheel w) noexcept:
+cdef inline void _c_heap_pop(WheelCore w) noexcept:
     """heapq.heappop(heap) of a non-empty heap (the top is read before)."""
     cdef Py_ssize_t i = 0, c, n
     cdef long long e
@@ -335,8 +341,8 @@ cdef inline void _c_heap_pop(TimerWheel w) noexcept:
     hb[i] = b
 
 
-cdef inline int _c_heap_fill(TimerWheel w, list entries) except -1:
-    """The heap of the (expiration, sentinel) pairs ``entries`` (TimerWheel._rebuild_buckets)."""
+cdef inline int _c_heap_fill(WheelCore w, list entries) except -1:
+    """The heap of the (expiration, sentinel) pairs ``entries`` (TimerWheel._fill_heap)."""
     w._hn = 0
     for e, b in entries:
         _c_heap_push(w, e, b)
@@ -351,7 +357,7 @@ cdef inline bint _c_queued_at(list queued, Py_ssize_t b, long long e) except -1:
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline object _c_next_deadline(TimerWheel w):
+cdef inline object _c_next_deadline(WheelCore w):
     """TimerWheel.next_deadline: the top entry of a live non-empty bucket, popping the others."""
     cdef long long e
     cdef Py_ssize_t b
@@ -369,7 +375,7 @@ cdef inline object _c_next_deadline(TimerWheel w):
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline list _c_due_buckets(TimerWheel w, long long now):
+cdef inline list _c_due_buckets(WheelCore w, long long now):
     """TimerWheel._due_buckets: the live non-empty buckets due at ``now``, off the heap."""
     cdef long long e
     cdef Py_ssize_t b
@@ -504,7 +510,7 @@ cdef inline void _c_prefetch_links(_Arena *a, Py_ssize_t s) noexcept nogil:
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline bint _c_hash_idents(TimerWheel w, const unsigned char[::1] idents, const long long[:] groups,
+cdef inline bint _c_hash_idents(WheelCore w, const unsigned char[::1] idents, const long long[:] groups,
                                 long long[::1] hashes, const unsigned char[::1] valid_meta, bint check_meta) except -1:
     """hashes[j] = item j's key hash (KeyIndex.key_hash: hash() of its 33 bytes, mixed with its
     group's); groups are checked by the caller (one per item, or one for all: a column of
@@ -701,7 +707,7 @@ cdef inline Py_ssize_t _c_place(_Place *pl, long long d, long long *expiration, 
     return l * pl.ws + m
 
 
-cdef inline int _c_link(TimerWheel w, _Arena *a, _Place *pl, Py_ssize_t s, long long d, object corrupt) except -1:
+cdef inline int _c_link(WheelCore w, _Arena *a, _Place *pl, Py_ssize_t s, long long d, object corrupt) except -1:
     """TimerWheel._link of record s (its deadline d, the batch's clock): appended to the tail
     of its bucket; returns the state byte to store. Deadlines Placement.place does not take
     in 64 bits go through _link."""
@@ -749,7 +755,7 @@ cdef inline bint _c_in_range(const long long[:] values, long long low, long long
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef inline (Py_ssize_t, Py_ssize_t, Py_ssize_t) _c_schedule_many(
-        TimerWheel w, const unsigned char[::1] idents, const long long[:] deadlines, const long long[:] groups,
+        WheelCore w, const unsigned char[::1] idents, const long long[:] deadlines, const long long[:] groups,
         const long long[:] tags, const long long[:] auxs, long long cur, const long long[::1] hashes,
         long long[::1] slots, unsigned int[::1] gens, unsigned char[::1] intent, object corrupt) except *:
     """schedule_many of distinct keys (their hashes given), inputs checked: every key looked
@@ -856,7 +862,7 @@ cdef inline (Py_ssize_t, Py_ssize_t, Py_ssize_t) _c_schedule_many(
 
 
 # ------------------------------------------------------------------ freed records
-cdef inline int _c_unlink_and_push_free(TimerWheel w, _Arena *a, Py_ssize_t *freed, Py_ssize_t k,
+cdef inline int _c_unlink_and_push_free(WheelCore w, _Arena *a, Py_ssize_t *freed, Py_ssize_t k,
                                         object corrupt) except -1:
     """The end of cancel_many and release_many: unlink the k records just committed FREE
     (``freed``, in batch order) from their lists, then push them on the free stack in
@@ -873,7 +879,7 @@ cdef inline int _c_unlink_and_push_free(TimerWheel w, _Arena *a, Py_ssize_t *fre
 # ------------------------------------------------------------------ cancel_many
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline Py_ssize_t _c_cancel_many(TimerWheel w, const unsigned char[::1] idents, const long long[:] groups,
+cdef inline Py_ssize_t _c_cancel_many(WheelCore w, const unsigned char[::1] idents, const long long[:] groups,
                                       const long long[::1] hashes, unsigned char[::1] hit, object corrupt) except -1:
     """cancel_many of distinct keys (their hashes given), inputs checked: each key found is
     committed FREE and leaves the index (TimerWheel._remove_scheduled_many), then the freed
@@ -916,7 +922,7 @@ cdef inline Py_ssize_t _c_cancel_many(TimerWheel w, const unsigned char[::1] ide
 # ------------------------------------------------------------------ release_many
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline Py_ssize_t _c_release_many(TimerWheel w, const long long[:] slots, const long long[:] generations,
+cdef inline Py_ssize_t _c_release_many(WheelCore w, const long long[:] slots, const long long[:] generations,
                                        unsigned char[::1] ok, object corrupt) except -1:
     """release_many: each handle that names a FIRED record of that generation (the first
     time the batch names it) is committed FREE; then the freed records are unlinked and
@@ -958,7 +964,7 @@ cdef inline Py_ssize_t _c_release_many(TimerWheel w, const long long[:] slots, c
 # ------------------------------------------------------------------ records_of
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline bint _c_records_of(TimerWheel w, const long long[:] slots, unsigned char[::1] out) except -1:
+cdef inline bint _c_records_of(WheelCore w, const long long[:] slots, unsigned char[::1] out) except -1:
     """Copy the records at ``slots`` (a negative one counts from the end, as numpy indexes)
     into ``out``; False (nothing copied) if a slot is not a record."""
     cdef Py_ssize_t n = slots.shape[0], j, s, records = w.n_records
@@ -983,7 +989,7 @@ cdef inline bint _c_records_of(TimerWheel w, const long long[:] slots, unsigned 
 # ------------------------------------------------------------------ expire_many
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline (Py_ssize_t, Py_ssize_t) _c_expire_many(TimerWheel w, list buckets, long long now, object new_slots,
+cdef inline (Py_ssize_t, Py_ssize_t) _c_expire_many(WheelCore w, list buckets, long long now, object new_slots,
                                                     list out, object corrupt) except *:
     """expire_many of the due buckets (TimerWheel._due_buckets, in heap order): each is
     detached (its records walked), the clock moves to ``now``; the chains of level-0

@@ -232,40 +232,56 @@ that writes the arena), and checks exactly this. ``check()`` verifies every inva
 
 Threading: one writer process at a time (the daemon); readers (``wheelctl``)
 may map the arena read-only and read counters and records.
+
+Where the code lives
+--------------------
+:class:`TimerWheel` is one class assembled from rooms, each a module of its own:
+
+* :class:`WheelCore` (here): the records, their links, the scalar operations
+  (``schedule``, ``cancel``, ``advance``/``expire``, ``release``, ``rearm_fired``),
+  the bucket heap and the counters: what every call goes through;
+* :class:`~wheeld.shm.wheel_groups.GroupTable`: the group table and live counts;
+* :class:`~wheeld.shm.wheel_attach.WheelAttach`: ``create``, ``attach``/``recover``
+  (intent replay and the rebuild of everything derived), repairs and ``check``;
+* :class:`~wheeld.shm.wheel_batch.NumpyBatches`: the batch operations computed
+  with numpy (the Python path, and the reference of the C loops);
+* :class:`TimerWheel` (here): the batch operations' entry points (checks, then the
+  C loops when compiled or the numpy room) and ``cascade_ahead``.
+
+Compiled, ``WheelCore`` and ``TimerWheel`` are extension types (``shm/wheel.pxd``
+declares their fields and C methods; the rooms are Python mixins that read the same
+fields). Shared bounds and the counter table are :mod:`wheeld.shm.wheel_common`'s.
 """
 
 from __future__ import annotations
 
 import heapq
 from array import array
-import struct
-import time
 from collections.abc import Iterator
 
 import numpy as np
 
 from wheeld.protocol import arena_layout as L
-from wheeld.protocol.errors import ArenaFull, CorruptArena, GroupLimit, InvalidDelay, InvalidKey, InvalidRequest
-from wheeld.protocol.keys import TYPE_STR, VALID_KEY_METAS, decode_key, encode_key, key_length, key_type
+from wheeld.protocol.errors import ArenaFull, CorruptArena, InvalidDelay, InvalidKey, InvalidRequest
+from wheeld.protocol.keys import VALID_KEY_METAS, decode_key, encode_key, key_length
 
-from . import fsck
 from .arena import Segment
-from .arrays import first_of_each, has_duplicates, run_starts
 from .header import parse_header
 from .keyindex import KeyIndex
 from .placement import Placement
+from .wheel_attach import WheelAttach
+from .wheel_batch import NumpyBatches
+from .wheel_common import (
+    COUNTER_INDEX, DEADLINE_HIGH, DEADLINE_LOW, DEFAULT_WHEEL_SIZE, GENERATION_MASK, LEVEL_SLOTS, MAX_CLOCK_MS,
+    MAX_DELAY_MS, OWN_COUNTERS, VALID_META, check_clock, default_levels,
+)
+from .wheel_groups import GroupTable
 
-__all__ = ["DEFAULT_WHEEL_SIZE", "MAX_DELAY_MS", "TimerWheel", "encode_ident"]
+__all__ = ["DEFAULT_WHEEL_SIZE", "MAX_CLOCK_MS", "MAX_DELAY_MS", "GENERATION_MASK", "TimerWheel", "WheelCore",
+           "encode_ident"]
 
-DEFAULT_WHEEL_SIZE = 256
-DEFAULT_LEVELS_RANGE_MS = 1 << 40  # levels are added until they cover ~34.8 years
-MAX_DELAY_MS = 1 << 46  # sanity bound on deadlines (~2230 years past the clock)
-MAX_CLOCK_MS = 1 << 62  # bound on the clock a caller may move the wheel to (either sign)
-#: generations wrap within 31 bits: they travel as signed 32-bit fields (the ACK
-#: record's aux1, an Expiry's generation), and the free list reuses the hottest
-#: slot first, so one slot can be re-allocated 2**31 times in hours at full rate
-GENERATION_MASK = 0x7FFFFFFF
-
+_default_levels = default_levels  # (the name tests use)
+_check_clock = check_clock
 _FREE = L.FREE
 _SCHEDULED = L.SCHEDULED
 _FIRED = L.FIRED
@@ -273,29 +289,23 @@ _STATE_MASK = L.STATE_MASK
 _LEVEL_SHIFT = L.LEVEL_SHIFT
 _META = [bytes((m,)) for m in range(256)]
 _PAD = [b"\0" * (L.KEY_BYTES - n) for n in range(L.KEY_BYTES + 1)]
-_VALID_META = np.array(VALID_KEY_METAS, dtype=bool)
 _KEY_END = [L.R_KEY + key_length(meta) for meta in range(256)]  # where a record's key ends, by meta byte
-_STR_META = np.array([key_type(meta) == TYPE_STR for meta in range(256)], dtype=bool)
 # word indices into the arena views (see wheeld.protocol.arena_layout)
 _CUR = L.H_CURRENT_MS // 8
-_FREE_HEAD = L.H_FREE_HEAD // 4
 _QW, _IW, _HW, _RB = L.Q_PER_RECORD, L.I_PER_RECORD, L.H_PER_RECORD, L.RECORD_BYTES
 _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP = L.I_PREV, L.I_NEXT, L.I_GEN, L.I_TAG, L.I_AUX, L.H_GROUP_WORD
-_GNB = L.GROUP_NAME_BYTES
 _ST, _KM, _KEY = L.R_STATE, L.R_KEY_META, L.R_KEY
+_GNB = L.GROUP_NAME_BYTES
 _DUE_LEVEL = L.DUE_LEVEL
-_LEVEL_SLOTS = L.DUE_LEVEL + 1  # per-level counters: levels 0..14 and the due list
 _INTENT_SLOT, _INTENT_STATE, _INTENT_TAG = L.H_INTENT_SLOT // 4, L.H_INTENT_STATE // 4, L.H_INTENT_TAG // 4
 _INTENT_DEADLINE = L.H_INTENT_DEADLINE // 8
 _MAX_DELAY = MAX_DELAY_MS  # the scalar paths' names for these (C constants in the compiled build)
 _GEN_MASK = GENERATION_MASK
-_DEADLINE_HIGH = MAX_CLOCK_MS + MAX_DELAY_MS
-_DEADLINE_LOW = -_DEADLINE_HIGH
 # Compiled (wheel.pxd), a bytes key is copied into its record with memcpy (_put_key)
 # instead of a slice assignment through the record view, and the batch methods run C
 # loops (the _c_* functions of wheel.pxd) instead of their numpy code.
 _COMPILED = not __file__.endswith(".py")
-_VALID_META_BYTES = _VALID_META.view(np.uint8)  # the same table as bytes, for the C loops
+_VALID_META_BYTES = VALID_META.view(np.uint8)  # the key metas a record may carry, as bytes, for the C loops
 _INT64 = np.dtype(np.int64)
 _ONE_VALUE = {v: np.array((v,), dtype=np.int64) for v in (-1, 0)}  # the batch methods' defaults, as columns
 for _one in _ONE_VALUE.values():
@@ -306,45 +316,23 @@ if _COMPILED and _c_layout() != (  # noqa: F821 - wheel.pxd: its C constants are
         L.DUE_LEVEL, L.H_CURRENT_MS // 8, L.H_INTENT_COUNT // 4, L.INTENT_BATCH_MAX, L.INTENT_ENTRY.size,
         GENERATION_MASK):
     raise ImportError("wheel.pxd's record layout constants are not those of wheeld.protocol.arena_layout")
-#: the wheel's own counter words (the daemon writes the rest): the per-level ones are
-#: computed from _pending_by_level, the others kept in TimerWheel._count (by index)
-_LEVEL_COUNTERS = tuple(f"pending_level_{level}" for level in range(L.MAX_LEVELS)) + ("pending_due",)
-_OWN_COUNTERS = tuple(name for name in L.WHEEL_COUNTER_NAMES if name not in _LEVEL_COUNTERS)
-_TOTALS = tuple(name for name in _OWN_COUNTERS if name.endswith("_total"))  # survive restarts
-_COUNTER_INDEX = {name: index for index, name in enumerate(_OWN_COUNTERS)}
-_C_PENDING = _COUNTER_INDEX["pending"]
-_C_FIRED_UNACKED = _COUNTER_INDEX["fired_unacked"]
-_C_ADDS = _COUNTER_INDEX["adds_total"]
-_C_REARMS = _COUNTER_INDEX["rearms_total"]
-_C_CANCELS = _COUNTER_INDEX["cancels_total"]
-_C_CANCEL_MISSES = _COUNTER_INDEX["cancel_misses_total"]
-_C_EXPIRATIONS = _COUNTER_INDEX["expirations_total"]
-_C_CASCADES = _COUNTER_INDEX["cascades_total"]
-_C_ACKS = _COUNTER_INDEX["acks_total"]
-_C_IDLE_REARMS = _COUNTER_INDEX["idle_rearms_total"]
-_C_ARENA_FULL = _COUNTER_INDEX["arena_full_total"]
-
-
-def _default_levels(tick_ms: int, wheel_size: int) -> int:
-    levels, span = 1, tick_ms * wheel_size
-    while span < DEFAULT_LEVELS_RANGE_MS and levels < L.MAX_LEVELS:
-        levels += 1
-        span *= wheel_size
-    return levels
+_C_PENDING = COUNTER_INDEX["pending"]
+_C_FIRED_UNACKED = COUNTER_INDEX["fired_unacked"]
+_C_ADDS = COUNTER_INDEX["adds_total"]
+_C_REARMS = COUNTER_INDEX["rearms_total"]
+_C_CANCELS = COUNTER_INDEX["cancels_total"]
+_C_CANCEL_MISSES = COUNTER_INDEX["cancel_misses_total"]
+_C_EXPIRATIONS = COUNTER_INDEX["expirations_total"]
+_C_CASCADES = COUNTER_INDEX["cascades_total"]
+_C_ACKS = COUNTER_INDEX["acks_total"]
+_C_IDLE_REARMS = COUNTER_INDEX["idle_rearms_total"]
+_C_ARENA_FULL = COUNTER_INDEX["arena_full_total"]
 
 
 def _int64_counts(counts: list[int]) -> memoryview | list[int]:
     """Counts as a writable view of int64 words: the C array the compiled build declares
     (wheel.pxd). The Python path keeps a list, whose items it reads and writes faster."""
     return memoryview(array("q", counts)) if _COMPILED else list(counts)
-
-
-def _check_clock(now_ms) -> None:
-    """A clock a caller moves the wheel to: an int within +-MAX_CLOCK_MS, or InvalidDelay."""
-    if type(now_ms) is not int:
-        raise InvalidDelay(f"now_ms is an integer number of ms, not {type(now_ms).__name__}")
-    if not -MAX_CLOCK_MS <= now_ms < MAX_CLOCK_MS:
-        raise InvalidDelay(f"now_ms {now_ms} is beyond +-{MAX_CLOCK_MS}")
 
 
 def _int64_array(n: int) -> np.ndarray:
@@ -366,87 +354,9 @@ def encode_ident(key) -> bytes:
     return _ident(key)[0]
 
 
-class TimerWheel:
-    """The timing wheel over an arena. See the module docstring for the algorithm."""
-
-    # ------------------------------------------------------------------ set-up
-    @classmethod
-    def create(
-        cls,
-        capacity: int,
-        tick_ms: int = 1,
-        wheel_size: int = DEFAULT_WHEEL_SIZE,
-        name: str | None = None,
-        start_ms: int = 0,
-        *,
-        levels: int | None = None,
-        max_groups: int = L.DEFAULT_MAX_GROUPS,
-        mode: int = 0o644,
-        segment_factory=None,
-        created_wall_ms: int | None = None,
-    ) -> TimerWheel:
-        """A new, empty wheel: in shared memory ``name``, or private memory when None; or in
-        the segment ``segment_factory(size)`` returns (a :class:`~wheeld.shm.arena.Segment`
-        of at least ``size`` bytes, zeroed, which the wheel then owns: the daemon makes its
-        arena through its shared-memory port; ``name`` and ``mode`` are then unused).
-        ``created_wall_ms`` stamps the arena's creation (default: the wall clock now)."""
-        for label, value, low in (("capacity", capacity, 1), ("tick_ms", tick_ms, 1), ("wheel_size", wheel_size, 2)):
-            if type(value) is not int or value < low:
-                raise InvalidRequest(f"{label} must be an integer >= {low}, not {value!r}")
-        if capacity >= (1 << 31) - 10_000:
-            raise InvalidRequest("capacity must fit a 32-bit slot index")
-        if levels is None:
-            levels = _default_levels(tick_ms, wheel_size)
-        if type(levels) is not int or not 1 <= levels <= L.MAX_LEVELS:
-            raise InvalidRequest(f"levels must be 1..{L.MAX_LEVELS}")
-        if type(start_ms) is not int:
-            raise InvalidRequest("start_ms must be an integer")
-        if not 1 <= max_groups <= 65535:
-            raise InvalidRequest("max_groups must be 1..65535")
-        size = L.segment_bytes(capacity, levels, wheel_size, max_groups)
-        if created_wall_ms is None:
-            created_wall_ms = time.time_ns() // 1_000_000
-        seg = Segment.create(name, size, mode=mode) if segment_factory is None else segment_factory(size)
-        try:
-            if seg.size < size:
-                raise InvalidRequest(f"the segment made for the arena holds {seg.size} bytes, not {size}")
-            buf = seg.buf
-            L.HEADER_FIXED.pack_into(
-                buf, 0, L.MAGIC, L.LAYOUT_VERSION, L.RECORD_BYTES, capacity, tick_ms, wheel_size,
-                levels, start_ms, start_ms, -1, max_groups, created_wall_ms,
-            )
-            struct.pack_into("<i", buf, L.H_INTENT_SLOT, -1)
-            name_bytes = b"default"
-            buf[L.GROUPS_OFFSET : L.GROUPS_OFFSET + len(name_bytes)] = name_bytes
-            wheel = cls(seg)
-            wheel._rebuild()
-            return wheel
-        except BaseException:
-            seg.close()
-            seg.unlink()
-            raise
-
-    @classmethod
-    def attach(cls, name: str) -> TimerWheel:
-        """Map an existing arena, repair what an interrupted writer left, rebuild the rest."""
-        return cls.recover(Segment.attach(name))
-
-    @classmethod
-    def recover(cls, seg: Segment) -> TimerWheel:
-        """The wheel over the arena in ``seg`` after the recovery a restart makes: an open
-        intent replayed, every list, the key index and the counts rebuilt from the records
-        (``repairs`` lists the records freed as corrupt). The wheel owns ``seg`` from here."""
-        try:
-            wheel = cls(seg)
-            clock = wheel.current_ms
-            if not -MAX_CLOCK_MS <= clock < MAX_CLOCK_MS:
-                raise CorruptArena(f"the arena's clock {clock} is beyond +-{MAX_CLOCK_MS}")
-            wheel._replay_intent()
-            wheel._rebuild()
-            return wheel
-        except BaseException:
-            seg.close()
-            raise
+class WheelCore:
+    """The records, their links and the scalar operations: the heart of
+    :class:`TimerWheel` (see the module docstring for the algorithm)."""
 
     def __init__(self, seg: Segment) -> None:
         self._seg = seg
@@ -485,8 +395,8 @@ class TimerWheel:
             self._hb = np.zeros(256, dtype=np.int32)
             self._hn = 0
         self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
-        self._pending_by_level = _int64_counts([0] * _LEVEL_SLOTS)
-        self._count_array = array("q", bytes(8 * len(_OWN_COUNTERS)))  # _OWN_COUNTERS, in order
+        self._pending_by_level = _int64_counts([0] * LEVEL_SLOTS)
+        self._count_array = array("q", bytes(8 * len(OWN_COUNTERS)))  # OWN_COUNTERS, in order
         self._count = memoryview(self._count_array)
         self._closed = False
         #: repairs of corruption the last attach made (messages), and how many live records
@@ -570,121 +480,6 @@ class TimerWheel:
     def free_slots(self) -> int:
         return self.capacity - self._count[_C_PENDING] - self._count[_C_FIRED_UNACKED]
 
-    # ------------------------------------------------------------------ groups
-    def _name_bytes(self, group_name: str) -> bytes:
-        """A group name as stored in the table: UTF-8, zero padded to GROUP_NAME_BYTES."""
-        raw = group_name.encode("utf-8") if isinstance(group_name, str) else None
-        if not raw or len(raw) > _GNB - 1 or b"\0" in raw:
-            raise InvalidRequest(f"a group name is 1..{_GNB - 1} UTF-8 bytes, without NUL")
-        return raw + b"\0" * (_GNB - len(raw))
-
-    def _check_gid(self, gid: int) -> int:
-        if not isinstance(gid, (int, np.integer)) or isinstance(gid, bool) or not 0 <= gid < self.max_groups:
-            raise InvalidRequest(f"group id {gid!r} out of range 0..{self.max_groups - 1}")
-        return int(gid)
-
-    def group_id(self, group_name: str, create: bool = True) -> int:
-        """The id of a group name, registering it in the arena's group table if new.
-
-        A new name takes the lowest id that is free: no name registered and no
-        live (scheduled or fired) record carrying it. Raises InvalidRequest for a
-        name that is not 1..31 UTF-8 bytes without NUL, KeyError for an unknown
-        name with ``create=False``, and GroupLimit when every id is in use.
-
-        Registering writes bytes 1..31 of the entry first and the first byte last:
-        that store is the commit point (an entry whose first byte is 0 is unused,
-        whatever follows it), so a writer killed in between leaves an unused id.
-        """
-        padded = self._name_bytes(group_name)
-        hit = np.flatnonzero(self._group_names == np.void(padded))
-        if hit.size:
-            return int(hit[0])
-        if not create:
-            raise KeyError(group_name)
-        table = self._group_bytes
-        free = np.flatnonzero((table[:, 0] == 0) & (self.group_counts() == 0))
-        if not free.size:
-            raise GroupLimit(f"all {self.max_groups} group ids are in use: groups with no member and nothing "
-                             "pending are reclaimed; raise --max-groups or use fewer group names")
-        gid = int(free[0])
-        row = table[gid]
-        row[1:] = np.frombuffer(padded, dtype=np.uint8, offset=1)
-        row[0] = padded[0]  # commit point: the name exists from here on
-        return gid
-
-    def group_name(self, gid: int) -> str:
-        """The name registered under ``gid``; "" for an unused id (or one outside the table)."""
-        if not 0 <= gid < self.max_groups:
-            return ""
-        off = L.GROUPS_OFFSET + gid * _GNB
-        raw = self._seg.buf[off : off + _GNB]
-        if not raw[0]:
-            return ""
-        return raw.rstrip(b"\0").decode("utf-8", "replace")
-
-    def groups(self) -> dict[int, str]:
-        """Every registered group: id -> name."""
-        return {gid: self.group_name(gid) for gid in np.flatnonzero(self._group_bytes[:, 0]).tolist()}
-
-    def group_live(self, gid: int) -> int:
-        """Records of group ``gid`` that are SCHEDULED or FIRED (fired, not released yet). O(1)."""
-        return self._group_live[self._check_gid(gid)]
-
-    def group_counts(self) -> np.ndarray:
-        """:meth:`group_live` of every group id at once: a copy, int64, ``max_groups`` long."""
-        return np.array(self._group_live, dtype=np.int64)
-
-    def forget_group(self, gid: int) -> bool:
-        """Free the id of a group that has no live record; its name may be registered again.
-
-        Returns False, and changes nothing, if the group still has a scheduled or
-        fired record, if the id is unused, or for id 0 (the arena's ``default``
-        group, registered when it was created, is never forgotten). The id then
-        goes to the next new name :meth:`group_id` registers (the lowest free id
-        first). Whoever caches names by id (the journal recorder) must drop its
-        entry for ``gid``.
-
-        Crash consistency: the name's first byte is cleared first, one byte store
-        and the commit point (the id is unused from then on), then the rest; a
-        writer killed in between leaves an unused id whose leftover bytes no name
-        matches (a stored name is compared whole, first byte included), and
-        ``attach`` clears them.
-        """
-        gid = self._check_gid(gid)
-        row = self._group_bytes[gid]
-        if gid == 0 or not row[0] or self._group_live[gid]:
-            return False
-        row[0] = 0  # commit point: the id is unused from here on
-        row[1:] = 0
-        return True
-
-    def forget_idle_groups(self, keep=()) -> list[int]:
-        """:meth:`forget_group` for every registered group with no live record, except
-        id 0 and the ids in ``keep`` (groups that still have members); returns the ids freed."""
-        idle = (self._group_bytes[:, 0] != 0) & (self.group_counts() == 0)
-        idle[0] = False
-        freed = []
-        keep = {int(g) for g in keep}
-        for gid in np.flatnonzero(idle).tolist():
-            if gid not in keep and self.forget_group(gid):
-                freed.append(gid)
-        return freed
-
-    def _count_groups(self, groups: np.ndarray, sign: int) -> None:
-        """Add ``sign`` to the live count of each item's group (a batch's records)."""
-        n = groups.size
-        if not n:
-            return
-        live = self._group_live
-        first = int(groups[0])
-        if n == 1 or not (groups != first).any():  # one group: the usual batch (one client's ring)
-            live[first] += sign * n
-            return
-        counts = np.bincount(groups)
-        present = np.flatnonzero(counts)
-        for gid, count in zip(present.tolist(), counts[present].tolist()):
-            live[gid] += sign * count
-
     # ------------------------------------------------------------------ links
     def _link(self, slot: int, deadline: int, cur: int) -> int:
         """Link a record into the bucket for its deadline; return the state byte to store.
@@ -733,10 +528,10 @@ class TimerWheel:
         if type(deadline_ms) is not int:
             raise InvalidDelay(f"a deadline is an integer number of ms, not {type(deadline_ms).__name__}")
         cur = self._clock[_CUR]
-        # A deadline beyond +-_DEADLINE_HIGH is more than _MAX_DELAY from any clock the wheel
+        # A deadline beyond +-DEADLINE_HIGH is more than _MAX_DELAY from any clock the wheel
         # accepts (+-MAX_CLOCK_MS); within it, the value and cur +- _MAX_DELAY fit 64 bits
         # (the compiled build's C integers; Python's cannot overflow, the next check covers it).
-        if _COMPILED and not _DEADLINE_LOW <= deadline_ms <= _DEADLINE_HIGH:
+        if _COMPILED and not DEADLINE_LOW <= deadline_ms <= DEADLINE_HIGH:
             raise InvalidDelay(f"deadline {deadline_ms} is more than {MAX_DELAY_MS} ms from the clock ({cur})")
         deadline = deadline_ms  # from here on 64-bit (C integers in the compiled build)
         if deadline > cur + _MAX_DELAY or deadline < cur - _MAX_DELAY:
@@ -799,31 +594,6 @@ class TimerWheel:
         self._b[slot * _RB + _ST] = state
         self._hi[_INTENT_SLOT] = -1  # done
 
-    def _replay_intent(self) -> bool:
-        count = self._hi[L.H_INTENT_COUNT // 4]
-        if count:  # a committed batch of re-arms: redo all of it (levels are re-derived by the rebuild)
-            if not 0 < count <= L.INTENT_BATCH_MAX:
-                raise CorruptArena(f"batch intent claims {count} entries")
-            entries = self._intent_batch[:count]
-            slots = entries["slot"].astype(np.int64)
-            if slots.min() < self.first_entry or slots.max() >= self.n_records:
-                raise CorruptArena("batch intent names slots outside the entry records")
-            rec = self.records
-            rec["deadline"][slots] = entries["deadline"]
-            rec["tag"][slots] = entries["tag"]
-            rec["state"][slots] = _SCHEDULED
-            self._hi[L.H_INTENT_COUNT // 4] = 0
-        slot = self._hi[L.H_INTENT_SLOT // 4]
-        if slot == -1:  # no intent open (a writer never leaves another negative value)
-            return bool(count)
-        if not self.first_entry <= slot < self.n_records:
-            raise CorruptArena(f"intent names slot {slot}, outside the entry records")
-        self._q[slot * _QW] = self._hq[L.H_INTENT_DEADLINE // 8]
-        self._u[slot * _IW + _TAG] = int.from_bytes(self._seg.buf[L.H_INTENT_TAG : L.H_INTENT_TAG + 4], "little")
-        self._rb[slot * _RB + _ST] = self._hi[L.H_INTENT_STATE // 4]
-        self._hi[L.H_INTENT_SLOT // 4] = -1
-        return True
-
     def cancel(self, key, group: int = 0) -> bool:
         """Remove a pending timer; True if there was one."""
         ident, _meta = _ident(key)
@@ -870,6 +640,16 @@ class TimerWheel:
         self._free_stack[self._free_top] = slot
         self._free_top += 1
 
+    def _unlink_free(self, slot: int) -> None:
+        """Unlink a record already stored FREE and push it on the free stack (for the rooms:
+        :meth:`_unlink` and :meth:`_free` are C functions in the compiled build)."""
+        self._unlink(slot)
+        self._free(slot)
+
+    def _new_counts(self, counts: list[int]) -> memoryview | list[int]:
+        """Per-level or per-group counts in this build's form (see _int64_counts)."""
+        return _int64_counts(counts)
+
     def lookup(self, key, group: int = 0) -> int | None:
         """Deadline of the pending timer for ``key``, or None."""
         ident, _meta = _ident(key)
@@ -891,24 +671,6 @@ class TimerWheel:
         found = self._index.find_many(ident_arr, self._index.key_hashes(ident_list, groups), groups)
         deadlines = self.records["deadline"][np.where(found >= 0, found, 0)].tolist()
         return [None if slot < 0 else d for slot, d in zip(found.tolist(), deadlines)]
-
-    def next_deadline(self) -> int | None:
-        """Expiration of the earliest non-empty bucket: when ``advance`` next has work.
-
-        This is a bucket time, not necessarily a timer's deadline: a higher-level
-        bucket comes due to cascade. None when the wheel is empty.
-        """
-        if _COMPILED:
-            return _c_next_deadline(self)  # noqa: F821 - wheel.pxd: the same loop over the C heap
-        heap, queued, i = self._heap, self._queued, self._i
-        while heap:
-            expiration, b = heap[0]
-            if queued[b] == expiration and i[b * _IW + _NEXT] != b:
-                return expiration
-            heapq.heappop(heap)  # stale: the bucket was emptied by cancels or re-queued
-            if queued[b] == expiration:
-                queued[b] = -1
-        return None
 
     def _collect(self, now_ms: int) -> list[int]:
         """Detach every bucket due at ``now_ms``, advance the clock, return their slots."""
@@ -1090,28 +852,108 @@ class TimerWheel:
         c[_C_IDLE_REARMS] += 1
         return True
 
-    # ------------------------------------------------------------------ batches
-    # Each batch method has the meaning of its scalar method called on every item in
-    # order (results item by item), computed with numpy: record fields, placement,
-    # key-index probing and list splicing are vectorized; only hashing the keys and
-    # walking due buckets stay per item. Batches that name one key twice take the
-    # scalar path; re-arms go through the batch intent (see _rearm_many).
-    # Crash consistency is that of the scalar methods, record by record: every
-    # record's fields and links are written before its state byte, which commits
-    # it. A batch interrupted by a crash therefore leaves each of its items done or
-    # not done (not necessarily a prefix), and no record half-written.
+    # ------------------------------------------------------------------ the bucket heap
+    # Every non-empty bucket's expiration sits in a heap (Kafka's DelayQueue of buckets):
+    # (expiration, sentinel) pairs, a heapq list on the Python path and C arrays when
+    # compiled (_c_heap_* in wheel.pxd, its twin). _queued[b] is the expiration bucket b
+    # is queued under (-1: none): an entry that disagrees is stale and skipped when popped.
+    def _queue_bucket(self, b: int, expiration: int) -> None:
+        """Queue bucket ``b`` under ``expiration`` unless it already is (what :meth:`_link`
+        does, written out there, for a bucket that was empty)."""
+        if self._queued[b] != expiration:
+            self._queued[b] = expiration
+            if _COMPILED:
+                _c_heap_push(self, expiration, b)  # noqa: F821 - wheel.pxd
+            else:
+                heapq.heappush(self._heap, (expiration, b))
 
-    def _batch_idents(self, idents) -> tuple[list[bytes], np.ndarray]:
-        """(list of 33-byte idents, the same as a V33 array) from either form."""
-        if isinstance(idents, np.ndarray):
-            if idents.dtype.itemsize != 33 or idents.ndim != 1:
-                raise InvalidKey("encoded keys are a 1-d array of 33-byte items (meta + padded key)")
-            array = np.ascontiguousarray(idents).view("V33")
-            return array.tolist(), array
-        items = list(idents)
-        if any(type(x) is not bytes or len(x) != 33 for x in items):
-            raise InvalidKey("encoded keys are 33-byte bytes objects (meta + padded key)")
-        return items, np.array(items, dtype="S33").view("V33")
+    def _fill_heap(self, pairs: list[tuple[int, int]]) -> None:
+        """The heap of ``pairs`` (whose buckets' _queued entries are set), replacing the old one."""
+        if _COMPILED:
+            self._hn = 0
+            _c_heap_fill(self, pairs)  # noqa: F821 - wheel.pxd
+            self._heap = []
+        else:
+            heapq.heapify(pairs)
+            self._heap = pairs
+
+    def next_deadline(self) -> int | None:
+        """Expiration of the earliest non-empty bucket: when ``advance`` next has work.
+
+        This is a bucket time, not necessarily a timer's deadline: a higher-level
+        bucket comes due to cascade. None when the wheel is empty.
+        """
+        if _COMPILED:
+            return _c_next_deadline(self)  # noqa: F821 - wheel.pxd: the same loop over the C heap
+        heap, queued, i = self._heap, self._queued, self._i
+        while heap:
+            expiration, b = heap[0]
+            if queued[b] == expiration and i[b * _IW + _NEXT] != b:
+                return expiration
+            heapq.heappop(heap)  # stale: the bucket was emptied by cancels or re-queued
+            if queued[b] == expiration:
+                queued[b] = -1
+        return None
+
+    def _due_buckets(self, now_ms: int) -> list[int]:
+        """The non-empty buckets due at ``now_ms``, in the heap's order, taken off the heap
+        (each un-queued) but not detached: what :meth:`_collect` and :meth:`_collect_buckets`
+        walk, and the compiled :meth:`expire_many` in C. Compiled, the heap is C arrays."""
+        if _COMPILED:
+            return _c_due_buckets(self, now_ms)  # noqa: F821 - wheel.pxd
+        heap, queued, i = self._heap, self._queued, self._i
+        due = []
+        while heap and heap[0][0] <= now_ms:
+            expiration, b = heapq.heappop(heap)
+            if queued[b] != expiration:
+                continue  # a stale entry: the bucket was queued again under another time
+            queued[b] = -1
+            if i[b * _IW + _NEXT] != b:  # else emptied by cancels
+                due.append(b)
+        return due
+
+    def _heap_grow(self) -> None:
+        """Twice the room in the C arrays of the compiled path's bucket heap."""
+        n = self._hn
+        self._hx = np.concatenate((np.asarray(self._hx)[:n], np.zeros(max(n, 256), dtype=np.int64)))
+        self._hb = np.concatenate((np.asarray(self._hb)[:n], np.zeros(max(n, 256), dtype=np.int32)))
+
+    # ------------------------------------------------------------------ introspection
+    def pending(self, limit: int | None = None) -> Iterator[tuple[object, int, int]]:
+        """(key, deadline_ms, group) of scheduled timers, in slot order, at most ``limit``."""
+        states = self.records["state"] & _STATE_MASK
+        slots = np.flatnonzero(states == _SCHEDULED)
+        slots = slots[slots >= self.first_entry]
+        if limit is not None:
+            slots = slots[:limit]
+        for s in slots.tolist():
+            key, deadline, group, *_ = self._entry(s)
+            yield key, deadline, group
+
+    def counters(self) -> dict[str, int]:
+        c = dict(zip(OWN_COUNTERS, self._count_array))
+        for level in range(self.levels):
+            c[f"pending_level_{level}"] = self._pending_by_level[level]
+        c["pending_due"] = self._pending_by_level[L.DUE_LEVEL]
+        return c
+
+    def publish_stats(self) -> None:
+        """Write the wheel's counters into the arena header, where wheelctl reads them
+        (the daemon's own counters, in the same table, are left alone)."""
+        hq = self._hq
+        base = L.H_COUNTERS // 8
+        for name, value in self.counters().items():
+            hq[base + L.COUNTER[name]] = value
+
+    def header_words(self) -> memoryview:
+        """The header's first page as int64 words (counters, parked flag, histogram)."""
+        return self._hq
+
+
+class TimerWheel(WheelCore, GroupTable, WheelAttach, NumpyBatches):
+    """The timing wheel over an arena: :class:`WheelCore` with its rooms (the group
+    table, making and attaching an arena, the numpy batch operations) and, here, the
+    batch operations' entry points and cascading ahead. See the module docstring."""
 
     def _ident_array(self, idents) -> np.ndarray:
         """The V33 array of :meth:`_batch_idents` without its list (the compiled batch paths
@@ -1121,18 +963,6 @@ class TimerWheel:
                 raise InvalidKey("encoded keys are a 1-d array of 33-byte items (meta + padded key)")
             return np.ascontiguousarray(idents).view("V33")
         return self._batch_idents(idents)[1]
-
-    def _batch_column(self, values, n: int, low: int, high: int, what: str, exc=InvalidRequest) -> np.ndarray:
-        try:
-            array = np.asarray(values)
-        except (OverflowError, ValueError) as error:
-            raise exc(f"{what}: {error}") from None
-        if array.dtype.kind not in "iu" or array.ndim > 1 or (array.ndim == 1 and array.size != n):
-            raise exc(f"{what}: {n} integers expected")
-        array = np.broadcast_to(array.astype(np.int64, copy=False), (n,))
-        if n and (int(array.min()) < low or int(array.max()) > high):
-            raise exc(f"{what} out of range [{low}, {high}]")
-        return array
 
     def _column(self, values, n: int, low: int, high: int, what: str, exc=InvalidRequest) -> np.ndarray:
         """:meth:`_batch_column` for the C loops of the compiled batch paths: an int64 array of ``n``
@@ -1186,64 +1016,9 @@ class TimerWheel:
                 c[_C_PENDING] += added
                 c[_C_ADDS] += added
                 return slots_out, gens_out
-            ident_list = ident_arr.tolist()  # a key twice: the scalar loop below
             deadlines, groups, tags, auxs = (np.broadcast_to(v, (n,)) for v in (deadlines, groups, tags, auxs))
-        else:
-            if not _VALID_META[ident_arr.view(np.uint8)[::33]].all():
-                raise InvalidKey("malformed encoded key")
-            hashes = self._index.key_hashes(ident_list, groups)
-        if has_duplicates(hashes):  # a key twice: keep the order of the scalar path
-            return self._schedule_each(ident_list, deadlines, groups, tags, auxs, slots_out, gens_out)
-        found = self._index.find_many(ident_arr, hashes, groups)
-        rearm = np.flatnonzero(found >= 0)
-        if rearm.size:
-            self._rearm_many(found[rearm], deadlines[rearm], tags[rearm], cur)
-            slots_out[rearm] = found[rearm]
-        new = np.flatnonzero(found < 0)
-        if new.size > self._free_top:
-            self._count[_C_ARENA_FULL] += int(new.size - self._free_top)
-            new = new[: self._free_top]
-        if new.size:
-            slots_out[new] = self._add_many(ident_arr[new], hashes[new], deadlines[new], groups[new], tags[new],
-                                            auxs[new], cur)
-        gens_out[slots_out >= 0] = self.records["gen"][slots_out[slots_out >= 0]]
-        return slots_out, gens_out
-
-    def _schedule_each(self, ident_list, deadlines, groups, tags, auxs, slots_out, gens_out):
-        """:meth:`schedule_many` one by one with the scalar method (a key in the batch twice)."""
-        for j in range(len(ident_list)):
-            try:
-                slots_out[j], gens_out[j] = self.schedule_ident(
-                    ident_list[j], int(deadlines[j]), int(groups[j]), int(tags[j]), int(auxs[j]))
-            except ArenaFull:
-                pass
-        return slots_out, gens_out
-
-    def _add_many(self, idents: np.ndarray, hashes: np.ndarray, deadlines: np.ndarray, groups: np.ndarray,
-                  tags: np.ndarray, auxs: np.ndarray, cur: int) -> np.ndarray:
-        """New timers for absent keys, as many as there are free records: fields, links, then
-        each state byte (its commit point); returns their slots."""
-        rec = self.records
-        top, k = self._free_top, idents.size
-        slots = self._free_np[top - k : top][::-1].astype(np.int64)
-        # wraps like the scalar path
-        rec["gen"][slots] = (rec["gen"][slots] + np.uint32(1)) & np.uint32(GENERATION_MASK)
-        rec["tag"][slots] = tags
-        rec["aux"][slots] = auxs
-        rec["group"][slots] = groups
-        rec["deadline"][slots] = deadlines
-        self._idents[slots] = idents
-        buckets, expirations, levels = self._buckets_for(deadlines, cur)
-        self._splice_many(slots, buckets, expirations)
-        rec["state"][slots] = (levels << _LEVEL_SHIFT) | _SCHEDULED  # commit points
-        self._free_top = top - k
-        self._count_levels(levels, +1)
-        self._index.add_many(slots, hashes)
-        self._count_groups(groups, +1)
-        c = self._count
-        c[_C_PENDING] += k
-        c[_C_ADDS] += k
-        return slots
+            return self._schedule_each(ident_arr.tolist(), deadlines, groups, tags, auxs, slots_out, gens_out)
+        return self._schedule_many_np(ident_list, ident_arr, deadlines, groups, tags, auxs, cur, slots_out, gens_out)
 
     def cancel_many(self, idents, groups=0) -> np.ndarray:
         """:meth:`cancel_ident` for a batch; returns a bool array (True: a timer was removed)."""
@@ -1268,21 +1043,10 @@ class TimerWheel:
                 c[_C_CANCELS] += k
                 c[_C_CANCEL_MISSES] += n - k
                 return hit
-            ident_list = ident_arr.tolist()  # a key twice: the scalar loop below
+            ident_list = ident_arr.tolist()  # a key twice: the scalar loop
             groups = np.broadcast_to(groups, (n,))
-        else:
-            hashes = self._index.key_hashes(ident_list, groups)
-        if has_duplicates(hashes):
             return np.array([self.cancel_ident(ident_list[j], int(groups[j])) for j in range(n)], dtype=bool)
-        found = self._index.find_many(ident_arr, hashes, groups)
-        hit = found >= 0
-        slots = found[hit]
-        self._remove_scheduled_many(slots)
-        self._count_groups(groups[hit], -1)
-        c = self._count
-        c[_C_CANCELS] += int(slots.size)
-        c[_C_CANCEL_MISSES] += int(n - slots.size)
-        return hit
+        return self._cancel_many_np(ident_list, ident_arr, groups, n)
 
     def expire_many(self, now_ms: int) -> np.ndarray:
         """:meth:`expire` for a whole advance, with whole buckets moved at once.
@@ -1306,47 +1070,7 @@ class TimerWheel:
                 return np.zeros(0, dtype=np.int64)
             self._count_expired(fired, cascaded)
             return out[0]
-        whole, chains, mixed = self._collect_buckets(now_ms)
-        if not whole and not mixed:
-            return np.zeros(0, dtype=np.int64)
-        rec = self.records
-        fired = np.array(whole, dtype=np.int64)
-        if whole and int(rec["deadline"][fired].max()) > now_ms:  # not in a sound arena: stay exact anyway
-            mixed, chains = whole + mixed, []
-            fired = fired[:0]
-        again = fired[:0]
-        fired_one_by_one = fired[:0]
-        if mixed:
-            slots = np.array(mixed, dtype=np.int64)
-            deadlines = rec["deadline"][slots]
-            due = deadlines <= now_ms
-            fired_one_by_one = slots[due]
-            again = slots[~due]
-            fired = np.concatenate((fired, fired_one_by_one))
-        if fired.size:
-            self._index.remove_many(fired)
-            self._join_fired(chains)
-            if fired_one_by_one.size:
-                self._append_run(self.fired_list, fired_one_by_one)
-            rec["state"][fired] = _FIRED  # commit points
-        if again.size:
-            buckets, expirations, levels = self._buckets_for(deadlines[~due], int(self._hq[_CUR]))
-            self._splice_many(again, buckets, expirations)
-            rec["state"][again] = (levels << _LEVEL_SHIFT) | _SCHEDULED
-            self._count_levels(levels, +1)
-        self._count_expired(int(fired.size), int(again.size))
-        return fired
-
-    def _join_fired(self, chains: list[tuple[int, int]]) -> None:
-        """Each whole bucket, a (head, tail) chain, joins the end of the fired list (four link stores)."""
-        i, fl = self._i, self.fired_list
-        flp = fl * _IW
-        for head, tail in chains:
-            last = i[flp + _PREV]
-            i[head * _IW + _PREV] = last
-            i[last * _IW + _NEXT] = head
-            i[tail * _IW + _NEXT] = fl
-            i[flp + _PREV] = tail
+        return self._expire_many_np(now_ms)
 
     def _count_expired(self, fired: int, cascaded: int) -> None:
         c = self._count
@@ -1383,29 +1107,6 @@ class TimerWheel:
         if now_ms > self._hq[_CUR]:
             self._hq[_CUR] = now_ms  # after detaching, before re-placing (see Crash consistency)
         return whole, chains, mixed
-
-    def _heap_grow(self) -> None:
-        """Twice the room in the C arrays of the compiled path's bucket heap."""
-        n = self._hn
-        self._hx = np.concatenate((np.asarray(self._hx)[:n], np.zeros(max(n, 256), dtype=np.int64)))
-        self._hb = np.concatenate((np.asarray(self._hb)[:n], np.zeros(max(n, 256), dtype=np.int32)))
-
-    def _due_buckets(self, now_ms: int) -> list[int]:
-        """The non-empty buckets due at ``now_ms``, in the heap's order, taken off the heap
-        (each un-queued) but not detached: what :meth:`_collect` and :meth:`_collect_buckets`
-        walk, and the compiled :meth:`expire_many` in C. Compiled, the heap is C arrays."""
-        if _COMPILED:
-            return _c_due_buckets(self, now_ms)  # noqa: F821 - wheel.pxd
-        heap, queued, i = self._heap, self._queued, self._i
-        due = []
-        while heap and heap[0][0] <= now_ms:
-            expiration, b = heapq.heappop(heap)
-            if queued[b] != expiration:
-                continue  # a stale entry: the bucket was queued again under another time
-            queued[b] = -1
-            if i[b * _IW + _NEXT] != b:  # else emptied by cancels
-                due.append(b)
-        return due
 
     def cascade_ahead(self, now_ms: int, max_entries: int) -> int:
         """Move timers of the next level-1 bucket down to level 0 before it comes due.
@@ -1500,35 +1201,6 @@ class TimerWheel:
             return at, ahead[2]
         return head, cur
 
-    def _move_to_level0(self, slots: np.ndarray, after: int, cur: int) -> int:
-        """Move the records of a run of a level-1 bucket (``slots``, in list order, ``after``
-        the record that follows the run) whose deadlines level 0 reaches from ``cur`` to
-        their level-0 buckets; the others stay in place. Returns how many moved."""
-        if not slots.size:
-            return 0
-        rec, i = self.records, self._i
-        buckets, expirations, levels = self._buckets_for(rec["deadline"][slots], cur)
-        fit = levels == 0
-        moved = int(np.count_nonzero(fit))
-        if not moved:
-            return 0
-        # the run, minus the moved records, stays in place between its neighbours
-        kept = slots[~fit]
-        chain = np.empty(kept.size + 2, dtype=np.int64)
-        chain[0] = i[int(slots[0]) * _IW + _PREV]
-        chain[1:-1] = kept
-        chain[-1] = after
-        rec["next"][chain[:-1]] = chain[1:]
-        rec["prev"][chain[1:]] = chain[:-1]
-        going = slots[fit]
-        self._splice_many(going, buckets[fit], expirations[fit])
-        rec["state"][going] = _SCHEDULED  # level 0 (derived: a rebuild places them the same)
-        by_level = self._pending_by_level
-        by_level[1] -= moved
-        by_level[0] += moved
-        self._count[_C_CASCADES] += moved
-        return moved
-
     def _move_each_to_level0(self, start: int, b: int, max_entries: int, expiration: int, pass_cur: int,
                              cur: int) -> int:
         """The walk of :meth:`cascade_ahead` and :meth:`_move_to_level0` one record at a
@@ -1572,27 +1244,7 @@ class TimerWheel:
             c[_C_FIRED_UNACKED] -= k
             c[_C_ACKS] += k
             return ok
-        rec = self.records
-        ok = (slots >= self.first_entry) & (slots < self.n_records)
-        if ok.all():
-            ok = (rec["state"][slots] == _FIRED) & (rec["gen"][slots] == generations)
-        else:
-            inside = slots[ok]
-            ok[ok] = (rec["state"][inside] == _FIRED) & (rec["gen"][inside] == generations[ok])
-        if ok.any() and has_duplicates(slots[ok]):  # a slot named twice is released once
-            index = np.flatnonzero(ok)
-            ok[:] = False
-            ok[index[first_of_each(slots[index])]] = True
-        released = slots[ok]
-        if released.size:
-            rec["state"][released] = _FREE  # commit points (the lists are derived: unlinked after)
-            self._unlink_many(released)
-            self._free_many(released)
-            self._count_groups(rec["group"][released], -1)
-            c = self._count
-            c[_C_FIRED_UNACKED] -= int(released.size)
-            c[_C_ACKS] += int(released.size)
-        return ok
+        return self._release_many_np(slots, generations)
 
     def records_of(self, slots) -> np.ndarray:
         """A copy of the records at ``slots`` (numpy structured array: deadline, tag, key, ...)."""
@@ -1618,432 +1270,3 @@ class TimerWheel:
                         self._b[base + _KM], key))
         return out
 
-    # ------------------------------------------------------------------ batch helpers
-    def _count_levels(self, levels: np.ndarray, sign: int) -> None:
-        counts = np.bincount(levels, minlength=_LEVEL_SLOTS).tolist()
-        by_level = self._pending_by_level
-        for level, count in enumerate(counts):
-            if count:
-                by_level[level] += sign * count
-
-    def _free_many(self, slots: np.ndarray) -> None:
-        top = self._free_top
-        self._free_np[top : top + slots.size] = slots
-        self._free_top = top + slots.size
-
-    def _rearm_many(self, slots: np.ndarray, deadlines: np.ndarray, tags: np.ndarray, cur: int) -> None:
-        """Vectorized :meth:`_rearm` of distinct scheduled records, through the batch intent.
-
-        Links first (derived state), then the intent entries, then the count word
-        (the commit point of the whole batch), then the records, then count = 0.
-        """
-        rec, hi = self.records, self._hi
-        for at in range(0, slots.size, L.INTENT_BATCH_MAX):
-            part = slots[at : at + L.INTENT_BATCH_MAX]
-            d = deadlines[at : at + L.INTENT_BATCH_MAX]
-            t = tags[at : at + L.INTENT_BATCH_MAX]
-            k = part.size
-            self._count_levels((rec["state"][part] >> _LEVEL_SHIFT).astype(np.int64), -1)
-            self._unlink_many(part, linked=True)
-            buckets, expirations, levels = self._buckets_for(d, cur)
-            self._splice_many(part, buckets, expirations)
-            intent = self._intent_batch
-            intent["slot"][:k] = part
-            intent["tag"][:k] = t
-            intent["deadline"][:k] = d
-            hi[L.H_INTENT_COUNT // 4] = k  # commit the batch
-            rec["deadline"][part] = d
-            rec["tag"][part] = t
-            rec["state"][part] = (levels << _LEVEL_SHIFT) | _SCHEDULED
-            hi[L.H_INTENT_COUNT // 4] = 0  # done
-            self._count_levels(levels, +1)
-            self._count[_C_REARMS] += k
-
-    def _remove_scheduled_many(self, slots: np.ndarray) -> None:
-        """Vectorized :meth:`_remove_scheduled` of distinct scheduled slots."""
-        if not slots.size:
-            return
-        rec = self.records
-        self._count_levels((rec["state"][slots] >> _LEVEL_SHIFT).astype(np.int64), -1)
-        rec["state"][slots] = _FREE  # commit points (the lists are derived: unlinked after)
-        self._unlink_many(slots)
-        self._index.remove_many(slots)
-        self._free_many(slots)
-        self._count[_C_PENDING] -= int(slots.size)
-
-    def _unlink_many(self, slots: np.ndarray, linked: bool = False) -> None:
-        """Unlink distinct records from their lists; neighbours may be among them.
-
-        The records are already committed FREE (a neighbour to skip is then an
-        entry record in state FREE, as no linked record is otherwise), or, with
-        ``linked``, still live (re-arms: membership is looked up in the sorted
-        slots). Whole runs of a bucket are common: each record's nearest surviving
-        neighbours are found by pointer jumping on its own prev/next fields (each
-        round doubles the distance covered).
-        """
-        rec = self.records
-        state, first = rec["state"], self.first_entry
-        if linked:
-            ordered = np.sort(slots)
-
-            def skipped(to: np.ndarray) -> np.ndarray:
-                at = np.searchsorted(ordered, to)
-                at[at == ordered.size] = 0
-                return ordered[at] == to
-        else:
-
-            def skipped(to: np.ndarray) -> np.ndarray:
-                return (to >= first) & (state[to] == _FREE)
-
-        prev = rec["prev"][slots].astype(np.int64)
-        nxt = rec["next"][slots].astype(np.int64)
-        prev_kept = ~skipped(prev)
-        next_kept = ~skipped(nxt)
-        if prev_kept.all() or np.count_nonzero(prev_kept) == 1:  # no two adjacent, or one run
-            before, after = prev[prev_kept], nxt[next_kept]
-            rec["next"][before] = after
-            rec["prev"][after] = before
-            return
-        for field in ("prev", "next"):
-            links = rec[field]
-            while True:
-                to = links[slots].astype(np.int64)
-                skip = skipped(to)
-                if not skip.any():
-                    break
-                links[slots[skip]] = links[to[skip]]
-        prev = rec["prev"][slots]
-        nxt = rec["next"][slots]
-        rec["next"][prev] = nxt
-        rec["prev"][nxt] = prev
-
-    def _splice_many(self, slots: np.ndarray, sentinels: np.ndarray, expirations: np.ndarray | None) -> None:
-        """Append records to the tails of their lists (in the order given, per list).
-
-        ``expirations`` (None for the fired list) are the bucket times: a bucket that
-        was empty gets its expiration and is queued, as :meth:`_link` does.
-        """
-        rec = self.records
-        keys = sentinels.astype(np.uint16) if self.first_entry <= 0xFFFF else sentinels
-        order = np.argsort(keys, kind="stable")  # a radix sort for 16-bit keys
-        chain = slots[order]
-        owner = sentinels[order]
-        n = chain.size
-        starts = run_starts(owner)
-        ends = np.empty_like(starts)
-        ends[:-1] = starts[1:] - 1
-        ends[-1] = n - 1
-        heads = owner[starts]
-        tails = rec["prev"][heads].astype(np.int64)
-        prev = np.empty(n, dtype=np.int64)
-        prev[1:] = chain[:-1]
-        prev[starts] = tails
-        nxt = np.empty(n, dtype=np.int64)
-        nxt[:-1] = chain[1:]
-        nxt[ends] = heads
-        rec["prev"][chain] = prev
-        rec["next"][chain] = nxt
-        rec["next"][tails] = chain[starts]
-        rec["prev"][heads] = chain[ends]
-        if expirations is None:
-            return
-        was_empty = tails == heads
-        if was_empty.any():
-            due_list, queued, heap = self.due_list, self._queued, self._heap
-            cur = int(self._hq[_CUR])
-            bucket_exp = expirations[order][starts]
-            for b, expiration in zip(heads[was_empty].tolist(), bucket_exp[was_empty].tolist()):
-                if b == due_list:
-                    expiration = cur
-                rec["deadline"][b] = expiration
-                if queued[b] != expiration:
-                    queued[b] = expiration
-                    if _COMPILED:
-                        _c_heap_push(self, expiration, b)  # noqa: F821 - wheel.pxd
-                    else:
-                        heapq.heappush(heap, (expiration, b))
-
-    def _append_run(self, sentinel: int, run: np.ndarray) -> None:
-        """Append distinct records, in order, to the tail of one list."""
-        rec, i = self.records, self._i
-        sp = sentinel * _IW
-        last = i[sp + _PREV]
-        prev = np.empty(run.size, dtype=np.int64)
-        prev[0] = last
-        prev[1:] = run[:-1]
-        nxt = np.empty(run.size, dtype=np.int64)
-        nxt[:-1] = run[1:]
-        nxt[-1] = sentinel
-        rec["prev"][run] = prev
-        rec["next"][run] = nxt
-        i[last * _IW + _NEXT] = int(run[0])
-        i[sp + _PREV] = int(run[-1])
-
-    # ------------------------------------------------------------------ introspection
-    def pending(self, limit: int | None = None) -> Iterator[tuple[object, int, int]]:
-        """(key, deadline_ms, group) of scheduled timers, in slot order, at most ``limit``."""
-        states = self.records["state"] & _STATE_MASK
-        slots = np.flatnonzero(states == _SCHEDULED)
-        slots = slots[slots >= self.first_entry]
-        if limit is not None:
-            slots = slots[:limit]
-        for s in slots.tolist():
-            key, deadline, group, *_ = self._entry(s)
-            yield key, deadline, group
-
-    def counters(self) -> dict[str, int]:
-        c = dict(zip(_OWN_COUNTERS, self._count_array))
-        for level in range(self.levels):
-            c[f"pending_level_{level}"] = self._pending_by_level[level]
-        c["pending_due"] = self._pending_by_level[L.DUE_LEVEL]
-        return c
-
-    def publish_stats(self) -> None:
-        """Write the wheel's counters into the arena header, where wheelctl reads them
-        (the daemon's own counters, in the same table, are left alone)."""
-        hq = self._hq
-        base = L.H_COUNTERS // 8
-        for name, value in self.counters().items():
-            hq[base + L.COUNTER[name]] = value
-
-    def header_words(self) -> memoryview:
-        """The header's first page as int64 words (counters, parked flag, histogram)."""
-        return self._hq
-
-    # ------------------------------------------------------------------ repairs from outside
-    def live_records(self) -> tuple[np.ndarray, ...]:
-        """Every SCHEDULED or FIRED record: ``(slots, states, groups, deadlines, tags, idents)``,
-        arrays in slot order (``idents``: the 33-byte record forms, meta byte + key)."""
-        states = self.records["state"] & _STATE_MASK
-        slots = np.flatnonzero(states != _FREE)
-        slots = slots[slots >= self.first_entry]
-        rec = self.records[slots]
-        return (slots, states[slots], rec["group"].astype(np.int64), rec["deadline"].copy(),
-                rec["tag"].astype(np.int64), self._idents[slots].copy())
-
-    def rewrite_records(self, free=(), rewrite=(), restore=()) -> list[int]:
-        """Repairs of corruption from a record of the truth kept outside the arena (the
-        daemon's journal, :mod:`wheeld.daemon.reconcile`), made right after :meth:`attach`
-        and before any other call; then everything derived is rebuilt as attach does.
-
-        ``free``: slots of live records to free; ``rewrite``: ``(slot, state, deadline,
-        tag)`` of live records (SCHEDULED or FIRED); ``restore``: ``(ident, group, state,
-        deadline, tag)`` of records to make (in the lowest free slots, generation bumped, aux
-        -1: a plain timer). The caller keeps the keys unique among SCHEDULED records.
-        Returns the restored slots (-1 where the arena had no free record).
-
-        Each record commits at its state byte, written last (as every writer here does),
-        so a writer killed in the middle leaves records that attach takes as they are and a
-        second pass of the same repairs finishes. Raises InvalidRequest (and changes
-        nothing) for a slot that is not live, a deadline the clock does not reach within
-        ``MAX_DELAY_MS``, a group outside the table, or a malformed ident.
-        """
-        rec, first, cur = self.records, self.first_entry, self.current_ms
-        states = rec["state"] & _STATE_MASK
-        for slot in list(free) + [r[0] for r in rewrite]:
-            if not first <= slot < self.n_records or states[slot] == _FREE:
-                raise InvalidRequest(f"slot {slot} is not a live record")
-        for state, deadline in [(r[1], r[2]) for r in rewrite] + [(r[2], r[3]) for r in restore]:
-            if state not in (_SCHEDULED, _FIRED) or not cur - _MAX_DELAY <= deadline <= cur + _MAX_DELAY:
-                raise InvalidRequest(f"cannot write state {state}, deadline {deadline} (clock {cur})")
-        for ident, group, _state, _deadline, tag in restore:
-            if len(ident) != 33 or not VALID_KEY_METAS[ident[0]] or not 0 <= group < self.max_groups \
-                    or not 0 <= tag <= 0xFFFFFFFF:
-                raise InvalidRequest("malformed ident, group or tag")
-        repairs = self.repairs
-        for slot in free:
-            rec["state"][slot] = _FREE
-        for slot, state, deadline, tag in rewrite:
-            rec["deadline"][slot] = deadline
-            rec["tag"][slot] = tag
-            rec["state"][slot] = state  # commit point
-        vacant = np.flatnonzero(rec["state"][first:] & _STATE_MASK == _FREE)[: len(restore)] + first
-        made = []
-        for n, (ident, group, state, deadline, tag) in enumerate(restore):
-            if n >= vacant.size:
-                made.append(-1)
-                continue
-            slot = int(vacant[n])
-            rec["gen"][slot] = (int(rec["gen"][slot]) + 1) & _GEN_MASK
-            rec["tag"][slot] = tag
-            rec["aux"][slot] = -1
-            rec["group"][slot] = group
-            rec["deadline"][slot] = deadline
-            base = slot * _RB
-            self._rb[base + _KM : base + _RB] = ident
-            rec["state"][slot] = state  # commit point
-            made.append(slot)
-        self._rebuild()  # (adds what it finds to lost, and lists it in repairs)
-        self.repairs = repairs + self.repairs
-        return made
-
-    def mask_generation(self, slot: int, generation: int) -> int | None:
-        """A FIRED record whose generation reads beyond 31 bits (``GENERATION_MASK``: every
-        allocation masks it, so only damage puts it there) gets it masked, one aligned
-        store; returns the new generation, or None when ``(slot, generation)`` is not such a
-        record. Expirations carry generations as signed 32-bit values."""
-        if not self.first_entry <= slot < self.n_records or self._rb[slot * _RB + _ST] != _FIRED:
-            return None
-        if self._u[slot * _IW + _GEN] != generation or generation <= _GEN_MASK:
-            return None
-        self._u[slot * _IW + _GEN] = generation & _GEN_MASK
-        return generation & _GEN_MASK
-
-    # ------------------------------------------------------------------ rebuild
-    def _rebuild(self) -> None:
-        """Derive links, free list, key index, bucket heap and counts from the records."""
-        rec = self.records
-        first = self.first_entry
-        self.repairs = self._free_invalid()
-        idx = np.arange(first, dtype=np.int32)  # sentinels: empty circular lists
-        rec["prev"][:first] = idx
-        rec["next"][:first] = idx
-        rec["deadline"][:first] = -1
-        rec["state"][:first] = 0
-        slots = np.arange(first, self.n_records, dtype=np.int64)
-        states = rec["state"][first:] & _STATE_MASK
-        free_slots = slots[states == _FREE]
-        self._free_np[: free_slots.size] = free_slots[::-1]  # a stack that hands out the lowest slot first
-        self._free_top = int(free_slots.size)
-        self._hi[_FREE_HEAD] = -1  # unused: the free list is kept in the owning process
-        fired = slots[states == _FIRED]
-        self._chain(self.fired_list, fired[np.argsort(rec["deadline"][fired], kind="stable")])  # in deadline order
-        sched = slots[states == _SCHEDULED]
-        self._rebuild_buckets(sched)
-        for s, kept in self._index.rebuild(sched):  # never written by a wheel, but the index must stay sound
-            self.repairs.append(f"record {s}: duplicate key of record {kept}, cancelled")
-            self.lost += 1
-            self._unlink(s)
-            rec["state"][s] = _FREE
-            self._free(s)
-        self._recount()
-        # an unused group id (first byte 0) keeps no bytes: what a writer killed while
-        # registering or forgetting a name left behind is cleared
-        table = self._group_bytes
-        unused = table[:, 0] == 0
-        if table[unused].any():
-            table[unused] = 0
-        self.publish_stats()
-
-    def _free_invalid(self) -> list[str]:
-        """Free the live records with an unknown state, a malformed key, a group id outside
-        the table or a deadline no clock the wheel accepts is within ``MAX_DELAY_MS`` of:
-        not something an interrupted writer can leave, but corruption (each is counted in
-        ``lost``: its timer is gone unless someone restores it). A generation beyond 31 bits
-        (``GENERATION_MASK``, which every allocation applies) is masked back into range.
-        Returns the repairs made (the daemon logs them)."""
-        entries = self.records[self.first_entry :]
-        states = entries["state"] & _STATE_MASK
-        metas = entries["key_meta"]
-        deadlines = entries["deadline"]
-        invalid = (states > _FIRED) | ((states != _FREE) & (~_VALID_META[metas] | (entries["group"] >= self.max_groups)
-                                                           | (deadlines < _DEADLINE_LOW)
-                                                           | (deadlines > _DEADLINE_HIGH)))
-        wild = np.flatnonzero((entries["gen"] > _GEN_MASK) & (states != _FREE) & ~invalid)
-        masked = [f"record {self.first_entry + s}: generation {g} beyond 31 bits, masked"
-                  for s, g in zip(wild.tolist(), entries["gen"][wild].tolist())]
-        entries["gen"][wild] &= _GEN_MASK
-        text = np.flatnonzero(~invalid & (states != _FREE) & _STR_META[metas])  # live string keys: valid UTF-8?
-        rb, first = self._rb, self.first_entry
-        for s in text.tolist():
-            base = (first + s) * _RB + L.R_KEY
-            try:
-                str(rb[base : base + key_length(int(metas[s]))], "utf-8")
-            except UnicodeDecodeError:
-                invalid[s] = True
-        bad = np.flatnonzero(invalid)
-        entries["state"][bad] = _FREE
-        self.lost += int(bad.size)
-        return masked + [f"record {self.first_entry + s}: invalid state/key/group/deadline, freed"
-                         for s in bad.tolist()]
-
-    def _rebuild_buckets(self, sched: np.ndarray) -> None:
-        """Link the scheduled records into the buckets their deadlines map to relative to the
-        stored clock (level bits included) and queue every non-empty bucket."""
-        rec = self.records
-        cur = int(self._hq[_CUR])
-        buckets, expirations, levels = self._buckets_for(rec["deadline"][sched], cur)
-        rec["state"][sched] = ((levels << _LEVEL_SHIFT) | _SCHEDULED).astype(np.uint8)
-        order = np.lexsort((sched, buckets))
-        sched, buckets, expirations = sched[order], buckets[order], expirations[order]
-        self._heap = []
-        self._queued = [-1] * self.first_entry
-        if _COMPILED:
-            self._hn = 0
-        if not sched.size:
-            return
-        starts = run_starts(buckets)
-        ends = np.r_[starts[1:], sched.size]
-        for a, z in zip(starts.tolist(), ends.tolist()):
-            b = int(buckets[a])
-            self._chain(b, sched[a:z])
-            expiration = int(expirations[a])
-            rec["deadline"][b] = expiration
-            self._queued[b] = expiration
-            self._heap.append((expiration, b))
-        if _COMPILED:  # the compiled path's heap is C arrays
-            _c_heap_fill(self, self._heap)  # noqa: F821 - wheel.pxd
-            self._heap = []
-        heapq.heapify(self._heap)
-
-    def _recount(self) -> None:
-        """The counts this process keeps, from the records' states: pending, fired, per
-        level, per group; the totals from the header (they survive restarts)."""
-        states = self.records["state"][self.first_entry :]
-        low = states & _STATE_MASK
-        levels = (states[low == _SCHEDULED] >> _LEVEL_SHIFT).astype(np.int64)
-        self._pending_by_level = _int64_counts(np.bincount(levels, minlength=_LEVEL_SLOTS).tolist())
-        live = low != _FREE
-        self._group_live = _int64_counts(np.bincount(self.records["group"][self.first_entry :][live],
-                                                     minlength=self.max_groups).tolist())
-        c = self._count
-        c[_C_PENDING] = int(levels.size)
-        c[_C_FIRED_UNACKED] = int(np.count_nonzero(low == _FIRED))
-        base = L.H_COUNTERS // 8
-        for name in _TOTALS:  # a damaged word is clamped (L.sane_counter): a restart must not overflow it
-            c[_COUNTER_INDEX[name]] = max(c[_COUNTER_INDEX[name]], L.sane_counter(self._hq[base + L.COUNTER[name]]))
-
-    def _chain(self, sentinel: int, slots: np.ndarray) -> None:
-        rec = self.records
-        if not slots.size:
-            rec["next"][sentinel] = sentinel
-            rec["prev"][sentinel] = sentinel
-            return
-        ring = np.concatenate(([sentinel], slots))
-        rec["next"][ring] = np.roll(ring, -1)
-        rec["prev"][ring] = np.roll(ring, 1)
-
-    # ------------------------------------------------------------------ invariants
-    def check(self) -> list[str]:
-        """Every invariant; a list of problems, [] when sound.
-
-        The arena's (:func:`wheeld.shm.fsck.fsck`, against this process's counters,
-        published or not), then those of the state only this process keeps: the key
-        index, the free stack, the bucket queue and the live count of each group.
-        """
-        problems = fsck.fsck(self._seg.buf, self._seg.size, self.name or "arena", counters=self.counters())
-        states = self.records["state"] & _STATE_MASK
-        entry = np.arange(self.n_records) >= self.first_entry
-        problems += self._index.problems(np.flatnonzero(entry & (states == _SCHEDULED)))
-        problems += self._free_stack_problems(np.flatnonzero(entry & (states == _FREE)))
-        i, queued = self._i, self._queued
-        for b in range(self.fired_list):
-            if i[b * _IW + _NEXT] != b and queued[b] != self._q[b * _QW]:
-                problems.append(f"bucket {b} (expiration {self._q[b * _QW]}) is not in the bucket queue")
-        live = (states != _FREE) & entry
-        recount = np.bincount(self.records["group"][live].astype(np.int64), minlength=self.max_groups)
-        counts = self.group_counts()
-        if recount.size == counts.size:  # else fsck reported a live record outside the group table
-            for gid in np.flatnonzero(recount != counts)[:10].tolist():
-                problems.append(f"group {gid}: live count {counts[gid]}, {recount[gid]} records are live")
-        return problems
-
-    def _free_stack_problems(self, free: np.ndarray) -> list[str]:
-        """The free stack holds exactly the free records, each once."""
-        stack = self._free_np[: self._free_top]
-        if np.array_equal(np.sort(stack), free):
-            return []
-        if has_duplicates(stack):
-            return ["free list: a slot is listed twice"]
-        return [f"free list holds {stack.size} records, {free.size} are free; "
-                f"{np.setdiff1d(stack, free).size} of them are not free records"]

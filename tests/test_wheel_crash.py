@@ -12,7 +12,8 @@ The writer is then killed with SIGKILL, in one of two ways:
 
 * after a random sleep of the parent (lands anywhere, attach included);
 * by itself, from a ``sys.settrace`` hook armed at a random operation (or the
-  attach) that counts line events inside ``shm/wheel.py`` and SIGKILLs at a
+  attach) that counts line events inside ``shm/wheel.py`` and its rooms
+  (``shm/wheel_*.py``) and SIGKILLs at a
   random count: this lands between any two lines of the wheel, e.g. between the
   two stores that link a record, or between a batch's field writes and its
   state bytes. A compiled module has no lines to trace, so this writer runs the
@@ -58,11 +59,14 @@ from wheeld.shm import TimerWheel
 from wheeld.shm.arena import Segment, unlink
 from wheeld.shm.check import recover_copy
 from wheeld.shm.fsck import fsck
+from wheeld.shm import wheel_attach, wheel_batch, wheel_groups
 from wheeld.shm.wheel import encode_ident
 
 from python_source import load as load_source
 
 wheel_module = load_source("wheeld.shm.wheel")  # the traced writers run the source (see above)
+#: the files whose lines a traced writer counts: wheel.py and its rooms (every module that writes the arena)
+WHEEL_FILES = frozenset([wheel_module.__file__] + [m.__file__ for m in (wheel_attach, wheel_batch, wheel_groups)])
 
 CAPACITY = 48
 SHAPE = {"tick_ms": 1, "wheel_size": 4, "levels": 3}  # 64 ms range: cascades and clamping all the time
@@ -90,7 +94,7 @@ def writer(name: str, seed: int, log_fd: int, trace_target: tuple[int, int] | No
     """Runs in the forked child; never returns (os._exit or SIGKILL).
 
     ``trace_target``: (operation number, line count): SIGKILL at that many line
-    events inside shm/wheel.py, counted inside operations (between their B and E
+    events inside the wheel's modules (WHEEL_FILES), counted inside operations (between their B and E
     log lines) from that operation on; operation -1 is the attach.
     """
     rng = random.Random(seed)
@@ -102,7 +106,6 @@ def writer(name: str, seed: int, log_fd: int, trace_target: tuple[int, int] | No
         in_operation[0] = line.startswith("B ")  # the writer's own reads between operations do not count
 
     if trace_target is not None:
-        wheel_file = wheel_module.__file__
         count = [0]
 
         def local(frame, event, arg):
@@ -113,7 +116,7 @@ def writer(name: str, seed: int, log_fd: int, trace_target: tuple[int, int] | No
             return local
 
         def global_trace(frame, event, arg):
-            return local if frame.f_code.co_filename == wheel_file else None
+            return local if frame.f_code.co_filename in WHEEL_FILES else None
 
     if kill_op == -1:
         sys.settrace(global_trace)
@@ -630,14 +633,14 @@ SWEEP_OPS = {  # name -> (operation description for verify_inflight, call)
 
 def _run_killed(name: str, call, kill_line: int) -> bool:
     """Fork a writer that attaches and runs ``call``, SIGKILLed at ``kill_line`` line
-    events of shm/wheel.py inside the call; True if the call finished first."""
+    events of the wheel's modules (WHEEL_FILES) inside the call; True if the call finished first."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(read_fd)
             wheel = wheel_module.TimerWheel.attach(name)  # the source: its lines are traced
-            wheel_file, count = wheel_module.__file__, [0]
+            count = [0]
 
             def local(frame, event, arg):
                 if event == "line":
@@ -646,7 +649,7 @@ def _run_killed(name: str, call, kill_line: int) -> bool:
                         os.kill(os.getpid(), signal.SIGKILL)
                 return local
 
-            sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename == wheel_file else None)
+            sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename in WHEEL_FILES else None)
             call(wheel)
             sys.settrace(None)
             os.write(write_fd, b"E")
