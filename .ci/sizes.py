@@ -20,12 +20,10 @@ FOLDERS = ("daemon", "shm", "journal", "client", "protocol")
 FUNCTION_LINES = 60
 CLASS_LINES = 600
 
-# Over the limit today, to be split: the client library's bookkeeping apart from its
-# ring; the journal writer apart from its group commit.
-OVER = {
-    "client/core.py:ClientCore": 790,
-    "journal/files.py:Journal": 710,
-}
+# Classes over the limit, with the most lines they may have until they are split (none
+# today: a class that outgrows the limit is split into rooms, as TimerWheel, ClientCore and
+# Journal were).
+OVER: dict[str, int] = {}
 
 
 def sizes(root: Path = ROOT):
@@ -55,8 +53,8 @@ def main() -> int:
     for line in found:
         print(line)
     if not found:
-        print(f"sizes: every function <= {FUNCTION_LINES} lines, every class <= {CLASS_LINES} "
-              f"(but {len(OVER)} listed in .ci/sizes.py)")
+        print(f"sizes: every function <= {FUNCTION_LINES} lines, every class <= {CLASS_LINES}"
+              + (f" (but {len(OVER)} listed in .ci/sizes.py)" if OVER else ""))
     return 1 if found else 0
 
 

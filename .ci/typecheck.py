@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: checked as a package, with every module in it
 PACKAGES = ["wheeld.protocol", "wheeld.journal"]
 #: the client's public modules, checked one by one
-MODULES = ["wheeld", "wheeld.sync", "wheeld.aio", "wheeld.core", "wheeld.handshake", "wheeld.idle",
+MODULES = ["wheeld", "wheeld.sync", "wheeld.aio", "wheeld.core", "wheeld.session", "wheeld.handshake", "wheeld.idle",
            "wheeld.purgatory", "wheeld.ctl"]
 
 _LINKED_SUFFIXES = (".py", ".pyi", ".pxd")

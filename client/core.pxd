@@ -2,8 +2,7 @@
 # file only declares types; see wheeld.protocol.accel).
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
-from cpython.long cimport PyLong_FromLongLong
-from cpython.unicode cimport PyUnicode_DecodeUTF8
+from wheeld.protocol.keycodec cimport _kc_layout, decode_key_c
 from wheeld.shm.ring cimport ClientSegment
 
 cdef extern from *:
@@ -29,26 +28,11 @@ cdef long long _now_ns() except? -1
 
 
 cdef inline object _decode_key_bytes(bytes kb, long long meta):
-    """keys.decode_key of an expiration's key, for the keys encode_key can produce: None
-    when kb is not a key of meta (messages.expiry_keys' check: a valid meta byte and its
-    length); a str key not in UTF-8 raises UnicodeDecodeError, as bytes.decode does."""
-    cdef long long kind = meta >> 6
-    cdef long long length = meta & 0x3F
-    cdef Py_ssize_t n = PyBytes_GET_SIZE(kb)
-    cdef const unsigned char *p = <const unsigned char *>PyBytes_AS_STRING(kb)
-    cdef unsigned long long v = 0
-    cdef int k
-    if meta < 0 or meta > 0xFF or length < 1 or length > 32 or n != length:
-        return None
-    if kind == 1:
-        return PyUnicode_DecodeUTF8(<const char *>p, n, NULL)
-    if kind == 0:
-        return kb
-    if kind == 2 and n == 8:  # 8 bytes, little-endian, signed
-        for k in range(7, -1, -1):
-            v = (v << 8) | p[k]
-        return PyLong_FromLongLong(<long long>v)
-    return None
+    """keys.decode_key of an expiration's key by the shared decoder (protocol/keycodec.pxd):
+    None when kb is not a key of meta (messages.expiry_keys' check: a valid meta byte and
+    its length); a str key not in UTF-8 raises UnicodeDecodeError, as bytes.decode does."""
+    return decode_key_c(<const unsigned char *>PyBytes_AS_STRING(kb), PyBytes_GET_SIZE(kb), meta, kb)
+
 cdef Py_ssize_t _KEY_BYTES
 cdef long long _SEQ_MASK
 cdef Py_ssize_t _SHARD_MASK
@@ -59,7 +43,11 @@ cdef long long _CANCEL
 cdef long long _ADD_IDLE
 
 
-cdef class ClientCore:
+cdef class ClientBase:
+    pass
+
+
+cdef class ClientCore(ClientBase):
     cdef public object socket_path
     cdef public object group
     cdef public object ring_timeout_s
@@ -69,8 +57,8 @@ cdef class ClientCore:
     cdef public object _status
     # the status page (parked epoch, arena counters) and our ring's header words (group_full)
     cdef public object _parked
-    cdef const long long[::1] _page
-    cdef const unsigned long long[::1] _group_words
+    cdef public const long long[::1] _page
+    cdef public const unsigned long long[::1] _group_words
     cdef public long long _rang_epoch
     cdef public object _welcome
     cdef public long long _seq
@@ -78,7 +66,7 @@ cdef class ClientCore:
     cdef public list _latest
     cdef public dict _touch_index
     cdef public object _touch_by_key
-    cdef long long[::1] _touch_table
+    cdef public long long[::1] _touch_table
     cdef public object _free_touch
     cdef public object _next_touch
     cdef public list _recent

@@ -51,7 +51,6 @@ import os
 import socket
 import threading
 import weakref
-from typing import NoReturn
 
 import msgspec
 from wheeld.protocol import clock
@@ -61,16 +60,9 @@ from wheeld.protocol import ring_layout as RL
 from wheeld.protocol import status_layout as SL
 from wheeld.protocol.errors import (
     ArenaFull,
-    BackPressure,
-    BrokenPeer,
-    Closed,
-    ForkedClient,
-    GroupLimit,
     InvalidDelay,
     InvalidKey,
     InvalidRequest,
-    JournalUnavailable,
-    NotAllowed,
     ProtocolError,
     QuotaExceeded,
     RingFull,
@@ -80,6 +72,7 @@ from wheeld.protocol.keys import (
     TYPE_BYTES,
     TYPE_INT,
     TYPE_STR,
+    c_layout,
     decode_key,
     encode_key,
     key_meta_of,
@@ -89,6 +82,8 @@ from wheeld.protocol.messages import decode_daemon_body  # noqa: F401 - the I/O 
 from wheeld.protocol.naming import default_socket_path
 from wheeld.shm.ring import MAX_IDLE_MS, ClientSegment
 from wheeld.shm.status import StatusPage
+
+from .session import SEQ_BITS, SHARDS, ClientSession
 
 _META = [bytes((m,)) for m in range(256)]
 _fence = threading.Lock()
@@ -103,7 +98,7 @@ _FIRED_UNACKED = SL.FIRED_UNACKED_WORD
 _CAPACITY_WORD = SL.CAPACITY_WORD
 _GROUP_FULL = RL.GROUP_FULL_WORD
 _FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
-_SEQ_BITS = 21
+_SEQ_BITS = SEQ_BITS
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 _RECENT = 1 << 17  # the latest expirations received, the latest cancelled armings, and the latest keys no
 # longer tracked (their last arming), remembered to drop re-sent and replaced expirations
@@ -113,7 +108,7 @@ _RECENT = 1 << 17  # the latest expirations received, the latest cancelled armin
 # bench.daemon_paths, docs/figures.md). Those pauses stalled delivery (the application
 # got expirations late); split in 64 each pause is 64 times shorter, for a few ns per
 # operation.
-_SHARDS = 64
+_SHARDS = SHARDS
 _SHARD_MASK = _SHARDS - 1
 # A dict whose keys are all str keeps no hashes in its entries: every probe that meets
 # another key reads that key's str object for its hash, one more cache miss per
@@ -131,6 +126,8 @@ _KEY_BYTES = KEY_BYTES
 # CLOCK_MONOTONIC as wheeld.protocol.clock.mono_ns; _full_fence: one locked instruction,
 # what the uncontended lock's acquire/release gives the Python source).
 _COMPILED = not __file__.endswith(".py")
+if _COMPILED and _kc_layout() != c_layout():  # type: ignore[name-defined]  # noqa: F821 - protocol/keycodec.pxd
+    raise ImportError("protocol/keycodec.pxd's key format constants are not those of wheeld.protocol.keys")
 _CANCEL_MARK_EVERY = 256  # cancels between internal flushes that let us forget cancelled armings
 # (forgetting 1024 at once took ~1 ms of the receive path on a busy machine)
 
@@ -225,25 +222,6 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class _ForkedTouches(dict):
-    """Stands in for the touch index in a forked child: every touch raises ForkedClient."""
-
-    def __init__(self, owner_pid: int):
-        super().__init__()
-        self.owner_pid = owner_pid
-
-    def __getitem__(self, key):
-        raise ForkedClient(f"this wheeld client belongs to process {self.owner_pid}; connect again in the child")
-
-
-class _ClosedTouches(dict):
-    """Stands in for the touch index once the client is closed (its touch table unmapped):
-    every touch raises Closed."""
-
-    def __getitem__(self, key):
-        raise Closed("this wheeld client is closed")
-
-
 def passed_fds(ancillary) -> list[int]:
     """The descriptors in a ``recvmsg`` ancillary list (SCM_RIGHTS)."""
     fds = array.array("i")
@@ -261,21 +239,12 @@ def close_quietly(fd: int) -> None:
         pass
 
 
-def refusal_error(message: M.Refused) -> Exception:
-    """The WheeldError a Refused message stands for."""
-    text = f"the daemon refused the session: {message.reason}"
-    if message.code == M.Refused.NOT_ALLOWED:
-        return NotAllowed(text)
-    if message.code == M.Refused.GROUP_LIMIT:
-        return GroupLimit(text)
-    if message.code == M.Refused.BUSY:
-        return BackPressure(text)
-    if message.code == M.Refused.BAD_REQUEST:
-        return InvalidRequest(text)
-    return ProtocolError(text) if message.code == M.Refused.VERSION else BrokenPeer(text)
+class ClientBase:
+    """The extension type under :class:`ClientCore` in the compiled build (a compiled class
+    whose other bases are Python mixins needs one first); nothing of its own."""
 
 
-class ClientCore:
+class ClientCore(ClientBase, ClientSession):
     """Ring, touch table and bookkeeping; the subclasses add the socket I/O."""
 
     def __init__(self, socket_path: str | None, group: str, ring_timeout_s: float, reconnect_timeout_s: float,
@@ -353,7 +322,7 @@ class ClientCore:
         self._applied = -1
 
     def _init_cancels(self) -> None:
-        """Cancelled armings and the answers flush() waits for."""
+        """Cancelled armings (and the answers flush() waits for: the session's)."""
         # Cancelled armings (see cancel): flat lists [key, tag, key, tag, ...] (keys named as
         # in _latest), one per mark.
         # _marks: (mark seq, its list) until the mark's Applied; _cancel_log: the lists of the
@@ -367,106 +336,7 @@ class ClientCore:
         self._cancel_index: dict[tuple, int] | None = None
         self._cancel_indexed = 0  # entries of _cancelled_since_mark in the index
         self._cancel_index_idle = 0  # marks since the index was last asked
-        # Rejected messages received since the last Applied that answered a flush() waiting
-        # for it; that Applied hands them to its flush (_flush_answers), which raises them.
-        # The daemon answers in ring order (a refusal before the Applied of the first FLUSH
-        # after the refused command), so those are exactly the refusals of the commands
-        # before that FLUSH that no earlier flush() was told of.
-        self._rejected: list[M.Rejected] = []
-        # seq of each flush() waiting for its Applied -> None until it comes, then the
-        # Rejected messages received before it (see _rejected)
-        self._flush_answers: dict[int, list | None] = {}
-
-    # ------------------------------------------------------------------ fork
-    def _inherited_by_child(self) -> None:
-        """In a child that ``fork()`` made: the session is the parent's. Every call raises
-        ForkedClient; ``close()`` only drops the child's copies, sending nothing."""
-        self._forked = True
-        self._closed = True
-        self._touch_by_key = _ForkedTouches(self._owner_pid)
-
-    def _raise_unconnected(self) -> NoReturn:
-        raise Closed("this wheeld client has no session yet")
-
-    def _raise_closed(self) -> NoReturn:
-        if self._forked:
-            raise ForkedClient(f"this wheeld client belongs to process {self._owner_pid}; connect again in the child")
-        raise Closed("this wheeld client is closed")
-
-    def _release_local(self) -> None:
-        """Unmap the ring and the status page (this process's view only)."""
-        self._touch_table = None  # (compiled: typed views of the segment; dropped before it is unmapped)
-        self._group_words = None
-        if not self._forked:  # (a forked child keeps _ForkedTouches: its touches raise ForkedClient)
-            self._touch_by_key = _ClosedTouches()  # the table is gone: a touch raises Closed
-        if self._segment is not None:
-            self._segment.close()
-        if self._status is not None:
-            self._parked = self._page = None
-            self._status.close()
-            self._status = None
-
-    # ------------------------------------------------------------------ handshake (see wheeld.handshake)
-    def _on_welcome(self, welcome: M.Welcome, fds: list[int]) -> None:
-        """Take the session the daemon opened: ``fds`` are the descriptors that came with
-        the Welcome (our ring, then the status page); every one is used or closed."""
-        fds = list(fds)
-        try:
-            if not fds:
-                raise ProtocolError("the daemon's Welcome carried no ring")
-            ring_fd = fds.pop(0)
-            old = self._segment
-            if welcome.resumed and old is not None and old.same_file(ring_fd):
-                os.close(ring_fd)  # the ring we handed back, kept: its commands will be applied
-                old.name = welcome.segment_name  # its label in this daemon (a reboot relabels it)
-                segment = old
-                backlog = []
-            else:
-                segment = ClientSegment.attach(ring_fd, welcome.segment_name)  # takes ring_fd
-                backlog = old.unapplied_records(self._replay_from) if old is not None else []
-                self._replay_from = 0
-                self._flush_positions.clear()
-                if old is not None:  # the daemon could not take our ring back: start afresh
-                    self._touch_table = None
-                    self._group_words = None
-                    old.close()
-                    self._touch_index.clear()
-                    self._touch_by_key.clear()
-                    self._free_touch.clear()
-                    self._next_touch = 0
-                    # their touch indices were the old ring's; the copies they replace are acknowledged
-                    self._acks_pending.extend(rearm[6] for rearm in self._rearms_pending)
-                    self._rearms_pending.clear()
-                self._segment = segment
-                # touch() stores straight into the touch table: one 8-byte store (see shm.ring)
-                self._touch_table = segment._last_touch
-            self._group_words = segment._words
-            if self._status is not None:
-                self._parked = self._page = None
-                self._status.close()
-                self._status = None
-            if welcome.status_page and fds:
-                self._status = StatusPage.attach(fds.pop(0))
-                self._parked = self._page = self._status.words
-        finally:
-            for fd in fds:
-                os.close(fd)
-        if self._welcome is not None and self._welcome.client_id != welcome.client_id:
-            self._former_slots.add(self._welcome.client_id)  # armings tagged with it are still ours
-        self._welcome = welcome
-        self._tag_base = welcome.client_id << _SEQ_BITS
-        self._rang_epoch = 0
-        self.max_delay_ms = welcome.max_delay_ms
-        for record in backlog:  # pushed before, never applied: they go into the new ring
-            self._push_record(record)
-
-    def _push_record(self, record: bytes) -> None:
-        seg = self._segment
-        assert seg is not None  # pushed by _on_welcome, once the ring is mapped
-        if not seg.try_push_record(record):
-            self._wait_for_room()
-            if not seg.try_push_record(record):
-                raise RingFull(f"the ring stayed full for {self.ring_timeout_s} s; the daemon is not draining it")
+        self._init_flush_answers()
 
     # ------------------------------------------------------------------ commands
     def _check_open(self) -> None:
@@ -686,7 +556,7 @@ class ClientCore:
         except (KeyError, TypeError):
             raise InvalidKey(f"{key!r} is not an idle timer of this client (add_idle it first)") from None
         now_ns = _now_ns() if _COMPILED else _monotonic_ns()  # _now_ns inlined on the Python path
-        # (the table is mapped while _touch_by_key holds the key: once closed, _ClosedTouches raises)
+        # (the table is mapped while _touch_by_key holds the key: once closed, ClosedTouches raises)
         self._touch_table[index] = -(-now_ns // 1_000_000)  # type: ignore[index]  # ceil_ms(): never early
 
     def cancel(self, key) -> bool:
@@ -829,17 +699,6 @@ class ClientCore:
             return done >> _SEQ_BITS == my_slot
         return ((done - seq) & _SEQ_MASK) < (1 << (_SEQ_BITS - 1))
 
-    def _push_flush(self) -> int:
-        seg = self._segment
-        if seg is None:
-            self._raise_unconnected()
-        self._flush_acks()
-        seq = self._next_tag()
-        self._push(C.FLUSH, b"", 0, 0, seq)
-        self._flush_positions[seq] = seg._tail
-        self._ring_doorbell()
-        return seq
-
     # ------------------------------------------------------------------ delivery
     def _flush_acks(self) -> None:
         if self._rearms_pending:
@@ -859,42 +718,6 @@ class ClientCore:
         if done:
             del pending[:done]
 
-    def _on_message(self, message) -> None:
-        kind = type(message)
-        if kind is M.ExpirationRows or kind is M.Expirations:
-            self._on_expirations(message.items)
-        elif kind is M.Applied:
-            self._applied = message.seq
-            position = self._flush_positions.get(message.seq)
-            rejected = self._rejected
-            if rejected and rejected[-1].seq == message.seq and rejected[-1].code == M.Rejected.JOURNAL_UNAVAILABLE:
-                position = None  # applied but not on disk (the daemon's journal stalled): keep the replay position
-            answers = self._flush_answers
-            if answers and answers.get(message.seq, ()) is None:  # a flush() waits for it: its refusals
-                answers[message.seq] = rejected
-                self._rejected = []
-            if position is not None:  # everything before it is acknowledged: no replay from before
-                self._replay_from = position
-                while self._flush_positions:
-                    seq = next(iter(self._flush_positions))
-                    del self._flush_positions[seq]
-                    if seq == message.seq:
-                        break
-            shards = self._latest
-            while self._marks and self._marks[0][0] == message.seq:
-                _seq, cancelled = self._marks.pop(0)
-                for bkey in cancelled[::2]:
-                    latest = shards[hash(bkey) & _SHARD_MASK]
-                    tag = latest.get(bkey)
-                    if tag is not None and tag < 0:
-                        del latest[bkey]
-                        self._remember_done(bkey, ~tag)
-        elif kind is M.Rejected:
-            self._rejected.append(message)
-        elif kind is M.Goodbye:
-            raise BrokenPeer(f"the daemon ended the session: {message.reason}")
-        elif kind is M.Refused:
-            raise refusal_error(message)
 
     def _on_expirations(self, items) -> None:
         keys = _expiry_keys(items) if _COMPILED else M.expiry_keys(items)  # the whole frame checked first
@@ -1016,46 +839,6 @@ class ClientCore:
         self._to_ack.append(self._ready_handles.popleft())
         return self._ready.popleft()
 
-    def rejected(self) -> list[M.Rejected]:
-        """Commands the daemon refused since the last call (e.g. arena full) that no
-        ``flush()`` has been answered for yet."""
-        out, self._rejected = self._rejected, []
-        return out
-
-    def _flush_waits(self, seq: int) -> None:
-        """A flush() waits for the Applied of its FLUSH ``seq`` (:meth:`_flush_answer`)."""
-        self._flush_answers[seq] = None
-
-    def _flush_answer(self, seq: int) -> list | None:
-        """None while FLUSH ``seq``'s Applied has not come, then the refusals it answers."""
-        return self._flush_answers[seq]
-
-    def _flush_abandoned(self, seq: int) -> None:
-        """The flush() of FLUSH ``seq`` ends without its answer (Timeout, a lost daemon, a
-        cancelled task): the refusals its Applied answered, if it came, are the next one's."""
-        answered = self._flush_answers.pop(seq, None)
-        if answered:
-            self._rejected[:0] = answered
-
-    def _raise_rejections(self, rejected: list) -> None:
-        """Raise what a flush() raises for the refusals answered before its Applied (if any)."""
-        if not rejected:
-            return
-        # a flush the journal could not make durable: raised last, since a later flush that
-        # succeeds covers those commands too, while a refused command is never applied
-        unsynced = [r for r in rejected if r.code == M.Rejected.JOURNAL_UNAVAILABLE]
-        if unsynced:
-            rejected = [r for r in rejected if r.code != M.Rejected.JOURNAL_UNAVAILABLE]
-        full = [r for r in rejected if r.code == M.Rejected.ARENA_FULL]
-        quota = [r for r in rejected if r.code == M.Rejected.QUOTA_EXCEEDED]
-        summary = ", ".join(f"{r.key!r}: {r.reason}" for r in rejected[:5])
-        if full:
-            raise ArenaFull(f"{len(full)} add(s) refused because the arena is full ({summary})")
-        if quota:
-            raise QuotaExceeded(f"{len(quota)} add(s) refused: group {self.group!r} holds its quota ({summary})")
-        if rejected:
-            raise InvalidRequest(f"{len(rejected)} command(s) refused ({summary})")
-        raise JournalUnavailable(unsynced[-1].reason)
 
     def _ring_doorbell(self, urgent: bool = True) -> None:  # pragma: no cover - provided by the I/O shells
         """Wake a parked daemon; ``urgent=False`` (commands nobody waits for yet) lets it

@@ -22,7 +22,8 @@ from wheeld.protocol import messages as M
 from wheeld.protocol.errors import BrokenPeer, DaemonNotRunning, NotAllowed, ProtocolError, Timeout
 from wheeld.protocol.framing import FrameReader
 
-from .core import ClientCore, close_quietly, decode_daemon_body, refusal_error
+from .core import ClientCore, close_quietly, decode_daemon_body
+from .session import refusal_error
 
 #: the pause after a failed attempt to connect, doubled after each one up to RETRY_MAX_S
 RETRY_FIRST_S = 0.01

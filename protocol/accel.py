@@ -17,7 +17,8 @@ Selection:
   extensions are built (:class:`_PureFinder`, installed by ``import wheeld``).
 * In a source checkout an extension older than what it was built from is not
   used: its ``.py``, the ``.pxd`` beside it, and the ``.pxd`` of every hot module
-  that one cimports (an edit to ``shm/wheel.pxd`` changes ``daemon/executor``
+  that one cimports, and the C-only ``.pxd`` files of :data:`PXD_ONLY` it cimports
+  (an edit to ``shm/wheel.pxd`` or ``protocol/keycodec.pxd`` changes ``daemon/executor``
   too). The source runs, with a warning naming the newer file (``make build``
   brings the extensions up to date).
 
@@ -37,7 +38,7 @@ import sys
 import warnings
 
 __all__ = [
-    "COMPILED_MODULES", "PATH_CODES", "PATH_NAMES", "compiled", "implementation", "module_paths",
+    "COMPILED_MODULES", "PATH_CODES", "PATH_NAMES", "PXD_ONLY", "compiled", "implementation", "module_paths",
     "pure_python_requested", "install_finder",
 ]
 
@@ -50,6 +51,12 @@ COMPILED_MODULES = {
     "wheeld.shm.ring": "shm/ring.py",
     "wheeld.core": "client/core.py",
     "wheeld.purgatory": "client/purgatory.py",
+}
+
+#: C declarations with no module of their own (inline functions and constants) that hot
+#: modules cimport: an edit to one makes every extension that cimports it stale
+PXD_ONLY = {
+    "wheeld.protocol.keycodec": "protocol/keycodec.pxd",
 }
 
 #: how the daemon publishes :func:`implementation` (its ``daemon_hot_path`` counter word)
@@ -155,7 +162,7 @@ def _walk_cimports(source: str, fullname: str | None) -> tuple[list[str], list[t
             continue
         seen.add(pxd)
         inputs.append(pxd)
-        if module != fullname and module is not None:
+        if module != fullname and module is not None and module not in PXD_ONLY:
             reached.append((module, pxd[:-4] + ".py"))
         if root is None or module is None:
             continue
@@ -168,6 +175,8 @@ def _walk_cimports(source: str, fullname: str | None) -> tuple[list[str], list[t
             target = COMPILED_MODULES.get(name)
             if target is not None:
                 queue.append((name, os.path.join(root, target[:-3] + ".pxd")))
+            elif name in PXD_ONLY:
+                queue.append((name, os.path.join(root, PXD_ONLY[name])))
     return inputs, reached
 
 

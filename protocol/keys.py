@@ -28,6 +28,7 @@ _LEN_MASK = 0x3F
 
 _INT_MIN = -(1 << 63)
 _INT_MAX = (1 << 63) - 1
+INT_KEY_BYTES = 8  # an int key: 8 bytes, little-endian, signed
 
 Key = str | bytes | int
 
@@ -46,7 +47,7 @@ def encode_key(key: Key) -> tuple[bytes, int]:
     elif type(key) is int:
         if not _INT_MIN <= key <= _INT_MAX:
             raise InvalidKey(f"int key {key} does not fit in a signed 64-bit integer")
-        data = key.to_bytes(8, "little", signed=True)
+        data = key.to_bytes(INT_KEY_BYTES, "little", signed=True)
         kind = TYPE_INT
     elif isinstance(key, (bytes, bytearray, memoryview)):
         data = bytes(key)
@@ -101,3 +102,9 @@ def valid_key_meta(key_meta: int) -> bool:
 #: :func:`valid_key_meta` of every byte value: index it with a meta byte (or, as a numpy
 #: array, with an array of them) to check many at once
 VALID_KEY_METAS = tuple(valid_key_meta(meta) for meta in range(256))
+
+
+def c_layout() -> tuple[int, ...]:
+    """The format's constants as the compiled decoder (``protocol/keycodec.pxd``) declares
+    them; the modules that cimport it compare its ``_kc_layout()`` with this at import."""
+    return (_TYPE_SHIFT, _LEN_MASK, TYPE_BYTES, TYPE_STR, TYPE_INT, INT_KEY_BYTES, KEY_BYTES)

@@ -3,10 +3,10 @@
 # the C loops of the batch methods (the functions after the class, _c_*).
 cimport cython
 from cpython.bytes cimport PyBytes_FromStringAndSize
-from cpython.long cimport PyLong_FromLongLong
-from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
+
+from wheeld.protocol.keycodec cimport _KC_LEN_MASK, _kc_layout, decode_key_c
 
 from .keyindex cimport KeyIndex, _hash_bytes
 from .placement cimport Placement
@@ -26,24 +26,9 @@ cdef inline bytes _key_field(unsigned char[::1] b, Py_ssize_t at):
     return PyBytes_FromStringAndSize(<const char *>&b[at], 32)
 
 cdef inline object _decode_key_at(unsigned char[::1] b, Py_ssize_t at, int meta):
-    """keys.decode_key of the key bytes at b[at] (a record's key field, 32 bytes) for a meta
-    byte encode_key can write, built straight from the bytes; None for any other meta
-    byte (the caller then decodes the Python way, with the same result and errors)."""
-    cdef int kind = meta >> 6
-    cdef int n = meta & 0x3F
-    cdef unsigned long long v = 0
-    cdef int k
-    if n < 1 or n > 32:
-        return None
-    if kind == 1:  # str: strict UTF-8, as bytes.decode("utf-8")
-        return PyUnicode_DecodeUTF8(<const char *>&b[at], n, NULL)
-    if kind == 0:
-        return PyBytes_FromStringAndSize(<const char *>&b[at], n)
-    if kind == 2 and n == 8:  # int: 8 bytes, little-endian, signed
-        for k in range(7, -1, -1):
-            v = (v << 8) | b[at + k]
-        return PyLong_FromLongLong(<long long>v)
-    return None
+    """keys.decode_key of the key bytes at b[at] (a record's key field, 32 bytes): the
+    shared decoder (protocol/keycodec.pxd), None for a meta byte encode_key never writes."""
+    return decode_key_c(&b[at], meta & _KC_LEN_MASK, meta, None)
 
 cdef int _FREE, _SCHEDULED, _FIRED, _STATE_MASK, _LEVEL_SHIFT
 cdef Py_ssize_t _CUR, _QW, _IW, _HW, _RB, _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP, _ST, _KM, _KEY
@@ -52,7 +37,7 @@ cdef Py_ssize_t _C_PENDING, _C_FIRED_UNACKED, _C_ADDS, _C_REARMS, _C_CANCELS, _C
 cdef Py_ssize_t _C_CASCADES, _C_ACKS, _C_IDLE_REARMS, _C_ARENA_FULL
 
 
-cdef class WheelCore:
+cdef class WheelRecords:
     cdef dict __dict__
     cdef public object _seg, records, _hq, _rb, max_groups
     cdef public Py_ssize_t first_entry, n_records, due_list, fired_list, _free_top
@@ -72,30 +57,58 @@ cdef class WheelCore:
     cdef int[::1] _hb
     cdef Py_ssize_t _hn
 
+    # The steps of a record and the heap: final (direct C calls, from TimerWheel too).
+    @cython.final
     @cython.locals(b=cython.Py_ssize_t, expiration=cython.longlong, level=cython.longlong,
                    bp=cython.Py_ssize_t, tail=cython.Py_ssize_t, sp=cython.Py_ssize_t)
     cdef int _link(self, Py_ssize_t slot, long long deadline, long long cur) except -1
 
+    @cython.final
     @cython.locals(sp=cython.Py_ssize_t, prev=cython.Py_ssize_t, nxt=cython.Py_ssize_t)
     cdef void _unlink(self, Py_ssize_t slot)
 
+    @cython.final
+    @cython.locals(old_state=cython.int, new_state=cython.int)
+    cdef void _rearm(self, Py_ssize_t slot, long long deadline_ms, long long tag, long long cur)
+
+    @cython.final
+    cdef void _apply_with_intent(self, Py_ssize_t slot, int state, long long deadline_ms, long long tag)
+
+    @cython.final
+    @cython.locals(state=cython.int, sp=cython.Py_ssize_t, prev=cython.Py_ssize_t, nxt=cython.Py_ssize_t)
+    cdef void _remove_scheduled(self, Py_ssize_t slot, Py_ssize_t group)
+
+    @cython.final
+    cdef void _free(self, Py_ssize_t slot)
+
+    @cython.final
+    @cython.locals(fl=cython.Py_ssize_t, flp=cython.Py_ssize_t, tail=cython.Py_ssize_t)
+    cdef void _fire(self, Py_ssize_t s, list out)
+
+    cpdef list _due_buckets(self, now_ms)
+
+    @cython.locals(i=cython.int[::1], examined=list, s=Py_ssize_t, b=Py_ssize_t, start=Py_ssize_t)
+    cpdef cascade_ahead(self, now_ms, max_entries)
+
+    @cython.final
+    @cython.locals(i=cython.int[::1], moved=Py_ssize_t, s=Py_ssize_t, nxt=Py_ssize_t, deadline=cython.longlong)
+    cdef Py_ssize_t _move_each_to_level0(self, Py_ssize_t start, Py_ssize_t b, Py_ssize_t max_entries,
+                                         long long expiration, long long pass_cur, long long cur) except -1
+
+
+# TimerWheel: the operations over WheelRecords, with its rooms (Python mixins:
+# wheel_groups, wheel_attach, wheel_batch). Final: its cpdef methods are called directly,
+# with no check for an override, from what types a wheel as TimerWheel (the executor,
+# the purgatory) and from its own methods.
+@cython.final
+cdef class TimerWheel(WheelRecords):
     @cython.locals(cur=cython.longlong, deadline=cython.longlong, g=cython.Py_ssize_t, t=cython.longlong,
                    a=cython.longlong, slot=cython.Py_ssize_t, top=cython.Py_ssize_t,
                    sp=cython.Py_ssize_t, gen=cython.longlong, base=cython.Py_ssize_t, state=cython.int)
     cpdef tuple schedule_ident(self, ident, deadline_ms, group=*, tag=*, aux=*)
 
-    @cython.locals(old_state=cython.int, new_state=cython.int)
-    cdef void _rearm(self, Py_ssize_t slot, long long deadline_ms, long long tag, long long cur)
-
-    cdef void _apply_with_intent(self, Py_ssize_t slot, int state, long long deadline_ms, long long tag)
-
     @cython.locals(slot=cython.Py_ssize_t)
     cpdef bint cancel_ident(self, ident, group=*) except -1
-
-    @cython.locals(state=cython.int, sp=cython.Py_ssize_t, prev=cython.Py_ssize_t, nxt=cython.Py_ssize_t)
-    cdef void _remove_scheduled(self, Py_ssize_t slot, Py_ssize_t group)
-
-    cdef void _free(self, Py_ssize_t slot)
 
     @cython.locals(out=list, i=cython.int[::1], b=cython.Py_ssize_t, bp=cython.Py_ssize_t, s=cython.Py_ssize_t)
     cdef list _collect(self, now_ms)
@@ -105,9 +118,6 @@ cdef class WheelCore:
                    deadline=cython.longlong, state=cython.int, c=cython.longlong[::1], base=cython.Py_ssize_t,
                    meta=cython.int, index=KeyIndex)
     cdef Py_ssize_t _sweep(self, now_ms, bint to_fired, list out) except -1
-
-    @cython.locals(fl=cython.Py_ssize_t, flp=cython.Py_ssize_t, tail=cython.Py_ssize_t)
-    cdef void _fire(self, Py_ssize_t s, list out)
 
     @cython.locals(out=list)
     cpdef list advance(self, now_ms)
@@ -121,26 +131,6 @@ cdef class WheelCore:
     @cython.locals(cur=cython.longlong, deadline=cython.longlong, base=cython.Py_ssize_t, group=cython.Py_ssize_t,
                    state=cython.int, c=cython.longlong[::1])
     cpdef bint rearm_fired(self, slot, generation, deadline_ms) except -1
-
-    cpdef list _due_buckets(self, now_ms)
-
-
-# TimerWheel: WheelCore with its rooms (Python mixins: wheel_groups, wheel_attach,
-# wheel_batch) and the batch operations' entry points; final: what is typed TimerWheel
-# (the executor, the purgatory) calls its methods directly
-@cython.final
-cdef class TimerWheel(WheelCore):
-    @cython.locals(i=cython.int[::1], by_level=cython.longlong[::1], ws=Py_ssize_t,
-                   due_list=Py_ssize_t, whole=list, mixed=list, chains=list, out=list, b=Py_ssize_t, bp=Py_ssize_t,
-                   s=Py_ssize_t, before=Py_ssize_t)
-    cpdef tuple _collect_buckets(self, now_ms)
-
-    @cython.locals(i=cython.int[::1], examined=list, s=Py_ssize_t, b=Py_ssize_t, start=Py_ssize_t)
-    cpdef cascade_ahead(self, now_ms, max_entries)
-
-    @cython.locals(i=cython.int[::1], moved=Py_ssize_t, s=Py_ssize_t, nxt=Py_ssize_t, deadline=cython.longlong)
-    cdef Py_ssize_t _move_each_to_level0(self, Py_ssize_t start, Py_ssize_t b, Py_ssize_t max_entries,
-                                         long long expiration, long long pass_cur, long long cur) except -1
 
     @cython.locals(out=list, s=Py_ssize_t, sp=Py_ssize_t, base=Py_ssize_t)
     cpdef list record_rows(self, slots)
@@ -236,7 +226,7 @@ cdef struct _Slots:  # a growing array of slots
     Py_ssize_t size, cap
 
 
-cdef inline int _c_views(WheelCore w, _Arena *a, _Index *x) except -1:
+cdef inline int _c_views(WheelRecords w, _Arena *a, _Index *x) except -1:
     """C pointers into the wheel's views (their lengths cover every record)."""
     cdef KeyIndex index = w._index
     a.q = &w._q[0]
@@ -290,7 +280,7 @@ cdef inline bint _c_heap_before(long long e1, Py_ssize_t b1, long long e2, Py_ss
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline int _c_heap_push(WheelCore w, long long e, Py_ssize_t b) except -1:
+cdef inline int _c_heap_push(WheelRecords w, long long e, Py_ssize_t b) except -1:
     """heapq.heappush(heap, (e, b))."""
     cdef Py_ssize_t i, parent
     cdef long long *hx
@@ -315,7 +305,7 @@ cdef inline int _c_heap_push(WheelCore w, long long e, Py_ssize_t b) except -1:
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline void _c_heap_pop(WheelCore w) noexcept:
+cdef inline void _c_heap_pop(WheelRecords w) noexcept:
     """heapq.heappop(heap) of a non-empty heap (the top is read before)."""
     cdef Py_ssize_t i = 0, c, n
     cdef long long e
@@ -341,7 +331,7 @@ cdef inline void _c_heap_pop(WheelCore w) noexcept:
     hb[i] = b
 
 
-cdef inline int _c_heap_fill(WheelCore w, list entries) except -1:
+cdef inline int _c_heap_fill(WheelRecords w, list entries) except -1:
     """The heap of the (expiration, sentinel) pairs ``entries`` (TimerWheel._fill_heap)."""
     w._hn = 0
     for e, b in entries:
@@ -357,7 +347,7 @@ cdef inline bint _c_queued_at(list queued, Py_ssize_t b, long long e) except -1:
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline object _c_next_deadline(WheelCore w):
+cdef inline object _c_next_deadline(WheelRecords w):
     """TimerWheel.next_deadline: the top entry of a live non-empty bucket, popping the others."""
     cdef long long e
     cdef Py_ssize_t b
@@ -375,7 +365,7 @@ cdef inline object _c_next_deadline(WheelCore w):
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline list _c_due_buckets(WheelCore w, long long now):
+cdef inline list _c_due_buckets(WheelRecords w, long long now):
     """TimerWheel._due_buckets: the live non-empty buckets due at ``now``, off the heap."""
     cdef long long e
     cdef Py_ssize_t b
@@ -510,7 +500,7 @@ cdef inline void _c_prefetch_links(_Arena *a, Py_ssize_t s) noexcept nogil:
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline bint _c_hash_idents(WheelCore w, const unsigned char[::1] idents, const long long[:] groups,
+cdef inline bint _c_hash_idents(WheelRecords w, const unsigned char[::1] idents, const long long[:] groups,
                                 long long[::1] hashes, const unsigned char[::1] valid_meta, bint check_meta) except -1:
     """hashes[j] = item j's key hash (KeyIndex.key_hash: hash() of its 33 bytes, mixed with its
     group's); groups are checked by the caller (one per item, or one for all: a column of
@@ -707,7 +697,7 @@ cdef inline Py_ssize_t _c_place(_Place *pl, long long d, long long *expiration, 
     return l * pl.ws + m
 
 
-cdef inline int _c_link(WheelCore w, _Arena *a, _Place *pl, Py_ssize_t s, long long d, object corrupt) except -1:
+cdef inline int _c_link(WheelRecords w, _Arena *a, _Place *pl, Py_ssize_t s, long long d, object corrupt) except -1:
     """TimerWheel._link of record s (its deadline d, the batch's clock): appended to the tail
     of its bucket; returns the state byte to store. Deadlines Placement.place does not take
     in 64 bits go through _link."""
@@ -755,7 +745,7 @@ cdef inline bint _c_in_range(const long long[:] values, long long low, long long
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef inline (Py_ssize_t, Py_ssize_t, Py_ssize_t) _c_schedule_many(
-        WheelCore w, const unsigned char[::1] idents, const long long[:] deadlines, const long long[:] groups,
+        WheelRecords w, const unsigned char[::1] idents, const long long[:] deadlines, const long long[:] groups,
         const long long[:] tags, const long long[:] auxs, long long cur, const long long[::1] hashes,
         long long[::1] slots, unsigned int[::1] gens, unsigned char[::1] intent, object corrupt) except *:
     """schedule_many of distinct keys (their hashes given), inputs checked: every key looked
@@ -862,7 +852,7 @@ cdef inline (Py_ssize_t, Py_ssize_t, Py_ssize_t) _c_schedule_many(
 
 
 # ------------------------------------------------------------------ freed records
-cdef inline int _c_unlink_and_push_free(WheelCore w, _Arena *a, Py_ssize_t *freed, Py_ssize_t k,
+cdef inline int _c_unlink_and_push_free(WheelRecords w, _Arena *a, Py_ssize_t *freed, Py_ssize_t k,
                                         object corrupt) except -1:
     """The end of cancel_many and release_many: unlink the k records just committed FREE
     (``freed``, in batch order) from their lists, then push them on the free stack in
@@ -879,7 +869,7 @@ cdef inline int _c_unlink_and_push_free(WheelCore w, _Arena *a, Py_ssize_t *free
 # ------------------------------------------------------------------ cancel_many
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline Py_ssize_t _c_cancel_many(WheelCore w, const unsigned char[::1] idents, const long long[:] groups,
+cdef inline Py_ssize_t _c_cancel_many(WheelRecords w, const unsigned char[::1] idents, const long long[:] groups,
                                       const long long[::1] hashes, unsigned char[::1] hit, object corrupt) except -1:
     """cancel_many of distinct keys (their hashes given), inputs checked: each key found is
     committed FREE and leaves the index (TimerWheel._remove_scheduled_many), then the freed
@@ -922,7 +912,7 @@ cdef inline Py_ssize_t _c_cancel_many(WheelCore w, const unsigned char[::1] iden
 # ------------------------------------------------------------------ release_many
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline Py_ssize_t _c_release_many(WheelCore w, const long long[:] slots, const long long[:] generations,
+cdef inline Py_ssize_t _c_release_many(WheelRecords w, const long long[:] slots, const long long[:] generations,
                                        unsigned char[::1] ok, object corrupt) except -1:
     """release_many: each handle that names a FIRED record of that generation (the first
     time the batch names it) is committed FREE; then the freed records are unlinked and
@@ -964,7 +954,7 @@ cdef inline Py_ssize_t _c_release_many(WheelCore w, const long long[:] slots, co
 # ------------------------------------------------------------------ records_of
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline bint _c_records_of(WheelCore w, const long long[:] slots, unsigned char[::1] out) except -1:
+cdef inline bint _c_records_of(WheelRecords w, const long long[:] slots, unsigned char[::1] out) except -1:
     """Copy the records at ``slots`` (a negative one counts from the end, as numpy indexes)
     into ``out``; False (nothing copied) if a slot is not a record."""
     cdef Py_ssize_t n = slots.shape[0], j, s, records = w.n_records
@@ -989,7 +979,7 @@ cdef inline bint _c_records_of(WheelCore w, const long long[:] slots, unsigned c
 # ------------------------------------------------------------------ expire_many
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef inline (Py_ssize_t, Py_ssize_t) _c_expire_many(WheelCore w, list buckets, long long now, object new_slots,
+cdef inline (Py_ssize_t, Py_ssize_t) _c_expire_many(WheelRecords w, list buckets, long long now, object new_slots,
                                                     list out, object corrupt) except *:
     """expire_many of the due buckets (TimerWheel._due_buckets, in heap order): each is
     detached (its records walked), the clock moves to ``now``; the chains of level-0

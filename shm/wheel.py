@@ -237,20 +237,22 @@ Where the code lives
 --------------------
 :class:`TimerWheel` is one class assembled from rooms, each a module of its own:
 
-* :class:`WheelCore` (here): the records, their links, the scalar operations
-  (``schedule``, ``cancel``, ``advance``/``expire``, ``release``, ``rearm_fired``),
-  the bucket heap and the counters: what every call goes through;
+* :class:`WheelRecords` (here): the arena's views, the links and the steps every
+  operation is made of (link, unlink, re-arm through the intent, free, fire), the
+  bucket heap, ``cascade_ahead`` and the counters;
+* :class:`TimerWheel` (here): the operations over it, scalar (``schedule``,
+  ``cancel``, ``advance``/``expire``, ``release``, ``rearm_fired``) and batch (their
+  checks, then the C loops when compiled or the numpy room);
 * :class:`~wheeld.shm.wheel_groups.GroupTable`: the group table and live counts;
 * :class:`~wheeld.shm.wheel_attach.WheelAttach`: ``create``, ``attach``/``recover``
   (intent replay and the rebuild of everything derived), repairs and ``check``;
 * :class:`~wheeld.shm.wheel_batch.NumpyBatches`: the batch operations computed
-  with numpy (the Python path, and the reference of the C loops);
-* :class:`TimerWheel` (here): the batch operations' entry points (checks, then the
-  C loops when compiled or the numpy room) and ``cascade_ahead``.
+  with numpy (the Python path, and the reference of the C loops).
 
-Compiled, ``WheelCore`` and ``TimerWheel`` are extension types (``shm/wheel.pxd``
-declares their fields and C methods; the rooms are Python mixins that read the same
-fields). Shared bounds and the counter table are :mod:`wheeld.shm.wheel_common`'s.
+Compiled, ``WheelRecords`` and ``TimerWheel`` are extension types (``shm/wheel.pxd``
+declares their fields and C methods; ``TimerWheel`` is final, so its methods are called
+directly); the rooms are Python mixins that read the same fields. Shared bounds and
+the counter table are :mod:`wheeld.shm.wheel_common`'s.
 """
 
 from __future__ import annotations
@@ -263,7 +265,7 @@ import numpy as np
 
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol.errors import ArenaFull, CorruptArena, InvalidDelay, InvalidKey, InvalidRequest
-from wheeld.protocol.keys import VALID_KEY_METAS, decode_key, encode_key, key_length
+from wheeld.protocol.keys import VALID_KEY_METAS, c_layout, decode_key, encode_key, key_length
 
 from .arena import Segment
 from .header import parse_header
@@ -277,7 +279,7 @@ from .wheel_common import (
 )
 from .wheel_groups import GroupTable
 
-__all__ = ["DEFAULT_WHEEL_SIZE", "MAX_CLOCK_MS", "MAX_DELAY_MS", "GENERATION_MASK", "TimerWheel", "WheelCore",
+__all__ = ["DEFAULT_WHEEL_SIZE", "MAX_CLOCK_MS", "MAX_DELAY_MS", "GENERATION_MASK", "TimerWheel", "WheelRecords",
            "encode_ident"]
 
 _default_levels = default_levels  # (the name tests use)
@@ -316,6 +318,8 @@ if _COMPILED and _c_layout() != (  # noqa: F821 - wheel.pxd: its C constants are
         L.DUE_LEVEL, L.H_CURRENT_MS // 8, L.H_INTENT_COUNT // 4, L.INTENT_BATCH_MAX, L.INTENT_ENTRY.size,
         GENERATION_MASK):
     raise ImportError("wheel.pxd's record layout constants are not those of wheeld.protocol.arena_layout")
+if _COMPILED and _kc_layout() != c_layout():  # noqa: F821 - protocol/keycodec.pxd, cimported by wheel.pxd
+    raise ImportError("protocol/keycodec.pxd's key format constants are not those of wheeld.protocol.keys")
 _C_PENDING = COUNTER_INDEX["pending"]
 _C_FIRED_UNACKED = COUNTER_INDEX["fired_unacked"]
 _C_ADDS = COUNTER_INDEX["adds_total"]
@@ -354,10 +358,13 @@ def encode_ident(key) -> bytes:
     return _ident(key)[0]
 
 
-class WheelCore:
-    """The records, their links and the scalar operations: the heart of
-    :class:`TimerWheel` (see the module docstring for the algorithm)."""
+class WheelRecords:
+    """The arena's records as a wheel: the views every path reads and writes through, the
+    links and the steps each operation is made of (link, unlink, re-arm through the
+    intent, free, fire), the bucket heap, cascading ahead and the counters.
+    :class:`TimerWheel` adds the operations (see the module docstring for the algorithm)."""
 
+    # ------------------------------------------------------------------ set-up
     def __init__(self, seg: Segment) -> None:
         self._seg = seg
         info = parse_header(seg.buf, seg.size, seg.name or "arena")
@@ -480,7 +487,7 @@ class WheelCore:
     def free_slots(self) -> int:
         return self.capacity - self._count[_C_PENDING] - self._count[_C_FIRED_UNACKED]
 
-    # ------------------------------------------------------------------ links
+    # ------------------------------------------------------------------ links and the steps of a record
     def _link(self, slot: int, deadline: int, cur: int) -> int:
         """Link a record into the bucket for its deadline; return the state byte to store.
 
@@ -512,7 +519,292 @@ class WheelCore:
         self._i[prev * _IW + _NEXT] = nxt
         self._i[nxt * _IW + _PREV] = prev
 
-    # ------------------------------------------------------------------ operations
+    def _rearm(self, slot: int, deadline_ms: int, tag: int, cur: int) -> None:
+        """Move a scheduled record: a multi-field update of a live record, so through the intent."""
+        old_state = self._b[slot * _RB + _ST]
+        self._unlink(slot)
+        self._pending_by_level[old_state >> _LEVEL_SHIFT] -= 1
+        new_state = self._link(slot, deadline_ms, cur)
+        self._apply_with_intent(slot, new_state, deadline_ms, tag)
+        self._count[_C_REARMS] += 1
+
+    def _apply_with_intent(self, slot: int, state: int, deadline_ms: int, tag: int) -> None:
+        self._hi[_INTENT_STATE] = state
+        self._clock[_INTENT_DEADLINE] = deadline_ms
+        self._hu[_INTENT_TAG] = tag  # the arena's words are little-endian, as this host's
+        self._hi[_INTENT_SLOT] = slot  # commit the intent
+        self._q[slot * _QW] = deadline_ms
+        self._u[slot * _IW + _TAG] = tag
+        self._b[slot * _RB + _ST] = state
+        self._hi[_INTENT_SLOT] = -1  # done
+
+    def _remove_scheduled(self, slot: int, group: int) -> None:
+        state = self._b[slot * _RB + _ST]
+        sp = slot * _IW  # _unlink, written out: one call less per cancel
+        prev = self._i[sp + _PREV]
+        nxt = self._i[sp + _NEXT]
+        self._i[prev * _IW + _NEXT] = nxt
+        self._i[nxt * _IW + _PREV] = prev
+        self._b[slot * _RB + _ST] = _FREE  # commit point
+        self._pending_by_level[state >> _LEVEL_SHIFT] -= 1
+        self._index.remove(slot)
+        self._free_stack[self._free_top] = slot  # _free, written out
+        self._free_top += 1
+        self._group_live[group] -= 1
+        self._count[_C_PENDING] -= 1
+
+    def _free(self, slot: int) -> None:
+        self._free_stack[self._free_top] = slot
+        self._free_top += 1
+
+    def _fire(self, s: int, out: list) -> None:
+        """A due timer of :meth:`expire`: to the tail of the fired list, FIRED; its slot to ``out``."""
+        self._index.remove(s)
+        fl = self.fired_list
+        flp = fl * _IW
+        tail = self._i[flp + _PREV]
+        self._i[s * _IW + _PREV] = tail
+        self._i[s * _IW + _NEXT] = fl
+        self._i[tail * _IW + _NEXT] = s
+        self._i[flp + _PREV] = s
+        self._b[s * _RB + _ST] = _FIRED
+        out.append(s)
+
+    def _unlink_free(self, slot: int) -> None:
+        """Unlink a record already stored FREE and push it on the free stack (for the rooms:
+        :meth:`_unlink` and :meth:`_free` are C functions in the compiled build)."""
+        self._unlink(slot)
+        self._free(slot)
+
+    def _new_counts(self, counts: list[int]) -> memoryview | list[int]:
+        """Per-level or per-group counts in this build's form (see _int64_counts)."""
+        return _int64_counts(counts)
+
+    # ------------------------------------------------------------------ the bucket heap
+    # Every non-empty bucket's expiration sits in a heap (Kafka's DelayQueue of buckets):
+    # (expiration, sentinel) pairs, a heapq list on the Python path and C arrays when
+    # compiled (_c_heap_* in wheel.pxd, its twin). _queued[b] is the expiration bucket b
+    # is queued under (-1: none): an entry that disagrees is stale and skipped when popped.
+    def _queue_bucket(self, b: int, expiration: int) -> None:
+        """Queue bucket ``b`` under ``expiration`` unless it already is (what :meth:`_link`
+        does, written out there, for a bucket that was empty)."""
+        if self._queued[b] != expiration:
+            self._queued[b] = expiration
+            if _COMPILED:
+                _c_heap_push(self, expiration, b)  # noqa: F821 - wheel.pxd
+            else:
+                heapq.heappush(self._heap, (expiration, b))
+
+    def _fill_heap(self, pairs: list[tuple[int, int]]) -> None:
+        """The heap of ``pairs`` (whose buckets' _queued entries are set), replacing the old one."""
+        if _COMPILED:
+            self._hn = 0
+            _c_heap_fill(self, pairs)  # noqa: F821 - wheel.pxd
+            self._heap = []
+        else:
+            heapq.heapify(pairs)
+            self._heap = pairs
+
+    def next_deadline(self) -> int | None:
+        """Expiration of the earliest non-empty bucket: when ``advance`` next has work.
+
+        This is a bucket time, not necessarily a timer's deadline: a higher-level
+        bucket comes due to cascade. None when the wheel is empty.
+        """
+        if _COMPILED:
+            return _c_next_deadline(self)  # noqa: F821 - wheel.pxd: the same loop over the C heap
+        heap, queued, i = self._heap, self._queued, self._i
+        while heap:
+            expiration, b = heap[0]
+            if queued[b] == expiration and i[b * _IW + _NEXT] != b:
+                return expiration
+            heapq.heappop(heap)  # stale: the bucket was emptied by cancels or re-queued
+            if queued[b] == expiration:
+                queued[b] = -1
+        return None
+
+    def _due_buckets(self, now_ms: int) -> list[int]:
+        """The non-empty buckets due at ``now_ms``, in the heap's order, taken off the heap
+        (each un-queued) but not detached: what :meth:`_collect` and :meth:`_collect_buckets`
+        walk, and the compiled :meth:`expire_many` in C. Compiled, the heap is C arrays."""
+        if _COMPILED:
+            return _c_due_buckets(self, now_ms)  # noqa: F821 - wheel.pxd
+        heap, queued, i = self._heap, self._queued, self._i
+        due = []
+        while heap and heap[0][0] <= now_ms:
+            expiration, b = heapq.heappop(heap)
+            if queued[b] != expiration:
+                continue  # a stale entry: the bucket was queued again under another time
+            queued[b] = -1
+            if i[b * _IW + _NEXT] != b:  # else emptied by cancels
+                due.append(b)
+        return due
+
+    def _heap_grow(self) -> None:
+        """Twice the room in the C arrays of the compiled path's bucket heap."""
+        n = self._hn
+        self._hx = np.concatenate((np.asarray(self._hx)[:n], np.zeros(max(n, 256), dtype=np.int64)))
+        self._hb = np.concatenate((np.asarray(self._hb)[:n], np.zeros(max(n, 256), dtype=np.int32)))
+
+    # ------------------------------------------------------------------ cascading ahead
+    def cascade_ahead(self, now_ms: int, max_entries: int) -> int:
+        """Move timers of the next level-1 bucket down to level 0 before it comes due.
+
+        The level-1 bucket ``[T, T + tick(1))`` cascades whole at ``T``; under load it
+        holds thousands of timers, and re-placing them at ``T`` delays the timers
+        due at ``T`` itself. While the clock ``cur`` runs through ``[T - tick(1), T)``,
+        every timer of that bucket whose deadline is already within level 0's reach
+        (``ceil(d / tick_ms) - cur // tick_ms <= wheel_size``, exactly the test
+        ``bucket_for`` makes first) can go to its level-0 bucket now: that is the
+        bucket a cascade at ``T`` would give it (level-0 buckets do not depend on the
+        clock once a deadline fits), so nothing fires earlier or later than it would
+        have; at ``T`` only the rest is left to cascade.
+
+        Looks at no more than ``max_entries`` records of the bucket per call (the cost
+        is bounded), continuing where the previous call stopped, and moves those that
+        fit. A new pass over the bucket starts once the clock has covered half the time
+        that was left to the bucket's expiration when the last pass began (at least
+        1 ms): with deadlines spread over the bucket, each pass finds about half of
+        what is left fitting, so a record is looked at about three times before the
+        boundary instead of once per ms. Returns how many moved (counted in
+        ``cascades_total``).
+
+        If no bucket is due at ``now_ms``, the clock first moves to ``now_ms`` (what
+        :meth:`expire` does then); otherwise placement stays relative to the stored
+        clock and the due buckets wait for ``expire``.
+
+        Crash consistency: only links and the level bits of state bytes change, both
+        derived (``attach`` re-places every scheduled record from its deadline and the
+        stored clock, which puts a timer that fits level 0 there anyway); deadlines,
+        tags and keys are not touched, so no intent is needed.
+        """
+        _check_clock(now_ms)
+        if type(max_entries) is not int or max_entries < 0:
+            raise InvalidRequest("max_entries must be an integer >= 0")
+        cur = self._move_idle_clock(now_ms)
+        if self.levels < 2 or max_entries == 0:
+            return 0
+        t1 = self._ticks[1]
+        v1 = cur // t1 + 1  # the level-1 bucket that comes due next (v1 - 1 is always empty)
+        expiration = v1 * t1
+        b = self.wheel_size + v1 % self.wheel_size
+        if self._queued[b] != expiration or self._i[b * _IW + _NEXT] == b:
+            return 0
+        if not self._placement.level_value(expiration, cur, 0)[1]:
+            return 0  # level 0 does not reach this bucket's first ms yet: nothing of it fits
+        start, pass_cur = self._ahead_start(b, v1, cur)
+        if start == b:
+            return 0
+        if _COMPILED:  # record by record in C: cheaper than numpy's fixed cost at this size
+            return self._move_each_to_level0(start, b, max_entries, expiration, pass_cur, cur)
+        i = self._i
+        examined: list[int] = []
+        s = start
+        for _ in range(max_entries):
+            if s == b:
+                break
+            examined.append(s)
+            s = i[s * _IW + _NEXT]
+        self._ahead = (expiration, s, pass_cur)
+        return self._move_to_level0(np.array(examined, dtype=np.int64), s, cur)
+
+    def _move_idle_clock(self, now_ms: int) -> int:
+        """Move the clock to ``now_ms`` if no bucket is due by then (as :meth:`expire` would);
+        returns the clock."""
+        hq = self._hq
+        cur = int(hq[_CUR])
+        if now_ms > cur:
+            due = self.next_deadline()
+            if due is None or due > now_ms:
+                hq[_CUR] = now_ms  # nothing is due: the clock moves, as in expire()
+                return now_ms
+        return cur
+
+    def _ahead_start(self, b: int, v1: int, cur: int) -> tuple[int, int]:
+        """(the record of level-1 bucket ``b`` a pass of :meth:`cascade_ahead` looks at first, the
+        clock its pass began at): where the last call stopped while that record is still
+        in the bucket, else the bucket's head; ``b`` itself when the last pass over the
+        bucket ended and the next is not due yet (see :meth:`cascade_ahead`)."""
+        t1 = self._ticks[1]
+        head = self._i[b * _IW + _NEXT]
+        ahead = self._ahead
+        if ahead is None or ahead[0] != v1 * t1:
+            return head, cur
+        at = ahead[1]
+        if at == b:  # the last pass ended: the next waits for half the time left then
+            began = ahead[2]
+            return (head, cur) if cur - began >= max(1, (v1 * t1 - began) // 2) else (b, began)
+        if (self.first_entry <= at < self.n_records
+                and self._rb[at * _RB + _ST] == (1 << _LEVEL_SHIFT) | _SCHEDULED
+                and self._q[at * _QW] // t1 == v1):  # still in this bucket: continue the pass
+            return at, ahead[2]
+        return head, cur
+
+    def _move_each_to_level0(self, start: int, b: int, max_entries: int, expiration: int, pass_cur: int,
+                             cur: int) -> int:
+        """The walk of :meth:`cascade_ahead` and :meth:`_move_to_level0` one record at a
+        time (the compiled build uses this one): from ``start``, at most ``max_entries``
+        records of bucket ``b``; each that fits is unlinked and appended to its level-0
+        bucket as the walk meets it, in list order, so the links, the states and the
+        counts come out as that method leaves them (a move rewrites no link the rest of
+        the walk follows but its successor's back link)."""
+        i = self._i
+        moved = 0
+        s = start
+        for _ in range(max_entries):
+            if s == b:
+                break
+            nxt = i[s * _IW + _NEXT]
+            deadline = self._q[s * _QW]
+            if self._placement.place(deadline, cur)[2] == 0:
+                self._unlink(s)
+                self._b[s * _RB + _ST] = self._link(s, deadline, cur)  # level 0 (counted by _link)
+                moved += 1
+            s = nxt
+        self._ahead = (expiration, s, pass_cur)
+        if moved:
+            self._pending_by_level[1] -= moved
+            self._count[_C_CASCADES] += moved
+        return moved
+
+    # ------------------------------------------------------------------ introspection
+    def pending(self, limit: int | None = None) -> Iterator[tuple[object, int, int]]:
+        """(key, deadline_ms, group) of scheduled timers, in slot order, at most ``limit``."""
+        states = self.records["state"] & _STATE_MASK
+        slots = np.flatnonzero(states == _SCHEDULED)
+        slots = slots[slots >= self.first_entry]
+        if limit is not None:
+            slots = slots[:limit]
+        for s in slots.tolist():
+            key, deadline, group, *_ = self._entry(s)
+            yield key, deadline, group
+
+    def counters(self) -> dict[str, int]:
+        c = dict(zip(OWN_COUNTERS, self._count_array))
+        for level in range(self.levels):
+            c[f"pending_level_{level}"] = self._pending_by_level[level]
+        c["pending_due"] = self._pending_by_level[L.DUE_LEVEL]
+        return c
+
+    def publish_stats(self) -> None:
+        """Write the wheel's counters into the arena header, where wheelctl reads them
+        (the daemon's own counters, in the same table, are left alone)."""
+        hq = self._hq
+        base = L.H_COUNTERS // 8
+        for name, value in self.counters().items():
+            hq[base + L.COUNTER[name]] = value
+
+    def header_words(self) -> memoryview:
+        """The header's first page as int64 words (counters, parked flag, histogram)."""
+        return self._hq
+
+
+class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
+    """The timing wheel over an arena: the operations, scalar and batch, over
+    :class:`WheelRecords`, with the rooms of the group table, of making and attaching
+    an arena and of the numpy batch operations. See the module docstring."""
+
+    # ------------------------------------------------------------------ scalar operations
     def schedule(self, key, deadline_ms: int, group: int = 0, tag: int = 0, aux: int = -1) -> tuple[int, int]:
         """Schedule ``key`` to expire at ``deadline_ms``; an existing key is re-armed.
 
@@ -575,25 +867,6 @@ class WheelCore:
         self._count[_C_ADDS] += 1
         return slot, gen
 
-    def _rearm(self, slot: int, deadline_ms: int, tag: int, cur: int) -> None:
-        """Move a scheduled record: a multi-field update of a live record, so through the intent."""
-        old_state = self._b[slot * _RB + _ST]
-        self._unlink(slot)
-        self._pending_by_level[old_state >> _LEVEL_SHIFT] -= 1
-        new_state = self._link(slot, deadline_ms, cur)
-        self._apply_with_intent(slot, new_state, deadline_ms, tag)
-        self._count[_C_REARMS] += 1
-
-    def _apply_with_intent(self, slot: int, state: int, deadline_ms: int, tag: int) -> None:
-        self._hi[_INTENT_STATE] = state
-        self._clock[_INTENT_DEADLINE] = deadline_ms
-        self._hu[_INTENT_TAG] = tag  # the arena's words are little-endian, as this host's
-        self._hi[_INTENT_SLOT] = slot  # commit the intent
-        self._q[slot * _QW] = deadline_ms
-        self._u[slot * _IW + _TAG] = tag
-        self._b[slot * _RB + _ST] = state
-        self._hi[_INTENT_SLOT] = -1  # done
-
     def cancel(self, key, group: int = 0) -> bool:
         """Remove a pending timer; True if there was one."""
         ident, _meta = _ident(key)
@@ -620,35 +893,6 @@ class WheelCore:
         self._remove_scheduled(slot, self._h[slot * _HW + _GROUP])
         self._count[_C_CANCELS] += 1
         return True
-
-    def _remove_scheduled(self, slot: int, group: int) -> None:
-        state = self._b[slot * _RB + _ST]
-        sp = slot * _IW  # _unlink, written out: one call less per cancel
-        prev = self._i[sp + _PREV]
-        nxt = self._i[sp + _NEXT]
-        self._i[prev * _IW + _NEXT] = nxt
-        self._i[nxt * _IW + _PREV] = prev
-        self._b[slot * _RB + _ST] = _FREE  # commit point
-        self._pending_by_level[state >> _LEVEL_SHIFT] -= 1
-        self._index.remove(slot)
-        self._free_stack[self._free_top] = slot  # _free, written out
-        self._free_top += 1
-        self._group_live[group] -= 1
-        self._count[_C_PENDING] -= 1
-
-    def _free(self, slot: int) -> None:
-        self._free_stack[self._free_top] = slot
-        self._free_top += 1
-
-    def _unlink_free(self, slot: int) -> None:
-        """Unlink a record already stored FREE and push it on the free stack (for the rooms:
-        :meth:`_unlink` and :meth:`_free` are C functions in the compiled build)."""
-        self._unlink(slot)
-        self._free(slot)
-
-    def _new_counts(self, counts: list[int]) -> memoryview | list[int]:
-        """Per-level or per-group counts in this build's form (see _int64_counts)."""
-        return _int64_counts(counts)
 
     def lookup(self, key, group: int = 0) -> int | None:
         """Deadline of the pending timer for ``key``, or None."""
@@ -730,19 +974,6 @@ class WheelCore:
         c[_C_CASCADES] += cascaded
         c[_C_PENDING] -= fired
         return fired
-
-    def _fire(self, s: int, out: list) -> None:
-        """A due timer of :meth:`expire`: to the tail of the fired list, FIRED; its slot to ``out``."""
-        self._index.remove(s)
-        fl = self.fired_list
-        flp = fl * _IW
-        tail = self._i[flp + _PREV]
-        self._i[s * _IW + _PREV] = tail
-        self._i[s * _IW + _NEXT] = fl
-        self._i[tail * _IW + _NEXT] = s
-        self._i[flp + _PREV] = s
-        self._b[s * _RB + _ST] = _FIRED
-        out.append(s)
 
     def advance(self, now_ms: int) -> list[tuple[object, int]]:
         """Move the clock to ``now_ms``; return ``(key, deadline_ms)`` of every timer due.
@@ -852,109 +1083,8 @@ class WheelCore:
         c[_C_IDLE_REARMS] += 1
         return True
 
-    # ------------------------------------------------------------------ the bucket heap
-    # Every non-empty bucket's expiration sits in a heap (Kafka's DelayQueue of buckets):
-    # (expiration, sentinel) pairs, a heapq list on the Python path and C arrays when
-    # compiled (_c_heap_* in wheel.pxd, its twin). _queued[b] is the expiration bucket b
-    # is queued under (-1: none): an entry that disagrees is stale and skipped when popped.
-    def _queue_bucket(self, b: int, expiration: int) -> None:
-        """Queue bucket ``b`` under ``expiration`` unless it already is (what :meth:`_link`
-        does, written out there, for a bucket that was empty)."""
-        if self._queued[b] != expiration:
-            self._queued[b] = expiration
-            if _COMPILED:
-                _c_heap_push(self, expiration, b)  # noqa: F821 - wheel.pxd
-            else:
-                heapq.heappush(self._heap, (expiration, b))
-
-    def _fill_heap(self, pairs: list[tuple[int, int]]) -> None:
-        """The heap of ``pairs`` (whose buckets' _queued entries are set), replacing the old one."""
-        if _COMPILED:
-            self._hn = 0
-            _c_heap_fill(self, pairs)  # noqa: F821 - wheel.pxd
-            self._heap = []
-        else:
-            heapq.heapify(pairs)
-            self._heap = pairs
-
-    def next_deadline(self) -> int | None:
-        """Expiration of the earliest non-empty bucket: when ``advance`` next has work.
-
-        This is a bucket time, not necessarily a timer's deadline: a higher-level
-        bucket comes due to cascade. None when the wheel is empty.
-        """
-        if _COMPILED:
-            return _c_next_deadline(self)  # noqa: F821 - wheel.pxd: the same loop over the C heap
-        heap, queued, i = self._heap, self._queued, self._i
-        while heap:
-            expiration, b = heap[0]
-            if queued[b] == expiration and i[b * _IW + _NEXT] != b:
-                return expiration
-            heapq.heappop(heap)  # stale: the bucket was emptied by cancels or re-queued
-            if queued[b] == expiration:
-                queued[b] = -1
-        return None
-
-    def _due_buckets(self, now_ms: int) -> list[int]:
-        """The non-empty buckets due at ``now_ms``, in the heap's order, taken off the heap
-        (each un-queued) but not detached: what :meth:`_collect` and :meth:`_collect_buckets`
-        walk, and the compiled :meth:`expire_many` in C. Compiled, the heap is C arrays."""
-        if _COMPILED:
-            return _c_due_buckets(self, now_ms)  # noqa: F821 - wheel.pxd
-        heap, queued, i = self._heap, self._queued, self._i
-        due = []
-        while heap and heap[0][0] <= now_ms:
-            expiration, b = heapq.heappop(heap)
-            if queued[b] != expiration:
-                continue  # a stale entry: the bucket was queued again under another time
-            queued[b] = -1
-            if i[b * _IW + _NEXT] != b:  # else emptied by cancels
-                due.append(b)
-        return due
-
-    def _heap_grow(self) -> None:
-        """Twice the room in the C arrays of the compiled path's bucket heap."""
-        n = self._hn
-        self._hx = np.concatenate((np.asarray(self._hx)[:n], np.zeros(max(n, 256), dtype=np.int64)))
-        self._hb = np.concatenate((np.asarray(self._hb)[:n], np.zeros(max(n, 256), dtype=np.int32)))
-
-    # ------------------------------------------------------------------ introspection
-    def pending(self, limit: int | None = None) -> Iterator[tuple[object, int, int]]:
-        """(key, deadline_ms, group) of scheduled timers, in slot order, at most ``limit``."""
-        states = self.records["state"] & _STATE_MASK
-        slots = np.flatnonzero(states == _SCHEDULED)
-        slots = slots[slots >= self.first_entry]
-        if limit is not None:
-            slots = slots[:limit]
-        for s in slots.tolist():
-            key, deadline, group, *_ = self._entry(s)
-            yield key, deadline, group
-
-    def counters(self) -> dict[str, int]:
-        c = dict(zip(OWN_COUNTERS, self._count_array))
-        for level in range(self.levels):
-            c[f"pending_level_{level}"] = self._pending_by_level[level]
-        c["pending_due"] = self._pending_by_level[L.DUE_LEVEL]
-        return c
-
-    def publish_stats(self) -> None:
-        """Write the wheel's counters into the arena header, where wheelctl reads them
-        (the daemon's own counters, in the same table, are left alone)."""
-        hq = self._hq
-        base = L.H_COUNTERS // 8
-        for name, value in self.counters().items():
-            hq[base + L.COUNTER[name]] = value
-
-    def header_words(self) -> memoryview:
-        """The header's first page as int64 words (counters, parked flag, histogram)."""
-        return self._hq
-
-
-class TimerWheel(WheelCore, GroupTable, WheelAttach, NumpyBatches):
-    """The timing wheel over an arena: :class:`WheelCore` with its rooms (the group
-    table, making and attaching an arena, the numpy batch operations) and, here, the
-    batch operations' entry points and cascading ahead. See the module docstring."""
-
+    # ------------------------------------------------------------------ batch operations
+    # (checked here, then run by the C loops of wheel.pxd when compiled, else by the numpy room)
     def _ident_array(self, idents) -> np.ndarray:
         """The V33 array of :meth:`_batch_idents` without its list (the compiled batch paths
         read the keys' bytes in C)."""
@@ -1079,155 +1209,6 @@ class TimerWheel(WheelCore, GroupTable, WheelAttach, NumpyBatches):
         c[_C_PENDING] -= fired
         c[_C_FIRED_UNACKED] += fired
 
-    def _collect_buckets(self, now_ms: int) -> tuple[list[int], list[tuple[int, int]], list[int]]:
-        """:meth:`_collect` for :meth:`expire_many`: detach every bucket due at ``now_ms``
-        and advance the clock. Returns the slots of level-0 buckets and of the due list
-        (they fire whole), the (first, last) record of each of those chains, and the
-        slots of higher-level buckets (to be re-checked). Per-level counts drop here."""
-        i = self._i
-        by_level, ws, due_list = self._pending_by_level, self.wheel_size, self.due_list
-        whole: list[int] = []
-        mixed: list[int] = []
-        chains: list[tuple[int, int]] = []
-        for b in self._due_buckets(now_ms):
-            bp = b * _IW
-            s = i[bp + _NEXT]
-            if b < ws or b == due_list:
-                out = whole
-                chains.append((s, i[bp + _PREV]))
-            else:
-                out = mixed
-            before = len(out)
-            while s != b:
-                out.append(s)
-                s = i[s * _IW + _NEXT]
-            by_level[_DUE_LEVEL if b == due_list else b // ws] -= len(out) - before
-            i[bp + _PREV] = b
-            i[bp + _NEXT] = b
-        if now_ms > self._hq[_CUR]:
-            self._hq[_CUR] = now_ms  # after detaching, before re-placing (see Crash consistency)
-        return whole, chains, mixed
-
-    def cascade_ahead(self, now_ms: int, max_entries: int) -> int:
-        """Move timers of the next level-1 bucket down to level 0 before it comes due.
-
-        The level-1 bucket ``[T, T + tick(1))`` cascades whole at ``T``; under load it
-        holds thousands of timers, and re-placing them at ``T`` delays the timers
-        due at ``T`` itself. While the clock ``cur`` runs through ``[T - tick(1), T)``,
-        every timer of that bucket whose deadline is already within level 0's reach
-        (``ceil(d / tick_ms) - cur // tick_ms <= wheel_size``, exactly the test
-        ``bucket_for`` makes first) can go to its level-0 bucket now: that is the
-        bucket a cascade at ``T`` would give it (level-0 buckets do not depend on the
-        clock once a deadline fits), so nothing fires earlier or later than it would
-        have; at ``T`` only the rest is left to cascade.
-
-        Looks at no more than ``max_entries`` records of the bucket per call (the cost
-        is bounded), continuing where the previous call stopped, and moves those that
-        fit. A new pass over the bucket starts once the clock has covered half the time
-        that was left to the bucket's expiration when the last pass began (at least
-        1 ms): with deadlines spread over the bucket, each pass finds about half of
-        what is left fitting, so a record is looked at about three times before the
-        boundary instead of once per ms. Returns how many moved (counted in
-        ``cascades_total``).
-
-        If no bucket is due at ``now_ms``, the clock first moves to ``now_ms`` (what
-        :meth:`expire` does then); otherwise placement stays relative to the stored
-        clock and the due buckets wait for ``expire``.
-
-        Crash consistency: only links and the level bits of state bytes change, both
-        derived (``attach`` re-places every scheduled record from its deadline and the
-        stored clock, which puts a timer that fits level 0 there anyway); deadlines,
-        tags and keys are not touched, so no intent is needed.
-        """
-        _check_clock(now_ms)
-        if type(max_entries) is not int or max_entries < 0:
-            raise InvalidRequest("max_entries must be an integer >= 0")
-        cur = self._move_idle_clock(now_ms)
-        if self.levels < 2 or max_entries == 0:
-            return 0
-        t1 = self._ticks[1]
-        v1 = cur // t1 + 1  # the level-1 bucket that comes due next (v1 - 1 is always empty)
-        expiration = v1 * t1
-        b = self.wheel_size + v1 % self.wheel_size
-        if self._queued[b] != expiration or self._i[b * _IW + _NEXT] == b:
-            return 0
-        if not self._placement.level_value(expiration, cur, 0)[1]:
-            return 0  # level 0 does not reach this bucket's first ms yet: nothing of it fits
-        start, pass_cur = self._ahead_start(b, v1, cur)
-        if start == b:
-            return 0
-        if _COMPILED:  # record by record in C: cheaper than numpy's fixed cost at this size
-            return self._move_each_to_level0(start, b, max_entries, expiration, pass_cur, cur)
-        i = self._i
-        examined: list[int] = []
-        s = start
-        for _ in range(max_entries):
-            if s == b:
-                break
-            examined.append(s)
-            s = i[s * _IW + _NEXT]
-        self._ahead = (expiration, s, pass_cur)
-        return self._move_to_level0(np.array(examined, dtype=np.int64), s, cur)
-
-    def _move_idle_clock(self, now_ms: int) -> int:
-        """Move the clock to ``now_ms`` if no bucket is due by then (as :meth:`expire` would);
-        returns the clock."""
-        hq = self._hq
-        cur = int(hq[_CUR])
-        if now_ms > cur:
-            due = self.next_deadline()
-            if due is None or due > now_ms:
-                hq[_CUR] = now_ms  # nothing is due: the clock moves, as in expire()
-                return now_ms
-        return cur
-
-    def _ahead_start(self, b: int, v1: int, cur: int) -> tuple[int, int]:
-        """(the record of level-1 bucket ``b`` a pass of :meth:`cascade_ahead` looks at first, the
-        clock its pass began at): where the last call stopped while that record is still
-        in the bucket, else the bucket's head; ``b`` itself when the last pass over the
-        bucket ended and the next is not due yet (see :meth:`cascade_ahead`)."""
-        t1 = self._ticks[1]
-        head = self._i[b * _IW + _NEXT]
-        ahead = self._ahead
-        if ahead is None or ahead[0] != v1 * t1:
-            return head, cur
-        at = ahead[1]
-        if at == b:  # the last pass ended: the next waits for half the time left then
-            began = ahead[2]
-            return (head, cur) if cur - began >= max(1, (v1 * t1 - began) // 2) else (b, began)
-        if (self.first_entry <= at < self.n_records
-                and self._rb[at * _RB + _ST] == (1 << _LEVEL_SHIFT) | _SCHEDULED
-                and self._q[at * _QW] // t1 == v1):  # still in this bucket: continue the pass
-            return at, ahead[2]
-        return head, cur
-
-    def _move_each_to_level0(self, start: int, b: int, max_entries: int, expiration: int, pass_cur: int,
-                             cur: int) -> int:
-        """The walk of :meth:`cascade_ahead` and :meth:`_move_to_level0` one record at a
-        time (the compiled build uses this one): from ``start``, at most ``max_entries``
-        records of bucket ``b``; each that fits is unlinked and appended to its level-0
-        bucket as the walk meets it, in list order, so the links, the states and the
-        counts come out as that method leaves them (a move rewrites no link the rest of
-        the walk follows but its successor's back link)."""
-        i = self._i
-        moved = 0
-        s = start
-        for _ in range(max_entries):
-            if s == b:
-                break
-            nxt = i[s * _IW + _NEXT]
-            deadline = self._q[s * _QW]
-            if self._placement.place(deadline, cur)[2] == 0:
-                self._unlink(s)
-                self._b[s * _RB + _ST] = self._link(s, deadline, cur)  # level 0 (counted by _link)
-                moved += 1
-            s = nxt
-        self._ahead = (expiration, s, pass_cur)
-        if moved:
-            self._pending_by_level[1] -= moved
-            self._count[_C_CASCADES] += moved
-        return moved
-
     def release_many(self, slots, generations) -> np.ndarray:
         """:meth:`release` for a batch; returns a bool array (False: stale handle, no-op)."""
         try:
@@ -1269,4 +1250,3 @@ class TimerWheel(WheelCore, GroupTable, WheelAttach, NumpyBatches):
                         self._u[sp + _TAG], self._i[sp + _AUX], self._h[s * _HW + _GROUP], self._b[base + _ST],
                         self._b[base + _KM], key))
         return out
-

@@ -49,8 +49,8 @@ _C_FIRED_UNACKED = COUNTER_INDEX["fired_unacked"]
 class WheelAttach:
     """The making-and-attaching room of :class:`~wheeld.shm.wheel.TimerWheel` (a mixin:
     it works on the wheel's record views and derived state, and asks the wheel for what
-    only it may do in C: :meth:`~wheeld.shm.wheel.WheelCore._fill_heap`,
-    :meth:`~wheeld.shm.wheel.WheelCore._unlink_free`)."""
+    only it may do in C: :meth:`~wheeld.shm.wheel.WheelRecords._fill_heap`,
+    :meth:`~wheeld.shm.wheel.WheelRecords._unlink_free`)."""
 
     # ------------------------------------------------------------------ making and attaching
     @classmethod

@@ -30,6 +30,7 @@ __all__ = ["NumpyBatches"]
 
 _FREE, _SCHEDULED, _FIRED = L.FREE, L.SCHEDULED, L.FIRED
 _LEVEL_SHIFT = L.LEVEL_SHIFT
+_DUE_LEVEL = L.DUE_LEVEL
 _CUR = L.H_CURRENT_MS // 8
 _IW = L.I_PER_RECORD
 _PREV, _NEXT = L.I_PREV, L.I_NEXT
@@ -165,6 +166,35 @@ class NumpyBatches:
             c[_C_FIRED_UNACKED] -= int(released.size)
             c[_C_ACKS] += int(released.size)
         return ok
+
+    def _collect_buckets(self, now_ms: int) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+        """:meth:`_collect` for :meth:`expire_many`: detach every bucket due at ``now_ms``
+        and advance the clock. Returns the slots of level-0 buckets and of the due list
+        (they fire whole), the (first, last) record of each of those chains, and the
+        slots of higher-level buckets (to be re-checked). Per-level counts drop here."""
+        i = self._i
+        by_level, ws, due_list = self._pending_by_level, self.wheel_size, self.due_list
+        whole: list[int] = []
+        mixed: list[int] = []
+        chains: list[tuple[int, int]] = []
+        for b in self._due_buckets(now_ms):
+            bp = b * _IW
+            s = i[bp + _NEXT]
+            if b < ws or b == due_list:
+                out = whole
+                chains.append((s, i[bp + _PREV]))
+            else:
+                out = mixed
+            before = len(out)
+            while s != b:
+                out.append(s)
+                s = i[s * _IW + _NEXT]
+            by_level[_DUE_LEVEL if b == due_list else b // ws] -= len(out) - before
+            i[bp + _PREV] = b
+            i[bp + _NEXT] = b
+        if now_ms > self._hq[_CUR]:
+            self._hq[_CUR] = now_ms  # after detaching, before re-placing (see Crash consistency)
+        return whole, chains, mixed
 
     def _schedule_each(self, ident_list, deadlines, groups, tags, auxs, slots_out, gens_out):
         """:meth:`schedule_many` one by one with the scalar method (a key in the batch twice)."""

@@ -169,7 +169,41 @@ def test_a_build_whose_cimported_module_runs_from_source_is_not_used(tmp_path, m
 def test_the_inputs_of_the_shipped_hot_modules_include_what_their_pxd_cimports():
     inputs = accel._build_inputs(str(ROOT / "daemon" / "executor.py"), "wheeld.daemon.executor")
     relative = {os.path.relpath(path, ROOT) for path in inputs}
-    assert {"daemon/executor.py", "daemon/executor.pxd", "shm/wheel.pxd", "shm/keyindex.pxd"} <= relative
+    assert {"daemon/executor.py", "daemon/executor.pxd", "shm/wheel.pxd", "shm/keyindex.pxd",
+            "protocol/keycodec.pxd"} <= relative
+    # the key decoder both the wheel and the client core compile in (no module of its own)
+    for module in ("wheeld.shm.wheel", "wheeld.core"):
+        inputs = accel._build_inputs(str(ROOT / accel.COMPILED_MODULES[module]), module)
+        assert str(ROOT / "protocol" / "keycodec.pxd") in inputs, (module, inputs)
+
+
+def test_a_build_older_than_a_c_only_pxd_it_cimports_is_not_used(tmp_path, monkeypatch):
+    """A .pxd of PXD_ONLY (inline C, no module of its own) is an input of every extension
+    whose .pxd cimports it: edited after the build, the source runs, with a warning."""
+    package = tmp_path / "hotpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("WHERE = 'source'\n")
+    (package / "a.c").write_text("/* generated */\n")
+    (package / "a.pxd").write_text("from hotpkg.codec cimport decode\n")
+    (package / "codec.pxd").write_text("cdef inline int decode(int x):\n    return x\n")
+    extension = package / ("a" + EXTENSIONS[0])
+    extension.write_bytes(b"not a real extension")
+    monkeypatch.setitem(accel.COMPILED_MODULES, "hotpkg.a", "hotpkg/a.py")
+    monkeypatch.setitem(accel.PXD_ONLY, "hotpkg.codec", "hotpkg/codec.pxd")
+    base = os.path.getmtime(package / "a.py")
+    for leaf in ("a.py", "a.pxd", "codec.pxd"):
+        os.utime(package / leaf, (base - 100, base - 100))
+    os.utime(extension, (base, base))
+    finder = accel._PureFinder(pure=False)
+    assert finder.find_spec("hotpkg.a", [str(package)]) is None, "up to date: the extension runs"
+    os.utime(package / "codec.pxd", (base + 100, base + 100))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spec = finder.find_spec("hotpkg.a", [str(package)])
+    assert spec is not None and spec.origin == str(package / "a.py")
+    messages = [str(w.message) for w in caught]
+    assert any(f"older than {package / 'codec.pxd'}" in message for message in messages), messages
 
 
 def _source_copy(into: Path) -> Path:
