@@ -85,6 +85,9 @@ cdef class WheelRecords:
     @cython.locals(fl=cython.Py_ssize_t, flp=cython.Py_ssize_t, tail=cython.Py_ssize_t)
     cdef void _fire(self, Py_ssize_t s, list out)
 
+    @cython.final
+    cdef void _queue_bucket(self, Py_ssize_t b, long long expiration) except *
+
     cpdef list _due_buckets(self, now_ms)
 
     @cython.locals(i=cython.int[::1], examined=list, s=Py_ssize_t, b=Py_ssize_t, start=Py_ssize_t)

@@ -273,8 +273,13 @@ from .keyindex import KeyIndex
 from .placement import Placement
 from .wheel_attach import WheelAttach
 from .wheel_batch import NumpyBatches
+from .wheel_common import (  # the counters' indices, under this module's names
+    C_PENDING as _C_PENDING, C_FIRED_UNACKED as _C_FIRED_UNACKED, C_ADDS as _C_ADDS, C_REARMS as _C_REARMS,
+    C_CANCELS as _C_CANCELS, C_CANCEL_MISSES as _C_CANCEL_MISSES, C_EXPIRATIONS as _C_EXPIRATIONS,
+    C_CASCADES as _C_CASCADES, C_ACKS as _C_ACKS, C_IDLE_REARMS as _C_IDLE_REARMS, C_ARENA_FULL as _C_ARENA_FULL,
+)
 from .wheel_common import (
-    COUNTER_INDEX, DEADLINE_HIGH, DEADLINE_LOW, DEFAULT_WHEEL_SIZE, GENERATION_MASK, LEVEL_SLOTS, MAX_CLOCK_MS,
+    DEADLINE_HIGH, DEADLINE_LOW, DEFAULT_WHEEL_SIZE, GENERATION_MASK, LEVEL_SLOTS, MAX_CLOCK_MS,
     MAX_DELAY_MS, OWN_COUNTERS, VALID_META, check_clock, default_levels,
 )
 from .wheel_groups import GroupTable
@@ -320,17 +325,6 @@ if _COMPILED and _c_layout() != (  # noqa: F821 - wheel.pxd: its C constants are
     raise ImportError("wheel.pxd's record layout constants are not those of wheeld.protocol.arena_layout")
 if _COMPILED and _kc_layout() != c_layout():  # noqa: F821 - protocol/keycodec.pxd, cimported by wheel.pxd
     raise ImportError("protocol/keycodec.pxd's key format constants are not those of wheeld.protocol.keys")
-_C_PENDING = COUNTER_INDEX["pending"]
-_C_FIRED_UNACKED = COUNTER_INDEX["fired_unacked"]
-_C_ADDS = COUNTER_INDEX["adds_total"]
-_C_REARMS = COUNTER_INDEX["rearms_total"]
-_C_CANCELS = COUNTER_INDEX["cancels_total"]
-_C_CANCEL_MISSES = COUNTER_INDEX["cancel_misses_total"]
-_C_EXPIRATIONS = COUNTER_INDEX["expirations_total"]
-_C_CASCADES = COUNTER_INDEX["cascades_total"]
-_C_ACKS = COUNTER_INDEX["acks_total"]
-_C_IDLE_REARMS = COUNTER_INDEX["idle_rearms_total"]
-_C_ARENA_FULL = COUNTER_INDEX["arena_full_total"]
 
 
 def _int64_counts(counts: list[int]) -> memoryview | list[int]:
@@ -498,12 +492,7 @@ class WheelRecords:
         tail = self._i[bp + _PREV]
         if tail == b:  # bucket was empty: (re)set its expiration and queue it
             self._q[b * _QW] = expiration
-            if self._queued[b] != expiration:
-                self._queued[b] = expiration
-                if _COMPILED:
-                    _c_heap_push(self, expiration, b)  # noqa: F821 - wheel.pxd
-                else:
-                    heapq.heappush(self._heap, (expiration, b))
+            self._queue_bucket(b, expiration)
         sp = slot * _IW
         self._i[sp + _PREV] = tail
         self._i[sp + _NEXT] = b
@@ -586,8 +575,9 @@ class WheelRecords:
     # compiled (_c_heap_* in wheel.pxd, its twin). _queued[b] is the expiration bucket b
     # is queued under (-1: none): an entry that disagrees is stale and skipped when popped.
     def _queue_bucket(self, b: int, expiration: int) -> None:
-        """Queue bucket ``b`` under ``expiration`` unless it already is (what :meth:`_link`
-        does, written out there, for a bucket that was empty)."""
+        """Queue bucket ``b`` under ``expiration`` unless it already is (a bucket that was
+        empty: :meth:`_link`, and the numpy room's splices). Compiled, a C method (only the
+        Python path's batch code calls it from a room)."""
         if self._queued[b] != expiration:
             self._queued[b] = expiration
             if _COMPILED:

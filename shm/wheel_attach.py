@@ -26,6 +26,9 @@ from wheeld.protocol.keys import VALID_KEY_METAS, key_length
 from . import fsck
 from .arena import Segment
 from .arrays import has_duplicates, run_starts
+from .wheel_common import (  # the counters' indices, under this module's names
+    C_PENDING as _C_PENDING, C_FIRED_UNACKED as _C_FIRED_UNACKED,
+)
 from .wheel_common import (
     COUNTER_INDEX, DEADLINE_HIGH, DEADLINE_LOW, DEFAULT_WHEEL_SIZE, GENERATION_MASK, LEVEL_SLOTS, MAX_CLOCK_MS,
     MAX_DELAY_MS, STR_META, TOTALS, VALID_META, default_levels,
@@ -42,8 +45,6 @@ _NEXT, _GEN, _TAG = L.I_NEXT, L.I_GEN, L.I_TAG
 _ST, _KM = L.R_STATE, L.R_KEY_META
 _MAX_DELAY = MAX_DELAY_MS
 _GEN_MASK = GENERATION_MASK
-_C_PENDING = COUNTER_INDEX["pending"]
-_C_FIRED_UNACKED = COUNTER_INDEX["fired_unacked"]
 
 
 class WheelAttach:

@@ -24,7 +24,12 @@ from wheeld.protocol import arena_layout as L
 from wheeld.protocol.errors import ArenaFull, InvalidKey, InvalidRequest
 
 from .arrays import first_of_each, has_duplicates, run_starts
-from .wheel_common import COUNTER_INDEX, GENERATION_MASK, LEVEL_SLOTS, VALID_META
+from .wheel_common import (  # the counters' indices, under this module's names
+    C_PENDING as _C_PENDING, C_FIRED_UNACKED as _C_FIRED_UNACKED, C_ADDS as _C_ADDS, C_REARMS as _C_REARMS,
+    C_CANCELS as _C_CANCELS, C_CANCEL_MISSES as _C_CANCEL_MISSES, C_CASCADES as _C_CASCADES, C_ACKS as _C_ACKS,
+    C_ARENA_FULL as _C_ARENA_FULL,
+)
+from .wheel_common import GENERATION_MASK, LEVEL_SLOTS, VALID_META
 
 __all__ = ["NumpyBatches"]
 
@@ -34,15 +39,6 @@ _DUE_LEVEL = L.DUE_LEVEL
 _CUR = L.H_CURRENT_MS // 8
 _IW = L.I_PER_RECORD
 _PREV, _NEXT = L.I_PREV, L.I_NEXT
-_C_PENDING = COUNTER_INDEX["pending"]
-_C_FIRED_UNACKED = COUNTER_INDEX["fired_unacked"]
-_C_ADDS = COUNTER_INDEX["adds_total"]
-_C_REARMS = COUNTER_INDEX["rearms_total"]
-_C_CANCELS = COUNTER_INDEX["cancels_total"]
-_C_CANCEL_MISSES = COUNTER_INDEX["cancel_misses_total"]
-_C_CASCADES = COUNTER_INDEX["cascades_total"]
-_C_ACKS = COUNTER_INDEX["acks_total"]
-_C_ARENA_FULL = COUNTER_INDEX["arena_full_total"]
 
 
 class NumpyBatches:

@@ -18,9 +18,10 @@ from wheeld.protocol.errors import InvalidDelay
 from wheeld.protocol.keys import TYPE_STR, VALID_KEY_METAS, key_type
 
 __all__ = [
-    "COUNTER_INDEX", "DEADLINE_HIGH", "DEADLINE_LOW", "DEFAULT_LEVELS_RANGE_MS", "DEFAULT_WHEEL_SIZE",
-    "GENERATION_MASK", "LEVEL_SLOTS", "MAX_CLOCK_MS", "MAX_DELAY_MS", "OWN_COUNTERS", "STR_META", "TOTALS",
-    "VALID_META", "check_clock", "default_levels",
+    "COUNTER_INDEX", "C_ACKS", "C_ADDS", "C_ARENA_FULL", "C_CANCELS", "C_CANCEL_MISSES", "C_CASCADES", "C_EXPIRATIONS",
+    "C_FIRED_UNACKED", "C_IDLE_REARMS", "C_PENDING", "C_REARMS", "DEADLINE_HIGH", "DEADLINE_LOW",
+    "DEFAULT_LEVELS_RANGE_MS", "DEFAULT_WHEEL_SIZE", "GENERATION_MASK", "LEVEL_SLOTS", "MAX_CLOCK_MS", "MAX_DELAY_MS",
+    "OWN_COUNTERS", "STR_META", "TOTALS", "VALID_META", "check_clock", "default_levels",
 ]
 
 DEFAULT_WHEEL_SIZE = 256
@@ -46,6 +47,18 @@ LEVEL_COUNTERS = tuple(f"pending_level_{level}" for level in range(L.MAX_LEVELS)
 OWN_COUNTERS = tuple(name for name in L.WHEEL_COUNTER_NAMES if name not in LEVEL_COUNTERS)
 TOTALS = tuple(name for name in OWN_COUNTERS if name.endswith("_total"))  # survive restarts
 COUNTER_INDEX = {name: index for index, name in enumerate(OWN_COUNTERS)}
+#: the index of each of the wheel's own counters (TimerWheel._count[C_PENDING] ...)
+C_PENDING = COUNTER_INDEX["pending"]
+C_FIRED_UNACKED = COUNTER_INDEX["fired_unacked"]
+C_ADDS = COUNTER_INDEX["adds_total"]
+C_REARMS = COUNTER_INDEX["rearms_total"]
+C_CANCELS = COUNTER_INDEX["cancels_total"]
+C_CANCEL_MISSES = COUNTER_INDEX["cancel_misses_total"]
+C_EXPIRATIONS = COUNTER_INDEX["expirations_total"]
+C_CASCADES = COUNTER_INDEX["cascades_total"]
+C_ACKS = COUNTER_INDEX["acks_total"]
+C_IDLE_REARMS = COUNTER_INDEX["idle_rearms_total"]
+C_ARENA_FULL = COUNTER_INDEX["arena_full_total"]
 
 
 def default_levels(tick_ms: int, wheel_size: int) -> int:
