@@ -659,13 +659,6 @@ class ClientSegment:
         self._check_open()
         return self._last_touch[index]
 
-    def read_idle(self, index: int) -> int:
-        """The idle_ms the client stored at ``index``; ProtocolError if out of range."""
-        if not 0 <= index < self.touch_capacity:
-            raise ProtocolError(f"touch index {index} is outside the table of {self.touch_capacity}")
-        self._check_open()
-        return self._idle[index]
-
     def read_activity(self, index: int, now_ms: int, clock=None) -> tuple[int, int] | None:
         """An idle timer's (last_touch_ms, idle_ms) at touch ``index``, checked, or None.
 
