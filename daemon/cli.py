@@ -14,6 +14,7 @@ one line on stderr and removes what it created.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 
@@ -25,6 +26,9 @@ from wheeld.journal.recovery import DAMAGE_POLICIES, JournalDamaged
 from wheeld.protocol.naming import default_name, default_socket_path, name_problem
 
 from .config import MAX_CAPACITY, Config
+
+#: the options' defaults are Config's (its field defaults), written once there
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not dataclasses.MISSING}
 
 #: a start refused for a bad option or a file it may not use
 EXIT_CANNOT_START = 2
@@ -40,24 +44,25 @@ EXIT_INSTANCE_RUNNING = 75
                    "else $XDG_RUNTIME_DIR/wheeld-NAME.sock, else ~/.cache/wheeld/NAME.sock]")
 @click.option("--name", envvar="WHEELD_NAME", default=None,
               help="Instance name; shared-memory segments are /wheeld-NAME-* [env WHEELD_NAME; default 'default']")
-@click.option("--tick-ms", type=click.IntRange(1, 60_000), default=1, show_default=True,
+@click.option("--tick-ms", type=click.IntRange(1, 60_000), default=DEFAULTS["tick_ms"], show_default=True,
               help="Width of a level-0 bucket.")
-@click.option("--wheel-size", type=click.IntRange(2, 1 << 16), default=256, show_default=True,
+@click.option("--wheel-size", type=click.IntRange(2, 1 << 16), default=DEFAULTS["wheel_size"], show_default=True,
               help="Buckets per level.")
-@click.option("--capacity", type=click.IntRange(1, MAX_CAPACITY), default=1_000_000, show_default=True,
+@click.option("--capacity", type=click.IntRange(1, MAX_CAPACITY), default=DEFAULTS["capacity"], show_default=True,
               help="Timer records in the arena (64 bytes each). A new arena rebuilt from the journal is made "
                    "larger when the journal holds more timers (none is dropped); an existing arena keeps its own.")
-@click.option("--ring-capacity", type=int, default=1 << 14, show_default=True,
+@click.option("--ring-capacity", type=int, default=DEFAULTS["ring_capacity"], show_default=True,
               help="Commands per client ring (power of two).")
-@click.option("--touch-capacity", type=int, default=1 << 17, show_default=True,
+@click.option("--touch-capacity", type=int, default=DEFAULTS["touch_capacity"], show_default=True,
               help="Idle-timer touch slots per client.")
 @click.option("--metrics", default=None, metavar="ADDR:PORT",
               help="Serve Prometheus metrics over HTTP (off by default).")
 @click.option("--journal", "journal_dir", default=None, metavar="DIR",
               help="Write-ahead journal directory (off by default).")
-@click.option("--fsync", default="interval=10", show_default=True, metavar="POLICY",
+@click.option("--fsync", default=DEFAULTS["fsync"], show_default=True, metavar="POLICY",
               help="always | interval=N (ms) | off")
-@click.option("--journal-damage", type=click.Choice(DAMAGE_POLICIES), default="skip", show_default=True,
+@click.option("--journal-damage", type=click.Choice(DAMAGE_POLICIES), default=DEFAULTS["journal_damage"],
+              show_default=True,
               help="When the arena is gone and is rebuilt from the journal: skip damaged journal lines (their "
                    "events are lost, each damaged range is logged as an error and counted in wheelctl stats) or "
                    f"refuse to start (exit {EXIT_JOURNAL_DAMAGED}, nothing on disk changed; see wheelctl check "
@@ -82,32 +87,36 @@ EXIT_INSTANCE_RUNNING = 75
 @click.option("--group-owner", "group_owners", multiple=True, metavar="NAME=UID|@GROUP",
               help="Only this user (name or uid), or members of @GROUP, may join timer group NAME; repeatable. "
                    "A group not listed belongs to the first user that joins it.")
-@click.option("--group-quota", type=click.IntRange(0, None), default=0, show_default=True,
+@click.option("--group-quota", type=click.IntRange(0, None), default=DEFAULTS["group_quota"], show_default=True,
               help="Timers (pending + fired, not yet acknowledged) one group may hold; more are refused with "
                    "QuotaExceeded, other groups are unaffected. 0: no limit.")
-@click.option("--max-groups", type=click.IntRange(1, 65535), default=1024, show_default=True,
+@click.option("--max-groups", type=click.IntRange(1, 65535), default=DEFAULTS["max_groups"], show_default=True,
               help="Group ids of a new arena (an existing arena keeps its own).")
 @click.option("--groups-per-uid", type=click.IntRange(0, 65535), default=None,
               help="Groups one user may own (it owns the groups it was the first to join, while they are in use); "
                    "one more is refused with GroupLimit. Default: a quarter of the arena's group ids (256 of "
                    "1024); 0: no bound. Root and the daemon's own user have none.")
-@click.option("--max-clients", type=click.IntRange(1, CL.MAX_CLIENTS), default=CL.MAX_CLIENTS, show_default=True,
+@click.option("--max-clients", type=click.IntRange(1, CL.MAX_CLIENTS), default=DEFAULTS["max_clients"],
+              show_default=True,
               help="Client slots: clients connected, plus those that left without a Bye less than "
                    "--resume-grace-s ago.")
 @click.option("--clients-per-uid", type=click.IntRange(0, CL.MAX_CLIENTS), default=None,
               help="Client slots one user may hold; one more is refused (BackPressure). Default: a quarter of "
                    "--max-clients (511 of 2047); 0: no bound. Root and the daemon's own user have none.")
-@click.option("--resume-grace-s", type=click.FloatRange(0.0, 86_400.0), default=60.0, show_default=True,
+@click.option("--resume-grace-s", type=click.FloatRange(0.0, 86_400.0), default=DEFAULTS["resume_grace_s"],
+              show_default=True,
               help="How long the slot of a client that left without a Bye (or that has not come back since a "
                    "restart) waits for it; then its idle timers become plain timers at last touch + idle time "
                    "and the slot is freed.")
-@click.option("--ack-timeout-s", type=click.FloatRange(1.0, 86_400.0), default=30.0, show_default=True,
+@click.option("--ack-timeout-s", type=click.FloatRange(1.0, 86_400.0), default=DEFAULTS["ack_timeout_s"],
+              show_default=True,
               help="An expiration a client leaves unacknowledged this long is sent again (to any member of "
                    "its group) and counted; a client that has not read, this long after, what the daemon "
                    "queued for it is disconnected (however much it reads meanwhile).")
-@click.option("--frame-timeout-s", type=click.FloatRange(0.1, 3600.0), default=5.0, show_default=True,
+@click.option("--frame-timeout-s", type=click.FloatRange(0.1, 3600.0), default=DEFAULTS["frame_timeout_s"],
+              show_default=True,
               help="A client that starts a message must finish it within this (else it is disconnected).")
-@click.option("--coalesce-us", type=click.IntRange(0, 10_000), default=500, show_default=True,
+@click.option("--coalesce-us", type=click.IntRange(0, 10_000), default=DEFAULTS["coalesce_us"], show_default=True,
               help="A parked daemon applies commands that nobody waits for at most this long after the "
                    "doorbell, gathering more of them per wake-up (0: at once). Flushes and full rings "
                    "wake it at once; a timer due sooner too.")

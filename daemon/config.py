@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from wheeld.protocol import clients_layout as CL
 from wheeld.protocol.naming import default_name, default_socket_path
 
 
@@ -20,7 +21,7 @@ class Config:
     capacity: int = 1_000_000
     ring_capacity: int = 1 << 14
     touch_capacity: int = 1 << 17
-    max_clients: int = 2047  # client slots (at most clients_layout.MAX_CLIENTS)
+    max_clients: int = CL.MAX_CLIENTS  # client slots (at most clients_layout.MAX_CLIENTS)
     clients_per_uid: int | None = None  # slots one uid may hold; None: a quarter of max_clients; 0: no bound
     arena_mode: int = 0o600  # 0o640 with monitor_gid: the arena is the daemon's and its monitors'
     monitor_gid: int | None = None  # --monitor-group: may read the arena (wheelctl stats/dump/check)
