@@ -89,28 +89,29 @@ class Placement:
             return self._due, clock, _DUE_LEVEL
         ws = self._ws
         tk, up, reach = self._tk, self._up, self._reach
-        for level in range(self._n):  # level_value, written out
+        for level in range(self._n):  # level_value, written out in 64-bit C integers (compiled)
             t = tk[level]
             v = (deadline + up[level]) // t
             if v - clock // t <= reach[level]:
                 return level * ws + v % ws, v * t, level
-        level = self._n - 1
-        t = tk[level]
-        v = clock // t + ws - 1  # clamp into the farthest bucket of the top level
-        return level * ws + v % ws, v * t, level
+        return self._farthest(clock)
 
     def _bucket_any(self, deadline: int, clock: int) -> tuple[int, int, int]:
         """:meth:`bucket_for` of any integers."""
         if deadline <= clock:
             return self.due_list, clock, L.DUE_LEVEL
         ws = self.wheel_size
-        for level, t, up, reach in self._rules:  # level_value, written out
-            v = (deadline + up) // t
-            if v - clock // t <= reach:
+        for level, t, _up, _reach in self._rules:
+            v, fits = self.level_value(deadline, clock, level)
+            if fits:
                 return level * ws + v % ws, v * t, level
+        return self._farthest(clock)
+
+    def _farthest(self, clock: int) -> tuple[int, int, int]:
+        """A deadline beyond the top level's reach: the top level's farthest bucket."""
         level, t, _up, _reach = self._top
-        v = clock // t + ws - 1  # clamp into the farthest bucket of the top level
-        return level * ws + v % ws, v * t, level
+        v = clock // t + self.wheel_size - 1
+        return level * self.wheel_size + v % self.wheel_size, v * t, level
 
     def buckets_for(self, deadlines: np.ndarray, clock: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`bucket_for` of every deadline: int64 arrays (sentinel, expiration, level).
