@@ -12,7 +12,11 @@ fallback) slower by a few percent cannot be read off ``bench.wheel_core`` or
 the instructions a deterministic workload executes (the same count on a loaded
 or a quiet machine), and this bench runs the same workload on this checkout and
 on ``--base`` (default: ``1c6bfd3``, the tree before the hot path was compiled),
-checked out into a temporary git worktree, in the same run.
+checked out into a temporary git worktree, in the same run. The count is not
+exact to the instruction across trees: the same code counted in two trees moves by
+up to ~5% per call (measured for the client's ``add_idle``), as where the
+interpreter's objects land decides collisions in its type attribute cache and in
+dicts keyed by object ids; read differences of a few percent with that in mind.
 
 The workload (one child process per part and tree, ``PYTHONHASHSEED=0``):
 

