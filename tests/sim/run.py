@@ -731,16 +731,23 @@ class Simulation:
         try:
             worker.client.connect()
         except (DaemonNotRunning, BrokenPeer, OSError):
-            worker.client = SimClient(worker._dial, self.world.clock_ns, group=worker.group, pid=worker.pid,
-                                      reconnect_timeout_s=10 ** 6, connect_timeout_s=10 ** 6)
-            worker.client.on_received = self._received
-            self.world.after_ms(self.rng.uniform(5, 100), lambda: self._connect(worker))
+            self._connect_again(worker)
             return
         worker.started = True
         if worker.acting:  # a connect again after a refusal: its application is running already
             return
         worker.acting = True
         self.world.after_ms(self.rng.uniform(0, 2), lambda: self._act(worker))
+
+    def _connect_again(self, worker: Worker) -> None:
+        """The first connect of ``worker``'s client failed (nothing listened, or the daemon
+        went away before its Welcome): its application tries again with a new client, as
+        one whose ``wheeld.connect()`` raised would."""
+        worker.client = SimClient(worker._dial, self.world.clock_ns, group=worker.group, pid=worker.pid,
+                                  reconnect_timeout_s=10 ** 6, connect_timeout_s=10 ** 6)
+        worker.client.on_received = self._received
+        worker.client.on_idle_rearm = lambda key, tag, w=worker: self._idle_rearmed(w, key, tag)
+        self.world.after_ms(self.rng.uniform(5, 100), lambda: self._connect(worker))
 
     def _flush_then_die(self, worker: Worker) -> None:
         """A hoarder back on a new session after a daemon restart, still holding what its
@@ -966,6 +973,9 @@ class Simulation:
             polled = worker.client.poll()
         except (BrokenPeer, DaemonNotRunning, Closed) as exc:
             self.note(f"worker {worker.ident} poll: {exc!r}")
+            if worker.client._welcome is None and worker.client._closed:  # the first connect failed late
+                worker.started = False
+                self._connect_again(worker)
             return
         except WheeldError as exc:
             self.note(f"worker {worker.ident} poll raised {exc!r}")
