@@ -83,9 +83,11 @@ test-core: $(CORE_STAMP) build
 
 # the edit-test loop: the tests that start no process and need no PySpark (markers
 # `process` and `spark`, set by tests/conftest.py), with smaller random slices (fresh
-# simulation seeds for 5 s, 50 journal seeds per case, 30 model examples); `make test`
+# simulation seeds for 5 s, 50 journal seeds per case, 30 model examples, a kill at
+# every third line of the arena's crash sweep, 60 random-kill rounds); `make test`
 # still runs everything, at full size
-FAST_SLICES := WHEELD_SIM_SLICE_S=5 WHEELD_SIM_SEEDS=50 WHEELD_MODEL_EXAMPLES=30
+FAST_SLICES := WHEELD_SIM_SLICE_S=5 WHEELD_SIM_SEEDS=50 WHEELD_MODEL_EXAMPLES=30 \
+	WHEELD_CRASH_STRIDE=3 WHEELD_CRASH_ROUNDS=60
 test-fast: $(CORE_STAMP) build
 	$(FAST_SLICES) $(BIN)/python -m pytest -n 4 -q -m "not slow and not spark and not process"
 
