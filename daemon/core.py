@@ -31,8 +31,9 @@ commands per ring and iteration, 1024 when a timer is already due, in chunks,
 stopping between chunks as soon as the next timer's deadline has come; the ring
 head is published only after a chunk is applied, so a daemon killed mid-chunk
 re-applies it, and every command is idempotent), read the clock, expire, hand
-what fired to the group's members, publish counters (at most once per ms while
-busy), look at up to 256 timers of the next level-1 bucket and move those level
+what fired to the group's members, publish counters (at most every
+``PUBLISH_EVERY_MS`` while the loop wakes every millisecond, and always before a longer
+park), look at up to 256 timers of the next level-1 bucket and move those level
 0 already reaches down to it, ahead of the bucket's boundary (``cascade_ahead``,
 at most once per ms: the thousands of timers such a bucket holds under load would
 otherwise be re-placed at the boundary, delaying the timers due then), then *park*.
@@ -86,6 +87,7 @@ log = logging.getLogger("wheeld")
 
 _DRAIN_DUE = 1024  # commands taken from one ring when a timer is already due (about 1 ms of applying)
 _BUSY_COMMANDS = 256  # an iteration that applied this many drains again at once; fewer: gather (coalesce_us)
+PUBLISH_EVERY_MS = 10  # counters published at most this often while parks are 1 ms (always before a longer one)
 _CASCADE_AHEAD = 256  # records of the next level-1 bucket looked at per ms (TimerWheel.cascade_ahead)
 _PARKED_WORD = AL.H_PARKED // 8  # wheelctl's "at rest" word (the clients read the status page's)
 
@@ -130,7 +132,8 @@ class DaemonCore:
         self._parked = False  # between park() returning a time and unpark()
         self._park_until_ns = 0  # when the current park ends (the host's clock_ns)
         self._park_epoch = 0
-        self._last_publish = self._last_ahead = 0
+        self._last_ahead = 0
+        self._last_publish = -(1 << 62)  # the first iteration publishes
         self._published = False  # the counters were published after everything this iteration wrote
         self.stats_pending = 0
 
@@ -265,7 +268,8 @@ class DaemonCore:
         self.sessions.maybe_collect(now)
         # after everything this iteration writes into the arena, so that a park right
         # after it leaves counters that match the records (see park)
-        self._published = now != self._last_publish  # at most once per ms (and before a longer park)
+        # at most every PUBLISH_EVERY_MS (and before a longer park: see park)
+        self._published = now - self._last_publish >= PUBLISH_EVERY_MS
         if self._published:
             self._last_publish = now
             self.publish(now)

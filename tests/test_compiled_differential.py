@@ -96,7 +96,7 @@ def scenarios(draw):
         kind = draw(st.sampled_from([
             "schedule", "schedule", "schedule", "cancel", "advance", "expire", "release", "rearm_fired",
             "schedule_many", "cancel_many", "expire_many", "release_many", "records_of", "cascade_ahead",
-            "cancel_handle", "next_deadline", "record_rows", "fired",
+            "cancel_handle", "next_deadline", "record_rows", "fired", "lookup_many",
             "mark_fired", "group", "forget", "reattach", "bad",
         ]))
         if kind == "schedule":
@@ -123,6 +123,9 @@ def scenarios(draw):
         elif kind == "cancel_many":
             keys = draw(st.lists(KEYS, min_size=0, max_size=8))
             ops.append(("cancel_many", ([encode_ident(k) for k in keys], [draw(GROUPS) for _ in keys])))
+        elif kind == "lookup_many":  # read-only probes of one group (the compiled path loops in C)
+            keys = draw(st.lists(KEYS, min_size=0, max_size=8))
+            ops.append(("lookup_many", ([encode_ident(k) for k in keys], draw(GROUPS))))
         elif kind == "release_many":
             n = draw(st.integers(0, 6))
             ops.append(("release_many", ([draw(st.integers(0, 80)) for _ in range(n)],
@@ -168,6 +171,9 @@ def scenarios(draw):
                 ("mark_fired", ([1, 2], 1.5)),
                 ("group_id", ("",)),
                 ("forget_group", (-1,)),
+                ("lookup_many", ([b"short"], 0)),
+                ("lookup_many", ([encode_ident("a")], 99)),
+                ("lookup_many", ([], 99)),
             ])))
             ops.append(("schedule_ident", (draw(BAD_KEYS), clock + 5)))
     return shape, ops
