@@ -12,7 +12,7 @@ import pytest
 
 from daemon_harness import unique_name, unlink_segments
 from wheeld.daemon.config import Config
-from wheeld.daemon.core import DaemonCore
+from wheeld.daemon.core import PUBLISH_EVERY_MS, DaemonCore
 from wheeld.daemon.host import real_host
 from wheeld.protocol import arena_layout as AL
 
@@ -84,9 +84,30 @@ def test_time_passes_when_the_test_says_so_and_late_fires_are_counted(daemon_on_
     clock.ms = start + 10  # the loop was held up: "late" fires 4 ms (more than a tick) after its deadline
     daemon.iterate()
     assert daemon.delivery.undelivered() == 2 and len(daemon.wheel) == 0
+    # counters go out at most every PUBLISH_EVERY_MS while the loop wakes each ms (the
+    # last time at start + 4), and always before a longer park
+    clock.ms = start + 4 + PUBLISH_EVERY_MS
+    daemon.iterate()
     assert _counter(daemon, "late_total") == 1
-    assert _counter(daemon, "daemon_heartbeat_ms") == start + 10
+    assert _counter(daemon, "daemon_heartbeat_ms") == clock.ms
     assert _counter(daemon, "daemon_pid") == os.getpid()
+
+
+def test_counters_go_out_every_publish_interval_and_before_a_longer_park(daemon_on_a_fake_clock):
+    daemon, clock = daemon_on_a_fake_clock
+    start = clock.ms
+    daemon.wheel.schedule("later", start + 1000, daemon.wheel.group_id("g"))
+    daemon.iterate()
+    assert _counter(daemon, "daemon_heartbeat_ms") == start
+    clock.ms = start + 1
+    daemon.iterate()  # a wake-up 1 ms later: not published again yet
+    assert _counter(daemon, "daemon_heartbeat_ms") == start
+    assert daemon.park() is not None  # a park of ~999 ms: the counters go out first
+    assert _counter(daemon, "daemon_heartbeat_ms") == start + 1
+    daemon.unpark()
+    clock.ms = start + 1 + PUBLISH_EVERY_MS
+    daemon.iterate()
+    assert _counter(daemon, "daemon_heartbeat_ms") == clock.ms
 
 
 def test_the_journal_positions_are_published(daemon_on_a_fake_clock):
