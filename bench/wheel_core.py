@@ -27,6 +27,10 @@ Implementations (keys are the same integers for all):
 
     wheel         TimerWheel scalar methods, the daemon's path: ``schedule_ident`` /
                   ``cancel_ident`` on 33-byte encoded keys, ``advance``
+    wheel-int, wheel-str
+                  TimerWheel's user-facing scalar methods, ``schedule(key)`` /
+                  ``cancel(key)``, with int keys (as every other implementation
+                  here) and with str keys ``"k<n>"`` (the key encoded on every call)
     wheel-batch   TimerWheel batch methods, one call per round of ``--batch`` operations,
                   as the daemon applies a drained batch of ring commands:
                   ``schedule_many`` / ``cancel_many`` / ``expire_many`` +
@@ -39,6 +43,7 @@ Implementations (keys are the same integers for all):
                   or mixed, ``wheeld.protocol.accel.implementation()``)
     heapq         a heap of [deadline, seq, key, alive] lists + a dict key -> entry,
                   lazy deletion: the natural pure-Python timer
+    heapq-str     the same with the str keys of wheel-str
     asyncio       ``loop.call_at`` / ``TimerHandle.cancel`` on a loop whose clock is
                   faked, + a dict key -> handle for cancel by key
 
@@ -64,11 +69,12 @@ import psutil
 from wheeld.protocol import accel
 from wheeld.protocol import arena_layout as L
 from wheeld.protocol.keys import TYPE_INT, key_meta_of
-from wheeld.shm import TimerWheel
+from wheeld.shm import TimerWheel, encode_ident
 
 from bench.common import add_save_option, format_table, write_json
 
-IMPLS = ("wheel", "wheel-py", "wheel-batch", "wheel-batch-py", "heapq", "asyncio")
+IMPLS = ("wheel", "wheel-py", "wheel-int", "wheel-str", "wheel-batch", "wheel-batch-py", "heapq", "heapq-str",
+         "asyncio")
 PURE_SUFFIX = "-py"  # the same implementation, on the Python path
 OPS = ("insert", "rearm", "cancel", "expire")
 BACKGROUND_MS = (3_600_000, 7_200_000)  # the N pending timers: 1-2 h ahead
@@ -137,6 +143,42 @@ class WheelScalar:
 
     def pending(self) -> int:
         return len(self.wheel)
+
+
+class WheelKeys(WheelScalar):
+    """The user-facing scalar methods, ``schedule(key)`` / ``cancel(key)``, with int keys."""
+
+    def keys(self, first: int, count: int):
+        return list(range(first, first + count))
+
+    def insert(self, keys, deadlines) -> None:
+        schedule = self.wheel.schedule
+        for key, deadline in zip(keys, deadlines.tolist()):
+            schedule(key, deadline)
+
+    rearm = insert
+
+    def cancel(self, keys) -> None:
+        cancel = self.wheel.cancel
+        for key in keys:
+            cancel(key)
+
+
+def str_keys(first: int, count: int) -> list[str]:
+    return [f"k{n}" for n in range(first, first + count)]
+
+
+class WheelStrKeys(WheelKeys):
+    """:class:`WheelKeys` with str keys."""
+
+    def fill(self, first: int, deadlines: np.ndarray) -> None:
+        step = 1 << 16
+        for at in range(0, deadlines.size, step):
+            part = deadlines[at : at + step]
+            self.wheel.schedule_many([encode_ident(k) for k in str_keys(first + at, part.size)], part)
+
+    def keys(self, first: int, count: int):
+        return str_keys(first, count)
 
 
 class WheelBatch(WheelScalar):
@@ -218,6 +260,16 @@ class HeapTimer:
         return len(self.entries)
 
 
+class HeapStrTimer(HeapTimer):
+    """:class:`HeapTimer` with the str keys of :class:`WheelStrKeys`."""
+
+    def keys(self, first: int, count: int):
+        return str_keys(first, count)
+
+    def fill(self, first: int, deadlines: np.ndarray) -> None:
+        self.insert(str_keys(first, deadlines.size), deadlines)
+
+
 class _FakeClockLoop(asyncio.SelectorEventLoop):
     fake_now = 0.0
 
@@ -274,7 +326,8 @@ class AsyncioTimer:
         return len(self.handles)
 
 
-CLASSES = {"wheel": WheelScalar, "wheel-batch": WheelBatch, "heapq": HeapTimer, "asyncio": AsyncioTimer}
+CLASSES = {"wheel": WheelScalar, "wheel-int": WheelKeys, "wheel-str": WheelStrKeys, "wheel-batch": WheelBatch,
+           "heapq": HeapTimer, "heapq-str": HeapStrTimer, "asyncio": AsyncioTimer}
 CLASSES.update({name + PURE_SUFFIX: CLASSES[name] for name in ("wheel", "wheel-batch")})
 
 
@@ -412,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for size in sizes:
             for impl in impls:
-                if impl in ("heapq", "asyncio") and args.baseline_max is not None and size > args.baseline_max:
+                baseline = impl in ("heapq", "heapq-str", "asyncio")
+                if baseline and args.baseline_max is not None and size > args.baseline_max:
                     continue
                 row = run_worker(impl, size, args.batch, repeat)
                 rows.append(row)

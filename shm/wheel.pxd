@@ -6,7 +6,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
 
-from wheeld.protocol.keycodec cimport _KC_LEN_MASK, _kc_layout, decode_key_c
+from wheeld.protocol.keycodec cimport _KC_LEN_MASK, _kc_layout, decode_key_c, encode_ident_c
 
 from .keyindex cimport KeyIndex, _hash_bytes
 from .placement cimport Placement
@@ -30,6 +30,7 @@ cdef inline object _decode_key_at(unsigned char[::1] b, Py_ssize_t at, int meta)
     shared decoder (protocol/keycodec.pxd), None for a meta byte encode_key never writes."""
     return decode_key_c(&b[at], meta & _KC_LEN_MASK, meta, None)
 
+cdef bytes _ident_of(object key)  # wheel.py's encode_ident, called in C by the scalar methods
 cdef int _FREE, _SCHEDULED, _FIRED, _STATE_MASK, _LEVEL_SHIFT
 cdef Py_ssize_t _CUR, _QW, _IW, _HW, _RB, _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP, _ST, _KM, _KEY
 cdef Py_ssize_t _INTENT_SLOT, _INTENT_STATE, _INTENT_TAG, _INTENT_DEADLINE

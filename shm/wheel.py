@@ -349,6 +349,16 @@ def encode_ident(key) -> bytes:
 
     It is also the ring command's ``kmeta`` byte followed by its 32-byte key field.
     """
+    return _ident_of(key)
+
+
+def _ident_of(key) -> bytes:
+    """:func:`encode_ident`. Compiled, a str or int key is encoded in C, in one bytes object
+    (``encode_ident_c``, protocol/keycodec.pxd); any other key, or one it leaves, as here."""
+    if _COMPILED:
+        ident = encode_ident_c(key)  # noqa: F821 - protocol/keycodec.pxd, cimported by wheel.pxd
+        if ident is not None:
+            return ident
     return _ident(key)[0]
 
 
@@ -801,8 +811,7 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
         Returns the handle ``(slot, generation)``. Raises InvalidKey, InvalidDelay,
         InvalidRequest (bad group/tag/aux) or ArenaFull; on any error nothing changed.
         """
-        ident, _meta = _ident(key)
-        return self.schedule_ident(ident, deadline_ms, group, tag, aux)
+        return self.schedule_ident(_ident_of(key), deadline_ms, group, tag, aux)
 
     def schedule_ident(self, ident: bytes, deadline_ms: int, group: int = 0, tag: int = 0,
                        aux: int = -1) -> tuple[int, int]:
@@ -859,8 +868,7 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
 
     def cancel(self, key, group: int = 0) -> bool:
         """Remove a pending timer; True if there was one."""
-        ident, _meta = _ident(key)
-        return self.cancel_ident(ident, group)
+        return self.cancel_ident(_ident_of(key), group)
 
     def cancel_ident(self, ident: bytes, group: int = 0) -> bool:
         if not 0 <= group < self.max_groups:
@@ -886,8 +894,7 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
 
     def lookup(self, key, group: int = 0) -> int | None:
         """Deadline of the pending timer for ``key``, or None."""
-        ident, _meta = _ident(key)
-        return self.lookup_ident(ident, group)
+        return self.lookup_ident(_ident_of(key), group)
 
     def lookup_ident(self, ident: bytes, group: int = 0) -> int | None:
         """:meth:`lookup` for an encoded key (meta byte + key bytes)."""

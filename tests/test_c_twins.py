@@ -143,6 +143,43 @@ def test_a_fired_key_is_decoded_as_the_python_path_decodes_it(meta, field):
     assert compiled == python, (meta, field)
 
 
+# ------------------------------------------------------------------ keycodec.pxd: encode_ident_c
+class _Str(str):
+    pass
+
+
+class _Int(int):
+    pass
+
+
+_ANY_KEY = (st.text(max_size=40) | st.text(alphabet=st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF),
+                                           min_size=1, max_size=3)
+            | st.integers(-(1 << 64), 1 << 64) | st.binary(max_size=40) | st.booleans()
+            | st.text(min_size=1, max_size=8).map(_Str) | st.integers().map(_Int) | st.none() | st.floats())
+
+
+@settings(max_examples=600, **_SETTINGS)
+@given(key=_ANY_KEY)
+def test_a_key_is_encoded_for_the_scalar_methods_as_the_python_path_encodes_it(key):
+    """``schedule(key)``, ``cancel(key)``, ``lookup(key)`` and ``encode_ident``: compiled, a str
+    or int key is built in C (``encode_ident_c``, None for any other key, then encoded the
+    Python way); on the Python path ``_ident`` (``keys.encode_key`` plus padding). Any key,
+    empty, too long, with a lone surrogate, out of int64, a subclass, not a key at all:
+    the same 33 bytes, or the same exception."""
+    from wheeld.shm.wheel import encode_ident
+
+    source = load("wheeld.shm.wheel")
+    python = _outcome(lambda: source._ident(key)[0])
+    assert _outcome(encode_ident, key) == python, key
+    with _wheel() as wheel:
+        compiled = _outcome(wheel.schedule, key, 1500)
+        if python[0] == "bytes":
+            assert compiled[0] == "tuple" and wheel.lookup_ident(python[1]) == 1500
+            assert wheel.lookup(key) == 1500 and wheel.cancel(key) and wheel.lookup_ident(python[1]) is None
+        else:
+            assert compiled == python, key
+
+
 # ------------------------------------------------------------------ executor.pxd: _ident_at
 _OPS = st.sampled_from(["add", "add", "cancel", "flush"])
 
