@@ -1234,7 +1234,9 @@ class Simulation:
 
     # ------------------------------------------------------------------ the network
     def _network(self) -> None:
-        """Move what waits: new connections to the daemon, bytes both ways, closes."""
+        """Move what waits: new connections to the daemon, bytes both ways, closes. The daemon
+        reads what a client sent (up to 8 chunks; EOF once it closed and all was read) and
+        hears that it may send again; the answers it holds are checked (_check_answers)."""
         daemon = self.daemon
         live = daemon is not None and daemon.alive
         if live and self.listener.backlog:
@@ -1243,10 +1245,23 @@ class Simulation:
         keep = []
         for connection in self.connections:
             end = connection.daemon
-            if live:
-                session = self.sessions.get(id(connection))
-                if session is not None and daemon.alive:
-                    self._exchange(daemon, connection, session)
+            session = self.sessions.get(id(connection)) if live else None
+            if session is not None and daemon.alive:
+                stream = connection.to_daemon
+                # (what take_for_daemon returns None for: nothing to read, no EOF to report)
+                if not end.closed and (stream.visible or (stream.writer_closed and not stream.size)):
+                    for _ in range(8):
+                        got = connection.take_for_daemon()
+                        if got is None:
+                            break
+                        data, fds = got
+                        self._core_call(daemon.core.received, session, data, fds)
+                        if not daemon.alive or not data or end.closed:
+                            break
+                if daemon.alive and end.wants_writable and connection.writable_due():
+                    self._core_call(daemon.core.writable, session)
+                if daemon.alive and not self._memory_flagged and not session.closed:
+                    self._check_answers(session)
             to_client = connection.to_client
             if to_client.hold and to_client.size > to_client.visible:
                 connection.deliver(rng.choice([1, 64, 4096]))
@@ -1266,26 +1281,6 @@ class Simulation:
             session = self._core_call(daemon.core.connected, connection.daemon, pid, uid, gid)
             if session is not None:
                 self.sessions[id(connection)] = session
-
-    def _exchange(self, daemon: SimDaemon, connection, session) -> None:
-        """The daemon reads what ``connection``'s client sent (up to 8 chunks: EOF once it
-        closed and all was read), hears that it may send again, and its answers are checked."""
-        stream, end = connection.to_daemon, connection.daemon
-        # (what take_for_daemon returns None for: nothing to read, no EOF to report)
-        if not end.closed and (stream.visible or (stream.writer_closed and not stream.size)):
-            received = daemon.core.received
-            for _ in range(8):
-                got = connection.take_for_daemon()
-                if got is None:
-                    break
-                data, fds = got
-                self._core_call(received, session, data, fds)
-                if not daemon.alive or not data or end.closed:
-                    break
-        if daemon.alive and end.wants_writable and connection.writable_due():
-            self._core_call(daemon.core.writable, session)
-        if daemon.alive and not self._memory_flagged:
-            self._check_answers(session)
 
     def _network_busy(self) -> bool:
         """Whether bytes wait to move: for the daemon, for a slow reader (not delivered yet),
@@ -1314,8 +1309,9 @@ class Simulation:
         for worker in self._honest:
             if not worker.alive:
                 dead = True
-            elif worker.started:
-                self._settle_worker(worker)
+            elif worker.started and (worker.kind == "hoarder" or (
+                    worker.connection is not None and worker.connection.to_client.visible)):
+                self._settle_worker(worker)  # (no other worker has anything to do)
         if dead:
             self._honest = [w for w in self._honest if w.alive]
         if not self._net_due and (self.listener.backlog or self._network_busy()):
