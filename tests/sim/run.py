@@ -245,6 +245,8 @@ class _ProcessFs:
             if life.dead:
                 raise Crash("the process is dead")
             return attribute(*args, **kwargs)
+        if name not in vars(self._disk) and callable(getattr(type(self._disk), name, None)):
+            setattr(self, name, call)  # a method of the disk's class: the same call every time
         return call
 
 
@@ -438,7 +440,7 @@ class Simulation:
         """An honest, live worker's application arms, cancels, touches or flushes, now: its
         records land in its ring (and its doorbell on the socket) while the daemon is between
         two clock reads, e.g. between two chunks of a drain or after reading a ring's depth."""
-        workers = [w for w in self.workers if w.alive and w.started and not w.hostile and not w.kind
+        workers = [w for w in self._honest if w.alive and w.started and not w.kind
                    and w.client.connected and not w.client.closed_session]
         if not workers:
             return
@@ -449,7 +451,7 @@ class Simulation:
 
     def _touch_meanwhile(self) -> None:
         """An honest, live worker's application touches each of its idle keys, now."""
-        workers = [w for w in self.workers if w.alive and w.started and not w.hostile and w.idle_keys]
+        workers = [w for w in self._honest if w.alive and w.started and w.idle_keys]
         if not workers:
             return
         worker = self.irng.choice(workers)
@@ -462,7 +464,8 @@ class Simulation:
                 worker.idle_keys.discard(key)
                 continue
             self.history.touched(worker.ident, key, now)
-            self.note(f"w{worker.ident} touch {key} (inside a daemon event)")
+            if self.tracing:
+                self.note(f"w{worker.ident} touch {key} (inside a daemon event)")
 
     def _process_alive(self, pid: int) -> bool:
         """A worker's process exists while it lives (a pid no worker has: unknown, alive)."""
@@ -1000,7 +1003,8 @@ class Simulation:
                           f"deadline {expired.deadline_ms} fired {expired.fired_ms} late {expired.late}")
             worker.idle_keys.discard(expired.key)
         worker.client.handed_tags.clear()
-        self._flushes_answered(worker, polled.flushed)
+        if polled.flushed:
+            self._flushes_answered(worker, polled.flushed)
 
     def _flushes_answered(self, worker: Worker, flushed: list) -> None:
         for number, outcome in flushed:
