@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -473,7 +474,7 @@ class SimClient(ClientCore):
                 self.on_received(bytes(item.key_bytes), item.seq, item.fired_ms)
         before = len(self._ready)
         super()._on_expirations(items)
-        made = list(self._ready)[before:]
+        made = list(itertools.islice(self._ready, before, None))
         if made:  # which item each came from: they are appended in the frame's order
             cursor = 0
             for expired in made:
@@ -512,6 +513,8 @@ class SimClient(ClientCore):
 
     def _take_ready(self):
         taken = super()._take_ready()
+        if not taken:
+            return taken
         self.handed_tags += self.ready_tags[: len(taken)]
         del self.ready_tags[: len(taken)]
         return taken

@@ -270,8 +270,9 @@ class SimDisk:
         if offset > len(inode.data):
             inode.data.extend(bytes(offset - len(inode.data)))
         inode.data[offset:offset + len(data)] = data
-        for at in range(offset, offset + len(data)):
-            inode.lost.pop(at, None)  # written again: dirty again
+        if inode.lost:
+            for at in range(offset, offset + len(data)):
+                inode.lost.pop(at, None)  # written again: dirty again
         below = min(len(data), len(inode.durable) - offset)
         if below > 0:
             inode.dirty.append((offset, below))
@@ -304,11 +305,14 @@ class SimDisk:
                 inode.dirty.clear()
             raise
         end = len(inode.data) if inode.lost_from is None else inode.lost_from
-        synced = bytearray(inode.data[:end])
-        for at, old in inode.lost.items():
-            if at < len(synced):
-                synced[at] = old
-        inode.durable = bytes(synced)
+        if inode.lost:
+            synced = bytearray(inode.data[:end])
+            for at, old in inode.lost.items():
+                if at < len(synced):
+                    synced[at] = old
+            inode.durable = bytes(synced)
+        else:
+            inode.durable = bytes(inode.data[:end])
         inode.dirty.clear()
         inode.shrunk = False
         if self.on_sync is not None:

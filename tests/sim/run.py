@@ -245,6 +245,8 @@ class _ProcessFs:
             if life.dead:
                 raise Crash("the process is dead")
             return attribute(*args, **kwargs)
+        if name not in vars(self._disk) and callable(getattr(type(self._disk), name, None)):
+            setattr(self, name, call)  # a method of the disk's class: the same call every time
         return call
 
 
@@ -367,6 +369,9 @@ class Simulation:
         self.daemon: SimDaemon | None = None
         self.runner: SimRunner | None = None
         self.workers: list[Worker] = []
+        # the honest workers in self.workers that may still be alive, in the same order (a
+        # dead worker never lives again: _prune_honest drops those found dead)
+        self._honest: list[Worker] = []
         self._by_ident: dict[int, Worker] = {}  # every worker ever spawned, by ident
         self.next_ident = 0
         self.ops = 0
@@ -421,7 +426,7 @@ class Simulation:
         instructions. In an event chosen for it (:meth:`_guard`) a clock read is followed,
         now and then, by a little time passing and an honest worker's application touching
         its idle keys: the daemon then reads touch words stored after its clock read."""
-        now = self.world.clock_ms()
+        now = self.world.now_ns // 1_000_000  # (World.clock_ms)
         if self._interleaving and self.irng.random() < 0.5:
             self._interleaving -= 1
             self.world.now_ns += self.irng.randint(100_000, 1_900_000)  # the daemon's work takes time
@@ -435,7 +440,7 @@ class Simulation:
         """An honest, live worker's application arms, cancels, touches or flushes, now: its
         records land in its ring (and its doorbell on the socket) while the daemon is between
         two clock reads, e.g. between two chunks of a drain or after reading a ring's depth."""
-        workers = [w for w in self.workers if w.alive and w.started and not w.hostile and not w.kind
+        workers = [w for w in self._honest if w.alive and w.started and not w.kind
                    and w.client.connected and not w.client.closed_session]
         if not workers:
             return
@@ -446,7 +451,7 @@ class Simulation:
 
     def _touch_meanwhile(self) -> None:
         """An honest, live worker's application touches each of its idle keys, now."""
-        workers = [w for w in self.workers if w.alive and w.started and not w.hostile and w.idle_keys]
+        workers = [w for w in self._honest if w.alive and w.started and w.idle_keys]
         if not workers:
             return
         worker = self.irng.choice(workers)
@@ -459,7 +464,8 @@ class Simulation:
                 worker.idle_keys.discard(key)
                 continue
             self.history.touched(worker.ident, key, now)
-            self.note(f"w{worker.ident} touch {key} (inside a daemon event)")
+            if self.tracing:
+                self.note(f"w{worker.ident} touch {key} (inside a daemon event)")
 
     def _process_alive(self, pid: int) -> bool:
         """A worker's process exists while it lives (a pid no worker has: unknown, alive)."""
@@ -721,6 +727,7 @@ class Simulation:
         self.workers.append(worker)
         self._by_ident[worker.ident] = worker
         if not hostile:
+            self._honest.append(worker)
             self.history.joined(worker.ident, group)
         self.world.after_ms(self.rng.uniform(0, 5), lambda: self._connect(worker))
         return worker
@@ -889,8 +896,7 @@ class Simulation:
                 key, idle = self._key(worker), self.xrng.randint(60_000, 600_000)
                 client.add_idle(key, idle)
                 worker.idle_keys.add(key)
-                history.armed(worker.ident, key, _latest_tag(client, key), now, idle, idle=True)
-                self.note(f"w{worker.ident} add_idle {key} {idle} tag {_latest_tag(client, key)}")
+                self._armed(worker, key, now, idle, idle=True)
                 if self.xrng.random() < 0.5:
                     number = client.flush()
                     worker.flushes[number] = history.flush_called(worker.ident)
@@ -899,14 +905,12 @@ class Simulation:
                 key, delay = self._key(worker, rng), self._delay(rng)
                 client.add(key, delay)
                 worker.idle_keys.discard(key)
-                history.armed(worker.ident, key, _latest_tag(client, key), now, delay, idle=False)
-                self.note(f"w{worker.ident} add {key} {delay} tag {_latest_tag(client, key)}")
+                self._armed(worker, key, now, delay, idle=False)
             elif roll < 0.45:
                 key, idle = self._key(worker, rng), rng.randint(1, min(self.profile.max_delay_ms, 2000))
                 client.add_idle(key, idle)
                 worker.idle_keys.add(key)
-                history.armed(worker.ident, key, _latest_tag(client, key), now, idle, idle=True)
-                self.note(f"w{worker.ident} add_idle {key} {idle} tag {_latest_tag(client, key)}")
+                self._armed(worker, key, now, idle, idle=True)
             elif roll < 0.6 and worker.idle_keys:
                 key = rng.choice(sorted(worker.idle_keys))
                 try:
@@ -945,6 +949,14 @@ class Simulation:
         except (BrokenPeer, Closed, DaemonNotRunning) as exc:
             self.note(f"worker {worker.ident}: {exc!r}")
 
+    def _armed(self, worker: Worker, key: str, now: int, ms: int, idle: bool) -> None:
+        """``worker``'s application armed ``key`` (``add`` or ``add_idle``, ``ms`` its delay
+        or idle time) at ``now``: the history learns of the arming its library made."""
+        tag = _latest_tag(worker.client, key)
+        self.history.armed(worker.ident, key, tag, now, ms, idle=idle)
+        if self.tracing:
+            self.note(f"w{worker.ident} {'add_idle' if idle else 'add'} {key} {ms} tag {tag}")
+
     def _resolve_tag(self, key, tag: int) -> int:
         """The tag the application armed, for one a library re-armed an idle timer with: the
         library of the key's owner (``c<id>-<n>``: only it re-arms its idle keys), whichever
@@ -981,15 +993,18 @@ class Simulation:
             self.note(f"worker {worker.ident} poll raised {exc!r}")
             self._refused(worker, exc)
             return
-        now = self.world.now_ns
+        now, history = self.world.now_ns, self.history
         for expired, tag in zip(polled.expired, worker.client.handed_tags):
-            self.history.handed(worker.ident, expired.key, self._resolve_tag(expired.key, tag), now,
-                                self.history.first_fired_ns(expired.key, tag, expired.fired_ms * MS))
-            self.note(f"w{worker.ident} handed {expired.key} tag {tag}->{self._resolve_tag(expired.key, tag)} "
-                      f"deadline {expired.deadline_ms} fired {expired.fired_ms} late {expired.late}")
+            original = self._resolve_tag(expired.key, tag)
+            history.handed(worker.ident, expired.key, original, now,
+                           history.first_fired_ns(expired.key, tag, expired.fired_ms * MS))
+            if self.tracing:
+                self.note(f"w{worker.ident} handed {expired.key} tag {tag}->{original} "
+                          f"deadline {expired.deadline_ms} fired {expired.fired_ms} late {expired.late}")
             worker.idle_keys.discard(expired.key)
         worker.client.handed_tags.clear()
-        self._flushes_answered(worker, polled.flushed)
+        if polled.flushed:
+            self._flushes_answered(worker, polled.flushed)
 
     def _flushes_answered(self, worker: Worker, flushed: list) -> None:
         for number, outcome in flushed:
@@ -1223,41 +1238,65 @@ class Simulation:
 
     # ------------------------------------------------------------------ the network
     def _network(self) -> None:
-        """Move what waits: new connections to the daemon, bytes both ways, closes."""
+        """Move what waits: new connections to the daemon, bytes both ways, closes. The daemon
+        reads what a client sent (up to 8 chunks; EOF once it closed and all was read) and
+        hears that it may send again; the answers it holds are checked (_check_answers)."""
         daemon = self.daemon
         live = daemon is not None and daemon.alive
-        if live:
-            while True:
-                connection = self.listener.accept()
-                if connection is None:
-                    break
-                pid, uid, gid = connection.peer
-                session = self._core_call(daemon.core.connected, connection.daemon, pid, uid, gid)
-                if session is not None:
-                    self.sessions[id(connection)] = session
+        if live and self.listener.backlog:
+            self._accept(daemon)
+        rng = self.rng
         keep = []
         for connection in self.connections:
+            end = connection.daemon
             session = self.sessions.get(id(connection)) if live else None
             if session is not None and daemon.alive:
-                for _ in range(8):
-                    got = connection.take_for_daemon()
-                    if got is None:
-                        break
-                    data, fds = got
-                    self._core_call(daemon.core.received, session, data, fds)
-                    if not daemon.alive or not data or connection.daemon.closed:
-                        break
-                if daemon.alive and connection.writable_due():
+                stream = connection.to_daemon
+                # (what take_for_daemon returns None for: nothing to read, no EOF to report)
+                if not end.closed and (stream.visible or (stream.writer_closed and not stream.size)):
+                    for _ in range(8):
+                        got = connection.take_for_daemon()
+                        if got is None:
+                            break
+                        data, fds = got
+                        self._core_call(daemon.core.received, session, data, fds)
+                        if not daemon.alive or not data or end.closed:
+                            break
+                if daemon.alive and end.wants_writable and connection.writable_due():
                     self._core_call(daemon.core.writable, session)
-                if daemon.alive:
+                if daemon.alive and not self._memory_flagged and not session.closed:
                     self._check_answers(session)
-            if connection.to_client.hold and connection.to_client.size > connection.to_client.visible:
-                connection.deliver(self.rng.choice([1, 64, 4096]))
-            if connection.daemon.closed and connection.client_closed:
+            to_client = connection.to_client
+            if to_client.hold and to_client.size > to_client.visible:
+                connection.deliver(rng.choice([1, 64, 4096]))
+            if end.closed and connection.client.closed:
                 self.sessions.pop(id(connection), None)
                 continue
             keep.append(connection)
         self.connections = keep
+
+    def _accept(self, daemon: SimDaemon) -> None:
+        """Hand each new connection to the daemon."""
+        while True:
+            connection = self.listener.accept()
+            if connection is None:
+                break
+            pid, uid, gid = connection.peer
+            session = self._core_call(daemon.core.connected, connection.daemon, pid, uid, gid)
+            if session is not None:
+                self.sessions[id(connection)] = session
+
+    def _network_busy(self) -> bool:
+        """Whether bytes wait to move: for the daemon, for a slow reader (not delivered yet),
+        or for a client whose daemon asked to hear that it can send again, and can."""
+        for connection in self.connections:
+            to_client = connection.to_client
+            if connection.to_daemon.size or (to_client.hold and to_client.size > to_client.visible):
+                return True
+            end = connection.daemon
+            if end.wants_writable and not end.closed and to_client.room() > 0:  # (writable_due)
+                return True
+        return False
 
     def _core_call(self, action, *args):
         try:
@@ -1270,44 +1309,52 @@ class Simulation:
         """After each event: the network moves, and workers with something to read poll (a
         worker's event loop sees its socket readable)."""
         self._network()
-        for worker in self.workers:
-            if not worker.alive or worker.hostile or not worker.started:
-                continue
-            connection = worker.connection
-            cut = connection is not None and connection.to_client.writer_closed
-            if worker.kind == "hoarder" and not worker.client.closed_session and (cut or not worker.client.connected):
-                try:  # its library connects again on its own (as the asyncio client's reader does)
-                    worker.client.receive()
-                except WheeldError as exc:
-                    self.note(f"worker {worker.ident} receive: {exc!r}")
-                    self._refused(worker, exc)
-                continue
-            if connection is not None and connection.to_client.visible and not worker.client.closed_session:
-                if worker.kind == "hoarder":  # its library reads; its application polls later
-                    try:
-                        worker.client.receive()
-                    except WheeldError as exc:
-                        self.note(f"worker {worker.ident} receive: {exc!r}")
-                        self._refused(worker, exc)
-                    self._flush_then_die(worker)
-                    # its application's flush() returned when the answer came (only the
-                    # simulated flush hands its outcome over with a poll)
-                    flushed, worker.client._flushed = worker.client._flushed, []
-                    self._flushes_answered(worker, flushed)
-                else:
-                    self._poll(worker)
-        if any(c.to_daemon.size or c.writable_due() or (c.to_client.hold and c.to_client.size > c.to_client.visible)
-               for c in self.connections) or self.listener.backlog:
-            if not self._net_due:
-                self._net_due = True
-                self.world.after_ms(self.rng.choice([0.005, 0.02, 0.1]), self._net_tick)
+        dead = False
+        for worker in self._honest:
+            if not worker.alive:
+                dead = True
+            elif worker.started and (worker.kind == "hoarder" or (
+                    worker.connection is not None and worker.connection.to_client.visible)):
+                self._settle_worker(worker)  # (no other worker has anything to do)
+        if dead:
+            self._honest = [w for w in self._honest if w.alive]
+        if not self._net_due and (self.listener.backlog or self._network_busy()):
+            self._net_due = True
+            self.world.after_ms(self.rng.choice([0.005, 0.02, 0.1]), self._net_tick)
 
         runner = self.runner
-        if runner is not None and runner.pending and not self._background_due:
+        if runner is not None and runner.queue and not self._background_due:
             # the journal's helper thread finishes its task a little later
             self._background_due = True
             self.world.after_ms(self.rng.choice([0.05, 0.5, 3.0, 20.0]) * self.rng.random(),
                                 lambda: self._background(runner))
+
+    def _settle_worker(self, worker: Worker) -> None:
+        """A live, started honest worker whose socket is readable reads: a hoarder's library
+        (connecting again on its own when cut), the others' application polls."""
+        connection, client = worker.connection, worker.client
+        if worker.kind == "hoarder" and not client._closed and (
+                (connection is not None and connection.to_client.writer_closed) or not client.connected):
+            try:  # its library connects again on its own (as the asyncio client's reader does)
+                client.receive()
+            except WheeldError as exc:
+                self.note(f"worker {worker.ident} receive: {exc!r}")
+                self._refused(worker, exc)
+            return
+        if connection is not None and connection.to_client.visible and not client._closed:
+            if worker.kind == "hoarder":  # its library reads; its application polls later
+                try:
+                    client.receive()
+                except WheeldError as exc:
+                    self.note(f"worker {worker.ident} receive: {exc!r}")
+                    self._refused(worker, exc)
+                self._flush_then_die(worker)
+                # its application's flush() returned when the answer came (only the
+                # simulated flush hands its outcome over with a poll)
+                flushed, worker.client._flushed = worker.client._flushed, []
+                self._flushes_answered(worker, flushed)
+            else:
+                self._poll(worker)
 
     def _background(self, runner: SimRunner) -> None:
         self._background_due = False
@@ -1401,7 +1448,7 @@ class Simulation:
             self.world.after_ms(10, lambda: self._final_flush(worker))
 
     def _poll_all(self) -> None:
-        for worker in self.workers:
+        for worker in self._honest:  # (_poll passes over the hostile ones)
             self._poll(worker)
 
     def _close(self) -> None:
@@ -1417,7 +1464,11 @@ class Simulation:
 
 
 def _latest_tag(client: SimClient, key: str) -> int:
-    for shard in client._latest:
+    shards = client._latest  # a key's arming is in shard hash(key) & (shards - 1) (64 of them)
+    shard = shards[hash(key) & (len(shards) - 1)]
+    if key in shard:
+        return shard[key]
+    for shard in shards:
         if key in shard:
             return shard[key]
     raise AssertionError(f"{key!r} has no arming in its client")

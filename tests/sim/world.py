@@ -46,7 +46,8 @@ class World:
     def at(self, when_ns: int, action: Callable[[], None]) -> None:
         """Run ``action`` at ``when_ns`` (at once, after what is queued for now, if in the past)."""
         self._seq += 1
-        heapq.heappush(self._queue, (max(when_ns, self.now_ns), self._seq, action))
+        now = self.now_ns
+        heapq.heappush(self._queue, (when_ns if when_ns > now else now, self._seq, action))
 
     def soon(self, action: Callable[[], None]) -> None:
         self.at(self.now_ns, action)
@@ -66,7 +67,8 @@ class World:
         if not self._queue:
             return False
         when, _seq, action = heapq.heappop(self._queue)
-        self.now_ns = max(self.now_ns, when)
+        if when > self.now_ns:
+            self.now_ns = when
         self.events_run += 1
         action()
         return True
