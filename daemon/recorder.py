@@ -228,7 +228,7 @@ class Recorder:
         Call it before applying the segment: it tells an ``add`` from a ``rearm``
         and whether a cancel hit. ``idents`` are 33-byte record forms (meta + key).
         """
-        return _lookup_many(self.wheel, idents, gid)
+        return self.wheel.lookup_many(idents, gid)
 
     def commands(self, gid: int, log) -> None:
         """The events of the keyed commands a chunk applied (a :class:`~wheeld.daemon.planner.CommandLog`,
@@ -496,28 +496,6 @@ def _ident_to_json(ident: bytes):
     if kind == TYPE_INT:
         return int.from_bytes(ident[1:9], "little", signed=True)
     return J.key_to_json(decode_key(ident[1:], meta))
-
-
-def _lookup_many(wheel: TimerWheel, idents, gid: int) -> list:
-    """Pending deadline (or None) of each ident of group ``gid``, found in one pass.
-
-    Uses ``TimerWheel.lookup_many`` when the wheel has it; until then the wheel's
-    own vectorized key-index probe (the one ``schedule_many`` uses), read-only.
-    ``idents`` must not repeat (the daemon's segments guarantee it).
-    """
-    lookup_many = getattr(wheel, "lookup_many", None)
-    if lookup_many is not None:
-        return lookup_many(idents, gid)
-    if not len(idents):
-        return []
-    ident_list, ident_arr = wheel._batch_idents(idents)
-    groups = np.full(len(ident_list), gid, dtype=np.int64)
-    found = wheel._find_many(ident_arr, wheel._batch_hashes(ident_list, groups), groups)
-    hit = found >= 0
-    if not hit.any():
-        return [None] * len(ident_list)
-    deadlines = np.where(hit, wheel.records["deadline"][np.where(hit, found, 0)], -1).tolist()
-    return [None if not h else d for h, d in zip(hit.tolist(), deadlines)]
 
 
 def _scheduled(wheel: TimerWheel):
