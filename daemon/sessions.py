@@ -453,9 +453,23 @@ class Sessions:
         cs.session = None
         cs.orphan_since = self.daemon.clock()
         if not cs.poisoned and not resume:
-            self.executor.apply_ring(cs)  # acks it pushed before it went are applied before we redeliver
+            self._apply_what_it_left(cs)
         self.delivery.requeue(cs.take_unacked(), cs.group)
         self.wake()
+
+    def _apply_what_it_left(self, cs: ClientSlot) -> None:
+        """Apply the commands a departed client left in its ring, acks included, before what
+        was sent to it goes back to its group: an ack it pushed is applied, not overtaken by
+        a redelivery. The whole ring, not one drain's worth (a ring handed back after a
+        reboot is replayed from the client's last acknowledged flush and can hold more), and
+        at most one ring's capacity (a client still alive behind a closed session cannot
+        keep this going)."""
+        budget = cs.segment.ring_capacity if cs.segment is not None else 0
+        while budget > 0 and not cs.poisoned and cs.segment is not None:
+            applied = self.executor.apply_ring(cs)
+            if not applied:
+                return
+            budget -= applied
 
     def poison(self, cs: ClientSlot, reason: str) -> None:
         log.warning("client slot %d (pid %d): %s; disconnecting it, its group's timers stay", cs.slot, cs.pid, reason)

@@ -10,6 +10,8 @@ It takes one command a line on stdin and answers each with one JSON line on stdo
                      pushes whatever acknowledgements the library has queued)
     flush            flush once
     poll             poll(0.5): what the application is handed
+    push N           push N adds (keys p0..p{N-1}, an hour ahead) without a flush, then
+                     poll(0): the acknowledgements queued go into the ring behind them
     state            the library's buffer and queued acknowledgements
 
 Answers carry ``buffered`` (expirations received, not handed), ``acks`` (queued
@@ -92,6 +94,11 @@ async def run(args: dict, lines) -> None:
             await flush()
         elif words[0] == "poll":
             got = await w.poll(0.5) if aio else w.poll(0.5)
+            answer["keys"] = [e.key for e in got]
+        elif words[0] == "push":
+            for i in range(int(words[1])):
+                w.add(f"p{i}", 3_600_000)
+            got = await w.poll(0) if aio else w.poll(0)
             answer["keys"] = [e.key for e in got]
         answer.update(state(w))
         print(json.dumps(answer), flush=True)
