@@ -745,7 +745,15 @@ class ClientCore(ClientBase, ClientSession):
                     # application has not had it (were this process to die now, that ack
                     # would take the timer with it). Its ack goes out when it is handed,
                     # under this copy's handle: after a reboot the arena is another one,
-                    # and an ack stamped with the old epoch is ignored.
+                    # and an ack stamped with the old epoch is ignored. A copy in another
+                    # record of this same arena (a ring replayed after a reboot armed it
+                    # again after the journal's arming had fired) leaves the first record
+                    # in flight to us: it is acknowledged now, since this copy stays
+                    # unacknowledged until the hand-over (else, were this process to die,
+                    # the first record would go to another member: handed twice).
+                    old = handles[number - handed]
+                    if old[2] == epoch and old != handle:
+                        acks_pending.append(old)
                     handles[number - handed] = handle
                 else:
                     acks_pending.append(handle)  # handed over already

@@ -67,8 +67,9 @@ def test_a_copy_of_a_buffered_expiration_is_not_acknowledged_and_renews_its_hand
     assert _acks(core) == []
     handed = [core._take_one().key, core._take_one().key]  # the asyncio iterator hands one at a time
     assert core._to_ack == [(300, 1, 78), (301, 1, 78)], "acknowledged under the copy's handle"
-    _deliver(core, armings[:4], 500)  # two handed, two still buffered
-    assert core._acks_pending == [(500, 1, 78), (501, 1, 78)], "copies of what was handed: acknowledged"
+    _deliver(core, armings[:4], 500)  # two handed, two still buffered (new records of this arena)
+    assert core._acks_pending[:2] == [(500, 1, 78), (501, 1, 78)], "copies of what was handed: acknowledged"
+    assert core._acks_pending[2:] == [(302, 1, 78), (303, 1, 78)], "the records they replace: released"
     handed += [e.key for e in core._take_ready()]
     assert handed == [key for key, _tag in armings], "each handed once, in order"
     assert core._to_ack[2:] == [(502, 1, 78), (503, 1, 78)] + [(300 + i, 1, 78) for i in range(4, 20)]
@@ -76,6 +77,21 @@ def test_a_copy_of_a_buffered_expiration_is_not_acknowledged_and_renews_its_hand
     core._acks_pending.clear()
     _deliver(core, armings, 700)  # once handed, every copy is acknowledged and dropped
     assert core._take_ready() == [] and core._acks_pending == [(700 + i, 1, 78) for i in range(20)]
+
+
+def test_a_second_record_of_a_buffered_arming_in_the_same_arena_releases_the_first():
+    """After a reboot, the ring a client hands back is replayed from its last acknowledged
+    flush: a re-arm the journal already held is applied again after the journal's arming
+    fired, so one arming goes out in two records of the same arena. The first record is
+    acknowledged at once (were the client to die, it would go to another member); the
+    second, the one the application is handed, when it is handed."""
+    other = 5 << 21
+    core = _core(epoch=77)
+    _deliver(core, [("k", other | 1)], 100)
+    _deliver(core, [("k", other | 1)], 200)  # the same arming, another record of this arena
+    assert _acks(core) == [(100, 1, 77)], "the first record is released, the arming still held"
+    assert [e.key for e in core._take_ready()] == ["k"], "handed once"
+    assert core._to_ack == [(200, 1, 77)]
 
 
 def test_a_copy_of_an_expiration_of_our_own_arming_still_buffered_is_not_acknowledged():
