@@ -244,6 +244,21 @@ class ClientBase:
     whose other bases are Python mixins needs one first); nothing of its own."""
 
 
+def _renew_handle(handles, index: int, handle: tuple, acks_pending: list) -> None:
+    """A copy of an expiration still in the library's buffer: not handed twice, and not
+    acknowledged, since the application has not had it (were this process to die now, that
+    ack would take the timer with it). Its ack goes out when it is handed, under this copy's
+    handle: after a reboot the arena is another one, and an ack stamped with the old epoch
+    is ignored. A copy in another record of the same arena (a ring replayed after a reboot
+    armed it again after the journal's arming had fired) leaves the first record in flight
+    to us: that one is acknowledged now, as this copy stays unacknowledged until the
+    hand-over (else, were this process to die, the first would go to another member)."""
+    first = handles[index]
+    if first[2] == handle[2] and first != handle:
+        acks_pending.append(first)
+    handles[index] = handle
+
+
 class ClientCore(ClientBase, ClientSession):
     """Ring, touch table and bookkeeping; the subclasses add the socket I/O."""
 
@@ -740,21 +755,8 @@ class ClientCore(ClientBase, ClientSession):
             seen_map = recent[seq & _SHARD_MASK]
             number = seen_map.get(seen)
             if number is not None:  # sent again: a daemon restart, a reboot, an ack timeout
-                if number >= handed:
-                    # Still buffered: not handed twice, and not acknowledged, since the
-                    # application has not had it (were this process to die now, that ack
-                    # would take the timer with it). Its ack goes out when it is handed,
-                    # under this copy's handle: after a reboot the arena is another one,
-                    # and an ack stamped with the old epoch is ignored. A copy in another
-                    # record of this same arena (a ring replayed after a reboot armed it
-                    # again after the journal's arming had fired) leaves the first record
-                    # in flight to us: it is acknowledged now, since this copy stays
-                    # unacknowledged until the hand-over (else, were this process to die,
-                    # the first record would go to another member: handed twice).
-                    old = handles[number - handed]
-                    if old[2] == epoch and old != handle:
-                        acks_pending.append(old)
-                    handles[number - handed] = handle
+                if number >= handed:  # still buffered: _renew_handle
+                    _renew_handle(handles, number - handed, handle, acks_pending)
                 else:
                     acks_pending.append(handle)  # handed over already
                 continue

@@ -458,12 +458,9 @@ class Sessions:
         self.wake()
 
     def _apply_what_it_left(self, cs: ClientSlot) -> None:
-        """Apply the commands a departed client left in its ring, acks included, before what
-        was sent to it goes back to its group: an ack it pushed is applied, not overtaken by
-        a redelivery. The whole ring, not one drain's worth (a ring handed back after a
-        reboot is replayed from the client's last acknowledged flush and can hold more), and
-        at most one ring's capacity (a client still alive behind a closed session cannot
-        keep this going)."""
+        """Apply what a departed client left in its ring (its acks) before what was sent to it
+        goes back to its group: the whole ring, not one drain's worth (a ring replayed after a
+        reboot can hold more), at most its capacity (a live client cannot keep it going)."""
         budget = cs.segment.ring_capacity if cs.segment is not None else 0
         while budget > 0 and not cs.poisoned and cs.segment is not None:
             applied = self.executor.apply_ring(cs)
