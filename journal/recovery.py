@@ -699,6 +699,10 @@ def _apply(events: list, start: int, pending: dict, unacked: dict, end: int | No
                 if current is not None and current.seq == event.s:
                     pop_pending((event.g, event.k))
         elif kind is IdleRearm:
+            # a fired record put back on the wheel (Delivery.recheck_idle: a restarted daemon
+            # found the fire of an idle timer whose touches it could not read yet) is that
+            # arming pending again, no longer a fire waiting for its ack
+            pop_unacked((event.g, event.k, event.s), None)
             current = pending.get((event.g, event.k))
             if current is None:
                 pending[(event.g, event.k)] = PendingTimer(event.g, event.k, event.d, event.s, event.i)

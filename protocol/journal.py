@@ -111,7 +111,10 @@ and then, by type (``d``: deadline, wall-clock ms):
                 application
 ``idle_rearm``  an idle timer was due but its key had been touched: it moved
                 to ``d`` (last touch + ``i``); ``pd`` the deadline it had,
-                ``s`` and ``i`` unchanged
+                ``s`` and ``i`` unchanged. Also written for an idle timer
+                whose ``fire`` was journaled but which was never sent, put
+                back on the wheel by a restarted daemon that cannot read
+                its client's touches yet: pending again at ``d``
 ==============  ==============================================================
 
 Examples (one line each in the file)::
@@ -128,7 +131,8 @@ Examples (one line each in the file)::
 State a reader rebuilds (the reference model of recovery): ``pending`` maps
 (g, k) to (d, s, i); ``add``/``rearm`` set it, ``cancel`` and ``fire`` remove
 it, ``idle_rearm`` changes its ``d``; ``fire`` also puts (g, k, s) into
-``unacked``, which ``ack`` removes. Timers in ``unacked`` after a crash are
+``unacked``, which ``ack`` removes, and so does an ``idle_rearm`` of that
+arming, which makes it pending again at its ``d``. Timers in ``unacked`` after a crash are
 delivered again (at-least-once to the client library, which drops duplicates).
 
 Snapshot files

@@ -94,6 +94,17 @@ class Model:
         """Apply one operation; return the journal event a daemon would write (or None)."""
         self.now += 1
         self.seq += 1
+        if op == "idle_rearm" and pick % 3 == 0:
+            # a fired idle timer put back on the wheel before it was sent (a restarted daemon
+            # could not read its client's touches yet): pending again, no longer unacked
+            fired = sorted((entry for entry, value in self.unacked.items()
+                            if value[4] is not None and entry[:2] not in self.pending), key=repr)
+            if fired:
+                group, key, seq = fired[pick % len(fired)]
+                deadline, _f, _late, _lat, idle = self.unacked.pop((group, key, seq))
+                self.pending[(group, key)] = (self.now + 100, seq, idle)
+                return IdleRearm(t=self.now, g=group, k=key_to_json(key), d=self.now + 100, pd=deadline, s=seq,
+                                 i=idle)
         if op in ("fire", "idle_rearm") and (group, key) not in self.pending:
             # aim at an existing timer (an idle one for idle_rearm) so these ops are not mostly no-ops
             candidates = sorted(

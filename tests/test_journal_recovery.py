@@ -204,8 +204,11 @@ def _apply_to_model(model: Model, event) -> None:
     elif kind is Ack:
         model.unacked.pop((event.g, key, event.s), None)
     elif kind is IdleRearm:
-        deadline, seq, old_idle = model.pending[(event.g, key)]
-        model.pending[(event.g, key)] = (event.d, seq, old_idle)
+        if model.unacked.pop((event.g, key, event.s), None) is not None:  # a fired one, back on the wheel
+            model.pending[(event.g, key)] = (event.d, event.s, idle)
+        else:
+            deadline, seq, old_idle = model.pending[(event.g, key)]
+            model.pending[(event.g, key)] = (event.d, seq, old_idle)
 
 
 @pytest.mark.parametrize("damaged_lines", [1, 2])

@@ -100,11 +100,60 @@ def test_the_checker_catches_what_it_is_for():
     h.flushed(h.flush_called(1))
     h.handed(1, "c1-1", 11, 50 * ms)
     h.handed(1, "c1-2", 12, 200 * ms)
-    h.handed(1, "c1-3", 13, 20 * ms)
-    h.handed(2, "c1-3", 13, 30 * ms)
+    h.handed(1, "c1-3", 13, 20 * ms, number=2, copy_fired_ns=10 * ms)
+    h.handed(2, "c1-3", 13, 30 * ms, number=0, copy_fired_ns=25 * ms)
     h.handed(2, "c1-9", 99, 30 * ms)  # invented
+    h.ack_timeout_ns = 30_000 * ms
+    h.ack_marks = {1: [(21 * ms, 3)], 2: [(31 * ms, 2)]}  # each acknowledged its copies at once
     rules = sorted({v.rule for v in check(h, 10_000 * ms)})
     assert rules == ["early", "invented", "lost", "superseded", "twice"]
+
+
+def _twice_history(**faults):
+    """One arming handed to client 1 (its copy sent at 10 ms, handed at 20 ms) and then to
+    client 2 (sent at 40 s, handed at 41 s, acknowledged at once), with ``faults`` applied:
+    whether that second hand-over is a violation is the question."""
+    from sim.checker import History
+
+    ms = 1_000_000
+    h = History()
+    h.joined(1, "g")
+    h.joined(2, "g")
+    h.armed(1, "c1-0", 10, 0, 10, idle=False)
+    h.flushed(h.flush_called(1), 1 * ms)
+    h.handed(1, "c1-0", 10, 20 * ms, number=0, copy_fired_ns=10 * ms)
+    h.handed(2, "c1-0", 10, 41_000 * ms, number=0, copy_fired_ns=40_000 * ms)
+    h.ack_timeout_ns = 30_000 * ms
+    h.ack_marks = {1: [(faults.get("acked_at", 21) * ms, 1)] if faults.get("acked_at", 21) is not None else [],
+                   2: [(41_001 * ms, 1)]}
+    if "session_end" in faults:
+        h.session_ends = {1: [faults["session_end"] * ms]}
+    if "crash" in faults:
+        h.crashed(1, faults["crash"] * ms)
+    for at in faults.get("daemon_deaths", ()):
+        h.daemon_died(at * ms)
+    if "power_cut" in faults:
+        h.power_cut(faults["power_cut"] * ms)
+    return h
+
+
+@pytest.mark.parametrize("faults,twice", [
+    ({}, True),  # acknowledged at once to a daemon that applied it: handed again is a bug
+    ({"crash": 30_000}, True),  # died long after its acknowledgement was in its ring
+    ({"daemon_deaths": [5_000]}, True),  # a daemon restart alone never makes a second hand-over
+    ({"acked_at": None, "crash": 30_000}, False),  # died before it pushed the acknowledgement
+    ({"acked_at": 35_000}, False),  # acknowledged after the ack timeout
+    ({"session_end": 15}, False),  # its session ended with the copy in flight
+    ({"daemon_deaths": [21], "crash": 25}, False),  # the daemon died before it drained the ack, then it
+    ({"power_cut": 30}, False),  # a power cut after the copy was sent: the ack may not have been durable
+])
+def test_the_checker_allows_a_second_hand_over_only_in_the_at_least_once_windows(faults, twice):
+    """Rule 4 (sim/checker.py): a second hand-over of one arming is allowed only where the
+    first copy went back to its group (docs/contracts.md, "Delivery and durability")."""
+    from sim.checker import check
+
+    rules = {v.rule for v in check(_twice_history(**faults), 100_000 * 1_000_000)}
+    assert ("twice" in rules) == twice, rules
 
 
 def test_every_known_bug_patch_still_applies():

@@ -363,6 +363,12 @@ class SimClient(ClientCore):
         self.on_idle_rearm = None  # called (key, the tag it replaced) when the library re-arms an idle timer
         self.on_received = None  # called (key bytes, arming tag, fired_ms) for each expiration its library reads
         self.flush_rejections: dict[int, list] = {}  # flush number -> (seq, code) of each command refused before it
+        # for the checker's exactly-once rule: how many expirations were handed to the
+        # application so far; (when, n) each time the acknowledgements of the first n of
+        # them were all in the ring; when a session's connection ended under it
+        self.hands = 0
+        self.ack_marks: list[tuple[int, int]] = []
+        self.session_ends: list[int] = []
 
     def _now(self) -> float:
         return self._clock_ns() / 1e9
@@ -428,8 +434,16 @@ class SimClient(ClientCore):
         if self._first_until is None:
             self._reconnection.failed(failure, now)  # BrokenPeer once gone for reconnect_timeout_s
 
+    def _flush_acks(self) -> None:
+        handed = self.hands
+        super()._flush_acks()
+        if self._segment is not None and not self._acks_pending and not self._to_ack and \
+                (not self.ack_marks or self.ack_marks[-1][1] != handed):
+            self.ack_marks.append((self._clock_ns(), handed))
+
     def _lost(self) -> None:
         """The connection ended (EOF, a Goodbye): try again at once, then backing off."""
+        self.session_ends.append(self._clock_ns())
         self._drop_connection()
         self._reconnection.lost(self._now())
         self._retry_at = self._now()
@@ -515,6 +529,7 @@ class SimClient(ClientCore):
         taken = super()._take_ready()
         if not taken:
             return taken
+        self.hands += len(taken)
         self.handed_tags += self.ready_tags[: len(taken)]
         del self.ready_tags[: len(taken)]
         return taken

@@ -613,6 +613,7 @@ class Simulation:
         self._touches_not_settled()
         daemon.crash()
         self._last_death_ns = self.world.now_ns
+        self.history.daemon_died(self.world.now_ns)
         if damage and self.profile.arena_damage and not self.fault_free and \
                 self.xrng.random() < self.profile.arena_damage:
             self._damage_arena(daemon.core)
@@ -788,7 +789,7 @@ class Simulation:
         self._left_while_settling |= self.fault_free  # (as in _depart)
         worker.client.crash()
         if not worker.hostile:
-            self.history.crashed(worker.ident)
+            self.history.crashed(worker.ident, self.world.now_ns)
         self.note(f"worker {worker.ident} killed")
         if not reboot:
             self.faults["worker killed"] += 1
@@ -855,7 +856,7 @@ class Simulation:
             if not worker.hostile and (not worker.client.connected or self.daemon is None or not self.daemon.alive):
                 # no daemon to read them: the acknowledgements close() pushes stay in a ring
                 # nobody will drain, as a crashed worker's (docs/contracts.md, at-least-once)
-                self.history.crashed(worker.ident)
+                self.history.crashed(worker.ident, self.world.now_ns)
             try:
                 worker.client.close()
             except WheeldError:
@@ -994,10 +995,13 @@ class Simulation:
             self._refused(worker, exc)
             return
         now, history = self.world.now_ns, self.history
+        number = worker.client.hands - len(polled.expired)
         for expired, tag in zip(polled.expired, worker.client.handed_tags):
             original = self._resolve_tag(expired.key, tag)
             history.handed(worker.ident, expired.key, original, now,
-                           history.first_fired_ns(expired.key, tag, expired.fired_ms * MS))
+                           history.first_fired_ns(expired.key, tag, expired.fired_ms * MS),
+                           number=number, copy_fired_ns=expired.fired_ms * MS)
+            number += 1
             if self.tracing:
                 self.note(f"w{worker.ident} handed {expired.key} tag {tag}->{original} "
                           f"deadline {expired.deadline_ms} fired {expired.fired_ms} late {expired.late}")
@@ -1387,6 +1391,12 @@ class Simulation:
                 self._close()
         end = world.now_ns
         settled = None if self._left_while_settling else self._settled_ns
+        history = self.history
+        history.ack_timeout_ns = int(self.config.ack_timeout_s * 1e9)
+        for worker in self.workers:
+            if not worker.hostile:
+                history.ack_marks[worker.ident] = worker.client.ack_marks
+                history.session_ends[worker.ident] = worker.client.session_ends
         self.violations += check(self.history,
                                  end - int((self.config.ack_timeout_s + self.config.resume_grace_s) * 1000) * MS,
                                  settled_ns=settled,
