@@ -39,7 +39,7 @@ class ClientSlot:
 
     __slots__ = ("slot", "segment", "label", "group", "group_name", "session", "unacked", "unacked_old", "poisoned",
                  "pid", "uid", "orphan_since", "unanswered", "said_bye",
-                 "apply_ns", "replay_guard")
+                 "apply_ns", "replay_guard", "replay_left")
 
     def __init__(self, slot: int, segment: ClientSegment | None, label: str, group: int, group_name: str, pid: int,
                  uid: int):
@@ -58,9 +58,11 @@ class ClientSlot:
         self.unanswered = None  # connection.KeptAnswers: answers to commands applied while no session was open
         self.said_bye = False  # its client ended its last session with Bye: it will not come back for it
         self.apply_ns = 0  # what applying one of its commands costs the daemon (Executor.drain), ns; 0 unknown
-        # A slot found in the table at start: the armings the arena held then (ArmingsAtStart),
-        # until the first chunk of its ring handed back is applied (Executor.apply_ring)
+        # A slot found in the table at start, or a ring handed back to a daemon with another
+        # arena: the armings the arena held when this daemon started (ArmingsAtStart), until
+        # ``replay_left`` records of its ring were applied (Executor.apply_ring)
         self.replay_guard: ArmingsAtStart | None = None
+        self.replay_left = 0
 
     def take_unacked(self) -> list[tuple[int, int]]:
         """Everything in flight to this client, forgotten here (it goes back to the queue)."""
@@ -81,15 +83,26 @@ class ArmingsAtStart:
     once, and may deliver it and have it acknowledged before the client is back)
     would arm it a second time and deliver it twice. :func:`wheeld.daemon.executor.
     replayed_commands` uses this to skip the commands of the first chunk of such a
-    ring whose effect the arena already shows. Taken after the arena was compared
+    ring whose effect the arena already shows.
+
+    The same holds for a ring handed back to a daemon that rebuilt the arena from the
+    journal (a reboot, or the arena removed while no daemon ran): the client replays
+    it from its last acknowledged flush, and the commands in that range the lost
+    daemon did apply are in the journal, so in the rebuilt arena (pending, or fired
+    and not acknowledged). Those are skipped there over the whole replayed range
+    (``ClientSlot.replay_left``); taken when the rebuilt arena is first used, for
+    every group (``groups`` None). Taken after the arena was compared
     with the journal (``reconcile`` frees what the journal does not know: those are
     applied again). Sorted byte strings (tag, group, 33-byte key ident), searched
     with numpy: about 40 bytes per live timer of the slots' groups."""
 
-    def __init__(self, wheel, groups: set[int]):
+    def __init__(self, wheel, groups: set[int] | None = None):
         rec = wheel.records[wheel.first_entry:]
         state = rec["state"] & AL.STATE_MASK
-        live = np.flatnonzero(((state == AL.SCHEDULED) | (state == AL.FIRED)) & np.isin(rec["group"], list(groups)))
+        live = (state == AL.SCHEDULED) | (state == AL.FIRED)
+        if groups is not None:
+            live &= np.isin(rec["group"], list(groups))
+        live = np.flatnonzero(live)
         self.entries = self.pack(rec["tag"][live], rec["group"][live],
                                  wheel._idents[live + wheel.first_entry].view(np.uint8).reshape(-1, 33))
         self.entries.sort()
@@ -128,6 +141,10 @@ class ClientTable:
         self._segment = None  # the mapped table (a wheeld.shm.arena.Segment)
         self.segment_name = ""
         self.identity = (0, 0)  # the table file's (device, inode): see instance.HeldSegment
+        # an arena rebuilt from the journal at start: its armings then, for rings replayed into it
+        # (kept for --resume-grace-s, as long as a client away is waited for: ~40 bytes per timer)
+        self.armings_at_start: ArmingsAtStart | None = None
+        self.armings_until = 0
         self.created = False  # made by this start (else found)
 
     def open(self, wheel, now: int, host: Host, qualifier: int | None = None) -> None:
@@ -163,6 +180,9 @@ class ClientTable:
         if magic != CL.MAGIC or arena_created != wheel.created_wall_ms:
             buf[: CL.SEGMENT_BYTES] = bytes(CL.SEGMENT_BYTES)  # another arena's table (or none)
             CL.HEADER.pack_into(buf, 0, CL.MAGIC, wheel.created_wall_ms)
+            if len(wheel):  # rebuilt from a journal: what rings replayed into it may hold already
+                self.armings_at_start = ArmingsAtStart(wheel)
+                self.armings_until = now + int(self.config.resume_grace_s * 1000)
             return
         self._restore(wheel, now)
 
@@ -182,11 +202,24 @@ class ClientTable:
             armings = ArmingsAtStart(wheel, {cs.group for cs in self.clients.values()})
             for cs in self.clients.values():
                 cs.replay_guard = armings
+                cs.replay_left = 1  # a killed daemon leaves one chunk unpublished: the first
 
     # ------------------------------------------------------------------ slots
-    def add(self, cs: ClientSlot) -> None:
+    def forget_armings_at_start(self, now: int) -> None:
+        """Called now and then: the armings of a rebuilt arena are dropped once the clients
+        away are no longer waited for (a ring handed back later is replayed unguarded)."""
+        if self.armings_at_start is not None and now >= self.armings_until:
+            self.armings_at_start = None
+
+    def add(self, cs: ClientSlot, replayed: bool = False) -> None:
+        """A new slot; ``replayed``: its ring comes from a daemon with another arena (this one
+        was rebuilt from the journal), replayed from the client's last acknowledged flush:
+        guarded by the armings this arena held at start (ArmingsAtStart)."""
         self.clients[cs.slot] = cs
         self.by_label[cs.label] = cs
+        if replayed and self.armings_at_start is not None and cs.segment is not None:
+            cs.replay_guard = self.armings_at_start
+            cs.replay_left = cs.segment.depth()
 
     def remove(self, cs: ClientSlot) -> None:
         del self.clients[cs.slot]

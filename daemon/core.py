@@ -355,6 +355,7 @@ class DaemonCore:
     def maintain(self) -> None:
         """Once a second: timeouts of sessions, the names of the held segments."""
         self.sessions.maintain()
+        self.sessions.table.forget_armings_at_start(self.clock())
         problems = [p for p in (self.lock.check(), *(held.check() for held in self.held)) if p]
         problem = problems[0] if problems else None
         if problem != self.name_problem:

@@ -170,7 +170,9 @@ class Executor:
             return 0
         n = len(records)
         if guard is not None:
-            cs.replay_guard = None
+            cs.replay_left -= n
+            if cs.replay_left <= 0:
+                cs.replay_guard = None
         if not n:
             return 0
         self.ring_depth += n

@@ -356,11 +356,11 @@ class Sessions:
                          M.Refused.BUSY)
             return None
         label = f"{segment_prefix(cfg.name)}{slot}-{self.host.rng.token_hex(4)}"
-        segment = None
+        segment, replay = None, False
         if passed.fd is not None:
             # ...from the client's last acknowledged flush on when that daemon had another arena:
             # it may have applied some of them without making them durable before the power cut
-            replay = hello.replay_epoch and hello.replay_epoch != self.arena_epoch
+            replay = bool(hello.replay_epoch) and hello.replay_epoch != self.arena_epoch
             try:
                 segment = ClientSegment.adopt(passed.take(), label, cfg.ring_capacity, cfg.touch_capacity,
                                               rewind_to=hello.replay_from if replay else None)
@@ -374,7 +374,7 @@ class Sessions:
                 self._refuse(session, f"cannot make a ring now: {exc.strerror}", M.Refused.BUSY)
                 return None
         cs = ClientSlot(slot, segment, label, group, hello.group, session.pid, session.uid)
-        self.table.add(cs)
+        self.table.add(cs, replayed=resumed and replay)
         return cs, resumed
 
     def _over_slot_bound(self, session: Session) -> str | None:

@@ -88,3 +88,34 @@ def test_the_armings_at_start_are_those_of_the_slots_groups_pending_or_fired():
         assert held.tolist() == [True, True, False, False]
     finally:
         wheel.close()
+
+
+@pytest.mark.parametrize("whole_range", [True, False], ids=["whole-range", "first-chunk-only"])
+def test_a_ring_replayed_into_a_rebuilt_arena_is_guarded_over_its_whole_range(monkeypatch, whole_range):
+    """A ring handed back to a daemon that rebuilt the arena from the journal is replayed from
+    the client's last acknowledged flush: more than one chunk (a drain takes DRAIN_BATCH at
+    most). What the lost daemon applied of it is in the rebuilt arena; an ADD of that range
+    whose timer fired and was acknowledged since must not arm it again, in any chunk
+    (``ClientSlot.replay_left``: the records the guard covers)."""
+    monkeypatch.setattr(E, "DRAIN_BATCH", 2)
+    k = {name: encode_key(name) for name in "xya"}
+    commands = [(C.ADD, *k["x"], 9000, 1), (C.ADD, *k["y"], 9000, 2), (C.ADD, *k["a"], 1100, 3),
+                (C.FLUSH, b"", 0, 0, 4)]
+    with ring_executor(16) as r:
+        wheel, cs, producer, executor = r.wheel, r.cs, r.producer, r.executor
+        for command in commands:
+            assert producer.try_push_record(C.encode_command(*command))
+        executor.apply(cs, cs.segment.peek(len(commands)))  # the lost daemon applied (and journaled) them all
+        armings = ArmingsAtStart(wheel)  # the rebuilt arena at start: every group
+        for slot in wheel.expire(1150):  # "a" fires, another member has it acknowledged
+            wheel.release(slot, wheel.fired(slot)[5])
+        cs.replay_guard = armings
+        cs.replay_left = len(commands) if whole_range else 1
+        assert executor.apply_ring(cs, 2) == 2
+        assert executor.apply_ring(cs, 2) == 2
+        pending = _pending(wheel)
+        if not whole_range:  # what this guards against: the second chunk arms "a" again
+            assert "a" in pending
+            return
+        assert pending == {"x": 9000, "y": 9000}
+        assert cs.replay_guard is None

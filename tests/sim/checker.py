@@ -102,6 +102,7 @@ class History:
         self.crashed_clients: set[int] = set()
         self.crash_ns: dict[int, int] = {}  # client -> when it crashed
         self.daemon_deaths: list[int] = []  # when a daemon process died (killed, crashed, a power cut), in order
+        self.arena_losses: list[int] = []  # when the arena was removed while the daemon was down, workers alive
         # set by the simulator once the run is over, per client: (when, n) each time the
         # acknowledgements of its first n hand-overs were all in its ring; when a session's
         # connection ended under it; and the daemon's --ack-timeout-s (ns)
@@ -241,6 +242,12 @@ class History:
     def daemon_died(self, at_ns: int) -> None:
         self.daemon_deaths.append(at_ns)
 
+    def arena_lost(self, at_ns: int) -> None:
+        """The arena was removed while the daemon was down (its workers live on): the next
+        daemon rebuilds it from the journal, and an acknowledgement it finds in a ring names
+        a record of the lost arena (it releases nothing: docs/contracts.md)."""
+        self.arena_losses.append(at_ns)
+
     def power_cut(self, at_ns: int = 0, window_ns: int = 0) -> None:
         """The power was cut at ``at_ns``; under ``--fsync interval=N`` it may lose what was
         applied in its last ``window_ns`` (N ms plus one loop iteration)."""
@@ -359,7 +366,9 @@ class History:
         * a daemon died between the send and the drain of that acknowledgement, and the
           client died after that (its ring died with it, unread by a daemon);
         * a power cut came after the send (an acknowledgement applied but not yet
-          durable is lost with the page cache; a reboot kills every client too).
+          durable is lost with the page cache; a reboot kills every client too), or the
+          arena was lost after it (an acknowledgement still in the ring then names a
+          record of the lost arena, and releases nothing in the rebuilt one).
 
         Anything else was acknowledged in time to a daemon that applied it: a second
         hand-over of it to the application is a bug."""
@@ -374,7 +383,8 @@ class History:
         if crash is not None and any(sent <= at <= acked + self.SLACK_NS and at <= crash
                                      for at in self.daemon_deaths):
             return True
-        return any(sent <= at <= last_hand_ns for at, _window in self.every_cut)
+        return any(sent <= at <= last_hand_ns for at, _window in self.every_cut) or \
+            any(sent <= at <= last_hand_ns for at in self.arena_losses)
 
     def _find(self, key: str, tag: int) -> Arming | None:
         owner = int(key.split("-", 1)[0][1:]) if key.startswith("c") and "-" in key else -1
@@ -390,8 +400,11 @@ class History:
         # made), which a power cut after a failed fsync may take (may_have_lost)
         left = self.left_ns.get(arming.client)
         damaged = damaged or (left is not None and self.journal_may_have_lost(left))
+        # an arena rebuilt from the journal since the arming holds it as a plain timer at its
+        # journaled deadline: touches no longer move it
+        rebuilt = any(arming.called_ns <= at <= at_ns for at in self.arena_losses)
         if arming.idle_ms is not None and arming.client not in self.crashed_clients and not damaged \
-                and arming.client not in self.touch_tables_lost:
+                and arming.client not in self.touch_tables_lost and not rebuilt:
             # touches are promised while their client lives: a client that died (a reboot
             # kills every client) takes its touch table with it, and a timer restored from
             # the journal is a plain timer at its last journaled deadline (docs/contracts.md)

@@ -132,6 +132,8 @@ class Profile:
     interleave: float = 0.0  # per daemon event: time passes at its clock reads, and clients touch meanwhile
     # Drawn from a generator of its own too (draw_pushes):
     pushes: float = 0.0  # per client turn inside a daemon event: commands pushed into its ring, not touches
+    # And this one (draw_arena_loss):
+    arena_loss: float = 0.0  # per daemon crash: /dev/shm's segments removed before the restart, workers alive
 
     @classmethod
     def draw(cls, rng: random.Random) -> Profile:
@@ -180,6 +182,12 @@ class Profile:
         """How often a client's turn inside a daemon event pushes ring records, from ``rng``."""
         self.pushes = rng.choice([0.0, 0.5]) if self.interleave else 0.0
 
+    def draw_arena_loss(self, rng: random.Random) -> None:
+        """How often the arena is lost while the daemon is down and its workers live, from
+        ``rng``: with a journal whose disk works (it alone has the timers then)."""
+        working = self.journal and not self.disk_fault and not self.disk_full
+        self.arena_loss = rng.choice([0.0, 0.5]) if working and self.daemon_crash else 0.0
+
     def describe(self) -> str:
         journal = f"journal fsync={self.fsync}" if self.journal else "no journal"
         return (f"{journal}, coalesce {self.coalesce_us} us, capacity {self.capacity}, ring {self.ring_capacity}, "
@@ -190,7 +198,7 @@ class Profile:
                         ("arena damage", self.arena_damage), ("journal cut", self.journal_cut),
                         ("shrink", self.shrink), ("disk full", self.disk_full), ("churn", self.churn),
                         ("recovery kill", self.recovery_kill), ("interleave", self.interleave),
-                        ("pushes", self.pushes)) if value))
+                        ("pushes", self.pushes), ("arena loss", self.arena_loss)) if value))
 
 
 @dataclass
@@ -344,6 +352,7 @@ class Simulation:
         self.xrng = random.Random(seed * 1_000_003 + 17)
         self.irng = random.Random(seed * 7_000_003 + 29)  # and the clients' stores inside daemon events
         self.prng = random.Random(seed * 11_000_003 + 37)  # and which of those stores are ring records
+        self.arng = random.Random(seed * 13_000_003 + 41)  # and whether a crashed daemon's arena is lost
         self.extra = extra
         if profile is None:
             profile = Profile.draw(rng)
@@ -351,6 +360,7 @@ class Simulation:
                 profile.draw_extra(self.xrng)
                 profile.draw_interleave(self.irng)
                 profile.draw_pushes(self.prng)
+                profile.draw_arena_loss(self.arng)
         self._interleaving = 0  # clock reads of the current daemon event that may still let time pass
         self.profile = profile
         self.ops_target = ops
@@ -607,7 +617,22 @@ class Simulation:
             self.faults["daemon killed between events"] += 1
         self.note("daemon killed")
         self._daemon_died(daemon, damage=True)
+        if self.profile.arena_loss and not self.fault_free and self.arng.random() < self.profile.arena_loss:
+            self._lose_arena()
         self.world.after_ms(self.rng.uniform(1, 300), self.start_daemon)
+
+    def _lose_arena(self) -> None:
+        """While the daemon is down, its segments in ``/dev/shm`` are removed (an operator, or
+        systemd's RemoveIPC) and its workers live on: the next daemon rebuilds the arena from
+        the journal, a new one (a new arena epoch), and adopts the rings the workers hand
+        back (docs/contracts.md, the handshake). Its timers are plain timers at their journaled
+        deadlines: touches made since no longer move them."""
+        for name in self.shm.names():
+            self.shm.remove(name)
+        self.faults["arena lost while the daemon was down"] += 1
+        self.history.arena_lost(self.world.now_ns)
+        self._arena_damaged = True  # (idle timers restored from the journal: see [late])
+        self.note("the arena's segments were removed from /dev/shm")
 
     def _daemon_died(self, daemon: SimDaemon, damage: bool = False) -> None:
         self._touches_not_settled()
