@@ -1,6 +1,8 @@
 """The executor: client commands drained from the rings, applied to the wheel.
 
-Each ring is drained a chunk at a time (:meth:`Executor.drain`). A chunk of at
+Each ring is drained a chunk at a time (:meth:`Executor.drain`), copied out of the ring
+as bytes (:meth:`~wheeld.shm.ring.ClientSegment.peek_bytes`) and checked up to its first
+malformed record (:func:`valid_prefix`). A chunk of at
 least ``BATCH_MIN`` valid records (Python path only, see below) is planned (:func:`wheeld.daemon.planner.plan_batch`)
 and the plan applied: one ``cancel_many``, one ``release_many`` for its ACKs, one
 ``schedule_many``. A smaller chunk, or one of a group near its ``--group-quota``,
@@ -19,6 +21,7 @@ FLUSH after its command (:func:`answer_order`).
 from __future__ import annotations
 
 import logging
+import struct
 from time import perf_counter_ns
 from typing import Callable
 
@@ -31,7 +34,7 @@ from wheeld.protocol import commands as C
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ArenaFull, InvalidRequest, ProtocolError
 from wheeld.protocol.keys import TYPE_STR
-from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel
+from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel, deadline_reason
 
 from .connection import KeptAnswers
 from .planner import CommandLog, Plan, Rejection, plan_batch, rejection
@@ -60,21 +63,35 @@ BATCH_MIN = None if accel.compiled("wheeld.shm.wheel") else PLAN_BATCH_MIN
 _ADD, _ADD_IDLE, _CANCEL, _ACK, _FLUSH = C.ADD, C.ADD_IDLE, C.CANCEL, C.ACK, C.FLUSH
 # A ring record's fields as executor.pxd reads them from the raw bytes: the offsets from
 # their owner (wheeld.protocol.commands), the widths its loads assume checked here.
-_O_META, _O_RESERVED, _O_DEADLINE = C.KEY_META_OFFSET, C.RESERVED_OFFSET, C.DEADLINE_OFFSET
+_RECORD_SIZE = C.RECORD_SIZE
+_O_META, _O_RESERVED, _O_SEQ, _O_DEADLINE = C.KEY_META_OFFSET, C.RESERVED_OFFSET, C.SEQ_OFFSET, C.DEADLINE_OFFSET
 _O_AUX0, _O_AUX1, _O_CHECK, _O_PAD, _O_KEY = C.AUX0_OFFSET, C.AUX1_OFFSET, C.CHECK_OFFSET, C.PAD_OFFSET, C.KEY_OFFSET
 _KEY_FIELD = C.KEY_FIELD_SIZE
 assert C.OP_OFFSET == 0 and _KEY_FIELD == 32  # op read as the first byte; a 33-byte ident buffer
-assert [C.RECORD_DTYPE.fields[name][0].itemsize for name in ("reserved", "deadline_ms", "aux0", "aux1", "check",
-                                                             "pad")] == [2, 8, 4, 4, 4, 4]
+assert [C.RECORD_DTYPE.fields[name][0].itemsize for name in ("reserved", "seq", "deadline_ms", "aux0", "aux1",
+                                                             "check", "pad")] == [2, 4, 8, 4, 4, 4, 4]
 assert C.CHECKED_HEAD_SIZE == _O_CHECK  # the crc covers the head before the check word, then the key
-# Compiled (executor.pxd), the in-order loop reads the records through C arrays.
+# ...and as the Python path reads them (struct): every field of RECORD_DTYPE, in its order
+_RECORD = struct.Struct("<BBHIqiiII32s")
+assert _RECORD.size == _RECORD_SIZE and list(C.RECORD_DTYPE.names) == [
+    "op", "key_meta", "reserved", "seq", "deadline_ms", "aux0", "aux1", "check", "pad", "key"]
+assert [C.RECORD_DTYPE.fields[name][1] for name in C.RECORD_DTYPE.names] == [0, 1, 2, 4, 8, 16, 20, 24, 28, 32]
+# Compiled (executor.pxd), the in-order loop reads the records from their bytes.
 _COMPILED = not __file__.endswith(".py")
 _IW, _I_PREV, _I_NEXT = L.I_PER_RECORD, L.I_PREV, L.I_NEXT  # an arena record's int32 words (prefetches)
 _I_AUX = L.I_AUX  # ...and its touch reference (an arm's, set after the arm)
-# per key meta byte, for the compiled record check: commands' tables as bytes
-_META_VALID = C._VALID_KEY_META.view(np.uint8)
-_META_LENGTH = C._KEY_LENGTH.astype(np.uint8)
-_META_STR = (C._KEY_TYPE == TYPE_STR).view(np.uint8)
+_H_CURRENT = L.H_CURRENT_MS // 8  # the wheel's clock, a header word (TimerWheel.current_ms)
+_MAX_DELAY = MAX_DELAY_MS
+_INVALID_DEADLINE, _ARENA_FULL = M.Rejected.INVALID_DEADLINE, M.Rejected.ARENA_FULL
+_new_tuple = tuple.__new__  # a Rejection made as its NamedTuple makes it, without the Python-level __new__
+# Compiled, a chunk of at least this many commands is prefetched ahead (_prefetch); a smaller
+# one does not pay for the keys' hashes (its first commands are not prefetched anyway).
+PREFETCH_MIN = 16
+# per key meta byte, for the compiled record check: commands' tables (C arrays, executor.pxd)
+assert C._VALID_KEY_META.shape == C._KEY_LENGTH.shape == C._KEY_TYPE.shape == (256,)
+_META_VALID = C._VALID_KEY_META.view(np.uint8).tolist()
+_META_LENGTH = C._KEY_LENGTH.astype(np.uint8).tolist()
+_META_STR = (C._KEY_TYPE == TYPE_STR).view(np.uint8).tolist()
 _NO_TOUCH_LIMIT = 1 << 62
 
 
@@ -164,11 +181,11 @@ class Executor:
         try:
             # a ring handed back after a restart: its first chunk, as large as the killed
             # daemon's may have been (see replayed_commands)
-            records = segment.peek(max_records if guard is None else max(max_records, DRAIN_BATCH))
+            raw = segment.peek_bytes(max_records if guard is None else max(max_records, DRAIN_BATCH))
         except ProtocolError as exc:
             self.poison(cs, str(exc))
             return 0
-        n = len(records)
+        n = len(raw) // _RECORD_SIZE
         if guard is not None:
             cs.replay_left -= n
             if cs.replay_left <= 0:
@@ -176,18 +193,18 @@ class Executor:
         if not n:
             return 0
         self.ring_depth += n
-        valid = valid_records(records, segment.touch_capacity)
-        good = n if valid.all() else int(np.argmin(valid))
-        chunk = records[:good]
+        good = valid_prefix(raw, segment.touch_capacity)
+        chunk = raw if good == n else raw[: good * _RECORD_SIZE]
         if guard is not None and good:
-            skip = replayed_commands(chunk, cs.group, guard)
+            records = C.records_from_buffer(chunk)
+            skip = replayed_commands(records, cs.group, guard)
             if skip is not None:
                 log.info("client slot %d: %d commands of its ring were applied by the daemon before this one "
                          "(killed before it published the ring's head); not applied again", cs.slot,
                          int(np.count_nonzero(skip)))
-                chunk = chunk[~skip]
-        flushes, rejects = self.apply(cs, chunk) if len(chunk) else ([], [])
-        cuts = answer_order(chunk, rejects) if rejects and flushes else None
+                chunk = records[~skip].tobytes()
+        flushes, rejects = self._apply(cs, chunk, None) if chunk else ([], [])
+        cuts = answer_order(C.records_from_buffer(chunk), rejects) if rejects and flushes else None
         unsynced = None
         if self.recorder is not None:
             self.recorder.commit(self.clock())  # on disk before the head moves and before Applied (fsync=always)
@@ -199,19 +216,26 @@ class Executor:
         self.totals["rejected_total"] += len(rejects)
         _answer(cs, flushes, rejects, cuts, unsynced)
         if good < n:
-            self.poison(cs, f"invalid command record (op {int(records['op'][good])}) at ring position {good}")
+            self.poison(cs, f"invalid command record (op {raw[good * _RECORD_SIZE]}) at ring position {good}")
         return good
 
     def apply(self, cs, records: np.ndarray) -> tuple[list, list]:
         """Apply valid records (planned, or in order when few or near the group's quota);
         return (the seqs of its FLUSHes, its rejections)."""
+        return self._apply(cs, _record_bytes(records), records)
+
+    def _apply(self, cs, raw: bytes, records: np.ndarray | None) -> tuple[list, list]:
+        """:meth:`apply` of the records' bytes (``records``: the same as an array, or None)."""
         if self.recorder is not None:
             self.recorder.begin()
         quota = self.group_quota
-        if BATCH_MIN is not None and len(records) >= BATCH_MIN and not (
-                quota and self.wheel.group_live(cs.group) + len(records) > quota):
+        count = len(raw) // _RECORD_SIZE
+        if BATCH_MIN is not None and count >= BATCH_MIN and not (
+                quota and self.wheel.group_live(cs.group) + count > quota):
+            if records is None:
+                records = C.records_from_buffer(raw)
             return self.apply_plan(cs, self.plan(cs, records), records)
-        return self.apply_in_order(cs, records)
+        return _in_order(self, cs, raw)
 
     # ------------------------------------------------------------------ a plan
     def plan(self, cs, records: np.ndarray) -> Plan:
@@ -266,7 +290,7 @@ class Executor:
     # ------------------------------------------------------------------ in ring order
     def apply_in_order(self, cs, records: np.ndarray) -> tuple[list, list]:
         """Apply records one at a time in ring order; return (FLUSH seqs, rejections)."""
-        return _in_order(self, cs, records)
+        return _in_order(self, cs, _record_bytes(records))
 
     def _over_quota(self, cs, ident: bytes) -> bool:
         """An arm that needs a new record in a group at its ``--group-quota``."""
@@ -277,11 +301,10 @@ class Executor:
         return rejection(seq, raw_key, meta, f"group {cs.group_name!r} holds its quota of {self.group_quota} timers",
                          M.Rejected.QUOTA_EXCEEDED, at)
 
-    def _in_order_log(self, gid: int, records: np.ndarray) -> CommandLog:
-        """An empty log of the keyed commands to come, with the deadlines their keys have now."""
-        ops, metas, keys = records["op"].tolist(), records["key_meta"].tolist(), _keys(records)
-        distinct = list(dict.fromkeys(_META[meta] + key for op, meta, key in zip(ops, metas, keys)
-                                      if op == C.ADD or op == C.ADD_IDLE or op == C.CANCEL))
+    def _in_order_log(self, gid: int, idents: list) -> CommandLog:
+        """An empty log of the keyed commands to come (``idents``: theirs, in ring order), with
+        the deadlines their keys have now."""
+        distinct = list(dict.fromkeys(idents))
         previous = dict(zip(distinct, self.recorder.previous_deadlines(gid, distinct)))
         return CommandLog([], [], [], [], [], previous)
 
@@ -365,87 +388,118 @@ def valid_records(records: np.ndarray, touch_capacity: int | None = None) -> np.
     valid = np.zeros(n, dtype=np.uint8)
     if n:
         raw = np.ascontiguousarray(records).view(np.uint8).reshape(n, C.RECORD_SIZE)
-        limit = _NO_TOUCH_LIMIT if touch_capacity is None else touch_capacity
-        _check_records(raw, valid, _META_VALID, _META_LENGTH, _META_STR, limit)  # noqa: F821 - executor.pxd
+        _check_records(raw, valid, _touch_limit(touch_capacity))  # noqa: F821 - executor.pxd
     return valid.view(np.bool_)
 
 
-def _keys(records: np.ndarray) -> list[bytes]:
-    """Each record's 32-byte key field."""
-    return np.ascontiguousarray(records["key"]).view("V32").ravel().tolist()
-
-
-def _columns(index, records: np.ndarray, gid: int) -> tuple:
-    """The fields :func:`_in_order` loops over: (raw bytes, key hashes, op, key_meta,
-    deadline_ms, seq, aux0, aux1, keys). Compiled: arrays (the loop reads them through C
-    typed views), the records' raw bytes (each ident is built from them) and each
-    record's key-index hash, so the loop can prefetch the index cells and records the
-    commands a few places ahead will probe (``_prefetch``: at a million timers they are
-    cache misses). On the Python path: lists, and the 32-byte keys."""
+def valid_prefix(raw: bytes, touch_capacity: int | None = None) -> int:
+    """How many records of a drained chunk (``raw``: their bytes, 64 each) are well-formed
+    commands before the first that is not (:func:`wheeld.protocol.commands.validate_records`).
+    Compiled, a C pass that stops there (``_valid_prefix``, executor.pxd: the rules of
+    ``_check_records``); tests hold the two to the same answers."""
     if _COMPILED:
-        raw = np.ascontiguousarray(records).view(np.uint8).reshape(len(records), C.RECORD_SIZE)
-        hashes = np.empty(len(records), dtype=np.int64)
-        _hash_keys(index, raw, hashes, gid)  # noqa: F821 - executor.pxd
-        return (raw, hashes, records["op"], records["key_meta"], records["deadline_ms"], records["seq"],
-                records["aux0"], records["aux1"], None)
-    return (None, None, records["op"].tolist(), records["key_meta"].tolist(), records["deadline_ms"].tolist(),
-            records["seq"].tolist(), records["aux0"].tolist(), records["aux1"].tolist(), _keys(records))
+        return _valid_prefix(raw, _touch_limit(touch_capacity))  # noqa: F821 - executor.pxd
+    valid = C.validate_records(C.records_from_buffer(raw), touch_capacity)
+    return len(valid) if valid.all() else int(np.argmin(valid))
 
 
-def _in_order(executor: Executor, cs, records: np.ndarray) -> tuple[list, list]:
-    """:meth:`Executor.apply_in_order`, a function so that executor.pxd can give its loop C types.
+def _touch_limit(touch_capacity: int | None) -> int:
+    return _NO_TOUCH_LIMIT if touch_capacity is None else touch_capacity
 
-    Compiled, the fields are read through C arrays over the records and each key's
-    33-byte ident (meta byte + key) is built from the record's bytes (``_ident_at``,
-    executor.pxd), and the wheel's methods are called as C functions. On the Python
-    path the fields are lists and the ident a concatenation. Either way the same
-    branches run in the same order.
-    """
+
+def _record_bytes(records: np.ndarray) -> bytes:
+    """A record array's bytes, 64 per record (what :meth:`ClientSegment.peek_bytes` returns)."""
+    if not isinstance(records, np.ndarray) or records.dtype != C.RECORD_DTYPE or records.ndim != 1:
+        raise ProtocolError("expected a 1-D array of ring command records")
+    return records.tobytes()
+
+
+def _rows(raw: bytes) -> tuple[list, list]:
+    """The Python path's records: each one's fields (op, key_meta, reserved, seq, deadline_ms, aux0,
+    aux1, check, pad, key), and the 33-byte ident (meta byte + key) of each keyed command."""
+    rows = list(_RECORD.iter_unpack(raw))
+    return rows, [_META[row[1]] + row[9] for row in rows if row[0] == _ADD or row[0] == _ADD_IDLE or row[0] == _CANCEL]
+
+
+def _release(executor: Executor, cs, unacked: dict | None, epoch: int, slot: int, generation: int, stamp: int) -> None:
+    """An ACK of the in-order loop: :meth:`Executor.release_one`; without a journal (``unacked``:
+    the client's in-flight table) its usual case inline, an ACK of what this daemon sent this client."""
+    if unacked is not None and (stamp == epoch or not stamp) and unacked.get(slot) == generation:
+        del unacked[slot]
+        wheel = executor.wheel
+        wheel.release(slot, generation)
+    else:
+        executor.release_one(cs, slot, generation, stamp)
+
+
+def _prefetch_hashes(wheel: TimerWheel, raw: bytes, gid: int) -> np.ndarray | None:
+    """Compiled: each record's key hash (``_hash_keys``), for ``_prefetch``; None for a chunk of
+    fewer than PREFETCH_MIN records."""
+    n = len(raw) // _RECORD_SIZE
+    if n < PREFETCH_MIN:
+        return None
+    hashes = np.empty(n, dtype=np.int64)
+    _hash_keys(wheel._index, _data(raw), n, hashes, gid)  # noqa: F821 - executor.pxd
+    return hashes
+
+
+def _in_order(executor: Executor, cs, raw: bytes) -> tuple[list, list]:
+    """:meth:`Executor.apply_in_order` of validated records (``raw``: their bytes, 64 each). Compiled
+    (executor.pxd), the fields and the keyed commands' idents are read from the bytes in C and the wheel's
+    methods called as C functions; on the Python path ``struct`` reads them. The same branches run."""
     wheel, gid, quota, recorder = executor.wheel, cs.group, executor.group_quota, executor.recorder
     touch_base = cs.slot << CL.TOUCH_INDEX_BITS
-    n = len(records)
-    raw, hashes, ops, metas, deadlines, seqs, aux0, aux1, keys = _columns(wheel._index, records, gid)
-    command_log = executor._in_order_log(gid, records) if recorder is not None else None
-    # an ACK of what this daemon sent this client, without a journal: release_one's usual
-    # case, inline (the others go through it)
-    unacked = cs.unacked if recorder is None else None
+    n = len(raw) // _RECORD_SIZE
+    if _COMPILED:
+        p = _data(raw)  # noqa: F821 - executor.pxd
+        idents, hashes = _keyed_idents(p, n), _prefetch_hashes(wheel, raw, gid)  # noqa: F821
+    else:
+        rows, idents = _rows(raw)
+    # the journal's log of the keyed commands (a chunk of ACKs and FLUSHes has none)
+    command_log = executor._in_order_log(gid, idents) if recorder is not None and idents else None
+    unacked = cs.unacked if recorder is None else None  # for _release
     epoch = executor.arena_epoch
-    flushes, rejects = [], []
+    flushes, rejects, k = [], [], 0  # k: keyed commands so far (idents[k] is the next one's)
     for i in range(n):
         if _COMPILED:
-            _prefetch(wheel, hashes, i, n)  # noqa: F821 - executor.pxd
-        op = ops[i]
+            if hashes is not None:  # the index cells and records of the commands a few places ahead
+                _prefetch(wheel, hashes, i, n)  # noqa: F821
+            op, meta, seq, deadline, aux0, aux1 = _fields(p, i)  # noqa: F821
+        else:
+            op, meta, _reserved, seq, deadline, aux0, aux1, _check, _pad, _key = rows[i]
         if op == _FLUSH:
-            flushes.append(seqs[i])
+            flushes.append(seq)
             continue
         try:
             if op == _ACK:
-                if unacked is not None and (seqs[i] == epoch or not seqs[i]) and unacked.get(aux0[i]) == aux1[i]:
-                    del unacked[aux0[i]]
-                    wheel.release(aux0[i], aux1[i])
-                else:
-                    executor.release_one(cs, aux0[i], aux1[i], seqs[i])
+                _release(executor, cs, unacked, epoch, aux0, aux1, seq)
                 continue
             # a keyed command: ADD, ADD_IDLE or CANCEL (validated records hold no other op)
-            ident = _ident_at(raw, i) if _COMPILED else _META[metas[i]] + keys[i]  # noqa: F821 - executor.pxd
+            ident = idents[k]
+            k += 1
+            cur = wheel._clock[_H_CURRENT]
             if op == _CANCEL:
                 wheel.cancel_ident(ident, gid)
             elif quota and executor._over_quota(cs, ident):
-                rejects.append(executor._quota_rejection(cs, seqs[i], _key_at(records, i), metas[i], i))
+                rejects.append(executor._quota_rejection(cs, seq, _key_at(raw, i), meta, i))
+                continue
+            elif deadline > cur + _MAX_DELAY or deadline < cur - _MAX_DELAY:  # schedule_ident's InvalidDelay
+                reason = deadline_reason(deadline, cur, _MAX_DELAY)
+                rejects.append(_new_tuple(Rejection, (seq, _key_at(raw, i), meta, reason, _INVALID_DEADLINE, i)))
                 continue
             elif op == _ADD:  # a plain timer, also when it re-arms an idle one: no touch reference
-                slot = wheel.schedule_ident(ident, deadlines[i], gid, seqs[i])[0]
+                slot = wheel.schedule_ident(ident, deadline, gid, seq)[0]
                 wheel._i[slot * _IW + _I_AUX] = -1
             else:  # an idle timer reads this arm's touch index, also when it re-arms a timer
-                touch = touch_base | aux1[i]
-                slot = wheel.schedule_ident(ident, deadlines[i], gid, seqs[i], touch)[0]
+                touch = touch_base | aux1
+                slot = wheel.schedule_ident(ident, deadline, gid, seq, touch)[0]
                 wheel._i[slot * _IW + _I_AUX] = touch
         except (ArenaFull, InvalidRequest) as exc:
-            reason = M.Rejected.ARENA_FULL if isinstance(exc, ArenaFull) else M.Rejected.INVALID_DEADLINE
-            rejects.append(rejection(seqs[i], _key_at(records, i), metas[i], str(exc), reason, i))
+            code = _ARENA_FULL if isinstance(exc, ArenaFull) else _INVALID_DEADLINE
+            rejects.append(_new_tuple(Rejection, (seq, _key_at(raw, i), meta, str(exc), code, i)))
             continue
         if command_log is not None:
-            _log_command(command_log, ident, op, deadlines[i], seqs[i], aux0[i])
+            _log_command(command_log, ident, op, deadline, seq, aux0)
     if command_log is not None and command_log.idents:
         recorder.commands(gid, command_log)
     return flushes, rejects
@@ -489,9 +543,9 @@ def replayed_commands(chunk: np.ndarray, group: int, armings) -> np.ndarray | No
     return skip
 
 
-def _key_at(records: np.ndarray, i: int) -> bytes:
+def _key_at(raw: bytes, i: int) -> bytes:
     """Record i's 32-byte key field (for a rejection)."""
-    return records["key"][i].tobytes()
+    return raw[i * _RECORD_SIZE + _O_KEY : (i + 1) * _RECORD_SIZE]
 
 
 def _log_command(command_log: CommandLog, ident: bytes, op: int, deadline: int, seq: int, idle_ms: int) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 from wheeld.protocol import commands as C
 from wheeld.protocol import messages as M
 from wheeld.protocol.keys import key_length
+from wheeld.shm.wheel import deadline_reason
 
 #: idents (33-byte record forms: meta byte + zero-padded key) -> pending deadline of each, or None
 Lookup = Callable[[list], list]
@@ -62,6 +63,7 @@ def rejection(seq: int, raw_key: bytes, meta: int, reason: str, code: str, at: i
     """The answer to the command at position ``at`` of its chunk, which was not applied
     (``raw_key`` may carry its zero padding)."""
     return Rejection(seq, raw_key, meta, reason, code, at)
+
 
 
 class CommandLog(NamedTuple):
@@ -191,8 +193,7 @@ def _in_range(plan: Plan, records: np.ndarray, keyed_at: np.ndarray, clock_ms: i
     keys = np.ascontiguousarray(records["key"][bad_at]).view("V32").ravel().tolist()
     code = M.Rejected.INVALID_DEADLINE
     plan.rejections.extend(
-        Rejection(seq, key, meta, f"deadline {deadline} is more than {max_delay_ms} ms from the clock ({clock_ms})",
-                  code, at)
+        Rejection(seq, key, meta, deadline_reason(deadline, clock_ms, max_delay_ms), code, at)
         for seq, key, meta, deadline, at in zip(records["seq"][bad_at].tolist(), keys,
                                                 records["key_meta"][bad_at].tolist(), deadlines[bad].tolist(),
                                                 bad_at.tolist()))

@@ -39,7 +39,7 @@ Consumer (drain)::
 
     1. t = load(tail)                           # everything before t is complete
     2. check 0 <= t - head <= capacity, else ProtocolError (the segment is untrusted)
-    3. copy records head .. t-1 out of the ring (one numpy copy)     peek()
+    3. copy records head .. t-1 out of the ring (one copy)           peek() / peek_bytes()
     4. store(head, head + n)                    # hand the slots back  commit(n)
 
 (``drain`` is both; the daemon peeks, applies the batch, then commits, so a
@@ -625,6 +625,31 @@ class ClientSegment:
         A second peek without a commit returns the same records again (and more,
         if more arrived).
         """
+        start, count = self._peek_range(max_records)
+        if count == 0:
+            return _EMPTY.copy()
+        end = start + count
+        ring = self._ring
+        if end <= self._capacity:
+            return ring[start:end].copy()
+        return np.concatenate((ring[start:], ring[: end - self._capacity]))
+
+    def peek_bytes(self, max_records: int | None = None) -> bytes:
+        """:meth:`peek`, the records as one bytes object (64 bytes each, in ring order):
+        the same copy without a numpy array (the daemon reads small chunks from it)."""
+        start, count = self._peek_range(max_records)
+        if count == 0:
+            return b""
+        end = start + count
+        capacity = self._capacity
+        view, at = self._view, self._ring_offset
+        if end <= capacity:
+            return view[at + (start << RECORD_SHIFT) : at + (end << RECORD_SHIFT)].tobytes()
+        return (view[at + (start << RECORD_SHIFT) : at + (capacity << RECORD_SHIFT)].tobytes()
+                + view[at : at + ((end - capacity) << RECORD_SHIFT)].tobytes())
+
+    def _peek_range(self, max_records: int | None) -> tuple[int, int]:
+        """(first slot, count) of the records a peek returns; remembered for :meth:`commit`."""
         self._check_open()
         head = self._head
         tail = self._words[_TAIL_WORD]  # every record before this tail is completely written
@@ -634,14 +659,7 @@ class ClientSegment:
             raise ProtocolError(f"segment {self.name!r}: tail - head = {available} outside [0, {capacity}]")
         count = available if max_records is None or max_records >= available else max(max_records, 0)
         self._peeked = count
-        if count == 0:
-            return _EMPTY.copy()
-        start = head & self._mask
-        end = start + count
-        ring = self._ring
-        if end <= capacity:
-            return ring[start:end].copy()
-        return np.concatenate((ring[start:], ring[: end - capacity]))
+        return head & self._mask, count
 
     def commit(self, count: int) -> None:
         """Hand back the slots of the first ``count`` records of the last :meth:`peek`."""

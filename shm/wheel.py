@@ -285,7 +285,7 @@ from .wheel_common import (
 from .wheel_groups import GroupTable
 
 __all__ = ["DEFAULT_WHEEL_SIZE", "MAX_CLOCK_MS", "MAX_DELAY_MS", "GENERATION_MASK", "TimerWheel", "WheelRecords",
-           "encode_ident"]
+           "deadline_reason", "encode_ident"]
 
 _default_levels = default_levels  # (the name tests use)
 _check_clock = check_clock
@@ -325,6 +325,13 @@ if _COMPILED and _c_layout() != (  # noqa: F821 - wheel.pxd: its C constants are
     raise ImportError("wheel.pxd's record layout constants are not those of wheeld.protocol.arena_layout")
 if _COMPILED and _kc_layout() != c_layout():  # noqa: F821 - protocol/keycodec.pxd, cimported by wheel.pxd
     raise ImportError("protocol/keycodec.pxd's key format constants are not those of wheeld.protocol.keys")
+
+
+def deadline_reason(deadline_ms: int, clock_ms: int, max_delay_ms: int) -> str:
+    """Why a deadline more than ``max_delay_ms`` from the wheel's clock ``clock_ms`` is refused: the
+    words of the wheel's ``InvalidDelay``, and of the daemon's refusal of such an arm (which a
+    plan and the in-order loop make without asking the wheel: wheeld.daemon.executor)."""
+    return f"deadline {deadline_ms} is more than {max_delay_ms} ms from the clock ({clock_ms})"
 
 
 def _int64_counts(counts: list[int]) -> memoryview | list[int]:
@@ -823,10 +830,10 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
         # accepts (+-MAX_CLOCK_MS); within it, the value and cur +- _MAX_DELAY fit 64 bits
         # (the compiled build's C integers; Python's cannot overflow, the next check covers it).
         if _COMPILED and not DEADLINE_LOW <= deadline_ms <= DEADLINE_HIGH:
-            raise InvalidDelay(f"deadline {deadline_ms} is more than {MAX_DELAY_MS} ms from the clock ({cur})")
+            raise InvalidDelay(deadline_reason(deadline_ms, cur, MAX_DELAY_MS))
         deadline = deadline_ms  # from here on 64-bit (C integers in the compiled build)
         if deadline > cur + _MAX_DELAY or deadline < cur - _MAX_DELAY:
-            raise InvalidDelay(f"deadline {deadline_ms} is more than {MAX_DELAY_MS} ms from the clock ({cur})")
+            raise InvalidDelay(deadline_reason(deadline_ms, cur, MAX_DELAY_MS))
         if not 0 <= group < self.max_groups:
             raise InvalidRequest(f"group id {group} out of range")
         if not 0 <= tag <= 0xFFFFFFFF or not -(1 << 31) <= aux < (1 << 31):
@@ -1072,7 +1079,7 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
             raise InvalidDelay("a deadline is an integer number of ms")
         cur = self._clock[_CUR]
         if deadline_ms - cur > _MAX_DELAY or deadline_ms < cur - _MAX_DELAY:
-            raise InvalidDelay(f"deadline {deadline_ms} is more than {MAX_DELAY_MS} ms from the clock ({cur})")
+            raise InvalidDelay(deadline_reason(deadline_ms, cur, MAX_DELAY_MS))
         deadline = deadline_ms  # validated: from here on 64-bit (C integers in the compiled build)
         if not self.first_entry <= slot < self.n_records:
             return False

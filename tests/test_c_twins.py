@@ -180,19 +180,23 @@ def test_a_key_is_encoded_for_the_scalar_methods_as_the_python_path_encodes_it(k
             assert compiled == python, key
 
 
-# ------------------------------------------------------------------ executor.pxd: _ident_at
+# ------------------------------------------------------------------ executor.pxd: _fields, _keyed_idents
 _OPS = st.sampled_from(["add", "add", "cancel", "flush"])
+# deadlines near the wheel's clock (1000), and some more than MAX_DELAY_MS from it (refused)
+_OFFSETS = st.integers(-5, 300) | st.sampled_from([(1 << 40), -(1 << 40), 1 << 62, -(1 << 62)])
 
 
 @settings(max_examples=60, **_SETTINGS)
 @given(commands=st.lists(st.tuples(_OPS, st.sampled_from(["a", "b", "é", b"\x00b", 7, -(1 << 63), "k" * 32]),
-                                   st.integers(-5, 300)), min_size=1, max_size=30))
+                                   _OFFSETS), min_size=1, max_size=30))
 def test_the_executor_applies_records_as_its_python_source(commands):
-    """The daemon's in-order loop builds each record's 33-byte ident from the record bytes when
-    compiled (``_ident_at``: meta byte, then the key field); its Python source concatenates
-    the meta byte and the key. The compiled ``_in_order`` on the compiled wheel and the
-    source's on the source wheel (test_compiled_differential holds the two wheels to the
-    same bytes) must leave the same arena and give the same answers."""
+    """The daemon's in-order loop reads each record's fields from the record bytes when compiled
+    (``_fields``) and builds each keyed command's 33-byte ident from them (``_keyed_idents``:
+    meta byte, then the key field); its Python source reads them with ``struct`` and
+    concatenates the meta byte and the key. The compiled ``_in_order`` on the compiled wheel
+    and the source's on the source wheel (test_compiled_differential holds the two wheels to
+    the same bytes) must leave the same arena and give the same answers (the refusals of
+    deadlines out of range included)."""
     from wheeld.daemon import executor as compiled_executor
     from wheeld.daemon.client_table import ClientSlot
     from wheeld.shm import TimerWheel
@@ -217,8 +221,8 @@ def test_the_executor_applies_records_as_its_python_source(commands):
             gid = wheel.group_id("g")
             cs = ClientSlot(1, None, "ring", gid, "g", os.getpid(), os.getuid())
             executor = module.Executor(wheel, {1: cs}, 1, 0, collections.Counter(), _never_poisoned, lambda: 1000)
-            flushes, rejects = module._in_order(executor, cs, records)
-            answers.append((flushes, [(r.seq, r.reason) for r in rejects],
+            flushes, rejects = module._in_order(executor, cs, records.tobytes())
+            answers.append((flushes, [tuple(r) for r in rejects],
                             [wheel.lookup(key, gid) for _op, key, _offset in commands]))
             arena = bytearray(wheel._seg.buf)
             arena[L.H_CREATED_WALL_MS : L.H_CREATED_WALL_MS + 8] = bytes(8)

@@ -27,7 +27,7 @@ from wheeld.protocol.commands import (
     validate_records,
 )
 from wheeld.protocol.errors import InvalidKey, InvalidRequest, ProtocolError
-from wheeld.daemon.executor import valid_records
+from wheeld.daemon.executor import valid_prefix, valid_records
 from wheeld.protocol.keys import TYPE_STR, encode_key, key_meta_of
 from wheeld.protocol.messages import (
     PROTOCOL_VERSION,
@@ -232,6 +232,8 @@ def test_small_and_large_batch_validators_agree(picks, mutations, random_records
     large = commands._validate_vectorised(records, touch_capacity)
     assert small.tolist() == large.tolist()
     assert valid_records(records, touch_capacity).tolist() == small.tolist()
+    # the daemon's drain: how many records come before the first it refuses (compiled: a C pass)
+    assert valid_prefix(records.tobytes(), touch_capacity) == (len(small) if small.all() else int(np.argmin(small)))
 
 
 def test_the_daemons_check_refuses_non_record_arrays():
@@ -247,6 +249,9 @@ def test_the_daemons_check_reads_str_keys_as_python_decodes_them():
     buffer = b"".join(commands.encode_command(commands.ADD, kb, key_meta_of(TYPE_STR, len(kb)), 5, 1) for kb in raw)
     records = records_from_buffer(buffer)
     assert valid_records(records).tolist() == [True] * 4 + [False] * 4
+    assert valid_prefix(buffer) == 4
+    for bad in range(4, 8):
+        assert valid_prefix(buffer[: 4 * RECORD_SIZE] + buffer[bad * RECORD_SIZE :]) == 4
     assert commands._validate_each(records, None).tolist() == [True] * 4 + [False] * 4
 
 

@@ -259,6 +259,32 @@ def test_random_chunks_through_apply_choose_either_path_and_agree(monkeypatch):
     assert wheel_state(a.wheel)["scheduled"], "the test should leave timers armed"
 
 
+def test_in_order_refuses_a_deadline_out_of_range_as_the_wheel_does():
+    """The in-order loop refuses an arm whose deadline is more than MAX_DELAY_MS from the wheel's
+    clock before it reaches the wheel: exactly the arms ``schedule_ident`` would refuse with
+    ``InvalidDelay``, with its words, at either edge of the range."""
+    executor, cs = _executor()
+    wheel = executor.wheel
+    wheel.advance(1500)
+    cur = wheel.current_ms
+    deadlines = [cur + MAX_DELAY_MS, cur + MAX_DELAY_MS + 1, cur - MAX_DELAY_MS, cur - MAX_DELAY_MS - 1,
+                 (1 << 63) - 1, -(1 << 63)]
+    records = _records([(C.ADD, *encode_key(f"d{j}"), d, j + 1) for j, d in enumerate(deadlines)])
+    _flushes, rejects = executor.apply_in_order(cs, records)
+    refused = {r.seq: r for r in rejects}
+    probe = TimerWheel.create(64, start_ms=1000)
+    probe.advance(1500)
+    for j, deadline in enumerate(deadlines):
+        try:
+            probe.schedule_ident(_ident(*encode_key(f"d{j}")), deadline, 0, j + 1)
+        except Exception as exc:  # noqa: BLE001 - its words are the answer
+            assert type(exc).__name__ == "InvalidDelay"
+            assert refused[j + 1].reason == str(exc) and refused[j + 1].code == M.Rejected.INVALID_DEADLINE
+        else:
+            assert j + 1 not in refused and wheel.lookup(f"d{j}", cs.group) == deadline
+    assert sorted(refused) == [2, 4, 5, 6]
+
+
 @pytest.mark.parametrize("quota", [2, 5])
 def test_a_group_at_its_quota_is_refused_new_keys_in_order(quota):
     executor, cs = _executor()

@@ -507,6 +507,27 @@ def test_peek_without_commit_returns_the_same_records_again(make_segments):
     assert seqs(consumer.drain()) == [3, 4]
 
 
+def test_peek_bytes_is_peek_as_bytes_across_the_wrap(make_segments):
+    """``peek_bytes`` (the daemon's drain) copies what ``peek`` copies, also when the records
+    wrap around the end of the ring, and a commit after it hands back the same slots."""
+    consumer, producer = make_segments(ring_capacity=4)
+    assert consumer.peek_bytes() == b""
+    for seq in range(3):
+        add(producer, seq)
+    consumer.commit(len(consumer.peek_bytes(max_records=2)) // commands.RECORD_SIZE)
+    for seq in range(3, 6):
+        add(producer, seq)  # slots 3, 0, 1: the ring wraps
+    for limit in (None, 0, 1, 2, 3, 4, 9):
+        raw = consumer.peek_bytes(limit)
+        assert raw == consumer.peek(limit).tobytes()
+        assert seqs(commands.records_from_buffer(raw)) == [2, 3, 4, 5][: 4 if limit is None else limit]
+    consumer.peek_bytes(3)
+    with pytest.raises(InvalidRequest):
+        consumer.commit(4)
+    consumer.commit(3)
+    assert seqs(consumer.drain()) == [5]
+
+
 def test_commit_more_than_peeked_is_the_callers_mistake(make_segments):
     consumer, producer = make_segments()
     add(producer, 0)
