@@ -90,9 +90,9 @@ _BUSY_COMMANDS = 256  # an iteration that applied this many drains again at once
 PUBLISH_EVERY_MS = 10  # counters published at most this often while parks are 1 ms (always before a longer one)
 _CASCADE_AHEAD = 256  # records of the next level-1 bucket looked at per ms (TimerWheel.cascade_ahead)
 _PARKED_WORD = AL.H_PARKED // 8  # wheelctl's "at rest" word (the clients read the status page's)
-_COUNTERS_WORD = AL.H_COUNTERS // 8
-_PENDING_WORD = _COUNTERS_WORD + AL.COUNTER["pending"]
-_FIRED_UNACKED_WORD = _COUNTERS_WORD + AL.COUNTER["fired_unacked"]
+_COUNTER_WORD = {name: AL.H_COUNTERS // 8 + index for name, index in AL.COUNTER.items()}  # its header word
+_PENDING_WORD = _COUNTER_WORD["pending"]
+_FIRED_UNACKED_WORD = _COUNTER_WORD["fired_unacked"]
 
 #: the counters the daemon writes into the arena header (the wheel writes its own: TimerWheel.publish_stats)
 DAEMON_TOTALS = AL.DAEMON_COUNTER_NAMES
@@ -138,8 +138,6 @@ class DaemonCore:
         self._last_ahead = 0
         self._last_publish = -(1 << 62)  # the first iteration publishes
         self._published = False  # the counters were published after everything this iteration wrote
-        self._total_names: tuple[str, ...] = ()  # the keys of totals at the last publish
-        self._total_words: tuple[int, ...] = ()  # ...and the header word of each
         self.stats_pending = 0
 
     # ------------------------------------------------------------------ start-up
@@ -409,11 +407,7 @@ class DaemonCore:
         hq = wheel.header_words()
         self.status.publish(wheel.capacity, hq[_PENDING_WORD], hq[_FIRED_UNACKED_WORD])
         delivery.lateness.publish(hq, totals)
-        names = tuple(totals)
-        if names != self._total_names:  # the words of the totals, in the dict's order
-            self._total_names = names
-            self._total_words = tuple(_COUNTERS_WORD + AL.COUNTER[name] for name in names)
-        wheel.store_words(self._total_words, list(totals.values()))
+        wheel.store_words(_COUNTER_WORD, totals)
         self.stats_pending = len(wheel)
         if self.config.group_quota:
             self.sessions.publish_group_full()

@@ -97,8 +97,8 @@ cdef class WheelRecords:
                    j=cython.Py_ssize_t, level=cython.Py_ssize_t)
     cpdef publish_stats(self)
 
-    @cython.locals(hq=cython.longlong[::1], j=cython.Py_ssize_t)
-    cpdef store_words(self, tuple words, list values)
+    @cython.locals(hq=cython.longlong[::1])
+    cpdef store_words(self, dict word_of, dict values)
 
     @cython.locals(i=cython.int[::1], examined=list, s=Py_ssize_t, b=Py_ssize_t, start=Py_ssize_t)
     cpdef cascade_ahead(self, now_ms, max_entries)

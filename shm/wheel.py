@@ -806,12 +806,12 @@ class WheelRecords:
         """The header's first page as int64 words (counters, parked flag, histogram)."""
         return self._hq
 
-    def store_words(self, words: tuple, values: list) -> None:
-        """``header_words()[words[j]] = values[j]`` for every j: many header words in one
-        call (the daemon's counters)."""
+    def store_words(self, word_of: dict, values: dict) -> None:
+        """``header_words()[word_of[name]] = value`` for each name and value of ``values``,
+        in one call (the daemon's counters); KeyError for a name ``word_of`` lacks."""
         hq = self._clock
-        for j in range(len(words)):
-            hq[words[j]] = values[j]
+        for name, value in values.items():
+            hq[word_of[name]] = value
 
 
 class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):

@@ -1074,12 +1074,16 @@ def test_store_words_writes_each_value_at_its_word():
     try:
         words = wheel.header_words()
         before = words.tolist()
-        wheel.store_words((30, 24, 31), [5, -(1 << 63), (1 << 62) + 1])
+        word_of = {"a": 30, "b": 24, "c": 31, "unused": 40}
+        wheel.store_words(word_of, {"a": 5, "b": -(1 << 63), "c": (1 << 62) + 1})
         after = words.tolist()
         assert (after[30], after[24], after[31]) == (5, -(1 << 63), (1 << 62) + 1)
         assert [v for j, v in enumerate(after) if j not in (24, 30, 31)] == \
             [v for j, v in enumerate(before) if j not in (24, 30, 31)]
-        wheel.store_words((), [])
+        wheel.store_words(word_of, {})
         assert words.tolist() == after
+        with pytest.raises(KeyError):
+            wheel.store_words(word_of, {"a": 6, "nameless": 1})
+        assert words[30] == 6  # the names before the unknown one are stored
     finally:
         wheel.close()
