@@ -429,6 +429,8 @@ class Delivery:
         batch = self.config.delivery_batch
         if self.held:
             self._dispatch_held(batch)
+        if not any(self.queues.values()):
+            return  # nothing queued: no pass over the groups
         for gid, queue in self.queues.items():
             if not queue:
                 continue
