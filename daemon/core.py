@@ -90,6 +90,9 @@ _BUSY_COMMANDS = 256  # an iteration that applied this many drains again at once
 PUBLISH_EVERY_MS = 10  # counters published at most this often while parks are 1 ms (always before a longer one)
 _CASCADE_AHEAD = 256  # records of the next level-1 bucket looked at per ms (TimerWheel.cascade_ahead)
 _PARKED_WORD = AL.H_PARKED // 8  # wheelctl's "at rest" word (the clients read the status page's)
+_COUNTER_WORD = {name: AL.H_COUNTERS // 8 + index for name, index in AL.COUNTER.items()}  # its header word
+_PENDING_WORD = _COUNTER_WORD["pending"]
+_FIRED_UNACKED_WORD = _COUNTER_WORD["fired_unacked"]
 
 #: the counters the daemon writes into the arena header (the wheel writes its own: TimerWheel.publish_stats)
 DAEMON_TOTALS = AL.DAEMON_COUNTER_NAMES
@@ -395,7 +398,7 @@ class DaemonCore:
         wheel, totals, delivery = self.wheel, self.totals, self.delivery
         totals["daemon_heartbeat_ms"] = now
         totals["clients_connected"] = self.sessions.connected_clients()
-        totals["groups_active"] = sum(1 for members in delivery.members.values() if members)
+        totals["groups_active"] = sum(map(bool, delivery.members.values()))
         totals["undelivered"] = delivery.undelivered()
         if self.recorder is not None:
             journal = self.recorder.journal
@@ -403,12 +406,9 @@ class DaemonCore:
             totals["journal_durable_lsn"] = journal.durable_lsn
         wheel.publish_stats()
         hq = wheel.header_words()
-        counters = AL.H_COUNTERS // 8
-        self.status.publish(wheel.capacity, hq[counters + AL.COUNTER["pending"]],
-                            hq[counters + AL.COUNTER["fired_unacked"]])
+        self.status.publish(wheel.capacity, hq[_PENDING_WORD], hq[_FIRED_UNACKED_WORD])
         delivery.lateness.publish(hq, totals)
-        for name, value in totals.items():
-            hq[counters + AL.COUNTER[name]] = value
+        wheel.store_words(_COUNTER_WORD, totals)
         self.stats_pending = len(wheel)
         if self.config.group_quota:
             self.sessions.publish_group_full()

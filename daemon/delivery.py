@@ -155,10 +155,11 @@ class Lateness:
         words saturate, and a damaged one is repaired first: AL.saturating_add)."""
         base = AL.H_LATENESS // 8
         counts = self.counts
-        for i, count in enumerate(counts):
-            if count:
-                AL.saturating_add(words, base + i, count)
-                counts[i] = 0
+        if any(counts):
+            for i, count in enumerate(counts):
+                if count:
+                    AL.saturating_add(words, base + i, count)
+                    counts[i] = 0
         if self.sum_us:
             AL.saturating_add(words, AL.H_LATENESS_SUM_US // 8, self.sum_us)
             self.sum_us = 0
@@ -418,7 +419,8 @@ class Delivery:
         return len(entries)
 
     def undelivered(self) -> int:
-        return sum(len(q) for q in self.queues.values()) + sum(len(q) for _group, q in self.held.values())
+        queued = sum(map(len, self.queues.values()))
+        return queued + sum(len(q) for _group, q in self.held.values()) if self.held else queued
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self) -> None:
@@ -427,6 +429,8 @@ class Delivery:
         batch = self.config.delivery_batch
         if self.held:
             self._dispatch_held(batch)
+        if not any(self.queues.values()):
+            return  # nothing queued: no pass over the groups
         for gid, queue in self.queues.items():
             if not queue:
                 continue

@@ -36,6 +36,8 @@ cdef Py_ssize_t _CUR, _QW, _IW, _HW, _RB, _PREV, _NEXT, _GEN, _TAG, _AUX, _GROUP
 cdef Py_ssize_t _INTENT_SLOT, _INTENT_STATE, _INTENT_TAG, _INTENT_DEADLINE
 cdef Py_ssize_t _C_PENDING, _C_FIRED_UNACKED, _C_ADDS, _C_REARMS, _C_CANCELS, _C_CANCEL_MISSES, _C_EXPIRATIONS
 cdef Py_ssize_t _C_CASCADES, _C_ACKS, _C_IDLE_REARMS, _C_ARENA_FULL
+cdef tuple _OWN_WORDS, _LEVEL_WORDS
+cdef Py_ssize_t _DUE_WORD
 
 
 cdef class WheelRecords:
@@ -90,6 +92,13 @@ cdef class WheelRecords:
     cdef void _queue_bucket(self, Py_ssize_t b, long long expiration) except *
 
     cpdef list _due_buckets(self, now_ms)
+
+    @cython.locals(hq=cython.longlong[::1], count=cython.longlong[::1], by_level=cython.longlong[::1],
+                   j=cython.Py_ssize_t, level=cython.Py_ssize_t)
+    cpdef publish_stats(self)
+
+    @cython.locals(hq=cython.longlong[::1])
+    cpdef store_words(self, dict word_of, dict values)
 
     @cython.locals(i=cython.int[::1], examined=list, s=Py_ssize_t, b=Py_ssize_t, start=Py_ssize_t)
     cpdef cascade_ahead(self, now_ms, max_entries)

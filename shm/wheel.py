@@ -306,6 +306,11 @@ _GNB = L.GROUP_NAME_BYTES
 _DUE_LEVEL = L.DUE_LEVEL
 _INTENT_SLOT, _INTENT_STATE, _INTENT_TAG = L.H_INTENT_SLOT // 4, L.H_INTENT_STATE // 4, L.H_INTENT_TAG // 4
 _INTENT_DEADLINE = L.H_INTENT_DEADLINE // 8
+# the header words publish_stats writes: those of OWN_COUNTERS (in _count's order), of
+# each level's pending count (level 0 first) and of the due list's
+_OWN_WORDS = tuple(L.H_COUNTERS // 8 + L.COUNTER[name] for name in OWN_COUNTERS)
+_LEVEL_WORDS = tuple(L.H_COUNTERS // 8 + L.COUNTER[f"pending_level_{level}"] for level in range(L.MAX_LEVELS))
+_DUE_WORD = L.H_COUNTERS // 8 + L.COUNTER["pending_due"]
 _MAX_DELAY = MAX_DELAY_MS  # the scalar paths' names for these (C constants in the compiled build)
 _GEN_MASK = GENERATION_MASK
 # Compiled (wheel.pxd), a bytes key is copied into its record with memcpy (_put_key)
@@ -795,15 +800,25 @@ class WheelRecords:
 
     def publish_stats(self) -> None:
         """Write the wheel's counters into the arena header, where wheelctl reads them
-        (the daemon's own counters, in the same table, are left alone)."""
-        hq = self._hq
-        base = L.H_COUNTERS // 8
-        for name, value in self.counters().items():
-            hq[base + L.COUNTER[name]] = value
+        (the daemon's own counters, in the same table, are left alone): the words of
+        :meth:`counters`, each from its count."""
+        hq, count, by_level = self._clock, self._count, self._pending_by_level
+        for j in range(len(_OWN_WORDS)):
+            hq[_OWN_WORDS[j]] = count[j]
+        for level in range(self.levels):
+            hq[_LEVEL_WORDS[level]] = by_level[level]
+        hq[_DUE_WORD] = by_level[_DUE_LEVEL]
 
     def header_words(self) -> memoryview:
         """The header's first page as int64 words (counters, parked flag, histogram)."""
         return self._hq
+
+    def store_words(self, word_of: dict, values: dict) -> None:
+        """``header_words()[word_of[name]] = value`` for each name and value of ``values``,
+        in one call (the daemon's counters); KeyError for a name ``word_of`` lacks."""
+        hq = self._clock
+        for name, value in values.items():
+            hq[word_of[name]] = value
 
 
 class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):

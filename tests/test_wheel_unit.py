@@ -1043,3 +1043,47 @@ def test_publish_stats_writes_only_the_wheels_own_counter_words():
         assert set(L.WHEEL_COUNTER_NAMES).isdisjoint(L.DAEMON_COUNTER_NAMES)
     finally:
         wheel.close()
+
+
+@pytest.mark.parametrize("levels", [1, 2, 3])
+def test_publish_stats_writes_counters_and_no_other_word(levels):
+    """publish_stats writes each word of counters() with its value (the per-level words
+    of the wheel's levels only), and leaves every other header word as it was."""
+    wheel = TimerWheel.create(64, tick_ms=1, wheel_size=4, levels=levels, start_ms=0)
+    try:
+        for k in range(20):
+            wheel.schedule(f"k{k}", 1 + 3 * k)
+        wheel.cancel("k3")
+        wheel.expire(9)
+        wheel.cascade_ahead(9, 8)
+        words = wheel.header_words()
+        marked = {j: -7 - j for j in range(L.H_COUNTERS // 8, L.GROUPS_OFFSET // 8)}
+        for j, value in marked.items():
+            words[j] = value
+        wheel.publish_stats()
+        want = dict(marked)
+        want.update({L.H_COUNTERS // 8 + L.COUNTER[name]: value for name, value in wheel.counters().items()})
+        assert {j: words[j] for j in marked} == want
+        assert wheel.counters()["pending"] == len(wheel) == 16
+    finally:
+        wheel.close()
+
+
+def test_store_words_writes_each_value_at_its_word():
+    wheel = TimerWheel.create(10, start_ms=0)
+    try:
+        words = wheel.header_words()
+        before = words.tolist()
+        word_of = {"a": 30, "b": 24, "c": 31, "unused": 40}
+        wheel.store_words(word_of, {"a": 5, "b": -(1 << 63), "c": (1 << 62) + 1})
+        after = words.tolist()
+        assert (after[30], after[24], after[31]) == (5, -(1 << 63), (1 << 62) + 1)
+        assert [v for j, v in enumerate(after) if j not in (24, 30, 31)] == \
+            [v for j, v in enumerate(before) if j not in (24, 30, 31)]
+        wheel.store_words(word_of, {})
+        assert words.tolist() == after
+        with pytest.raises(KeyError):
+            wheel.store_words(word_of, {"a": 6, "nameless": 1})
+        assert words[30] == 6  # the names before the unknown one are stored
+    finally:
+        wheel.close()
