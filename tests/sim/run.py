@@ -878,9 +878,13 @@ class Simulation:
         self._left_while_settling |= self.fault_free
         if self.xrng.random() < 0.5:
             worker.alive = False
-            if not worker.hostile and (not worker.client.connected or self.daemon is None or not self.daemon.alive):
+            end = worker.client._end
+            unread = end is None or end.connection.daemon.closed  # its session's daemon died
+            if not worker.hostile and (not worker.client.connected or unread or self.daemon is None
+                                       or not self.daemon.alive):
                 # no daemon to read them: the acknowledgements close() pushes stay in a ring
-                # nobody will drain, as a crashed worker's (docs/contracts.md, at-least-once)
+                # nobody will drain, as a crashed worker's (docs/contracts.md, at-least-once;
+                # so do those pushed since its session's daemon died: its ring is not handed back)
                 self.history.crashed(worker.ident, self.world.now_ns)
             try:
                 worker.client.close()
