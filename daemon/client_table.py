@@ -64,6 +64,16 @@ class ClientSlot:
         self.replay_guard: ArmingsAtStart | None = None
         self.replay_left = 0
 
+    def touch_views(self) -> tuple[memoryview, memoryview] | None:
+        """Its touch table's (last touch, idle_ms) int64 views, for the wheel's lazy re-arm
+        (``TimerWheel.expire``), or None while they are out of reach (no ring yet after a
+        restart) or must not be trusted (poisoned): its idle timers then fire, for
+        ``Delivery.idle_check`` to decide."""
+        segment = self.segment
+        if segment is None or self.poisoned:
+            return None
+        return segment.touch_views()
+
     def take_unacked(self) -> list[tuple[int, int]]:
         """Everything in flight to this client, forgotten here (it goes back to the queue)."""
         pairs = list(self.unacked_old.items()) + list(self.unacked.items())

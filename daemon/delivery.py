@@ -212,7 +212,11 @@ class Delivery:
             recorder.begin()
         if SCALAR_EXPIRE or (self._last_expired < EXPIRE_MANY_MIN and now - due <= wheel.tick_ms
                              and due % self._level1_tick_ms):
-            slots = wheel.expire(now)
+            # idle timers touched since they were armed go back on the wheel in this pass
+            rearmed: list | None = None if recorder is None else []
+            slots = wheel.expire(now, self.clients, rearmed)
+            if rearmed:
+                self._journal_rearmed(rearmed)
             self._last_expired = len(slots)
             if len(slots) >= COLUMNS_MIN and recorder is None:
                 fired = np.array(slots, dtype=np.int64)
@@ -228,6 +232,15 @@ class Delivery:
                 self._queue_rows(slots.tolist(), wheel.records_of(slots).tolist(), now)
         if recorder is not None:
             recorder.commit(now)
+
+    def _journal_rearmed(self, rearmed: list) -> None:
+        """The idle timers the wheel re-armed in its pass (``TimerWheel.expire``), journaled
+        as :meth:`_rearm_idle` journals one."""
+        recorder = self.recorder
+        rows = self._rows([slot for slot, _old, _new, _idle in rearmed])
+        for (_slot, deadline, rearm_at, idle_ms), row in zip(rearmed, rows):
+            _d, _prev, _next, _gen, tag, _aux, group, _state, meta, key = row
+            recorder.idle_rearmed(group, decode_key(key, meta), deadline, rearm_at, tag, idle_ms)
 
     def _queue_rows(self, slots: list, rows: list, now: int) -> None:
         """Expired timers as record tuples: idle re-arms, queues, lateness, journal."""

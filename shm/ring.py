@@ -677,6 +677,14 @@ class ClientSegment:
         self._check_open()
         return self._last_touch[index]
 
+    def touch_views(self) -> tuple[memoryview, memoryview]:
+        """The touch table as two int64 views, (last touch ms, idle_ms) by touch index, for
+        a reader that checks each pair as :meth:`read_activity` does (the daemon's wheel,
+        re-arming idle timers in bulk). Released when the segment is closed: reading them
+        then raises ValueError."""
+        self._check_open()
+        return self._last_touch, self._idle
+
     def read_activity(self, index: int, now_ms: int, clock=None) -> tuple[int, int] | None:
         """An idle timer's (last_touch_ms, idle_ms) at touch ``index``, checked, or None.
 

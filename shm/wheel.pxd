@@ -38,6 +38,8 @@ cdef Py_ssize_t _C_PENDING, _C_FIRED_UNACKED, _C_ADDS, _C_REARMS, _C_CANCELS, _C
 cdef Py_ssize_t _C_CASCADES, _C_ACKS, _C_IDLE_REARMS, _C_ARENA_FULL
 cdef tuple _OWN_WORDS, _LEVEL_WORDS
 cdef Py_ssize_t _DUE_WORD
+cdef long long _TOUCH_INDEX_BITS, _TOUCH_INDEX_MASK, _MAX_IDLE_MS
+cdef object _NO_VIEWS
 
 
 cdef class WheelRecords:
@@ -129,14 +131,20 @@ cdef class TimerWheel(WheelRecords):
     @cython.locals(slots=list, now=cython.longlong, q=cython.longlong[::1], b=cython.uchar[::1], by_level=cython.longlong[::1],
                    cur=cython.longlong, fired=cython.Py_ssize_t, cascaded=cython.Py_ssize_t, s=cython.Py_ssize_t,
                    deadline=cython.longlong, state=cython.int, c=cython.longlong[::1], base=cython.Py_ssize_t,
-                   meta=cython.int, index=KeyIndex)
-    cdef Py_ssize_t _sweep(self, now_ms, bint to_fired, list out) except -1
+                   meta=cython.int, index=KeyIndex, touched=cython.Py_ssize_t, views=dict, aux=cython.longlong,
+                   rearm_at=cython.longlong)
+    cdef Py_ssize_t _sweep(self, now_ms, bint to_fired, list out, object sources, list rearmed) except -1
+
+    @cython.locals(client=cython.longlong, index=cython.Py_ssize_t, last_touch=cython.longlong, idle_ms=cython.longlong,
+                   rearm_at=cython.longlong)
+    cdef Py_ssize_t _touched_deadline(self, long long aux, long long now, object sources, dict views, Py_ssize_t slot,
+                                     long long deadline, list rearmed) except -1
 
     @cython.locals(out=list)
     cpdef list advance(self, now_ms)
 
     @cython.locals(out=list, fired=cython.Py_ssize_t)
-    cpdef list expire(self, now_ms)
+    cpdef list expire(self, now_ms, sources=*, list rearmed=*)
 
     @cython.locals(c=cython.longlong[::1])
     cpdef bint release(self, slot, generation) except -1

@@ -264,6 +264,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from wheeld.protocol import arena_layout as L
+from wheeld.protocol.clients_layout import TOUCH_INDEX_BITS as _TOUCH_INDEX_BITS, TOUCH_INDEX_MASK as _TOUCH_INDEX_MASK
 from wheeld.protocol.errors import ArenaFull, CorruptArena, InvalidDelay, InvalidKey, InvalidRequest
 from wheeld.protocol.keys import VALID_KEY_METAS, c_layout, decode_key, encode_key, key_length
 
@@ -271,6 +272,7 @@ from .arena import Segment
 from .header import parse_header
 from .keyindex import KeyIndex
 from .placement import Placement
+from .ring import MAX_IDLE_MS as _MAX_IDLE_MS
 from .wheel_attach import WheelAttach
 from .wheel_batch import NumpyBatches
 from .wheel_common import (  # the counters' indices, under this module's names
@@ -296,6 +298,7 @@ _STATE_MASK = L.STATE_MASK
 _LEVEL_SHIFT = L.LEVEL_SHIFT
 _META = [bytes((m,)) for m in range(256)]
 _PAD = [b"\0" * (L.KEY_BYTES - n) for n in range(L.KEY_BYTES + 1)]
+_NO_VIEWS = object()  # _touched_deadline: a client not looked up yet
 _KEY_END = [L.R_KEY + key_length(meta) for meta in range(256)]  # where a record's key ends, by meta byte
 # word indices into the arena views (see wheeld.protocol.arena_layout)
 _CUR = L.H_CURRENT_MS // 8
@@ -964,10 +967,11 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
             self._clock[_CUR] = now_ms  # after detaching, before re-placing (see Crash consistency)
         return out
 
-    def _sweep(self, now_ms: int, to_fired: bool, out: list) -> int:
+    def _sweep(self, now_ms: int, to_fired: bool, out: list, sources, rearmed: list | None) -> int:
         """Advance to ``now_ms``; each due timer goes to the fired list (``to_fired``: its slot
         appended to ``out``) or is freed (its ``(key, deadline_ms)`` appended to ``out``);
-        the rest is placed again."""
+        the rest is placed again. With ``sources`` (see :meth:`expire`), a due idle timer
+        touched since it was armed is placed again at its new deadline instead."""
         _check_clock(now_ms)
         slots = self._collect(now_ms)
         if not slots:
@@ -977,13 +981,21 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
         by_level = self._pending_by_level
         cur = self._clock[_CUR]
         index = self._index
-        fired = cascaded = 0
+        fired = cascaded = touched = 0
+        views: dict = {}
         for s in slots:
             deadline = q[s * _QW]
             state = b[s * _RB + _ST]
             by_level[state >> _LEVEL_SHIFT] -= 1
             if deadline <= now:
                 if to_fired:
+                    aux = self._i[s * _IW + _AUX]
+                    if sources is not None and aux >= 0:
+                        rearm_at = self._touched_deadline(aux, now, sources, views, s, deadline, rearmed)
+                        if rearm_at:  # a multi-field update of a live record: through the intent
+                            self._apply_with_intent(s, self._link(s, rearm_at, cur), rearm_at, self._u[s * _IW + _TAG])
+                            touched += 1
+                            continue
                     self._fire(s, out)
                 else:  # advance: the key and deadline to out, the record freed
                     base = s * _RB
@@ -1005,7 +1017,41 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
         c[_C_EXPIRATIONS] += fired
         c[_C_CASCADES] += cascaded
         c[_C_PENDING] -= fired
+        c[_C_IDLE_REARMS] += touched
         return fired
+
+    def _touched_deadline(self, aux: int, now: int, sources, views: dict, slot: int, deadline: int,
+                          rearmed: list | None) -> int:
+        """The lazy re-arm of an idle timer come due at ``now`` (``aux``: its client's slot and
+        touch index): the deadline it moves to when its client touched it since it was
+        armed (last touch + idle_ms, later than ``now``; appended to ``rearmed`` as
+        ``(slot, old deadline, new deadline, idle_ms)``), or 0: it fires, and the daemon
+        decides what then (``Delivery.idle_check``: a client whose touch table is out of
+        reach, impossible words to poison it for, a touch stored after ``now``). ``views``
+        caches each client's (last touch, idle) views for one sweep."""
+        if self._h[slot * _HW + _GROUP] >= self.max_groups or not VALID_KEY_METAS[self._b[slot * _RB + _KM]]:
+            return 0  # a damaged record (overwritten in the arena): it fires, the daemon frees it
+        client = aux >> _TOUCH_INDEX_BITS
+        pair = views.get(client, _NO_VIEWS)
+        if pair is _NO_VIEWS:
+            source = sources.get(client)
+            pair = views[client] = None if source is None else source.touch_views()
+        if pair is None:
+            return 0
+        index = aux & _TOUCH_INDEX_MASK
+        try:
+            last_touch = pair[0][index]
+            idle_ms = pair[1][index]
+        except (IndexError, ValueError):  # beyond its table, or the segment was closed (views released)
+            return 0
+        if not (0 < last_touch <= now + 1 and 0 < idle_ms <= _MAX_IDLE_MS):  # the words Delivery.idle_check refuses
+            return 0
+        rearm_at = last_touch + idle_ms
+        if rearm_at <= now:
+            return 0
+        if rearmed is not None:
+            rearmed.append((slot, deadline, rearm_at, idle_ms))
+        return rearm_at
 
     def advance(self, now_ms: int) -> list[tuple[object, int]]:
         """Move the clock to ``now_ms``; return ``(key, deadline_ms)`` of every timer due.
@@ -1014,18 +1060,27 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
         :meth:`expire` instead, which keeps fired timers until they are acknowledged.)
         """
         out: list[tuple[object, int]] = []
-        self._sweep(now_ms, False, out)
+        self._sweep(now_ms, False, out, None, None)
         return out
 
-    def expire(self, now_ms: int) -> list[int]:
+    def expire(self, now_ms: int, sources=None, rearmed: list | None = None) -> list[int]:
         """Move the clock to ``now_ms``; move every due timer to the fired list.
 
         Returns the slots, now FIRED: they keep their key, deadline, group, tag and
         aux until :meth:`release` (delivery acknowledged) or :meth:`rearm_fired` (the
         aux word may be rewritten meanwhile: :meth:`mark_fired`).
+
+        ``sources``: the lazy re-arm of idle timers, in this pass (the daemon's client
+        table: client slot -> an object whose ``touch_views()`` returns its touch
+        table's (last touch, idle_ms) int64 views, or None when they must not be read).
+        A due idle timer whose client touched it since it was armed is placed again at
+        last touch + idle_ms, still scheduled (its key stays indexed), and appended to
+        ``rearmed`` (see :meth:`_touched_deadline`); every other due timer fires. What
+        this pass cannot decide fires, for the caller to decide (and re-arm with
+        :meth:`rearm_fired`).
         """
         out: list[int] = []
-        fired = self._sweep(now_ms, True, out)
+        fired = self._sweep(now_ms, True, out, sources, rearmed)
         self._count[_C_FIRED_UNACKED] += fired
         return out
 

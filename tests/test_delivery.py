@@ -29,6 +29,18 @@ class _TouchTable:
         touched, idle_ms = self.touched.get(index, 0), self.idle.get(index, 0)
         return (touched, idle_ms) if touched and idle_ms else None
 
+    def touch_views(self):
+        """The two words by index, as the wheel's lazy re-arm reads them (0: never written)."""
+        return _Words(self.touched), _Words(self.idle)
+
+
+class _Words:
+    def __init__(self, words):
+        self.words = words
+
+    def __getitem__(self, index):
+        return self.words.get(index, 0)
+
 
 class _Journal:
     """Stands in for the Recorder: what delivery journals of the rows it expires."""
