@@ -195,6 +195,13 @@ class ClientTable:
                 self.armings_until = now + int(self.config.resume_grace_s * 1000)
             return
         self._restore(wheel, now)
+        # A restart on an arena rebuilt less than --resume-grace-s ago: rings of the lost arena
+        # may still come back, replayed (the daemon that rebuilt it died before they did)
+        grace_ms = int(self.config.resume_grace_s * 1000)
+        young_ms = grace_ms - (host.wall_ms() - wheel.created_wall_ms)
+        if len(wheel) and 0 < young_ms <= grace_ms:
+            self.armings_at_start = ArmingsAtStart(wheel)
+            self.armings_until = now + young_ms
 
     def _restore(self, wheel, now: int) -> None:
         for slot in range(CL.MAX_CLIENTS):
@@ -224,7 +231,9 @@ class ClientTable:
     def add(self, cs: ClientSlot, replayed: bool = False) -> None:
         """A new slot; ``replayed``: its ring comes from a daemon with another arena (this one
         was rebuilt from the journal), replayed from the client's last acknowledged flush:
-        guarded by the armings this arena held at start (ArmingsAtStart)."""
+        guarded by the armings this arena held when this daemon started (ArmingsAtStart),
+        while the arena is younger than ``--resume-grace-s`` (taken by the daemon that
+        rebuilt it, and again by a daemon restarted on it within that time)."""
         self.clients[cs.slot] = cs
         self.by_label[cs.label] = cs
         if replayed and self.armings_at_start is not None and cs.segment is not None:

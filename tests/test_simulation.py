@@ -120,10 +120,16 @@ def _twice_history(**faults):
     h.joined(1, "g")
     h.joined(2, "g")
     h.armed(1, "c1-0", 10, 0, 10, idle=False)
-    h.flushed(h.flush_called(1), 1 * ms)
+    h.flushed(h.flush_called(1), faults.get("flushed_at", 1) * ms)
     h.handed(1, "c1-0", 10, 20 * ms, number=0, copy_fired_ns=10 * ms)
     h.handed(2, "c1-0", 10, 41_000 * ms, number=0, copy_fired_ns=40_000 * ms)
     h.ack_timeout_ns = 30_000 * ms
+    h.resume_grace_ns = faults.get("resume_grace", 60_000) * ms
+    if "arena_loss" in faults:  # the arena lost while no daemon ran; the next one rebuilt it at once
+        h.arena_lost(faults["arena_loss"] * ms)
+        h.daemon_started(faults["arena_loss"] * ms + ms)
+    if "ring_back" in faults:  # client 1's ring handed to the rebuilt arena's daemon, replayed
+        h.new_arena_welcomes = {1: [faults["ring_back"] * ms]}
     h.ack_marks = {1: [(faults.get("acked_at", 21) * ms, 1)] if faults.get("acked_at", 21) is not None else [],
                    2: [(41_001 * ms, 1)]}
     if "session_end" in faults:
@@ -146,6 +152,14 @@ def _twice_history(**faults):
     ({"session_end": 15}, False),  # its session ended with the copy in flight
     ({"daemon_deaths": [21], "crash": 25}, False),  # the daemon died before it drained the ack, then it
     ({"power_cut": 30}, False),  # a power cut after the copy was sent: the ack may not have been durable
+    # the arena lost before the flush covering the arming returned, client 1's ring replayed
+    # into the rebuilt arena at 40.5 s: within --resume-grace-s of the rebuild the daemon
+    # skips what its arena held (ArmingsAtStart), so arming it again is a bug ...
+    ({"flushed_at": 5, "arena_loss": 3, "ring_back": 40_500}, True),
+    ({"flushed_at": 2, "arena_loss": 3, "ring_back": 40_500, "resume_grace": 30_000}, True),  # acked before
+    # ... unless the ring came back after the grace, or a daemon died after the copy was acknowledged
+    ({"flushed_at": 5, "arena_loss": 3, "ring_back": 40_500, "resume_grace": 30_000}, False),
+    ({"flushed_at": 5, "arena_loss": 3, "ring_back": 40_500, "daemon_deaths": [30_000]}, False),
 ])
 def test_the_checker_allows_a_second_hand_over_only_in_the_at_least_once_windows(faults, twice):
     """Rule 4 (sim/checker.py): a second hand-over of one arming is allowed only where the

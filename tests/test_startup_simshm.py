@@ -220,6 +220,31 @@ def test_a_reboot_rebuilds_the_arena_from_the_journal(world, tmp_path):
     d.stop()
 
 
+@pytest.mark.parametrize("restart_after_s", [1, 59, 61])
+def test_a_restart_on_an_arena_rebuilt_within_the_resume_grace_guards_replayed_rings(world, tmp_path,
+                                                                                       restart_after_s):
+    """The daemon that rebuilt an arena from the journal notes the armings it held
+    (``ArmingsAtStart``): a ring of the lost arena, replayed, skips what it already shows.
+    Killed before those rings came back, its successor on the same arena takes the
+    armings again while the arena is younger than ``--resume-grace-s`` (60 s), for the
+    rest of that time; later, none (docs/contracts.md, "Sessions")."""
+    directory, made = journal_of(world, tmp_path, 50)
+    first = Daemon(world, config(world, directory), world.host())
+    assert first.table.armings_at_start is not None  # the rebuild's own guard
+    first.crash()
+    world.wall += restart_after_s * 1000
+    second = Daemon(world, config(world, directory), world.host())
+    try:
+        guard = second.table.armings_at_start
+        if restart_after_s >= 60:
+            assert guard is None
+            return
+        assert guard is not None and len(guard.entries) == len(made)
+        assert 0 < second.table.armings_until - world.mono() <= (60 - restart_after_s) * 1000
+    finally:
+        second.stop()
+
+
 # ---------------------------------------------------------------------------- a crash while building
 def _assert_complete_arena(world: World, directory: str, made: dict[int, int]) -> None:
     d = Daemon(world, config(world, directory), world.host())

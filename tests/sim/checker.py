@@ -103,11 +103,14 @@ class History:
         self.crash_ns: dict[int, int] = {}  # client -> when it crashed
         self.daemon_deaths: list[int] = []  # when a daemon process died (killed, crashed, a power cut), in order
         self.arena_losses: list[int] = []  # when the arena was removed while the daemon was down, workers alive
+        self.daemon_starts: list[int] = []  # when a daemon started (took its arena), in order
+        self.resume_grace_ns = 0  # the daemon's --resume-grace-s, set by the simulator
         # set by the simulator once the run is over, per client: (when, n) each time the
         # acknowledgements of its first n hand-overs were all in its ring; when a session's
         # connection ended under it; and the daemon's --ack-timeout-s (ns)
         self.ack_marks: dict[int, list[tuple[int, int]]] = {}
         self.session_ends: dict[int, list[int]] = {}
+        self.new_arena_welcomes: dict[int, list[int]] = {}  # client -> when it handed its ring to a new arena
         self.ack_timeout_ns = 0
         self.touch_tables_lost: set[int] = set()  # departed clients whose touches a reboot took
         self.left_ns: dict[int, int] = {}  # client -> when it left with a Bye
@@ -241,6 +244,9 @@ class History:
 
     def daemon_died(self, at_ns: int) -> None:
         self.daemon_deaths.append(at_ns)
+
+    def daemon_started(self, at_ns: int) -> None:
+        self.daemon_starts.append(at_ns)
 
     def arena_lost(self, at_ns: int) -> None:
         """The arena was removed while the daemon was down (its workers live on): the next
@@ -386,6 +392,36 @@ class History:
         return any(sent <= at <= last_hand_ns for at, _window in self.every_cut) or \
             any(sent <= at <= last_hand_ns for at in self.arena_losses)
 
+    def replayed_after(self, arming: Arming, copy: tuple[int, int, int], last_hand_ns: int) -> bool:
+        """Whether the arming's own ring may have armed it again after ``copy`` was sent and
+        acknowledged: the at-least-once window of docs/contracts.md, "Delivery and
+        durability" ("after the arena was lost while clients lived ... so is one whose
+        arming a ring replays after it had fired and been acknowledged (the journal keeps
+        no acknowledged arming)").
+
+        A ring handed to a daemon of another arena is replayed from the last ``flush()``
+        the old arena acknowledged: the arming is in that range when it was called before
+        the loss and no flush covering it returned before the loss. The daemon skips what
+        its arena held when it started (``ArmingsAtStart``) for ``--resume-grace-s`` after
+        the arena was rebuilt; so the replay arms it again only when the ring came back
+        later than that, or when the copy was acknowledged before the daemon that took
+        the ring started (a daemon died in between: the arming was gone from the arena
+        that daemon found). Anything else the guard must have skipped."""
+        client, number, sent = copy
+        acked = next((at for at, n in self.ack_marks.get(client, ()) if n > number), None)
+        for at in self.new_arena_welcomes.get(arming.client, ()):
+            if not sent <= at <= last_hand_ns:
+                continue
+            for loss in self.arena_losses:
+                if not (arming.called_ns <= loss <= at and (not arming.acked or arming.acked_ns > loss)):
+                    continue
+                rebuilt = next((start for start in self.daemon_starts if start >= loss), None)
+                if rebuilt is None or at - rebuilt >= self.resume_grace_ns - self.SLACK_NS:
+                    return True
+                if acked is not None and any(acked <= death <= at for death in self.daemon_deaths):
+                    return True
+        return False
+
     def _find(self, key: str, tag: int) -> Arming | None:
         owner = int(key.split("-", 1)[0][1:]) if key.startswith("c") and "-" in key else -1
         return self.armings.get((owner, key, tag))
@@ -493,7 +529,8 @@ def check(history: History, end_ns: int, exact_groups: bool = True, settled_ns: 
                         f"{arming.earliest_ns / 1e6:.3f} ms) was acknowledged by a flush() and never handed"))
         if exact_groups and len(arming.handed) > 1:
             last = max(at for _client, at in arming.handed)
-            kept = [copy for copy in arming.copies if not history.released(copy, last)]
+            kept = [copy for copy in arming.copies
+                    if not history.released(copy, last) and not history.replayed_after(arming, copy, last)]
             if len(kept) > 1:
                 out.append(Violation("twice", f"{arming.key!r} (tag {arming.tag}) was handed {len(arming.handed)} "
                                               f"times ({arming.handed}) in group {arming.group!r}; the copies "

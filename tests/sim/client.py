@@ -369,6 +369,9 @@ class SimClient(ClientCore):
         self.hands = 0
         self.ack_marks: list[tuple[int, int]] = []
         self.session_ends: list[int] = []
+        # when its ring was handed to a daemon of another arena (its Welcome's arena epoch
+        # changed): the ring is then replayed from the last flush the old arena acknowledged
+        self.new_arena_welcomes: list[int] = []
 
     def _now(self) -> float:
         return self._clock_ns() / 1e9
@@ -451,10 +454,13 @@ class SimClient(ClientCore):
 
     def _handshake_step(self, data: bytes, fds: list[int]) -> None:
         attempt = self._attempt
+        before = self._welcome
         try:
             if not attempt.received(data, fds):
                 return
             self._reader = attempt.open()
+            if before is not None and self._welcome is not None and self._welcome.arena_epoch != before.arena_epoch:
+                self.new_arena_welcomes.append(self._clock_ns())
         except (OSError, BrokenPeer) as exc:
             self._drop_connection()
             self._attempt_failed(exc, self._now())

@@ -511,6 +511,7 @@ class Simulation:
         self.listener.listening = True
         self._recovering = False
         self.note(f"daemon {host.pid} started")
+        self.history.daemon_started(self.world.now_ns)
         self._check_damage_reported(daemon)
 
     def _touches_not_settled(self) -> None:
@@ -1422,10 +1423,12 @@ class Simulation:
         settled = None if self._left_while_settling else self._settled_ns
         history = self.history
         history.ack_timeout_ns = int(self.config.ack_timeout_s * 1e9)
+        history.resume_grace_ns = int(self.config.resume_grace_s * 1e9)
         for worker in self.workers:
             if not worker.hostile:
                 history.ack_marks[worker.ident] = worker.client.ack_marks
                 history.session_ends[worker.ident] = worker.client.session_ends
+                history.new_arena_welcomes[worker.ident] = worker.client.new_arena_welcomes
         self.violations += check(self.history,
                                  end - int((self.config.ack_timeout_s + self.config.resume_grace_s) * 1000) * MS,
                                  settled_ns=settled,
