@@ -28,6 +28,13 @@ from .startup import hand_to_monitors
 log = logging.getLogger("wheeld")
 
 
+def _live(wheel) -> int:
+    """The arena's armings, pending or fired and not acknowledged (a restart fires at once
+    what came due while no daemon ran: those are armings a replayed ring holds too)."""
+    counters = wheel.counters()
+    return counters["pending"] + counters["fired_unacked"]
+
+
 class ClientSlot:
     """A client's ring segment, drained whether or not its client is connected.
 
@@ -190,7 +197,7 @@ class ClientTable:
         if magic != CL.MAGIC or arena_created != wheel.created_wall_ms:
             buf[: CL.SEGMENT_BYTES] = bytes(CL.SEGMENT_BYTES)  # another arena's table (or none)
             CL.HEADER.pack_into(buf, 0, CL.MAGIC, wheel.created_wall_ms)
-            if len(wheel):  # rebuilt from a journal: what rings replayed into it may hold already
+            if _live(wheel):  # rebuilt from a journal: what rings replayed into it may hold already
                 self.armings_at_start = ArmingsAtStart(wheel)
                 self.armings_until = now + int(self.config.resume_grace_s * 1000)
             return
@@ -199,7 +206,7 @@ class ClientTable:
         # may still come back, replayed (the daemon that rebuilt it died before they did)
         grace_ms = int(self.config.resume_grace_s * 1000)
         young_ms = grace_ms - (host.wall_ms() - wheel.created_wall_ms)
-        if len(wheel) and 0 < young_ms <= grace_ms:
+        if _live(wheel) and 0 < young_ms <= grace_ms:
             self.armings_at_start = ArmingsAtStart(wheel)
             self.armings_until = now + young_ms
 

@@ -220,17 +220,23 @@ def test_a_reboot_rebuilds_the_arena_from_the_journal(world, tmp_path):
     d.stop()
 
 
+@pytest.mark.parametrize("fired", [False, True], ids=["pending", "fired"])
 @pytest.mark.parametrize("restart_after_s", [1, 59, 61])
 def test_a_restart_on_an_arena_rebuilt_within_the_resume_grace_guards_replayed_rings(world, tmp_path,
-                                                                                       restart_after_s):
+                                                                                       restart_after_s, fired):
     """The daemon that rebuilt an arena from the journal notes the armings it held
     (``ArmingsAtStart``): a ring of the lost arena, replayed, skips what it already shows.
     Killed before those rings came back, its successor on the same arena takes the
     armings again while the arena is younger than ``--resume-grace-s`` (60 s), for the
-    rest of that time; later, none (docs/contracts.md, "Sessions")."""
+    rest of that time; later, none (docs/contracts.md, "Sessions"). Fired and not yet
+    acknowledged armings count: every one of them may be (a restart fires at once what
+    came due while no daemon ran)."""
     directory, made = journal_of(world, tmp_path, 50)
     first = Daemon(world, config(world, directory), world.host())
     assert first.table.armings_at_start is not None  # the rebuild's own guard
+    if fired:
+        assert len(first.wheel.expire(max(made.values()) + 2_000)) == len(made)
+        assert len(first.wheel) == 0
     first.crash()
     world.wall += restart_after_s * 1000
     second = Daemon(world, config(world, directory), world.host())
