@@ -266,6 +266,7 @@ class DaemonCore:
         if now != self._last_ahead:  # after this iteration's expirations went out; at most once per ms
             self._last_ahead = now
             wheel.cascade_ahead(now, _CASCADE_AHEAD)
+            delivery.rearm_ahead(now)
         if self.recorder is not None:
             self.recorder.tick(now)
         self.sessions.maybe_collect(now)

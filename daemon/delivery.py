@@ -77,6 +77,8 @@ SCALAR_EXPIRE = accel.compiled("wheeld.shm.wheel")
 ROWS_FROM_ARENA = SCALAR_EXPIRE
 _KEY_LEN_MASK = key_length(0xFF)  # a meta byte's length bits: key_length, inlined
 COLUMNS_MIN = 256  # expirations handled per column (numpy) from this many on, per row below
+IDLE_AHEAD_MS = 10  # idle timers due this soon are re-armed ahead when touched (Delivery.rearm_ahead)
+IDLE_AHEAD_ENTRIES = 1024  # records looked at per ms doing so (bounds the cost)
 IDLE_WAIT_MS = 100  # an idle timer whose client has not come back after a restart waits this long
 #: the most lateness one expiration counts for (see "Deadlines in the past" above)
 LATENESS_CAP_MS = 86_400_000
@@ -232,6 +234,20 @@ class Delivery:
                 self._queue_rows(slots.tolist(), wheel.records_of(slots).tolist(), now)
         if recorder is not None:
             recorder.commit(now)
+
+    def rearm_ahead(self, now: int) -> None:
+        """Idle timers due in the next ``IDLE_AHEAD_MS`` whose touch words already put them
+        later move there now (``TimerWheel.rearm_touched_ahead``): the buckets they leave
+        need no wake-up."""
+        recorder = self.recorder
+        if recorder is None:
+            self.wheel.rearm_touched_ahead(now, IDLE_AHEAD_MS, IDLE_AHEAD_ENTRIES, self.clients)
+            return
+        rearmed: list = []
+        recorder.begin()
+        if self.wheel.rearm_touched_ahead(now, IDLE_AHEAD_MS, IDLE_AHEAD_ENTRIES, self.clients, rearmed):
+            self._journal_rearmed(rearmed)
+        recorder.commit(now)
 
     def _journal_rearmed(self, rearmed: list) -> None:
         """The idle timers the wheel re-armed in its pass (``TimerWheel.expire``), journaled

@@ -109,8 +109,9 @@ and then, by type (``d``: deadline, wall-clock ms):
                 restored after a reboot, which are plain timers)
 ``ack``         the fired timer (``g``, ``k``, ``s``) was delivered to the
                 application
-``idle_rearm``  an idle timer was due but its key had been touched: it moved
-                to ``d`` (last touch + ``i``); ``pd`` the deadline it had,
+``idle_rearm``  an idle timer was due (or within a few ms of it) but its key
+                had been touched: it moved to ``d`` (last touch + ``i``),
+                later than ``pd``, the deadline it had,
                 ``s`` and ``i`` unchanged. Also written for an idle timer
                 whose ``fire`` was journaled but which was never sent, put
                 back on the wheel by a restarted daemon that cannot read

@@ -137,8 +137,13 @@ cdef class TimerWheel(WheelRecords):
 
     @cython.locals(client=cython.longlong, index=cython.Py_ssize_t, last_touch=cython.longlong, idle_ms=cython.longlong,
                    rearm_at=cython.longlong)
-    cdef Py_ssize_t _touched_deadline(self, long long aux, long long now, object sources, dict views, Py_ssize_t slot,
-                                     long long deadline, list rearmed) except -1
+    cdef Py_ssize_t _touched_deadline(self, long long aux, long long now, long long floor, object sources, dict views,
+                                     Py_ssize_t slot, long long deadline, list rearmed) except -1
+
+    @cython.locals(cur=cython.longlong, tick=cython.longlong, size=cython.longlong, views=dict, moved=cython.Py_ssize_t,
+                   v0=cython.longlong, b=cython.Py_ssize_t, s=cython.Py_ssize_t, after=cython.Py_ssize_t,
+                   aux=cython.longlong, deadline=cython.longlong, rearm_at=cython.longlong, budget=cython.Py_ssize_t)
+    cpdef Py_ssize_t rearm_touched_ahead(self, now_ms, horizon_ms, max_entries, sources, list rearmed=*) except -1
 
     @cython.locals(out=list)
     cpdef list advance(self, now_ms)

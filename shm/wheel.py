@@ -991,7 +991,7 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
                 if to_fired:
                     aux = self._i[s * _IW + _AUX]
                     if sources is not None and aux >= 0:
-                        rearm_at = self._touched_deadline(aux, now, sources, views, s, deadline, rearmed)
+                        rearm_at = self._touched_deadline(aux, now, now, sources, views, s, deadline, rearmed)
                         if rearm_at:  # a multi-field update of a live record: through the intent
                             self._apply_with_intent(s, self._link(s, rearm_at, cur), rearm_at, self._u[s * _IW + _TAG])
                             touched += 1
@@ -1020,15 +1020,16 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
         c[_C_IDLE_REARMS] += touched
         return fired
 
-    def _touched_deadline(self, aux: int, now: int, sources, views: dict, slot: int, deadline: int,
+    def _touched_deadline(self, aux: int, now: int, floor: int, sources, views: dict, slot: int, deadline: int,
                           rearmed: list | None) -> int:
-        """The lazy re-arm of an idle timer come due at ``now`` (``aux``: its client's slot and
-        touch index): the deadline it moves to when its client touched it since it was
-        armed (last touch + idle_ms, later than ``now``; appended to ``rearmed`` as
-        ``(slot, old deadline, new deadline, idle_ms)``), or 0: it fires, and the daemon
-        decides what then (``Delivery.idle_check``: a client whose touch table is out of
-        reach, impossible words to poison it for, a touch stored after ``now``). ``views``
-        caches each client's (last touch, idle) views for one sweep."""
+        """The lazy re-arm of an idle timer (``aux``: its client's slot and touch index) due
+        by ``floor`` (``now`` for one come due): the deadline it moves to when its client
+        touched it since it was armed (last touch + idle_ms, later than ``floor``; appended
+        to ``rearmed`` as ``(slot, old deadline, new deadline, idle_ms)``), or 0: it stays
+        (one come due fires, and the daemon decides what then: ``Delivery.idle_check``,
+        for a client whose touch table is out of reach, impossible words to poison it for,
+        a touch stored after ``now``). ``views`` caches each client's (last touch, idle)
+        views for one pass."""
         if self._h[slot * _HW + _GROUP] >= self.max_groups or not VALID_KEY_METAS[self._b[slot * _RB + _KM]]:
             return 0  # a damaged record (overwritten in the arena): it fires, the daemon frees it
         client = aux >> _TOUCH_INDEX_BITS
@@ -1047,7 +1048,7 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
         if not (0 < last_touch <= now + 1 and 0 < idle_ms <= _MAX_IDLE_MS):  # the words Delivery.idle_check refuses
             return 0
         rearm_at = last_touch + idle_ms
-        if rearm_at <= now:
+        if rearm_at <= floor:
             return 0
         if rearmed is not None:
             rearmed.append((slot, deadline, rearm_at, idle_ms))
@@ -1083,6 +1084,54 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
         fired = self._sweep(now_ms, True, out, sources, rearmed)
         self._count[_C_FIRED_UNACKED] += fired
         return out
+
+    def rearm_touched_ahead(self, now_ms: int, horizon_ms: int, max_entries: int, sources,
+                            rearmed: list | None = None) -> int:
+        """The lazy re-arm of :meth:`expire`, ahead of time: every idle timer of the level-0
+        buckets due in ``(now_ms, now_ms + horizon_ms]`` whose client touched it since it
+        was armed, so that last touch + idle_ms is already later than its deadline, moves
+        there now (through the intent; ``sources`` and ``rearmed`` as for :meth:`expire`).
+
+        It would move there anyway when it came due: a touch word only grows (a touch
+        stores the clock), so the word read then gives a deadline at least as late, and a
+        touch the daemon has seen is activity it may act on at once. Nothing moves
+        earlier and nothing fires. What it saves is the wake-ups: with many connections
+        the idle deadlines cover every ms, and a daemon that waits for each bucket wakes
+        every ms to find its timers touched; looking ahead a few ms at each wake-up
+        empties those buckets first, while an untouched timer still fires in its own ms.
+        Records of other kinds are looked at and left; no more than ``max_entries`` records
+        are looked at per call (the cost is bounded, as :meth:`cascade_ahead`'s). Returns
+        how many moved (counted in ``idle_rearms_total``)."""
+        _check_clock(now_ms)
+        if type(horizon_ms) is not int or horizon_ms < 0 or type(max_entries) is not int or max_entries < 0:
+            raise InvalidRequest("horizon_ms and max_entries must be integers >= 0")
+        cur = self._move_idle_clock(now_ms)
+        tick, size = self.tick_ms, self.wheel_size
+        views: dict = {}
+        moved = 0
+        budget = max_entries
+        for v0 in range(now_ms // tick + 1, min((now_ms + horizon_ms) // tick, cur // tick + size - 1) + 1):
+            b = v0 % size  # the level-0 bucket of [v0 * tick, (v0 + 1) * tick)
+            if self._queued[b] != v0 * tick:
+                continue
+            s = self._i[b * _IW + _NEXT]
+            while s != b:
+                if budget == 0:
+                    break
+                budget -= 1
+                after = self._i[s * _IW + _NEXT]
+                aux = self._i[s * _IW + _AUX]
+                deadline = self._q[s * _QW]
+                if aux >= 0:
+                    rearm_at = self._touched_deadline(aux, now_ms, deadline, sources, views, s, deadline, rearmed)
+                    if rearm_at:
+                        self._unlink(s)
+                        self._pending_by_level[0] -= 1
+                        self._apply_with_intent(s, self._link(s, rearm_at, cur), rearm_at, self._u[s * _IW + _TAG])
+                        moved += 1
+                s = after
+        self._count[_C_IDLE_REARMS] += moved
+        return moved
 
     def fired(self, slot: int) -> tuple[object, int, int, int, int, int]:
         """(key, deadline_ms, group, tag, aux, generation) of a FIRED record."""

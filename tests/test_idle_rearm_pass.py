@@ -201,3 +201,128 @@ def test_what_the_pass_cannot_trust_fires(wheel_class, damage):
         assert wheel.expire(_NOW, clients, []) == [slot]
     finally:
         wheel.close()
+
+
+# touch words near the clock (offsets from it, or a few impossible values), idle times near the delays
+_NEAR_TOUCH = st.one_of(st.tuples(st.integers(-70, 2), st.just(False)),
+                        st.tuples(st.sampled_from([0, -5, (1 << 63) - 1]), st.just(True)))
+_NEAR_CLIENT = st.tuples(st.lists(_NEAR_TOUCH, min_size=TABLE, max_size=TABLE),
+                         st.lists(st.integers(-1, 80) | st.sampled_from([MAX_IDLE_MS + 1]), min_size=TABLE,
+                                  max_size=TABLE),
+                         st.integers(0, 9).map(bool), st.integers(0, 19))  # mostly reachable, seldom released
+# timers due from now on, mostly idle ones of the clients above
+_NEAR_TIMER = st.tuples(st.integers(1, 50),
+                        st.just(-1) | st.tuples(st.integers(0, CLIENTS - 1), st.integers(0, TABLE - 1))
+                        | st.tuples(st.integers(0, CLIENTS - 1), st.integers(0, TABLE - 1))
+                        | st.tuples(st.integers(0, CLIENTS), st.integers(0, TABLE + 1)),
+                        st.integers(0, 19))
+
+
+def _ahead_model(aux: int, now: int, deadline: int, clients: dict[int, _Client], group: int,
+                 meta_ok: bool) -> int | None:
+    """The deadline a look-ahead moves a timer to, or None (it stays)."""
+    decision = _model(aux, now, clients, group, meta_ok)
+    if decision is None or decision[0] <= deadline:
+        return None
+    return decision[0]
+
+
+@pytest.mark.parametrize("wheel_class", _wheel_classes())
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(timers=st.lists(_NEAR_TIMER, min_size=1, max_size=40), client_specs=st.lists(_NEAR_CLIENT, min_size=CLIENTS,
+                                                                               max_size=CLIENTS),
+       elapsed=st.integers(0, 200), horizon=st.integers(0, 40), budget=st.sampled_from([0, 3, 1000]))
+def test_the_look_ahead_moves_only_what_its_bucket_would_move(wheel_class, timers, client_specs, elapsed, horizon,
+                                                              budget):
+    """``rearm_touched_ahead(now, horizon, max_entries, sources)`` moves an idle timer due in
+    ``(now, now + horizon]`` (and within level 0) to last touch + idle_ms when that is later
+    than its deadline, by the same rule as the expire pass; it fires nothing and moves
+    nothing earlier; with a budget it looks at no more records than that."""
+    now = START_MS + elapsed
+    clients = {c: _Client([w if special else now + w for w, special in t], i, reachable, released == 0)
+               for c, (t, i, reachable, released) in enumerate(client_specs)}
+    size = 64
+    wheel = wheel_class.create(len(timers) + 8, tick_ms=1, wheel_size=size, start_ms=START_MS, max_groups=2)
+    try:
+        wheel.expire(now)  # the clock at now (anything due by then has fired)
+        live = {}
+        for n, (delay, aux_spec, damage) in enumerate(timers):
+            aux = -1 if aux_spec == -1 else aux_spec[0] << CL.TOUCH_INDEX_BITS | aux_spec[1]
+            slot, _gen = wheel.schedule(f"k{n}", now + delay, group=n % 2, tag=n, aux=aux)
+            if damage == 0:
+                wheel._h[slot * (L.RECORD_BYTES // 2) + L.R_GROUP // 2] = 7
+            elif damage == 1:
+                wheel._b[slot * L.RECORD_BYTES + L.R_KEY_META] = 0xFF
+            live[slot] = (now + delay, aux, n, damage)  # (the delay counts from now here)
+        before = {slot: int(wheel.records["deadline"][slot]) for slot in live}
+        rearmed = []
+        moved = wheel.rearm_touched_ahead(now, horizon, budget, clients, rearmed)
+        assert moved == len(rearmed) and (budget or moved == 0)
+        expected = {}
+        for slot, (deadline, aux, n, damage) in live.items():
+            if deadline - now <= min(horizon, size - 1):
+                target = _ahead_model(aux, now, deadline, clients, 7 if damage == 0 else n % 2, damage != 1)
+                if target is not None:
+                    expected[slot] = target
+        after = {slot: int(wheel.records["deadline"][slot]) for slot in live}
+        for slot, deadline in after.items():
+            assert deadline in (before[slot], expected.get(slot, before[slot])), slot
+            assert wheel.records["state"][slot] & L.STATE_MASK == L.SCHEDULED
+        changed = {slot for slot in live if after[slot] != before[slot]}
+        assert changed == {entry[0] for entry in rearmed}
+        if budget >= len(timers):
+            assert changed == set(expected)
+        for slot, old, new, idle in rearmed:
+            assert (old, new) == (before[slot], expected[slot]) and new - idle <= now + 1
+            assert wheel.lookup(f"k{live[slot][2]}", live[slot][2] % 2) == new
+        assert wheel.counters()["idle_rearms_total"] == moved
+        if all(damage >= 2 for *_, damage in live.values()):  # (check() refuses a damaged record)
+            assert wheel.check() == []
+    finally:
+        wheel.close()
+
+
+@pytest.mark.parametrize("wheel_class", _wheel_classes())
+@pytest.mark.parametrize(("delay", "touched", "idle", "horizon", "moved_to"), [
+    (5, -10, 20, 10, 10),       # touched since: later than its deadline, moves
+    (5, -10, 15, 10, None),     # last touch + idle == its deadline: stays (it fires then, if untouched)
+    (5, -10, 16, 10, 6),
+    (10, -10, 30, 10, 20),      # due at the horizon: looked at
+    (11, -10, 30, 10, None),    # one past it: left for later
+    (5, 2, 30, 10, None),       # a touch after the clock + 1: left for the due pass to decide
+    (5, 1, 30, 10, 31),
+    (5, -10, 20, 0, None),      # no horizon, nothing looked at
+])
+def test_the_edges_of_the_look_ahead(wheel_class, delay, touched, idle, horizon, moved_to):
+    now = START_MS + 7
+    clients = {0: _Client([now + touched], [idle], True, False)}
+    wheel = wheel_class.create(16, tick_ms=1, wheel_size=64, start_ms=START_MS, max_groups=2)
+    try:
+        wheel.expire(now)
+        slot, _gen = wheel.schedule("idle", now + delay, tag=3, aux=0)
+        rearmed = []
+        assert wheel.rearm_touched_ahead(now, horizon, 100, clients, rearmed) == (moved_to is not None)
+        want = now + delay if moved_to is None else now + moved_to
+        assert wheel.lookup("idle") == want
+        assert rearmed == ([] if moved_to is None else [(slot, now + delay, want, idle)])
+    finally:
+        wheel.close()
+
+
+@pytest.mark.parametrize("wheel_class", _wheel_classes())
+def test_the_look_ahead_stays_within_level_0_and_its_budget(wheel_class):
+    """A level-0 bucket is reused every wheel_size ticks: the look-ahead stops short of the
+    one that holds the current tick's next round, and looks at max_entries records."""
+    now = START_MS
+    clients = {0: _Client([now] * TABLE, [500] * TABLE, True, False)}
+    wheel = wheel_class.create(32, tick_ms=1, wheel_size=8, start_ms=START_MS, max_groups=2)
+    try:
+        slots = [wheel.schedule(f"k{d}", now + d, aux=d % TABLE)[0] for d in range(1, 9)]
+        assert wheel.rearm_touched_ahead(now, 100, 3, clients) == 3  # the budget
+        assert [wheel.lookup(f"k{d}") for d in range(1, 4)] == [now + 500] * 3
+        assert wheel.rearm_touched_ahead(now, 100, 100, clients) == 4  # deadlines now+4 .. now+7 (level 0)
+        assert wheel.lookup("k8") == now + 8  # in level 1 yet: left
+        assert len(slots) == 8 and wheel.check() == []
+    finally:
+        wheel.close()
