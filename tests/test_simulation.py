@@ -170,6 +170,52 @@ def test_the_checker_allows_a_second_hand_over_only_in_the_at_least_once_windows
     assert ("twice" in rules) == twice, rules
 
 
+def _rearmed_history(rearm_ms=25, power_cut=None, arena_loss=None, copies=2):
+    """An idle arming whose first copy client 1's library took in at 20 ms and re-armed
+    over (touched since it fired: an ACK and an ADD_IDLE pushed at ``rearm_ms``), then
+    ``copies`` copies of it (the fired record, the re-arm's expiration, ...) handed to
+    client 2 from 40 s on, each acknowledged at once; ``power_cut``/``arena_loss``: when
+    (ms)."""
+    from sim.checker import History
+
+    ms = 1_000_000
+    h = History()
+    h.joined(1, "g")
+    h.joined(2, "g")
+    h.armed(1, "c1-0", 10, 0, 10, idle=True)
+    h.flushed(h.flush_called(1), 1 * ms)
+    h.idle_rearmed(1, "c1-0", 10, rearm_ms * ms)
+    for n in range(copies):
+        h.handed(2, "c1-0", 10, (41_000 + n) * ms, number=n, copy_fired_ns=(40_000 + n) * ms)
+    h.ack_timeout_ns = 30_000 * ms
+    h.ack_marks = {2: [((41_000 + n) * ms + 1, n + 1) for n in range(copies)]}
+    if power_cut is not None:
+        h.crashed(1, power_cut * ms)
+        h.power_cut(power_cut * ms)
+    if arena_loss is not None:
+        h.arena_lost(arena_loss * ms)
+    return h
+
+
+@pytest.mark.parametrize("faults,twice", [
+    ({}, True),  # the library's acknowledgement was applied: the fired record is not sent again
+    ({"power_cut": 30}, False),  # a power cut after the re-arm: its ACK may be lost, the ADD_IDLE kept
+    ({"arena_loss": 30}, False),  # the arena lost after the re-arm: its ACK releases nothing
+    ({"power_cut": 20, "rearm_ms": 25}, True),  # the cut came before the re-arm: no ACK of it to lose
+    ({"power_cut": 30, "copies": 3}, True),  # one re-arm's lost ACK sends the fired record again once
+])
+def test_the_checker_allows_the_copy_a_library_rearmed_over_back_after_a_power_cut(faults, twice):
+    """Rule 4 (sim/checker.py, History.returned_after_rearm): the copy a library took in and
+    re-armed over was acknowledged, not handed; a power cut or an arena loss after that re-arm
+    may take the acknowledgement and keep the ADD_IDLE behind it (docs/contracts.md, "Journal
+    events" and "Delivery and durability"), so the fired record and the re-arm both reach an
+    application: one hand-over more, and only one, per such re-arm."""
+    from sim.checker import check
+
+    rules = {v.rule for v in check(_rearmed_history(**faults), 100_000 * 1_000_000)}
+    assert ("twice" in rules) == twice, rules
+
+
 def test_every_known_bug_patch_still_applies():
     """The re-introduced bugs of tests/sim/known_bugs (docs/testing.md, "It finds what we
     know") stay measurable: each patch applies to the tree as it is."""

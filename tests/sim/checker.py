@@ -25,8 +25,11 @@ README.md and docs/contracts.md ("Delivery and durability"):
    acknowledged in time to a daemon that applied the acknowledgement; every other
    one went back to its group first (:meth:`History.released`: its client died
    before its acknowledgement reached its ring, or acknowledged it after the ack
-   timeout, or lost its session meanwhile; a power cut came after it was sent). A
-   daemon crash or restart alone never makes a second hand-over.
+   timeout, or lost its session meanwhile; a power cut came after it was sent), or
+   is the copy its library took in and re-armed over (an idle timer touched after it
+   fired), sent again because a power cut or an arena loss after that re-arm took the
+   library's acknowledgement (:meth:`History.returned_after_rearm`). A daemon crash or
+   restart alone never makes a second hand-over.
 5. **Nothing invented**: an expiration handed is of an arming some member of
    the group made.
 6. **On time once settled.** Once faults have stopped and the service has
@@ -422,6 +425,34 @@ class History:
                     return True
         return False
 
+    def returned_after_rearm(self, arming: Arming, kept: list, last_hand_ns: int) -> list:
+        """``kept`` (copies of ``arming`` handed to applications that :meth:`released` does
+        not excuse) without the copies that came back because an acknowledgement its library
+        pushed when it re-armed the key was lost. A library re-arm (docs/contracts.md, "Time":
+        the copy "is acknowledged, not handed over, and the key is armed again ... (a new
+        arming ...)") is an ACK of the copy it took in with an ADD_IDLE right behind it, and
+        "a batch cut short by a power cut (a torn write) loses acknowledgements, whose copies
+        are delivered again, before it loses an arming applied after them" ("Journal events");
+        "after a power cut, one whose acknowledgement was not yet durable is delivered again",
+        and after the arena was lost while clients lived, "one whose acknowledgement was still
+        in a ring unread names a record of the lost arena and releases nothing, so it is
+        delivered again" ("Delivery and durability"). The copy the library took in was never
+        handed, so :meth:`released` never sees it: per re-arm followed by a power cut or an
+        arena loss, by the last hand-over, one copy sent at or after that fault is excused
+        (the fired record the new daemon sends again); the re-arm's own expiration stays."""
+        if not arming.rearmed_ns:
+            return kept
+        kept = list(kept)
+        for rearmed in arming.rearmed_ns:
+            faults = [at for at, _window in self.every_cut if rearmed <= at <= last_hand_ns]
+            faults += [at for at in self.arena_losses if rearmed <= at <= last_hand_ns]
+            if not faults:
+                continue
+            after = [copy for copy in kept if copy[2] >= min(faults)]
+            if after:
+                kept.remove(after[0])
+        return kept
+
     def _find(self, key: str, tag: int) -> Arming | None:
         owner = int(key.split("-", 1)[0][1:]) if key.startswith("c") and "-" in key else -1
         return self.armings.get((owner, key, tag))
@@ -531,6 +562,7 @@ def check(history: History, end_ns: int, exact_groups: bool = True, settled_ns: 
             last = max(at for _client, at in arming.handed)
             kept = [copy for copy in arming.copies
                     if not history.released(copy, last) and not history.replayed_after(arming, copy, last)]
+            kept = history.returned_after_rearm(arming, kept, last)
             if len(kept) > 1:
                 out.append(Violation("twice", f"{arming.key!r} (tag {arming.tag}) was handed {len(arming.handed)} "
                                               f"times ({arming.handed}) in group {arming.group!r}; the copies "
