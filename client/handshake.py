@@ -40,6 +40,10 @@ def hello_frame(core: ClientCore, pid: int) -> tuple[bytes, list[int]]:
     if seg is not None and welcome is not None and seg._tail - core._replay_from <= seg.ring_capacity:
         # everything pushed since the last acknowledged flush is still in the ring
         replay_epoch, replay_from = welcome.arena_epoch, core._replay_from
+    if seg is not None:
+        # a daemon with another arena rewinds the ring to replay_from: until the answer (or
+        # the attempt's end, Handshake.abandon), pushes keep the records from there on
+        seg.limit_head(replay_from if replay_epoch else None)
     hello = M.Hello(M.PROTOCOL_VERSION, core.group, pid, core.client_name, seg.name if seg is not None else "",
                     welcome.token if welcome is not None else 0, replay_epoch, replay_from)
     return M.encode_client_frame(hello), [seg.fd] if seg is not None else []
@@ -99,7 +103,12 @@ class Handshake:
         return self.reader
 
     def abandon(self) -> None:
-        """The attempt failed: close the descriptors received and not taken."""
+        """The attempt failed: close the descriptors received and not taken, and count the
+        ring's room from its head word again (a daemon that adopted the ring published the
+        head it rewound to before it could answer)."""
+        seg = self.core._segment
+        if seg is not None:
+            seg.limit_head(None)
         received, self._received = self._received, []
         for fd in received:
             close_quietly(fd)

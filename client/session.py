@@ -160,6 +160,7 @@ class ClientSession:
             if welcome.resumed and old is not None and old.same_file(ring_fd):
                 os.close(ring_fd)  # the ring we handed back, kept: its commands will be applied
                 old.name = welcome.segment_name  # its label in this daemon (a reboot relabels it)
+                old.limit_head(None)  # the head word holds any rewind now (hello_frame)
                 segment = old
                 backlog = []
             else:

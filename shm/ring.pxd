@@ -57,6 +57,7 @@ cdef class ClientSegment:
     # the producer's hot state: private tail, cached head, the header words and the ring as 8-byte words
     cdef public unsigned long long _tail
     cdef public unsigned long long _head_cache
+    cdef public object _head_limit
     cdef unsigned long long[::1] _counters
     cdef unsigned long long[::1] _ring_words
     cdef public object _head

@@ -106,7 +106,12 @@ Daemon restart
 The client keeps the segment's descriptor. When it reconnects to a restarted
 daemon it passes the descriptor back with its ``Hello``; the new daemon checks
 the seals and the header (:meth:`adopt`) and carries on from the head word the
-old one published, so commands pushed while no daemon ran are applied.
+old one published, so commands pushed while no daemon ran are applied. A daemon
+whose arena is not the one the client last flushed to rewinds the head to the
+client's last acknowledged flush and publishes it: the one time the head word
+moves backwards. The producer's cached head cannot see that, so while its
+``Hello`` offers such a replay it counts its room from that position
+(:meth:`limit_head`), and never overwrites a record the daemon is to apply again.
 
 Costs (``python bench/ring.py``, docs/figures.md): as Python, a push is one 56-byte
 ``struct`` pack, one ``crc32``, one ``pack_into`` and one 8-byte store; compiled, eight
@@ -250,9 +255,11 @@ class ClientSegment:
         self._ring_view = view[layout.RING_OFFSET : layout.RING_OFFSET + layout.ring_bytes(ring_capacity)].cast("Q")
         self._counters = self._words
         self._ring_words = self._ring_view
-        # producer state: private tail, cached head
+        # producer state: private tail, cached head, and the head it may not count past while a
+        # daemon may rewind the ring (None: the head word; see limit_head)
         self._tail = self._words[_TAIL_WORD]
         self._head_cache = self._words[_HEAD_WORD]
+        self._head_limit = None
         # consumer state: private head (never read back from the untrusted segment, except by adopt)
         self._head = 0
         self._peeked = 0  # records returned by the last peek and not yet committed
@@ -303,7 +310,9 @@ class ClientSegment:
         last head a daemon published, i.e. everything it had applied. This is the one
         place the consumer believes a word of the segment: a client that rewrote its
         head can only make its own commands be skipped or applied twice, and counters
-        that are impossible raise ProtocolError.
+        that are impossible raise ProtocolError. ``rewind_to`` (a position at or before
+        that head, no more than a ring behind the tail): the consumer starts there
+        instead, and stores it in the head word for the producer to count from.
         """
         try:
             size = memfd.check_sealed(fd, layout.HEADER_SIZE,
@@ -319,7 +328,11 @@ class ClientSegment:
             self.depth()  # raises ProtocolError if the client left impossible counters
             tail = self._words[_TAIL_WORD]
             if rewind_to is not None and 0 <= tail - rewind_to <= self._capacity and rewind_to <= self._head:
+                # published at once: the producer counts its room from this word, and the slots
+                # from rewind_to on hold records still to apply (limit_head keeps it from
+                # overwriting them before it sees this store)
                 self._head = rewind_to
+                self._words[_HEAD_WORD] = rewind_to
         except BaseException:
             self.close()
             raise
@@ -559,7 +572,11 @@ class ClientSegment:
         words = self._words
         if words[layout.CLOSED_WORD]:
             raise BrokenPeer(f"the daemon closed the session of segment {self.name!r}")
-        self._head_cache = head = words[_HEAD_WORD]
+        head = words[_HEAD_WORD]
+        limit = self._head_limit
+        if limit is not None and head > limit:
+            head = limit
+        self._head_cache = head
         return tail - head < self._capacity
 
     def _raise_push_error(self, exc: Exception):
@@ -569,8 +586,26 @@ class ClientSegment:
     def free_slots(self) -> int:
         """Producer side: how many records can be pushed right now."""
         self._check_open()
-        self._head_cache = head = self._words[_HEAD_WORD]
+        head = self._words[_HEAD_WORD]
+        limit = self._head_limit
+        if limit is not None and head > limit:
+            head = limit
+        self._head_cache = head
         return self._capacity - (self._tail - head)
+
+    def limit_head(self, position: int | None) -> None:
+        """Producer side: count the room in the ring from no later than ``position`` (None:
+        from the head word again).
+
+        A daemon that adopts this ring with ``rewind_to`` (:meth:`adopt`) moves its head
+        back to that position, and publishes it, to apply those records again: the head
+        word goes backwards, which a cached head does not see. The client sets the limit to
+        the ``replay_from`` its ``Hello`` offers before sending it, and lifts it once the
+        answer came (the daemon published any rewind before it answered) or the attempt
+        failed: meanwhile no push overwrites a record the daemon may still replay."""
+        self._head_limit = position
+        if position is not None and self._head_cache > position:
+            self._head_cache = position
 
     def touch(self, index: int, now_ms: int) -> None:
         """Record that the idle key at touch ``index`` was active at ``now_ms``: one 8-byte store."""

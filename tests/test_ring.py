@@ -558,6 +558,44 @@ def test_adopt_resumes_after_the_last_committed_record(make_segments):
         restarted.close()
 
 
+def test_a_rewound_ring_keeps_the_records_to_replay_from_the_producer(make_segments):
+    """A daemon with a rebuilt arena rewinds a ring handed back to the client's last
+    acknowledged flush: it publishes that head, and the producer, limited to it while its
+    Hello offers the replay, never overwrites a record still to be applied again (else the
+    daemon finds tail - head beyond the capacity and drops the client as a violator)."""
+    consumer, producer = make_segments(ring_capacity=8)
+    for seq in range(6):
+        add(producer, seq)
+    consumer.drain()  # the lost daemon applied all six and published head 6
+    consumer.close()
+    assert producer.free_slots() == 8
+    producer.limit_head(2)  # hello_frame: replay from 2, the last acknowledged flush
+    assert [add(producer, seq) for seq in range(6, 11)] == [True, True, True, True, False]
+    adopted = ClientSegment.adopt(os.dup(producer.fd), producer.name, rewind_to=2)
+    try:
+        assert producer._words[ring_layout.HEAD_WORD] == 2, "the rewound head is published"
+        producer.limit_head(None)  # the Welcome came
+        assert producer.free_slots() == 0 and not add(producer, 11)
+        assert seqs(adopted.peek()) == list(range(2, 10))
+        adopted.commit(3)
+        assert [add(producer, seq) for seq in range(11, 15)] == [True, True, True, False]
+        assert seqs(adopted.drain()) == [5, 6, 7, 8, 9, 11, 12, 13]
+    finally:
+        adopted.close()
+
+
+def test_lifting_the_head_limit_counts_from_the_head_word_again(make_segments):
+    consumer, producer = make_segments(ring_capacity=4)
+    for seq in range(4):
+        add(producer, seq)
+    consumer.drain()
+    producer.limit_head(1)  # a replay offered, and the attempt failed before any daemon adopted the ring
+    assert producer.free_slots() == 1
+    producer.limit_head(None)
+    assert producer.free_slots() == 4
+    assert all(add(producer, seq) for seq in range(4, 8))
+
+
 def test_adopt_refuses_impossible_counters(make_segments):
     consumer, producer = make_segments(ring_capacity=8)
     _write_word(producer, ring_layout.HEAD_WORD, 100)  # head ahead of tail

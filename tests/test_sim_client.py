@@ -416,6 +416,69 @@ def test_a_lost_daemon_gets_the_ring_handed_back_and_the_flush_answered_by_the_n
     assert c._replay_from == c._segment._tail
 
 
+def test_a_hello_offering_a_replay_keeps_what_it_replays_until_the_welcome(world):
+    """A daemon with another arena rewinds the ring handed back to replay_from and applies it
+    again: from the Hello that offers it to the Welcome, the library counts the ring's room
+    from replay_from, not from the lost daemon's head, so its pushes meanwhile overwrite
+    nothing still to replay; the Welcome lifts that (the daemon published the rewound head)."""
+    clock, daemon, client = world
+    c = client()
+    open_session(daemon, c)
+    c.add("x", 500)
+    seq = c.flush()
+    daemon.records()
+    daemon.send(M.Applied(seq))
+    c.poll()
+    replay_from = c._replay_from
+    for n in range(10):
+        c.add(f"y{n}", 500)
+    daemon.records()  # the lost daemon applied them (and published its head) without a flush
+    seg = c._segment
+    assert seg.free_slots() == RING
+    daemon.connection.cut()
+    c.poll()  # EOF: a new connection at once, the Hello offering the replay
+    daemon.accept()
+    (hello,) = daemon.read()
+    assert (hello.replay_epoch, hello.replay_from) == (EPOCH, replay_from)
+    assert seg.free_slots() == RING - 10, "the ten commands after the acknowledged flush are kept"
+    c.add("z", 500)
+    assert seg.free_slots() == RING - 11
+    (handed,) = daemon.received_fds
+    daemon.received_fds = []
+    adopted = ClientSegment.adopt(handed, "adopted", RING, TOUCH, rewind_to=replay_from)  # a rebuilt arena's daemon
+    try:
+        daemon.welcome(resumed=True)
+        c.poll()
+        assert c.connected and seg is c._segment
+        assert seg.free_slots() == RING - 11, "from the head word again: the head the daemon rewound to"
+        assert [op for op in adopted.drain()["op"]] == [C.ADD] * 11
+        assert seg.free_slots() == RING
+    finally:
+        adopted.close()
+
+
+def test_a_failed_attempt_counts_the_ring_from_its_head_word_again(world):
+    clock, daemon, client = world
+    c = client()
+    open_session(daemon, c)
+    c.add("x", 500)
+    seq = c.flush()
+    daemon.records()
+    daemon.send(M.Applied(seq))
+    c.poll()
+    c.add("y", 500)
+    daemon.records()
+    seg = c._segment
+    daemon.connection.cut()
+    c.poll()  # a Hello offering the replay of "y"
+    daemon.accept()
+    daemon.read()
+    assert seg.free_slots() == RING - 1
+    daemon.connection.cut()  # the daemon dies before it answers: the attempt failed
+    c.poll()
+    assert seg.free_slots() == RING
+
+
 def test_reconnecting_backs_off_on_the_simulated_clock_and_gives_up_with_brokenpeer(world):
     clock, daemon, client = world
     c = client(reconnect_timeout_s=2.0)

@@ -415,6 +415,7 @@ class SimClient(ClientCore):
         try:
             end.send(attempt.frame, attempt.fds)
         except OSError as exc:
+            attempt.abandon()
             end.close()
             self._attempt_failed(exc, now)
             return
