@@ -77,8 +77,9 @@ SCALAR_EXPIRE = accel.compiled("wheeld.shm.wheel")
 ROWS_FROM_ARENA = SCALAR_EXPIRE
 _KEY_LEN_MASK = key_length(0xFF)  # a meta byte's length bits: key_length, inlined
 COLUMNS_MIN = 256  # expirations handled per column (numpy) from this many on, per row below
-IDLE_AHEAD_MS = 10  # idle timers due this soon are re-armed ahead when touched (Delivery.rearm_ahead)
-IDLE_AHEAD_ENTRIES = 1024  # records looked at per ms doing so (bounds the cost)
+IDLE_AHEAD_MS = 32  # idle timers due this soon are re-armed ahead when touched (Delivery.rearm_ahead)
+IDLE_AHEAD_EVERY_MS = 8  # ... looked for at most this often (each timer is looked at ~4 times before it is due)
+IDLE_AHEAD_ENTRIES = 4096  # records looked at per call (bounds the cost)
 IDLE_WAIT_MS = 100  # an idle timer whose client has not come back after a restart waits this long
 #: the most lateness one expiration counts for (see "Deadlines in the past" above)
 LATENESS_CAP_MS = 86_400_000
@@ -193,6 +194,7 @@ class Delivery:
         self.lateness = Lateness(wheel.tick_ms)
         self._rr = 0
         self._last_expired = 0  # timers the last expire fired (chooses the wheel method)
+        self._next_ahead = 0  # when rearm_ahead looks again
         self._level1_tick_ms = wheel.tick_ms * wheel.wheel_size
 
     # ------------------------------------------------------------------ expire
@@ -238,7 +240,11 @@ class Delivery:
     def rearm_ahead(self, now: int) -> None:
         """Idle timers due in the next ``IDLE_AHEAD_MS`` whose touch words already put them
         later move there now (``TimerWheel.rearm_touched_ahead``): the buckets they leave
-        need no wake-up."""
+        need no wake-up. At most every ``IDLE_AHEAD_EVERY_MS``: a timer due within the
+        horizon is looked at again before it comes due all the same."""
+        if now < self._next_ahead:
+            return
+        self._next_ahead = now + IDLE_AHEAD_EVERY_MS
         recorder = self.recorder
         if recorder is None:
             self.wheel.rearm_touched_ahead(now, IDLE_AHEAD_MS, IDLE_AHEAD_ENTRIES, self.clients)
