@@ -107,11 +107,13 @@ class ArmingsAtStart:
     it from its last acknowledged flush, and the commands in that range the lost
     daemon did apply are in the journal, so in the rebuilt arena (pending, or fired
     and not acknowledged). Those are skipped there over the whole replayed range
-    (``ClientSlot.replay_left``); taken when the rebuilt arena is first used, for
-    every group (``groups`` None). Taken after the arena was compared
-    with the journal (``reconcile`` frees what the journal does not know: those are
-    applied again). Sorted byte strings (tag, group, 33-byte key ident), searched
-    with numpy: about 40 bytes per live timer of the slots' groups."""
+    (``ClientSlot.replay_left``); a ring handed back without a replay (more than a
+    ring's worth pushed since that flush) is taken from the head the lost daemon
+    published, and its first chunk is guarded as a restarted daemon's are. Taken when
+    the rebuilt arena is first used, for every group (``groups`` None). Taken after the
+    arena was compared with the journal (``reconcile`` frees what the journal does not
+    know: those are applied again). Sorted byte strings (tag, group, 33-byte key
+    ident), searched with numpy: about 40 bytes per live timer of the slots' groups."""
 
     def __init__(self, wheel, groups: set[int] | None = None):
         rec = wheel.records[wheel.first_entry:]
@@ -235,17 +237,23 @@ class ClientTable:
         if self.armings_at_start is not None and now >= self.armings_until:
             self.armings_at_start = None
 
-    def add(self, cs: ClientSlot, replayed: bool = False) -> None:
-        """A new slot; ``replayed``: its ring comes from a daemon with another arena (this one
-        was rebuilt from the journal), replayed from the client's last acknowledged flush:
-        guarded by the armings this arena held when this daemon started (ArmingsAtStart),
-        while the arena is younger than ``--resume-grace-s`` (taken by the daemon that
-        rebuilt it, and again by a daemon restarted on it within that time)."""
+    def add(self, cs: ClientSlot, replayed: bool = False, handed_back: bool = False) -> None:
+        """A new slot; ``handed_back``: its ring comes from a daemon that is gone; ``replayed``:
+        that daemon had another arena (this one was rebuilt from the journal) and the ring
+        is replayed from the client's last acknowledged flush.
+
+        A ring handed back is guarded by the armings this arena held when this daemon
+        started (ArmingsAtStart), while the arena is younger than ``--resume-grace-s``
+        (taken by the daemon that rebuilt it, and again by a daemon restarted on it within
+        that time): a replayed one over the whole replayed range, any other over its first
+        chunk, which the last daemon may have applied and journaled before it was killed,
+        short of publishing the ring's head past it (as ``_restore`` guards the slots a
+        restarted daemon finds)."""
         self.clients[cs.slot] = cs
         self.by_label[cs.label] = cs
-        if replayed and self.armings_at_start is not None and cs.segment is not None:
+        if (replayed or handed_back) and self.armings_at_start is not None and cs.segment is not None:
             cs.replay_guard = self.armings_at_start
-            cs.replay_left = cs.segment.depth()
+            cs.replay_left = cs.segment.depth() if replayed else 1
 
     def remove(self, cs: ClientSlot) -> None:
         del self.clients[cs.slot]

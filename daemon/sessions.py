@@ -374,7 +374,7 @@ class Sessions:
                 self._refuse(session, f"cannot make a ring now: {exc.strerror}", M.Refused.BUSY)
                 return None
         cs = ClientSlot(slot, segment, label, group, hello.group, session.pid, session.uid)
-        self.table.add(cs, replayed=resumed and replay)
+        self.table.add(cs, replayed=resumed and replay, handed_back=resumed)
         return cs, resumed
 
     def _over_slot_bound(self, session: Session) -> str | None:

@@ -18,7 +18,8 @@ import pytest
 from ring_harness import ring_executor
 
 from wheeld.daemon import executor as E
-from wheeld.daemon.client_table import ArmingsAtStart
+from wheeld.daemon.client_table import ArmingsAtStart, ClientTable
+from wheeld.daemon.config import Config
 from wheeld.protocol import commands as C
 from wheeld.protocol.keys import encode_key
 from wheeld.shm import TimerWheel
@@ -119,3 +120,37 @@ def test_a_ring_replayed_into_a_rebuilt_arena_is_guarded_over_its_whole_range(mo
             return
         assert pending == {"x": 9000, "y": 9000}
         assert cs.replay_guard is None
+
+
+@pytest.mark.parametrize("handed_back", [True, False], ids=["handed-back", "unguarded"])
+def test_a_ring_handed_back_to_a_rebuilt_arena_without_a_replay_guards_its_first_chunk(handed_back):
+    """A client offers no replay once more than a ring's worth was pushed since its last
+    acknowledged flush: the daemon that rebuilt the arena takes its ring from the head the
+    lost daemon published (docs/contracts.md, "Sessions"). That daemon, killed after it
+    applied and journaled a chunk and before it published the head past it, left the
+    chunk in the ring, and the arena rebuilt from the journal holds its armings: one that
+    fired and was acknowledged since must not be armed again (``ClientTable.add``,
+    ``handed_back``: the first chunk is guarded, as for every slot a restarted daemon
+    finds)."""
+    k = {name: encode_key(name) for name in "xa"}
+    commands = [(C.ADD, *k["x"], 9000, 1), (C.ADD, *k["a"], 1100, 2), (C.FLUSH, b"", 0, 0, 3)]
+    with ring_executor(16) as r:
+        wheel, cs, producer, executor = r.wheel, r.cs, r.producer, r.executor
+        for command in commands:
+            assert producer.try_push_record(C.encode_command(*command))
+        executor.apply(cs, cs.segment.peek(len(commands)))  # applied and journaled; the head not published
+        table = ClientTable(Config(), {})
+        table.armings_at_start = ArmingsAtStart(wheel)  # the arena rebuilt from that journal, at start
+        for slot in wheel.expire(1150):  # "a" fires, another member has it acknowledged
+            wheel.release(slot, wheel.fired(slot)[5])
+        table.add(cs, handed_back=handed_back)
+        assert executor.apply_ring(cs) == len(commands)
+        pending = _pending(wheel)
+        if not handed_back:  # what this guards against: "a" armed a second time
+            assert "a" in pending
+            return
+        assert pending == {"x": 9000}
+        assert cs.replay_guard is None, "the guard covers the first chunk only"
+        assert producer.try_push_record(C.encode_command(C.ADD, *k["a"], 7000, 4))
+        assert executor.apply_ring(cs) == 1
+        assert _pending(wheel) == {"x": 9000, "a": 7000}
