@@ -30,7 +30,7 @@ from pathlib import Path
 from wheeld.testing import DaemonProcess, unique_name, unlink_segments
 
 __all__ = ["DaemonProcess", "add_save_option", "compile_c", "format_table", "machine_info", "proc_cpu_s",
-           "results_path", "rss_kb", "unique_name", "unlink_segments", "write_json"]
+           "proc_oncpu_s", "results_path", "rss_kb", "unique_name", "unlink_segments", "write_json"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"  # the recorded figures (tracked): written with --save
 RUNS_DIR = Path(__file__).resolve().parent / "runs"  # every other run's files (ignored by git)
@@ -132,4 +132,19 @@ def proc_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_oncpu_s(pid: int) -> float:
+    """On-CPU seconds of ``pid``'s threads so far, from the scheduler's nanosecond counts
+    (``/proc/PID/task/*/schedstat``): :func:`proc_cpu_s` counts clock ticks (10 ms), too
+    coarse for a process that runs a few ms in a measured second. A thread that ended
+    is not counted."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total / 1e9
 

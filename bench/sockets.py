@@ -54,8 +54,10 @@ Reported per kind:
 * idle-close *lateness* p50/p99/max: close time - (last read + idle_ms);
 * server *CPU per read* over the CPU window (process CPU from /proc over the
   reads the servers counted), and for the wheeld kinds the daemon's CPU per
-  read; *net*: minus the ``-none`` server of the same family in the same run
-  (plus the daemon's): what idle detection costs per read (the close phase's
+  read (its threads' on-CPU nanoseconds from ``/proc/PID/task/*/schedstat``:
+  the daemon runs a few ms a second, below the 10 ms clock tick); *net*:
+  minus the ``-none`` server of the same family in the same run (plus the
+  daemon's): what idle detection costs per read (the close phase's
   figure, which includes the closes, is in the JSON);
 * the daemon's own *fire lateness* over the close phase (its arena's
   histogram): how much of the idle-close lateness is the daemon's;
@@ -93,7 +95,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # python bench/sockets.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import DaemonProcess, add_save_option, proc_cpu_s, results_path, rss_kb, unique_name  # noqa: E402
+from bench.common import (  # noqa: E402
+    DaemonProcess, add_save_option, proc_cpu_s, proc_oncpu_s, results_path, rss_kb, unique_name,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -960,12 +964,12 @@ def run_kind(kind: str, args, workdir: str) -> dict:
         profilers = start_profilers(args, kind, servers, daemon)
         s0 = [server.stats() for server in servers]
         cpu0 = [proc_cpu_s(server.pid) for server in servers]
-        d_cpu0 = proc_cpu_s(daemon.pid) if daemon else 0.0
+        d_cpu0 = proc_oncpu_s(daemon.pid) if daemon else 0.0
         w0 = time.monotonic_ns()
         sleep_until(end_ns)
         w1 = time.monotonic_ns()
         cpu1 = [proc_cpu_s(server.pid) for server in servers]
-        d_cpu1 = proc_cpu_s(daemon.pid) if daemon else 0.0
+        d_cpu1 = proc_oncpu_s(daemon.pid) if daemon else 0.0
         s1 = [server.stats() for server in servers]
         stop_profilers(profilers)
         close_reads = sum(b["reads"] - a["reads"] for a, b in zip(sc0, s0))
