@@ -92,6 +92,7 @@ ANSWER_BOUND = ANSWER_HIGH_WATER + REJECT_DETAIL_BYTES
 # (the most seen is under 2 ms), a hoarding worker's poll every 250 ms inside the second;
 # a timer that waits for a longer park, a cascade, a redelivery or a reboot does not
 FIRE_LATE_BOUND_MS = 50
+STUCK_NS = 3600 * 1_000_000_000  # a run with no operation for an hour of simulated time is stuck (Simulation._stuck)
 LATE_BOUND_MS = 1000
 CHURN_MAX_CLIENTS = 12  # the client slots of a run with departing clients (--max-clients)
 
@@ -1332,6 +1333,17 @@ class Simulation:
                 return True
         return False
 
+    def _stuck(self, since_ns: int) -> None:
+        """No worker's application made an operation for STUCK_NS of simulated time while
+        the world still ran: every worker left alive waits on something that never comes
+        (a connect never answered nor timed out, a daemon that never serves it). The run
+        ends with a violation rather than running for ever."""
+        waiting = [f"w{w.ident} (welcome {w.client._welcome is not None}, handshake {w.client._attempt is not None})"
+                   for w in self.workers if w.alive and not w.hostile]
+        self.violations.append(Violation(
+            "stuck", f"no operation since {since_ns / 1e6:.3f} ms ({self.ops} of {self.ops_target} done); "
+                     f"workers alive: {', '.join(waiting) or 'none'}"))
+
     def _core_call(self, action, *args):
         try:
             return self._guard(action, *args)
@@ -1414,8 +1426,14 @@ class Simulation:
                     self.spawn(HOSTILE_GROUP, hostile=True, kind="crafted")
                 for _ in range(p.flooder):
                     self.spawn(HOSTILE_GROUP, hostile=True, kind="flooder")
+                progress_ops, progress_ns = self.ops, world.now_ns
                 while self.ops < self.ops_target and world.step():
                     self._settle()
+                    if self.ops != progress_ops:
+                        progress_ops, progress_ns = self.ops, world.now_ns
+                    elif world.now_ns - progress_ns > STUCK_NS:
+                        self._stuck(progress_ns)
+                        break
                 self._wind_down()
             finally:
                 self._close()
