@@ -832,6 +832,7 @@ class Simulation:
             # its application waits for its connect (a real connect() returns after the
             # Welcome; plain runs, as before, went on without it)
             if worker.client._segment is None:
+                self._poll(worker)  # (a real connect() reads its Welcome as it comes, and tries again)
                 self.world.after_ms(self.xrng.uniform(0.5, 1) * worker.backoff_ms, lambda: self._act(worker))
                 return
             worker.retrying = False
