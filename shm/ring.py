@@ -572,12 +572,17 @@ class ClientSegment:
         words = self._words
         if words[layout.CLOSED_WORD]:
             raise BrokenPeer(f"the daemon closed the session of segment {self.name!r}")
-        head = words[_HEAD_WORD]
+        return tail - self._reload_head() < self._capacity
+
+    def _reload_head(self) -> int:
+        """Producer side: the head word into the cached head, no later than the limit
+        :meth:`limit_head` set; returns it."""
+        head = self._words[_HEAD_WORD]
         limit = self._head_limit
         if limit is not None and head > limit:
             head = limit
         self._head_cache = head
-        return tail - head < self._capacity
+        return head
 
     def _raise_push_error(self, exc: Exception):
         self._check_open()
@@ -586,12 +591,7 @@ class ClientSegment:
     def free_slots(self) -> int:
         """Producer side: how many records can be pushed right now."""
         self._check_open()
-        head = self._words[_HEAD_WORD]
-        limit = self._head_limit
-        if limit is not None and head > limit:
-            head = limit
-        self._head_cache = head
-        return self._capacity - (self._tail - head)
+        return self._capacity - (self._tail - self._reload_head())
 
     def limit_head(self, position: int | None) -> None:
         """Producer side: count the room in the ring from no later than ``position`` (None:

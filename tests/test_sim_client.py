@@ -416,6 +416,16 @@ def test_a_lost_daemon_gets_the_ring_handed_back_and_the_flush_answered_by_the_n
     assert c._replay_from == c._segment._tail
 
 
+def _flushed_session(daemon, c) -> None:
+    """A session with one add, flushed and acknowledged: the replay position is after it."""
+    open_session(daemon, c)
+    c.add("x", 500)
+    seq = c.flush()
+    daemon.records()
+    daemon.send(M.Applied(seq))
+    c.poll()
+
+
 def test_a_hello_offering_a_replay_keeps_what_it_replays_until_the_welcome(world):
     """A daemon with another arena rewinds the ring handed back to replay_from and applies it
     again: from the Hello that offers it to the Welcome, the library counts the ring's room
@@ -423,12 +433,7 @@ def test_a_hello_offering_a_replay_keeps_what_it_replays_until_the_welcome(world
     nothing still to replay; the Welcome lifts that (the daemon published the rewound head)."""
     clock, daemon, client = world
     c = client()
-    open_session(daemon, c)
-    c.add("x", 500)
-    seq = c.flush()
-    daemon.records()
-    daemon.send(M.Applied(seq))
-    c.poll()
+    _flushed_session(daemon, c)
     replay_from = c._replay_from
     for n in range(10):
         c.add(f"y{n}", 500)
@@ -460,12 +465,7 @@ def test_a_hello_offering_a_replay_keeps_what_it_replays_until_the_welcome(world
 def test_a_failed_attempt_counts_the_ring_from_its_head_word_again(world):
     clock, daemon, client = world
     c = client()
-    open_session(daemon, c)
-    c.add("x", 500)
-    seq = c.flush()
-    daemon.records()
-    daemon.send(M.Applied(seq))
-    c.poll()
+    _flushed_session(daemon, c)
     c.add("y", 500)
     daemon.records()
     seg = c._segment
