@@ -49,7 +49,7 @@ cdef class WheelRecords:
     cdef public Placement _placement
     cdef public KeyIndex _index
     cdef public list _heap, _queued
-    cdef public long long[::1] _pending_by_level, _group_live
+    cdef public long long[::1] _pending_by_level, _group_live, _ahead_memo
     # the arena's words and bytes, and the free stack, as C arrays (public: the wheel's
     # rooms, Python mixins, read them too)
     cdef public long long[::1] _clock, _q, _count
@@ -142,8 +142,17 @@ cdef class TimerWheel(WheelRecords):
 
     @cython.locals(cur=cython.longlong, tick=cython.longlong, size=cython.longlong, views=dict, moved=cython.Py_ssize_t,
                    v0=cython.longlong, b=cython.Py_ssize_t, s=cython.Py_ssize_t, after=cython.Py_ssize_t,
-                   aux=cython.longlong, deadline=cython.longlong, rearm_at=cython.longlong, budget=cython.Py_ssize_t)
+                   aux=cython.longlong, deadline=cython.longlong, rearm_at=cython.longlong, budget=cython.Py_ssize_t,
+                   tail=cython.Py_ssize_t, idle_seen=cython.bint)
     cpdef Py_ssize_t rearm_touched_ahead(self, now_ms, horizon_ms, max_entries, sources, list rearmed=*) except -1
+
+    @cython.final
+    @cython.locals(m=cython.Py_ssize_t)
+    cdef bint _ahead_walked(self, Py_ssize_t b, long long expiration, Py_ssize_t tail) noexcept
+
+    @cython.final
+    @cython.locals(m=cython.Py_ssize_t)
+    cdef void _ahead_remember(self, Py_ssize_t b, long long expiration, Py_ssize_t tail) noexcept
 
     @cython.locals(out=list)
     cpdef list advance(self, now_ms)

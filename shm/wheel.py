@@ -421,6 +421,9 @@ class WheelRecords:
             self._hb = np.zeros(256, dtype=np.int32)
             self._hn = 0
         self._queued = [-1] * self.first_entry  # expiration each bucket is queued under
+        # rearm_touched_ahead's memo per level-0 bucket: the expiration, tail slot and the
+        # tail's generation of its last complete walk that found no idle timer (-1: none)
+        self._ahead_memo = _int64_counts([-1] * (3 * self.wheel_size))
         self._pending_by_level = _int64_counts([0] * LEVEL_SLOTS)
         self._count_array = array("q", bytes(8 * len(OWN_COUNTERS)))  # OWN_COUNTERS, in order
         self._count = memoryview(self._count_array)
@@ -1114,15 +1117,26 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
             b = v0 % size  # the level-0 bucket of [v0 * tick, (v0 + 1) * tick)
             if self._queued[b] != v0 * tick:
                 continue
+            # A bucket walked before, with no idle timer in it and nothing appended since (a
+            # record joins a bucket at its tail), is skipped: a bucket of other kinds costs
+            # one look, not a walk every call. An idle timer that reached it otherwise (a
+            # tail re-armed back into it behind one) is left to the due pass, which moves
+            # it all the same.
+            tail = self._i[b * _IW + _PREV]
+            if self._ahead_walked(b, v0 * tick, tail):
+                continue
+            idle_seen = False
             s = self._i[b * _IW + _NEXT]
             while s != b:
                 if budget == 0:
+                    idle_seen = True  # (not walked to its end: no memo)
                     break
                 budget -= 1
                 after = self._i[s * _IW + _NEXT]
                 aux = self._i[s * _IW + _AUX]
                 deadline = self._q[s * _QW]
                 if aux >= 0:
+                    idle_seen = True
                     rearm_at = self._touched_deadline(aux, now_ms, deadline, sources, views, s, deadline, rearmed)
                     if rearm_at:
                         self._unlink(s)
@@ -1130,8 +1144,23 @@ class TimerWheel(WheelRecords, GroupTable, WheelAttach, NumpyBatches):
                         self._apply_with_intent(s, self._link(s, rearm_at, cur), rearm_at, self._u[s * _IW + _TAG])
                         moved += 1
                 s = after
+            if not idle_seen:
+                self._ahead_remember(b, v0 * tick, tail)
         self._count[_C_IDLE_REARMS] += moved
         return moved
+
+    def _ahead_walked(self, b: int, expiration: int, tail: int) -> bool:
+        """rearm_touched_ahead walked level-0 bucket ``b`` (under ``expiration``) to ``tail``,
+        its tail now, and found no idle timer (:meth:`_ahead_remember`)."""
+        m = 3 * b
+        return (self._ahead_memo[m] == expiration and self._ahead_memo[m + 1] == tail
+                and self._ahead_memo[m + 2] == self._u[tail * _IW + _GEN])
+
+    def _ahead_remember(self, b: int, expiration: int, tail: int) -> None:
+        m = 3 * b
+        self._ahead_memo[m] = expiration
+        self._ahead_memo[m + 1] = tail
+        self._ahead_memo[m + 2] = self._u[tail * _IW + _GEN]
 
     def fired(self, slot: int) -> tuple[object, int, int, int, int, int]:
         """(key, deadline_ms, group, tag, aux, generation) of a FIRED record."""

@@ -326,3 +326,32 @@ def test_the_look_ahead_stays_within_level_0_and_its_budget(wheel_class):
         assert len(slots) == 8 and wheel.check() == []
     finally:
         wheel.close()
+
+
+@pytest.mark.parametrize("wheel_class", _wheel_classes())
+def test_a_walked_bucket_is_skipped_until_something_joins_it(wheel_class):
+    """The look-ahead remembers a bucket it walked to its end without an idle timer in it,
+    and skips it while its tail is the same record; an idle timer appended to it later
+    (or into a slot freed and reused at the tail) is found by the next call."""
+    now = START_MS
+    clients = {0: _Client([now] * TABLE, [500] * TABLE, True, False)}
+    wheel = wheel_class.create(32, tick_ms=1, wheel_size=64, start_ms=START_MS, max_groups=2)
+    try:
+        plain = [wheel.schedule(f"p{n}", now + 5)[0] for n in range(3)]
+        assert wheel.rearm_touched_ahead(now, 10, 100, clients) == 0
+        b = (now + 5) % 64  # the level-0 bucket of the deadline
+        memo = list(wheel._ahead_memo[3 * b : 3 * b + 3])
+        assert memo == [now + 5, plain[-1], int(wheel.records["gen"][plain[-1]])]
+        wheel.schedule("idle", now + 5, aux=1)  # appended: a new tail
+        assert wheel.rearm_touched_ahead(now, 10, 100, clients) == 1
+        assert wheel.lookup("idle") == now + 500
+        # the tail freed and its slot reused by an idle timer: a new generation
+        assert wheel.rearm_touched_ahead(now, 10, 100, clients) == 0
+        assert wheel.cancel(f"p{len(plain) - 1}")
+        reused, gen = wheel.schedule("idle2", now + 5, aux=2)
+        assert (reused, gen) == (plain[-1], memo[2] + 1)  # the same tail slot, a new generation
+        assert wheel.rearm_touched_ahead(now, 10, 100, clients) == 1
+        assert wheel.lookup("idle2") == now + 500
+        assert wheel.check() == []
+    finally:
+        wheel.close()
