@@ -7,7 +7,8 @@ millisecond: ~1 core at 25k expirations/s) and 0.6 ms sleeps ~1.15 ms (up to a
 millisecond of lateness). A Linux ``timerfd`` armed with an absolute deadline
 and watched by the loop like any socket wakes it 40-80 us after the deadline
 (timer slack), never before, for one system call per park
-(``python -m bench.daemon_paths`` measures both).
+(``python -m bench.daemon_paths`` measures both). The compiled build makes that call
+in C (:func:`wheeld.daemon.executor.timerfd_arm`); the Python path through ctypes.
 
 ``Alarm.create()`` returns None where timerfd is unavailable; the caller then
 falls back to the loop's own timer.
@@ -29,6 +30,14 @@ class _Timespec(ctypes.Structure):
 
 class _Itimerspec(ctypes.Structure):
     _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+def _compiled_arm():
+    """The compiled ``timerfd_settime`` (:func:`wheeld.daemon.executor.timerfd_arm`, a
+    fraction of the ctypes call's cost), or None on the Python path."""
+    from . import executor
+
+    return None if executor.__file__.endswith(".py") else executor.timerfd_arm
 
 
 class Alarm:
@@ -62,6 +71,15 @@ class Alarm:
         fd = create(_CLOCK_MONOTONIC, os.O_NONBLOCK | os.O_CLOEXEC)
         if fd < 0:
             return None
+        arm_c = _compiled_arm()
+        if arm_c is not None:
+
+            def settime(at_ns: int) -> None:
+                err = arm_c(fd, at_ns)
+                if err:
+                    raise OSError(err, f"timerfd_settime: {os.strerror(err)}")
+
+            return cls(fd, settime)
         spec = _Itimerspec()
         value = spec.it_value
         spec_ref = ctypes.byref(spec)

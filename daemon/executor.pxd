@@ -60,6 +60,25 @@ cdef extern from *:
     """
     void _prefetch_line "wheeld_prefetch" (const void *p) nogil
 
+cdef extern from *:
+    """
+    #include <errno.h>
+    #include <sys/timerfd.h>
+    /* arm the timerfd fd for the absolute CLOCK_MONOTONIC time at_ns (an all-zero
+       it_value would disarm it: at least 1 ns); 0 or the errno */
+    static int wheeld_timerfd_arm(int fd, long long at_ns) {
+        struct itimerspec spec;
+        if (at_ns < 1) at_ns = 1;
+        memset(&spec, 0, sizeof spec);
+        spec.it_value.tv_sec = (time_t)(at_ns / 1000000000LL);
+        spec.it_value.tv_nsec = (long)(at_ns % 1000000000LL);
+        return timerfd_settime(fd, TFD_TIMER_ABSTIME, &spec, NULL) == 0 ? 0 : errno;
+    }
+    """
+    int _c_timerfd_arm "wheeld_timerfd_arm" (int fd, long long at_ns) nogil
+
+cpdef int timerfd_arm(int fd, long long at_ns)
+
 cdef long _ADD, _ADD_IDLE, _CANCEL, _ACK, _FLUSH
 # a ring record's field offsets, set by executor.py from wheeld.protocol.commands (their owner)
 cdef Py_ssize_t _RECORD_SIZE, _O_META, _O_RESERVED, _O_SEQ, _O_DEADLINE, _O_AUX0, _O_AUX1, _O_CHECK, _O_PAD, _O_KEY

@@ -78,6 +78,16 @@ assert _RECORD.size == _RECORD_SIZE and list(C.RECORD_DTYPE.names) == [
 assert [C.RECORD_DTYPE.fields[name][1] for name in C.RECORD_DTYPE.names] == [0, 1, 2, 4, 8, 16, 20, 24, 28, 32]
 # Compiled (executor.pxd), the in-order loop reads the records from their bytes.
 _COMPILED = not __file__.endswith(".py")
+
+
+def timerfd_arm(fd: int, at_ns: int) -> int:
+    """Arm the timerfd ``fd`` for the absolute CLOCK_MONOTONIC time ``at_ns`` (at least
+    1 ns: an all-zero time would disarm it), in one C call: the daemon's park sets it on
+    every wake-up (:class:`wheeld.daemon.alarm.Alarm`, whose ctypes call is the reference).
+    Returns 0 or the errno; -1 on the Python path, which has no such call."""
+    if not _COMPILED:
+        return -1
+    return _c_timerfd_arm(fd, at_ns)  # noqa: F821 - executor.pxd
 _IW, _I_PREV, _I_NEXT = L.I_PER_RECORD, L.I_PREV, L.I_NEXT  # an arena record's int32 words (prefetches)
 _I_AUX = L.I_AUX  # ...and its touch reference (an arm's, set after the arm)
 _H_CURRENT = L.H_CURRENT_MS // 8  # the wheel's clock, a header word (TimerWheel.current_ms)
