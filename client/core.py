@@ -93,6 +93,7 @@ _STR_META = key_meta_of(TYPE_STR, 0)  # | the key's length
 _INT_META = key_meta_of(TYPE_INT, 8)  # an int key: 8 little-endian bytes, signed
 _INT_LOW, _INT_HIGH = -(1 << 63), (1 << 63) - 1
 _PARKED = SL.PARKED_WORD
+_QUIET_FROM = SL.QUIET_FROM_WORD
 _PENDING = SL.PENDING_WORD
 _FIRED_UNACKED = SL.FIRED_UNACKED_WORD
 _CAPACITY_WORD = SL.CAPACITY_WORD
@@ -436,7 +437,8 @@ class ClientCore(ClientBase, ClientSession):
         epoch = parked[_PARKED]
         if epoch and epoch != self._rang_epoch:
             self._rang_epoch = epoch
-            self._ring_doorbell(False)
+            if not (quiet := parked[_QUIET_FROM]) or _now_ns() < quiet:  # status_layout: quiet_from
+                self._ring_doorbell(False)
 
     def add(self, key, delay_ms: int) -> int:
         """Schedule ``key`` to expire ``delay_ms`` from now; an armed key is re-armed.
@@ -487,7 +489,8 @@ class ClientCore(ClientBase, ClientSession):
         epoch = header[_PARKED]
         if epoch and epoch != self._rang_epoch:
             self._rang_epoch = epoch
-            self._ring_doorbell(False)
+            if not (quiet := header[_QUIET_FROM]) or now_ns < quiet:
+                self._ring_doorbell(False)
         return deadline
 
     def add_idle(self, key, idle_ms: int) -> int:
@@ -617,7 +620,8 @@ class ClientCore(ClientBase, ClientSession):
         epoch = parked[_PARKED]
         if epoch and epoch != self._rang_epoch:
             self._rang_epoch = epoch
-            self._ring_doorbell(False)
+            if not (quiet := parked[_QUIET_FROM]) or _now_ns() < quiet:
+                self._ring_doorbell(False)
         return hit
 
     def _mark(self) -> None:

@@ -43,6 +43,6 @@ class Config:
     fsync: str = "interval=10"
     journal_damage: str = "skip"  # "refuse": exit instead of recovering past damaged journal lines
     max_park_ms: int = 500  # longest sleep without a wake-up (bounds a missed doorbell)
-    coalesce_us: int = 500  # a parked daemon wakes this long after a non-urgent doorbell (0: at once)
+    coalesce_us: int = 1000  # a parked daemon wakes this long after a non-urgent doorbell (0: at once)
     delivery_batch: int = 4096
     handshake_timeout_s: float = 5.0

@@ -285,16 +285,21 @@ class DaemonCore:
         when the park ends (the host's ``clock_ns``), or None: do not sleep, iterate again.
         The shell sleeps until then or until :meth:`Shell.wake`, then calls :meth:`unpark`."""
         hq, status_words = self.wheel.header_words(), self.status.words
+        now = self.clock()
+        timeout_ms = self._park_timeout(now)
+        coalesce_ns = self.config.coalesce_us * 1000
+        # Before the epoch, the park's quiet_from (status_layout): a client that reads the new
+        # epoch reads its end, never an older park's. Commands found below only make the park
+        # shorter: the word then says later than it could, and a client rings, as without it.
+        status_words[SL.QUIET_FROM_WORD] = (now + timeout_ms) * 1_000_000 - coalesce_ns \
+            if coalesce_ns and timeout_ms > 0 else 0
         self._park_epoch += 1  # a new epoch: each client rings at most once per park
         hq[AL.H_WAKE_SEQ // 8] = status_words[SL.PARKED_WORD] = self._park_epoch
         _full_fence()
         gather = self.executor.rings_pending()
-        coalesce_ns = self.config.coalesce_us * 1000
         if gather and not coalesce_ns:
             status_words[SL.PARKED_WORD] = 0
             return None
-        now = self.clock()
-        timeout_ms = self._park_timeout(now)
         if timeout_ms > 1 and not self._published:  # a longer sleep: leave current counters
             self._last_publish = now
             self.publish(now)
@@ -346,9 +351,12 @@ class DaemonCore:
         the daemon for every few commands)."""
         if not self._parked:
             return  # not parked: the loop drains anyway
-        at_ns = self.host.clock_ns() + self.config.coalesce_us * 1000
+        now_ns = self.host.clock_ns()
+        at_ns = now_ns + self.config.coalesce_us * 1000
         if at_ns < self._park_until_ns:  # else the park ends sooner anyway
             self._park_until_ns = at_ns
+            if at_ns != now_ns:  # (with a window: the other clients' doorbells change nothing now)
+                self.status.words[SL.QUIET_FROM_WORD] = now_ns
             self.shell.wake_at(at_ns)
 
     def stop(self) -> None:

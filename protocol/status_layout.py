@@ -11,8 +11,8 @@ can refuse at once), and must not be able to read other groups' keys::
       | magic u64 "WHLDSTAT"          | layout ver u32| zero                          |  line 0: written once
       +-------------------------------+---------------+-------------------------------+
      64                               72                                            128
-      | parked u64: park epoch, 0 awake| zero                                          |  line 1: every park
-      +-------------------------------+-----------------------------------------------+
+      | parked u64: park epoch, 0 awake| quiet_from u64: ns, 0 unknown | zero          |  line 1: every park
+      +-------------------------------+-------------------------------+---------------+
     128              136              144             152                           192
       | capacity u64 | pending u64    | fired_unacked u64 | zero                      |  line 2: at publish
       +--------------+----------------+-------------------+---------------------------+
@@ -21,6 +21,15 @@ can refuse at once), and must not be able to read other groups' keys::
 clients load it after every push. A client reads ``pending + fired_unacked >=
 capacity`` to refuse an ``add`` with ArenaFull before it reaches the daemon
 (the daemon refuses it anyway; the page only saves the round trip).
+
+``quiet_from`` (CLOCK_MONOTONIC ns) is when the current park ends, less the
+daemon's ``--coalesce-us``: a doorbell nobody waits on, rung at or after it,
+changes nothing (the daemon wakes within the window anyway), so a client that
+sees a new park epoch and a clock at or past ``quiet_from`` rings nothing. The
+daemon zeroes it before it stores a new epoch and sets it once it knows the
+park's end (a park made shorter sets it again): a client that reads the new epoch
+reads 0 (ring) or that park's value, never an older park's. A daemon that does
+not write it leaves 0: the clients ring as before.
 """
 
 from __future__ import annotations
@@ -35,12 +44,14 @@ WORD = 8
 HEADER = struct.Struct("<QI")
 MAGIC_OFFSET = 0
 PARKED_OFFSET = 64
+QUIET_FROM_OFFSET = 72
 CAPACITY_OFFSET = 128
 PENDING_OFFSET = 136
 FIRED_UNACKED_OFFSET = 144
 
 # indices in a memoryview of the page cast to 8-byte words
 PARKED_WORD = PARKED_OFFSET // WORD
+QUIET_FROM_WORD = QUIET_FROM_OFFSET // WORD
 CAPACITY_WORD = CAPACITY_OFFSET // WORD
 PENDING_WORD = PENDING_OFFSET // WORD
 FIRED_UNACKED_WORD = FIRED_UNACKED_OFFSET // WORD

@@ -459,6 +459,42 @@ def test_commands_nobody_waits_for_are_gathered_and_a_flush_is_answered_at_once(
         assert mono_ms() >= expired.deadline_ms
 
 
+def test_no_doorbell_is_rung_when_the_park_ends_within_the_window(daemon_factory):
+    """The status page's ``quiet_from``: a park that ends within ``--coalesce-us`` anyway
+    (a timer due every 2 ms, a 10 ms window) takes no doorbell for an add, which the next
+    wake-up applies all the same; a long park (nothing due: ``--max-park-ms``) does."""
+    from wheeld.protocol import status_layout as SL
+
+    d = daemon_factory(extra=["--coalesce-us", "10000"]).start()
+    with wheeld.connect(d.socket_path, group="quiet") as w:
+        doorbells = []
+        ring = w._ring_doorbell
+        w._ring_doorbell = lambda urgent=True: (doorbells.append(urgent), ring(urgent))
+        w.flush()
+        before = d.wait_parked()  # nothing due: a long park, its quiet_from far ahead
+        assert w._page[SL.QUIET_FROM_WORD] > time.monotonic_ns() + 100_000_000
+        doorbells.clear()
+        w.add("lone", 60_000)
+        assert doorbells == [False], "a push into a long park rings (not urgent)"
+        wait_until(lambda: _applied(d, before, 1), what="the add applied")
+
+        # timers due every 2 ms for 3 s: every park ends within the 10 ms window
+        for i in range(1500):
+            w.add(f"tick{i}", 2 + 2 * i)
+        w.flush()
+        before = d.counters()
+        doorbells.clear()
+        start = mono_ms()
+        n = 0
+        while mono_ms() < start + 300:
+            w.add(f"k{n}", 60_000)
+            n += 1
+            time.sleep(0.001)
+        assert doorbells == [], f"{len(doorbells)} doorbells rung into parks that end within the window"
+        wait_until(lambda: _applied(d, before, n), what=f"{n} adds applied without a doorbell")
+        assert 0 < w._page[SL.QUIET_FROM_WORD] <= time.monotonic_ns()
+
+
 def _applied(daemon, before: dict, n: int) -> dict | None:
     """The counters, once at least ``n`` commands more than ``before`` were applied."""
     counters = daemon.counters()

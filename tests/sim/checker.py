@@ -248,6 +248,25 @@ class History:
     def daemon_died(self, at_ns: int) -> None:
         self.daemon_deaths.append(at_ns)
 
+    def deaths_between_hand_and_ack(self) -> int:
+        """How many daemon deaths came after a library handed a copy to its application and
+        before that copy's acknowledgement was in its ring, in a group with another member:
+        the history tests/test_sim_run.py needs (call once ``ack_marks`` are set)."""
+        members: dict[str, int] = {}
+        for group in self.group_of.values():
+            members[group] = members.get(group, 0) + 1
+        count = 0
+        for death in self.daemon_deaths:
+            for arming in self.armings.values():
+                if members.get(arming.group, 0) < 2:
+                    continue
+                if any(client in self.ack_marks and hand_at <= death
+                       and next((at for at, n in self.ack_marks[client] if n > number), death + 1) > death
+                       for (client, hand_at), (_c, number, _f) in zip(arming.handed, arming.copies)):
+                    count += 1
+                    break
+        return count
+
     def daemon_started(self, at_ns: int) -> None:
         self.daemon_starts.append(at_ns)
 

@@ -214,6 +214,7 @@ class Result:
     handed: int
     acked: int
     trace: list[str] = field(default_factory=list)
+    deaths_between_hand_and_ack: int = 0  # History.deaths_between_hand_and_ack
 
     @property
     def ok(self) -> bool:
@@ -1456,7 +1457,7 @@ class Simulation:
         acked = sum(1 for a in self.history.armings.values() if a.acked)
         handed = sum(len(a.handed) for a in self.history.armings.values())
         return Result(self.seed, p, self.ops, self.violations, self.faults, world.events_run, end // MS,
-                      handed, acked, self.trace)
+                      handed, acked, self.trace, history.deaths_between_hand_and_ack())
 
     def _wind_down(self) -> None:
         """No more faults: a daemon up, a live member in every group, pending background work
