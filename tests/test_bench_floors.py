@@ -78,3 +78,18 @@ def test_python_path_counts_instructions_of_both_trees(tmp_path):
             assert abs(row["python"] - row["base"]) <= 0.08 * row["base"], row
     worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
     assert "wheeld-python-path-" not in worktrees  # the base's worktree was removed
+
+
+def test_cold_ops_times_every_operation_cold_and_warm(tmp_path):
+    """bench/cold_ops.py in a small mode: every operation is timed on the same number of
+    records cold and warm, and the batches fired are the batches armed."""
+    from bench import cold_ops
+
+    out = tmp_path / "cold.json"
+    assert cold_ops.main(["--capacity", "20000", "--pending", "2000", "--batch", "16", "--rounds", "5",
+                          "--evict-mb", "4", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = {r["op"]: r for r in data["results"]}
+    assert list(rows) == list(cold_ops.OPS)
+    for row in rows.values():
+        assert row["operations"] == 16 * 5 and row["cold_ns"] > 0 and row["warm_ns"] > 0
