@@ -173,7 +173,8 @@ class DaemonCore:
         if cfg.journal_dir:
             from .recovery import open_journal
 
-            self.recorder = open_journal(cfg, wheel, opened.recovered, totals, next_lsn=opened.next_lsn, host=self.host)
+            self.recorder = open_journal(cfg, wheel, opened.recovered, totals, next_lsn=opened.next_lsn, host=self.host,
+                                         known_idle=opened.idle_ms)
             self.recorder.on_change = self.shell.status_changed
         self.started_ms = now
         # identifies the arena to clients: an ack stamped with another is ignored (Executor.ack_allowed)
@@ -183,6 +184,8 @@ class DaemonCore:
         totals["daemon_hot_path"] = accel.PATH_CODES[accel.implementation()]
         poison = self.sessions.poison
         self.delivery = Delivery(wheel, self.clients, cfg, totals, now, poison, self.clock, self.recorder)
+        if self.recorder is not None:  # a snapshot takes idle timers' idle_ms from their touch tables
+            self.recorder.idle_source = self.delivery.idle_ms_of
         self.executor = Executor(wheel, self.clients, self.arena_epoch, cfg.group_quota, totals, poison, self.clock,
                                  self.recorder, self.host.clock_ns)
         self.sessions.attach(wheel, self.delivery, self.executor, self.arena_epoch, self.recorder)

@@ -64,6 +64,7 @@ from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ProtocolError
 from wheeld.protocol.keys import TYPE_STR, VALID_KEY_METAS, decode_key, key_length, key_type
+from wheeld.shm.ring import MAX_IDLE_MS
 from wheeld.shm.wheel import TimerWheel
 
 log = logging.getLogger("wheeld")
@@ -422,6 +423,21 @@ class Delivery:
             return None, 0
         touched, idle_ms = activity
         return (touched + idle_ms if touched + idle_ms > now else None), idle_ms
+
+    def idle_ms_of(self, aux: int) -> int | None:
+        """The idle time an idle timer's touch reference ``aux`` names in its client's touch
+        table, or None while the table is out of reach (a slot still waiting for its client
+        after a restart, a poisoned client, a freed slot) or holds no sound value there (the
+        Recorder's ``idle_source``: what its snapshots write as the timer's ``i``)."""
+        cs = self.clients.get(aux >> CL.TOUCH_INDEX_BITS)
+        views = cs.touch_views() if cs is not None else None
+        if views is None:
+            return None
+        try:
+            idle_ms = int(views[1][aux & CL.TOUCH_INDEX_MASK])
+        except IndexError:  # a row beyond its table
+            return None
+        return idle_ms if 0 < idle_ms <= MAX_IDLE_MS else None
 
     # ------------------------------------------------------------------ queues
     def requeue(self, pairs: list[tuple[int, int]], group: int) -> None:

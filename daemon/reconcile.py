@@ -97,6 +97,10 @@ class Reconciled:
     fired_freed: int = 0  # fired records the journal does not know: a repeat, or damage (see _compare)
     examples: list[str] = field(default_factory=list)
     unsure: list[str] = field(default_factory=list)  # examples of those
+    # (group, key, arming tag) -> idle_ms of every idle timer the trusted journal has pending:
+    # what the daemon's snapshots write for them while their clients' touch tables are out
+    # of reach (daemon/recorder.py), so that the journal goes on knowing them as idle timers
+    idle_ms: dict = field(default_factory=dict)
 
     @property
     def damaged(self) -> int:
@@ -155,6 +159,8 @@ def _reconcile(wheel: TimerWheel, directory: str, name: str, clocks, result: Rec
         result.reason = reason
         return
     result.trusted = True
+    result.idle_ms = {(group, timer.key, timer.seq & 0xFFFFFFFF): timer.idle_ms
+                      for (group, _key), timer in state.pending.items() if timer.idle_ms}
     _compare(wheel, state, clocks, result, clock_offsets(directory, fs))
 
 

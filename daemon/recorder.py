@@ -22,7 +22,13 @@ Snapshots bound recovery time: every ``snapshot_every_events`` journaled events
 (or ``snapshot_every_s``) the pending and fired-unacknowledged timers are
 written as a snapshot and the segments it covers are deleted. The snapshot is
 written from the loop (it pauses the loop in proportion to the pending timers:
-docs/figures.md); idle timers are snapshotted as plain timers with their current deadline.
+docs/figures.md). An idle timer is snapshotted at its current deadline with its idle
+time (``i``), as its ``add`` was journaled: a record of it damaged later is restored
+from the journal as the idle timer it is (:mod:`wheeld.daemon.reconcile`), never as a
+plain timer at that deadline, which its client's touches may have passed. The idle
+time comes from its client's touch table (:attr:`Recorder.idle_source`); while that
+table is out of reach (a slot still waiting for its client after a restart) from the
+journal read at start (``known_idle``); a timer neither knows is written plain.
 
 When the journal cannot be written (a full disk, a quota, an I/O error, a
 read-only remount) the daemon keeps serving: commands are applied to the arena
@@ -117,9 +123,16 @@ class Recorder:
 
     def __init__(self, journal: Journal, wheel: TimerWheel, snapshot_every_events: int = 1_000_000,
                  snapshot_every_s: float = 300.0, totals: dict | None = None,
-                 clock_ms: Callable[[], int] | None = None, offset_ms: Callable[[], int] | None = None):
+                 clock_ms: Callable[[], int] | None = None, offset_ms: Callable[[], int] | None = None,
+                 known_idle: dict | None = None):
         self.journal = journal
         self.wheel = wheel
+        #: a pending idle timer's idle_ms from its touch reference (the record's aux), or None
+        #: while its client's touch table is out of reach (the daemon's Delivery.idle_ms_of)
+        self.idle_source: Callable[[int], int | None] | None = None
+        # (group, key, arming tag) -> idle_ms of the idle timers the journal held at start
+        # (reconcile.Reconciled.idle_ms): for those whose touch table is out of reach
+        self._known_idle = known_idle or {}
         self.events: list = []
         self._acks: list = []  # the batch's acknowledgements, appended after its other events
         self._group_names: dict[int, str] = {}
@@ -367,11 +380,15 @@ class Recorder:
         wheel = self.wheel
         off = self._wall_offset_ms()
         pending = []
-        for key, deadline, gid, tag in _scheduled(wheel):
+        still_needed: dict = {}  # the entries of known_idle this snapshot used: the rest are let go
+        for key, deadline, gid, tag, aux in _scheduled(wheel):
             try:
-                pending.append(PendingTimer(self._group(gid), key, deadline + off, tag))
+                group = self._group(gid)
             except ValueError:  # a group id overwritten in the arena: left out, as a damaged key is
                 continue
+            idle_ms = self._idle_ms(group, key, tag, aux, still_needed) if aux >= 0 else None
+            pending.append(PendingTimer(group, key, deadline + off, tag, idle_ms))
+        self._known_idle = still_needed
         unacked = []
         now = self._clock_ms()
         for slot in wheel.fired_slots():
@@ -382,6 +399,19 @@ class Recorder:
                 continue
             unacked.append(FiredTimer(group, key, deadline + off, tag, now + off, False, now - deadline))
         return pending, unacked
+
+    def _idle_ms(self, group: str, key, tag: int, aux: int, still_needed: dict) -> int | None:
+        """The idle time of the pending idle timer (``aux``: its touch reference) of ``key``
+        and arming ``tag``: its client's touch table's, else the journal's at start, else
+        None (it is snapshotted as a plain timer)."""
+        source = self.idle_source
+        idle_ms = source(aux) if source is not None else None
+        if idle_ms is None and self._known_idle:
+            known = (group, key, tag)
+            idle_ms = self._known_idle.get(known)
+            if idle_ms is not None:
+                still_needed[known] = idle_ms
+        return idle_ms
 
     def snapshot(self) -> None:
         """A snapshot of the arena at the journal's last lsn (then compaction). A snapshot
@@ -499,7 +529,8 @@ def _ident_to_json(ident: bytes):
 
 
 def _scheduled(wheel: TimerWheel):
-    """(key, deadline_ms, group id, tag) of every scheduled timer, read from the records."""
+    """(key, deadline_ms, group id, tag, aux) of every scheduled timer, read from the records
+    (``aux``: an idle timer's touch reference, -1 for a plain timer)."""
     rec = wheel.records
     states = rec["state"] & AL.STATE_MASK
     slots = np.flatnonzero(states == AL.SCHEDULED)
@@ -507,10 +538,11 @@ def _scheduled(wheel: TimerWheel):
     keys = rec["key"][slots].tolist()
     metas = rec["key_meta"][slots].tolist()
     out = []
-    for key, meta, deadline, gid, tag in zip(keys, metas, rec["deadline"][slots].tolist(), rec["group"][slots].tolist(),
-                                             rec["tag"][slots].tolist()):
+    for key, meta, deadline, gid, tag, aux in zip(keys, metas, rec["deadline"][slots].tolist(),
+                                                  rec["group"][slots].tolist(), rec["tag"][slots].tolist(),
+                                                  rec["aux"][slots].tolist()):
         try:  # a record overwritten in the arena (a str key that is not UTF-8) is left out
-            out.append((decode_key(key, meta), deadline, gid, tag))
+            out.append((decode_key(key, meta), deadline, gid, tag, aux))
         except ValueError:
             continue
     return out

@@ -166,10 +166,12 @@ def host_clocks(host):
 
 
 def open_journal(config, wheel: TimerWheel, recovered: RecoveredState | None, totals: dict,
-                 next_lsn: int | None = None, host=None) -> Recorder:
+                 next_lsn: int | None = None, host=None, known_idle: dict | None = None) -> Recorder:
     """The daemon's journal: load what was recovered (if the arena is new), open the writer.
 
     ``next_lsn``: the state was already loaded (:func:`load_recovered` returned it).
+    ``known_idle``: the idle timers of the journal an attached arena was compared with
+    (``OpenedArena.idle_ms``), the Recorder's for its snapshots.
     ``host``: the :class:`wheeld.daemon.host.Host` whose clocks, file port
     (``host.fs``), background runner (``host.runner``) and name the journal uses
     (None: the real ones).
@@ -200,13 +202,13 @@ def open_journal(config, wheel: TimerWheel, recovered: RecoveredState | None, to
     if host is None:
         journal = Journal(config.journal_dir, fsync=config.fsync, name=config.name, next_lsn=next_lsn, resync=resync,
                           stall_on_error=True)
-        recorder = Recorder(journal, wheel, totals=totals)
+        recorder = Recorder(journal, wheel, totals=totals, known_idle=known_idle)
     else:
         journal = Journal(config.journal_dir, fsync=config.fsync, host=host.hostname, name=config.name,
                           next_lsn=next_lsn, wall_ms=host.wall_ms, mono_ms=host.clock_ms, resync=resync,
                           stall_on_error=True, fs=fs, runner=host.runner)
         recorder = Recorder(journal, wheel, totals=totals, clock_ms=host.clock_ms,
-                            offset_ms=lambda: wall_offset_ms(host.clock_ns, host.wall_ns))
+                            offset_ms=lambda: wall_offset_ms(host.clock_ns, host.wall_ns), known_idle=known_idle)
     if recovered is not None and recovered.damage:
         recorder.snapshot()
     log.info("journal %s (fsync %s) continues at lsn %d%s", config.journal_dir, config.fsync, journal.last_lsn + 1,

@@ -50,6 +50,9 @@ class OpenedArena:
     next_lsn: int | None = None  # where the journal continues after that recovery
     damaged: int = 0  # records an attach found damaged (repaired or freed)
     lost: int = 0  # timers of damaged records nothing could restore
+    # the idle timers of the journal an attached arena was compared with, (group, key, arming
+    # tag) -> idle_ms (reconcile.Reconciled.idle_ms): the Recorder's known_idle
+    idle_ms: dict = field(default_factory=dict)
 
 
 def open_arena(cfg: Config, now: int, host: Host, qualifier: int | None = None) -> OpenedArena:
@@ -73,16 +76,18 @@ def open_arena(cfg: Config, now: int, host: Host, qualifier: int | None = None) 
         "attached existing arena %s: %d pending, %d fired awaiting delivery (tick %d ms, wheel %d, capacity %d)",
         name, len(wheel), wheel.counters()["fired_unacked"], wheel.tick_ms, wheel.wheel_size, wheel.capacity,
     )
-    damaged, lost = _repair_attached(cfg, wheel, host)
+    idle_ms: dict = {}
+    damaged, lost = _repair_attached(cfg, wheel, host, idle_ms)
     _check_attached(wheel, damaged, lost)
     if (wheel.tick_ms, wheel.wheel_size, wheel.capacity) != (cfg.tick_ms, cfg.wheel_size, cfg.capacity):
         log.warning("arena parameters differ from the command line; the arena's are used")
-    return OpenedArena(wheel, False, identity, aside, damaged=damaged, lost=lost)
+    return OpenedArena(wheel, False, identity, aside, damaged=damaged, lost=lost, idle_ms=idle_ms)
 
 
-def _repair_attached(cfg: Config, wheel: TimerWheel, host: Host) -> tuple[int, int]:
+def _repair_attached(cfg: Config, wheel: TimerWheel, host: Host, idle_ms: dict) -> tuple[int, int]:
     """Report what attach repaired and, with a journal, reconcile the arena with it;
-    return (records found damaged, timers lost)."""
+    return (records found damaged, timers lost). ``idle_ms`` takes the idle timers of a
+    journal the arena was compared with (``Reconciled.idle_ms``)."""
     repairs, freed = list(wheel.repairs), wheel.lost
     for problem in repairs[:20]:
         log.error("arena damage: %s", problem)
@@ -111,6 +116,7 @@ def _repair_attached(cfg: Config, wheel: TimerWheel, host: Host) -> tuple[int, i
             log.error("arena damage: %d damaged record(s) freed; their timers are LOST (the journal cannot "
                       "restore them: %s)", freed, result.reason)
         return len(repairs), freed
+    idle_ms.update(result.idle_ms)
     if result.batch_open and result.damaged:
         # the previous daemon stopped between applying a batch and journaling it: that batch
         # and damage cannot be told apart (the batch's commands are applied again from the rings)

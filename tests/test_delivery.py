@@ -278,3 +278,21 @@ def test_a_restart_checks_again_an_idle_timer_expired_but_never_sent():
         assert sorted(queued) == sorted([plain[0]] if expected else [plain[0], idle[0]]), case
         assert d.wheel.next_deadline() == expected, case
         assert d.wheel.check() == []
+
+
+def test_the_idle_time_a_snapshot_writes_is_the_touch_tables_while_it_is_in_reach():
+    """``Delivery.idle_ms_of`` (the Recorder's ``idle_source``): an idle timer's idle time as
+    its client's touch table holds it, or None while that table is out of reach (a slot
+    waiting for its client after a restart, a poisoned client, a freed slot) or holds no
+    sound value at that row; a snapshot then falls back on the journal read at start."""
+    from wheeld.shm.ring import MAX_IDLE_MS
+
+    d, cs = _delivery(100)
+    row = cs.slot << CL.TOUCH_INDEX_BITS
+    cs.segment.idle.update({1: 30_000, 2: MAX_IDLE_MS + 1, 3: -5})
+    assert [d.idle_ms_of(row | index) for index in (1, 2, 3, 4)] == [30_000, None, None, None]
+    assert d.idle_ms_of(7 << CL.TOUCH_INDEX_BITS | 1) is None  # no such slot
+    cs.poisoned = True
+    assert d.idle_ms_of(row | 1) is None
+    cs.poisoned, cs.segment = False, None  # its ring not handed back yet
+    assert d.idle_ms_of(row | 1) is None

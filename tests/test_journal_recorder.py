@@ -220,3 +220,37 @@ def test_the_idle_timers_of_a_freed_client_slot_are_journaled_as_the_plain_timer
     # at its deadline, not idle_ms after the restart
     monotonic = lambda wall_ms: wall_ms - (T0 - 5_000)  # noqa: E731
     assert [_restored_deadline(pending[key], monotonic, 6_000) for key in ("touched", "quiet")] == [7_000, 14_000]
+
+
+def test_a_snapshot_keeps_idle_timers_idle_from_the_touch_table_or_the_journal_read_at_start(tmp_path, monkeypatch):
+    """An idle timer's snapshot line carries its idle time (``i``), as its ``add`` did: a
+    record of it damaged later is restored from the journal as an idle timer
+    (daemon/reconcile.py), not as a plain timer at a deadline its client's touches may have
+    passed (simulation seed 57081). The idle time is its client's touch table's
+    (``idle_source``); while that table is out of reach, the journal's at start
+    (``known_idle``), kept only as long as a snapshot still needs it."""
+    from wheeld.daemon import recorder as recorder_module
+    from wheeld.daemon.recorder import Recorder
+    from wheeld.journal.recovery import recover
+    from wheeld.protocol import clients_layout as CL
+
+    monkeypatch.setattr(recorder_module, "mono_ms", lambda: 5_000)
+    monkeypatch.setattr(recorder_module, "wall_offset_ms", lambda: T0 - 5_000)
+    in_reach, away = 1 << CL.TOUCH_INDEX_BITS | 4, 2 << CL.TOUCH_INDEX_BITS | 9
+    with _recorder(tmp_path, "idle") as (_unused, wheel):
+        gid = wheel.group_id("g")
+        # (key, tag, aux): a plain timer, an idle one whose table is in reach, one whose table is
+        # not (its idle time known from the journal at start), one neither knows
+        for key, tag, aux in (("plain", 1, -1), ("touched", 2, in_reach), ("away", 3, away), ("unknown", 4, away)):
+            wheel.schedule(key, 9_000, gid, tag, aux)
+        journal = Journal(tmp_path / "snapshots", fsync="off", host="test-host")
+        try:
+            recorder = Recorder(journal, wheel, known_idle={("g", "away", 3): 7_000, ("g", "gone", 5): 1_000})
+            recorder.idle_source = lambda aux: 3_000 if aux == in_reach else None
+            recorder.snapshot()
+            assert recorder._known_idle == {("g", "away", 3): 7_000}  # what the next snapshot still needs
+        finally:
+            journal.close()
+        state = recover(tmp_path / "snapshots", repair=False, quiet=True)
+    assert {key: timer.idle_ms for (_group, key), timer in state.pending.items()} == \
+        {"plain": None, "touched": 3_000, "away": 7_000, "unknown": None}

@@ -262,3 +262,47 @@ def test_the_checker_reads_the_cut_and_the_first_fire_right():
     h.received("c1-1", 11, 44 * ms)
     h.handed(2, "c1-1", 11, 50 * ms, h.first_fired_ns("c1-1", 11, 60 * ms))
     assert [v.rule for v in h.violations] == ["early"]
+
+
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_the_durable_mark_does_not_end_a_stall(snapshot):
+    """Seed 49288: a journal stalled on a full disk keeps advancing its durable mark (made
+    the first time by write() under a temporary name, then fdatasync) for the events the
+    fsync before the stall made durable. Those bytes hold no event: they do not end the
+    stall, so a client's idle timers journaled at last touch + idle_ms as it left with a
+    Bye during the stall are still at risk at a reboot before the snapshot that ends it
+    (docs/contracts.md, "Delivery and durability"). Only the snapshot's bytes, written and
+    synced, do."""
+    import errno
+
+    from sim.run import JOURNAL_DIR, Simulation
+
+    from wheeld.protocol.journal import MARK_NAME
+
+    ms = 1_000_000
+    sim = Simulation(1, 1)
+    disk, h, world = sim.disk, sim.history, sim.world
+    disk.makedirs(JOURNAL_DIR)
+    start = world.now_ns
+
+    def append(name: str, at_ms: int, sync: bool = True) -> None:
+        world.now_ns = start + at_ms * ms
+        fd = disk.open(f"{JOURNAL_DIR}/{name}", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            disk.write(fd, b"{}\n")
+            if sync:
+                disk.fdatasync(fd)
+        finally:
+            disk.close(fd)
+
+    h.joined(1, "g")
+    append("journal-0000000000000001.jsonl", 1)
+    disk.fail_next("write", errno.ENOSPC)
+    with pytest.raises(OSError):
+        append("journal-0000000000000001.jsonl", 2)  # the journal stalls
+    h.left(1, start + 3 * ms)  # its idle timers are journaled while nothing is written
+    append(MARK_NAME + ".tmp", 1_000)  # the mark, for what the fsync before the stall covered
+    if snapshot:
+        append("snapshot-0000000000000009.jsonl.tmp", 1_500)  # the stall ends
+    h.power_cut(start + 2_000 * ms, 100 * ms)
+    assert h.journal_may_have_lost(start + 3 * ms) is not snapshot

@@ -11,6 +11,7 @@ directory under ``tmp_path``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -26,7 +27,9 @@ from wheeld.daemon.host import Host
 from wheeld.daemon.instance import AlreadyRunning, HeldSegment, InstanceLock, UntrustedSegment
 from wheeld.daemon.recovery import open_journal
 from wheeld.daemon.startup import open_arena
+from wheeld.journal.recovery import recover
 from wheeld.protocol import arena_layout as AL
+from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import clock
 from wheeld.protocol.naming import SHM_DIR, arena_name, clients_name, instance_entries, lock_path, secret_name, shm_path
 
@@ -352,6 +355,61 @@ def test_a_damaged_record_is_repaired_at_attach_and_counted_never_reported_sound
     assert len(timers(second.wheel)) == 19
     assert second.wheel.check() == []
     second.stop()
+
+
+@pytest.mark.parametrize("touch_reference_kept", [True, False], ids=["record-freed", "record-gone"])
+def test_an_idle_timer_snapshotted_before_its_client_is_back_is_restored_as_an_idle_timer(world, tmp_path,
+                                                                                          touch_reference_kept):
+    """Seed 57081 of the simulation: a daemon restarted under ``--fsync off`` snapshots the
+    arena at once (the events after the durable mark cannot be trusted), before any client
+    has handed its ring back, so no touch table is in reach. The snapshot must still write
+    an idle timer as one (``i``, from the journal read at start): a record of it damaged
+    later is restored from the journal either with the touch reference attach freed for it
+    (its client's touches move it again), or, that record gone, no sooner than ``idle_ms``
+    after the restore (docs/contracts.md, "Delivery and durability"). Written as a plain
+    timer it was restored at its first deadline, which its client's touches had passed."""
+    directory = str(tmp_path / "journal")
+    cfg = dataclasses.replace(config(world, directory), fsync="off")
+    first = Daemon(world, cfg, world.host())
+    recorder = open_journal(cfg, first.wheel, first.opened.recovered, {}, next_lsn=first.opened.next_lsn)
+    gid = first.wheel.group_id("g")
+    deadline, idle_ms, tag = world.mono() + 1_000, 600_000, 7
+    reference = 3 << CL.TOUCH_INDEX_BITS | 5  # client slot 3's touch row 5
+    recorder.begin()
+    slot, _gen = first.wheel.schedule("idle", deadline, gid, tag, reference)
+    recorder.armed(gid, "idle", deadline, tag, None, idle_ms)
+    recorder.commit(world.mono())
+    first.crash()
+
+    second = Daemon(world, cfg, world.host())
+    assert second.opened.idle_ms == {("g", "idle", tag): idle_ms}
+    resynced = open_journal(cfg, second.wheel, second.opened.recovered, {}, next_lsn=second.opened.next_lsn,
+                            known_idle=second.opened.idle_ms)  # resyncs: a snapshot of the arena, no client back
+    assert recover(directory, repair=False, quiet=True).snapshot_lsn > 0
+    second.crash()
+    arena = shm_path(arena_name(world.name))
+    at = second.wheel._header_bytes + slot * AL.RECORD_BYTES
+    world.machine.damage(arena, at + AL.R_KEY_META, b"\xff")  # attach frees the record
+    if not touch_reference_kept:
+        world.machine.damage(arena, at + AL.R_AUX, (-1).to_bytes(4, "little", signed=True))
+
+    restarted_at = world.mono()
+    third = Daemon(world, cfg, world.host())
+    try:
+        wheel = third.wheel
+        gid = wheel.group_id("g")
+        rec = wheel.records
+        live = np.flatnonzero(((rec["state"] & AL.STATE_MASK) == AL.SCHEDULED) & (rec["tag"] == tag))
+        assert live.size == 1, "the damaged idle timer was not restored"
+        restored, aux = int(rec["deadline"][live[0]]), int(rec["aux"][live[0]])
+        if touch_reference_kept:  # its touches in sight again: the journal's deadline (rounded up on the
+            assert aux == reference and 0 <= restored - deadline <= 2  # way), moved by them when due
+        else:  # no sooner than idle_ms after the restore
+            assert aux == -1 and restored >= restarted_at + idle_ms
+    finally:
+        third.stop()
+        for held in (recorder, resynced):
+            held.close()
 
 
 # ---------------------------------------------------------------------------- other users' files

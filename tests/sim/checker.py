@@ -121,8 +121,10 @@ class History:
         self.every_cut: list[tuple[int, int]] = []  # (when, window) of every power cut, any policy
         self.cuts: list[tuple[int, int]] = []  # (when, the window of applied commands it may lose) per power cut
         self.disk_failures: list[int] = []  # when calls on the journal's disk failed (EIO, ENOSPC), in order
-        self.syncs: list[int] = []  # when files on the journal's disk were synced, in order
-        self.writes: list[int] = []  # when bytes were appended to files on the journal's disk, in order
+        # when files holding the journal's events (segments, snapshots; not its durable mark)
+        # were synced, and when bytes were appended to them, in order
+        self.syncs: list[int] = []
+        self.writes: list[int] = []
         # per power cut (by its time): how many writes and syncs the disk had taken when the power went
         self.disk_at_cut: dict[int, tuple[int, int]] = {}
         self.disk_damage_ns: int | None = None  # the last time the journal's media was damaged on purpose
@@ -218,7 +220,8 @@ class History:
         """Whether the journal's disk took new bytes after the failure at ``failed`` and synced
         them, by ``at``: only then may a stalled journal have ended its stall. docs/contracts.md:
         "what was applied since the last fsync that succeeded stays at risk until the daemon
-        has written its snapshot again"; a stalled journal writes nothing until that snapshot.
+        has written its snapshot again"; a stalled journal writes nothing until that snapshot
+        (but its durable mark, which holds no event and is not counted here).
         A sync alone proves nothing: a background fsync started before the failure (it covers
         only what was written before it started) may complete after it, and a retry fsyncs
         the segment that failed before it finds no room for the snapshot."""
@@ -290,11 +293,11 @@ class History:
         self.disk_failures.append(at_ns)
 
     def disk_synced(self, at_ns: int) -> None:
-        """A file on the journal's disk was synced at ``at_ns``."""
+        """A file holding the journal's events was synced at ``at_ns``."""
         self.syncs.append(at_ns)
 
     def disk_written(self, at_ns: int) -> None:
-        """Bytes were appended to a file on the journal's disk at ``at_ns``."""
+        """Bytes were appended to a file holding the journal's events at ``at_ns``."""
         self.writes.append(at_ns)
 
     def may_have_lost(self, arming: Arming) -> bool:

@@ -129,8 +129,8 @@ class SimDisk:
         self._full = False  # the last write hit the capacity: the next one raises ENOSPC
         self.counts: dict[str, int] = {}  # what was done and injected, for the run's report
         self.on_failure = None  # called with no argument whenever a call fails (an injected fault, ENOSPC)
-        self.on_sync = None  # called with no argument whenever a file's fsync or fdatasync succeeds
-        self.on_write = None  # called with no argument whenever a write() appends bytes (not pwrite: below)
+        self.on_sync = None  # called with the file's path whenever its fsync or fdatasync succeeds
+        self.on_write = None  # called with the file's path whenever a write() appends bytes (not pwrite: below)
 
     # ------------------------------------------------------------------ faults
     def fail_next(self, operation: str, error: int = errno.EIO, times: int = 1) -> None:
@@ -249,7 +249,7 @@ class SimDisk:
         # (pwrite() does not call it: the journal only rewrites its durable mark's slot in
         # place with it, which carries no event and may be written while the journal is stalled)
         if self.on_write is not None:
-            self.on_write()
+            self.on_write(entry.path)
         return len(written)
 
     def pwrite(self, fd: int, data, offset: int) -> int:
@@ -316,7 +316,7 @@ class SimDisk:
         inode.dirty.clear()
         inode.shrunk = False
         if self.on_sync is not None:
-            self.on_sync()
+            self.on_sync(entry.path)
 
     def fdatasync(self, fd: int) -> None:
         """As :meth:`fsync` (a file's size and bytes; its timestamps are not modelled);

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import posixpath
 import random
 import sys
 import traceback
@@ -59,7 +60,7 @@ from wheeld.protocol import commands as C
 from wheeld.protocol.errors import (ArenaFull, BackPressure, BrokenPeer, Closed, DaemonNotRunning, InvalidDelay,
                                     InvalidKey, InvalidRequest, QuotaExceeded, RingFull,
                                     WheeldError)
-from wheeld.protocol.journal import scan_lines
+from wheeld.protocol.journal import MARK_NAME, scan_lines
 from wheeld.journal.files import list_segments, list_snapshots, read_mark
 from wheeld.protocol.keys import encode_key
 from wheeld.shm.ring import MAX_IDLE_MS
@@ -372,8 +373,8 @@ class Simulation:
         self.history = History()
         self.history.in_library = self._in_library
         self.disk.on_failure = lambda: self.history.disk_failed(self.world.now_ns)
-        self.disk.on_sync = lambda: self.history.disk_synced(self.world.now_ns)
-        self.disk.on_write = lambda: self.history.disk_written(self.world.now_ns)
+        self.disk.on_sync = self._disk_synced
+        self.disk.on_write = self._disk_written
         self.faults: Counter = Counter()
         self.violations: list[Violation] = []
         self.connections: list = []  # every connection made; the closed ones are dropped as they are seen
@@ -412,6 +413,15 @@ class Simulation:
             journal_dir=JOURNAL_DIR if p.journal else None, fsync=p.fsync, coalesce_us=p.coalesce_us,
             max_park_ms=500, ack_timeout_s=30.0, resume_grace_s=60.0, **churn,
         )
+
+    # ------------------------------------------------------------------ the journal's disk
+    def _disk_synced(self, path: str) -> None:
+        if _holds_events(path):
+            self.history.disk_synced(self.world.now_ns)
+
+    def _disk_written(self, path: str) -> None:
+        if _holds_events(path):
+            self.history.disk_written(self.world.now_ns)
 
     # ------------------------------------------------------------------ the log
     def note(self, text: str) -> None:
@@ -1523,6 +1533,15 @@ class Simulation:
         for connection in self.connections:
             connection.discard()
         self.shm.reboot()
+
+
+def _holds_events(path: str) -> bool:
+    """Whether a file of the journal's disk holds events (a segment, a snapshot), for the
+    checker's ``History.writes`` and ``History.syncs``: the durable mark (and the temporary
+    file it is first made under) holds none, and the journal writes it while it is stalled
+    too (the fsync that collected the last good events advances it), so its bytes say
+    nothing of a stall's end (``History._wrote_again``)."""
+    return not posixpath.basename(path).startswith(MARK_NAME)
 
 
 def _latest_tag(client: SimClient, key: str) -> int:
