@@ -107,3 +107,33 @@ def test_one_seed_gives_one_history():
         return disk.exists("/j/a") and disk.read_file("/j/a")
 
     assert [run(s) for s in range(50)] == [run(s) for s in range(50)]
+
+
+def test_a_sync_reports_each_append_it_made_durable_never_those_a_failed_fsync_dropped():
+    """``on_durable`` (the checker's proof that a stalled journal wrote again,
+    ``History._wrote_again``): each append a successful fsync made durable, by its number,
+    once. Not the appends a failed fsync (EIO) dropped, nor those appended behind them in
+    that file (a later fsync succeeds and makes neither durable), nor one a truncation cut
+    off, nor what a power cut happens to keep."""
+    disk = _disk()
+    made: list[int] = []
+    disk.on_durable = lambda path, numbers: made.extend(numbers)
+    fd = _append(disk, "/j/a", b"first;")  # append 0
+    disk.fsync(fd)
+    assert made == [0]
+    disk.write(fd, b"lost;")  # 1
+    disk.fail_next("fsync", errno.EIO)
+    with pytest.raises(OSError):
+        disk.fsync(fd)
+    disk.write(fd, b"behind;")  # 2: after the failure, behind the bytes it dropped
+    disk.fsync(fd)
+    assert made == [0]
+    other = _append(disk, "/j/b", b"snapshot;")  # 3
+    disk.write(other, b"cut")  # 4
+    disk.ftruncate(other, len(b"snapshot;"))
+    disk.fsync(other)
+    disk.fsync(other)
+    assert made == [0, 3]
+    disk.write(other, b"unsynced")  # 5
+    disk.power_cut()
+    assert made == [0, 3]

@@ -306,3 +306,32 @@ def test_the_durable_mark_does_not_end_a_stall(snapshot):
         append("snapshot-0000000000000009.jsonl.tmp", 1_500)  # the stall ends
     h.power_cut(start + 2_000 * ms, 100 * ms)
     assert h.journal_may_have_lost(start + 3 * ms) is not snapshot
+
+
+@pytest.mark.parametrize("snapshot", [False, True], ids=["stalled-to-the-cut", "snapshot-before-the-cut"])
+def test_the_checker_takes_only_bytes_made_durable_for_a_stalled_journal_writing_again(snapshot):
+    """Seed 49933: under ``--fsync interval=50`` an arming was acknowledged, and the fsync
+    that was to make it durable failed (EIO) 41 ms later; the loop appended two events
+    before it learned of the failure, and the next daemon's start fsynced that segment (a
+    success that makes nothing durable after an EIO, sim/disk.py). No snapshot fitted the
+    full disk before the power was cut: the arming was at risk "until the daemon has written
+    its snapshot again" (docs/contracts.md), and its loss is no violation. Appends after the
+    failure made durable before the cut (the snapshot) are the journal writing again: the
+    loss is a violation then."""
+    from sim.checker import History, check
+
+    ms = 1_000_000
+    h = History()
+    h.joined(1, "g")
+    h.armed(1, "c1-0", 10, 0, 10_000, idle=False)
+    h.flushed(h.flush_called(1), 7 * ms)
+    h.disk_failed(48 * ms)  # the interval's background fsync: EIO
+    h.disk_written(50 * ms, append=0)  # the loop, before it learns of the failure
+    h.disk_synced(300 * ms)  # the next daemon fsyncs the segments it finds: append 0 is not made durable
+    if snapshot:
+        h.disk_written(400 * ms, append=1)  # the snapshot, then its fsync
+        h.disk_synced(400 * ms)
+        h.disk_made_durable([1])
+    h.power_cut(500 * ms, 100 * ms)
+    assert h.may_have_lost(h.armings[(1, "c1-0", 10)]) is not snapshot
+    assert [v.rule for v in check(h, 20_000 * ms)] == (["lost"] if snapshot else [])

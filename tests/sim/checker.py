@@ -125,6 +125,9 @@ class History:
         # were synced, and when bytes were appended to them, in order
         self.syncs: list[int] = []
         self.writes: list[int] = []
+        # per append (its index in writes) a sync made durable: how many syncs the disk had taken then
+        self.durable_writes: dict[int, int] = {}
+        self._append_index: dict[int, int] = {}  # the disk's number of an append -> its index in writes
         # per power cut (by its time): how many writes and syncs the disk had taken when the power went
         self.disk_at_cut: dict[int, tuple[int, int]] = {}
         self.disk_damage_ns: int | None = None  # the last time the journal's media was damaged on purpose
@@ -194,7 +197,7 @@ class History:
         """Whether what the daemon journaled from ``since_ns`` on may be gone, by the rules of
         :meth:`may_have_lost` for an event no flush acknowledged: a power cut under
         ``--fsync interval`` within its window, or after a failed call on the journal's
-        disk with no bytes written and synced on it between that failure and the cut
+        disk with no bytes written after that failure made durable before the cut
         (:meth:`_wrote_again`). The failure may come before ``since_ns`` too: the journal
         was stalled then (it drops what it cannot write until a snapshot covers it), and
         never wrote again before the cut."""
@@ -217,14 +220,19 @@ class History:
             arming.rearmed_ns.append(at_ns)
 
     def _wrote_again(self, failed: int, at: int) -> bool:
-        """Whether the journal's disk took new bytes after the failure at ``failed`` and synced
-        them, by ``at``: only then may a stalled journal have ended its stall. docs/contracts.md:
-        "what was applied since the last fsync that succeeded stays at risk until the daemon
-        has written its snapshot again"; a stalled journal writes nothing until that snapshot
-        (but its durable mark, which holds no event and is not counted here).
-        A sync alone proves nothing: a background fsync started before the failure (it covers
-        only what was written before it started) may complete after it, and a retry fsyncs
-        the segment that failed before it finds no room for the snapshot."""
+        """Whether bytes appended to the journal's disk after the failure at ``failed`` were
+        made durable by a sync, by ``at``: only then may a stalled journal have ended its
+        stall. docs/contracts.md: "what was applied since the last fsync that succeeded stays
+        at risk until the daemon has written its snapshot again"; a stalled journal writes
+        nothing until that snapshot (but its durable mark, which holds no event and is not
+        counted here). A sync alone proves nothing: a background fsync started
+        before the failure (it covers only what was written before it started) may complete
+        after it, and a retry fsyncs the segment that failed before it finds no room for the
+        snapshot. Nor do bytes written and a sync after them: the loop may append to the
+        segment before it learns that a background fsync failed, and a sync after an fsync
+        that failed with EIO succeeds without making the segment's bytes durable from where
+        it dropped them (the next daemon's fsync of the segments it finds, say): those bytes
+        are what the disk reports durable (:attr:`durable_writes`), appends as whole."""
         # Only what the disk took before the power went counts, not what it took at the same
         # moment after it: the next boot's recovery (a daemon started at once, e.g. when the run
         # winds down right after the cut) writes and syncs its snapshot at the cut's timestamp,
@@ -234,9 +242,8 @@ class History:
             at, (bisect.bisect_right(self.writes, at), bisect.bisect_right(self.syncs, at)))
         # (a write cut short by the failure: not after it)
         first = bisect.bisect_right(self.writes, failed, 0, writes_end)
-        if first == writes_end:
-            return False
-        return syncs_end > bisect.bisect_left(self.syncs, self.writes[first], 0, syncs_end)
+        durable = self.durable_writes
+        return any(durable.get(index, syncs_end + 1) <= syncs_end for index in range(first, writes_end))
 
     def touches_lost(self, client: int) -> None:
         """A reboot took ``client``'s touch table before the daemon moved its idle timers
@@ -296,9 +303,20 @@ class History:
         """A file holding the journal's events was synced at ``at_ns``."""
         self.syncs.append(at_ns)
 
-    def disk_written(self, at_ns: int) -> None:
-        """Bytes were appended to a file holding the journal's events at ``at_ns``."""
+    def disk_written(self, at_ns: int, append: int | None = None) -> None:
+        """Bytes were appended to a file holding the journal's events at ``at_ns``; ``append``:
+        the disk's number of that append (:meth:`disk_made_durable` names it)."""
+        if append is not None:
+            self._append_index[append] = len(self.writes)
         self.writes.append(at_ns)
+
+    def disk_made_durable(self, appends: list[int]) -> None:
+        """The sync just reported (:meth:`disk_synced`) made the appends ``appends`` (the disk's
+        numbers, as :meth:`disk_written` was given them) durable: every byte of each."""
+        for append in appends:
+            index = self._append_index.pop(append, None)
+            if index is not None:
+                self.durable_writes.setdefault(index, len(self.syncs))
 
     def may_have_lost(self, arming: Arming) -> bool:
         """An arming a power cut under ``--fsync interval`` may take (docs/contracts.md: "a
@@ -306,8 +324,8 @@ class History:
         "although a later flush() returns"): called before the cut, and not acknowledged
         before the window it may lose began; or one whose covering fsync may have failed:
         a call on the journal's disk failed after the window before its acknowledgement
-        began, and no bytes were written and synced between the last such failure and the
-        cut (:meth:`_wrote_again`; "when a write or fsync fails, what was applied since the
+        began, and no bytes written after the last such failure were made durable before
+        the cut (:meth:`_wrote_again`; "when a write or fsync fails, what was applied since the
         last fsync that succeeded stays at risk until the daemon has written its snapshot
         again")."""
         for at, window in self.cuts:
@@ -326,7 +344,7 @@ class History:
             if acked_ns >= at - window:
                 return True
             # the last failure on the journal's disk from the window before the ack to the cut,
-            # with nothing written and synced after it: the journal never recovered before the cut
+            # with nothing written after it made durable: the journal never recovered before the cut
             last = bisect.bisect_right(self.disk_failures, at) - 1
             if last >= 0 and self.disk_failures[last] >= acked_ns - window and \
                     not self._wrote_again(self.disk_failures[last], at):

@@ -26,7 +26,14 @@ memory and models what a power cut and a failing device do to it:
   ``fsync`` succeeds without making them durable (Linux's behaviour since 4.13,
   which PostgreSQL met as "fsyncgate"): a writer must treat a failed fsync as
   the loss of everything unsynced. Bytes written again after the failure are
-  dirty again, and a later ``fsync`` does write those.
+  dirty again, and a later ``fsync`` does write those (rewritten in place); bytes
+  appended behind the ones it dropped are not made durable either (the file's
+  durable content ends where the dropped bytes begin).
+* **What was made durable** (``on_durable``): each ``write`` that appends bytes is
+  numbered (0, 1, ...; ``on_write`` says its number), and a successful ``fsync`` of
+  its file that makes all of its bytes durable reports that number, once. A write
+  cut off by a truncation, dropped by a failed fsync or caught by a power cut is
+  never reported.
 * **A small disk** (``capacity``): a write that does not fit writes what fits
   and returns a short count; the next one raises ``ENOSPC``. Deleting files
   gives room back. ``statvfs`` reports the room left, in 1-byte blocks, exactly
@@ -66,6 +73,8 @@ class _Inode:
     dirty: list = field(default_factory=list)
     #: cut below its durable end since the last sync (ftruncate, O_TRUNC)
     shrunk: bool = False
+    #: appends not yet durable: (the file's length after it, its number), in order
+    appends: list = field(default_factory=list)
 
 
 @dataclass
@@ -130,7 +139,13 @@ class SimDisk:
         self.counts: dict[str, int] = {}  # what was done and injected, for the run's report
         self.on_failure = None  # called with no argument whenever a call fails (an injected fault, ENOSPC)
         self.on_sync = None  # called with the file's path whenever its fsync or fdatasync succeeds
-        self.on_write = None  # called with the file's path whenever a write() appends bytes (not pwrite: below)
+        # called with the file's path and the append's number whenever a write() appends bytes
+        # (not pwrite: below)
+        self.on_write = None
+        # called with the file's path and the numbers of its appends (those on_write gave) that
+        # a successful fsync or fdatasync made durable, after its on_sync
+        self.on_durable = None
+        self.appends_made = 0
 
     # ------------------------------------------------------------------ faults
     def fail_next(self, operation: str, error: int = errno.EIO, times: int = 1) -> None:
@@ -209,6 +224,7 @@ class SimDisk:
             inode.lost_from = None
             inode.lost.clear()
             inode.dirty.clear()
+            inode.appends.clear()
             inode.shrunk = inode.shrunk or bool(inode.durable)
         return self._new_fd(_Open(path, inode, bool(flags & os.O_APPEND), writable, access != os.O_WRONLY))
 
@@ -245,11 +261,14 @@ class SimDisk:
         written = data[:room]
         self._full = len(written) < len(data)
         entry.inode.data += written  # the journal only appends (O_APPEND)
+        number = self.appends_made
+        self.appends_made += 1
+        entry.inode.appends.append((len(entry.inode.data), number))
         self._count("write")
         # (pwrite() does not call it: the journal only rewrites its durable mark's slot in
         # place with it, which carries no event and may be written while the journal is stalled)
         if self.on_write is not None:
-            self.on_write(entry.path)
+            self.on_write(entry.path, number)
         return len(written)
 
     def pwrite(self, fd: int, data, offset: int) -> int:
@@ -317,6 +336,11 @@ class SimDisk:
         inode.shrunk = False
         if self.on_sync is not None:
             self.on_sync(entry.path)
+        made = [number for length, number in inode.appends if length <= end]
+        if made:
+            inode.appends = [append for append in inode.appends if append[0] > end]
+            if self.on_durable is not None:
+                self.on_durable(entry.path, made)
 
     def fdatasync(self, fd: int) -> None:
         """As :meth:`fsync` (a file's size and bytes; its timestamps are not modelled);
@@ -338,6 +362,7 @@ class SimDisk:
             inode.lost_from = None
         inode.lost = {at: old for at, old in inode.lost.items() if at < length}
         inode.dirty = [(offset, min(size, length - offset)) for offset, size in inode.dirty if offset < length]
+        inode.appends = [append for append in inode.appends if append[0] <= length]
         if length < len(inode.durable):
             inode.shrunk = True
         self._full = False
@@ -463,6 +488,7 @@ class SimDisk:
         end = len(inode.data) if inode.lost_from is None else inode.lost_from
         current = bytes(inode.data[:end])
         dirty, inode.dirty, inode.lost = inode.dirty, [], {}
+        inode.appends = []  # what the cut keeps of them is the next boot's, not made durable by a sync
         if inode.shrunk or len(current) < len(durable):  # cut below its durable end, not synced
             inode.data = bytearray(durable)
             inode.lost_from = None

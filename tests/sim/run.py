@@ -375,6 +375,7 @@ class Simulation:
         self.disk.on_failure = lambda: self.history.disk_failed(self.world.now_ns)
         self.disk.on_sync = self._disk_synced
         self.disk.on_write = self._disk_written
+        self.disk.on_durable = self._disk_made_durable
         self.faults: Counter = Counter()
         self.violations: list[Violation] = []
         self.connections: list = []  # every connection made; the closed ones are dropped as they are seen
@@ -419,9 +420,13 @@ class Simulation:
         if _holds_events(path):
             self.history.disk_synced(self.world.now_ns)
 
-    def _disk_written(self, path: str) -> None:
+    def _disk_written(self, path: str, number: int) -> None:
         if _holds_events(path):
-            self.history.disk_written(self.world.now_ns)
+            self.history.disk_written(self.world.now_ns, number)
+
+    def _disk_made_durable(self, path: str, numbers: list[int]) -> None:
+        if _holds_events(path):
+            self.history.disk_made_durable(numbers)
 
     # ------------------------------------------------------------------ the log
     def note(self, text: str) -> None:
