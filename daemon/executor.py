@@ -237,7 +237,7 @@ class Executor:
     def _apply(self, cs, raw: bytes, records: np.ndarray | None) -> tuple[list, list]:
         """:meth:`apply` of the records' bytes (``records``: the same as an array, or None)."""
         if self.recorder is not None:
-            self.recorder.begin()
+            self.recorder.begin(cs.slot)  # a crash before the commit: these acks are applied, not journaled
         quota = self.group_quota
         count = len(raw) // _RECORD_SIZE
         if BATCH_MIN is not None and count >= BATCH_MIN and not (

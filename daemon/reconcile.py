@@ -35,6 +35,17 @@ whether a batch was open (``H_JOURNAL_OPEN``, set by the Recorder from its
 damage (ERROR lines, counted); after a crash inside a batch they are reported as
 settled (a WARNING), since that batch and damage cannot be told apart.
 
+An acknowledgement the batch applied freed its fired record, which the journal still
+has unacknowledged: restored, it is a new record (generation bumped), which the
+acknowledgement the ring applies again does not name, and it would go to its group
+at once (its recipient was in the freed record's aux word, which an arm of the same
+batch may have taken over). The word says whose ring chunk the batch applied
+(``arena_layout.journal_open_word``): the fired records restored after it name that
+client as their recipient, so the restarted daemon offers them to it first
+(``DaemonCore._redeliver_fired``), and its library, which took them in before it
+pushed the acknowledgements, acknowledges them without handing them again
+(docs/contracts.md, "Delivery and durability").
+
 Which deadlines are the journal's: the journal stores ``d = arena deadline +
 offset`` (wall-clock ms, the offset between the clocks when the event was
 written, rounded up), so for a sound record ``d - deadline`` *is* an offset the
@@ -89,6 +100,7 @@ class Reconciled:
     trusted: bool = False
     reason: str = ""
     batch_open: bool = False  # the previous daemon stopped between applying a batch and journaling it
+    batch_ring: int | None = None  # the client slot whose ring chunk that batch applied, if it was one
     checked: int = 0
     restored: int = 0  # timers the arena had lost, made again from the journal
     rewritten: int = 0  # live records whose deadline, tag or state took the journal's
@@ -133,7 +145,8 @@ def reconcile(wheel: TimerWheel, directory: str, name: str, clocks=read_clocks, 
     (:func:`~wheeld.journal.files.read_clocks`); ``fs``: the file port
     (:mod:`wheeld.protocol.fsport`; the real one is :mod:`os`)."""
     words = wheel.header_words()
-    result = Reconciled(batch_open=words[AL.H_JOURNAL_OPEN // 8] != 0)
+    open_word = int(words[AL.H_JOURNAL_OPEN // 8])
+    result = Reconciled(batch_open=open_word != 0, batch_ring=AL.journal_open_ring(open_word))
     try:
         _reconcile(wheel, directory, name, clocks, result, fs)
     finally:
@@ -219,6 +232,7 @@ class _Comparison:
         self.unmatched_scheduled: list = []
         self.unmatched_fired: list = []
         self.idle_restores: dict[int, tuple[int, object]] = {}  # index in restore -> (tag, timer): idle timers
+        self.fired_restores: list[int] = []  # indices in restore of the fired-unacknowledged timers
 
     def _index_journal(self, state: RecoveredState) -> None:
         """The journal's timers by (group id, ident); those of a group the arena no longer names apart."""
@@ -338,6 +352,7 @@ class _Comparison:
                 restore.append((ident, g, scheduled, _restored_deadline(timer, self.monotonic, now),
                                 timer.seq & 0xFFFFFFFF))
         for (g, ident, seq), timer in self.unacked.items():
+            self.fired_restores.append(len(restore))
             restore.append((ident, g, AL.FIRED, min(self.monotonic(timer.deadline_ms), now), seq))
         for name, st, ident, timer in self.lost_groups:  # its group's name was overwritten too: registered again
             gid = _group(self.wheel, self.gid_of, name)
@@ -370,6 +385,11 @@ class _Comparison:
         for index, (tag, _timer) in self.idle_restores.items():
             if tag in touch_refs and made[index] >= 0:
                 self.wheel.records["aux"][made[index]] = touch_refs[tag]
+        if result.batch_ring is not None:  # freed by the acknowledgements of that ring's chunk, maybe
+            recipient = AL.recipient_aux(result.batch_ring)
+            for index in self.fired_restores:
+                if made[index] >= 0:
+                    self.wheel.records["aux"][made[index]] = recipient
         result.freed = len(free) - result.fired_freed
         result.rewritten = len(rewrite)
         missing = sum(1 for slot in made if slot < 0)

@@ -174,13 +174,14 @@ class Recorder:
                     log_file.write(f"{path.name} {size} {self._clock_ms()}\n")
 
     # ------------------------------------------------------------------ events
-    def begin(self) -> None:
+    def begin(self, client_slot: int | None = None) -> None:
         """A batch begins: the records are about to change ahead of the journal. The arena
         says so (``H_JOURNAL_OPEN``) until :meth:`commit`: a daemon that attaches the arena
-        after a crash in between knows the two may differ by that batch
+        after a crash in between knows the two may differ by that batch, and, for a chunk
+        of ``client_slot``'s ring, whose acknowledgements it may have applied
         (:mod:`wheeld.daemon.reconcile`)."""
         self._offset = self._wall_offset_ms()
-        self._header[_JOURNAL_OPEN] = 1
+        self._header[_JOURNAL_OPEN] = AL.journal_open_word(client_slot)
 
     def _group(self, gid: int) -> str:
         name = self._group_names.get(gid)

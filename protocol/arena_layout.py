@@ -42,8 +42,10 @@ Header (little-endian, offsets in bytes)::
     128  -- cache line: doorbell eventcount (the daemon's "parked" flag) --
     128  parked           u64
     136  wake_seq         u64
-    144  journal_open     u64   1 while the daemon has applied a batch to the records that it
-                                has not appended to its journal yet (daemon/recorder.py)
+    144  journal_open     u64   not 0 while the daemon has applied a batch to the records that
+                                it has not appended to its journal yet (daemon/recorder.py):
+                                1, or 2 + the client slot whose ring chunk the batch applies
+                                (journal_open_word below)
     192  -- counters: COUNTERS u64 words, names in COUNTER_NAMES --
     192+8*COUNTERS  -- lateness histogram: LATENESS_BUCKETS u64 --
     GROUPS_OFFSET   -- group table: max_groups names, GROUP_NAME_BYTES each; an entry
@@ -80,6 +82,8 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+
+from .clients_layout import MAX_CLIENTS
 
 MAGIC = int.from_bytes(b"WHEELD\x00\x01", "little")
 LAYOUT_VERSION = 2  # 2: batch intent after the group table, intent_count
@@ -309,6 +313,29 @@ def recipient_of(aux: int) -> int | None:
     """The client slot a fired record's aux word names as its recipient, or None (-1, or a
     touch reference: it was not sent)."""
     return RECIPIENT_AUX_BASE - aux if aux <= RECIPIENT_AUX_BASE else None
+
+
+# ---- the journal_open word ------------------------------------------------------
+# 0 while the records and the journal agree. A batch the daemon applies to the records ahead
+# of its journal sets it until the batch is appended (daemon/recorder.py): to JOURNAL_OPEN for
+# one of the daemon's own (fires, idle re-arms, a slot's release), to JOURNAL_OPEN_RING + the
+# client slot for a chunk of that client's ring. A daemon that attaches the arena after a crash
+# inside a chunk thus knows whose acknowledgements it may have applied and not journaled
+# (daemon/reconcile.py). Any value but 0 means a batch was open, whoever wrote it.
+JOURNAL_OPEN = 1
+JOURNAL_OPEN_RING = 2
+
+
+def journal_open_word(client_slot: int | None) -> int:
+    """The journal_open word of a batch that applies ``client_slot``'s ring chunk (None: the daemon's own)."""
+    return JOURNAL_OPEN if client_slot is None else JOURNAL_OPEN_RING + client_slot
+
+
+def journal_open_ring(word: int) -> int | None:
+    """The client slot whose ring chunk an open batch applied, or None (no batch open, one of
+    the daemon's own, or a word no daemon writes)."""
+    slot = word - JOURNAL_OPEN_RING
+    return slot if 0 <= slot < MAX_CLIENTS else None
 
 
 def sentinel_count(levels: int, wheel_size: int) -> int:

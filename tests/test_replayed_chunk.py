@@ -9,6 +9,12 @@ applied again after its timer fired used to arm the key anew: the expiration was
 delivered twice (the chaos test saw it go to two incarnations of a worker). The
 client table notes the armings the arena held at start (``ArmingsAtStart``) and the
 first chunk of a ring handed back skips, per key, what the arena shows was applied.
+
+An ACK of the chunk, applied and not journaled, freed a fired record the journal still
+holds: the next daemon restores it from the journal as a new record, which the ACK the
+ring applies again does not name. It is offered to the client whose chunk it was (the
+arena's ``journal_open`` word names it), whose library took it in before it acknowledged
+it, not to any member of the group.
 """
 
 from __future__ import annotations
@@ -20,6 +26,11 @@ from ring_harness import ring_executor
 from wheeld.daemon import executor as E
 from wheeld.daemon.client_table import ArmingsAtStart, ClientTable
 from wheeld.daemon.config import Config
+from wheeld.daemon.reconcile import reconcile
+from wheeld.daemon.recorder import Recorder
+from wheeld.journal.files import Journal
+from wheeld.protocol import arena_layout as AL
+from wheeld.protocol import clock
 from wheeld.protocol import commands as C
 from wheeld.protocol.keys import encode_key
 from wheeld.shm import TimerWheel
@@ -154,3 +165,63 @@ def test_a_ring_handed_back_to_a_rebuilt_arena_without_a_replay_guards_its_first
         assert producer.try_push_record(C.encode_command(C.ADD, *k["a"], 7000, 4))
         assert executor.apply_ring(cs) == 1
         assert _pending(wheel) == {"x": 9000, "a": 7000}
+
+
+class Killed(BaseException):
+    """The daemon killed between applying a chunk and journaling it."""
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["in-order", "planned"])
+def test_an_ack_applied_and_not_journaled_leaves_its_restored_copy_to_the_client_that_pushed_it(
+        tmp_path, monkeypatch, planned):
+    """Simulation seed 57545: a worker acknowledged two expirations and armed new keys in one
+    chunk; the daemon applied it (the ACKs freed the fired records, the ADDs took their slots)
+    and was killed before journaling it. The next daemon restored the fired records from the
+    journal as new records with no recipient: they went to another member of the group at
+    once, which handed them a second time. Restored after a crash inside that client's chunk,
+    they name the client as their recipient: the restarted daemon holds them for it
+    (``DaemonCore._redeliver_fired``), and its library acknowledges a copy of what it took
+    in without handing it again. The ACK the ring applies again does not release them: it
+    names the freed record's generation."""
+    monkeypatch.setattr(E, "BATCH_MIN", 1 if planned else None)
+    start = clock.mono_ms()
+    with ring_executor(16, start_ms=start) as r:
+        wheel, cs, producer, executor = r.wheel, r.cs, r.producer, r.executor
+        journal = Journal(tmp_path / "journal", fsync="always", host="sim", name="test")
+        try:
+            recorder = executor.recorder = Recorder(journal, wheel)
+            k = {name: encode_key(name) for name in "xy"}
+            assert producer.try_push_record(C.encode_command(C.ADD, *k["x"], start + 5, 1))
+            assert executor.apply_ring(cs) == 1
+            # "x" fires; the daemon journals the fire and sends it to the client, its recipient
+            recorder.begin()
+            (slot,) = wheel.expire(start + 5)
+            key, deadline, gid, tag, _aux, gen = wheel.fired(slot)
+            recorder.fired(gid, key, deadline, tag, start + 5, False, None)
+            recorder.commit(start + 5)
+            wheel.mark_fired([slot], AL.recipient_aux(cs.slot))
+            # the client acknowledges it and arms "y"; the daemon is killed before the journal has them
+            assert producer.try_push_record(C.encode_ack(slot, gen, executor.arena_epoch))
+            assert producer.try_push_record(C.encode_command(C.ADD, *k["y"], start + 60_000, 2))
+
+            def killed(now_ms):
+                raise Killed
+
+            monkeypatch.setattr(recorder, "commit", killed)
+            with pytest.raises(Killed):
+                executor.apply_ring(cs)
+            assert wheel.lookup("y", gid) is not None and wheel.fired_slots() == []
+            assert AL.journal_open_ring(wheel.header_words()[AL.H_JOURNAL_OPEN // 8]) == cs.slot
+        finally:
+            journal.close()
+        # the next daemon attaches the arena and settles it from the journal
+        result = reconcile(wheel, str(tmp_path / "journal"), "test")
+        assert result.trusted and result.batch_open and result.restored == 1
+        assert wheel.lookup("y", gid) is None  # not journaled: freed, the ring arms it again
+        (restored,) = wheel.fired_slots()
+        assert wheel.fired(restored)[0] == "x" and wheel.fired(restored)[2:4] == (gid, tag)
+        assert AL.recipient_of(wheel.fired(restored)[4]) == cs.slot, "restored with no recipient: to the group"
+        # the client hands its ring back: the chunk is applied again, its ACK names the old record
+        executor.recorder = None
+        assert executor.apply_ring(cs) == 2
+        assert wheel.fired_slots() == [restored] and wheel.lookup("y", gid) == start + 60_000
