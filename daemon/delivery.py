@@ -81,7 +81,7 @@ COLUMNS_MIN = 256  # expirations handled per column (numpy) from this many on, p
 # Idle timers due this soon are re-armed ahead when touched (Delivery.rearm_ahead). A
 # daemon that only idle timers wake sleeps about this long between wake-ups, each of
 # which costs ~100-200 us however few timers it moves: at 10,000 connections 128 ms
-# took the daemon from 0.70 to 0.25 us per read against 32 ms (bench/sockets.py).
+# took the daemon from 0.63-0.72 to 0.37-0.40 us per read against 32 ms (bench/sockets.py).
 IDLE_AHEAD_MS = 128
 IDLE_AHEAD_EVERY_MS = 32  # ... looked for at most this often (each timer is looked at ~4 times before it is due)
 # Records looked at per call: bounds the pass (~0.4 ms of cold records), so a timer due
