@@ -216,6 +216,36 @@ def test_the_checker_allows_the_copy_a_library_rearmed_over_back_after_a_power_c
     assert ("twice" in rules) == twice, rules
 
 
+@pytest.mark.parametrize("snapshot", [False, True], ids=["stalled-to-the-cut", "snapshot-before-the-cut"])
+def test_a_library_rearm_during_a_stall_leaves_its_arming_at_risk(snapshot):
+    """Seed 79282: under ``--fsync interval=50`` an idle arming was acknowledged (10 ms), and
+    the journal's next write failed (ENOSPC, 33 ms) before the fsync that was to make it
+    durable; the journal stalled. Its library re-armed it 220 ms later (touched since it
+    fired: an ACK and an ADD_IDLE, which the stalled daemon applied and did not write), and
+    the power was cut 362 ms after the failure, before the retry's snapshot: the arming was
+    at risk "until the daemon has written its snapshot again" (docs/contracts.md, "Delivery
+    and durability"), re-arm or not, and its loss is no violation. Appends after the failure
+    made durable before the cut (that snapshot) are the journal writing again: the loss is a
+    violation then."""
+    from sim.checker import History, check
+
+    ms = 1_000_000
+    h = History()
+    h.joined(1, "g")
+    h.armed(1, "c1-0", 10, 0, 20, idle=True)
+    h.disk_written(1 * ms, append=0)  # the ADD_IDLE, appended and not yet synced
+    h.flushed(h.flush_called(1), 10 * ms)
+    h.disk_failed(33 * ms)  # the next append: ENOSPC, the journal stalls
+    h.idle_rearmed(1, "c1-0", 10, 253 * ms)  # applied, not written
+    if snapshot:
+        h.disk_written(300 * ms, append=1)  # a snapshot fitted, then its fsync
+        h.disk_synced(300 * ms)
+        h.disk_made_durable([1])
+    h.power_cut(395 * ms, 100 * ms)
+    assert h.may_have_lost(h.armings[(1, "c1-0", 10)]) is not snapshot
+    assert [v.rule for v in check(h, 20_000 * ms)] == (["lost"] if snapshot else [])
+
+
 def test_every_known_bug_patch_still_applies():
     """The re-introduced bugs of tests/sim/known_bugs (docs/testing.md, "It finds what we
     know") stay measurable: each patch applies to the tree as it is."""

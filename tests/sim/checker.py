@@ -340,13 +340,18 @@ class History:
             # may keep the ACK and lose the ADD_IDLE behind it. So its last re-arm before the cut
             # counts here as its acknowledgement would: a cut within the window after it may lose it.
             # (a Command, superseding an arming, has no re-arms)
-            acked_ns = max([arming.acked_ns] + [r for r in getattr(arming, "rearmed_ns", ()) if r <= at])
-            if acked_ns >= at - window:
+            latest_ns = max([arming.acked_ns] + [r for r in getattr(arming, "rearmed_ns", ()) if r <= at])
+            if latest_ns >= at - window:
                 return True
-            # the last failure on the journal's disk from the window before the ack to the cut,
-            # with nothing written after it made durable: the journal never recovered before the cut
+            # the last failure on the journal's disk from the window before the flush's
+            # acknowledgement to the cut, with nothing written after it made durable: the journal
+            # never recovered before the cut. A re-arm does not move that bound: the daemon applies
+            # the library's ACK and ADD_IDLE while its journal is stalled and does not write them
+            # (unlike a flush(), which then fails with JournalUnavailable), so a re-arm after the
+            # failure says nothing of the journal having recovered, and the new arming is at risk
+            # with the one it replaces
             last = bisect.bisect_right(self.disk_failures, at) - 1
-            if last >= 0 and self.disk_failures[last] >= acked_ns - window and \
+            if last >= 0 and self.disk_failures[last] >= arming.acked_ns - window and \
                     not self._wrote_again(self.disk_failures[last], at):
                 return True
         return False
