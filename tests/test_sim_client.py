@@ -548,6 +548,25 @@ def test_a_refusal_raises_its_error_and_closes_what_came_with_it(world):
     assert open_fds() == before
 
 
+def test_each_expiration_handed_is_named_by_the_tag_of_its_own_record(world):
+    """The checker learns which arming was handed from ready_tags: the item the library
+    took, not the first one that looks like it. Seed 810039: a key re-armed with delay 0
+    in the ms its first arming was due; both copies sat with a member that died and came
+    back together, same key, deadline and fired time; the library dropped the old one."""
+    clock, daemon, client = world
+    c = client()
+    open_session(daemon, c)
+    c.add("k", 14)
+    old = latest_tag(c, "k")
+    c.add("k", 0)
+    new = latest_tag(c, "k")
+    daemon.records()
+    daemon.send(M.Expirations([M.Expiry.for_key("k", 972, 1021, old, 5, 7),
+                               M.Expiry.for_key("k", 972, 1021, new, 9, 1)]))
+    assert [e.key for e in c.poll().expired] == ["k"], "the re-armed arming's copy is dropped"
+    assert c.handed_tags == [new]
+
+
 def test_a_goodbye_ends_the_session_and_the_client_comes_back(world):
     clock, daemon, client = world
     c = client()

@@ -47,7 +47,6 @@ from wheeld.handshake import RETRY_FIRST_S, Handshake, Reconnection
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import BrokenPeer
 from wheeld.protocol.framing import FrameReader
-from wheeld.protocol.keys import encode_key
 
 __all__ = ["SimClient", "SimConnection", "SimListener", "Polled", "client_clock", "DEFAULT_CAPACITY"]
 
@@ -70,15 +69,6 @@ def client_clock(clock_ns: Callable[[], int]):
         yield
     finally:
         client_core._set_clock(None)
-
-
-def _key_bytes(key) -> bytes:
-    """The bytes a key travels as (str: UTF-8; bytes as they are; int: its encoding)."""
-    if type(key) is str:
-        return key.encode()
-    if type(key) is bytes:
-        return key
-    return encode_key(key)[0]
 
 
 # ------------------------------------------------------------------------ the connection
@@ -495,19 +485,14 @@ class SimClient(ClientCore):
                 self.on_received(bytes(item.key_bytes), item.seq, item.fired_ms)
         before = len(self._ready)
         super()._on_expirations(items)
-        made = list(itertools.islice(self._ready, before, None))
-        if made:  # which item each came from: they are appended in the frame's order
-            cursor = 0
-            for expired in made:
-                while cursor < len(items):
-                    item = items[cursor]
-                    cursor += 1
-                    if (item.deadline_ms == expired.deadline_ms and item.fired_ms == expired.fired_ms
-                            and bytes(item.key_bytes) == _key_bytes(expired.key)):
-                        self.ready_tags.append(item.seq)
-                        break
-                else:
-                    self.ready_tags.append(-1)
+        if len(self._ready) > before:
+            # which item each came from: its handle, appended in step, names the item's record
+            # (slot, generation). Key, deadline and fired time do not: a re-arm with delay 0
+            # in the ms its first arming was due has that deadline too, and two copies sent
+            # again together (their member died) carry the same fired time.
+            tag_of = {(item.slot, item.generation): item.seq for item in items}
+            for slot, generation, _epoch in itertools.islice(self._ready_handles, before, None):
+                self.ready_tags.append(tag_of.get((slot, generation), -1))
 
     def _stale_idle(self, ident, e, bkey, handle) -> bool:
         rearmed = super()._stale_idle(ident, e, bkey, handle)
