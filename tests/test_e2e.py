@@ -427,9 +427,7 @@ def test_commands_nobody_waits_for_are_gathered_and_a_flush_is_answered_at_once(
     daemon answers it is measured by bench/daemon_paths.py); nothing fires early."""
     d = daemon_factory(extra=["--coalesce-us", "10000"]).start()
     with wheeld.connect(d.socket_path, group="gather") as w:
-        doorbells = []
-        ring = w._ring_doorbell
-        w._ring_doorbell = lambda urgent=True: (doorbells.append(urgent), ring(urgent))
+        doorbells = _record_doorbells(w)
         w.flush()
         before = d.wait_parked()  # nothing due
         doorbells.clear()
@@ -467,9 +465,7 @@ def test_no_doorbell_is_rung_when_the_park_ends_within_the_window(daemon_factory
 
     d = daemon_factory(extra=["--coalesce-us", "10000"]).start()
     with wheeld.connect(d.socket_path, group="quiet") as w:
-        doorbells = []
-        ring = w._ring_doorbell
-        w._ring_doorbell = lambda urgent=True: (doorbells.append(urgent), ring(urgent))
+        doorbells = _record_doorbells(w)
         w.flush()
         before = d.wait_parked()  # nothing due: a long park, its quiet_from far ahead
         assert w._page[SL.QUIET_FROM_WORD] > time.monotonic_ns() + 100_000_000
@@ -493,6 +489,14 @@ def test_no_doorbell_is_rung_when_the_park_ends_within_the_window(daemon_factory
         assert doorbells == [], f"{len(doorbells)} doorbells rung into parks that end within the window"
         wait_until(lambda: _applied(d, before, n), what=f"{n} adds applied without a doorbell")
         assert 0 < w._page[SL.QUIET_FROM_WORD] <= time.monotonic_ns()
+
+
+def _record_doorbells(w) -> list:
+    """The doorbells ``w`` rings from now on, each as its urgent flag (it still rings them)."""
+    doorbells: list = []
+    ring = w._ring_doorbell
+    w._ring_doorbell = lambda urgent=True: (doorbells.append(urgent), ring(urgent))
+    return doorbells
 
 
 def _applied(daemon, before: dict, n: int) -> dict | None:
