@@ -37,7 +37,7 @@ _EXPORTS = {
         (
             "WheeldError", "InvalidRequest", "InvalidKey", "InvalidDelay", "BackPressure", "RingFull", "ArenaFull",
             "QuotaExceeded", "GroupLimit", "Timeout", "ProtocolError", "NotAllowed", "Closed", "ForkedClient",
-            "BrokenPeer", "DaemonNotRunning", "CorruptArena", "JournalUnavailable",
+            "BrokenPeer", "DaemonNotRunning", "CorruptArena", "JournalUnavailable", "ReplicationBehind",
         ),
         _ERRORS,
     ),
@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
         NotAllowed,
         ProtocolError,
         QuotaExceeded,
+        ReplicationBehind,
         RingFull,
         Timeout,
         WheeldError,

@@ -25,6 +25,7 @@ from wheeld.protocol.errors import (
     GroupLimit,
     InvalidRequest,
     JournalUnavailable,
+    ReplicationBehind,
     NotAllowed,
     ProtocolError,
     QuotaExceeded,
@@ -218,7 +219,7 @@ class ClientSession:
             self._applied = message.seq
             position = self._flush_positions.get(message.seq)
             rejected = self._rejected
-            if rejected and rejected[-1].seq == message.seq and rejected[-1].code == M.Rejected.JOURNAL_UNAVAILABLE:
+            if rejected and rejected[-1].seq == message.seq and rejected[-1].code in M.Rejected.NOT_DURABLE:
                 position = None  # applied but not on disk (the daemon's journal stalled): keep the replay position
             answers = self._flush_answers
             if answers and answers.get(message.seq, ()) is None:  # a flush() waits for it: its refusals
@@ -297,9 +298,9 @@ class ClientSession:
             return
         # a flush the journal could not make durable: raised last, since a later flush that
         # succeeds covers those commands too, while a refused command is never applied
-        unsynced = [r for r in rejected if r.code == M.Rejected.JOURNAL_UNAVAILABLE]
+        unsynced = [r for r in rejected if r.code in M.Rejected.NOT_DURABLE]
         if unsynced:
-            rejected = [r for r in rejected if r.code != M.Rejected.JOURNAL_UNAVAILABLE]
+            rejected = [r for r in rejected if r.code not in M.Rejected.NOT_DURABLE]
         full = [r for r in rejected if r.code == M.Rejected.ARENA_FULL]
         quota = [r for r in rejected if r.code == M.Rejected.QUOTA_EXCEEDED]
         summary = ", ".join(f"{r.key!r}: {r.reason}" for r in rejected[:5])
@@ -309,4 +310,6 @@ class ClientSession:
             raise QuotaExceeded(f"{len(quota)} add(s) refused: group {self.group!r} holds its quota ({summary})")
         if rejected:
             raise InvalidRequest(f"{len(rejected)} command(s) refused ({summary})")
+        if unsynced[-1].code == M.Rejected.REPLICATION_BEHIND:
+            raise ReplicationBehind(unsynced[-1].reason)
         raise JournalUnavailable(unsynced[-1].reason)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 
 import click
@@ -120,12 +121,30 @@ EXIT_INSTANCE_RUNNING = 75
               help="A parked daemon applies commands that nobody waits for at most this long after the "
                    "doorbell, gathering more of them per wake-up (0: at once). Flushes and full rings "
                    "wake it at once; a timer due sooner too.")
+@click.option("--replicate", default=None, metavar="URL,URL,...",
+              help="Send the journal to this NATS JetStream cluster (needs --journal; wheeld[fleet]): a stream "
+                   "per host, its lease in a KV bucket. Credentials: WHEELD_NATS_USER/WHEELD_NATS_PASSWORD or "
+                   "WHEELD_NATS_CREDS (a creds file), from the environment (docs/fleet.md).")
+@click.option("--durability", type=click.Choice(["local", "replicated"]), default="local", show_default=True,
+              help="replicated: flush() returns once the cluster stored (on a quorum) everything it covers, and "
+                   "fails with ReplicationBehind after --replicate-timeout-s; local: as --fsync says.")
+@click.option("--host-id", default=None, metavar="ID",
+              help="This host's name in the fleet (its stream WHEELD_<ID>, its lease) [default: the host name].")
+@click.option("--lease-ttl-s", type=click.FloatRange(1.0, 3600.0), default=10.0, show_default=True,
+              help="A host whose lease is not renewed this long may be taken over by a peer (--adopt).")
+@click.option("--replicas", type=click.IntRange(1, 5), default=3, show_default=True,
+              help="Copies of the stream (and of the lease bucket) the cluster keeps.")
+@click.option("--replicate-timeout-s", type=click.FloatRange(0.1, 3600.0), default=5.0, show_default=True,
+              help="Under --durability replicated, a flush() the cluster has not stored this long fails.")
+@click.option("--adopt", "adopt", multiple=True, metavar="HOST|*",
+              help="Take over this host's timers when its lease lapses (repeatable; '*': any host of the "
+                   "fleet). Its timers go to the groups of the same names here.")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_capacity, metrics, journal_dir, fsync,
          journal_damage, allow_uids, allow_groups, socket_mode, socket_group, monitor_group, group_owners, group_quota,
          max_groups, groups_per_uid, max_clients, clients_per_uid, resume_grace_s, ack_timeout_s, frame_timeout_s,
-         coalesce_us, log_level):
+         coalesce_us, replicate, durability, host_id, lease_ttl_s, replicas, replicate_timeout_s, adopt, log_level):
     """Run the wheeld timer daemon in the foreground."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s wheeld[%(process)d] %(levelname)s %(message)s",
                         stream=sys.stderr)
@@ -151,7 +170,11 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
             group_quota=group_quota, max_groups=max_groups, ack_timeout_s=ack_timeout_s,
             frame_timeout_s=frame_timeout_s, groups_per_uid=groups_per_uid, max_clients=max_clients,
             clients_per_uid=clients_per_uid, resume_grace_s=resume_grace_s,
+            fleet=_fleet(replicate, journal_dir, host_id, lease_ttl_s, replicas, adopt),
+            durability=durability, replicate_timeout_s=replicate_timeout_s,
         )
+        if durability == "replicated" and config.fleet is None:
+            raise InvalidRequest("--durability replicated needs --replicate")
         from .server import run
 
         sys.exit(run(config))
@@ -164,6 +187,29 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
     except WheeldError as exc:
         click.echo(f"wheeld: {exc}", err=True)
         sys.exit(EXIT_CANNOT_START)
+
+
+def _fleet(replicate, journal_dir, host_id, lease_ttl_s, replicas, adopt):
+    """The FleetConfig of ``--replicate`` (None without it)."""
+    if not replicate:
+        if adopt:
+            raise InvalidRequest("--adopt needs --replicate")
+        return None
+    if not journal_dir:
+        raise InvalidRequest("--replicate needs --journal (the stream is a copy of the journal)")
+    from wheeld.fleet import stream
+    from wheeld.fleet.replicator import FleetConfig
+
+    urls = tuple(u.strip() for u in replicate.split(",") if u.strip())
+    try:
+        host = stream.check_host_id(host_id) if host_id else stream.default_host_id()
+        adopted = tuple(a if a == "*" else stream.check_host_id(a) for a in adopt)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    env = os.environ
+    return FleetConfig(urls=urls, host_id=host, lease_ttl_s=lease_ttl_s, replicas=replicas,
+                       user=env.get("WHEELD_NATS_USER"), password=env.get("WHEELD_NATS_PASSWORD"),
+                       creds=env.get("WHEELD_NATS_CREDS"), adopt=adopted)
 
 
 def _uid(name: str) -> int:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol.naming import default_name, default_socket_path
 
+
+#: the exit status of a daemon that stood down because another host took its timers over (wheeld.fleet)
+EXIT_FENCED = 69
 
 #: the largest ``--capacity`` (records of 64 bytes; the arena's int32 record numbers, with room)
 MAX_CAPACITY = (1 << 31) - 100_000
@@ -45,4 +49,8 @@ class Config:
     max_park_ms: int = 500  # longest sleep without a wake-up (bounds a missed doorbell)
     coalesce_us: int = 1000  # a parked daemon wakes this long after a non-urgent doorbell (0: at once)
     delivery_batch: int = 4096
+    #: --replicate: the journal sent to a NATS JetStream cluster (wheeld.fleet); None: local only
+    fleet: Any = None  # a wheeld.fleet.replicator.FleetConfig
+    durability: str = "local"  # "replicated": a flush() returns once the stream stored what it covers
+    replicate_timeout_s: float = 5.0  # a flush() the stream has not stored this long fails (ReplicationBehind)
     handshake_timeout_s: float = 5.0

@@ -75,7 +75,7 @@ from wheeld.protocol.naming import shm_path
 from wheeld.shm.status import StatusPage
 from wheeld.shm.wheel import TimerWheel
 
-from .config import Config
+from .config import EXIT_FENCED, Config
 from .delivery import Delivery
 from .executor import DRAIN_BATCH, Executor
 from .host import Host, Shell
@@ -139,6 +139,9 @@ class DaemonCore:
         self._last_publish = -(1 << 62)  # the first iteration publishes
         self._published = False  # the counters were published after everything this iteration wrote
         self.stats_pending = 0
+        self.replication = None  # --replicate (wheeld.daemon.replication)
+        self.fenced_reason: str | None = None
+        self.exit_code = 0
 
     # ------------------------------------------------------------------ start-up
     def acquire(self) -> None:
@@ -194,10 +197,57 @@ class DaemonCore:
         if table.created:
             self.created.append(shm_path(table.segment_name))
         self.held.append(HeldSegment("client table", table.segment_name, table.identity, self.host.shm))
+        self._open_replication()
         self._redeliver_fired(now)
         self.status = StatusPage.create(f"wheeld-{cfg.name}-status")
         self.sessions.serve(self.status, self.lock.secret)
         self._park_epoch = wheel.header_words()[AL.H_WAKE_SEQ // 8]
+
+    def _open_replication(self) -> None:
+        """``--replicate``: the journal's appends and snapshots go to the shell's replicator
+        too, the stream starts with a snapshot, and (``--durability replicated``) flush
+        answers wait for the stream (:mod:`wheeld.daemon.replication`)."""
+        replicator = getattr(self.shell, "replicator", None)
+        if replicator is None or self.recorder is None:
+            return
+        from .executor import answer_chunk
+        from .replication import Replication
+
+        cfg = self.config
+        self.recorder.journal.tap = self.recorder.replica = replicator
+        self.replication = Replication(replicator, cfg.durability, int(cfg.replicate_timeout_s * 1000), self.clock,
+                                       self.totals, answer_chunk)
+        self.executor.replication = self.replication
+        self.recorder.snapshot()
+
+    def replication_progress(self) -> None:
+        """The stream stored more, or the lease or the replicator's state changed: answer
+        what waited, send what the lease held back (the next iteration)."""
+        if self.replication is not None:
+            self.replication.release(self.clock())
+        self.wake()
+
+    def fenced(self, reason: str) -> None:
+        """Another host took this host's timers over: stand down (nothing more is sent;
+        the daemon exits with EXIT_FENCED)."""
+        self.fenced_reason = reason
+        self.exit_code = EXIT_FENCED
+        self.shell.status_changed()
+        self.stop()
+
+    def adopt(self, host: str, state) -> tuple[int, int, int]:
+        """A lost host's timers into this arena (:func:`wheeld.daemon.replication.adopt_timers`);
+        the journal (and so this host's stream) records them as this host's own."""
+        from .replication import adopt_timers
+
+        self.arena_busy()
+        result = adopt_timers(self.wheel, self.recorder, self.clock, host, state)
+        self.wake()
+        return result
+
+    def _may_deliver(self) -> bool:
+        replication = self.replication
+        return replication is None or replication.replicator.lease_ok(self.clock())
 
     def _redeliver_fired(self, now: int) -> None:
         """Every fired-but-unacknowledged timer is delivered again: to the client it was last
@@ -257,15 +307,20 @@ class DaemonCore:
         # which knows its latest arming), and bound that drain, so a command flood
         # cannot hold expiry back for more than ~1 ms; the clock is read after the drain.
         due = wheel.next_deadline()
+        may_deliver = self.replication is None or self._may_deliver()
         if due is not None and due <= clock():
             delivery.expire(clock())
-            delivery.dispatch()
+            if may_deliver:
+                delivery.dispatch()
             commands = self.executor.drain(_DRAIN_DUE)
         else:
             commands = self.executor.drain(DRAIN_BATCH, due)
         now = clock()
         delivery.expire(now)
-        delivery.dispatch()
+        if may_deliver:
+            delivery.dispatch()
+        if self.replication is not None:
+            self.replication.release(now)
         if now != self._last_ahead:  # after this iteration's expirations went out; at most once per ms
             self._last_ahead = now
             wheel.cascade_ahead(now, _CASCADE_AHEAD)
@@ -340,6 +395,10 @@ class DaemonCore:
             timeout_ms = min(timeout_ms, self.watchdog_ms)
         if self.recorder is not None and self.recorder.sync_due_ms() is not None:
             timeout_ms = min(timeout_ms, self.recorder.sync_due_ms() - now)
+        if self.replication is not None:
+            held_until = self.replication.next_timeout_ms()
+            if held_until is not None:
+                timeout_ms = min(timeout_ms, held_until - now)
         return timeout_ms
 
     def wake(self) -> None:
@@ -416,6 +475,11 @@ class DaemonCore:
             journal = self.recorder.journal
             totals["journal_lsn"] = journal.last_lsn
             totals["journal_durable_lsn"] = journal.durable_lsn
+        if self.replication is not None:
+            fleet = self.replication.replicator.stats()
+            totals["fleet_state"] = AL.FLEET_STATES.index(fleet["fleet_state"])
+            totals["fleet_lag_records"] = fleet["fleet_lag_records"]
+            totals["fleet_lag_ms"] = fleet["fleet_lag_ms"]
         wheel.publish_stats()
         hq = wheel.header_words()
         self.status.publish(wheel.capacity, hq[_PENDING_WORD], hq[_FIRED_UNACKED_WORD])
@@ -429,6 +493,11 @@ class DaemonCore:
         """One line for systemd's ``STATUS=``."""
         w = self.wheel
         line = f"{len(w)} pending, {len(self.sessions.sessions)} clients, {w.counters()['fired_unacked']} awaiting ack"
+        if self.fenced_reason:
+            line += f"; FENCED, STANDING DOWN: {self.fenced_reason}"
+        elif self.replication is not None:
+            r = self.replication.replicator
+            line += f"; fleet {r.host} {r.state} (epoch {r.epoch})"
         unavailable = self.recorder.unavailable if self.recorder is not None else None
         if unavailable:
             line += f"; JOURNAL NOT WRITABLE ({unavailable}): flush() fails, timers still fire"

@@ -124,6 +124,7 @@ class Executor:
         self.poison = poison
         self.clock = clock
         self.recorder = recorder
+        self.replication = None  # --replicate: answers may wait for the stream (wheeld.daemon.replication)
         self.ring_depth = 0  # commands seen in the rings during the current drain
 
     # ------------------------------------------------------------------ draining
@@ -224,7 +225,10 @@ class Executor:
         segment.commit(good)  # only now may the client reuse the slots: a crash above re-applies the chunk
         self.totals["commands_total"] += good
         self.totals["rejected_total"] += len(rejects)
-        _answer(cs, flushes, rejects, cuts, unsynced)
+        if self.replication is None:
+            _answer(cs, flushes, rejects, cuts, unsynced)
+        else:
+            self.replication.answer(cs, self.recorder.journal.last_lsn, flushes, rejects, cuts, unsynced)
         if good < n:
             self.poison(cs, f"invalid command record (op {raw[good * _RECORD_SIZE]}) at ring position {good}")
         return good
@@ -566,12 +570,15 @@ def _log_command(command_log: CommandLog, ident: bytes, op: int, deadline: int, 
     command_log.idle_ms.append(idle_ms if op == C.ADD_IDLE else None)
 
 
-def flush_answer(seq: int, unsynced) -> bytes:
+def flush_answer(seq: int, unsynced, code=None) -> bytes:
     """The frames that answer FLUSH ``seq``: ``Applied``, preceded by a ``Rejected`` with code
-    ``journal_unavailable`` when the commands before it are not on disk (``unsynced``: why)."""
+    ``journal_unavailable`` when the commands before it are not on disk (``unsynced``: why),
+    or ``code`` (``replication_behind``: ``unsynced`` is the whole reason)."""
     applied = M.encode_daemon_frame(M.Applied(seq))
     if not unsynced:
         return applied
+    if code is not None:
+        return M.encode_daemon_frame(M.Rejected(seq, b"", 0, unsynced[:4096], code)) + applied
     reason = (f"not durable: {unsynced}; the commands were applied (timers fire) but are not on disk; "
               "a flush() once the journal is writable again covers them")
     return M.encode_daemon_frame(M.Rejected(seq, b"", 0, reason[:4096], M.Rejected.JOURNAL_UNAVAILABLE)) + applied
@@ -591,13 +598,18 @@ def _position(reject: Rejection) -> int:
     return reject.at
 
 
-def _answer(cs, flushes: list, rejects: list, cuts: list | None, unsynced=None) -> None:
+def answer_chunk(cs, flushes: list, rejects: list, cuts, unsynced=None, code=None) -> None:
+    """The chunk's answers (:func:`_answer`), for the replication's held answers."""
+    _answer(cs, flushes, rejects, cuts, unsynced, code)
+
+
+def _answer(cs, flushes: list, rejects: list, cuts: list | None, unsynced=None, code=None) -> None:
     """Send a chunk's answers, each rejection before the ``Applied`` of the first FLUSH after
     its command (``cuts``: :func:`answer_order`; bounded: :meth:`Session.answer
     <wheeld.daemon.connection.Session.answer>`). Those of a chunk applied while the client's
     session was closed are kept for the session it opens next (its Hello)."""
     session = cs.session
-    flush_answers = [flush_answer(seq, unsynced) for seq in flushes]
+    flush_answers = [flush_answer(seq, unsynced, code) for seq in flushes]
     if session is not None and not session.closed:
         session.answer(rejects, flush_answers, cuts)
     elif flushes or rejects:

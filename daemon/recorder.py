@@ -130,6 +130,7 @@ class Recorder:
         #: a pending idle timer's idle_ms from its touch reference (the record's aux), or None
         #: while its client's touch table is out of reach (the daemon's Delivery.idle_ms_of)
         self.idle_source: Callable[[int], int | None] | None = None
+        self.replica = None  # --replicate: the Replicator (its want_snapshot asks for a snapshot)
         # (group, key, arming tag) -> idle_ms of the idle timers the journal held at start
         # (reconcile.Reconciled.idle_ms): for those whose touch table is out of reach
         self._known_idle = known_idle or {}
@@ -356,6 +357,8 @@ class Recorder:
             return
         due_events = self.journal.last_lsn - self._snapshot_lsn >= self.snapshot_every_events
         clock_ms = self._clock_ms()
+        if self.replica is not None and self.replica.want_snapshot:
+            due_events = True  # the stream needs one (its start, or what it missed: wheeld.fleet.replicator)
         due_time = (clock_ms - self._snapshot_time_ms >= self.snapshot_every_s * 1000
                     and self.journal.last_lsn > self._snapshot_lsn)
         if (due_events or due_time) and clock_ms >= self._snapshot_retry_at_ms:

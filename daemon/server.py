@@ -136,6 +136,7 @@ class Daemon:
         self._maintain_handle: asyncio.TimerHandle | None = None
         self._accept_paused = False
         self._last_watchdog = 0.0
+        self.replicator = None  # --replicate: wheeld.fleet.replicator.Replicator (the core reads it)
 
     # what the metrics endpoint reads
     @property
@@ -177,12 +178,25 @@ class Daemon:
             if metrics_server is not None:
                 metrics_server.close()
             self._shutdown()
-        return 0
+            if self.replicator is not None:
+                await self.replicator.close()
+        return core.exit_code
 
     async def _start(self):
         """Everything between the instance lock and READY; the metrics server, if any."""
         self.listener, self._owns_socket_path = open_socket(self.config)
+        if self.config.fleet is not None:
+            from wheeld.fleet.replicator import Replicator
+
+            self.replicator = Replicator(self.config.fleet, on_progress=self.core.replication_progress,
+                                         on_fenced=self.core.fenced, clock_ms=self.core.clock)
+            if self.config.fleet.adopt:
+                from wheeld.fleet.adopt import Adopter
+
+                self.replicator.adopter = Adopter(self.config.fleet, self.core.adopt)
         self.core.open()
+        if self.replicator is not None:
+            self.replicator.start()
         watchdog_s = self.notifier.watchdog_interval_s()
         self.core.watchdog_ms = int(watchdog_s * 1000) if watchdog_s else 0
         self._maintain_handle = self.loop.call_later(MAINTAIN_S, self._maintain)

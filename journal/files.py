@@ -680,6 +680,9 @@ class Journal(GroupCommit):
         # names not synced yet (sync() makes both durable)
         self._unsynced_segments: list[Path] = []
         self._directory_unsynced = False
+        #: told every batch written (``appended(first_lsn, last_lsn, data)``) and every snapshot
+        #: (``snapshotted(lsn, data)``), in order: :class:`wheeld.fleet.replicator.Replicator`
+        self.tap: Any = None
 
 
     # -- state -------------------------------------------------------------
@@ -762,7 +765,7 @@ class Journal(GroupCommit):
             self._stall(exc)
             raise JournalUnavailable(self.unavailable()) from exc
         self._segment_size += len(data)
-        self._last_lsn = lsn
+        first_lsn, self._last_lsn = self._last_lsn + 1, lsn
         if self._always:
             try:
                 self.fs.fsync(self._fd)
@@ -773,6 +776,8 @@ class Journal(GroupCommit):
             self._durable(lsn, self._segment_size)
         elif self._interval and self._unsynced_since_ms is None:
             self._unsynced_since_ms = self._mono_ms() if now_ms is None else now_ms
+        if self.tap is not None:  # a replica (wheeld --replicate) gets the same bytes, in order
+            self.tap.appended(first_lsn, lsn, data)
         return lsn
 
 
@@ -1090,6 +1095,8 @@ class Journal(GroupCommit):
             raise
         fsport.fsync_dir(fs, self.directory)
         self.fsync_count += 2
+        if self.tap is not None:
+            self.tap.snapshotted(lsn, data)
         return final
 
     def compact(self) -> list[Path]:

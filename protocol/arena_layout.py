@@ -177,7 +177,13 @@ _COUNTER_TABLE = (
     ("journal_flushes_refused_total", DAEMON),  # FLUSHes answered with JournalUnavailable
     ("arena_damaged_records_total", DAEMON),  # records found damaged (at attach, or when delivered): daemon/startup.py
     ("arena_timers_lost_total", DAEMON),  # timers of damaged records nothing could restore (no journal to restore from)
+    # --replicate (wheeld.fleet): FLEET_STATES code (0: not replicating), and what the stream has not stored yet
+    ("fleet_state", DAEMON),
+    ("fleet_lag_records", DAEMON),  # journal events not yet stored by the cluster
+    ("fleet_lag_ms", DAEMON),  # how long since the stream last stored something, while events wait
 )
+#: fleet_state's codes (wheeld.fleet.replicator.Replicator.state)
+FLEET_STATES = ("off", "connecting", "replicating", "behind", "fenced", "stopped", "failed")
 COUNTERS = 64
 assert len(_COUNTER_TABLE) <= COUNTERS
 #: name of each counter word, by index

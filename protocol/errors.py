@@ -17,6 +17,8 @@ BrokenResourceError is the model):
 ``Timeout``            ...the daemon did not answer in time (also a ``TimeoutError``)
 ``JournalUnavailable`` ...the daemon cannot write its journal (disk full, I/O
                        error, read-only): a ``flush()`` could not be made durable
+``ReplicationBehind``  ......``--durability replicated``: the cluster has not stored
+                       what a ``flush()`` covers within ``--replicate-timeout-s``
 ``ProtocolError``      a peer sent something that does not decode (garbage,
                        wrong version, bad checksum); the peer is at fault
 ``NotAllowed``         the daemon refuses this user: not an allowed uid/gid, or a
@@ -87,6 +89,15 @@ class JournalUnavailable(BackPressure):
     them is not acknowledged. The daemon keeps serving and writes a snapshot of
     everything once the journal can be written again; a ``flush()`` after that
     succeeds and covers them."""
+
+
+class ReplicationBehind(JournalUnavailable):
+    """``wheeld --durability replicated``: the NATS JetStream cluster the daemon replicates
+    its journal to has not stored what this ``flush()`` covers within
+    ``--replicate-timeout-s`` (out of reach, no quorum, or slower than the commands). The
+    commands were applied (the timers fire, on this host) and are in the local journal;
+    the daemon sends what the cluster missed, in order, once it is back, and a ``flush()``
+    that succeeds then covers them."""
 
 
 class ProtocolError(WheeldError):

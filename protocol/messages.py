@@ -249,6 +249,11 @@ class Rejected(_Message, frozen=True, tag="rejected"):
     #: for a FLUSH (``seq`` is the flush's, no key): the commands before it were applied
     #: but the journal could not be written, so they are not durable (JournalUnavailable)
     JOURNAL_UNAVAILABLE: ClassVar[str] = "journal_unavailable"
+    #: for a FLUSH: applied and journaled, but not yet stored by the cluster the daemon
+    #: replicates to (``--durability replicated``; ReplicationBehind)
+    REPLICATION_BEHIND: ClassVar[str] = "replication_behind"
+    #: the codes of a FLUSH that was applied but is not as durable as promised
+    NOT_DURABLE: ClassVar[frozenset] = frozenset(("journal_unavailable", "replication_behind"))
 
     def __post_init__(self) -> None:
         _check_key(self.key_bytes, self.key_meta, optional=True)

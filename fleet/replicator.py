@@ -1,0 +1,455 @@
+"""A host's journal sent to its JetStream stream, and the host's lease kept.
+
+``wheeld --replicate nats://A,nats://B,nats://C`` runs a :class:`Replicator` in the
+daemon's event loop (its I/O is a few asyncio tasks of ``nats-py``; every decision
+about what a flush() may answer stays in the daemon's core, which reads
+:attr:`Replicator.replicated_lsn`).
+
+What it sends (:mod:`wheeld.fleet.stream`): every journal append, as written to the
+local segment, and every snapshot the local journal writes, in the order the journal
+made them; after a snapshot is stored the stream is purged up to it, so the stream holds
+what the local journal holds: the live timers, not the history. The first thing sent
+after a start is a snapshot (the core writes one at once), so nothing the stream missed
+while no daemon ran, or while the cluster was out of reach, is ever needed from memory.
+
+The outbox is bounded (:data:`OUTBOX_BYTES`): when the cluster is out of reach longer
+than it holds, the queued batches are dropped and the next snapshot (asked of the core
+through :attr:`Replicator.want_snapshot`) replaces them; batches appended meanwhile are
+covered by that snapshot too. Nothing the stream stored is ever doubled: each message
+names the stream sequence it follows, and a retry whose first attempt was stored
+(its acknowledgement lost) is recognised by the stream's last message.
+
+Lease and fencing: the host holds the key ``<host id>`` of the bucket
+:data:`~wheeld.fleet.stream.LEASE_BUCKET` (its TTL is ``--lease-ttl-s``), renewed every
+third of it with a compare-and-set on the key's revision. :attr:`lease_valid_until_ms`
+is when the lease may have lapsed by this host's own clock (the renewal's send time
+plus the TTL, less a margin). A peer that adopts the host claims the lapsed key, then
+writes a ``fence`` to the host's stream: every later write of the host is refused by
+the stream, and its next renewal fails. Either tells the host it was fenced
+(:attr:`fenced`); the daemon then stands down (``on_fenced``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from . import stream as S
+
+log = logging.getLogger("wheeld.fleet")
+
+#: bytes of journal the outbox holds while the cluster is out of reach (then: a snapshot)
+OUTBOX_BYTES = 64 << 20
+#: a renewal starts every third of the TTL; the lease counts as lapsed this share early
+LEASE_MARGIN = 0.2
+_WRONG_LAST_SEQUENCE = 10071
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """What ``--replicate`` and its options say."""
+
+    urls: tuple[str, ...]
+    host_id: str
+    lease_ttl_s: float = 10.0
+    replicas: int = 3
+    publish_timeout_s: float = 2.0
+    user: str | None = None
+    password: str | None = None
+    creds: str | None = None  # a NATS credentials file
+    adopt: tuple[str, ...] = ()  # host ids this daemon takes over when their lease lapses ("*": any)
+    connect_timeout_s: float = 2.0
+
+
+@dataclass
+class Outbox:
+    """What is still to be sent, in order (sans-IO: the tests drive it directly)."""
+
+    limit: int = OUTBOX_BYTES
+    items: deque = field(default_factory=deque)  # (kind, first, last, payload)
+    size: int = 0
+    want_snapshot: bool = True  # nothing is sent before a first snapshot
+    dropped: int = 0  # batches dropped for a snapshot to replace
+
+    def appended(self, first: int, last: int, data: bytes) -> None:
+        if self.want_snapshot:
+            self.dropped += 1
+            return
+        self.items.append((S.BATCH, first, last, data))
+        self.size += len(data)
+        if self.size > self.limit:
+            log.warning("fleet: %d bytes of journal not replicated yet; dropped for the next snapshot", self.size)
+            self.dropped += sum(1 for it in self.items if it[0] == S.BATCH)
+            self.items = deque(it for it in self.items if it[0] != S.BATCH)
+            self.size = sum(len(it[3]) for it in self.items)
+            self.want_snapshot = True
+
+    def snapshotted(self, lsn: int, data: bytes) -> None:
+        kept = deque(it for it in self.items if it[2] > lsn)  # what a snapshot covers, older snapshots too
+        kept.append((S.SNAP, lsn, lsn, data))
+        self.items = kept
+        self.size = sum(len(it[3]) for it in kept)
+        self.want_snapshot = False
+
+    def queued_lsn(self) -> int:
+        return self.items[-1][2] if self.items else 0
+
+
+class Fenced(Exception):
+    """Another host holds this host's lease, or fenced its stream."""
+
+
+class Replicator:
+    """Sends the journal (see the module docstring). ``on_progress()``: the replicated lsn
+    moved (or the state changed); ``on_fenced(reason)``: stand down. Both are called in the
+    daemon's loop."""
+
+    def __init__(self, config: FleetConfig, on_progress: Callable[[], None] = lambda: None,
+                 on_fenced: Callable[[str], None] = lambda reason: None,
+                 clock_ms: Callable[[], int] = lambda: time.monotonic_ns() // 1_000_000):
+        self.config = config
+        self.host = config.host_id
+        self.subject = S.subject(self.host)
+        self.stream = S.stream_name(self.host)
+        self.outbox = Outbox()
+        self.on_progress = on_progress
+        self.on_fenced = on_fenced
+        self.clock_ms = clock_ms
+        self.replicated_lsn = 0  # every event up to it is stored by the stream
+        self.epoch = 0
+        self.state = "connecting"  # connecting | replicating | behind | fenced | stopped
+        self.fenced: str | None = None
+        self.lease_valid_until_ms = 0
+        self.lease_reachable = False  # the last renewal reached the cluster
+        self.last_ack_ms = 0
+        self.published_total = 0
+        self.published_bytes = 0
+        self.retries_total = 0
+        self.flush_waits: list[float] = []
+        self._nc = None
+        self._js = None
+        self._kv = None
+        self._rev = 0
+        self._last_seq = 0
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.adopter = None  # an Adopter (wheeld.fleet.adopt) when --adopt is given
+
+    # ------------------------------------------------------------------ from the core
+    def appended(self, first: int, last: int, data: bytes) -> None:
+        self.outbox.appended(first, last, data)
+        self._wake.set()
+
+    def snapshotted(self, lsn: int, data: bytes) -> None:
+        self.outbox.snapshotted(lsn, data)
+        self._wake.set()
+
+    @property
+    def want_snapshot(self) -> bool:
+        return self.outbox.want_snapshot and self.fenced is None
+
+    def lease_ok(self, now_ms: int) -> bool:
+        """May this host deliver its timers now? Yes while its lease is valid by its own
+        clock, or while the cluster is out of reach (no peer can claim a lease without a
+        quorum, and a host cut off from the cluster keeps firing: docs/fleet.md); no while a
+        renewal is due and not answered, and never once fenced."""
+        if self.fenced is not None:
+            return False
+        return now_ms < self.lease_valid_until_ms or not self.lease_reachable
+
+    def stats(self) -> dict[str, int | str]:
+        queued = self.outbox.queued_lsn()
+        return {
+            "fleet_state": self.state,
+            "fleet_epoch": self.epoch,
+            "fleet_replicated_lsn": self.replicated_lsn,
+            "fleet_lag_records": max(0, queued - self.replicated_lsn) if queued else 0,
+            "fleet_lag_ms": 0 if not queued or queued <= self.replicated_lsn else self.clock_ms() - self.last_ack_ms,
+            "fleet_outbox_bytes": self.outbox.size,
+            "fleet_published_total": self.published_total,
+            "fleet_retries_total": self.retries_total,
+        }
+
+    # ------------------------------------------------------------------ life
+    def start(self) -> None:
+        self._tasks.append(asyncio.ensure_future(self._run()))
+
+    async def close(self) -> None:
+        self.state = "stopped" if self.fenced is None else self.state
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._nc is not None:
+            try:
+                await asyncio.wait_for(self._nc.close(), 2.0)
+            except Exception:
+                pass
+
+    async def _run(self) -> None:
+        try:
+            await self._connect()
+            await self._claim()
+            self._tasks.append(asyncio.ensure_future(self._renew_loop()))
+            if self.adopter is not None:
+                self._tasks.append(asyncio.ensure_future(self.adopter.run(self)))
+            await self._publish_loop()
+        except Fenced as exc:
+            self._stand_down(str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("fleet: the replicator stopped")
+            self.state = "failed"
+            self.on_progress()
+
+    async def _connect(self) -> None:
+        import nats
+
+        cfg = self.config
+        options = dict(servers=list(cfg.urls), connect_timeout=cfg.connect_timeout_s, allow_reconnect=True,
+                       max_reconnect_attempts=-1, reconnect_time_wait=0.25, name=f"wheeld-{self.host}")
+        if cfg.creds:
+            options["user_credentials"] = cfg.creds
+        elif cfg.user is not None:
+            options["user"], options["password"] = cfg.user, cfg.password or ""
+        while True:
+            try:
+                self._nc = await nats.connect(**options)
+                break
+            except Exception as exc:  # no server reachable yet: keep serving locally, try again
+                self._set_state("behind")
+                log.warning("fleet: cannot reach %s: %s; trying again", ",".join(cfg.urls), exc)
+                await asyncio.sleep(1.0)
+        self._js = self._nc.jetstream(timeout=cfg.publish_timeout_s)
+        await self._ensure_stream()
+        self._kv = await self._lease_bucket()
+
+    async def _ensure_stream(self) -> None:
+        from nats.js.api import StorageType, StreamConfig
+        from nats.js.errors import NotFoundError
+
+        config = StreamConfig(name=self.stream, subjects=[self.subject], storage=StorageType.FILE,
+                              num_replicas=self.config.replicas, duplicate_window=120.0)
+        while True:
+            try:
+                try:
+                    await self._js.stream_info(self.stream)
+                except NotFoundError:
+                    await self._js.add_stream(config)
+                return
+            except NotFoundError:
+                raise
+            except Exception as exc:
+                self._set_state("behind")
+                log.warning("fleet: stream %s not ready: %s", self.stream, exc)
+                await asyncio.sleep(0.5)
+
+    async def _lease_bucket(self):
+        from nats.js.api import KeyValueConfig, StorageType
+
+        while True:
+            try:
+                try:
+                    return await self._js.key_value(S.LEASE_BUCKET)
+                except Exception:
+                    return await self._js.create_key_value(KeyValueConfig(
+                        bucket=S.LEASE_BUCKET, ttl=self.config.lease_ttl_s, history=1,
+                        storage=StorageType.FILE, replicas=self.config.replicas))
+            except Exception as exc:
+                log.warning("fleet: lease bucket not ready: %s", exc)
+                await asyncio.sleep(0.5)
+
+    # ------------------------------------------------------------------ lease
+    async def _claim(self) -> None:
+        """This host's lease, and where its stream ends. A stream that ends with a fence,
+        or a lease held by another host, means this host was adopted: Fenced."""
+        from nats.js.errors import KeyNotFoundError
+
+        last = await self._last_record()
+        if last is not None and last[0] == S.FENCE:
+            raise Fenced(f"host {self.host} was taken over by {last[1]} (epoch {last[2]}); its timers are "
+                         f"that host's now: `wheelctl fleet forget {self.host}` lets it join again, empty")
+        stream_epoch = last[2] if last is not None else 0
+        while True:
+            sent = self.clock_ms()
+            try:
+                entry = await self._kv.get(self.host)
+            except KeyNotFoundError:
+                entry = None
+            if entry is not None and entry.value:
+                lease = msgspec.json.decode(entry.value, type=S.Lease)
+                if lease.holder != self.host:
+                    raise Fenced(f"the lease of host {self.host} is held by {lease.holder} (epoch {lease.epoch})")
+                epoch = max(lease.epoch, stream_epoch) + 1
+                value = msgspec.json.encode(S.Lease(self.host, epoch, os.getpid(), int(time.time() * 1000)))
+                try:
+                    self._rev = await self._kv.update(self.host, value, last=entry.revision)
+                except Exception:
+                    continue  # changed meanwhile: read again
+            else:
+                epoch = stream_epoch + 1
+                value = msgspec.json.encode(S.Lease(self.host, epoch, os.getpid(), int(time.time() * 1000)))
+                try:
+                    self._rev = await self._kv.create(self.host, value)
+                except Exception:
+                    continue
+            self.epoch = epoch
+            self._renewed(sent)
+            log.info("fleet: host %s holds its lease (epoch %d); stream %s at sequence %d", self.host, epoch,
+                     self.stream, self._last_seq)
+            return
+
+    def _renewed(self, sent_ms: int) -> None:
+        ttl_ms = int(self.config.lease_ttl_s * 1000)
+        self.lease_valid_until_ms = sent_ms + int(ttl_ms * (1 - LEASE_MARGIN))
+        self.lease_reachable = True
+
+    async def _renew_loop(self) -> None:
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        period = self.config.lease_ttl_s / 3
+        value_of = lambda: msgspec.json.encode(S.Lease(self.host, self.epoch, os.getpid(), int(time.time() * 1000)))  # noqa: E731
+        while self.fenced is None:
+            await asyncio.sleep(period)
+            sent = self.clock_ms()
+            try:
+                self._rev = await asyncio.wait_for(self._kv.update(self.host, value_of(), last=self._rev),
+                                                   self.config.publish_timeout_s)
+                self._renewed(sent)
+            except KeyWrongLastSequenceError:
+                holder = await self._lease_holder()
+                self._stand_down(f"the lease of host {self.host} was claimed by {holder}")
+                return
+            except Exception as exc:  # out of reach: keep serving (lease_ok)
+                if self.lease_reachable:
+                    log.warning("fleet: lease of %s not renewed: %s", self.host, exc)
+                self.lease_reachable = False
+                self.on_progress()
+
+    async def _lease_holder(self) -> str:
+        try:
+            entry = await self._kv.get(self.host)
+            return msgspec.json.decode(entry.value, type=S.Lease).holder
+        except Exception:
+            return "another host"
+
+    def _stand_down(self, reason: str) -> None:
+        if self.fenced is None:
+            self.fenced = reason
+            self.state = "fenced"
+            log.critical("fleet: FENCED: %s; this daemon stands down", reason)
+            self.on_fenced(reason)
+
+    # ------------------------------------------------------------------ the stream
+    async def _last_record(self) -> tuple[str, str, int, int] | None:
+        """(kind, host, epoch, last lsn) of the stream's last message; sets the sequence the
+        next write follows."""
+        from nats.js.errors import NotFoundError
+
+        try:
+            msg = await self._js.get_msg(self.stream, subject=self.subject, direct=False)
+        except NotFoundError:
+            self._last_seq = 0
+            return None
+        self._last_seq = msg.seq
+        h = msg.headers or {}
+        last = int(h.get(S.H_LSN, "0 0").split()[1])
+        return h.get(S.H_KIND, ""), h.get(S.H_HOST, ""), int(h.get(S.H_EPOCH, "0")), last
+
+    async def _publish_loop(self) -> None:
+        outbox = self.outbox
+        while self.fenced is None:
+            if not outbox.items:
+                self._wake.clear()
+                if not outbox.items:
+                    await self._wake.wait()
+                continue
+            kind, first, last, payload = outbox.items[0]
+            await self._send(kind, first, last, payload)
+            if outbox.items and outbox.items[0][1:3] == (first, last):
+                outbox.items.popleft()
+                outbox.size -= len(payload)
+            self.replicated_lsn = max(self.replicated_lsn, last)
+            self.last_ack_ms = self.clock_ms()
+            if kind == S.SNAP:
+                await self._purge_before_snapshot()
+            self._set_state("replicating")
+            self.on_progress()
+
+    async def _send(self, kind: str, first: int, last: int, payload: bytes) -> None:
+        parts = S.split(payload)
+        n = len(parts)
+        for i, part in enumerate(parts, 1):
+            label = (i, n) if n > 1 else None
+            if kind == S.SNAP and i == 1:
+                self._snap_first_seq = 0
+            seq = await self._publish_one(kind, first, last, part, label)
+            if kind == S.SNAP and i == 1:
+                self._snap_first_seq = seq
+
+    async def _publish_one(self, kind, first, last, data, part) -> int:
+        from nats.js.errors import APIError
+
+        backoff = 0.1
+        while True:
+            hdrs = S.headers(kind, self.host, self.epoch, first, last, self._last_seq, part)
+            try:
+                ack = await self._js.publish(self.subject, data, headers=hdrs, stream=self.stream)
+                self._last_seq = ack.seq
+                self.published_total += 1
+                self.published_bytes += len(data)
+                return ack.seq
+            except APIError as exc:
+                if getattr(exc, "err_code", None) != _WRONG_LAST_SEQUENCE:
+                    raise
+                mine = await self._mine_at_tail(hdrs)
+                if mine:
+                    return self._last_seq
+                last_rec = await self._last_record()
+                who = f"{last_rec[1]} ({last_rec[0]}, epoch {last_rec[2]})" if last_rec else "another writer"
+                raise Fenced(f"the stream of host {self.host} was written by {who}") from exc
+            except Exception as exc:  # timeout, no responders, reconnecting: the same message again
+                self.retries_total += 1
+                self._set_state("behind")
+                if backoff >= 0.4:
+                    log.warning("fleet: %s lsn %d-%d not stored yet: %s", kind, first, last, exc or type(exc).__name__)
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+
+    async def _mine_at_tail(self, hdrs: dict[str, str]) -> bool:
+        """After a refused write: is the stream's last message this very one (an earlier
+        attempt stored, its acknowledgement lost)?"""
+        from nats.js.errors import NotFoundError
+
+        try:
+            msg = await self._js.get_msg(self.stream, subject=self.subject, direct=False)
+        except NotFoundError:
+            return False
+        if (msg.headers or {}).get(S.H_MSG_ID) == hdrs[S.H_MSG_ID]:
+            self._last_seq = msg.seq
+            return True
+        return False
+
+    async def _purge_before_snapshot(self) -> None:
+        seq = getattr(self, "_snap_first_seq", 0)
+        if seq > 1:
+            try:
+                await self._js.purge_stream(self.stream, seq=seq, subject=self.subject)
+            except Exception as exc:  # the next snapshot purges it
+                log.warning("fleet: stream %s not purged before sequence %d: %s", self.stream, seq, exc)
+
+    def _set_state(self, state: str) -> None:
+        if self.fenced is None and self.state != state:
+            self.state = state
+            self.on_progress()
