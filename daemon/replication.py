@@ -58,8 +58,8 @@ class Replication:
         while held:
             lsn, since, cs, flushes, rejects, cuts, unsynced = held[0]
             late = now - since >= self.timeout_ms
-            if lsn > stored and not late:
-                break
+            if flushes and lsn > stored and not late:
+                break  # (answers with no FLUSH only keep their place behind a client's held ones)
             held.popleft()
             self._held_by[cs.slot] -= 1
             code = None

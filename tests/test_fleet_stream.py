@@ -1,0 +1,192 @@
+"""The fleet's stream format and the core's held answers, without a cluster: a journal's
+appends and snapshots, as a replicator receives them, read back into the same timers;
+the outbox's bounds; flush answers held until the stream stored what they cover."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from wheeld.daemon.replication import Replication
+from wheeld.fleet import stream as S
+from wheeld.fleet.replicator import Outbox
+from wheeld.journal.files import FiredTimer, Journal, PendingTimer
+from wheeld.journal.recovery import recover
+from wheeld.protocol.journal import Ack, Add, Cancel, Fire, Rearm
+
+T0 = 1_700_000_000_000
+
+
+class Tap:
+    """What a replicator is told, as the messages it would publish (split into parts)."""
+
+    def __init__(self, host="h1", epoch=1):
+        self.host, self.epoch, self.messages = host, epoch, []
+
+    def _publish(self, kind, first, last, payload):
+        parts = S.split(payload)
+        for i, part in enumerate(parts, 1):
+            label = (i, len(parts)) if len(parts) > 1 else None
+            hdrs = S.headers(kind, self.host, self.epoch, first, last, len(self.messages), label)
+            self.messages.append((hdrs, part, len(self.messages) + 1))
+
+    def appended(self, first, last, data):
+        self._publish(S.BATCH, first, last, data)
+
+    def snapshotted(self, lsn, data):
+        self._publish(S.SNAP, lsn, lsn, data)
+
+    def records(self, messages=None):
+        joiner = S.Reassembler()
+        out = [joiner.feed(h, d, seq) for h, d, seq in (self.messages if messages is None else messages)]
+        return [r for r in out if r is not None]
+
+
+def _history(journal: Journal):
+    journal.append([Add(t=T0, g="g", k=f"k{i}", d=T0 + 1000 + i, s=i) for i in range(50)])
+    journal.append([Cancel(t=T0, g="g", k="k3", s=60, hit=True, pd=T0 + 1003),
+                    Rearm(t=T0, g="g", k="k4", d=T0 + 9000, pd=T0 + 1004, s=61)])
+    journal.append([Fire(t=T0 + 1005, g="g", k="k5", d=T0 + 1005, s=5, f=T0 + 1005, late=False, lat=0),
+                    Fire(t=T0 + 1006, g="g", k="k6", d=T0 + 1006, s=6, f=T0 + 1006, late=False, lat=0),
+                    Ack(t=T0 + 1007, g="g", k="k6", s=6)])
+
+
+def _same(a, b):
+    assert a.pending == b.pending
+    assert sorted((t.group, str(t.key), t.seq) for t in a.unacked) == \
+        sorted((t.group, str(t.key), t.seq) for t in b.unacked)
+
+
+@pytest.mark.parametrize("part", [None, 97])
+def test_the_stream_recovers_the_timers_the_journal_does(tmp_path, monkeypatch, part):
+    if part:
+        monkeypatch.setattr(S, "MAX_PART", part)  # every message in many parts
+    tap = Tap()
+    journal = Journal(tmp_path / "j", fsync="off", host="h1", wall_ms=lambda: T0, mono_ms=lambda: 0)
+    journal.tap = tap
+    _history(journal)
+    state = recover(tmp_path / "j", repair=False, quiet=True)
+    journal.write_snapshot(journal.last_lsn, state.pending.values(), state.unacked)
+    journal.append([Add(t=T0, g="g2", k=7, d=T0 + 5, s=70, i=300), Ack(t=T0, g="g", k="k5", s=5)])
+    journal.close()
+    kept, fence = S.tail(tap.records())
+    assert fence is None and kept[0].kind == S.SNAP and [r.kind for r in kept[1:]] == [S.BATCH]
+    last = S.write_directory(kept, tmp_path / "copy", "h1")
+    assert last == journal.last_lsn
+    _same(recover(tmp_path / "copy", repair=False, quiet=True), recover(tmp_path / "j", repair=False, quiet=True))
+    copy = recover(tmp_path / "copy", repair=False, quiet=True)
+    assert ("g2", 7) in copy.pending and copy.pending[("g2", 7)].idle_ms == 300
+    assert ("g", "k3") not in copy.pending and copy.pending[("g", "k4")].deadline_ms == T0 + 9000
+    assert not copy.unacked  # k5 and k6 were acknowledged
+
+
+def test_a_message_whose_parts_stop_short_is_dropped(tmp_path, monkeypatch):
+    monkeypatch.setattr(S, "MAX_PART", 200)
+    tap = Tap()
+    journal = Journal(tmp_path / "j", fsync="off", host="h1", wall_ms=lambda: T0, mono_ms=lambda: 0)
+    journal.tap = tap
+    journal.write_snapshot(0, [])
+    journal.append([Add(t=T0, g="g", k="a", d=T0 + 10, s=1)])
+    whole = len(tap.messages)
+    journal.append([Add(t=T0, g="g", k=f"b{i}", d=T0 + 10, s=2 + i) for i in range(5)])  # several parts
+    assert len(tap.messages) - whole > 1
+    cut = tap.messages[:-1]  # its writer died before the last part
+    kept, _ = S.tail(tap.records(cut))
+    assert [r.kind for r in kept] == [S.SNAP, S.BATCH] and kept[-1].last == 1
+    S.write_directory(kept, tmp_path / "copy", "h1")
+    assert set(recover(tmp_path / "copy", repair=False, quiet=True).pending) == {("g", "a")}
+
+
+def test_a_fence_ends_the_stream_and_a_snapshot_replaces_what_came_before():
+    tap = Tap()
+    tap.appended(1, 3, b"x")
+    tap.snapshotted(3, b"s")
+    tap.appended(4, 4, b"y")
+    tap.appended(4, 4, b"y")  # sent again (its acknowledgement lost): kept once
+    tap.messages.append((S.headers(S.FENCE, "h2", 2, 0, 0, 4), b"", 5))
+    kept, fence = S.tail(tap.records())
+    assert [(r.kind, r.first, r.last) for r in kept] == [(S.SNAP, 3, 3), (S.BATCH, 4, 4)]
+    assert fence is not None and fence.host == "h2" and fence.epoch == 2
+
+
+def test_the_outbox_drops_what_a_snapshot_covers_and_asks_for_one_past_its_bound():
+    box = Outbox(limit=100)
+    box.appended(1, 1, b"a" * 10)
+    assert not box.items and box.dropped == 1  # nothing before the first snapshot
+    box.snapshotted(1, b"s")
+    box.appended(2, 5, b"b" * 40)
+    box.appended(6, 9, b"c" * 40)
+    assert [it[:3] for it in box.items] == [(S.SNAP, 1, 1), (S.BATCH, 2, 5), (S.BATCH, 6, 9)]
+    box.snapshotted(5, b"t")  # covers the first batch and the older snapshot
+    assert [it[:3] for it in box.items] == [(S.BATCH, 6, 9), (S.SNAP, 5, 5)]
+    box.appended(10, 12, b"d" * 80)  # past the bound: batches dropped, a snapshot wanted
+    assert box.want_snapshot and all(it[0] == S.SNAP for it in box.items) and box.size <= 100
+    box.appended(13, 13, b"e")  # covered by the snapshot to come
+    assert all(it[0] == S.SNAP for it in box.items)
+    box.snapshotted(13, b"u")
+    assert not box.want_snapshot and [it[:3] for it in box.items] == [(S.SNAP, 13, 13)]
+
+
+def test_host_ids_are_checked():
+    assert S.check_host_id("web-3_a") == "web-3_a"
+    for bad in ("", "a.b", "a b", "x" * 65, "a>"):
+        with pytest.raises(ValueError):
+            S.check_host_id(bad)
+    assert S.check_host_id(S.default_host_id())
+
+
+class FakeReplicator:
+    def __init__(self):
+        self.replicated_lsn = 0
+        self.state = "behind"
+        self.config = SimpleNamespace(urls=("nats://127.0.0.1:1",))
+
+
+def _replication(durability="replicated", timeout_ms=1000):
+    now = [0]
+    sent = []
+    rep = FakeReplicator()
+    r = Replication(rep, durability, timeout_ms, lambda: now[0], {"journal_flushes_refused_total": 0},
+                    lambda cs, flushes, rejects, cuts, unsynced, code: sent.append((cs.slot, flushes, code)))
+    return r, rep, now, sent
+
+
+def test_a_flush_is_answered_once_the_stream_stored_what_it_covers():
+    r, rep, now, sent = _replication()
+    a, b = SimpleNamespace(slot=0), SimpleNamespace(slot=1)
+    r.answer(a, 10, [1], [], None, None)
+    r.answer(b, 11, [], ["refusal"], None, None)  # b has nothing held: at once
+    r.answer(a, 12, [], ["refusal"], None, None)  # behind a's held flush: in order
+    assert sent == [(1, [], None)]
+    rep.replicated_lsn = 10
+    r.release(now[0])
+    assert sent[1:] == [(0, [1], None), (0, [], None)]
+    rep.replicated_lsn = 12
+    r.answer(a, 12, [2], [], None, None)  # already stored: at once
+    assert sent[-1] == (0, [2], None) and not r.held
+
+
+def test_a_flush_the_stream_does_not_store_in_time_fails_as_replication_behind():
+    r, rep, now, sent = _replication(timeout_ms=500)
+    a = SimpleNamespace(slot=0)
+    r.answer(a, 5, [1], [], None, None)
+    assert r.next_timeout_ms() == 500
+    now[0] = 499
+    r.release(now[0])
+    assert not sent
+    now[0] = 500
+    r.release(now[0])
+    assert sent == [(0, [1], "replication_behind")] and r.totals["journal_flushes_refused_total"] == 1
+
+
+def test_local_durability_answers_at_once():
+    r, rep, now, sent = _replication(durability="local")
+    r.answer(SimpleNamespace(slot=0), 99, [1], [], None, None)
+    assert sent == [(0, [1], None)]
+
+
+def test_timer_structs_are_what_recovery_returns():
+    # the adoption reads PendingTimer/FiredTimer from recover(): their fields are what it uses
+    assert {"group", "key", "deadline_ms", "seq", "idle_ms"} <= set(PendingTimer.__struct_fields__)
+    assert {"group", "key", "deadline_ms", "seq"} <= set(FiredTimer.__struct_fields__)
