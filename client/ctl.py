@@ -379,6 +379,15 @@ def _daemon_lines(snap: SN.Snapshot) -> list[str]:
     elif c["journal_stalls_total"]:
         lines.append(f"journal  writable; it was not {_fmt_int(c['journal_stalls_total'])} time(s) "
                      f"({_fmt_int(c['journal_flushes_refused_total'])} flushes refused)")
+    state = c["fleet_state"]
+    if state:
+        from wheeld.protocol.arena_layout import FLEET_STATES
+
+        name = FLEET_STATES[state] if 0 <= state < len(FLEET_STATES) else f"state {state}"
+        lines.append(f"fleet  {name.upper() if name in ('fenced', 'failed') else name}: "
+                     f"{_fmt_int(c['fleet_lag_records'])} journal events not stored by the cluster yet"
+                     f"{', oldest waiting ' + _fmt_ms(c['fleet_lag_ms']) if c['fleet_lag_records'] else ''} "
+                     f"(wheelctl fleet shows the hosts and their leases)")
     return lines
 
 

@@ -127,7 +127,9 @@ class Replicator:
         self.state = "connecting"  # connecting | replicating | behind | fenced | stopped
         self.fenced: str | None = None
         self.lease_valid_until_ms = 0
-        self.lease_reachable = False  # the last renewal reached the cluster
+        # the last renewal reached the cluster (until the first claim: assumed, so that a
+        # host does not deliver before it knows it still owns its timers)
+        self.lease_reachable = True
         self.last_ack_ms = 0
         self.published_total = 0
         self.published_bytes = 0
@@ -199,7 +201,17 @@ class Replicator:
     async def _run(self) -> None:
         try:
             await self._connect()
-            await self._claim()
+            while True:
+                try:
+                    await self._claim()
+                    break
+                except (Fenced, asyncio.CancelledError):
+                    raise
+                except Exception as exc:  # no quorum, a timeout: serve locally, try again
+                    self.lease_reachable = False
+                    self._set_state("behind")
+                    log.warning("fleet: the lease of %s cannot be claimed yet: %s", self.host, exc or type(exc).__name__)
+                    await asyncio.sleep(1.0)
             self._tasks.append(asyncio.ensure_future(self._renew_loop()))
             if self.adopter is not None:
                 self._tasks.append(asyncio.ensure_future(self.adopter.run(self)))
@@ -228,6 +240,7 @@ class Replicator:
                 self._nc = await nats.connect(**options)
                 break
             except Exception as exc:  # no server reachable yet: keep serving locally, try again
+                self.lease_reachable = False
                 self._set_state("behind")
                 log.warning("fleet: cannot reach %s: %s; trying again", ",".join(cfg.urls), exc)
                 await asyncio.sleep(1.0)
@@ -251,6 +264,7 @@ class Replicator:
             except NotFoundError:
                 raise
             except Exception as exc:
+                self.lease_reachable = False
                 self._set_state("behind")
                 log.warning("fleet: stream %s not ready: %s", self.stream, exc)
                 await asyncio.sleep(0.5)
@@ -267,6 +281,7 @@ class Replicator:
                         bucket=S.LEASE_BUCKET, ttl=self.config.lease_ttl_s, history=1,
                         storage=StorageType.FILE, replicas=self.config.replicas))
             except Exception as exc:
+                self.lease_reachable = False
                 log.warning("fleet: lease bucket not ready: %s", exc)
                 await asyncio.sleep(0.5)
 

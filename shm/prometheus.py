@@ -62,6 +62,9 @@ wheeld_journal_unwritten_events_total  counter    journal_unwritten_events_total
 wheeld_journal_flushes_refused_total   counter    journal_flushes_refused_total
 wheeld_arena_damaged_records_total     counter    arena_damaged_records_total
 wheeld_arena_timers_lost_total         counter    arena_timers_lost_total
+wheeld_fleet_state{state=...}          gauge      1, labelled by fleet_state (--replicate only)
+wheeld_fleet_lag_records               gauge      fleet_lag_records
+wheeld_fleet_lag_seconds               gauge      fleet_lag_ms
 wheeld_daemon_up                       gauge      1 if the daemon process exists
 wheeld_daemon_heartbeat_age_seconds    gauge      now - daemon_heartbeat_ms
 wheeld_daemon_uptime_seconds           gauge      now - daemon_started_ms
@@ -202,6 +205,16 @@ def render(snap: Snapshot) -> str:
     metric("wheeld_tick_seconds", "gauge", "Width of a level-0 bucket.", [("", (), snap.tick_ms / 1000)])
     metric("wheeld_journal_writable", "gauge", "0 while the daemon cannot write its journal (flush() fails with "
            "JournalUnavailable), else 1.", [("", (), 0 if c["journal_stalled"] else 1)])
+    if c["fleet_state"]:
+        states = L.FLEET_STATES
+        state = states[c["fleet_state"]] if c["fleet_state"] < len(states) else str(c["fleet_state"])
+        metric("wheeld_fleet_state", "gauge", "The journal's replication to the cluster (--replicate): "
+               "connecting, replicating, behind (the cluster out of reach), fenced (another host took over).",
+               [("", (("state", state),), 1)])
+        metric("wheeld_fleet_lag_records", "gauge", "Journal events the cluster has not stored yet.",
+               [("", (), c["fleet_lag_records"])])
+        metric("wheeld_fleet_lag_seconds", "gauge", "How long events have waited for the cluster.",
+               [("", (), c["fleet_lag_ms"] / 1000)])
     metric("wheeld_daemon_up", "gauge", "1 if the daemon process that last wrote the arena exists.",
            [("", (), 1 if snap.daemon_alive else 0)])
     age = snap.heartbeat_age_ms

@@ -370,3 +370,20 @@ def test_the_guides_virtual_environment_is_made_by_an_interpreter_the_service_ca
                 if " = " in line)["home"]
     assert not os.path.realpath(home).startswith(hidden), home
     assert "pyvenv.cfg" in install and all(h in install for h in hidden)  # the guide says where to look
+
+
+@needs_systemd_analyze
+def test_the_fleet_drop_in_verifies_and_keeps_the_service_options(tmp_path):
+    units = copy_units(tmp_path)
+    drop_in = (SYSTEMD_DIR / "wheeld-fleet.conf").read_text()
+    assert f"ExecStart={INSTALLED_BINARY} " in drop_in
+    (units / "wheeld.service.d").mkdir()
+    (units / "wheeld.service.d" / "fleet.conf").write_text(
+        drop_in.replace(f"ExecStart={INSTALLED_BINARY} ", f"ExecStart={os.path.realpath(sys.executable)} "))
+    assert verify_problems(units / "wheeld.service", units / "wheeld.socket") == ""
+    # the drop-in's ExecStart is the service's, plus the replication
+    base = values(SYSTEMD_DIR / "wheeld.service", "Service", "ExecStart")[0]
+    fleet = [v for v in values(SYSTEMD_DIR / "wheeld-fleet.conf", "Service", "ExecStart") if v]
+    assert fleet == [base + " --replicate ${WHEELD_NATS_URLS} $WHEELD_FLEET_ARGS"]
+    # a host that stood down (fenced) is not restarted
+    assert "69" in values(SYSTEMD_DIR / "wheeld.service", "Service", "RestartPreventExitStatus")[0].split()
