@@ -210,7 +210,8 @@ class Replicator:
                 except Exception as exc:  # no quorum, a timeout: serve locally, try again
                     self.lease_reachable = False
                     self._set_state("behind")
-                    log.warning("fleet: the lease of %s cannot be claimed yet: %s", self.host, exc or type(exc).__name__)
+                    log.warning("fleet: the lease of %s cannot be claimed yet: %s", self.host,
+                                exc or type(exc).__name__)
                     await asyncio.sleep(1.0)
             self._tasks.append(asyncio.ensure_future(self._renew_loop()))
             if self.adopter is not None:
