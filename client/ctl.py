@@ -379,11 +379,11 @@ def _daemon_lines(snap: SN.Snapshot) -> list[str]:
     elif c["journal_stalls_total"]:
         lines.append(f"journal  writable; it was not {_fmt_int(c['journal_stalls_total'])} time(s) "
                      f"({_fmt_int(c['journal_flushes_refused_total'])} flushes refused)")
-    state = c["fleet_state"]
-    if state:
+    fleet_code = c["fleet_state"]
+    if fleet_code:
         from wheeld.protocol.arena_layout import FLEET_STATES
 
-        name = FLEET_STATES[state] if 0 <= state < len(FLEET_STATES) else f"state {state}"
+        name = FLEET_STATES[fleet_code] if 0 <= fleet_code < len(FLEET_STATES) else f"state {fleet_code}"
         lines.append(f"fleet  {name.upper() if name in ('fenced', 'failed') else name}: "
                      f"{_fmt_int(c['fleet_lag_records'])} journal events not stored by the cluster yet"
                      f"{', oldest waiting ' + _fmt_ms(c['fleet_lag_ms']) if c['fleet_lag_records'] else ''} "
@@ -852,6 +852,10 @@ def _check_journal(directory: str, as_json: bool) -> None:
 from .ctl_report import report  # noqa: E402  (imports pyspark only when it runs)
 
 main.add_command(report)  # wheelctl report JOURNAL_DIR --out DIR [--master URL]
+
+from .ctl_fleet import fleet  # noqa: E402  (imports nats-py only when it runs)
+
+main.add_command(fleet)  # wheelctl fleet [forget HOST] --replicate URLS
 
 
 if __name__ == "__main__":

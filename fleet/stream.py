@@ -63,6 +63,11 @@ class Lease(msgspec.Struct, frozen=True):
     t: int = 0  # wall ms of the claim
 
 
+def msgspec_decode_lease(value: bytes) -> Lease:
+    """A lease value as stored in the bucket."""
+    return msgspec.json.decode(value, type=Lease)
+
+
 def check_host_id(host: str) -> str:
     """A host id is 1-64 of ``A-Z a-z 0-9 _ -`` (a stream name and a subject token)."""
     if not _HOST_ID.match(host):
