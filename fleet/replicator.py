@@ -231,7 +231,8 @@ class Replicator:
 
         cfg = self.config
         options = dict(servers=list(cfg.urls), connect_timeout=cfg.connect_timeout_s, allow_reconnect=True,
-                       max_reconnect_attempts=-1, reconnect_time_wait=0.25, name=f"wheeld-{self.host}")
+                       max_reconnect_attempts=-1, reconnect_time_wait=0.25, name=f"wheeld-{self.host}",
+                       error_cb=self._nats_error, disconnected_cb=self._nats_disconnected)
         if cfg.creds:
             options["user_credentials"] = cfg.creds
         elif cfg.user is not None:
@@ -248,6 +249,13 @@ class Replicator:
         self._js = self._nc.jetstream(timeout=cfg.publish_timeout_s)
         await self._ensure_stream()
         self._kv = await self._lease_bucket()
+
+    async def _nats_error(self, exc: Exception) -> None:
+        """nats-py's errors (a server gone, a reconnect refused): one line, not a traceback."""
+        log.debug("fleet: nats: %s", exc or type(exc).__name__)
+
+    async def _nats_disconnected(self) -> None:
+        log.info("fleet: disconnected from a NATS server; reconnecting")
 
     async def _ensure_stream(self) -> None:
         from nats.js.api import StorageType, StreamConfig
@@ -344,21 +352,39 @@ class Replicator:
                                                    self.config.publish_timeout_s)
                 self._renewed(sent)
             except KeyWrongLastSequenceError:
-                holder = await self._lease_holder()
-                self._stand_down(f"the lease of host {self.host} was claimed by {holder}")
-                return
+                try:
+                    holder = await self._reclaim(value_of())
+                except Exception as exc:  # created by a peer meanwhile
+                    holder = f"another host ({exc or type(exc).__name__})"
+                if holder is not None:
+                    self._stand_down(f"the lease of host {self.host} was claimed by {holder}")
+                    return
+                self._renewed(sent)
             except Exception as exc:  # out of reach: keep serving (lease_ok)
                 if self.lease_reachable:
                     log.warning("fleet: lease of %s not renewed: %s", self.host, exc)
                 self.lease_reachable = False
                 self.on_progress()
 
-    async def _lease_holder(self) -> str:
+    async def _reclaim(self, value: bytes) -> str | None:
+        """A renewal refused for its revision: who holds the lease? None when it is still
+        this daemon's (an earlier renewal was stored and its answer lost: its revision is
+        taken up; or the key lapsed while the cluster was out of reach and nobody claimed
+        it: created again), else the holder's host id."""
+        from nats.js.errors import KeyNotFoundError
+
         try:
             entry = await self._kv.get(self.host)
-            return msgspec.json.decode(entry.value, type=S.Lease).holder
-        except Exception:
-            return "another host"
+        except KeyNotFoundError:
+            entry = None
+        if entry is None or not entry.value:
+            self._rev = await self._kv.create(self.host, value)  # raises if a peer got there first
+            return None
+        lease = msgspec.json.decode(entry.value, type=S.Lease)
+        if lease.holder == self.host and lease.epoch == self.epoch and lease.pid == os.getpid():
+            self._rev = entry.revision
+            return None
+        return lease.holder if lease.holder != self.host else f"{self.host} (epoch {lease.epoch}, another daemon)"
 
     def _stand_down(self, reason: str) -> None:
         if self.fenced is None:
