@@ -15,7 +15,7 @@ RUN_STAMP   := $(VENV)/.installed-run-$(HASH)
 CORE_STAMP  := $(VENV)/.installed-core-$(HASH)
 TEST_STAMP  := $(VENV)/.installed-test-$(HASH)
 
-.PHONY: install build-requirements build run test test-fast test-core test-pure test-long lint bench clean simulate
+.PHONY: install build-requirements build run test test-fast test-core test-pure test-long lint bench clean simulate fleet-demo
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,17 @@ $(CORE_STAMP): pyproject.toml | $(BUILD_STAMP)
 $(TEST_STAMP): pyproject.toml | $(BUILD_STAMP)
 	WHEELD_NO_EXTENSIONS=1 $(BIN)/python -m pip install -q --no-build-isolation -e '.[test,bench,pipeline]'
 	rm -f $(VENV)/.installed-test-* $(VENV)/.installed-core-* $(VENV)/.installed-run-*; touch $@ $(CORE_STAMP) $(RUN_STAMP)
+
+# the fleet tier (NATS JetStream): nats-py and the nats-server binary, for make fleet-demo
+FLEET_STAMP := $(VENV)/.installed-fleet-$(HASH)
+$(FLEET_STAMP): pyproject.toml | $(BUILD_STAMP)
+	WHEELD_NO_EXTENSIONS=1 $(BIN)/python -m pip install -q --no-build-isolation -e '.[fleet]'
+	rm -f $(VENV)/.installed-fleet-*; touch $@
+
+# a 3-node NATS cluster and two wheeld hosts on this machine; one is lost, the other
+# delivers its timers (docs/fleet.md)
+fleet-demo: $(FLEET_STAMP) build
+	$(BIN)/python examples/fleet_demo.py
 
 install: build
 

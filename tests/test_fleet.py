@@ -285,3 +285,13 @@ def _stream_state(cluster, host: str):
     with tempfile.TemporaryDirectory() as d:
         S.write_directory(kept, d, host)
         return recover(d, repair=False, quiet=True)
+
+
+@pytest.mark.timeout(120)
+def test_the_fleet_demo_shows_a_lost_host_s_timers_arriving_on_the_other():
+    demo = os.path.join(os.path.dirname(__file__), "..", "examples", "fleet_demo.py")
+    result = subprocess.run([sys.executable, demo, "--timers", "300", "--lease-ttl-s", "2"], capture_output=True,
+                            text=True, timeout=110)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "summary: 300/300 timers" in result.stdout and ", 0 early, 0 twice" in result.stdout, result.stdout
+    assert "ADOPTED host hostA-" in result.stdout
