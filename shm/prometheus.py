@@ -160,6 +160,21 @@ def _lateness_samples(snap: Snapshot) -> list:
     return samples
 
 
+def _fleet_metrics(metric, c: dict) -> None:
+    """The replication's gauges (``--replicate`` only: nothing without it)."""
+    if not c["fleet_state"]:
+        return
+    states = L.FLEET_STATES
+    state = states[c["fleet_state"]] if c["fleet_state"] < len(states) else str(c["fleet_state"])
+    metric("wheeld_fleet_state", "gauge", "The journal's replication to the cluster (--replicate): "
+           "connecting, replicating, behind (the cluster out of reach), fenced (another host took over).",
+           [("", (("state", state),), 1)])
+    metric("wheeld_fleet_lag_records", "gauge", "Journal events the cluster has not stored yet.",
+           [("", (), c["fleet_lag_records"])])
+    metric("wheeld_fleet_lag_seconds", "gauge", "How long events have waited for the cluster.",
+           [("", (), c["fleet_lag_ms"] / 1000)])
+
+
 def render(snap: Snapshot) -> str:
     """The text exposition (format 0.0.4) of one snapshot."""
     out: list[str] = []
@@ -205,16 +220,7 @@ def render(snap: Snapshot) -> str:
     metric("wheeld_tick_seconds", "gauge", "Width of a level-0 bucket.", [("", (), snap.tick_ms / 1000)])
     metric("wheeld_journal_writable", "gauge", "0 while the daemon cannot write its journal (flush() fails with "
            "JournalUnavailable), else 1.", [("", (), 0 if c["journal_stalled"] else 1)])
-    if c["fleet_state"]:
-        states = L.FLEET_STATES
-        state = states[c["fleet_state"]] if c["fleet_state"] < len(states) else str(c["fleet_state"])
-        metric("wheeld_fleet_state", "gauge", "The journal's replication to the cluster (--replicate): "
-               "connecting, replicating, behind (the cluster out of reach), fenced (another host took over).",
-               [("", (("state", state),), 1)])
-        metric("wheeld_fleet_lag_records", "gauge", "Journal events the cluster has not stored yet.",
-               [("", (), c["fleet_lag_records"])])
-        metric("wheeld_fleet_lag_seconds", "gauge", "How long events have waited for the cluster.",
-               [("", (), c["fleet_lag_ms"] / 1000)])
+    _fleet_metrics(metric, c)
     metric("wheeld_daemon_up", "gauge", "1 if the daemon process that last wrote the arena exists.",
            [("", (), 1 if snap.daemon_alive else 0)])
     age = snap.heartbeat_age_ms

@@ -45,9 +45,10 @@ _LONG_FIRST = ("test_pipeline_cluster", "test_pipeline", "test_chaos", "test_cha
 
 
 # The tiers (`make test-fast` runs what is neither): a test that starts processes (a
-# daemon, workers, a command-line tool) is marked `process`, one that needs PySpark `spark`.
+# daemon, workers, a command-line tool, a NATS cluster) is marked `process`, one that needs
+# PySpark `spark`.
 # A module that names one of these starts processes in some of its tests.
-_PROCESS_HINTS = ("daemon_harness", "subprocess", "multiprocessing", "Popen", "DaemonProcess")
+_PROCESS_HINTS = ("daemon_harness", "subprocess", "multiprocessing", "Popen", "DaemonProcess", "NatsCluster")
 _DAEMON_FIXTURES = {"daemon", "daemon_factory"}
 
 

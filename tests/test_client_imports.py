@@ -16,7 +16,8 @@ import sys
 import pytest
 
 NOT_FOR_CLIENTS = ("wheeld.shm.wheel", "wheeld.shm.keyindex", "wheeld.shm.placement", "wheeld.shm.fsck",
-                   "wheeld.shm.arena", "wheeld.daemon", "wheeld.pipeline", "pyspark", "posix_ipc")
+                   "wheeld.shm.arena", "wheeld.daemon", "wheeld.pipeline", "pyspark", "posix_ipc",
+                   "wheeld.fleet", "nats")
 
 
 def _loaded(code: str, pure: bool) -> list[str]:

@@ -43,6 +43,16 @@ def test_the_daemon_and_the_pipeline_do_not_load_the_client(statement):
     assert not loaded & {"wheeld.core", "wheeld.sync", "wheeld.aio", "wheeld.idle", "wheeld.purgatory"}, statement
 
 
+def test_the_fleet_loads_neither_the_client_nor_the_daemon():
+    """wheeld.fleet sits between the daemon and shm/journal: importing it loads neither the
+    client nor the daemon, and not nats-py either (loaded when a cluster is reached)."""
+    loaded = _loaded_after("import wheeld.fleet.cluster")
+    assert "wheeld.fleet.cluster" in loaded
+    assert not loaded & {"wheeld.core", "wheeld.sync", "wheeld.aio", "wheeld.idle", "wheeld.purgatory",
+                         "wheeld.session", "wheeld.testing", "nats"}
+    assert not [m for m in loaded if m.startswith(("wheeld.daemon", "wheeld.pipeline"))]
+
+
 def test_the_client_api_is_there_when_used():
     import wheeld
 
