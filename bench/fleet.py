@@ -412,10 +412,57 @@ def run_nats_schedules(connect: dict, args: argparse.Namespace) -> dict:
     return result
 
 
+def run_wheeld_schedules(connect: dict, args: argparse.Namespace) -> dict:
+    """The baseline's workload on wheeld, replicating to the same cluster (bench/fleet_wheeld.py)."""
+    from bench.fleet_wheeld import schedules
+
+    r = schedules(connect["servers"], timers=args.n, ahead_s=args.ahead_s,
+                  cancel_every=args.cancel_every or 10**9)
+    r["table"] = [{"kind": "wheeld-schedules", "timers": r["timers"], "failed": 0, "per_s": r["schedules_per_s"],
+                   "ack_p99": None, "late_p50": r["lateness_ms_p50"], "late_p99": r["lateness_ms_p99"],
+                   "late_max": r["lateness_ms_max"], "early": r["early"], "stored_p50": None, "stored_p99": None,
+                   "cancels": f"{r['cancelled']}+0", "cancels_per_s": None,
+                   "cancelled_arrived": f"{r['cancelled_delivered']}/0", "missing": r["missing"], "dups": None}]
+    return r
+
+
+THROUGHPUT_TABLE = [("mode", "wheeld mode"), ("clients", "clients"), ("ops", "ops"), ("flush_every", "flush every"),
+                    ("ops_per_s", "ops/s"), ("flush_ms_p50", "flush p50 ms"), ("flush_ms_p99", "p99"),
+                    ("flush_ms_max", "max"), ("flushes_refused", "refused")]
+
+
+def run_wheeld_throughput(connect: dict, args: argparse.Namespace) -> dict:
+    """e2e timer ops/s and flush latency, local-only and replicated, in this run."""
+    from bench.fleet_wheeld import MODES, throughput
+
+    rows = [throughput(connect["servers"], mode, clients=args.clients, ops=args.ops, flush_every=args.flush_every)
+            for mode in MODES]
+    print(format_table(rows, [c for c, _ in THROUGHPUT_TABLE], [h for _, h in THROUGHPUT_TABLE]), flush=True)
+    by_mode = {r["mode"]: r for r in rows}
+    return {"modes": by_mode,
+            "replicated_over_local": round(by_mode["replicated"]["ops_per_s"] / by_mode["local"]["ops_per_s"], 3)}
+
+
 #: kind -> function(connect options, parsed arguments) -> its JSON section (with a "table" of rows)
 KINDS: dict[str, Callable[[dict, argparse.Namespace], dict]] = {
     "nats-schedules": run_nats_schedules,
+    "wheeld-schedules": run_wheeld_schedules,
+    "wheeld-throughput": run_wheeld_throughput,
 }
+
+
+def comparison(results: dict) -> dict:
+    """wheeld against the baseline, where both ran."""
+    out: dict = {}
+    nats, wheeld = results.get("nats-schedules"), results.get("wheeld-schedules")
+    if nats and wheeld:
+        n_rate = nats["scheduling"]["schedules_per_s"]
+        out["schedules_per_s_ratio"] = round(wheeld["schedules_per_s"] / n_rate, 1) if n_rate else None
+        out["lateness_p99_ms"] = {"wheeld": wheeld["lateness_ms_p99"],
+                                  "nats": nats["lateness_ms"]["received"]["p99"]}
+    if results.get("wheeld-throughput"):
+        out["replicated_over_local"] = results["wheeld-throughput"]["replicated_over_local"]
+    return out
 
 
 # --------------------------------------------------------------------------- the command line
@@ -463,6 +510,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cancel-every", type=int, default=10, help="cancel every k-th timer (0: none)")
     parser.add_argument("--grace-s", type=float, default=3.0, help="wait this long after the last intended time")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--clients", type=int, default=2, help="wheeld-throughput: client processes")
+    parser.add_argument("--ops", type=int, default=200_000, help="wheeld-throughput: ops per client")
+    parser.add_argument("--flush-every", type=int, default=1_000, help="wheeld-throughput: a flush() every N ops")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     parser.add_argument("--out", help="JSON results path (default: fleet.json, see --save)")
     add_save_option(parser)
@@ -513,7 +563,10 @@ def main(argv: list[str] | None = None) -> int:
     machine.update(versions(cluster.binary if cluster else None), load_average_at_end=list(os.getloadavg()))
     payload = {"benchmark": "fleet", "machine": machine, "cluster": info,
                "spec": {k: v for k, v in vars(args).items() if k not in ("consume", "kinds")},
-               "results": {kind: {k: v for k, v in r.items() if k != "table"} for kind, r in results.items()}}
+               "results": {kind: {k: v for k, v in r.items() if k != "table"} for kind, r in results.items()},
+               "comparison": comparison(results)}
+    if payload["comparison"]:
+        print(f"\ncomparison: {json.dumps(payload['comparison'])}")
     out = Path(args.out) if args.out else results_path("fleet.json", args.save)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2) + "\n")

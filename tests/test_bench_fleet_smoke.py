@@ -63,3 +63,22 @@ def test_it_runs_on_a_given_cluster_with_a_password(tmp_path, monkeypatch):
         r = json.loads(out.read_text())["results"]["nats-schedules"]
     assert r["scheduling"]["acked"] == 60 and r["delivery"]["arrived"] == 60 and r["cancel"]["requested"] == 0
     assert r["lateness_ms"]["received"]["early"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_wheeld_s_kinds_run_small_local_and_replicated_beside_each_other(tmp_path):
+    before_pids = child_pids()
+    out = tmp_path / "fleet.json"
+    assert fleet.main(["--only", "wheeld-schedules,wheeld-throughput", "--n", "300", "--ahead-s", "0.4,0.8",
+                       "--cancel-every", "5", "--clients", "1", "--ops", "2000", "--flush-every", "100",
+                       "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    sched = data["results"]["wheeld-schedules"]
+    assert sched["timers"] == 300 and sched["cancelled"] == 60 and sched["cancelled_delivered"] == 0
+    assert sched["delivered"] == 240 and sched["missing"] == 0 and sched["early"] == 0
+    modes = data["results"]["wheeld-throughput"]["modes"]
+    assert set(modes) == {"local", "replicated"}
+    for r in modes.values():
+        assert r["ops"] == 2000 and r["flushes"] == 20 and r["flushes_refused"] == 0 and r["ops_per_s"] > 0
+    assert data["comparison"]["replicated_over_local"] > 0
+    assert child_pids() <= before_pids

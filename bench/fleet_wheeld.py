@@ -1,0 +1,166 @@
+"""wheeld's side of ``bench/fleet.py``: the same daemon local-only and replicating to a
+3-node NATS JetStream cluster, in one run.
+
+- **throughput**: ``clients`` worker processes, each ``ops`` timer ops (60/20/20 add /
+  re-arm / cancel, timers 10-70 s ahead so none fires during the run) with a ``flush()``
+  every ``flush_every`` ops; ops/s = all ops / the time until the last flush returned;
+  every flush's latency (p50/p99/max). Modes: ``local`` (``--journal``, ``--fsync
+  interval=10``: what a reboot keeps) and ``replicated`` (the same plus ``--replicate``
+  ``--durability replicated``: each flush returns once a quorum of the cluster stored it).
+- **scheduling and lateness at the application**, the same workload as the NATS
+  message-schedule baseline: ``timers`` timers due 1.0-3.0 s ahead, armed as fast as one
+  client can (a flush every 1,000, replicated), received by a worker of the group;
+  lateness = receive time - the deadline the client asked for; early count; a tenth of
+  them cancelled (cancel is acknowledged by the flush; none of them may arrive).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+
+from bench.common import DaemonProcess, unique_name
+
+MODES = ("local", "replicated")
+
+
+def _daemon(workdir: str, mode: str, urls: list[str]) -> DaemonProcess:
+    host = f"bench{unique_name()[-8:]}"
+    extra = ["--journal", os.path.join(workdir, f"journal-{host}"), "--fsync", "interval=10"]
+    if mode == "replicated":
+        extra += ["--replicate", ",".join(urls), "--host-id", host, "--durability", "replicated",
+                  "--replicate-timeout-s", "30"]
+    return DaemonProcess(workdir, capacity=2_000_000, extra=extra, log_level="WARNING")
+
+
+def _worker(socket_path: str, index: int, ops: int, flush_every: int, start, out) -> None:
+    import wheeld
+
+    w = wheeld.connect(socket_path, group=f"bench{index}")
+    add, cancel = w.add, w.cancel
+    keys = [f"w{index}-{i}" for i in range(max(1, ops // 2))]
+    latencies = []
+    start.wait()
+    t0 = time.perf_counter()
+    armed = 0
+    for i in range(ops):
+        r = i % 10
+        if r < 6 or armed == 0:
+            add(keys[armed % len(keys)], 10_000 + (i * 7919) % 60_000)
+            armed += 1
+        elif r < 8:
+            add(keys[(i * 31) % armed % len(keys)], 10_000 + (i * 104_729) % 60_000)  # re-arm
+        else:
+            cancel(keys[(i * 17) % armed % len(keys)])
+        if i % flush_every == flush_every - 1:
+            f = time.perf_counter()
+            w.flush(timeout_s=60)
+            latencies.append(time.perf_counter() - f)
+    w.flush(timeout_s=60)
+    out.put({"ops": ops, "seconds": time.perf_counter() - t0, "flush_s": latencies})
+    w.close()
+
+
+def throughput(urls: list[str], mode: str, clients: int = 2, ops: int = 200_000, flush_every: int = 1_000) -> dict:
+    """ops/s and flush latency of one daemon in ``mode`` (module docstring)."""
+    workdir = tempfile.mkdtemp(prefix=f"wheeld-bench-fleet-{mode}-")
+    daemon = _daemon(workdir, mode, urls)
+    try:
+        daemon.start(timeout_s=60)
+        if mode == "replicated":
+            _wait_replicating(daemon)
+        ctx = mp.get_context("fork")  # (spawn would leave its resource tracker running)
+        start, out = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(daemon.socket_path, i, ops, flush_every, start, out))
+                 for i in range(clients)]
+        for p in procs:
+            p.start()
+        time.sleep(1.0)
+        t0 = time.perf_counter()
+        start.set()
+        results = [out.get(timeout=600) for _ in procs]
+        elapsed = time.perf_counter() - t0
+        for p in procs:
+            p.join(30)
+        flushes = sorted(x for r in results for x in r["flush_s"])
+        counters = daemon.counters()
+        return {"mode": mode, "clients": clients, "ops": clients * ops, "flush_every": flush_every,
+                "ops_per_s": round(clients * ops / elapsed), "seconds": round(elapsed, 3),
+                "flush_ms_p50": _pct(flushes, 50), "flush_ms_p99": _pct(flushes, 99),
+                "flush_ms_max": round(flushes[-1] * 1000, 3) if flushes else None, "flushes": len(flushes),
+                "flushes_refused": counters["journal_flushes_refused_total"]}
+    finally:
+        daemon.cleanup()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _wait_replicating(daemon: DaemonProcess, timeout_s: float = 30.0) -> None:
+    from wheeld.protocol import arena_layout as AL
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if daemon.counters()["fleet_state"] == AL.FLEET_STATES.index("replicating"):
+                return
+        except Exception:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"the daemon never replicated:\n{daemon.log()[-2000:]}")
+
+
+def _pct(sorted_s: list[float], p: float) -> float | None:
+    if not sorted_s:
+        return None
+    return round(sorted_s[min(len(sorted_s) - 1, int(len(sorted_s) * p / 100))] * 1000, 3)
+
+
+def schedules(urls: list[str], timers: int = 10_000, ahead_s: tuple[float, float] = (1.0, 3.0),
+              cancel_every: int = 10) -> dict:
+    """wheeld's answer to the message-schedule baseline (module docstring), replicated."""
+    import wheeld
+    from wheeld.protocol.clock import mono_ms
+
+    workdir = tempfile.mkdtemp(prefix="wheeld-bench-fleet-sched-")
+    daemon = _daemon(workdir, "replicated", urls)
+    try:
+        daemon.start(timeout_s=60)
+        _wait_replicating(daemon)
+        sender = wheeld.connect(daemon.socket_path, group="sched")  # a group's timers come back to it
+        lo, hi = int(ahead_s[0] * 1000), int(ahead_s[1] * 1000)
+        wanted, cancelled = {}, set()
+        t0 = time.perf_counter()
+        for i in range(timers):
+            delay = lo + (i * 7919) % (hi - lo)
+            key = f"s{i}"
+            wanted[key] = mono_ms() + delay
+            sender.add(key, delay)
+            if i % 1000 == 999:
+                sender.flush(timeout_s=60)
+        sender.flush(timeout_s=60)
+        armed_s = time.perf_counter() - t0
+        for i in range(0, timers, cancel_every):
+            if sender.cancel(f"s{i}"):
+                cancelled.add(f"s{i}")
+        sender.flush(timeout_s=60)
+        got: dict[str, int] = {}
+        end = time.monotonic() + ahead_s[1] + 10
+        expected = set(wanted) - cancelled
+        while time.monotonic() < end and not expected <= set(got):
+            for e in sender.poll(0.05):
+                got.setdefault(e.key, mono_ms())
+        sender.close()
+        late = sorted(got[k] - wanted[k] for k in got if k in wanted)
+        return {"system": "wheeld --durability replicated", "timers": timers,
+                "schedules_per_s": round(timers / armed_s), "delivered": len(got),
+                "missing": len(expected - set(got)), "cancelled": len(cancelled),
+                "cancelled_delivered": len(cancelled & set(got)),
+                "early": sum(1 for x in late if x < 0),
+                "lateness_ms_p50": late[len(late) // 2] if late else None,
+                "lateness_ms_p99": late[min(len(late) - 1, len(late) * 99 // 100)] if late else None,
+                "lateness_ms_max": late[-1] if late else None}
+    finally:
+        daemon.cleanup()
+        shutil.rmtree(workdir, ignore_errors=True)
