@@ -295,3 +295,102 @@ def test_the_fleet_demo_shows_a_lost_host_s_timers_arriving_on_the_other():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "summary: 300/300 timers" in result.stdout and ", 0 early, 0 twice" in result.stdout, result.stdout
     assert "ADOPTED host hostA-" in result.stdout
+
+
+class _Collector:
+    """A worker of ``group`` on one host, polling in a thread: (key, mono ms received, host)."""
+
+    def __init__(self, daemon: DaemonProcess, host_id: str, group: str, sink: list):
+        import threading
+
+        self.client = wheeld.connect(daemon.socket_path, group=group, reconnect_timeout_s=1.0)
+        self.host_id, self.sink, self.stopped = host_id, sink, False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped:
+            try:
+                for e in self.client.poll(0.05):
+                    self.sink.append((e.key, mono_ms(), self.host_id))
+            except wheeld.WheeldError:
+                return  # its host was lost
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.thread.join(5)
+        try:
+            self.client.close()
+        except wheeld.WheeldError:
+            pass
+
+
+def _chaos(tmp_path, cluster, rounds: int) -> None:
+    """Hosts that adopt each other ('*') are lost one after another, a fresh host joining
+    each time: timers move from host to host through several takeovers; every one a
+    flush() acknowledged is delivered once, none early."""
+    hosts: dict[str, DaemonProcess] = {}
+    collectors: dict[str, _Collector] = {}
+    got: list = []
+    due: dict[str, int] = {}
+    lost_at: dict[str, int] = {}
+
+    def join() -> str:
+        host_id = f"c{unique_name()[-8:]}"
+        d = hosts[host_id] = _host(tmp_path, cluster, host_id, "--adopt", "*")
+        d.start()
+        _wait_held(d)
+        collectors[host_id] = _Collector(d, host_id, "chaos", got)
+        return host_id
+
+    try:
+        for _ in range(3):
+            join()
+        for r in range(rounds):
+            victim = sorted(hosts)[r % len(hosts)]
+            with wheeld.connect(hosts[victim].socket_path, group="chaos") as w:
+                for i in range(100):
+                    delay = 3_000 + (i * 113) % 9_000  # some due before the next loss, some after several
+                    due[f"r{r}-{i}"] = mono_ms() + delay
+                    w.add(f"r{r}-{i}", delay)
+                w.flush()
+            collectors.pop(victim).stop()
+            lost_at[victim] = mono_ms()
+            _lose(hosts.pop(victim), tmp_path, victim)
+            join()
+            time.sleep(TTL_S + 1)
+        wait_until(lambda: set(due) <= {k for k, _, _ in got}, 12 + TTL_S * 3, "every timer delivered",
+                   detail=lambda: f"missing {sorted(set(due) - {k for k, _, _ in got})[:10]}")
+        time.sleep(0.5)
+        keys = [k for k, _, _ in got]
+        early = [(k, t, due[k]) for k, t, _ in got if k in due and t < due[k]]
+        assert not early, early[:5]
+        # at least once across a loss: a copy handed (and acknowledged) on a host shortly before
+        # it was lost, its acknowledgement not yet stored by the stream, is delivered again by
+        # the adopter; any other repeat is a bug
+        first: dict[str, tuple] = {}
+        repeats = []
+        for k, t, host in got:
+            if k in first:
+                repeats.append((k, first[k], (t, host)))
+            else:
+                first[k] = (t, host)
+        outside = [r for r in repeats if r[1][1] not in lost_at or not 0 <= lost_at[r[1][1]] - r[1][0] <= 2_000]
+        assert not outside, f"delivered twice outside the takeover window: {outside[:5]}"
+        print(f"{len(set(keys))} timers, {len(repeats)} delivered again after their host was lost")
+    finally:
+        for c in collectors.values():
+            c.stop()
+        for d in hosts.values():
+            d.cleanup()
+
+
+@pytest.mark.timeout(180)
+def test_timers_survive_two_host_losses_in_a_row(tmp_path, cluster):
+    _chaos(tmp_path, cluster, rounds=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_timers_survive_many_host_losses_in_a_row(tmp_path, cluster):
+    _chaos(tmp_path, cluster, rounds=10)
