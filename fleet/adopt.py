@@ -133,25 +133,7 @@ class Adopter:
         """The host's stream, up to the fence, recovered as a journal."""
         from wheeld.journal.recovery import recover
 
-        js = replicator._js
-        name = S.stream_name(host)
-        info = await js.stream_info(name)
-        first = info.state.first_seq
-        records: list[S.Record] = []
-        joiner = S.Reassembler()
-        if first < fence_seq:
-            sub = await js.subscribe(S.subject(host), ordered_consumer=True, stream=name)
-            try:
-                while True:
-                    msg = await sub.next_msg(timeout=5.0)
-                    seq = msg.metadata.sequence.stream
-                    if seq >= fence_seq:
-                        break
-                    rec = joiner.feed(msg.headers, msg.data, seq)
-                    if rec is not None:
-                        records.append(rec)
-            finally:
-                await sub.unsubscribe()
+        records = await S.read_records(replicator._js, host, fence_seq)
         kept, _fence = S.tail(records)
         directory = tempfile.mkdtemp(prefix=f"wheeld-adopt-{host}-")
         try:

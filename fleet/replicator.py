@@ -98,6 +98,35 @@ class Outbox:
         self.size = sum(len(it[3]) for it in kept)
         self.want_snapshot = False
 
+    def next_message(self) -> tuple[str, int, int, bytes, int]:
+        """The next message to send: the first item, and the batches right after a batch
+        joined to it (contiguous lsns, up to :data:`~wheeld.fleet.stream.MAX_PART` bytes):
+        while one message is in flight the appends gather, and the next carries them all.
+        Returns (kind, first lsn, last lsn, payload, items taken)."""
+        items = self.items
+        kind, first, last, payload = items[0]
+        if kind != S.BATCH:
+            return kind, first, last, payload, 1
+        parts, size, taken = [payload], len(payload), 1
+        while taken < len(items):
+            k, f, la, p = items[taken]
+            if k != S.BATCH or f != last + 1 or size + len(p) > S.MAX_PART:
+                break
+            parts.append(p)
+            size += len(p)
+            last = la
+            taken += 1
+        return kind, first, last, payload if taken == 1 else b"".join(parts), taken
+
+    def sent(self, kind: str, first: int, taken: int) -> None:
+        """The message of :meth:`next_message` is stored: drop its items (unless a snapshot
+        replaced them meanwhile)."""
+        items = self.items
+        if not items or items[0][0] != kind or items[0][1] != first:
+            return
+        for _ in range(min(taken, len(items))):
+            self.size -= len(items.popleft()[3])
+
     def queued_lsn(self) -> int:
         return self.items[-1][2] if self.items else 0
 
@@ -417,11 +446,9 @@ class Replicator:
                 if not outbox.items:
                     await self._wake.wait()
                 continue
-            kind, first, last, payload = outbox.items[0]
+            kind, first, last, payload, taken = outbox.next_message()
             await self._send(kind, first, last, payload)
-            if outbox.items and outbox.items[0][1:3] == (first, last):
-                outbox.items.popleft()
-                outbox.size -= len(payload)
+            outbox.sent(kind, first, taken)
             self.replicated_lsn = max(self.replicated_lsn, last)
             self.last_ack_ms = self.clock_ms()
             if kind == S.SNAP:

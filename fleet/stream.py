@@ -195,3 +195,45 @@ def write_directory(records: list[Record], directory: str | os.PathLike[str], ho
                 f.write(rec.payload)
         last = batches[-1].last
     return last
+
+
+async def read_records(js, host: str, upto_seq: int, timeout_s: float = 5.0, attempts: int = 10) -> list[Record]:
+    """Every message of ``host``'s stream before sequence ``upto_seq``, whole (parts joined),
+    in order. Read with an ordered consumer from the next sequence wanted; one that stops
+    answering (a leader moved, a server restarted) is replaced, from where it stopped."""
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+
+    name, subj = stream_name(host), subject(host)
+    records: list[Record] = []
+    joiner = Reassembler()
+    next_seq = 1
+    for _ in range(attempts):
+        if next_seq >= upto_seq:
+            break
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=next_seq)
+        try:
+            sub = await js.subscribe(subj, ordered_consumer=True, stream=name, config=config)
+        except Exception:
+            continue
+        try:
+            while next_seq < upto_seq:
+                msg = await sub.next_msg(timeout=timeout_s)
+                seq = msg.metadata.sequence.stream
+                if seq >= upto_seq:
+                    next_seq = upto_seq
+                    break
+                rec = joiner.feed(msg.headers, msg.data, seq)
+                if rec is not None:
+                    records.append(rec)
+                next_seq = seq + 1
+        except Exception:  # a timeout: read on with a new consumer
+            continue
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+    if next_seq < upto_seq:
+        raise TimeoutError(f"the stream of host {host} could not be read up to sequence {upto_seq} "
+                           f"(stopped at {next_seq})")
+    return records

@@ -265,17 +265,7 @@ def _stream_state(cluster, host: str):
         try:
             js = nc.jetstream(timeout=5)
             info = await js.stream_info(S.stream_name(host))
-            last = info.state.last_seq
-            sub = await js.subscribe(S.subject(host), ordered_consumer=True, stream=S.stream_name(host))
-            joiner, records = S.Reassembler(), []
-            while True:
-                msg = await sub.next_msg(timeout=10)
-                rec = joiner.feed(msg.headers, msg.data, msg.metadata.sequence.stream)
-                if rec is not None:
-                    records.append(rec)
-                if msg.metadata.sequence.stream >= last:
-                    break
-            await sub.unsubscribe()
+            records = await S.read_records(js, host, info.state.last_seq + 1)
             return records
         finally:
             await nc.close()

@@ -190,3 +190,38 @@ def test_timer_structs_are_what_recovery_returns():
     # the adoption reads PendingTimer/FiredTimer from recover(): their fields are what it uses
     assert {"group", "key", "deadline_ms", "seq", "idle_ms"} <= set(PendingTimer.__struct_fields__)
     assert {"group", "key", "deadline_ms", "seq"} <= set(FiredTimer.__struct_fields__)
+
+
+def test_batches_queued_behind_a_message_in_flight_go_out_as_one():
+    box = Outbox()
+    box.snapshotted(0, b"s")
+    assert box.next_message()[:3] == (S.SNAP, 0, 0)
+    box.sent(S.SNAP, 0, 1)
+    for lsn in range(1, 6):
+        box.appended(lsn, lsn, b"%d" % lsn)
+    kind, first, last, payload, taken = box.next_message()
+    assert (kind, first, last, payload, taken) == (S.BATCH, 1, 5, b"12345", 5)
+    box.appended(6, 6, b"6")  # arrives while that message is in flight
+    box.sent(kind, first, taken)
+    assert box.next_message()[:4] == (S.BATCH, 6, 6, b"6") and box.size == 1
+
+
+def test_a_snapshot_that_replaced_a_message_in_flight_is_not_dropped_with_it():
+    box = Outbox()
+    box.snapshotted(0, b"s")
+    box.sent(S.SNAP, 0, 1)
+    box.appended(12, 12, b"x")
+    kind, first, _, _, taken = box.next_message()
+    box.snapshotted(12, b"snap")  # covers the batch in flight
+    box.sent(kind, first, taken)
+    assert [it[:3] for it in box.items] == [(S.SNAP, 12, 12)]
+
+
+def test_joined_batches_stay_within_a_message(monkeypatch):
+    monkeypatch.setattr(S, "MAX_PART", 10)
+    box = Outbox()
+    box.snapshotted(0, b"")
+    box.sent(S.SNAP, 0, 1)
+    for lsn in range(1, 5):
+        box.appended(lsn, lsn, b"abcd")
+    assert box.next_message()[1:3] == (1, 2)  # 8 bytes; a third would pass 10
