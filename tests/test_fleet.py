@@ -186,6 +186,7 @@ def test_a_paused_host_stands_down_after_a_peer_adopted_it(tmp_path, cluster):
         assert "FENCED" in a.log()
         assert got_a == [], f"the fenced host handed out {len(got_a)} timers it no longer owned"
         _check_delivered(got_b, due, set())
+        assert all(e.late for e, _ in got_b)  # due during the gap: at once, marked late
     finally:
         a.cleanup()
         b.cleanup()

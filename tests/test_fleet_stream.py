@@ -225,3 +225,54 @@ def test_joined_batches_stay_within_a_message(monkeypatch):
     for lsn in range(1, 5):
         box.appended(lsn, lsn, b"abcd")
     assert box.next_message()[1:3] == (1, 2)  # 8 bytes; a third would pass 10
+
+
+class _Recorder:
+    """What adopt_timers journals (a Recorder's begin/armed/commit)."""
+
+    def __init__(self):
+        self.armed_calls, self.batches = [], 0
+
+    def begin(self, client_slot=None):
+        self.batches += 1
+
+    def armed(self, gid, key, deadline_ms, seq, previous_ms, idle_ms):
+        self.armed_calls.append((gid, key, deadline_ms, seq, previous_ms, idle_ms))
+
+    def commit(self, now_ms):
+        return 0
+
+
+def test_adopted_timers_keep_their_groups_and_deadlines_and_a_taken_key_is_renamed():
+    from wheeld.daemon.replication import adopt_timers
+    from wheeld.journal.files import read_clocks
+    from wheeld.journal.recovery import RecoveredState
+    from wheeld.shm.wheel import TimerWheel
+
+    wall_ns, mono_ns = read_clocks()
+    now_mono, now_wall = mono_ns // 1_000_000, wall_ns // 1_000_000
+    wheel = TimerWheel.create(1000, tick_ms=1, wheel_size=8, levels=5, start_ms=now_mono)
+    try:
+        gid = wheel.group_id("orders")
+        wheel.schedule("taken", now_mono + 50_000, gid, 1)  # this host's own timer of that key
+        state = RecoveredState(
+            pending={("orders", "a"): PendingTimer("orders", "a", now_wall + 20_000, 7),
+                     ("orders", "taken"): PendingTimer("orders", "taken", now_wall + 30_000, 8),
+                     ("jobs", 5): PendingTimer("jobs", 5, now_wall - 4_000, 9, idle_ms=1000)},
+            unacked=[FiredTimer("orders", "b", now_wall - 1_000, 10, now_wall - 900, False, 100)],
+            last_lsn=40, snapshot_lsn=0, problems=[])
+        rec = _Recorder()
+        adopted, renamed, lost = adopt_timers(wheel, rec, lambda: now_mono, "hostA", state)
+        assert (adopted, renamed, lost) == (4, 1, 0)
+        orders, jobs = wheel.group_id("orders"), wheel.group_id("jobs")
+        assert wheel.lookup("taken", orders) is not None and wheel.lookup("taken@hostA", orders) is not None
+        deadlines = {key: d for _g, key, d, *_ in rec.armed_calls}
+        assert deadlines["a"] >= now_mono + 20_000 - 5  # its wall-clock deadline, never sooner
+        assert deadlines["taken@hostA"] >= now_mono + 30_000 - 5
+        assert deadlines[5] <= now_mono and deadlines["b"] <= now_mono  # past: due at once, late
+        assert wheel.lookup(5, jobs) is not None and rec.batches == 1
+        fired = wheel.expire(now_mono)
+        assert len(fired) == 2  # the two past ones, at once
+    finally:
+        wheel.close()
+        wheel.unlink()
