@@ -241,7 +241,7 @@ class DaemonCore:
         from .replication import adopt_timers
 
         self.arena_busy()
-        result = adopt_timers(self.wheel, self.recorder, self.clock, host, state)
+        result = adopt_timers(self.wheel, self.recorder, self.clock, host, state, self.delivery.late_marks)
         self.wake()
         return result
 

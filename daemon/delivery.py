@@ -193,6 +193,9 @@ class Delivery:
         self.config = config
         self.totals = totals
         self.started_ms = started_ms  # a timer due before this fires marked late (the daemon was down)
+        #: (slot, generation) of records that fire marked late whatever their deadline: a lost
+        #: host's timers adopted after they came due (wheeld.daemon.replication.adopt_timers)
+        self.late_marks: set[tuple[int, int]] = set()
         self.poison = poison
         self.clock = clock
         self.recorder = recorder
@@ -292,6 +295,8 @@ class Delivery:
                     continue
             late_us.append(lateness_us(now, deadline))
             late = deadline < started
+            if self.late_marks and not late:
+                late = _marked(self.late_marks, s, gen)
             queues[group].append((s, gen, now, late))
             if recorder is not None:
                 try:
@@ -327,6 +332,10 @@ class Delivery:
         deadlines = records["deadline"]
         self.lateness.add(lateness_us_array(now, deadlines))
         late = (deadlines < self.started_ms).tolist()
+        if self.late_marks:
+            marks = self.late_marks
+            late = [was or _marked(marks, slot, gen)
+                    for was, slot, gen in zip(late, slots.tolist(), records["gen"].tolist())]
         groups = records["group"]
         first = int(groups[0])
         if (groups == first).all():
@@ -570,3 +579,12 @@ class Delivery:
         keys = [raw[:length] for raw, length in zip(records["key"].tolist(), key_length(records["key_meta"]).tolist())]
         return list(zip(keys, records["key_meta"].tolist(), records["deadline"].tolist(), fired_list,
                         records["tag"].tolist(), slot_list, gen_list, late_list))
+
+
+def _marked(marks: set, slot: int, gen: int) -> bool:
+    """Is record ``slot`` (of generation ``gen``) marked to fire late? (the mark is used up)"""
+    try:
+        marks.remove((slot, gen))
+        return True
+    except KeyError:
+        return False

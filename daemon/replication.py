@@ -75,12 +75,14 @@ class Replication:
         return self.held[0][1] + self.timeout_ms if self.held else None
 
 
-def adopt_timers(wheel, recorder, clock: Callable[[], int], host: str, state) -> tuple[int, int, int]:
+def adopt_timers(wheel, recorder, clock: Callable[[], int], host: str, state,
+                 late_marks: set | None = None) -> tuple[int, int, int]:
     """Put a lost host's timers (``state``: a :class:`~wheeld.journal.recovery.RecoveredState`
     read from its stream) into this daemon's arena and journal: each in the group of the
     same name, at its wall-clock deadline (one already past is due at once and fires
     late); a fired one its host had not seen acknowledged is due at once. A key the group
-    already holds here keeps its timer; the adopted one goes in as ``<key>@<host>``.
+    already holds here keeps its timer; the adopted one goes in as ``<key>@<host>``. Those
+    due at once go into ``late_marks`` (slot, generation): they fire marked late.
     Returns (timers adopted, keys renamed, timers that did not fit)."""
     from wheeld.journal.files import read_clocks, wall_to_monotonic_ns
     from wheeld.protocol.errors import InvalidRequest, WheeldError
@@ -100,7 +102,9 @@ def adopt_timers(wheel, recorder, clock: Callable[[], int], host: str, state) ->
             if wheel.lookup(key, gid) is not None:
                 key = _renamed(key, host)
                 renamed += 1
-            wheel.schedule(key, deadline, gid, t.seq & 0xFFFFFFFF)
+            placed = wheel.schedule(key, deadline, gid, t.seq & 0xFFFFFFFF)
+            if deadline <= now and late_marks is not None:
+                late_marks.add(placed)
             recorder.armed(gid, key, deadline, t.seq & 0xFFFFFFFF, None, None)
             adopted += 1
         except (InvalidRequest, WheeldError) as exc:

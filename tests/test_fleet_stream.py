@@ -262,8 +262,10 @@ def test_adopted_timers_keep_their_groups_and_deadlines_and_a_taken_key_is_renam
             unacked=[FiredTimer("orders", "b", now_wall - 1_000, 10, now_wall - 900, False, 100)],
             last_lsn=40, snapshot_lsn=0, problems=[])
         rec = _Recorder()
-        adopted, renamed, lost = adopt_timers(wheel, rec, lambda: now_mono, "hostA", state)
+        marks: set = set()
+        adopted, renamed, lost = adopt_timers(wheel, rec, lambda: now_mono, "hostA", state, marks)
         assert (adopted, renamed, lost) == (4, 1, 0)
+        assert len(marks) == 2  # the past-due one and the fired one: they fire marked late
         orders, jobs = wheel.group_id("orders"), wheel.group_id("jobs")
         assert wheel.lookup("taken", orders) is not None and wheel.lookup("taken@hostA", orders) is not None
         deadlines = {key: d for _g, key, d, *_ in rec.armed_calls}
@@ -272,7 +274,7 @@ def test_adopted_timers_keep_their_groups_and_deadlines_and_a_taken_key_is_renam
         assert deadlines[5] <= now_mono and deadlines["b"] <= now_mono  # past: due at once, late
         assert wheel.lookup(5, jobs) is not None and rec.batches == 1
         fired = wheel.expire(now_mono)
-        assert len(fired) == 2  # the two past ones, at once
+        assert sorted(fired) == sorted(slot for slot, _gen in marks)  # the two past ones, at once, marked late
     finally:
         wheel.close()
         wheel.unlink()
