@@ -79,6 +79,7 @@ cdef class ClientCore(ClientBase):
     cdef public object _to_ack
     cdef public object _acks_pending
     cdef public list _rearms_pending
+    cdef public dict _rearmed
     cdef public object _applied
     cdef public Py_ssize_t _cancels_since_mark
     cdef public object _marks

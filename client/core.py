@@ -335,6 +335,10 @@ class ClientCore(ClientBase, ClientSession):
         # idle timers touched after the daemon last read their touch word: (kb, meta, deadline,
         # tag, idle_ms, touch index) of their ADD_IDLE again, pushed with the acks (_stale_idle)
         self._rearms_pending: list[tuple] = []
+        # the idle keys re-armed so, until the key is handed over or armed by the application:
+        # ident -> (the tag of the copy acknowledged, the arena epoch that acknowledgement
+        # names, the tags the key was armed with since, the latest last); see _rearm_again
+        self._rearmed: dict[bytes, tuple] = {}
         self._applied = -1
 
     def _init_cancels(self) -> None:
@@ -563,6 +567,8 @@ class ClientCore(ClientBase, ClientSession):
         if index is not None:
             self._touch_by_key.pop(key, None)
             self._free_touch.append(index)
+            if self._rearmed:
+                self._rearmed.pop(ident, None)
 
     def touch(self, key) -> None:
         """Record activity on an idle timer's key: one 8-byte store, no message."""
@@ -770,7 +776,8 @@ class ClientCore(ClientBase, ClientSession):
                 tag = latest.get(bkey)
                 if tag is not None:
                     if tag != seq:
-                        acks_pending.append(handle)  # re-armed or cancelled since: not for the app
+                        if not (self._rearmed and self._rearm_again(ident, e, bkey, handle, tag)):
+                            acks_pending.append(handle)  # re-armed or cancelled since: not for the app
                         continue
                     del latest[bkey]
                     self._remember_done(bkey, seq)
@@ -791,12 +798,13 @@ class ClientCore(ClientBase, ClientSession):
             ready.append(Expired(key, e.deadline_ms, e.fired_ms, e.late))
             handles.append(handle)
 
-    def _stale_idle(self, ident: bytes, e, bkey, handle) -> bool:
+    def _stale_idle(self, ident: bytes, e, bkey, handle, again: bool = False) -> bool:
         """An expiration of one of our idle timers whose touch word shows a touch the daemon
         had not seen when it fired it (the touch was stored after the daemon's last read):
         handing it over would be early. It is armed again instead, for last touch +
         idle_ms (an ADD_IDLE with a new tag, right behind the acknowledgement of this
-        copy: :meth:`_push_rearms`), and True returned.
+        copy: :meth:`_push_rearms`), and True returned. ``again``: the copy came back
+        after such a re-arm (:meth:`_rearm_again`), which is done again, due or not.
 
         Exact, because this runs before the key's touch index is released: from then on
         :meth:`touch` raises InvalidKey, so every touch the application made before it is
@@ -809,37 +817,15 @@ class ClientCore(ClientBase, ClientSession):
         touched = table[index]
         now = _now_ns() // 1_000_000
         idle_ms = seg._idle[index]
-        if touched <= 0 or idle_ms <= 0 or touched + idle_ms <= now:
+        if touched <= 0 or idle_ms <= 0 or (touched + idle_ms <= now and not again):
             return False  # due: fired_ms >= last touch + idle_ms
         tag = self._next_tag()
         self._rearms_pending.append((e.key_bytes, e.key_meta, touched + idle_ms, tag, idle_ms, index, handle))
         self._latest[hash(bkey) & _SHARD_MASK][bkey] = tag
+        before = self._rearmed.get(ident) if again else None
+        self._rearmed[ident] = (e.seq, handle[2], (before[2] if before is not None else ()) + (tag,))
         self._push_rearms()
         return True
-
-    def _push_rearms(self) -> None:
-        """Push the re-arms :meth:`_stale_idle` made, as many as the ring takes now (the
-        rest at the next poll or flush), and wake the daemon if it is parked.
-
-        Each is two records, pushed together or not at all: the acknowledgement of the
-        copy it replaces, then the ADD_IDLE. In that order the copy's record is released
-        before the new arming needs one, so a group at its ``--group-quota`` (or a full
-        arena) does not refuse the re-arm of a timer it already holds: refused, the
-        re-arm would be lost with the copy acknowledged."""
-        seg = self._segment
-        assert seg is not None  # rearms are of idle timers, armed through the ring
-        pending = self._rearms_pending
-        done = 0
-        for kb, meta, deadline, tag, idle_ms, index, handle in pending:
-            if seg.free_slots() < 2:
-                break
-            slot, gen, epoch = handle
-            seg.try_push(C.ACK, b"", 0, 0, epoch, slot, gen)
-            seg.try_push(C.ADD_IDLE, kb, meta, deadline, tag, idle_ms, index)
-            done += 1
-        if done:
-            del pending[:done]
-            self._after_push()
 
     def _take_ready(self) -> list[Expired]:
         """Hand everything received to the application; acknowledge it at the next call."""

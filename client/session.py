@@ -1,7 +1,8 @@
 """A client's session with the daemon, apart from its commands: taking a Welcome (the ring,
 the status page, the commands to push again), the daemon's other messages (Applied,
-Rejected, Goodbye, Refused), the answers a ``flush()`` waits for, and what a fork or a
-close leaves of the session.
+Rejected, Goodbye, Refused), the answers a ``flush()`` waits for, the re-arms of idle
+timers pushed with acknowledgements (and again when the copy they replaced comes back),
+and what a fork or a close leaves of the session.
 
 :class:`ClientSession` is a room of :class:`wheeld.core.ClientCore` (a mixin: it works
 on the core's fields); the I/O shells (``wheeld.sync``, ``wheeld.aio``) and the
@@ -42,6 +43,7 @@ SEQ_BITS = 21
 SHARDS = 64
 _SEQ_BITS = SEQ_BITS
 _SHARD_MASK = SHARDS - 1
+_META = [bytes((m,)) for m in range(256)]
 
 class ForkedTouches(dict):
     """Stands in for the touch index in a forked child: every touch raises ForkedClient."""
@@ -105,6 +107,7 @@ class ClientSession:
         _latest: list[dict]
         _acks_pending: list[tuple[int, int, int]]
         _rearms_pending: list[tuple]
+        _rearmed: dict[bytes, tuple]
         _applied: int
         _marks: list[tuple[int, list]]
         _rejected: list[M.Rejected]
@@ -114,6 +117,8 @@ class ClientSession:
         def _remember_done(self, bkey, tag: int) -> None: ...
         def _on_expirations(self, items) -> None: ...
         def _flush_acks(self) -> None: ...
+        def _after_push(self) -> None: ...
+        def _stale_idle(self, ident: bytes, e, bkey, handle, again: bool = False) -> bool: ...
         def _next_tag(self) -> int: ...
         def _push(self, op: int, kb: bytes, meta: int, deadline: int, tag: int, aux0: int = 0,
                   aux1: int = 0) -> None: ...
@@ -180,6 +185,7 @@ class ClientSession:
                     # their touch indices were the old ring's; the copies they replace are acknowledged
                     self._acks_pending.extend(rearm[6] for rearm in self._rearms_pending)
                     self._rearms_pending.clear()
+                    self._rearmed.clear()
                 self._segment = segment
                 # touch() stores straight into the touch table: one 8-byte store (see shm.ring)
                 self._touch_table = segment._last_touch
@@ -242,11 +248,74 @@ class ClientSession:
                         del latest[bkey]
                         self._remember_done(bkey, ~tag)
         elif kind is M.Rejected:
-            self._rejected.append(message)
+            if not (self._rearmed and self._rearm_comes_again(message)):
+                self._rejected.append(message)
         elif kind is M.Goodbye:
             raise BrokenPeer(f"the daemon ended the session: {message.reason}")
         elif kind is M.Refused:
             raise refusal_error(message)
+
+    # ------------------------------------------------------------------ idle re-arms
+    # (the core's _stale_idle makes them: an idle timer's copy touched after it fired)
+    def _push_rearms(self) -> None:
+        """Push the re-arms :meth:`_stale_idle` made, as many as the ring takes now (the
+        rest at the next poll or flush), and wake the daemon if it is parked.
+
+        Each is two records, pushed together or not at all: the acknowledgement of the
+        copy it replaces, then the ADD_IDLE. In that order the copy's record is released
+        before the new arming needs one, so a group at its ``--group-quota`` (or a full
+        arena) does not refuse the re-arm of a timer it already holds: refused, the
+        re-arm would be lost with the copy acknowledged. An acknowledgement that names an
+        arena lost before the daemon read it releases nothing: the daemon that rebuilt the
+        arena from its journal holds the fired record still, may refuse the re-arm for it,
+        and sends the copy again, which is re-armed again then (:meth:`_rearm_again`)."""
+        seg = self._segment
+        assert seg is not None  # rearms are of idle timers, armed through the ring
+        pending = self._rearms_pending
+        done = 0
+        for kb, meta, deadline, tag, idle_ms, index, handle in pending:
+            if seg.free_slots() < 2:
+                break
+            slot, gen, epoch = handle
+            seg.try_push(C.ACK, b"", 0, 0, epoch, slot, gen)
+            seg.try_push(C.ADD_IDLE, kb, meta, deadline, tag, idle_ms, index)
+            done += 1
+        if done:
+            del pending[:done]
+            self._after_push()
+
+    def _rearm_again(self, ident: bytes, e, bkey, handle, latest: int) -> bool:
+        """A copy of an arming whose key was armed since (``latest``): True when that is our
+        re-arm of this very copy (:meth:`_stale_idle`), which is then done again.
+
+        The copy comes back when the acknowledgement pushed with the re-arm released
+        nothing: it named an arena lost before the daemon read it (a daemon that rebuilds
+        the arena from its journal ignores it, and restores the fired record), or it was
+        on its way again (a restart, an ack timeout). The re-arm itself may then have been
+        refused, the fired record still holding its place in a group at its
+        ``--group-quota`` or in a full arena: dropping the copy would lose the timer. So
+        the re-arm is pushed again behind the acknowledgement of this copy, which now
+        names the record; for last touch + idle_ms, due or not (never early: an applied
+        first re-arm is moved there, a refused one replaced), and the copy is not handed."""
+        rearmed = self._rearmed.get(ident)
+        if rearmed is None or rearmed[0] != e.seq or rearmed[2][-1] != latest:
+            return False
+        return self._stale_idle(ident, e, bkey, handle, True)
+
+    def _rearm_comes_again(self, message: M.Rejected) -> bool:
+        """Is ``message`` the refusal of one of our re-arms of an idle key (:meth:`_stale_idle`,
+        no arming of the application's) whose copy comes, or came, back to be re-armed again
+        (:meth:`_rearm_again`)? That refusal is the library's own: neither ``flush()`` nor
+        ``rejected()`` is told of it. It is one when the key was re-armed again since, or
+        when the re-arm's acknowledgement named an arena other than this session's (the
+        daemon ignored it, holds the fired record still and sends the copy again)."""
+        if message.code != M.Rejected.QUOTA_EXCEEDED and message.code != M.Rejected.ARENA_FULL:
+            return False
+        rearmed = self._rearmed.get(_META[message.key_meta] + message.key_bytes)
+        if rearmed is None or message.seq not in rearmed[2]:
+            return False
+        welcome = self._welcome
+        return message.seq != rearmed[2][-1] or (welcome is not None and rearmed[1] != welcome.arena_epoch)
 
     def _init_flush_answers(self) -> None:
         """The answers flush() waits for (the core's __init__ calls it)."""

@@ -9,6 +9,7 @@ that never blocks, and the session the shared handshake opens and reopens.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -18,12 +19,18 @@ import pytest
 import wheeld
 from sim.client import DaemonEnd, SimClient, SimConnection, SimListener, client_clock
 from wheeld import core as client_core
+from wheeld.daemon.client_table import ClientSlot
+from wheeld.daemon.executor import Executor
+from wheeld.daemon.recorder import Recorder
+from wheeld.daemon.recovery import load_recovered, recover_journal
+from wheeld.journal.files import Journal
 from wheeld.protocol import commands as C
 from wheeld.protocol import messages as M
 from wheeld.protocol.framing import FrameReader
 from wheeld.protocol.keys import encode_key
 from wheeld.shm.ring import ClientSegment
 from wheeld.shm.status import StatusPage
+from wheeld.shm.wheel import TimerWheel
 
 RING = 1 << 10
 TOUCH = 16
@@ -96,10 +103,10 @@ class FakeDaemon:
             messages += [M.decode_client_message(body) for body in self.reader.feed(data)]
         return messages
 
-    def welcome(self, resumed: bool = False, ring: ClientSegment | None = None) -> None:
+    def welcome(self, resumed: bool = False, ring: ClientSegment | None = None, epoch: int = EPOCH) -> None:
         ring = ring or self.ring
         welcome = M.Welcome(M.PROTOCOL_VERSION, self.client_id, ring.name, RING, TOUCH, "arena", 1, 1 << 40,
-                            token=TOKEN, arena_epoch=EPOCH, status_page=True, resumed=resumed)
+                            token=TOKEN, arena_epoch=epoch, status_page=True, resumed=resumed)
         frame = M.encode_daemon_frame(welcome)
         assert self.connection.daemon.send_with_fds(frame, [ring.fd, self.status.readonly_fd]) == len(frame)
 
@@ -266,6 +273,120 @@ def test_every_clock_the_client_reads_is_the_replaced_one(world):
     tag = latest_tag(c, "idle")
     daemon.send(M.Expirations([M.Expiry.for_key("idle", touched + 5000, touched + 5000, tag, 10, 1)]))
     assert [e.key for e in c.poll().expired] == ["idle"]
+
+
+QUOTA = 4
+
+
+def _apply_and_journal(executor: Executor, cs: ClientSlot, records, now_ms: int) -> list:
+    """The daemon's apply of a drained chunk, committed to its journal: its rejections."""
+    _flushes, rejects = executor.apply(cs, records)
+    if executor.recorder is not None:
+        executor.recorder.commit(now_ms)
+    return rejects
+
+
+def _rebuilt_from(directory, clock: Clock) -> TimerWheel:
+    """The arena a daemon makes from the journal after the old one was lost."""
+    wheel = TimerWheel.create(64, start_ms=clock.ns // 1_000_000)
+    load_recovered(wheel, recover_journal(str(directory)), str(directory))
+    return wheel
+
+
+@pytest.mark.parametrize("order", ["copy-first", "refusal-first"])
+@pytest.mark.parametrize("at_quota", [True, False], ids=["at-quota", "below-quota"])
+def test_a_rearm_whose_ack_named_a_lost_arena_is_pushed_again_with_the_copy(world, tmp_path, at_quota, order):
+    """Simulation seed 90834: a library re-armed an idle timer touched after it fired (the
+    ACK of the copy, an ADD_IDLE behind it) and the arena was lost before the daemon read
+    the two. The daemon that rebuilt the arena from the journal restored the fired record,
+    ignored the ACK (it names the lost arena) and, the group at its --group-quota with the
+    restored record counted, refused the ADD_IDLE; the library had taken the re-arm for the
+    key's latest arming, so it acknowledged and dropped the copy sent again: the timer was
+    never handed. The copy that comes back is re-armed again behind its new handle's ACK
+    (``ClientSession._rearm_again``), which releases the record first, and the refusal of the
+    library's own re-arm is no refusal of the application's (``flush()`` raises nothing)."""
+    clock, daemon, client = world
+    clock.ns = time.monotonic_ns()  # the journal converts deadlines with the real clocks
+    directory = tmp_path / "journal"
+    c = client()
+    open_session(daemon, c)
+    old = TimerWheel.create(64, start_ms=clock.ns // 1_000_000)
+    journal = Journal(directory, fsync="always", host="sim", name="test")
+    try:
+        recorder = Recorder(journal, old)
+        cs = ClientSlot(daemon.client_id, None, "test", old.group_id("g"), "g", os.getpid(), os.getuid())
+        executor = Executor(old, {cs.slot: cs}, EPOCH, QUOTA, collections.Counter(), _poisoned,
+                            lambda: clock.ns // 1_000_000, recorder)
+        for n in range(QUOTA - 1 if at_quota else 1):  # the group's other timers, far ahead
+            c.add(f"p{n}", 600_000)
+        deadline = c.add_idle("idle", 5000)
+        first = latest_tag(c, "idle")
+        assert _apply_and_journal(executor, cs, daemon.ring.drain(), clock.ns // 1_000_000) == []
+        clock.advance(5.0)
+        recorder.begin()
+        (slot,) = old.expire(deadline)
+        key, _deadline, gid, tag, _aux, generation = old.fired(slot)
+        recorder.fired(gid, key, deadline, tag, deadline, False, 5000)
+        recorder.commit(deadline)
+        c.touch("idle")  # after the daemon read the touch word: the copy would be early
+        touched = -(-clock.ns // 1_000_000)
+        daemon.send(M.Expirations([M.Expiry.for_key("idle", deadline, deadline, first, slot, generation)]))
+        assert c.poll().expired == []
+        pair = daemon.ring.drain()  # ACK of the copy (naming this arena), ADD_IDLE: never read by this daemon
+        assert [int(op) for op in pair["op"]] == [C.ACK, C.ADD_IDLE]
+    finally:
+        journal.close()
+        old.close()
+    # the arena is lost; the next daemon rebuilds it from the journal and takes the ring back
+    new = _rebuilt_from(directory, clock)
+    try:
+        gid = new.group_id("g")
+        (restored,) = new.fired_slots()
+        assert new.fired(restored)[0] == "idle" and new.fired(restored)[3] == first
+        assert new.group_live(gid) == (QUOTA if at_quota else 2)
+        cs = ClientSlot(daemon.client_id, None, "test", gid, "g", os.getpid(), os.getuid())
+        rebuilt = Executor(new, {cs.slot: cs}, EPOCH + 1, QUOTA, collections.Counter(), _poisoned,
+                           lambda: clock.ns // 1_000_000)
+        refusals = _apply_and_journal(rebuilt, cs, pair, clock.ns // 1_000_000)
+        rearm = int(pair["seq"][1])
+        assert [r.seq for r in refusals] == ([rearm] if at_quota else []), "the ACK released nothing"
+        assert new.fired_slots() == [restored]
+        daemon.connection.cut()
+        c.poll()  # the connection's end: a new one at once, the ring handed back
+        daemon.accept()
+        daemon.read()
+        daemon.welcome(resumed=True, epoch=EPOCH + 1)
+        c.poll()
+        assert c.connected
+        # the rebuilt arena's copy of the fired record, and the refusal, in either order
+        copy = M.Expirations([M.Expiry.for_key("idle", deadline, clock.ns // 1_000_000, first, restored,
+                                               new.fired(restored)[5])])
+        answers = [r.message() for r in refusals]
+        for message in ([copy, *answers] if order == "copy-first" else [*answers, copy]):
+            daemon.send(message)
+        assert c.poll().expired == [], "touched since: not handed (it would be early)"
+        number = c.flush()
+        records = daemon.ring.drain()
+        assert [int(op) for op in records["op"]] == [C.ACK, C.ADD_IDLE, C.FLUSH]
+        assert _apply_and_journal(rebuilt, cs, records, clock.ns // 1_000_000) == []
+        assert new.fired_slots() == [] and new.lookup("idle", gid) == touched + 5000
+        assert new.group_live(gid) <= QUOTA
+        daemon.send(M.Applied(int(records["seq"][2])))
+        assert c.poll().flushed == [(number, None)], "the library's own re-arm was refused, no command of the app"
+        assert c.rejected() == []
+        # due at last touch + idle_ms: handed once
+        clock.advance(5.001)
+        (slot,) = new.expire(touched + 5000)
+        _key, _deadline, _gid, tag, _aux, generation = new.fired(slot)
+        assert tag == latest_tag(c, "idle")
+        daemon.send(M.Expirations([M.Expiry.for_key("idle", touched + 5000, touched + 5000, tag, slot, generation)]))
+        assert [e.key for e in c.poll().expired] == ["idle"]
+    finally:
+        new.close()
+
+
+def _poisoned(cs, reason):
+    raise AssertionError(f"poisoned: {reason}")
 
 
 def test_the_real_clock_comes_back():

@@ -5,6 +5,7 @@
     python -m sim --seed 123456 --shrink     # the fewest operations with which it still fails
     python -m sim --regressions              # every seed in sim/regressions.txt
     python -m sim --seed 6 --ops 300 --plain # without the newer workloads and faults
+    python -m sim --seed 40 --unheld         # without the groups held at their quota
 
 A failing seed prints the command that replays it. The totals say how often
 each fault was injected across the run.
@@ -25,49 +26,55 @@ from .run import run_seed
 REGRESSIONS = os.path.join(os.path.dirname(__file__), "regressions.txt")
 
 
-def regression_cases() -> list[tuple[int, int, bool]]:
-    """(seed, ops, extra) of every seed that ever failed (sim/regressions.txt: ``seed ops [plain]
-    # why``; ``plain``: found before the newer workloads and faults, run without them)."""
+def regression_cases() -> list[tuple[int, int, bool, bool]]:
+    """(seed, ops, extra, hold) of every seed that ever failed (sim/regressions.txt: ``seed ops
+    [plain] [unheld] # why``; ``plain``: found before the newer workloads and faults, run
+    without them; ``unheld``: found before the groups held at their quota, run without those)."""
     cases = []
     with open(REGRESSIONS) as f:
         for line in f:
             line = line.split("#", 1)[0].split()
             if line:
-                cases.append((int(line[0]), int(line[1]) if len(line) > 1 else 1000, "plain" not in line[2:]))
+                cases.append((int(line[0]), int(line[1]) if len(line) > 1 else 1000, "plain" not in line[2:],
+                              "unheld" not in line[2:]))
     return cases
 
 
-def _one(args: tuple[int, int, bool]):
-    seed, ops, extra = args
+def _one(args: tuple[int, int, bool, bool]):
+    seed, ops, extra, hold = args
     started = time.perf_counter()
     try:
-        result = run_seed(seed, ops, extra=extra)
+        result = run_seed(seed, ops, extra=extra, hold=hold)
     except BaseException as exc:  # noqa: BLE001 - the simulator itself failed: report the seed
-        return seed, ops, [f"[simulator] {type(exc).__name__}: {exc}"], Counter(), time.perf_counter() - started, extra
-    return seed, ops, [str(v) for v in result.violations], result.faults, time.perf_counter() - started, extra
+        violations, faults = [f"[simulator] {type(exc).__name__}: {exc}"], Counter()
+    else:
+        violations, faults = [str(v) for v in result.violations], result.faults
+    return seed, ops, violations, faults, time.perf_counter() - started, extra, hold
 
 
-def shrink(seed: int, ops: int, extra: bool = True) -> int:
+def shrink(seed: int, ops: int, extra: bool = True, hold: bool = True) -> int:
     """The fewest operations with which ``seed`` still fails (the run is a prefix of the
     longer one: the seed decides every choice, ``ops`` only where the faults stop)."""
     low, high = 1, ops
     while low < high:
         middle = (low + high) // 2
-        if run_seed(seed, middle, extra=extra).violations:
+        if run_seed(seed, middle, extra=extra, hold=hold).violations:
             high = middle
         else:
             low = middle + 1
     return high
 
 
-def replay_command(seed: int, ops: int, extra: bool = True) -> str:
+def replay_command(seed: int, ops: int, extra: bool = True, hold: bool = True) -> str:
     if not extra:
         return f"cd tests && python -m sim --seed {seed} --ops {ops} --plain --trace"
+    if not hold:
+        return f"cd tests && python -m sim --seed {seed} --ops {ops} --unheld --trace"
     return f"make simulate SEED={seed} OPS={ops}   (or: cd tests && python -m sim --seed {seed} --ops {ops} --trace)"
 
 
-def run_many(cases: list[tuple[int, int]], jobs: int, out=sys.stdout) -> tuple[list, Counter, float]:
-    """Run every (seed, ops); returns the failures, the fault totals and the seconds per seed."""
+def run_many(cases: list[tuple[int, int, bool, bool]], jobs: int, out=sys.stdout) -> tuple[list, Counter, float]:
+    """Run every (seed, ops, extra, hold); returns the failures, the fault totals and the seconds per seed."""
     failures, faults, spent = [], Counter(), 0.0
     chunk = max(1, len(cases) // (jobs * 16))
     if jobs > 1:
@@ -83,12 +90,12 @@ def run_many(cases: list[tuple[int, int]], jobs: int, out=sys.stdout) -> tuple[l
 
 
 def _collect(item, failures, faults, out) -> float:
-    seed, ops, violations, seed_faults, seconds, extra = item
+    seed, ops, violations, seed_faults, seconds, extra, hold = item
     faults.update(seed_faults)
     if violations:
         failures.append((seed, ops, violations))
         print(f"FAILED seed {seed} ({ops} ops): {violations[0][:500]}", file=out)
-        print(f"  replay: {replay_command(seed, ops, extra)}", file=out, flush=True)
+        print(f"  replay: {replay_command(seed, ops, extra, hold)}", file=out, flush=True)
     return seconds
 
 
@@ -107,13 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shrink", action="store_true", help="with --seed: the fewest ops that still fail")
     parser.add_argument("--plain", action="store_true", help="without the newer workloads and faults "
                                                              "(Profile.draw_extra), as the plain regression seeds")
+    parser.add_argument("--unheld", action="store_true",
+                        help="without the groups held at their quota (Profile.draw_quota_hold), as the unheld "
+                             "regression seeds")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
 
     if args.seed is not None:
         _quiet()
         started = time.perf_counter()
-        result = run_seed(args.seed, args.ops, trace=args.trace, extra=not args.plain)
+        result = run_seed(args.seed, args.ops, trace=args.trace, extra=not args.plain, hold=not args.unheld)
         took = time.perf_counter() - started
         if args.trace:
             print("\n".join(result.trace))
@@ -123,15 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         for violation in result.violations:
             print(violation)
         if result.violations and args.shrink:
-            fewest = shrink(args.seed, args.ops, extra=not args.plain)
-            print(f"fails with as few as {fewest} operations: {replay_command(args.seed, fewest, not args.plain)}")
+            fewest = shrink(args.seed, args.ops, extra=not args.plain, hold=not args.unheld)
+            print(f"fails with as few as {fewest} operations: "
+                  f"{replay_command(args.seed, fewest, not args.plain, not args.unheld)}")
         return 1 if result.violations else 0
 
     cases = regression_cases() if args.regressions else []
     if args.seeds:
         first = args.first if args.first is not None else int(time.time() * 1000) % 10**12
         print(f"seeds {first}..{first + args.seeds - 1}, {args.ops} operations each, {args.jobs} jobs", flush=True)
-        cases += [(seed, args.ops, not args.plain) for seed in range(first, first + args.seeds)]
+        cases += [(seed, args.ops, not args.plain, not args.unheld) for seed in range(first, first + args.seeds)]
     if not cases:
         parser.error("nothing to run: --seeds N, --seed S or --regressions")
     started = time.perf_counter()

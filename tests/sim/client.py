@@ -494,8 +494,8 @@ class SimClient(ClientCore):
             for slot, generation, _epoch in itertools.islice(self._ready_handles, before, None):
                 self.ready_tags.append(tag_of.get((slot, generation), -1))
 
-    def _stale_idle(self, ident, e, bkey, handle) -> bool:
-        rearmed = super()._stale_idle(ident, e, bkey, handle)
+    def _stale_idle(self, ident, e, bkey, handle, again: bool = False) -> bool:
+        rearmed = super()._stale_idle(ident, e, bkey, handle, again)
         if rearmed:  # armed again under a new tag: the same arming, for the checker
             for shard in self._latest:
                 if bkey in shard:

@@ -136,6 +136,8 @@ class Profile:
     pushes: float = 0.0  # per client turn inside a daemon event: commands pushed into its ring, not touches
     # And this one (draw_arena_loss):
     arena_loss: float = 0.0  # per daemon crash: /dev/shm's segments removed before the restart, workers alive
+    # And this one (draw_quota_hold):
+    quota_hold: float = 0.0  # per honest operation: its group topped up to --group-quota with far-off timers
 
     @classmethod
     def draw(cls, rng: random.Random) -> Profile:
@@ -190,6 +192,20 @@ class Profile:
         working = self.journal and not self.disk_fault and not self.disk_full
         self.arena_loss = rng.choice([0.0, 0.5]) if working and self.daemon_crash else 0.0
 
+    def draw_quota_hold(self, rng: random.Random) -> None:
+        """How often a worker keeps its group at its --group-quota, from ``rng``, with arena
+        losses right after library re-arms: the daemon that rebuilds the arena from the
+        journal restores the fired records the lost one had sent, which count towards the
+        quota a re-arm then meets (``Simulation._hold_quota``, ``_lose_after_rearm``). With
+        a journal whose disk works (it alone has the timers then); a seed without a quota
+        gets one (small, to be reached), and clients touch inside daemon events (their
+        touches after the daemon read the word make the library re-arms)."""
+        working = self.journal and not self.disk_fault and not self.disk_full
+        self.quota_hold = rng.choice([0.0, 0.3]) if working else 0.0
+        if self.quota_hold:
+            self.group_quota = self.group_quota or rng.choice([16, 64])
+            self.interleave = self.interleave or 0.3
+
     def describe(self) -> str:
         journal = f"journal fsync={self.fsync}" if self.journal else "no journal"
         return (f"{journal}, coalesce {self.coalesce_us} us, capacity {self.capacity}, ring {self.ring_capacity}, "
@@ -200,7 +216,8 @@ class Profile:
                         ("arena damage", self.arena_damage), ("journal cut", self.journal_cut),
                         ("shrink", self.shrink), ("disk full", self.disk_full), ("churn", self.churn),
                         ("recovery kill", self.recovery_kill), ("interleave", self.interleave),
-                        ("pushes", self.pushes), ("arena loss", self.arena_loss)) if value))
+                        ("pushes", self.pushes), ("arena loss", self.arena_loss),
+                        ("group quota", self.group_quota), ("quota hold", self.quota_hold)) if value))
 
 
 @dataclass
@@ -332,6 +349,7 @@ class Worker:
         self.started = False
         self.aliases: dict[int, int] = {}  # a tag the library re-armed an idle timer with -> the arming's
         self.welcome_seen = None  # (a hoarder) the Welcome of the session it last read on
+        self.rearmed = False  # its library re-armed an idle timer in the poll under way
 
     def _dial(self):
         uid = HOSTILE_UID if self.hostile else WORKER_UID
@@ -347,7 +365,7 @@ class Simulation:
     """A run of one seed (module docstring)."""
 
     def __init__(self, seed: int, ops: int = 1000, profile: Profile | None = None, trace: bool = False,
-                 extra: bool = True):
+                 extra: bool = True, hold: bool = True):
         self.seed = seed
         self.world = World(seed)
         rng = self.rng = self.world.rng
@@ -356,6 +374,7 @@ class Simulation:
         self.irng = random.Random(seed * 7_000_003 + 29)  # and the clients' stores inside daemon events
         self.prng = random.Random(seed * 11_000_003 + 37)  # and which of those stores are ring records
         self.arng = random.Random(seed * 13_000_003 + 41)  # and whether a crashed daemon's arena is lost
+        self.qrng = random.Random(seed * 17_000_003 + 43)  # and the groups held at their quota
         self.extra = extra
         if profile is None:
             profile = Profile.draw(rng)
@@ -364,6 +383,8 @@ class Simulation:
                 profile.draw_interleave(self.irng)
                 profile.draw_pushes(self.prng)
                 profile.draw_arena_loss(self.arng)
+                if hold:  # (hold=False: the run as it was before draw_quota_hold)
+                    profile.draw_quota_hold(self.qrng)
         self._interleaving = 0  # clock reads of the current daemon event that may still let time pass
         self.profile = profile
         self.ops_target = ops
@@ -627,7 +648,7 @@ class Simulation:
         self.violations.append(Violation("raised", f"the daemon core raised: {text}"))
         self.kill_daemon(counted=False)
 
-    def kill_daemon(self, counted: bool = True) -> None:
+    def kill_daemon(self, counted: bool = True, lose_arena: bool = False) -> None:
         daemon = self.daemon
         if daemon is None or not daemon.alive:
             return
@@ -635,7 +656,8 @@ class Simulation:
             self.faults["daemon killed between events"] += 1
         self.note("daemon killed")
         self._daemon_died(daemon, damage=True)
-        if self.profile.arena_loss and not self.fault_free and self.arng.random() < self.profile.arena_loss:
+        if lose_arena or (self.profile.arena_loss and not self.fault_free
+                          and self.arng.random() < self.profile.arena_loss):
             self._lose_arena()
         self.world.after_ms(self.rng.uniform(1, 300), self.start_daemon)
 
@@ -878,6 +900,8 @@ class Simulation:
                 self._hostile_step(worker)
             else:
                 self._honest_step(worker)
+                if self.profile.quota_hold and self.qrng.random() < self.profile.quota_hold:
+                    self._hold_quota(worker)
             if worker.ops_left is not None:
                 worker.ops_left -= 1
                 if worker.ops_left <= 0 and worker.alive:
@@ -916,9 +940,9 @@ class Simulation:
             self._kill_worker(worker)
             self.faults["short-lived worker left (killed)"] += 1
 
-    def _key(self, worker: Worker, rng: random.Random | None = None) -> str:
+    def _key(self, worker: Worker, rng: random.Random | None = None, fresh: bool = False) -> str:
         rng = self.rng if rng is None else rng
-        if worker.keys and rng.random() < 0.4:
+        if not fresh and worker.keys and rng.random() < 0.4:
             return rng.choice(worker.keys)
         key = f"c{worker.ident}-{len(worker.keys)}"
         worker.keys.append(key)
@@ -998,6 +1022,89 @@ class Simulation:
         except (BrokenPeer, Closed, DaemonNotRunning) as exc:
             self.note(f"worker {worker.ident}: {exc!r}")
 
+    def _hold_quota(self, worker: Worker) -> None:
+        """``worker``'s application keeps its group at the --group-quota. Its connections
+        are busy at their idle boundary: it touches the idle keys whose timers the daemon
+        has fired (their expirations not read yet: its library re-arms them, see
+        ``_lose_after_rearm``) and polls; then it tops the group up with a few far-off
+        timers on new keys, half of them idle ones, until its ring's group_full word says
+        the group is full or an add is refused at once."""
+        client, q, top = worker.client, self.qrng, self.profile.max_delay_ms
+        seg, now = client._segment, self.world.now_ns
+        if seg is None or client._welcome is None or not client.max_delay_ms:
+            return
+        self.faults["group topped up to its quota"] += 1
+        for key in self._fired_idle_keys(worker):
+            try:
+                client.touch(key)
+            except InvalidKey:  # its expiration was handed over: no longer armed
+                worker.idle_keys.discard(key)
+                continue
+            self.history.touched(worker.ident, key, now)
+            self.note(f"w{worker.ident} touch {key} (fired)")
+        self._poll(worker)
+        if not worker.alive or client is not worker.client or client._segment is None:
+            return
+        seg = client._segment
+        for _ in range(q.randint(1, 8)):
+            if seg.group_full:
+                return
+            key, ms, idle = self._key(worker, q, fresh=True), q.randint(max(1, top // 2), top), q.random() < 0.5
+            try:
+                if idle:
+                    client.add_idle(key, ms)
+                else:
+                    client.add(key, ms)
+            except (ArenaFull, QuotaExceeded):
+                self.faults["ArenaFull or QuotaExceeded raised at once"] += 1
+                return
+            except InvalidRequest as exc:  # the touch table is full
+                if "idle-timer slots" not in str(exc):
+                    raise
+                self.faults["touch table full"] += 1
+                return
+            except (RingFull, BrokenPeer, Closed, DaemonNotRunning) as exc:
+                self.note(f"worker {worker.ident}: {exc!r}")
+                return
+            if idle:
+                worker.idle_keys.add(key)
+            else:
+                worker.idle_keys.discard(key)
+            self._armed(worker, key, now, ms, idle=idle)
+
+    def _fired_idle_keys(self, worker: Worker) -> list[str]:
+        """``worker``'s idle keys of which the daemon holds a fired record (read from its arena)."""
+        daemon = self.daemon
+        wheel = getattr(daemon.core, "wheel", None) if daemon is not None and daemon.alive else None
+        if wheel is None or not worker.idle_keys:
+            return []
+        keys = set()
+        for slot in wheel.fired_slots():
+            try:
+                key = wheel.fired(slot)[0]
+            except (ValueError, UnicodeDecodeError):  # a damaged record
+                continue
+            if key in worker.idle_keys:
+                keys.add(key)
+        return sorted(keys)
+
+    def _lose_after_rearm(self, worker: Worker) -> None:
+        """``worker``'s library re-armed an idle timer touched after it fired (the ACK of its
+        copy, an ADD_IDLE behind it): the daemon is killed at once, before it reads the two,
+        and the arena is lost, most times while the group holds its quota. The daemon that
+        rebuilds the arena from the journal ignores the ACK (it names the lost arena) and
+        restores the fired record, which counts towards the quota the re-arm meets."""
+        daemon = self.daemon
+        if self.fault_free or daemon is None or not daemon.alive:
+            return
+        wheel = getattr(daemon.core, "wheel", None)
+        gid = next((g for g, name in wheel.groups().items() if name == worker.group), None) if wheel else None
+        at_quota = gid is not None and wheel.group_live(gid) >= self.profile.group_quota
+        if self.qrng.random() >= (0.7 if at_quota else 0.2):
+            return
+        self.faults["daemon killed after a library re-arm" + (" at the quota" if at_quota else "")] += 1
+        self.kill_daemon(counted=False, lose_arena=True)
+
     def _armed(self, worker: Worker, key: str, now: int, ms: int, idle: bool) -> None:
         """``worker``'s application armed ``key`` (``add`` or ``add_idle``, ``ms`` its delay
         or idle time) at ``now``: the history learns of the arming its library made."""
@@ -1024,12 +1131,14 @@ class Simulation:
         """``worker``'s library took in an expiration of its idle ``key`` (arming ``tag``) that
         was touched since it fired: it acknowledges that copy and arms the key again."""
         original = self._resolve_tag(key, tag)
+        worker.rearmed = True
         self.history.idle_rearmed(worker.ident, key, original, self.world.now_ns)
         self.note(f"w{worker.ident} library re-armed {key} tag {tag}->{original} (touched since it fired)")
 
     def _poll(self, worker: Worker) -> None:
         if not worker.alive or worker.hostile or not worker.started:
             return
+        worker.rearmed = False
         try:
             polled = worker.client.poll()
         except (BrokenPeer, DaemonNotRunning, Closed) as exc:
@@ -1057,6 +1166,8 @@ class Simulation:
         worker.client.handed_tags.clear()
         if polled.flushed:
             self._flushes_answered(worker, polled.flushed)
+        if worker.rearmed and self.profile.quota_hold:
+            self._lose_after_rearm(worker)
 
     def _flushes_answered(self, worker: Worker, flushed: list) -> None:
         for number, outcome in flushed:
@@ -1596,7 +1707,8 @@ def _release_fds(core) -> None:
 
 
 def run_seed(seed: int, ops: int = 1000, trace: bool = False, profile: Profile | None = None,
-             extra: bool = True) -> Result:
+             extra: bool = True, hold: bool = True) -> Result:
     """One seed's run; ``extra=False`` leaves out the newer workloads and faults (Profile.draw_extra),
-    as the regression seeds found before them ran."""
-    return Simulation(seed, ops, profile=profile, trace=trace, extra=extra).run()
+    as the regression seeds found before them ran; ``hold=False`` only the groups held at their
+    quota (Profile.draw_quota_hold), likewise."""
+    return Simulation(seed, ops, profile=profile, trace=trace, extra=extra, hold=hold).run()
