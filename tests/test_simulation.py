@@ -136,6 +136,8 @@ def _twice_history(**faults):
         h.session_ends = {1: [faults["session_end"] * ms]}
     if "crash" in faults:
         h.crashed(1, faults["crash"] * ms)
+    if "ring_lost" in faults:  # client 1 had exited; the daemon holding its ring died before reading it all
+        h.ring_lost(1, faults["ring_lost"] * ms)
     for at in faults.get("daemon_deaths", ()):
         h.daemon_died(at * ms)
     if "power_cut" in faults:
@@ -151,6 +153,11 @@ def _twice_history(**faults):
     ({"acked_at": 35_000}, False),  # acknowledged after the ack timeout
     ({"session_end": 15}, False),  # its session ended with the copy in flight
     ({"daemon_deaths": [21], "crash": 25}, False),  # the daemon died before it drained the ack, then it
+    # it exited (a Bye, a kill) with the ack in its ring, and the daemon died before reading the ring ...
+    ({"daemon_deaths": [21], "ring_lost": 21}, False),
+    ({"daemon_deaths": [22], "crash": 21, "ring_lost": 22}, False),
+    ({"daemon_deaths": [22], "crash": 21}, True),  # ... not when it read what the client left before it died
+    ({"daemon_deaths": [5_000], "ring_lost": 5_000}, True),  # ... nor when what it left unread came after the ack
     ({"power_cut": 30}, False),  # a power cut after the copy was sent: the ack may not have been durable
     # the arena lost before the flush covering the arming returned, client 1's ring replayed
     # into the rebuilt arena at 40.5 s: within --resume-grace-s of the rebuild the daemon
@@ -168,6 +175,47 @@ def test_the_checker_allows_a_second_hand_over_only_in_the_at_least_once_windows
 
     rules = {v.rule for v in check(_twice_history(**faults), 100_000 * 1_000_000)}
     assert ("twice" in rules) == twice, rules
+
+
+@pytest.mark.parametrize("read_first", [False, True], ids=["killed-as-the-bye-came", "killed-after-the-bye"])
+def test_a_ring_left_unread_by_a_daemon_killed_after_its_client_left_is_lost(read_first):
+    """Seed 111376: a worker handed an expiration and left at once (``close()``: its library
+    pushes the acknowledgement into its ring and sends a Bye, and does not wait), and the
+    daemon was killed as the Bye came in, before it applied what the worker left in its ring.
+    No process holds that ring any more: the next daemon finds the worker's process gone and
+    sends the fired record to the group (docs/contracts.md, "Delivery and durability"), so
+    the copy it had was not acknowledged to a daemon that applied it. The simulator tells the
+    checker (``History.ring_lost``); a daemon that read the ring before it died lost nothing."""
+    from sim.client import client_clock
+    from sim.run import MS, Simulation
+
+    sim = Simulation(1, 0)
+    sim.fault_free = True
+    world = sim.world
+
+    def run(ms: int, done=lambda: False) -> None:
+        until = world.now_ns + ms * MS
+        while not done() and world.next_time() is not None and world.next_time() <= until:
+            world.step()
+            sim._settle()
+
+    with client_clock(world.clock_ns):
+        sim.start_daemon()
+        worker = sim.spawn("g0")
+        run(100, lambda: worker.client.connected)
+        worker.client.add("c1-0", 1)
+        worker.client.flush()
+        run(100, lambda: worker.client.hands > 0)
+        assert worker.client.hands == 1
+        worker.alive = False
+        worker.client.close()  # the acknowledgement into the ring, then the Bye
+        assert worker.client.ack_marks[-1] == (world.now_ns, 1)
+        if read_first:
+            sim._settle()
+            run(5)
+            assert not sim.daemon.core.clients  # the Bye was read: the ring applied, the slot freed
+        sim.kill_daemon()
+    assert sim.history.rings_lost == ({} if read_first else {worker.ident: world.now_ns})
 
 
 def _rearmed_history(rearm_ms=25, power_cut=None, arena_loss=None, copies=2):

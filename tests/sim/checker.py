@@ -25,7 +25,8 @@ README.md and docs/contracts.md ("Delivery and durability"):
    acknowledged in time to a daemon that applied the acknowledgement; every other
    one went back to its group first (:meth:`History.released`: its client died
    before its acknowledgement reached its ring, or acknowledged it after the ack
-   timeout, or lost its session meanwhile; a power cut came after it was sent), or
+   timeout, or lost its session meanwhile, or exited and its ring died unread with a
+   daemon killed before it read it; a power cut came after it was sent), or
    is the copy its library took in and re-armed over (an idle timer touched after it
    fired), sent again because a power cut or an arena loss after that re-arm took the
    library's acknowledgement (:meth:`History.returned_after_rearm`). A daemon crash or
@@ -104,6 +105,9 @@ class History:
         self.crashed_groups: set[str] = set()
         self.crashed_clients: set[int] = set()
         self.crash_ns: dict[int, int] = {}  # client -> when it crashed
+        # client -> when its ring died unread: it had exited (a Bye, a kill) and the daemon
+        # that still held its ring died before it had read everything in it (ring_lost)
+        self.rings_lost: dict[int, int] = {}
         self.daemon_deaths: list[int] = []  # when a daemon process died (killed, crashed, a power cut), in order
         self.arena_losses: list[int] = []  # when the arena was removed while the daemon was down, workers alive
         self.daemon_starts: list[int] = []  # when a daemon started (took its arena), in order
@@ -254,6 +258,16 @@ class History:
         self.crashed_groups.add(self.group_of[client])
         self.crashed_clients.add(client)
         self.crash_ns.setdefault(client, at_ns)
+
+    def ring_lost(self, client: int, at_ns: int) -> None:
+        """``client`` had exited (it said Bye, or was killed) while a daemon lived, and that
+        daemon died at ``at_ns`` before it had read everything the client left in its ring
+        (the kill came before it applied what the session's end leaves, docs/contracts.md:
+        "when a session ends, the daemon applies everything its client left in the ring").
+        No process holds the ring any more: the acknowledgements in it are never applied, and
+        the next daemon, which finds the client's process gone, sends what it had sent that
+        client to the group ("Delivery and durability")."""
+        self.rings_lost.setdefault(client, at_ns)
 
     def daemon_died(self, at_ns: int) -> None:
         self.daemon_deaths.append(at_ns)
@@ -418,7 +432,9 @@ class History:
         * the client's session ended between the send and the acknowledgement (what it
           had in flight goes back to the group);
         * a daemon died between the send and the drain of that acknowledgement, and the
-          client died after that (its ring died with it, unread by a daemon);
+          client's ring died unread after that: the client died after that death (its ring
+          died with it), or it had exited before and that daemon died before it read what
+          the client left in the ring (:meth:`ring_lost`);
         * a power cut came after the send (an acknowledgement applied but not yet
           durable is lost with the page cache; a reboot kills every client too), or the
           arena was lost after it (an acknowledgement still in the ring then names a
@@ -433,9 +449,11 @@ class History:
             return True
         if any(sent <= at <= acked for at in self.session_ends.get(client, ())):
             return True
-        crash = self.crash_ns.get(client)
-        if crash is not None and any(sent <= at <= acked + self.SLACK_NS and at <= crash
-                                     for at in self.daemon_deaths):
+        # when its ring died, unread by a daemon: with the client, or with the daemon that
+        # held it after the client had exited
+        ring_end = self.rings_lost.get(client, self.crash_ns.get(client))
+        if ring_end is not None and any(sent <= at <= acked + self.SLACK_NS and at <= ring_end
+                                        for at in self.daemon_deaths):
             return True
         return any(sent <= at <= last_hand_ns for at, _window in self.every_cut) or \
             any(sent <= at <= last_hand_ns for at in self.arena_losses)

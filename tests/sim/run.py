@@ -566,6 +566,27 @@ class Simulation:
             if not worker.alive and not worker.hostile and worker.pid in held:
                 self.history.touches_lost(worker.ident)
 
+    def _rings_left_unread(self, daemon: SimDaemon) -> None:
+        """A worker that exited (a Bye, a kill) leaves its ring to the daemon, which applies
+        what is in it as it ends the session (docs/contracts.md, "Delivery and durability").
+        A daemon that dies before it has read all of it (killed as the Bye or the closed
+        connection came in) takes the ring with it: no process holds it any more, and the
+        acknowledgements in it are never applied. The next daemon finds the process gone and
+        sends what it had sent that worker to the group (History.ring_lost)."""
+        clients = getattr(daemon.core, "clients", None) or {}
+        exited = {w.pid: w for w in self._by_ident.values() if not w.alive and not w.hostile}
+        for cs in clients.values():
+            worker = exited.get(cs.pid)
+            segment = cs.segment
+            if worker is None or segment is None:
+                continue
+            try:
+                unread = segment.depth() > 0
+            except WheeldError:  # (unmapped, or impossible counters: nothing left to read)
+                continue
+            if unread:
+                self.history.ring_lost(worker.ident, self.world.now_ns)
+
     def _start_killed(self, daemon: SimDaemon) -> None:
         """The first starts after a reboot rebuild the arena from the journal: kill one at a
         random line of that work (a start that finishes first is not killed)."""
@@ -676,6 +697,7 @@ class Simulation:
 
     def _daemon_died(self, daemon: SimDaemon, damage: bool = False) -> None:
         self._touches_not_settled()
+        self._rings_left_unread(daemon)
         daemon.crash()
         self._last_death_ns = self.world.now_ns
         self.history.daemon_died(self.world.now_ns)
