@@ -443,11 +443,56 @@ def run_wheeld_throughput(connect: dict, args: argparse.Namespace) -> dict:
             "replicated_over_local": round(by_mode["replicated"]["ops_per_s"] / by_mode["local"]["ops_per_s"], 3)}
 
 
+def run_wheeld_failover(connect: dict, args: argparse.Namespace) -> dict:
+    """Replicated throughput while the node leading the daemon's stream is killed (a third
+    of the way in) and restarted (two thirds): flush latency, flushes refused, and the
+    stream caught up at the end."""
+    from bench.fleet_wheeld import throughput
+
+    cluster = args.cluster
+    if cluster is None:
+        return {"skipped": "needs a cluster started here (no --urls)"}
+
+    def fault() -> dict:
+        time.sleep(args.fault_after_s)
+        victim = _stream_leader(cluster, connect)
+        began = time.monotonic()
+        cluster.kill(victim)
+        time.sleep(args.fault_after_s)
+        cluster.restart(victim, wait=False)
+        return {"killed_node": victim, "down_s": round(time.monotonic() - began, 2)}
+
+    row = throughput(connect["servers"], "replicated", clients=args.clients, ops=args.failover_ops,
+                     flush_every=args.flush_every, fault=fault)
+    row["mode"] = "replicated, leader killed"
+    print(format_table([row], [c for c, _ in THROUGHPUT_TABLE], [h for _, h in THROUGHPUT_TABLE]), flush=True)
+    return row
+
+
+def _stream_leader(cluster, connect: dict) -> int:
+    """The node leading the (one) wheeld stream in the cluster (node 0 if none is found)."""
+    import nats
+
+    async def leader():
+        nc = await nats.connect(**connect)
+        try:
+            js = nc.jetstream(timeout=5)
+            for info in await js.streams_info():
+                if info.config.name.startswith("WHEELD_") and info.cluster and info.cluster.leader:
+                    return cluster.index_of(info.cluster.leader)
+            return 0
+        finally:
+            await nc.close()
+
+    return run_loop(leader)
+
+
 #: kind -> function(connect options, parsed arguments) -> its JSON section (with a "table" of rows)
 KINDS: dict[str, Callable[[dict, argparse.Namespace], dict]] = {
     "nats-schedules": run_nats_schedules,
     "wheeld-schedules": run_wheeld_schedules,
     "wheeld-throughput": run_wheeld_throughput,
+    "wheeld-failover": run_wheeld_failover,
 }
 
 
@@ -513,6 +558,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=2, help="wheeld-throughput: client processes")
     parser.add_argument("--ops", type=int, default=200_000, help="wheeld-throughput: ops per client")
     parser.add_argument("--flush-every", type=int, default=1_000, help="wheeld-throughput: a flush() every N ops")
+    parser.add_argument("--failover-ops", type=int, default=400_000,
+                        help="wheeld-failover: ops per client (the run must outlast the fault)")
+    parser.add_argument("--fault-after-s", type=float, default=1.0,
+                        help="wheeld-failover: kill the stream's leader this long after the start, restart it as "
+                             "long after")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     parser.add_argument("--out", help="JSON results path (default: fleet.json, see --save)")
     add_save_option(parser)
@@ -551,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fleet benchmark: kinds {', '.join(args.kinds)} on {info['nodes']} nats-server nodes "
               f"({'started here' if cluster else args.urls}); load average {os.getloadavg()[0]:.2f} on "
               f"{os.cpu_count()} CPUs", flush=True)
+        args.cluster = cluster
         results = {kind: KINDS[kind](connect, args) for kind in args.kinds}
         if cluster is not None:
             info["server_warnings"] = server_warnings(cluster, started_logs)
@@ -562,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows, [c for c, _ in TABLE], [h for _, h in TABLE]))
     machine.update(versions(cluster.binary if cluster else None), load_average_at_end=list(os.getloadavg()))
     payload = {"benchmark": "fleet", "machine": machine, "cluster": info,
-               "spec": {k: v for k, v in vars(args).items() if k not in ("consume", "kinds")},
+               "spec": {k: v for k, v in vars(args).items() if k not in ("consume", "kinds", "cluster")},
                "results": {kind: {k: v for k, v in r.items() if k != "table"} for kind, r in results.items()},
                "comparison": comparison(results)}
     if payload["comparison"]:

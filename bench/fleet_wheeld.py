@@ -64,8 +64,11 @@ def _worker(socket_path: str, index: int, ops: int, flush_every: int, start, out
     w.close()
 
 
-def throughput(urls: list[str], mode: str, clients: int = 2, ops: int = 200_000, flush_every: int = 1_000) -> dict:
-    """ops/s and flush latency of one daemon in ``mode`` (module docstring)."""
+def throughput(urls: list[str], mode: str, clients: int = 2, ops: int = 200_000, flush_every: int = 1_000,
+               fault=None) -> dict:
+    """ops/s and flush latency of one daemon in ``mode`` (module docstring). ``fault``: called
+    in a thread once the clients start (a server killed and restarted meanwhile, say); what
+    it returns is reported as ``fault``."""
     workdir = tempfile.mkdtemp(prefix=f"wheeld-bench-fleet-{mode}-")
     daemon = _daemon(workdir, mode, urls)
     try:
@@ -81,8 +84,16 @@ def throughput(urls: list[str], mode: str, clients: int = 2, ops: int = 200_000,
         time.sleep(1.0)
         t0 = time.perf_counter()
         start.set()
+        fault_result: dict = {}
+        if fault is not None:
+            import threading
+
+            thread = threading.Thread(target=lambda: fault_result.update(fault() or {}), daemon=True)
+            thread.start()
         results = [out.get(timeout=600) for _ in procs]
         elapsed = time.perf_counter() - t0
+        if fault is not None:
+            thread.join(120)
         for p in procs:
             p.join(30)
         flushes = sorted(x for r in results for x in r["flush_s"])
@@ -91,10 +102,21 @@ def throughput(urls: list[str], mode: str, clients: int = 2, ops: int = 200_000,
                 "ops_per_s": round(clients * ops / elapsed), "seconds": round(elapsed, 3),
                 "flush_ms_p50": _pct(flushes, 50), "flush_ms_p99": _pct(flushes, 99),
                 "flush_ms_max": round(flushes[-1] * 1000, 3) if flushes else None, "flushes": len(flushes),
-                "flushes_refused": counters["journal_flushes_refused_total"]}
+                "flushes_refused": counters["journal_flushes_refused_total"],
+                **({"fault": fault_result, "lag_records_at_end": _caught_up(daemon)} if fault is not None else {})}
     finally:
         daemon.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _caught_up(daemon: DaemonProcess, timeout_s: float = 60.0) -> int:
+    """Wait until the stream stored everything the daemon journaled; the lag left (0)."""
+    end = time.monotonic() + timeout_s
+    lag = daemon.counters()["fleet_lag_records"]
+    while lag and time.monotonic() < end:
+        time.sleep(0.1)
+        lag = daemon.counters()["fleet_lag_records"]
+    return lag
 
 
 def _wait_replicating(daemon: DaemonProcess, timeout_s: float = 30.0) -> None:
