@@ -50,6 +50,17 @@ included); another kind (wheeld's replicated mode, say) is one more entry:
   so a schedule fires on the first such tick at or after its time: lateness
   about uniform over 0-250 ms plus the replication of the fired message.
 
+* ``wheeld-schedules``: the same workload on wheeld replicating to the same
+  cluster (``--durability replicated``, a flush() every 1,000 adds): schedules/s,
+  lateness at the application, early, cancelled delivered (bench/fleet_wheeld.py).
+* ``wheeld-throughput``: ``--clients`` processes of ``--ops`` timer ops each
+  (60/20/20 add/re-arm/cancel), a flush() every ``--flush-every``; local-only
+  (``--journal``) and replicated in the same run: ops/s, flush p50/p99/max.
+* ``wheeld-failover``: replicated, the node leading the daemon's stream killed
+  and restarted mid-run: flush latency, flushes refused, the stream caught up.
+
+A ``comparison`` section puts wheeld beside the baseline where both ran.
+
 Writes bench/runs/fleet.json (``--out``; ``--save``: bench/results/) and prints a table.
 """
 
