@@ -187,6 +187,20 @@ def test_a_paused_host_stands_down_after_a_peer_adopted_it(tmp_path, cluster):
         assert got_a == [], f"the fenced host handed out {len(got_a)} timers it no longer owned"
         _check_delivered(got_b, due, set())
         assert all(e.late for e, _ in got_b)  # due during the gap: at once, marked late
+        # started again with its old arena and journal, it finds the fence and stands down
+        # before it hands anything out
+        a.start()
+        assert a.proc.wait(20) == 69
+        assert "was taken over by" in a.log()
+        # forgotten (and its state removed: docs/fleet.md), the host joins again, empty
+        forget = subprocess.run([sys.executable, "-m", "wheeld.ctl", "fleet", "--replicate", ",".join(cluster.urls),
+                                 "forget", a_id, "--yes"], capture_output=True, text=True, timeout=30)
+        assert f"{a_id}: deleted stream WHEELD_{a_id}" in forget.stdout, forget.stdout + forget.stderr
+        a.cleanup()
+        shutil.rmtree(tmp_path / f"journal-{a_id}")
+        a.start()
+        _wait_held(a)
+        assert a.proc.poll() is None and a.counters()["pending"] == 0
     finally:
         a.cleanup()
         b.cleanup()
