@@ -45,6 +45,20 @@ minute, a WARNING when it ends), counted in the arena (``journal_stalled``: the
 errno, 0 when writable; ``journal_stalls_total``;
 ``journal_unwritten_events_total``; ``journal_flushes_refused_total``) and told
 to systemd (``STATUS=``, through :attr:`Recorder.on_change`).
+
+Replication (``--replicate``): the Recorder also journals what the replicator
+(:attr:`Recorder.replica`) reports, as ``repl`` events (:class:`wheeld.protocol.journal.Repl`:
+state, replicated lsn, lag in events and ms, host id, epoch), so that the journal
+pipeline can tell which hosts fell behind the stream, and when. One is written from
+:meth:`Recorder.tick` at once when the replicator's state differs from the last one
+journaled, else every :data:`~wheeld.protocol.journal.REPL_EVERY_MS` (10 s; the loop
+ticks at least every ``max_park_ms``), and a last one when the journal closes; the
+tick compares the time it is given and the state, and reads no clock. They go through
+the same append as the timer events (numbered, fsynced per policy, replicated, compacted);
+none is written while the journal cannot be written. Recovery skips them. They alone
+do not make a time-based snapshot due (an idle daemon would write, and send to the
+stream, a snapshot of all its timers every ``snapshot_every_s`` for them), except
+once a day's worth (:data:`REPL_SNAPSHOT_SAMPLES`) has gathered.
 """
 
 from __future__ import annotations
@@ -86,6 +100,10 @@ STILL_STALLED_LOG_S = 60.0  # a stall that goes on is logged again this often
 # deadline and seq with its crc: more than this per timer): below this it is not even encoded
 MIN_SNAPSHOT_BYTES_PER_TIMER = 64
 MIN_SNAPSHOT_BYTES = 64 << 10
+#: repl events alone make a time-based snapshot due once there are this many since the last
+#: snapshot (a day of them at one per REPL_EVERY_MS): the journal and the stream of an idle
+#: replicating daemon stay bounded, and it is not snapshotted every snapshot_every_s for them
+REPL_SNAPSHOT_SAMPLES = 86_400_000 // J.REPL_EVERY_MS
 
 
 def wall_offset_ms(mono_ns: Callable[[], int] | None = None, wall_ns: Callable[[], int] | None = None) -> int:
@@ -131,6 +149,11 @@ class Recorder:
         #: while its client's touch table is out of reach (the daemon's Delivery.idle_ms_of)
         self.idle_source: Callable[[int], int | None] | None = None
         self.replica = None  # --replicate: the Replicator (its want_snapshot asks for a snapshot)
+        self._repl_due_ms = 0  # when the next repl event is due, whatever the state
+        self._repl_state: str | None = None  # the replicator's state the last repl event recorded
+        # repl events since the last snapshot: alone they make no time-based snapshot due (an idle
+        # daemon would write, and send, one every snapshot_every_s), until there are a day's worth
+        self._repl_since_snapshot = 0
         # (group, key, arming tag) -> idle_ms of the idle timers the journal held at start
         # (reconcile.Reconciled.idle_ms): for those whose touch table is out of reach
         self._known_idle = known_idle or {}
@@ -347,6 +370,9 @@ class Recorder:
             self._stalled()
             self._retry()
             return
+        replica = self.replica
+        if replica is not None and (now_ms >= self._repl_due_ms or replica.state != self._repl_state):
+            self.record_replication(now_ms)
         try:
             if journal.policy.mode == "interval":
                 journal.start_sync(now_ms)
@@ -360,9 +386,37 @@ class Recorder:
         if self.replica is not None and self.replica.want_snapshot:
             due_events = True  # the stream needs one (its start, or what it missed: wheeld.fleet.replicator)
         due_time = (clock_ms - self._snapshot_time_ms >= self.snapshot_every_s * 1000
-                    and self.journal.last_lsn > self._snapshot_lsn)
+                    and self.journal.last_lsn > self._snapshot_lsn + self._repl_since_snapshot)
         if (due_events or due_time) and clock_ms >= self._snapshot_retry_at_ms:
             self.snapshot()
+
+    def record_replication(self, now_ms: int) -> None:
+        """Journal a ``repl`` event: the replicator's state, replicated lsn, lag (events
+        and ms), host id and epoch now; the next is due :data:`~wheeld.protocol.journal.REPL_EVERY_MS`
+        later (or at the next change of state). A journal that cannot be written drops it,
+        as it drops timer events (it is counted, and the stall is the journal's)."""
+        replica = self.replica
+        if replica is None:
+            return
+        state = replica.state
+        stats = replica.stats()
+        self._repl_state = state
+        self._repl_due_ms = now_ms + J.REPL_EVERY_MS
+        self._repl_since_snapshot += 1
+        if self._repl_since_snapshot >= REPL_SNAPSHOT_SAMPLES:
+            self._repl_since_snapshot = 0  # a day of them: the next time-based snapshot compacts them
+        event = J.Repl(t=now_ms + self._wall_offset_ms(), host=replica.host, epoch=int(stats["fleet_epoch"]),
+                       state=state, rlsn=int(stats["fleet_replicated_lsn"]), lag=int(stats["fleet_lag_records"]),
+                       lag_ms=int(stats["fleet_lag_ms"]))
+        try:
+            self.journal.append([event], now_ms)
+        except JournalUnavailable:
+            self.totals["journal_unwritten_events_total"] = self.totals.get("journal_unwritten_events_total", 0) + 1
+            self._stalled()
+        else:
+            if self._durable_log and self.journal.policy.mode == "always":
+                _note_durable(self.journal, self._durable_log, self._clock_ms())
+        self._publish_lsns()
 
     def sync_due_ms(self) -> int | None:
         """When the loop must run :meth:`tick` next (None: nothing pending).
@@ -437,6 +491,7 @@ class Recorder:
                       "another is tried in 30 s", lsn, describe_error(exc))
             return
         self._snapshot_lsn = lsn
+        self._repl_since_snapshot = 0
         self._snapshot_time_ms = self._clock_ms()
         log.info("journal: snapshot at lsn %d (%d pending, %d unacknowledged) in %.0f ms",
                  lsn, len(pending), len(unacked), (time.perf_counter() - started) * 1000)
@@ -484,6 +539,7 @@ class Recorder:
             self._stalled()
             return
         self._snapshot_lsn = journal.last_lsn
+        self._repl_since_snapshot = 0
         self._snapshot_time_ms = done
         self._publish_lsns()
         self.totals["journal_stalled"] = 0
@@ -501,6 +557,8 @@ class Recorder:
         if not journal.writable:  # a last try: a snapshot now saves what the stall left unwritten
             self._next_retry_ms = self._clock_ms()
             self._retry()
+        if self.replica is not None and journal.writable:  # the replication as the daemon leaves it
+            self.record_replication(self._clock_ms())
         # bench/durability.py reads this line: fsyncs per policy over the daemon's life
         log.info("journal: closed at lsn %d after %d fsyncs (%d at start)",
                  journal.last_lsn, journal.fsync_count, self._fsyncs_at_start)

@@ -158,12 +158,12 @@ from wheeld.protocol.journal import (
     SNAPSHOT_PREFIX,
     BadLines,
     CorruptJournal,
+    LoggedEvent,
     SegmentHeader,
     SegmentScan,
     SnapshotHeader,
     SnapshotPending,
     SnapshotUnacked,
-    TimerEvent,
     encode_event,
     encode_events,
     encode_mark,
@@ -725,7 +725,7 @@ class Journal(GroupCommit):
 
     # -- writing -----------------------------------------------------------
 
-    def append(self, events: Sequence[TimerEvent], now_ms: int | None = None) -> int:
+    def append(self, events: Sequence[LoggedEvent], now_ms: int | None = None) -> int:
         """Number, encode and write one batch; return the lsn of its last event.
 
         Sets ``n`` on each event. With ``always`` the batch is fsynced before

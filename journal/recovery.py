@@ -13,7 +13,9 @@ Recovery
    line agree); see "Damage" for a damaged one;
 2. the events after the snapshot's lsn, segment by segment, applied to a dict
    ``(group, key) -> pending timer`` and a dict of fired-but-unacked timers
-   (the reference model in :mod:`wheeld.protocol.journal`);
+   (the reference model in :mod:`wheeld.protocol.journal`); a ``repl`` event
+   (the replication's state, ``wheeld --replicate``) changes neither: it only
+   takes its lsn;
 3. a torn tail of the newest segment -- bad bytes with no good line after
    them, what a crash in the middle of a write leaves -- is cut at the last
    good line and a warning names the file, the byte offset and the reason;
@@ -708,6 +710,7 @@ def _apply(events: list, start: int, pending: dict, unacked: dict, end: int | No
                 pending[(event.g, event.k)] = PendingTimer(event.g, event.k, event.d, event.s, event.i)
             else:
                 current.deadline_ms = event.d
+        # Repl (the replication's state as the daemon saw it) changes no timer
     return max(0, end - start)
 
 

@@ -49,6 +49,20 @@ while it was down fire at once with ``late: true`` and their lateness, and
 operations caught in the outage end there (their timer fires at its deadline
 or late at the restart, then is acknowledged).
 
+Hosts run with ``--replicate`` (``replicated_hosts``) also journal
+replication samples (``repl`` events), as the daemon's Recorder writes them: one
+at every change of state and every 10 s otherwise. Each daemon run starts
+``connecting`` (epoch 0, nothing stored yet) and is ``replicating`` (its next
+lease epoch) 0.15-2.5 s later; the cluster is out of reach about six times a
+day for a lognormal time (median 20 s, 2 s to 15 min): ``behind``, the lag
+growing with the events journaled meanwhile. While replicating, the lag is the
+events of the last few ms (a batch in flight). A restart is a crash (no last
+sample) and a new run at the next epoch. A ``fenced`` host is paused after its
+last event, longer than its lease, and finds on resuming that a peer took it
+over: a ``fenced`` sample, and the last one as it stands down. The samples
+are extra lines with their own lsns, within the span of the host's timer
+events (a fenced host's two after it).
+
 Each host gets exactly ``events_per_host`` events: the simulation is sized
 from a small pilot run and the day's events are cut in time order at that
 count (timers armed near the end are simply still pending, as in a real
@@ -77,7 +91,7 @@ from pathlib import Path
 import numpy as np
 
 from wheeld.journal.files import DEFAULT_SEGMENT_BYTES, Journal, prepare_directory
-from wheeld.protocol.journal import Ack, Add, Cancel, Fire, IdleRearm, Rearm, key_to_json
+from wheeld.protocol.journal import REPL_EVERY_MS, Ack, Add, Cancel, Fire, IdleRearm, Rearm, Repl, key_to_json
 
 __all__ = ["FleetInfo", "generate_fleet", "generate_host", "main"]
 
@@ -86,6 +100,7 @@ DAY_MS = 86_400_000
 DEFAULT_START_WALL_MS = 1_704_067_200_000
 DAEMON_NAME = "default"
 BATCH_EVENTS = 256  # events per Journal.append, like one drained ring batch
+REPL_OUTAGES_PER_DAY = 6  # times a day a replicating host loses the cluster (behind), on average
 
 GROUPS = ("conns", "purgatory", "jobs", "leases")
 CONNS, PURGATORY, JOBS, LEASES = range(4)
@@ -107,6 +122,8 @@ class FleetInfo:
     events_per_host: int
     seed: int
     start_wall_ms: int
+    replicated_hosts: list[str] = field(default_factory=list)
+    fenced_hosts: list[str] = field(default_factory=list)
     seconds: float = 0.0
     bytes_written: int = 0
     segments: int = 0
@@ -407,29 +424,67 @@ def _open_journal(directory: Path, host: str, segment_bytes: int, next_lsn: int,
                    next_lsn=next_lsn, wall_ms=clock.wall_ms, mono_ms=clock.mono_ms)
 
 
+class _Writer:
+    """One host's journal as its daemon writes it: batches of events, appended with the
+    daemon's own writer; a restart (new process, new segment, the monotonic clock
+    starting again near zero) when the time of the next line reaches ``restart_at``."""
+
+    def __init__(self, directory: Path, host: str, segment_bytes: int, start_ms: int, restart_at: int | None,
+                 rng) -> None:
+        self.directory, self.host, self.segment_bytes, self.rng = directory, host, segment_bytes, rng
+        self.clock = _SimClock(start_ms, int(rng.integers(3_600_000, 90 * 86_400_000)))
+        self.journal = _open_journal(directory, host, segment_bytes, 1, self.clock)
+        self.restart_at = restart_at
+        self.batch: list = []
+
+    def at(self, t: int) -> None:
+        """The next line happens at ``t``: restart the daemon first if its outage ended."""
+        if self.restart_at is not None and t >= self.restart_at:
+            self.flush(header_time=False)
+            self.journal.close()
+            self.clock = _SimClock(self.restart_at, int(self.rng.integers(20_000, 60_000)))
+            self.journal = _open_journal(self.directory, self.host, self.segment_bytes, self.journal.last_lsn + 1,
+                                         self.clock)
+            self.restart_at = None
+
+    @property
+    def next_lsn(self) -> int:
+        return self.journal.last_lsn + len(self.batch) + 1
+
+    def flush(self, header_time: bool = True) -> None:
+        if self.batch:
+            if header_time:
+                self.clock.wall = self.batch[0].t  # a new segment's header carries the time it opened
+            self.journal.append(self.batch)
+            self.batch.clear()
+
+    def sample(self, sample: tuple) -> None:
+        """A replication sample (:func:`_replication_samples`); its replicated lsn is what its
+        lag leaves of the lines before it (0 while the daemon had not connected yet)."""
+        t, state, epoch, lag, lag_ms = sample
+        self.at(t)
+        rlsn = 0 if state == "connecting" else max(0, self.next_lsn - 1 - lag)
+        self.batch.append(Repl(t=t, host=self.host, epoch=epoch, state=state, rlsn=rlsn, lag=lag, lag_ms=lag_ms))
+
+
 def _write(directory: Path, host: str, columns, seq, group, idle_of_op, keys, outage, rng, segment_bytes,
-           start_ms) -> None:
+           start_ms, samples: list | None = None) -> None:
     ops, times, kinds, deadlines, previous, lateness, lates = (
         columns[name].tolist() for name in ("op", "t", "kind", "d", "pd", "lat", "late"))
     seqs = seq.tolist()
     group_names = [GROUPS[index] for index in group.tolist()]
     idle_values = idle_of_op.tolist()
-    clock = _SimClock(start_ms, int(rng.integers(3_600_000, 90 * 86_400_000)))
-    journal = _open_journal(directory, host, segment_bytes, 1, clock)
-    restart_at = outage[1] if outage else None
-    batch: list = []
+    writer = _Writer(directory, host, segment_bytes, start_ms, outage[1] if outage else None, rng)
+    samples = samples or []
+    next_sample = 0
+    batch = writer.batch
     append = batch.append
     for index in range(len(ops)):
         t = times[index]
-        if restart_at is not None and t >= restart_at:
-            # the daemon restarts: new process, new segment, the monotonic clock starts near zero
-            if batch:
-                journal.append(batch)
-                batch.clear()
-            journal.close()
-            clock = _SimClock(restart_at, int(rng.integers(20_000, 60_000)))
-            journal = _open_journal(directory, host, segment_bytes, journal.last_lsn + 1, clock)
-            restart_at = None
+        while next_sample < len(samples) and samples[next_sample][0] <= t:  # a sample goes before a later event
+            writer.sample(samples[next_sample])
+            next_sample += 1
+        writer.at(t)
         op = ops[index]
         kind = kinds[index]
         g = group_names[op]
@@ -459,13 +514,82 @@ def _write(directory: Path, host: str, columns, seq, group, idle_of_op, keys, ou
         else:  # CANCEL_MISS
             append(Cancel(t=t, g=g, k=k, s=seqs[index], hit=False))
         if len(batch) >= BATCH_EVENTS:
-            clock.wall = batch[0].t  # a new segment's header carries the time it opened
-            journal.append(batch)
-            batch.clear()
-    if batch:
-        clock.wall = batch[0].t
-        journal.append(batch)
-    journal.close()
+            writer.flush()
+    for sample in samples[next_sample:]:  # a fenced daemon's last samples, after its last event
+        writer.sample(sample)
+    writer.flush()
+    writer.journal.close()
+
+
+# --------------------------------------------------------------------------- #
+# Replication samples (the ``repl`` events of a daemon run with --replicate)
+# --------------------------------------------------------------------------- #
+
+
+def _state_changes(rng, start: int, end: int) -> list[tuple[int, str]]:
+    """(time, state) where one daemon run's replication changes state: connecting at its start,
+    replicating once connected, and a few outages of the cluster (behind) between."""
+    connected = start + int(rng.uniform(150, 2_500))
+    changes = [(start, "connecting"), (connected, "replicating")]
+    span = max(0, end - connected)
+    outages = rng.poisson(REPL_OUTAGES_PER_DAY * span / DAY_MS)
+    at = np.sort(connected + rng.uniform(0, span, outages).astype(np.int64)).tolist()
+    lengths = np.clip(rng.lognormal(math.log(20_000), 1.2, outages), 2_000, 15 * 60_000).astype(np.int64).tolist()
+    for began, length in zip(at, lengths):
+        if began <= changes[-1][0]:
+            continue  # inside the previous outage
+        changes += [(began, "behind"), (began + length, "replicating")]
+    return changes
+
+
+def _run_samples(rng, times: np.ndarray, start: int, end: int, epoch: int) -> list[tuple]:
+    """The samples of one daemon run from ``start`` to ``end``: one at every change of state,
+    otherwise every REPL_EVERY_MS (as the daemon's Recorder writes them)."""
+    changes = _state_changes(rng, start, end)
+    samples = []
+    at, change = start, 0
+    while at <= end:
+        while change + 1 < len(changes) and changes[change + 1][0] <= at:
+            change += 1
+        since, state = changes[change]
+        before = int(np.searchsorted(times, at, "left"))  # the events journaled before this sample
+        if state == "replicating":  # a batch or two in flight
+            delay = int(rng.lognormal(math.log(3), 0.8)) + 1
+            lag = before - int(np.searchsorted(times, at - delay, "left"))
+            lag_ms = delay if lag else 0
+        elif state == "connecting":  # the first snapshot and what followed it wait for the stream
+            lag = before - int(np.searchsorted(times, since, "left")) + 1
+            lag_ms = at - since
+        else:  # behind: nothing stored since the cluster went out of reach (the last store a bit before)
+            lag = before - int(np.searchsorted(times, since, "left")) + 1
+            lag_ms = at - since + int(rng.integers(1, 50))
+        samples.append((at, state, 0 if state == "connecting" else epoch, lag, lag_ms))
+        next_change = changes[change + 1][0] if change + 1 < len(changes) else None
+        at = at + REPL_EVERY_MS if next_change is None else min(at + REPL_EVERY_MS, next_change)
+    return samples
+
+
+def _replication_samples(rng, times: np.ndarray, outage, fenced: bool) -> list[tuple]:
+    """(t, state, epoch, lag, lag_ms) of every replication sample of a host whose timer events
+    happen at ``times``: each daemon run (two with an outage: a crash, no last sample) claims
+    the next lease epoch; a ``fenced`` host is paused after its last event, past its lease,
+    and finds on resuming that a peer took its timers over (a sample at once, and the
+    last one as it stands down)."""
+    if not len(times):
+        return []
+    first, last = int(times[0]), int(times[-1])
+    runs = [(first, last)]
+    if outage is not None and outage[0] <= last:
+        runs = [(first, outage[0] - 1)] + ([(outage[1], last)] if last >= outage[1] else [])
+    samples: list[tuple] = []
+    for epoch, (start, end) in enumerate(runs, 1):
+        samples += _run_samples(rng, times, start, end, epoch)
+    if fenced:
+        resumed = last + int(rng.uniform(12_000, 40_000))
+        epoch = len(runs)
+        samples.append((resumed, "fenced", epoch, 1, resumed - last))
+        samples.append((resumed + int(rng.integers(1, 20)), "fenced", epoch, 1, resumed - last))
+    return samples
 
 
 def _events_per_op(rng_seed: int, start_ms: int, duration_ms: int) -> float:
@@ -489,8 +613,12 @@ def generate_host(
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
     host_index: int = 0,
     torn_tail: bool = False,
+    replicated: bool = False,
+    fenced: bool = False,
 ) -> dict:
-    """Write one host's journal (exactly ``events`` events) into ``directory``."""
+    """Write one host's journal (exactly ``events`` timer events) into ``directory``;
+    ``replicated``: with the replication samples of a daemon run with ``--replicate``
+    (``fenced``: taken over by a peer after its last event)."""
     rng = np.random.default_rng(seed)
     directory = Path(directory)
     prepare_directory(directory)  # a journal directory as the daemon makes one (0750), not the umask's
@@ -511,7 +639,11 @@ def generate_host(
         ops = int(ops * 1.3) + 16
     columns, seq = _order_and_seq(columns, events)
     keys = _keys(group, host_index)
-    _write(directory, host, columns, seq, group, idle_of_op, keys, outage, rng, segment_bytes, start_wall_ms)
+    samples = None
+    if replicated:
+        samples = _replication_samples(np.random.default_rng(int(rng.integers(2**63))), columns["t"], outage, fenced)
+    _write(directory, host, columns, seq, group, idle_of_op, keys, outage, rng, segment_bytes, start_wall_ms,
+           samples)
     if torn_tail:
         # a copy taken while the daemon was writing: the last line is cut short
         last = sorted(directory.glob("journal-*.jsonl"))[-1]
@@ -524,6 +656,7 @@ def generate_host(
         "outage_ms": list(outage) if outage else None,
         "first_t": int(columns["t"][0]) if len(columns["t"]) else None,
         "last_t": int(columns["t"][-1]) if len(columns["t"]) else None,
+        "repl_samples": len(samples or ()),
     }
 
 
@@ -544,16 +677,22 @@ def generate_fleet(
     torn_tail_hosts: int = 0,
     workers: int = 1,
     progress: bool = False,
+    replicated_hosts: int = 0,
+    fenced_hosts: int = 0,
 ) -> FleetInfo:
     """Write ``hosts`` folders ``host-000``... under ``out_dir``, each one host's journal.
 
     ``slow_hosts`` hosts (chosen by the seed) fire later; about
     ``restart_fraction`` of the hosts have one outage; ``torn_tail_hosts``
-    hosts end with a cut-off last line (a copy taken mid-write). The same
-    arguments always give the same bytes.
+    hosts end with a cut-off last line (a copy taken mid-write);
+    ``replicated_hosts`` hosts run with ``--replicate`` (their journals hold
+    replication samples), ``fenced_hosts`` of them are taken over by a peer
+    at the end. The same arguments always give the same bytes.
     """
     if hosts < 1 or events_per_host < 1 or not 0 <= slow_hosts <= hosts:
         raise ValueError("need hosts >= 1, events_per_host >= 1 and 0 <= slow_hosts <= hosts")
+    if not 0 <= fenced_hosts <= replicated_hosts <= hosts:
+        raise ValueError("need 0 <= fenced_hosts <= replicated_hosts <= hosts")
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -562,18 +701,22 @@ def generate_fleet(
     slow = set(root.choice(hosts, slow_hosts, replace=False).tolist()) if slow_hosts else set()
     restarted = set(np.flatnonzero(root.random(hosts) < restart_fraction).tolist())
     torn = set(root.choice(hosts, min(torn_tail_hosts, hosts), replace=False).tolist()) if torn_tail_hosts else set()
+    replicated = root.choice(hosts, replicated_hosts, replace=False).tolist() if replicated_hosts else []
+    fenced = set(replicated[:fenced_hosts])
     seeds = np.random.SeedSequence(seed).spawn(hosts)
     common = {"events": events_per_host, "start_wall_ms": start_wall_ms, "duration_ms": duration_ms,
               "segment_bytes": segment_bytes}
     jobs = [
         {"directory": out_dir / name, "host": name, "seed": seeds[index], "slow": index in slow,
-         "restart": index in restarted, "host_index": index, "torn_tail": index in torn, **common}
+         "restart": index in restarted, "host_index": index, "torn_tail": index in torn,
+         "replicated": index in replicated, "fenced": index in fenced, **common}
         for index, name in enumerate(names)
     ]
     info = FleetInfo(
         out_dir=out_dir, hosts=names, slow_hosts=[names[index] for index in sorted(slow)],
         restarted_hosts=[names[index] for index in sorted(restarted)], events_per_host=events_per_host, seed=seed,
-        start_wall_ms=start_wall_ms,
+        start_wall_ms=start_wall_ms, replicated_hosts=[names[index] for index in sorted(replicated)],
+        fenced_hosts=[names[index] for index in sorted(fenced)],
     )
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(workers)) if workers > 1 else None
@@ -604,6 +747,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-hosts", type=int, default=None, help="default: about one host in eight")
     parser.add_argument("--restart-fraction", type=float, default=0.25)
     parser.add_argument("--torn-tail-hosts", type=int, default=0)
+    parser.add_argument("--replicated-hosts", type=int, default=0, help="hosts run with --replicate (repl samples)")
+    parser.add_argument("--fenced-hosts", type=int, default=0, help="replicated hosts a peer takes over at the end")
     parser.add_argument("--start-wall-ms", type=int, default=DEFAULT_START_WALL_MS)
     parser.add_argument("--segment-mib", type=float, default=DEFAULT_SEGMENT_BYTES / (1 << 20))
     parser.add_argument("--workers", type=int, default=1, help="processes (one host each at a time)")
@@ -620,6 +765,8 @@ def main(argv: list[str] | None = None) -> int:
         restart_fraction=args.restart_fraction,
         segment_bytes=int(args.segment_mib * (1 << 20)),
         torn_tail_hosts=args.torn_tail_hosts,
+        replicated_hosts=min(args.replicated_hosts, args.hosts),
+        fenced_hosts=min(args.fenced_hosts, args.replicated_hosts, args.hosts),
         workers=args.workers,
         progress=True,
     )
@@ -629,6 +776,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{info.bytes_written / 1e6:.1f} MB ({info.bytes_written / total:.0f} B/event), "
         f"{info.seconds:.1f} s ({total / info.seconds / 1e3:.0f}k events/s) to {info.out_dir}; "
         f"slow: {', '.join(info.slow_hosts) or '-'}; restarted: {', '.join(info.restarted_hosts) or '-'}"
+        + (f"; replicated: {', '.join(info.replicated_hosts)}" if info.replicated_hosts else "")
+        + (f" (fenced: {', '.join(info.fenced_hosts)})" if info.fenced_hosts else "")
     )
     return 0
 

@@ -31,14 +31,19 @@ Stages (each is logged with its counts and elapsed time)
    (status, event columns, a file id) is cached on local disk; one action
    counts lines by file and status.
 4. **events** -- the ``ok`` rows, joined with the per-file strings (segment
-   path, host, daemon), are written as the ``events`` table.
+   path, host, daemon), are written as the ``events`` table. The ``repl``
+   rows (replication samples) are aggregated from the same cache into the
+   ``replication`` table: one Spark job (a window per daemon for how long each
+   sample's state held, then a group by host, host id and time bucket with
+   exact ``percentile_disc``), skipped when there is no sample.
 5. **aggregate** -- two Spark jobs over ``events`` read back from Parquet
    (columnar: only the needed columns): lateness with GROUPING SETS and
    exact ``percentile_disc``, and event counts with GROUPING SETS. The time
    buckets of the charts over time have one width for the whole input,
    chosen from its time span (:func:`wheeld.pipeline.reference.bucket_width_ms`:
-   at most 300 buckets, never under 1 s); the first and last event times come
-   with the line counts of stage 3, so choosing costs no extra pass. The small
+   at most 300 buckets, never under 1 s); the first and last times of the
+   timer events and replication samples come with the line counts of stage 3,
+   so choosing costs no extra pass. The small
    results are collected; rates and rankings are derived on the driver
    (:func:`figure_tables`) and every table is written as one Parquet file.
 6. **report** -- :mod:`wheeld.pipeline.report` draws PNG charts with
@@ -72,9 +77,10 @@ The JSON is then parsed once, with ``from_json`` and an explicit schema; the
 ``crc`` member is just a field the schema does not list.
 
 Bad input never stops the job and never reaches the figures: every line gets
-a status (``ok``, ``header``, ``torn-tail``, ``checksum-mismatch``,
-``unsupported-version``, ``bad-json``), only ``ok`` lines become events, and
-the ``segments`` table and the report count the rest per file.
+a status (``ok``, ``header``, ``repl``, ``torn-tail``, ``checksum-mismatch``,
+``unsupported-version``, ``bad-json``), only ``ok`` lines become events (``repl``
+lines become the ``replication`` table), and the ``segments`` table and the
+report count the rest per file.
 
 Tables (``OUT/tables/<name>/``, Parquet)
 ========================================
@@ -84,8 +90,9 @@ events                  one row per valid timer event (host, daemon, segment,
                         lsn, event, t_ms, group, key, seq, deadline_ms,
                         previous_deadline_ms, idle_ms, fired_ms, lateness_ms,
                         overdue, hit)
-segments                one row per file: lines by status, ``status`` ok /
-                        damaged / unreadable / empty
+segments                one row per file: lines by status (``repl_samples``:
+                        replication samples), ``status`` ok / damaged /
+                        unreadable / empty
 lateness_by_host_group  fires, overdue_fires, p50/p99/p999/max lateness (ms)
 lateness_by_host        ... per host
 lateness_by_group       ... per group
@@ -100,7 +107,14 @@ timeout_rate_by_host    ... per host
 idle_churn_by_group     idle_arms, idle_rearms, idle_fires, rearms_per_fire
 slowest_hosts           top N hosts by p99 lateness
 noisiest_groups         top N groups by events
-summary                 one row of fleet-wide figures (also ``summary.json``)
+replication             per host, host id (the replicating daemon) and time
+                        bucket: samples, state (last), worst_state, epoch,
+                        replicated_lsn, lag_p50/p99/max (events),
+                        lag_p50_ms/p99_ms/max_ms, replicating_ms,
+                        connecting_ms, behind_ms, failed_ms, fenced_ms (time
+                        in each state); definitions in reference.py
+summary                 one row of fleet-wide figures (also ``summary.json``;
+                        ``repl_*``: replication, from its table)
 ======================  ========================================================
 """
 
@@ -131,6 +145,8 @@ from wheeld.pipeline.reference import (
     HOUR_MS,
     OK,
     QUANTILES,
+    REPL,
+    REPLICATION_COLUMNS,
     TOP_N,
     TORN,
 )
@@ -157,6 +173,7 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "fire": ("t", "g", "k", "d", "s", "f", "lat"),
     "ack": ("t", "g", "k", "s"),
     "idle_rearm": ("t", "g", "k", "d", "pd", "s", "i"),
+    "repl": ("t", "host", "epoch", "state", "rlsn", "lag", "lag_ms"),
     "segment": ("host", "name", "lsn", "t", "mono0", "wall0"),
 }
 #: Which event types carry which optional/typed field (anything else is null).
@@ -172,7 +189,8 @@ FIELD_OWNERS: dict[str, tuple[str, ...]] = {
 LINE_SCHEMA = (
     "ev string, v long, n long, t long, g string, k string, d long, pd long, s long, "
     "i long, f long, late boolean, lat long, hit boolean, "
-    "host string, name string, lsn long, mono0 long, wall0 long"
+    "host string, name string, lsn long, mono0 long, wall0 long, "
+    "epoch long, state string, rlsn long, lag long, lag_ms long"
 )
 EVENT_COLUMNS = (
     "host", "daemon", "segment", "lsn", "event", "t_ms", "group", "key", "seq",
@@ -181,12 +199,13 @@ EVENT_COLUMNS = (
 )  # fmt: skip
 SEGMENT_COLUMNS = (
     "segment", "host", "daemon", "size_bytes", "lines", "events", "headers",
-    "torn_tail", "checksum_mismatch", "unsupported_version", "bad_json",
+    "repl_samples", "torn_tail", "checksum_mismatch", "unsupported_version", "bad_json",
     "bad_lines", "status",
 )  # fmt: skip
 STATUS_COLUMNS = {
     OK: "events",
     HEADER: "headers",
+    REPL: "repl_samples",
     TORN: "torn_tail",
     CHECKSUM: "checksum_mismatch",
     BAD_VERSION: "unsupported_version",
@@ -206,6 +225,7 @@ FIGURE_TABLES = (
     "idle_churn_by_group",
     "slowest_hosts",
     "noisiest_groups",
+    "replication",
     "summary",
 )
 
@@ -388,6 +408,7 @@ def classify_lines(lines: "DataFrame") -> "DataFrame":
         .when(j["v"].isNotNull() & (j["v"] != journal.JOURNAL_VERSION), F.lit(BAD_VERSION))
         .when(~_required_ok(j), F.lit(BAD_JSON))
         .when(j["ev"] == "segment", F.lit(HEADER))
+        .when(j["ev"] == "repl", F.lit(REPL))
         .otherwise(F.lit(OK))
     )
     # parse only lines whose crc matched: the JSON parse is the expensive part
@@ -398,7 +419,9 @@ def classify_lines(lines: "DataFrame") -> "DataFrame":
 
 
 def slim_lines(classified: "DataFrame") -> "DataFrame":
-    """Per line: ``status``, a ``sample`` of bad lines, ``file_id`` and the event columns.
+    """Per line: ``status``, a ``sample`` of bad lines, ``file_id``, the event columns and
+    those of a replication sample (``host_id``, ``state``, ``epoch``, ``rlsn``, ``lag``,
+    ``lag_ms``: null on every other line).
 
     This narrow projection is what the job caches: the raw text, the parsed
     struct and the per-file strings (segment path, host, daemon: joined back
@@ -409,14 +432,16 @@ def slim_lines(classified: "DataFrame") -> "DataFrame":
 
     j = F.col("j")
     ev = j["ev"]
-    ok = F.col("status") == OK
 
     def owned(field: str) -> "Column":
         return F.when(ev.isin(*FIELD_OWNERS[field]), j[field])
 
+    def repl(field: str) -> "Column":
+        return F.when(ev == "repl", j[field])
+
     return classified.select(
         F.col("status"),
-        F.when(~ok & (F.col("status") != HEADER), F.substring(F.col("value"), 1, SAMPLE_BYTES)).alias("sample"),
+        F.when(~F.col("status").isin(OK, HEADER, REPL), F.substring(F.col("value"), 1, SAMPLE_BYTES)).alias("sample"),
         F.col("file_id"),
         F.coalesce(j["n"], F.lit(0)).alias("lsn"),
         ev.alias("event"),
@@ -431,6 +456,8 @@ def slim_lines(classified: "DataFrame") -> "DataFrame":
         owned("lat").alias("lateness_ms"),
         F.when(ev == "fire", F.coalesce(j["late"], F.lit(False))).alias("overdue"),
         owned("hit").alias("hit"),
+        repl("host").alias("host_id"),
+        *(repl(field).alias(field) for field in ("state", "epoch", "rlsn", "lag", "lag_ms")),
     )
 
 
@@ -537,6 +564,57 @@ def count_aggregate(events: "DataFrame", bucket_width_ms: int) -> "DataFrame":
     return rows.groupingSets(sets, *COUNT_KEYS).agg(F.grouping_id().alias("gid"), *counts)
 
 
+def replication_aggregate(samples: "DataFrame", bucket_width_ms: int) -> "DataFrame":
+    """The ``replication`` table from the replication samples (rows with ``host``, ``host_id``,
+    ``lsn``, ``t_ms``, ``state``, ``epoch``, ``rlsn``, ``lag``, ``lag_ms``): one row per host,
+    host id and time bucket (the definitions: :mod:`wheeld.pipeline.reference`).
+
+    A window over each daemon's samples (ordered by time, then lsn) gives how long each
+    sample's state held (until the next sample, at most ``REPL_HOLD_MS``); the group by
+    then sums those per state and takes exact ``percentile_disc`` of the lag."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    daemon = Window.partitionBy("host", "host_id").orderBy("t_ms", "lsn")
+    gap = F.lead("t_ms").over(daemon) - F.col("t_ms")
+    held = F.when(gap.isNull(), F.lit(0)).otherwise(F.greatest(F.lit(0), F.least(gap, F.lit(reference.REPL_HOLD_MS))))
+    severity = F.lit(len(reference.REPL_SEVERITY))
+    for state, rank in sorted(reference.REPL_SEVERITY.items(), key=lambda item: item[1], reverse=True):
+        severity = F.when(F.col("state") == state, F.lit(rank)).otherwise(severity)
+    rows = samples.select(
+        "host", "host_id", "lsn", "t_ms", "state", "epoch", "rlsn", "lag", "lag_ms", held.alias("held_ms"),
+        severity.alias("severity"), _bucket("t_ms", bucket_width_ms).alias("bucket_ms"),
+    )  # fmt: skip
+    columns = [
+        F.count(F.lit(1)).alias("samples"),
+        F.max(F.struct("t_ms", "lsn", "state"))["state"].alias("state"),
+        F.max(F.struct("severity", "state"))["state"].alias("worst_state"),
+        F.max("epoch").alias("epoch"),
+        F.max("rlsn").alias("replicated_lsn"),
+    ]
+    for field, suffix in (("lag", ""), ("lag_ms", "_ms")):
+        for name, quantile in reference.REPL_QUANTILES.items():
+            columns.append(F.expr(f"percentile_disc({quantile!r}) WITHIN GROUP (ORDER BY {field})").cast("long")
+                           .alias(f"lag_{name}{suffix}"))
+        columns.append(F.max(field).alias(f"lag_max{suffix}"))
+    for state, column in reference.REPL_TIME_COLUMNS:
+        columns.append(F.sum(F.when(F.col("state") == state, F.col("held_ms")).otherwise(F.lit(0))).alias(column))
+    return rows.groupBy("host", "host_id", "bucket_ms").agg(*columns)
+
+
+def replication_table(rows: "pd.DataFrame | None") -> "pd.DataFrame":
+    """The collected :func:`replication_aggregate` in the table's column order and row order
+    (host, host id, bucket); an empty table with the same columns when there is none."""
+    import pandas as pd
+
+    text = ("host", "host_id", "state", "worst_state")
+    if rows is None or rows.empty:
+        return pd.DataFrame({column: pd.Series([], dtype="string" if column in text else "Int64")
+                             for column in REPLICATION_COLUMNS})
+    table = rows[list(REPLICATION_COLUMNS)].sort_values(["host", "host_id", "bucket_ms"]).reset_index(drop=True)
+    return _nullable_ints(table, tuple(column for column in REPLICATION_COLUMNS if column not in text))
+
+
 def _split(frame: "pd.DataFrame", keys: tuple[str, ...], sets: dict[str, tuple[str, ...]],
            metrics: tuple[str, ...] | None = None) -> dict[str, "pd.DataFrame"]:
     out = {}
@@ -567,10 +645,12 @@ def figure_tables(
     segments: list[dict[str, Any]],
     top_n: int = TOP_N,
     bucket_width_ms: int = reference.BUCKET_WIDTHS_MS[0],
+    replication_rows: "pd.DataFrame | None" = None,
 ) -> dict[str, "pd.DataFrame"]:
-    """Every figure table (pandas) from the two collected aggregates; see reference.py.
+    """Every figure table (pandas) from the collected aggregates; see reference.py.
 
-    ``bucket_width_ms`` is the width the aggregates' ``bucket_ms`` were made with.
+    ``bucket_width_ms`` is the width the aggregates' ``bucket_ms`` were made with;
+    ``replication_rows``: the collected :func:`replication_aggregate` (None: no sample).
     """
     import pandas as pd
 
@@ -618,7 +698,10 @@ def figure_tables(
     tables["segments"] = pd.DataFrame(segments, columns=list(SEGMENT_COLUMNS))
     fleet_counts = counts["fleet"].to_dict("records")
     fleet_lateness = lateness["fleet"].to_dict("records")
+    tables["replication"] = replication_table(replication_rows)
     summary = summary_row(fleet_counts, fleet_lateness, segments, bucket_width_ms)
+    replication = tables["replication"].astype(object).where(tables["replication"].notna(), None)
+    summary.update(reference.replication_summary(replication.to_dict("records")))
     tables["summary"] = _nullable_ints(pd.DataFrame([summary]), tuple(k for k in summary if k != "timeout_rate"))
     return tables, summary
 
@@ -808,7 +891,7 @@ def run(
         )
         .collect()
     )
-    event_times = [(row["first_ms"], row["last_ms"]) for row in status_counts if row["status"] == OK]
+    event_times = [(row["first_ms"], row["last_ms"]) for row in status_counts if row["status"] in (OK, REPL)]
     bucket_width_ms = reference.bucket_width_ms(
         min((first for first, _ in event_times if first is not None), default=None),
         max((last for _, last in event_times if last is not None), default=None),
@@ -823,7 +906,9 @@ def run(
     total_lines = sum(s["lines"] for s in segments)
     bad_lines = sum(s["bad_lines"] for s in segments)
     total_events = sum(s["events"] for s in segments)
-    watch.lap("verify", "%d lines: %d events, %d bad lines skipped", total_lines, total_events, bad_lines)
+    total_samples = sum(s["repl_samples"] for s in segments)
+    watch.lap("verify", "%d lines: %d events, %d replication samples, %d bad lines skipped", total_lines,
+              total_events, total_samples, bad_lines)
 
     # 4. events
     events_path = f"{tables_dir}/events"
@@ -834,9 +919,15 @@ def run(
         .write.mode("overwrite")
         .parquet(events_path)
     )
+    watch.lap("events", "%d events written to %s", total_events, events_path)
+    replication_rows = None
+    if total_samples:  # from the cache too, before it goes
+        samples = slim.where(F.col("status") == REPL).join(F.broadcast(files_df), "file_id", "inner")
+        replication_rows = replication_aggregate(samples, bucket_width_ms).toPandas()
+        watch.lap("replication", "%d replication samples: %d rows (time buckets of %d ms)", total_samples,
+                  len(replication_rows), bucket_width_ms)
     slim.unpersist()
     events = spark.read.parquet(events_path)
-    watch.lap("events", "%d events written to %s", total_events, events_path)
 
     # 5. figures: two aggregations, the rest on the driver
     lateness_rows = lateness_aggregate(events, bucket_width_ms).toPandas()
@@ -844,7 +935,7 @@ def run(
               bucket_width_ms)
     count_rows = count_aggregate(events, bucket_width_ms).toPandas()
     watch.lap("aggregate", "counts: %d groups", len(count_rows))
-    tables, summary = figure_tables(lateness_rows, count_rows, segments, top_n, bucket_width_ms)
+    tables, summary = figure_tables(lateness_rows, count_rows, segments, top_n, bucket_width_ms, replication_rows)
     for name in ("segments", *FIGURE_TABLES):
         write_small_table(spark, tables_dir, name, tables[name])
     watch.lap("tables", "%d figure tables written to %s", len(FIGURE_TABLES) + 1, tables_dir)

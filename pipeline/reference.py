@@ -28,7 +28,11 @@ Line status, in this order of precedence
     ``bad-json``             the crc matches but the body is not a version-1
                              event (unknown ``ev``, a required field missing);
     ``header``               a valid ``segment`` header line;
-    ``ok``                   a valid timer event: the only lines that count.
+    ``repl``                 a valid ``repl`` event (a replication sample,
+                             ``wheeld --replicate``): it counts only in the
+                             ``replication`` table;
+    ``ok``                   a valid timer event: the only lines the other
+                             figures count.
 
     The pipeline is per line: a bad line is skipped and counted, the lines
     after it still count. (Recovery, in ``wheeld.journal.recovery``, skips a
@@ -60,7 +64,7 @@ Time buckets
     The charts over time use one bucket width for the whole input, chosen from
     its time span: the narrowest of :data:`BUCKET_WIDTHS_MS` (1, 2, 5, 10, 15,
     30 s; 1, 2, 5, 10, 15, 30 min; 1, 2, 3, 6, 12 h; 1 day) for which the
-    buckets from the first to the last event number at most
+    buckets from the first to the last timer event or replication sample number at most
     :data:`MAX_BUCKETS` (300); :func:`bucket_width_ms`. A run of a few minutes
     gets 1-2 s buckets, a day 5 min buckets, a week 1 h buckets: 120-300
     points (fewer only for runs shorter than 100 s, never buckets under 1 s).
@@ -86,6 +90,29 @@ Throughput
 Rankings
     slowest hosts: by p99 desc, then max desc, then host; noisiest groups: by
     all timer events desc, then group.
+
+Replication (the ``replication`` table)
+    From the ``repl`` samples a replicating daemon journals (its state, lag
+    and epoch at least every 10 s and at every change of state:
+    :mod:`wheeld.protocol.journal`). One row per ``host`` (the segment's, as
+    everywhere), ``host_id`` (the sample's fleet host id: one per replicating
+    daemon) and time bucket of the sample's ``t``. ``state``: the state of
+    the bucket's last sample (by ``t``, then lsn); ``worst_state``: the most
+    severe state seen, in the order of :data:`REPL_SEVERITY` (replicating,
+    stopped, connecting, behind, failed, fenced; a state this reader does not
+    know ranks above fenced); ``epoch`` and ``replicated_lsn``: the highest
+    seen. Lag percentiles (nearest rank, as for lateness) over the bucket's
+    samples: ``lag_p50``/``lag_p99``/``lag_max`` in events,
+    ``lag_p50_ms``/``lag_p99_ms``/``lag_max_ms`` in ms. Time in a state
+    (``replicating_ms``, ``connecting_ms``, ``behind_ms``, ``failed_ms``,
+    ``fenced_ms``): a sample's state holds from its ``t`` until the same
+    daemon's next sample (same host and host id, ordered by ``t`` then lsn),
+    at most :data:`REPL_HOLD_MS` (twice the period: a daemon that writes no
+    sample for that long was not running, was paused, or could not journal),
+    never less than 0 (a wall clock stepped back); a daemon's last sample
+    holds for 0. The whole of that time counts in the bucket of the sample.
+    A fenced daemon stands down at once, so ``fenced_ms`` is the short time
+    it took to; ``worst_state`` = fenced marks the bucket.
 """
 
 from __future__ import annotations
@@ -108,6 +135,7 @@ TORN = journal.TORN
 CHECKSUM = journal.CHECKSUM
 BAD_JSON = journal.BAD_JSON
 BAD_VERSION = journal.BAD_VERSION
+REPL = "repl"
 BAD_STATUSES = (TORN, CHECKSUM, BAD_VERSION, BAD_JSON)
 
 QUANTILES = {"p50_ms": 0.5, "p99_ms": 0.99, "p999_ms": 0.999}
@@ -121,6 +149,24 @@ BUCKET_WIDTHS_MS = (
 )  # fmt: skip
 MAX_BUCKETS = 300
 TOP_N = 20
+#: How long a replication sample's state counts at most (twice the daemon's period).
+REPL_HOLD_MS = 2 * journal.REPL_EVERY_MS
+#: States of a replication sample, least severe first (``worst_state``); an unknown one ranks above them all.
+REPL_SEVERITY = {"replicating": 0, "stopped": 1, "connecting": 2, "behind": 3, "failed": 4, "fenced": 5}
+#: Replication states whose time the ``replication`` table sums, and their columns.
+REPL_TIME_COLUMNS = (
+    ("replicating", "replicating_ms"),
+    ("connecting", "connecting_ms"),
+    ("behind", "behind_ms"),
+    ("failed", "failed_ms"),
+    ("fenced", "fenced_ms"),
+)
+REPL_QUANTILES = {"p50": 0.5, "p99": 0.99}
+REPLICATION_COLUMNS = (
+    "host", "host_id", "bucket_ms", "samples", "state", "worst_state", "epoch", "replicated_lsn",
+    "lag_p50", "lag_p99", "lag_max", "lag_p50_ms", "lag_p99_ms", "lag_max_ms",
+    *(column for _, column in REPL_TIME_COLUMNS),
+)  # fmt: skip
 SEGMENT_FILE_RE = re.compile(r"^journal-\d{16}\.jsonl$")
 
 _event_decoder = msgspec.json.Decoder(journal.Event)
@@ -175,6 +221,8 @@ def classify(line: bytes, terminated: bool) -> tuple[str, Any]:
         return BAD_JSON, None
     if type(event) is journal.SegmentHeader:
         return HEADER, event
+    if type(event) is journal.Repl:
+        return REPL, event
     return OK, event
 
 
@@ -218,6 +266,7 @@ class SegmentStats:
             "lines": lines,
             "events": self.counts[OK],
             "headers": self.counts[HEADER],
+            "repl_samples": self.counts[REPL],
             "torn_tail": self.counts[TORN],
             "checksum_mismatch": self.counts[CHECKSUM],
             "unsupported_version": self.counts[BAD_VERSION],
@@ -268,6 +317,7 @@ def compute(root: str, top_n: int = TOP_N) -> dict[str, list[dict[str, Any]]]:
     )
     segments: list[dict[str, Any]] = []
     events: list[dict[str, Any]] = []
+    samples: list[dict[str, Any]] = []
     for stats, classified in read:
         if stats.daemon is None:
             stats.host = fallback[os.path.dirname(stats.segment)]
@@ -275,7 +325,9 @@ def compute(root: str, top_n: int = TOP_N) -> dict[str, list[dict[str, Any]]]:
         for status, event in classified:
             if status == OK:
                 events.append(_event_row(stats, event))
-    return tables_from_events(events, segments, top_n)
+            elif status == REPL:
+                samples.append(_sample_row(stats, event))
+    return tables_from_events(events, segments, top_n, samples)
 
 
 def _event_row(stats: SegmentStats, event: Any) -> dict[str, Any]:
@@ -299,6 +351,21 @@ def _event_row(stats: SegmentStats, event: Any) -> dict[str, Any]:
         "lateness_ms": get("lat"),
         "overdue": get("late") if kind == "fire" else None,
         "hit": get("hit"),
+    }
+
+
+def _sample_row(stats: SegmentStats, event: journal.Repl) -> dict[str, Any]:
+    return {
+        "host": stats.host,
+        "host_id": event.host,
+        "segment": stats.segment,
+        "lsn": event.n,
+        "t_ms": event.t,
+        "state": event.state,
+        "epoch": event.epoch,
+        "rlsn": event.rlsn,
+        "lag": event.lag,
+        "lag_ms": event.lag_ms,
     }
 
 
@@ -327,10 +394,12 @@ def _bucket(t_ms: int, width_ms: int) -> int:
 
 
 def tables_from_events(
-    events: list[dict[str, Any]], segments: list[dict[str, Any]], top_n: int = TOP_N
+    events: list[dict[str, Any]], segments: list[dict[str, Any]], top_n: int = TOP_N,
+    samples: list[dict[str, Any]] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
-    width = bucket_width_ms(min((e["t_ms"] for e in events), default=None),
-                            max((e["t_ms"] for e in events), default=None))
+    samples = samples or []
+    times = [row["t_ms"] for row in (*events, *samples)]
+    width = bucket_width_ms(min(times, default=None), max(times, default=None))
     fires = [
         {**e, "bucket_ms": _bucket(e["t_ms"], width), "hour_ms": _bucket(e["t_ms"], HOUR_MS)}
         for e in events
@@ -347,10 +416,67 @@ def tables_from_events(
         {"rank": rank, **row} for rank, row in enumerate(ranked[:top_n], start=1)
     ]
     tables["noisiest_groups"] = _noisiest_groups_table(events, top_n)
+    tables["replication"] = _replication_table(samples, width)
     tables["segments"] = sorted(segments, key=lambda r: r["segment"])
-    tables["summary"] = [_summary(events, segments, fires, width)]
+    tables["summary"] = [{**_summary(events, segments, fires, width), **replication_summary(tables["replication"])}]
     tables["events"] = events
+    tables["repl_samples"] = samples  # the input of the replication table (not a table the job writes)
     return tables
+
+
+def _held_ms(samples: list[dict[str, Any]]) -> list[int]:
+    """How long each sample's state holds (see the module docstring), in the order given."""
+    by_daemon: dict[tuple, list[int]] = defaultdict(list)
+    for index, sample in enumerate(samples):
+        by_daemon[(sample["host"], sample["host_id"])].append(index)
+    held = [0] * len(samples)
+    for indexes in by_daemon.values():
+        indexes.sort(key=lambda i: (samples[i]["t_ms"], samples[i]["lsn"]))
+        for here, after in zip(indexes, indexes[1:]):
+            gap = samples[after]["t_ms"] - samples[here]["t_ms"]
+            held[here] = max(0, min(gap, REPL_HOLD_MS))
+    return held
+
+
+def _replication_table(samples: list[dict[str, Any]], width: int) -> list[dict[str, Any]]:
+    held = _held_ms(samples)
+    buckets: dict[tuple, list[int]] = defaultdict(list)
+    for index, sample in enumerate(samples):
+        buckets[(sample["host"], sample["host_id"], _bucket(sample["t_ms"], width))].append(index)
+    unknown = len(REPL_SEVERITY)
+    rows = []
+    for key in sorted(buckets):
+        mine = [samples[i] for i in buckets[key]]
+        row = dict(zip(("host", "host_id", "bucket_ms"), key))
+        row["samples"] = len(mine)
+        row["state"] = max((s["t_ms"], s["lsn"], s["state"]) for s in mine)[2]
+        row["worst_state"] = max((REPL_SEVERITY.get(s["state"], unknown), s["state"]) for s in mine)[1]
+        row["epoch"] = max(s["epoch"] for s in mine)
+        row["replicated_lsn"] = max(s["rlsn"] for s in mine)
+        for measure, suffix in (("lag", ""), ("lag_ms", "_ms")):
+            values = sorted(s[measure] for s in mine)
+            for name, quantile in REPL_QUANTILES.items():
+                row[f"lag_{name}{suffix}"] = nearest_rank(values, quantile)
+            row[f"lag_max{suffix}"] = values[-1]
+        for state, column in REPL_TIME_COLUMNS:
+            row[column] = sum(held[i] for i in buckets[key] if samples[i]["state"] == state)
+        rows.append({column: row[column] for column in REPLICATION_COLUMNS})
+    return rows
+
+
+def replication_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary's replication figures, from the rows of the ``replication`` table: host ids
+    that journaled samples, samples, the highest lag (events, ms), the time behind, and the
+    host ids with a bucket whose worst state is fenced. The job derives the summary's figures
+    with this function too: what the tests compare independently is the table."""
+    return {
+        "repl_hosts": len({row["host_id"] for row in rows}),
+        "repl_samples": sum(row["samples"] for row in rows),
+        "repl_lag_max": max((row["lag_max"] for row in rows), default=None),
+        "repl_lag_max_ms": max((row["lag_max_ms"] for row in rows), default=None),
+        "repl_behind_ms": sum(row["behind_ms"] for row in rows),
+        "repl_fenced_hosts": len({row["host_id"] for row in rows if row["worst_state"] == "fenced"}),
+    }
 
 
 def _lateness_tables(fires: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

@@ -11,7 +11,9 @@ What a reader sees, top to bottom
 
 1. **Headline cards**: events, hosts, time span, fleet p99 and max lateness,
    timeout rate, and bad input (lines skipped, damaged and unreadable
-   segments) in red when there is any.
+   segments) in red when there is any; with replication samples, the
+   replicating hosts, their highest lag, the time they spent behind the
+   stream and the hosts fenced (red when any).
 2. **Load over time**: adds, cancels and fires per second, averaged per time
    bucket: the diurnal shape, bursts, and whether fires follow adds.
 3. **How late timers fire, over time**: fleet p50/p99/p99.9/max lateness per
@@ -30,8 +32,11 @@ labels name it.
 7. **Idle-timeout churn**: wake-ups that found the key touched (re-armed)
    versus real idle timeouts, per group.
 8. **Noisiest groups**: events per group by type.
-9. **Input quality**: bad lines by reason and every damaged or unreadable
-   segment, so nothing skipped goes unnoticed.
+9. **Replication to the fleet's stream** (``wheeld --replicate``): the highest
+   lag per host id and time bucket, log scale, the buckets with time behind,
+   failed or fenced marked; the table lists those buckets, worst first.
+10. **Input quality**: bad lines by reason and every damaged or unreadable
+    segment, so nothing skipped goes unnoticed.
 
 Charts are PNG (matplotlib, Agg backend, 110 dpi) embedded as base64
 ``data:`` URIs: the report is one file to mail or attach to a ticket.
@@ -61,8 +66,12 @@ PALETTE = {
     "p99_ms": "#DD8452",
     "p999_ms": "#C44E52",
     "max_ms": "#6B6B6B",
+    "behind": "#DD8452",
+    "failed": "#8C564B",
+    "fenced": "#C44E52",
 }
 HEATMAP_HOSTS = 30
+REPLICATION_HOSTS = 12  # lines in the replication chart (the host ids with the highest lag)
 DPI = 110
 
 
@@ -318,6 +327,49 @@ def chart_noisiest_groups(noisy: pd.DataFrame) -> str | None:
     return _png(figure)
 
 
+def chart_replication(replication: pd.DataFrame, bucket_width_ms: int) -> str | None:
+    """Highest replication lag (ms) per host id and bucket; the buckets where a daemon was
+    behind, failed or fenced are marked (the worst state of the bucket)."""
+    if replication.empty:
+        return None
+    plt = _pyplot()
+    width = fmt_width(bucket_width_ms)
+    worst = replication.groupby("host_id")["lag_max_ms"].max().sort_values(ascending=False, kind="stable")
+    shown = worst.head(REPLICATION_HOSTS).index.tolist()
+    figure, axes = plt.subplots(layout="constrained", figsize=(10, 3.6))
+    for host_id in shown:
+        rows = replication[replication["host_id"] == host_id].sort_values("bucket_ms")
+        axes.plot(_times(rows["bucket_ms"]), rows["lag_max_ms"].astype(float) + 1, lw=1.1, drawstyle="steps-post",
+                  label=str(host_id))
+    for state in ("behind", "failed", "fenced"):
+        marked = replication[replication["host_id"].isin(shown) & (replication["worst_state"] == state)]
+        if not marked.empty:
+            axes.scatter(_times(marked["bucket_ms"]), marked["lag_max_ms"].astype(float) + 1, s=18, zorder=3,
+                         color=PALETTE[state], marker="v" if state == "fenced" else "o", label=state)
+    axes.set_yscale("log")
+    axes.set_ylabel("lag + 1 (ms, log)")
+    axes.set_xlabel(f"time (UTC), {width} buckets")
+    axes.grid(alpha=0.3, which="both")
+    figure.legend(loc="outside lower center", frameon=False, ncol=min(8, len(shown) + 3), fontsize=8)
+    more = f", the {len(shown)} with the highest" if len(worst) > len(shown) else ""
+    axes.set_title(f"Replication lag to the fleet's stream, max per {width} bucket (host ids{more})", loc="left",
+                   fontsize=11)
+    figure.autofmt_xdate()
+    return _png(figure)
+
+
+def replication_incidents(replication: pd.DataFrame) -> pd.DataFrame:
+    """The buckets of the replication table not spent replicating throughout, worst first
+    (most time behind, failed or fenced, then the highest lag)."""
+    if replication.empty:
+        return replication
+    rows = replication[replication["worst_state"] != "replicating"].copy()
+    rows["_bad_ms"] = rows["behind_ms"] + rows["failed_ms"] + rows["fenced_ms"]
+    order = rows.sort_values(["_bad_ms", "lag_max_ms", "host_id", "bucket_ms"], ascending=[False, False, True, True],
+                             kind="stable")
+    return order.drop(columns="_bad_ms").reset_index(drop=True)
+
+
 def chart_bad_input(segments: pd.DataFrame) -> str | None:
     columns = ["torn_tail", "checksum_mismatch", "unsupported_version", "bad_json"]
     if segments.empty or int(segments[columns].to_numpy().sum()) == 0:
@@ -423,6 +475,14 @@ def render(
         _card("damaged segments", str(damaged), bad=damaged > 0),
         _card("unreadable segments", str(unreadable), bad=unreadable > 0),
     ])  # fmt: skip
+    if summary.get("repl_hosts"):
+        fenced = int(summary.get("repl_fenced_hosts") or 0)
+        cards += "".join([
+            _card("replicating hosts", _fmt_count(summary.get("repl_hosts"))),
+            _card("max replication lag", _fmt_ms(summary.get("repl_lag_max_ms"))),
+            _card("time behind the stream", _fmt_ms(summary.get("repl_behind_ms"))),
+            _card("hosts fenced", str(fenced), bad=fenced > 0),
+        ])  # fmt: skip
 
     sections = [
         ("Load over time",
@@ -458,6 +518,14 @@ def render(
          "Timer events per group, by type, across the fleet.",
          _img(chart_noisiest_groups(get("noisiest_groups")), "noisiest groups"),
          _table(get("noisiest_groups"), title="noisiest_groups")),
+        ("Replication to the fleet's stream",
+         f"Daemons run with --replicate journal the state of their replication (every 10 s and at every "
+         f"change): how many journaled events the stream had not stored yet, and for how long. Highest lag per "
+         f"host id and {width} bucket; marks: buckets with time behind the stream (cluster out of reach), a "
+         "failed replicator, or a host fenced (a peer took its timers over).",
+         _img(chart_replication(get("replication"), width_ms), "replication lag"),
+         _table(replication_incidents(get("replication")),
+                title="replication: buckets not replicating throughout, worst first")),
     ]  # fmt: skip
 
     bad_segments = segments[segments["status"] != "ok"] if not segments.empty else segments

@@ -118,6 +118,28 @@ and then, by type (``d``: deadline, wall-clock ms):
                 its client's touches yet: pending again at ``d``
 ==============  ==============================================================
 
+One more event type changes no timer and has no ``g``, ``k`` or ``s``: ``repl``,
+the replication of the journal to the fleet's stream (``wheeld --replicate``,
+docs/fleet.md) as the daemon saw it at ``t``. A replicating daemon writes one at
+once when the replication's state changes, otherwise every
+:data:`REPL_EVERY_MS` (10 s) at the least, and one when the journal closes;
+through the same append as the timer events, so it is numbered, replicated and
+compacted like them. A daemon without ``--replicate`` writes none.
+
+==========  ==================================================================
+``host``    the daemon's host id in the fleet (``--host-id``; not necessarily
+            the segment header's ``host``)
+``epoch``   its lease epoch (0 until it first holds its lease)
+``state``   ``connecting``, ``replicating``, ``behind`` (the cluster out of
+            reach or not storing), ``fenced`` (another host took its timers
+            over: it stands down), ``stopped`` or ``failed``
+            (:data:`REPL_STATES`)
+``rlsn``    every event with ``n <= rlsn`` was stored by the stream
+``lag``     events handed to the replicator and not stored yet (records)
+``lag_ms``  how long the oldest of them has waited: ms since the stream last
+            stored something, 0 when nothing waits
+==========  ==================================================================
+
 Examples (one line each in the file)::
 
     {"ev":"add","v":1,"n":1001,"t":1700000000000,"g":"conns","k":"c-17","d":1700000030000,"s":7,"i":30000,"crc":406464933}
@@ -126,6 +148,7 @@ Examples (one line each in the file)::
     {"ev":"fire","v":1,"n":1004,"t":1700000060003,"g":"jobs","k":4711,"d":1700000060000,"s":8,"f":1700000060003,"late":false,"lat":3,"crc":480816578}
     {"ev":"ack","v":1,"n":1005,"t":1700000060004,"g":"jobs","k":4711,"s":8,"crc":3489272897}
     {"ev":"idle_rearm","v":1,"n":1006,"t":1700000030000,"g":"conns","k":"c-17","d":1700000041000,"pd":1700000030000,"s":7,"i":30000,"crc":2961143879}
+    {"ev":"repl","v":1,"n":1007,"t":1700000060010,"host":"web-3","epoch":3,"state":"replicating","rlsn":1005,"lag":1,"lag_ms":4,"crc":524358551}
 
 (``python -m wheeld.protocol.journal`` prints these lines.)
 
@@ -133,7 +156,8 @@ State a reader rebuilds (the reference model of recovery): ``pending`` maps
 (g, k) to (d, s, i); ``add``/``rearm`` set it, ``cancel`` and ``fire`` remove
 it, ``idle_rearm`` changes its ``d``; ``fire`` also puts (g, k, s) into
 ``unacked``, which ``ack`` removes, and so does an ``idle_rearm`` of that
-arming, which makes it pending again at its ``d``. Timers in ``unacked`` after a crash are
+arming, which makes it pending again at its ``d``; ``repl`` changes nothing (it only
+takes its lsn). Timers in ``unacked`` after a crash are
 delivered again (at-least-once to the client library, which drops duplicates).
 
 Snapshot files
@@ -178,10 +202,17 @@ Versioning
 
 ``v`` is on every line. Adding an optional field keeps version 1 (readers
 ignore unknown fields: msgspec does by default, Spark gives ``null``). A new
-event type, a changed meaning or a removed field makes version 2; a version-1
-reader never applies a line it does not understand: it reports it rather than
-guessing (daemon recovery treats it as a damaged line: skipped and counted,
-or a refusal to start under ``--journal-damage refuse``).
+event type that changes timers, a changed meaning or a removed field makes
+version 2; a version-1 reader never applies a line it does not understand: it
+reports it rather than guessing (daemon recovery treats it as a damaged line:
+skipped and counted, or a refusal to start under ``--journal-damage refuse``).
+
+An event type that changes no timer keeps version 1: ``repl``. A reader that
+does not know it loses nothing by skipping it: such a reader reports each
+``repl`` line as a damaged line (``bad-json``, one event lost at its lsn) and
+recovers the same timers, or refuses to start under ``--journal-damage
+refuse``. Version 2 on these lines would change nothing for it (they would be
+``unsupported-version``, skipped the same way).
 
 Reading past damage
 ===================
@@ -230,6 +261,7 @@ __all__ = [
     "Fire",
     "Ack",
     "IdleRearm",
+    "Repl",
     "SegmentHeader",
     "SnapshotHeader",
     "SnapshotPending",
@@ -237,8 +269,11 @@ __all__ = [
     "SnapshotEnd",
     "Event",
     "TimerEvent",
+    "LoggedEvent",
     "SnapshotLine",
     "EVENT_TYPES",
+    "REPL_EVERY_MS",
+    "REPL_STATES",
     "CorruptJournal",
     "Defect",
     "TORN",
@@ -356,6 +391,21 @@ class IdleRearm(_TimerEvent, tag="idle_rearm", kw_only=True):
     i: int
 
 
+class Repl(_Line, tag="repl", kw_only=True):
+    """The journal's replication as the daemon saw it at ``t`` (``wheeld --replicate``):
+    the fleet ``host`` id and lease ``epoch``, the replicator's ``state``, the replicated
+    lsn ``rlsn``, and ``lag`` events not stored yet, the oldest waiting ``lag_ms``."""
+
+    n: int = 0  # assigned by the writer, as for the timer events
+    t: int
+    host: str
+    epoch: int
+    state: str
+    rlsn: int
+    lag: int
+    lag_ms: int
+
+
 class SegmentHeader(_Line, tag="segment", kw_only=True):
     """First line of every segment file."""
 
@@ -418,8 +468,10 @@ class DurableMark(_Line, tag="durable", kw_only=True):
 
 
 TimerEvent = Union[Add, Rearm, Cancel, Fire, Ack, IdleRearm]
+#: Anything the writer numbers (``n``) and appends.
+LoggedEvent = Union[Add, Rearm, Cancel, Fire, Ack, IdleRearm, Repl]
 #: Anything that may appear in a segment file.
-Event = Union[Add, Rearm, Cancel, Fire, Ack, IdleRearm, SegmentHeader]
+Event = Union[Add, Rearm, Cancel, Fire, Ack, IdleRearm, Repl, SegmentHeader]
 SnapshotLine = Union[SnapshotHeader, SnapshotPending, SnapshotUnacked, SnapshotEnd]
 
 #: ``ev`` value -> class, for readers that dispatch on the type name.
@@ -430,8 +482,15 @@ EVENT_TYPES: dict[str, type] = {
     "fire": Fire,
     "ack": Ack,
     "idle_rearm": IdleRearm,
+    "repl": Repl,
     "segment": SegmentHeader,
 }
+
+#: A replicating daemon writes a ``repl`` event at least this often (ms), and at once
+#: when the replication's state changes.
+REPL_EVERY_MS: Final = 10_000
+#: The ``state`` values of a ``repl`` event (the fleet replicator's states).
+REPL_STATES: Final = ("connecting", "replicating", "behind", "fenced", "stopped", "failed")
 
 
 class CorruptJournal(ProtocolError):
@@ -1150,5 +1209,6 @@ if __name__ == "__main__":  # print real example lines
         Fire(n=1004, t=_t + 60_003, g="jobs", k=4711, d=_t + 60_000, s=8, f=_t + 60_003, lat=3),
         Ack(n=1005, t=_t + 60_004, g="jobs", k=4711, s=8),
         IdleRearm(n=1006, t=_t + 30_000, g="conns", k="c-17", d=_t + 41_000, pd=_t + 30_000, s=7, i=30_000),
+        Repl(n=1007, t=_t + 60_010, host="web-3", epoch=3, state="replicating", rlsn=1005, lag=1, lag_ms=4),
     ):
         print(encode_event(_event).decode(), end="")

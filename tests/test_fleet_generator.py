@@ -19,6 +19,7 @@ from wheeld.protocol.journal import (
     Fire,
     IdleRearm,
     Rearm,
+    Repl,
 )
 
 
@@ -31,7 +32,8 @@ def _check_host_journal(folder: Path) -> dict:
     unacked: set = set()
     expected_lsn = 1
     last_t = 0
-    figures = {"events": 0, "lateness": [], "late_fires": 0, "headers": [], "kinds": {}, "hours": [0] * 24}
+    figures = {"events": 0, "lateness": [], "late_fires": 0, "headers": [], "kinds": {}, "hours": [0] * 24,
+               "samples": []}
     for first_lsn, path in list_segments(folder):
         events, defect = pj.iter_segment(path)
         assert defect is None, defect
@@ -43,6 +45,10 @@ def _check_host_journal(folder: Path) -> dict:
             expected_lsn += 1
             assert event.t >= last_t, "events are written in time order"
             last_t = event.t
+            if type(event) is Repl:  # a replication sample: it changes no timer
+                assert event.host == folder.name and 0 <= event.rlsn < event.n and event.lag >= 0
+                figures["samples"].append(event)
+                continue
             figures["events"] += 1
             kind = type(event).__name__
             figures["kinds"][kind] = figures["kinds"].get(kind, 0) + 1
@@ -113,6 +119,45 @@ def test_generated_fleet_is_consistent(tmp_path):
     # diurnal load: the afternoon is busier than the small hours
     hours = [sum(figures[name]["hours"][hour] for name in info.hosts) for hour in range(24)]
     assert sum(hours[13:17]) > 2 * sum(hours[1:5])
+
+
+def test_replicated_hosts_journal_replication_samples(tmp_path):
+    """Replicating hosts journal repl events as the daemon's Recorder does: at most
+    REPL_EVERY_MS apart while the daemon runs, one at each change of state, a new epoch per
+    daemon run; the timers are the same as without them; a fenced host ends fenced."""
+    from wheeld.pipeline.generate import generate_fleet
+
+    generate_fleet(tmp_path / "plain", hosts=3, events_per_host=3_000, seed=6, restart_fraction=1.0,
+                           duration_ms=3 * 3_600_000)
+    info = generate_fleet(tmp_path / "fleet", hosts=3, events_per_host=3_000, seed=6, restart_fraction=1.0,
+                          duration_ms=3 * 3_600_000, replicated_hosts=2, fenced_hosts=1)
+    assert len(info.replicated_hosts) == 2 and len(info.fenced_hosts) == 1
+    assert set(info.fenced_hosts) < set(info.replicated_hosts)
+    seen: set = set()
+    for name in info.hosts:
+        figures = _check_host_journal(tmp_path / "fleet" / name)
+        assert figures["events"] == 3_000
+        state, again = recover(tmp_path / "fleet" / name), recover(tmp_path / "plain" / name)
+        assert state.pending == again.pending and state.problems == [] == state.damage
+        samples = figures["samples"]
+        assert len(samples) == info.per_host[name]["repl_samples"]
+        if name not in info.replicated_hosts:
+            assert samples == []
+            continue
+        assert state.last_lsn == 3_000 + len(samples)
+        states = [sample.state for sample in samples]
+        seen.update(states)
+        assert (states[-1] == "fenced") == (name in info.fenced_hosts)
+        runs = [index for index, sample in enumerate(samples) if sample.state == "connecting" and
+                (index == 0 or samples[index - 1].state != "connecting")]
+        assert runs[0] == 0 and len(runs) == 2  # the start and the restart after the outage
+        for index, (before, after) in enumerate(zip(samples, samples[1:])):
+            if index + 1 in runs or after.state == "fenced":
+                continue  # the outage (a crash writes no last sample) and a fenced host's pause
+            assert after.t - before.t <= pj.REPL_EVERY_MS
+            assert after.t - before.t == pj.REPL_EVERY_MS or after.state != before.state
+        assert [s.epoch for s in samples if s.state == "replicating"][-1] == 2
+    assert seen == {"connecting", "replicating", "behind", "fenced"}
 
 
 def _sample_lines(folder: Path) -> list[dict]:

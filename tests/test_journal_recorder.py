@@ -254,3 +254,171 @@ def test_a_snapshot_keeps_idle_timers_idle_from_the_touch_table_or_the_journal_r
         state = recover(tmp_path / "snapshots", repair=False, quiet=True)
     assert {key: timer.idle_ms for (_group, key), timer in state.pending.items()} == \
         {"plain": None, "touched": 3_000, "away": 7_000, "unknown": None}
+
+
+class _FakeReplicator:
+    """What the Recorder reads of a replicator (wheeld.fleet.replicator.Replicator): its
+    host id, ``state``, ``stats()`` and ``want_snapshot``; counts the ``stats()`` calls."""
+
+    def __init__(self) -> None:
+        self.host = "web-3"
+        self.state = "connecting"
+        self.want_snapshot = False
+        self.stats_calls = 0
+        self.figures = {"fleet_epoch": 0, "fleet_replicated_lsn": 0, "fleet_lag_records": 1, "fleet_lag_ms": 0}
+
+    def stats(self) -> dict:
+        self.stats_calls += 1
+        return {"fleet_state": self.state, **self.figures, "fleet_outbox_bytes": 0}
+
+
+class _Clock:
+    def __init__(self, now_ms: int) -> None:
+        self.now_ms, self.reads = now_ms, 0
+
+    def __call__(self) -> int:
+        self.reads += 1
+        return self.now_ms
+
+
+@contextlib.contextmanager
+def _replicating_recorder(tmp_path, clock: _Clock, replica, **options):
+    """A Recorder on a fake clock (offset T0 - 5_000: monotonic 5_000 is wall T0) with ``replica``."""
+    from wheeld.daemon.recorder import Recorder
+
+    with _recorder(tmp_path, "unused") as (_unused, wheel):
+        journal = Journal(tmp_path / "repl", fsync="off", host="test-host")
+        try:
+            recorder = Recorder(journal, wheel, clock_ms=clock, offset_ms=lambda: T0 - 5_000, **options)
+            recorder.replica = replica
+            yield recorder, wheel
+        finally:
+            journal.close()
+
+
+def _journaled(tmp_path) -> list[dict]:
+    from wheeld.journal.files import list_segments
+
+    return [msgspec.json.decode(line) for _, path in list_segments(tmp_path / "repl")
+            for line in path.read_bytes().splitlines()[1:]]
+
+
+def test_the_recorder_journals_the_replication_every_period_and_at_once_on_a_change(tmp_path):
+    """With a replicator, a tick journals a repl event (state, replicated lsn, lag, host id,
+    epoch, at the wall time of the tick) when REPL_EVERY_MS passed since the last one or the
+    replicator's state changed, and at close; the other ticks ask the replicator nothing
+    and read the clock no more than without one. Recovery skips the events."""
+    from wheeld.journal.recovery import recover
+    from wheeld.protocol.journal import REPL_EVERY_MS
+
+    clock, replica = _Clock(5_000), _FakeReplicator()
+    with _replicating_recorder(tmp_path, clock, replica) as (recorder, wheel):
+        recorder.tick(5_000)  # the first tick: at once
+        gid = wheel.group_id("g")
+        recorder.begin()
+        wheel.schedule("k", 9_000, gid, 1)
+        recorder.armed(gid, "k", 9_000, 1, None, None)
+        recorder.commit(5_100)
+        replica.state = "replicating"
+        replica.figures.update(fleet_epoch=3, fleet_replicated_lsn=2, fleet_lag_records=0)
+        recorder.tick(5_200)  # the state changed: at once
+        calls, reads = replica.stats_calls, clock.reads
+        for now in range(5_201, 5_200 + REPL_EVERY_MS, 499):  # nothing due: nothing asked, no clock read added
+            recorder.tick(now)
+        assert replica.stats_calls == calls
+        idle_reads = clock.reads - reads
+        recorder.replica = None
+        reads = clock.reads
+        for now in range(5_201, 5_200 + REPL_EVERY_MS, 499):
+            recorder.tick(now)
+        assert clock.reads - reads == idle_reads
+        recorder.replica = replica
+        replica.figures.update(fleet_lag_records=4, fleet_lag_ms=1_250)
+        recorder.tick(5_200 + REPL_EVERY_MS)  # the period: one more, same state
+        replica.state = "behind"
+        recorder.tick(5_200 + REPL_EVERY_MS + 7)
+        assert replica.stats_calls == calls + 2
+        clock.now_ms = 20_000
+        recorder.close()  # the last one, as the daemon leaves
+    events = _journaled(tmp_path)
+    samples = [event for event in events if event["ev"] == "repl"]
+    assert [event["ev"] for event in events] == ["repl", "add", "repl", "repl", "repl", "repl"]
+    assert [event["n"] for event in events] == [1, 2, 3, 4, 5, 6]
+    wall = lambda now: now + T0 - 5_000  # noqa: E731
+    assert [(s["t"], s["state"], s["epoch"], s["rlsn"], s["lag"], s["lag_ms"]) for s in samples] == [
+        (wall(5_000), "connecting", 0, 0, 1, 0),
+        (wall(5_200), "replicating", 3, 2, 0, 0),
+        (wall(5_200 + REPL_EVERY_MS), "replicating", 3, 2, 4, 1_250),
+        (wall(5_207 + REPL_EVERY_MS), "behind", 3, 2, 4, 1_250),
+        (wall(20_000), "behind", 3, 2, 4, 1_250),
+    ]
+    assert {s["host"] for s in samples} == {"web-3"}
+    state = recover(tmp_path / "repl", repair=False, quiet=True)
+    assert state.last_lsn == 6 and state.problems == [] and list(state.pending) == [("g", "k")]
+
+
+def test_without_a_replicator_the_recorder_journals_no_replication(tmp_path):
+    from wheeld.protocol.journal import REPL_EVERY_MS
+
+    clock = _Clock(5_000)
+    with _replicating_recorder(tmp_path, clock, None) as (recorder, _wheel):
+        for now in range(5_000, 5_000 + 3 * REPL_EVERY_MS, 1_000):
+            recorder.tick(now)
+        recorder.close()
+    assert _journaled(tmp_path) == []
+
+
+def test_a_stalled_journal_journals_no_replication_until_it_is_writable_again(tmp_path):
+    """A journal that cannot be written gets no repl event (the tick tries to resume it
+    instead); once it is writable again, the next tick journals the state it missed."""
+    import errno
+
+    clock, replica = _Clock(5_000), _FakeReplicator()
+    with _replicating_recorder(tmp_path, clock, replica) as (recorder, _wheel):
+        recorder.tick(5_000)
+        recorder.journal._stall(OSError(errno.ENOSPC, "No space left on device"))
+        replica.state = "behind"
+        recorder._next_retry_ms = 10**12  # no resume yet
+        recorder.tick(5_100)
+        assert replica.stats_calls == 1 and not recorder.journal.writable
+        clock.now_ms = recorder._next_retry_ms = 6_000
+        recorder.tick(6_000)  # resumes the journal (a snapshot, a new segment)
+        assert recorder.journal.writable
+        recorder.tick(6_001)
+        assert replica.stats_calls == 2
+    assert [event["state"] for event in _journaled(tmp_path) if event["ev"] == "repl"] == ["connecting", "behind"]
+
+
+def test_replication_samples_alone_make_a_snapshot_due_only_once_a_day_of_them_gathered(tmp_path, monkeypatch):
+    """An idle replicating daemon journals a repl event every 10 s; they alone must not make
+    the time-based snapshot due (it would write, and send to the stream, all its timers every
+    snapshot_every_s), until a day's worth (REPL_SNAPSHOT_SAMPLES) has gathered. A timer
+    event does, as without replication."""
+    from wheeld.daemon import recorder as recorder_module
+    from wheeld.journal.files import list_snapshots
+    from wheeld.protocol.journal import REPL_EVERY_MS
+
+    monkeypatch.setattr(recorder_module, "REPL_SNAPSHOT_SAMPLES", 30)
+    clock, replica = _Clock(5_000), _FakeReplicator()
+
+    def run(recorder, until_ms: int) -> None:
+        while clock.now_ms < until_ms:
+            clock.now_ms += REPL_EVERY_MS
+            recorder.tick(clock.now_ms)
+
+    with _replicating_recorder(tmp_path, clock, replica, snapshot_every_s=60.0) as (recorder, wheel):
+        run(recorder, 5_000 + 20 * REPL_EVERY_MS)  # 20 samples over 200 s: none due
+        assert list_snapshots(tmp_path / "repl") == []
+        gid = wheel.group_id("g")
+        recorder.begin()
+        wheel.schedule("k", 900_000, gid, 1)
+        recorder.armed(gid, "k", 900_000, 1, None, None)
+        recorder.commit(clock.now_ms)
+        run(recorder, clock.now_ms + REPL_EVERY_MS)  # a timer event and 60 s: due
+        assert [lsn for lsn, _ in list_snapshots(tmp_path / "repl")] == [recorder.journal.last_lsn]
+        first = recorder.journal.last_lsn
+        run(recorder, clock.now_ms + 29 * REPL_EVERY_MS)  # 29 samples since: still none
+        assert len(list_snapshots(tmp_path / "repl")) == 1
+        run(recorder, clock.now_ms + 2 * REPL_EVERY_MS)  # the 30th: due (60 s passed long ago)
+        snapshots = [lsn for lsn, _ in list_snapshots(tmp_path / "repl")]
+        assert snapshots == [first, first + 30]

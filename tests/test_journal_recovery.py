@@ -1,7 +1,8 @@
 """Recovery (journal/recovery.py ``recover``): random event sequences, snapshots and
 compaction agree with a reference model after recovery; torn and corrupted tails
 are cut at the last good record (and saved aside), damage in older segments is
-reported and skipped, gaps are reported."""
+reported and skipped, gaps are reported; replication samples (``repl``) change no
+timer."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from wheeld.journal.files import (
     list_segments,
     list_snapshots,
 )
-from wheeld.journal.recovery import recover
+from wheeld.journal.recovery import check_journal, recover
 from wheeld.protocol import journal as pj
 from wheeld.protocol.journal import (
     Ack,
@@ -35,13 +36,14 @@ from wheeld.protocol.journal import (
     Fire,
     IdleRearm,
     Rearm,
+    Repl,
     key_from_json,
     key_to_json,
 )
 
 KEYS = st.sampled_from(["a", "b64:x", b"a", b"\xff", 1, 2**40])
 OPS = st.tuples(
-    st.sampled_from(["add", "add", "add_idle", "cancel", "fire", "ack", "idle_rearm", "snapshot", "batch"]),
+    st.sampled_from(["add", "add", "add_idle", "cancel", "fire", "ack", "idle_rearm", "snapshot", "batch", "repl"]),
     st.sampled_from(["g1", "g2"]),
     KEYS,
     st.integers(1, 100_000),
@@ -61,6 +63,8 @@ def test_recovery_equals_reference_model(ops, segment_bytes):
             if op == "batch":
                 journal.append(batch)
                 batch = []
+            elif op == "repl":  # a replication sample, amid the timer events: it changes nothing
+                batch.append(_repl(T0 + delay_ms, pick))
             elif op == "snapshot":
                 journal.append(batch)
                 batch = []
@@ -90,6 +94,55 @@ def test_recovery_equals_reference_model(ops, segment_bytes):
         again = recover(directory)
         assert again.last_lsn == last_lsn + 1 and again.problems == []
         assert_state_equals_model(again, model)
+
+
+def _repl(t: int, pick: int = 0) -> Repl:
+    states = ("connecting", "replicating", "behind", "fenced")
+    return Repl(t=t, host="h1", epoch=pick % 4, state=states[pick % len(states)], rlsn=pick, lag=pick % 7,
+                lag_ms=pick * 3)
+
+
+def test_a_journal_with_replication_samples_recovers_the_same_timers(tmp_path):
+    """The same history journaled with repl events among its timer events (in batches of
+    their own and inside timer batches, across segments, after a snapshot) recovers the
+    same timers, with nothing reported; its lsns count the samples."""
+    model, batches = random_history(seed=21, steps=400)
+    directories = {}
+    for with_samples in (False, True):
+        directory = tmp_path / ("repl" if with_samples else "plain")
+        journal = make_journal(directory, fsync="off", segment_bytes=4_000)
+        samples = 0
+        for index, batch in enumerate(batches):
+            batch = [msgspec.structs.replace(event) for event in batch]  # append numbers its events
+            if with_samples and index % 3 == 0:
+                journal.append([_repl(T0 + index, index)])
+                samples += 1
+            if with_samples and index % 4 == 1 and batch:
+                batch.insert(len(batch) // 2, _repl(T0 + index, index))
+                samples += 1
+            journal.append(batch)
+            if index == len(batches) // 2:
+                journal.write_snapshot(journal.last_lsn, *_state_of(directory))
+        directories[with_samples] = (directory, journal.last_lsn, samples)
+        journal.close()
+    plain_dir, plain_last, _ = directories[False]
+    repl_dir, repl_last, samples = directories[True]
+    assert samples > 0 and repl_last == plain_last + samples
+    assert len(list_segments(repl_dir)) > 2
+    plain, state = recover(plain_dir), recover(repl_dir)
+    assert state.problems == [] and state.damage == [] and state.last_lsn == repl_last
+    assert state.pending == plain.pending and _unacked(state) == _unacked(plain)
+    assert_state_equals_model(state, model)
+    assert check_journal(repl_dir).ok
+
+
+def _state_of(directory) -> tuple[list, list]:
+    state = recover(directory, repair=False, quiet=True)
+    return list(state.pending.values()), state.unacked
+
+
+def _unacked(state) -> list:
+    return sorted((timer.group, repr(timer.key), timer.seq, timer.deadline_ms) for timer in state.unacked)
 
 
 def test_corrupted_newest_snapshot_falls_back_to_older(tmp_path):

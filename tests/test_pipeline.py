@@ -39,6 +39,7 @@ pytestmark = [
 HOSTS = 5
 EVENTS_PER_HOST = 2_500
 SEGMENT_BYTES = 48 * 1024
+REPLICATED_HOSTS = 3
 
 
 # --------------------------------------------------------------------------- #
@@ -46,13 +47,17 @@ SEGMENT_BYTES = 48 * 1024
 # --------------------------------------------------------------------------- #
 
 
-def clean_fleet(root: Path, seed: int = 11) -> Path:
-    """A small generated fleet: 5 hosts, one slow, restarts (overdue fires), ~12k events."""
+def clean_fleet(root: Path, seed: int = 11, replicated_hosts: int = REPLICATED_HOSTS) -> Path:
+    """A small generated fleet: 5 hosts, one slow, restarts (overdue fires), ~12k events;
+    3 hosts replicate (~2k replication samples each), one of them is fenced at the end
+    (``replicated_hosts=0``: none, for tests that need no replication table, which costs
+    the job one Spark job)."""
     from wheeld.pipeline.generate import generate_fleet
 
     generate_fleet(
         root, hosts=HOSTS, events_per_host=EVENTS_PER_HOST, seed=seed, slow_hosts=1,
         restart_fraction=0.6, segment_bytes=SEGMENT_BYTES, duration_ms=6 * 3_600_000,
+        replicated_hosts=replicated_hosts, fenced_hosts=min(1, replicated_hosts),
     )  # fmt: skip
     return root
 
@@ -67,9 +72,10 @@ def damage(root: Path) -> dict[str, object]:
     - host-000: last segment cut in the middle of its last line (torn tail);
     - host-001: one byte flipped in the middle of its first segment;
     - host-002: a segment of random bytes, and an empty segment;
-    - host-003: a version-2 line, an unknown event type and an event missing a
-      required field, all with good crcs; a complete last line without its
-      newline; the header of its second segment damaged;
+    - host-003: a version-2 line, an unknown event type, an event and a
+      replication sample missing a required field, all with good crcs; a
+      complete last line without its newline; the header of its second
+      segment damaged;
     - a snapshot-like file and a hidden file that must not be read at all.
     """
     from wheeld.protocol import journal
@@ -105,6 +111,7 @@ def damage(root: Path) -> dict[str, object]:
         file.write(journal.encode_line(b'{"ev":"add","v":2,"n":1,"t":1,"g":"x","k":1,"d":2,"s":1}'))
         file.write(journal.encode_line(b'{"ev":"teleport","v":1,"n":2,"t":1,"g":"x","k":1}'))
         file.write(journal.encode_line(b'{"ev":"add","v":1,"n":3,"t":1,"g":"x","k":1}'))
+        file.write(journal.encode_line(b'{"ev":"repl","v":1,"n":4,"t":1,"host":"x","epoch":1,"state":"behind"}'))
     no_newline = segments[-1]
     no_newline.write_bytes(no_newline.read_bytes().rstrip(b"\n"))
     header = segments[1]
@@ -219,7 +226,7 @@ FIGURES = (
     "lateness_by_host_group", "lateness_by_host", "lateness_by_group", "lateness_over_time",
     "lateness_by_hour", "lateness_by_host_hour", "throughput_over_time", "timeout_rate_by_group",
     "timeout_rate_by_host", "idle_churn_by_group", "slowest_hosts", "noisiest_groups",
-    "segments", "summary",
+    "replication", "segments", "summary",
 )  # fmt: skip
 
 
@@ -249,6 +256,38 @@ def test_fleet_has_what_the_figures_need(expected):
     # 6 hours: 2-minute buckets, 180 points (not 360 minutes)
     assert summary["bucket_width_ms"] == 120_000
     assert 120 <= len(expected["throughput_over_time"]) <= 300
+    # replication: every state the generator makes, a restart's new epoch, time behind and lag
+    replication = expected["replication"]
+    assert summary["repl_hosts"] == REPLICATED_HOSTS and summary["repl_fenced_hosts"] == 1
+    assert {row["worst_state"] for row in replication} == {"replicating", "connecting", "behind", "fenced"}
+    assert summary["repl_behind_ms"] > 0 and summary["repl_lag_max_ms"] >= 10_000
+    assert any(row["connecting_ms"] > 0 and row["epoch"] == 2 for row in replication)  # a restarted daemon
+    assert any(row["behind_ms"] > 0 and row["replicating_ms"] > 0 for row in replication)
+
+
+def test_replication_table_follows_the_samples(expected):
+    """The replication table from the journaled samples: counts, states and the time each
+    state held add up per daemon (a sample holds until the next one, at most REPL_HOLD_MS)."""
+    from wheeld.pipeline.reference import REPL_HOLD_MS, REPL_TIME_COLUMNS
+
+    samples = expected["repl_samples"]
+    rows = expected["replication"]
+    width = expected["summary"][0]["bucket_width_ms"]
+    assert sum(row["samples"] for row in rows) == len(samples) == expected["summary"][0]["repl_samples"]
+    by_daemon: dict = {}
+    for sample in samples:
+        by_daemon.setdefault((sample["host"], sample["host_id"]), []).append(sample)
+    for (host, host_id), mine in by_daemon.items():
+        mine.sort(key=lambda s: (s["t_ms"], s["lsn"]))
+        held = sum(max(0, min(b["t_ms"] - a["t_ms"], REPL_HOLD_MS)) for a, b in zip(mine, mine[1:]))
+        daemon_rows = [row for row in rows if (row["host"], row["host_id"]) == (host, host_id)]
+        assert sum(row[column] for row in daemon_rows for _, column in REPL_TIME_COLUMNS) == held
+        last = daemon_rows[-1]
+        assert last["bucket_ms"] == mine[-1]["t_ms"] - mine[-1]["t_ms"] % width
+        assert last["state"] == mine[-1]["state"] and last["replicated_lsn"] == max(s["rlsn"] for s in mine)
+        for row in daemon_rows:
+            assert row["lag_p50"] <= row["lag_p99"] <= row["lag_max"]
+            assert row["lag_p50_ms"] <= row["lag_p99_ms"] <= row["lag_max_ms"]
 
 
 def test_slow_host_ranks_first(result):
@@ -282,7 +321,7 @@ def test_bad_segments_are_counted_and_skipped(result, fleet):
     assert garbage["events"] == 0 and garbage["bad_lines"] == garbage["lines"] > 0
     assert _segment_row(result, done["empty"])["status"] == "empty"
     future = _segment_row(result, done["future"])
-    assert (future["unsupported_version"], future["bad_json"]) == (1, 2)
+    assert (future["unsupported_version"], future["bad_json"]) == (1, 3)
     no_newline = _segment_row(result, done["no_newline"])
     assert no_newline["torn_tail"] == 1  # complete bytes, but a record needs its newline
     bad_header = _segment_row(result, done["bad_header"])
@@ -293,31 +332,37 @@ def test_bad_segments_are_counted_and_skipped(result, fleet):
     names = {os.path.basename(s) for s in result.tables["segments"]["segment"]}
     assert not any(name.startswith((".", "snapshot-")) for name in names)
     summary = result.summary
-    assert summary["bad_lines"] == int(result.tables["segments"]["bad_lines"].sum()) >= 9
+    assert summary["bad_lines"] == int(result.tables["segments"]["bad_lines"].sum()) >= 10
     assert summary["damaged_segments"] == 6
 
 
 def test_bad_lines_never_reach_the_figures(result, expected, fleet, tmp_path):
-    """The damaged fleet's events are the clean fleet's minus exactly the damaged lines."""
+    """The damaged fleet's events and replication samples are the clean fleet's minus exactly
+    the damaged lines."""
     from wheeld.pipeline import reference
 
     clean = reference.compute(str(clean_fleet(tmp_path / "clean")))
-    clean_keys = {(e["host"], e["lsn"]) for e in clean["events"]}
-    damaged_keys = {(e["host"], e["lsn"]) for e in expected["events"]}
+
+    def lines(tables) -> set:
+        return {(row["host"], row["lsn"]) for name in ("events", "repl_samples") for row in tables[name]}
+
+    clean_keys, damaged_keys = lines(clean), lines(expected)
     assert damaged_keys < clean_keys  # nothing invented: no event from a damaged byte
     lost = len(clean_keys) - len(damaged_keys)
     assert lost == 3  # torn tail, flipped line, the line that lost its newline
-    assert result.summary["events"] == len(damaged_keys)
+    assert result.summary["events"] + result.summary["repl_samples"] == len(damaged_keys)
     assert result.summary["groups"] == clean["summary"][0]["groups"]  # no "x" group from bad lines
+    assert "x" not in {row["host_id"] for row in expected["replication"]}  # nor a host id
 
 
 def test_report_is_a_self_contained_html_with_charts(result):
     html = Path(result.report_path).read_text()
     images = html.count('src="data:image/png;base64,')
-    assert images >= 7
+    assert images >= 8
     first = html.split('src="data:image/png;base64,', 1)[1].split('"', 1)[0]
     assert base64.b64decode(first)[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Input quality" in html
+    assert "Replication to the fleet" in html and "hosts fenced" in html
     assert f"{result.summary['bad_lines']} bad lines skipped" in html
     assert "http://" not in html and "https://" not in html  # nothing fetched when opened
 
@@ -382,7 +427,7 @@ def test_percentile_disc_is_nearest_rank(spark, size):
 def test_module_command_line(spark, tmp_path, capsys):
     from wheeld.pipeline import job
 
-    fleet = clean_fleet(tmp_path / "fleet", seed=3)
+    fleet = clean_fleet(tmp_path / "fleet", seed=3, replicated_hosts=0)
     code = job.main([str(fleet), "--out", str(tmp_path / "out"), "--top", "2", "--quiet"])
     assert code == 0
     assert "report:" in capsys.readouterr().out
@@ -398,7 +443,7 @@ def test_wheelctl_report_command(spark, tmp_path):
 
     from wheeld.ctl_report import report
 
-    fleet = clean_fleet(tmp_path / "fleet", seed=4)
+    fleet = clean_fleet(tmp_path / "fleet", seed=4, replicated_hosts=0)
     out = tmp_path / "out"
     answer = CliRunner().invoke(report, [str(fleet), "--out", str(out), "--quiet"])
     assert answer.exit_code == 0, answer.output
