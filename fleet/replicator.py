@@ -160,6 +160,7 @@ class Replicator:
         # host does not deliver before it knows it still owns its timers)
         self.lease_reachable = True
         self.last_ack_ms = 0
+        self._waiting_since_ms = 0  # when the journal's oldest event not stored began waiting
         self.published_total = 0
         self.published_bytes = 0
         self.retries_total = 0
@@ -175,10 +176,14 @@ class Replicator:
 
     # ------------------------------------------------------------------ from the core
     def appended(self, first: int, last: int, data: bytes) -> None:
+        if not self.outbox.items:
+            self._waiting_since_ms = self.clock_ms()
         self.outbox.appended(first, last, data)
         self._wake.set()
 
     def snapshotted(self, lsn: int, data: bytes) -> None:
+        if not self.outbox.items:
+            self._waiting_since_ms = self.clock_ms()
         self.outbox.snapshotted(lsn, data)
         self._wake.set()
 
@@ -202,7 +207,8 @@ class Replicator:
             "fleet_epoch": self.epoch,
             "fleet_replicated_lsn": self.replicated_lsn,
             "fleet_lag_records": max(0, queued - self.replicated_lsn) if queued else 0,
-            "fleet_lag_ms": 0 if not queued or queued <= self.replicated_lsn else self.clock_ms() - self.last_ack_ms,
+            "fleet_lag_ms": (0 if not queued or queued <= self.replicated_lsn
+                             else self.clock_ms() - self._waiting_since_ms),
             "fleet_outbox_bytes": self.outbox.size,
             "fleet_published_total": self.published_total,
             "fleet_retries_total": self.retries_total,
@@ -450,7 +456,7 @@ class Replicator:
             await self._send(kind, first, last, payload)
             outbox.sent(kind, first, taken)
             self.replicated_lsn = max(self.replicated_lsn, last)
-            self.last_ack_ms = self.clock_ms()
+            self.last_ack_ms = self._waiting_since_ms = self.clock_ms()  # what is left waits from now
             if kind == S.SNAP:
                 await self._purge_before_snapshot()
             self._set_state("replicating")

@@ -278,3 +278,18 @@ def test_adopted_timers_keep_their_groups_and_deadlines_and_a_taken_key_is_renam
     finally:
         wheel.close()
         wheel.unlink()
+
+
+def test_lag_counts_from_when_the_oldest_waiting_event_was_queued():
+    from wheeld.fleet.replicator import FleetConfig, Replicator
+
+    now = [5_000_000]  # a monotonic clock far from 0 (uptime)
+    r = Replicator(FleetConfig(urls=("nats://127.0.0.1:1",), host_id="h"), clock_ms=lambda: now[0])
+    assert r.stats()["fleet_lag_ms"] == 0
+    r.snapshotted(5, b"s")  # the first snapshot, not stored yet
+    now[0] += 30
+    assert r.stats()["fleet_lag_ms"] == 30 and r.stats()["fleet_lag_records"] == 5
+    r.appended(6, 8, b"abc")
+    now[0] += 20
+    stats = r.stats()
+    assert stats["fleet_lag_records"] == 8 and stats["fleet_lag_ms"] == 50
