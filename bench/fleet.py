@@ -428,7 +428,7 @@ def run_wheeld_schedules(connect: dict, args: argparse.Namespace) -> dict:
     from bench.fleet_wheeld import schedules
 
     r = schedules(connect["servers"], timers=args.n, ahead_s=args.ahead_s,
-                  cancel_every=args.cancel_every or 10**9)
+                  cancel_every=args.cancel_every, connect=connect)
     r["table"] = [{"kind": "wheeld-schedules", "timers": r["timers"], "failed": 0, "per_s": r["schedules_per_s"],
                    "ack_p99": None, "late_p50": r["lateness_ms_p50"], "late_p99": r["lateness_ms_p99"],
                    "late_max": r["lateness_ms_max"], "early": r["early"], "stored_p50": None, "stored_p99": None,
@@ -446,8 +446,8 @@ def run_wheeld_throughput(connect: dict, args: argparse.Namespace) -> dict:
     """e2e timer ops/s and flush latency, local-only and replicated, in this run."""
     from bench.fleet_wheeld import MODES, throughput
 
-    rows = [throughput(connect["servers"], mode, clients=args.clients, ops=args.ops, flush_every=args.flush_every)
-            for mode in MODES]
+    rows = [throughput(connect["servers"], mode, clients=args.clients, ops=args.ops, flush_every=args.flush_every,
+                       connect=connect) for mode in MODES]
     print(format_table(rows, [c for c, _ in THROUGHPUT_TABLE], [h for _, h in THROUGHPUT_TABLE]), flush=True)
     by_mode = {r["mode"]: r for r in rows}
     return {"modes": by_mode,
@@ -474,7 +474,7 @@ def run_wheeld_failover(connect: dict, args: argparse.Namespace) -> dict:
         return {"killed_node": victim, "down_s": round(time.monotonic() - began, 2)}
 
     row = throughput(connect["servers"], "replicated", clients=args.clients, ops=args.failover_ops,
-                     flush_every=args.flush_every, fault=fault)
+                     flush_every=args.flush_every, fault=fault, connect=connect)
     row["mode"] = "replicated, leader killed"
     print(format_table([row], [c for c, _ in THROUGHPUT_TABLE], [h for _, h in THROUGHPUT_TABLE]), flush=True)
     return row

@@ -27,6 +27,14 @@ from bench.common import DaemonProcess, unique_name
 MODES = ("local", "replicated")
 
 
+def _credentials(connect: dict | None) -> dict:
+    """The daemon's environment for the cluster's credentials (as the systemd drop-in sets it)."""
+    connect = connect or {}
+    if connect.get("user") is None:
+        return {}
+    return {"WHEELD_NATS_USER": connect["user"], "WHEELD_NATS_PASSWORD": connect.get("password") or ""}
+
+
 def _daemon(workdir: str, mode: str, urls: list[str]) -> DaemonProcess:
     host = f"bench{unique_name()[-8:]}"
     extra = ["--journal", os.path.join(workdir, f"journal-{host}"), "--fsync", "interval=10"]
@@ -65,14 +73,14 @@ def _worker(socket_path: str, index: int, ops: int, flush_every: int, start, out
 
 
 def throughput(urls: list[str], mode: str, clients: int = 2, ops: int = 200_000, flush_every: int = 1_000,
-               fault=None) -> dict:
+               fault=None, connect: dict | None = None) -> dict:
     """ops/s and flush latency of one daemon in ``mode`` (module docstring). ``fault``: called
     in a thread once the clients start (a server killed and restarted meanwhile, say); what
     it returns is reported as ``fault``."""
     workdir = tempfile.mkdtemp(prefix=f"wheeld-bench-fleet-{mode}-")
     daemon = _daemon(workdir, mode, urls)
     try:
-        daemon.start(timeout_s=60)
+        daemon.start(timeout_s=60, env=_credentials(connect))
         if mode == "replicated":
             _wait_replicating(daemon)
         ctx = mp.get_context("fork")  # (spawn would leave its resource tracker running)
@@ -140,7 +148,7 @@ def _pct(sorted_s: list[float], p: float) -> float | None:
 
 
 def schedules(urls: list[str], timers: int = 10_000, ahead_s: tuple[float, float] = (1.0, 3.0),
-              cancel_every: int = 10) -> dict:
+              cancel_every: int = 10, connect: dict | None = None) -> dict:
     """wheeld's answer to the message-schedule baseline (module docstring), replicated."""
     import wheeld
     from wheeld.protocol.clock import mono_ms
@@ -148,7 +156,7 @@ def schedules(urls: list[str], timers: int = 10_000, ahead_s: tuple[float, float
     workdir = tempfile.mkdtemp(prefix="wheeld-bench-fleet-sched-")
     daemon = _daemon(workdir, "replicated", urls)
     try:
-        daemon.start(timeout_s=60)
+        daemon.start(timeout_s=60, env=_credentials(connect))
         _wait_replicating(daemon)
         sender = wheeld.connect(daemon.socket_path, group="sched")  # a group's timers come back to it
         lo, hi = int(ahead_s[0] * 1000), int(ahead_s[1] * 1000)
@@ -163,7 +171,7 @@ def schedules(urls: list[str], timers: int = 10_000, ahead_s: tuple[float, float
                 sender.flush(timeout_s=60)
         sender.flush(timeout_s=60)
         armed_s = time.perf_counter() - t0
-        for i in range(0, timers, cancel_every):
+        for i in range(0, timers, cancel_every) if cancel_every else ():
             if sender.cancel(f"s{i}"):
                 cancelled.add(f"s{i}")
         sender.flush(timeout_s=60)

@@ -59,8 +59,12 @@ def test_it_runs_on_a_given_cluster_with_a_password(tmp_path, monkeypatch):
         monkeypatch.setenv("WHEELD_NATS_PASSWORD", "bench-secret")
         out = tmp_path / "fleet.json"
         assert fleet.main(["--urls", cluster.url, "--user", "bench", "--n", "60", "--ahead-s", "0.3,0.5",
+                           "--only", "nats-schedules,wheeld-schedules",
                            "--grace-s", "0.8", "--cancel-every", "0", "--out", str(out)]) == 0
-        r = json.loads(out.read_text())["results"]["nats-schedules"]
+        results = json.loads(out.read_text())["results"]
+        r = results["nats-schedules"]
+    # wheeld's daemons took the credentials too
+    assert results["wheeld-schedules"]["delivered"] == 60 and results["wheeld-schedules"]["early"] == 0
     assert r["scheduling"]["acked"] == 60 and r["delivery"]["arrived"] == 60 and r["cancel"]["requested"] == 0
     assert r["lateness_ms"]["received"]["early"] == 0
 

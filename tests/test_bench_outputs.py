@@ -17,7 +17,8 @@ from bench import common
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = sorted(p.stem for p in (REPO / "bench").glob("*.py")
-                    if p.stem not in ("__init__", "common", "redis_baseline"))  # redis_baseline: a library of e2e
+                    if p.stem not in ("__init__", "common", "redis_baseline", "fleet_wheeld"))
+# redis_baseline: a library of e2e; fleet_wheeld: of fleet
 
 
 def git(*args: str) -> subprocess.CompletedProcess:
