@@ -56,6 +56,8 @@ included); another kind (wheeld's replicated mode, say) is one more entry:
 * ``wheeld-throughput``: ``--clients`` processes of ``--ops`` timer ops each
   (60/20/20 add/re-arm/cancel), a flush() every ``--flush-every``; local-only
   (``--journal``) and replicated in the same run: ops/s, flush p50/p99/max.
+* ``wheeld-flush-latency``: one client, 10 adds then a flush(), ``--latency-rounds``
+  times, local and replicated: what a flush() waits for beyond the work it covers.
 * ``wheeld-failover``: replicated, the node leading the daemon's stream killed
   and restarted mid-run: flush latency, flushes refused, the stream caught up.
 
@@ -454,6 +456,19 @@ def run_wheeld_throughput(connect: dict, args: argparse.Namespace) -> dict:
             "replicated_over_local": round(by_mode["replicated"]["ops_per_s"] / by_mode["local"]["ops_per_s"], 3)}
 
 
+LATENCY_TABLE = [("mode", "wheeld mode"), ("rounds", "flushes"), ("ops_per_flush", "ops per flush"),
+                 ("flush_ms_p50", "flush p50 ms"), ("flush_ms_p99", "p99"), ("flush_ms_max", "max")]
+
+
+def run_wheeld_flush_latency(connect: dict, args: argparse.Namespace) -> dict:
+    """What a flush() waits for beyond the work it covers: small flushes, local and replicated."""
+    from bench.fleet_wheeld import MODES, flush_latency
+
+    rows = [flush_latency(connect["servers"], mode, rounds=args.latency_rounds, connect=connect) for mode in MODES]
+    print(format_table(rows, [c for c, _ in LATENCY_TABLE], [h for _, h in LATENCY_TABLE]), flush=True)
+    return {"modes": {r["mode"]: r for r in rows}}
+
+
 def run_wheeld_failover(connect: dict, args: argparse.Namespace) -> dict:
     """Replicated throughput while the node leading the daemon's stream is killed (a third
     of the way in) and restarted (two thirds): flush latency, flushes refused, and the
@@ -504,6 +519,7 @@ KINDS: dict[str, Callable[[dict, argparse.Namespace], dict]] = {
     "wheeld-schedules": run_wheeld_schedules,
     "wheeld-throughput": run_wheeld_throughput,
     "wheeld-failover": run_wheeld_failover,
+    "wheeld-flush-latency": run_wheeld_flush_latency,
 }
 
 
@@ -569,6 +585,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=2, help="wheeld-throughput: client processes")
     parser.add_argument("--ops", type=int, default=200_000, help="wheeld-throughput: ops per client")
     parser.add_argument("--flush-every", type=int, default=1_000, help="wheeld-throughput: a flush() every N ops")
+    parser.add_argument("--latency-rounds", type=int, default=1_000,
+                        help="wheeld-flush-latency: flushes of 10 adds each, per mode")
     parser.add_argument("--failover-ops", type=int, default=400_000,
                         help="wheeld-failover: ops per client (the run must outlast the fault)")
     parser.add_argument("--fault-after-s", type=float, default=1.0,

@@ -194,3 +194,32 @@ def schedules(urls: list[str], timers: int = 10_000, ahead_s: tuple[float, float
     finally:
         daemon.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def flush_latency(urls: list[str], mode: str, rounds: int = 1_000, ops_per_flush: int = 10,
+                  connect: dict | None = None) -> dict:
+    """What a flush() waits for, apart from the work it covers: one client, ``ops_per_flush``
+    adds then a flush(), ``rounds`` times; p50/p99/max of the flush, local and replicated."""
+    import wheeld
+
+    workdir = tempfile.mkdtemp(prefix=f"wheeld-bench-fleet-lat-{mode}-")
+    daemon = _daemon(workdir, mode, urls)
+    try:
+        daemon.start(timeout_s=60, env=_credentials(connect))
+        if mode == "replicated":
+            _wait_replicating(daemon)
+        w = wheeld.connect(daemon.socket_path, group="lat")
+        waits = []
+        for r in range(rounds):
+            for i in range(ops_per_flush):
+                w.add(f"l{r}-{i}", 600_000)
+            t = time.perf_counter()
+            w.flush(timeout_s=60)
+            waits.append(time.perf_counter() - t)
+        w.close()
+        waits.sort()
+        return {"mode": mode, "rounds": rounds, "ops_per_flush": ops_per_flush, "flush_ms_p50": _pct(waits, 50),
+                "flush_ms_p99": _pct(waits, 99), "flush_ms_max": round(waits[-1] * 1000, 3)}
+    finally:
+        daemon.cleanup()
+        shutil.rmtree(workdir, ignore_errors=True)

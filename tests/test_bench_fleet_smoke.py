@@ -73,9 +73,9 @@ def test_it_runs_on_a_given_cluster_with_a_password(tmp_path, monkeypatch):
 def test_wheeld_s_kinds_run_small_local_and_replicated_beside_each_other(tmp_path):
     before_pids = child_pids()
     out = tmp_path / "fleet.json"
-    assert fleet.main(["--only", "wheeld-schedules,wheeld-throughput", "--n", "300", "--ahead-s", "0.4,0.8",
-                       "--cancel-every", "5", "--clients", "1", "--ops", "2000", "--flush-every", "100",
-                       "--out", str(out)]) == 0
+    assert fleet.main(["--only", "wheeld-schedules,wheeld-throughput,wheeld-flush-latency", "--n", "300",
+                       "--ahead-s", "0.4,0.8", "--cancel-every", "5", "--clients", "1", "--ops", "2000",
+                       "--flush-every", "100", "--latency-rounds", "20", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     sched = data["results"]["wheeld-schedules"]
     assert sched["timers"] == 300 and sched["cancelled"] == 60 and sched["cancelled_delivered"] == 0
@@ -85,4 +85,7 @@ def test_wheeld_s_kinds_run_small_local_and_replicated_beside_each_other(tmp_pat
     for r in modes.values():
         assert r["ops"] == 2000 and r["flushes"] == 20 and r["flushes_refused"] == 0 and r["ops_per_s"] > 0
     assert data["comparison"]["replicated_over_local"] > 0
+    latency = data["results"]["wheeld-flush-latency"]["modes"]
+    assert {m: r["rounds"] for m, r in latency.items()} == {"local": 20, "replicated": 20}
+    assert all(0 < r["flush_ms_p50"] <= r["flush_ms_p99"] <= r["flush_ms_max"] for r in latency.values())
     assert child_pids() <= before_pids
