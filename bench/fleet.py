@@ -51,7 +51,7 @@ included); another kind (wheeld's replicated mode, say) is one more entry:
   about uniform over 0-250 ms plus the replication of the fired message.
 
 * ``wheeld-schedules``: the same workload on wheeld replicating to the same
-  cluster (``--durability replicated``, a flush() every 1,000 adds): schedules/s,
+  cluster (``--durability replicated``, one flush() after the last add): schedules/s,
   lateness at the application, early, cancelled delivered (bench/fleet_wheeld.py).
 * ``wheeld-throughput``: ``--clients`` processes of ``--ops`` timer ops each
   (60/20/20 add/re-arm/cancel), a flush() every ``--flush-every``; local-only

@@ -9,7 +9,8 @@
   ``--durability replicated``: each flush returns once a quorum of the cluster stored it).
 - **scheduling and lateness at the application**, the same workload as the NATS
   message-schedule baseline: ``timers`` timers due 1.0-3.0 s ahead, armed as fast as one
-  client can (a flush every 1,000, replicated), received by a worker of the group;
+  client can, acknowledged by one flush() after the last (it returns once the cluster
+  stored them all: replicated), received by a worker of the group;
   lateness = receive time - the deadline the client asked for; early count; a tenth of
   them cancelled (cancel is acknowledged by the flush; none of them may arrive).
 """
@@ -167,9 +168,7 @@ def schedules(urls: list[str], timers: int = 10_000, ahead_s: tuple[float, float
             key = f"s{i}"
             wanted[key] = mono_ms() + delay
             sender.add(key, delay)
-            if i % 1000 == 999:
-                sender.flush(timeout_s=60)
-        sender.flush(timeout_s=60)
+        sender.flush(timeout_s=60)  # returns once the cluster stored them all (--durability replicated)
         armed_s = time.perf_counter() - t0
         for i in range(0, timers, cancel_every) if cancel_every else ():
             if sender.cancel(f"s{i}"):
