@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -91,12 +90,12 @@ class Adopter:
         if h.get(S.H_KIND) == S.FENCE:
             return  # adopted before
         epoch = int(h.get(S.H_EPOCH, "0")) + 1
-        lease = S.Lease(replicator.host, epoch, os.getpid(), int(time.time() * 1000))
+        lease = S.Lease(replicator.host, epoch, replicator.pid, int(time.time() * 1000))
         try:
             await kv.create(host, msgspec.json.encode(lease))
         except Exception:
             return  # another peer claimed it first, or the host came back
-        started = time.monotonic()
+        started = asyncio.get_running_loop().time()
         log.warning("fleet: host %s's lease lapsed; %s claimed it (epoch %d) and takes its timers over",
                     host, replicator.host, epoch)
         fence_seq = await self._fence(replicator, host, epoch, last.seq)
@@ -107,7 +106,7 @@ class Adopter:
             await js.purge_stream(name, seq=fence_seq, subject=subj)
         except Exception as exc:
             log.warning("fleet: stream of %s not purged behind its fence: %s", host, exc)
-        took = time.monotonic() - started
+        took = asyncio.get_running_loop().time() - started
         self.adopted[host] = {"epoch": epoch, "adopted": adopted, "renamed": renamed, "lost": lost,
                               "seconds": round(took, 3), "t": int(time.time() * 1000)}
         log.warning("fleet: ADOPTED host %s: %d timers (%d pending, %d fired and not acknowledged there; "
@@ -145,8 +144,9 @@ class Adopter:
     async def _wait_replicated(self, replicator, timeout_s: float = 10.0) -> None:
         """Until this host's stream stored what the adoption journaled (bounded)."""
         target = replicator.outbox.queued_lsn()
-        deadline = time.monotonic() + timeout_s
-        while replicator.replicated_lsn < target and time.monotonic() < deadline:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while replicator.replicated_lsn < target and loop.time() < deadline:
             await asyncio.sleep(0.01)
 
 

@@ -138,12 +138,16 @@ class Fenced(Exception):
 class Replicator:
     """Sends the journal (see the module docstring). ``on_progress()``: the replicated lsn
     moved (or the state changed); ``on_fenced(reason)``: stand down. Both are called in the
-    daemon's loop."""
+    daemon's loop. ``connect``: ``nats.connect`` unless another is given (the simulator's,
+    tests/sim/jetstream.py); ``pid``: the process id its leases name."""
 
     def __init__(self, config: FleetConfig, on_progress: Callable[[], None] = lambda: None,
                  on_fenced: Callable[[str], None] = lambda reason: None,
-                 clock_ms: Callable[[], int] = lambda: time.monotonic_ns() // 1_000_000):
+                 clock_ms: Callable[[], int] = lambda: time.monotonic_ns() // 1_000_000,
+                 connect: Callable | None = None, pid: int | None = None):
         self.config = config
+        self.connect = connect
+        self.pid = os.getpid() if pid is None else pid
         self.host = config.host_id
         self.subject = S.subject(self.host)
         self.stream = S.stream_name(self.host)
@@ -262,8 +266,11 @@ class Replicator:
             self.on_progress()
 
     async def _connect(self) -> None:
-        import nats
+        connect = self.connect
+        if connect is None:
+            import nats
 
+            connect = nats.connect
         cfg = self.config
         options = dict(servers=list(cfg.urls), connect_timeout=cfg.connect_timeout_s, allow_reconnect=True,
                        max_reconnect_attempts=-1, reconnect_time_wait=0.25, name=f"wheeld-{self.host}",
@@ -274,7 +281,7 @@ class Replicator:
             options["user"], options["password"] = cfg.user, cfg.password or ""
         while True:
             try:
-                self._nc = await nats.connect(**options)
+                self._nc = await connect(**options)
                 break
             except Exception as exc:  # no server reachable yet: keep serving locally, try again
                 self.lease_reachable = False
@@ -351,14 +358,14 @@ class Replicator:
                 if lease.holder != self.host:
                     raise Fenced(f"the lease of host {self.host} is held by {lease.holder} (epoch {lease.epoch})")
                 epoch = max(lease.epoch, stream_epoch) + 1
-                value = msgspec.json.encode(S.Lease(self.host, epoch, os.getpid(), int(time.time() * 1000)))
+                value = msgspec.json.encode(S.Lease(self.host, epoch, self.pid, int(time.time() * 1000)))
                 try:
                     self._rev = await self._kv.update(self.host, value, last=entry.revision)
                 except Exception:
                     continue  # changed meanwhile: read again
             else:
                 epoch = stream_epoch + 1
-                value = msgspec.json.encode(S.Lease(self.host, epoch, os.getpid(), int(time.time() * 1000)))
+                value = msgspec.json.encode(S.Lease(self.host, epoch, self.pid, int(time.time() * 1000)))
                 try:
                     self._rev = await self._kv.create(self.host, value)
                 except Exception:
@@ -378,7 +385,7 @@ class Replicator:
         from nats.js.errors import KeyWrongLastSequenceError
 
         period = self.config.lease_ttl_s / 3
-        value_of = lambda: msgspec.json.encode(S.Lease(self.host, self.epoch, os.getpid(), int(time.time() * 1000)))  # noqa: E731
+        value_of = lambda: msgspec.json.encode(S.Lease(self.host, self.epoch, self.pid, int(time.time() * 1000)))  # noqa: E731
         while self.fenced is None:
             await asyncio.sleep(period)
             sent = self.clock_ms()
@@ -416,7 +423,7 @@ class Replicator:
             self._rev = await self._kv.create(self.host, value)  # raises if a peer got there first
             return None
         lease = msgspec.json.decode(entry.value, type=S.Lease)
-        if lease.holder == self.host and lease.epoch == self.epoch and lease.pid == os.getpid():
+        if lease.holder == self.host and lease.epoch == self.epoch and lease.pid == self.pid:
             self._rev = entry.revision
             return None
         return lease.holder if lease.holder != self.host else f"{self.host} (epoch {lease.epoch}, another daemon)"
