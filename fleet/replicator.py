@@ -410,9 +410,10 @@ class Replicator:
 
     async def _reclaim(self, value: bytes) -> str | None:
         """A renewal refused for its revision: who holds the lease? None when it is still
-        this daemon's (an earlier renewal was stored and its answer lost: its revision is
-        taken up; or the key lapsed while the cluster was out of reach and nobody claimed
-        it: created again), else the holder's host id."""
+        this daemon's (an earlier renewal was stored and its answer lost: renewed again on
+        its revision, since the key lives from when that one was stored, which is not known;
+        or the key lapsed while the cluster was out of reach and nobody claimed it: created
+        again), else the holder's host id."""
         from nats.js.errors import KeyNotFoundError
 
         try:
@@ -424,7 +425,7 @@ class Replicator:
             return None
         lease = msgspec.json.decode(entry.value, type=S.Lease)
         if lease.holder == self.host and lease.epoch == self.epoch and lease.pid == self.pid:
-            self._rev = entry.revision
+            self._rev = await self._kv.update(self.host, value, last=entry.revision)
             return None
         return lease.holder if lease.holder != self.host else f"{self.host} (epoch {lease.epoch}, another daemon)"
 

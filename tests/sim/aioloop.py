@@ -113,3 +113,27 @@ class SimLoop(asyncio.BaseEventLoop):
         a SIGKILL runs no ``finally``)."""
         self._ready.clear()
         self._scheduled.clear()
+
+
+def run_world(world, loops: list[SimLoop], until_ns: int, check: Callable[[], None] | None = None,
+              every_ns: int = 0) -> None:
+    """Run ``world``'s events and ``loops`` together up to ``until_ns`` (a test's driver: the
+    fleet's simulation schedules the loops as world events itself). ``check()`` runs after
+    each step, and every ``every_ns`` of simulated time when given."""
+    if every_ns:
+        at = world.now_ns
+        while at < until_ns:
+            at += every_ns
+            world.at(at, lambda: None)
+    while True:
+        for loop in loops:
+            loop.run_ready()
+        if check is not None:
+            check()
+        times = [t for t in [world.next_time(), *(loop.next_ns() for loop in loops)] if t is not None]
+        if not times or min(times) > until_ns:
+            world.now_ns = max(world.now_ns, until_ns)
+            return
+        world.now_ns = max(world.now_ns, min(times))
+        if world.next_time() is not None and world.next_time() <= world.now_ns:
+            world.step()

@@ -1,0 +1,92 @@
+"""The fleet tier against the simulated NATS JetStream cluster (tests/sim/jetstream.py), one
+scripted fault at a time: what the fleet's simulation (``python -m sim --fleet``) found,
+kept as tests of the replicator and the adopter. Each runs the real Replicator (and
+Adopter) on a simulated event loop; the cluster's ``script`` decides the fate of the
+requests the case is about (lost before it is applied, its answer lost, or slow)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("nats")
+
+from sim.aioloop import SimLoop, run_world  # noqa: E402
+from sim.jetstream import Cluster, connector  # noqa: E402
+from sim.world import World  # noqa: E402
+
+from wheeld.fleet.replicator import FleetConfig, Replicator  # noqa: E402
+
+MS = 1_000_000
+S = 1_000_000_000
+
+
+class Fleet:
+    """A simulated cluster and the replicators of a few hosts, run together."""
+
+    def __init__(self, ttl_s: float = 2.0, timeout_s: float = 0.5):
+        self.world = World(1)
+        self.cluster = Cluster(self.world, random.Random(1))
+        self.ttl_s, self.timeout_s = ttl_s, timeout_s
+        self.loops: list[SimLoop] = []
+        self.requests: list[tuple[str, str]] = []  # (host, request) of every request sent
+        self.fates: dict[tuple[str, str, int], object] = {}  # (host, request prefix, nth) -> its fate
+        self.cluster.script = self._fate
+
+    def _fate(self, host: str, what: str):
+        self.requests.append((host, what))
+        for (h, prefix, nth), fate in self.fates.items():
+            if h == host and what.startswith(prefix) and \
+                    sum(1 for hh, w in self.requests if hh == host and w.startswith(prefix)) == nth:
+                return fate
+        return None
+
+    def replicator(self, host: str, adopt=None, **config) -> Replicator:
+        loop = SimLoop(self.world.clock_ns)
+        cfg = FleetConfig(urls=("nats://sim:4222",), host_id=host, lease_ttl_s=self.ttl_s,
+                          publish_timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s, **config)
+        replicator = Replicator(cfg, clock_ms=self.world.clock_ms, connect=connector(self.cluster, host),
+                                pid=100 + len(self.loops))
+        if adopt is not None:
+            from wheeld.fleet.adopt import Adopter
+
+            replicator.adopter = Adopter(cfg, adopt)
+        self.loops.append(loop)
+        loop.call(replicator.start)
+        return replicator
+
+    def run(self, seconds: float, check=None) -> None:
+        run_world(self.world, self.loops, self.world.now_ns + int(seconds * S), check, every_ns=10 * MS)
+
+    def nth(self, host: str, prefix: str) -> int:
+        return sum(1 for h, w in self.requests if h == host and w.startswith(prefix))
+
+
+def _never_past_its_key(fleet: Fleet, replicator: Replicator, seen: list):
+    """A check: while the replicator says its lease may be used (valid by its clock and the
+    cluster reachable), the key is there and its own."""
+    def check():
+        now = fleet.world.clock_ms()
+        if replicator.fenced is None and replicator.lease_reachable and replicator.lease_ok(now):
+            if fleet.cluster.lease_of(replicator.host) != (replicator.host, replicator.epoch):
+                seen.append(now)
+    return check
+
+
+def test_a_renewal_taken_up_from_a_lost_answer_does_not_outlive_its_key():
+    """A renewal stored whose answer was lost is found by the next one (its revision moved)
+    and taken up; the lease must not then count from the later renewal's send time: the key
+    lives from when the lost one was stored. Seeds 1, 196 of the fleet simulation: a host
+    delivered after its key lapsed, believing its lease good for another 1.2 s."""
+    fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
+    replicator = fleet.replicator("A")
+    fleet.run(1.0)
+    assert replicator.epoch == 1 and fleet.cluster.lease_of("A") == ("A", 1)
+    n = fleet.nth("A", "kv write A")
+    fleet.fates[("A", "kv write A", n + 1)] = "lose answer"  # stored; the host times out
+    fleet.fates[("A", "kv write A", n + 3)] = 450.0  # the renewal after the take-up arrives late
+    seen: list = []
+    fleet.run(6.0, _never_past_its_key(fleet, replicator, seen))
+    assert not seen, f"the lease was used at {seen[0]} ms though its key had lapsed"
+    assert replicator.fenced is None
