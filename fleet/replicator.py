@@ -385,28 +385,41 @@ class Replicator:
         from nats.js.errors import KeyWrongLastSequenceError
 
         period = self.config.lease_ttl_s / 3
-        value_of = lambda: msgspec.json.encode(S.Lease(self.host, self.epoch, self.pid, int(time.time() * 1000)))  # noqa: E731
+        again = False
         while self.fenced is None:
-            await asyncio.sleep(period)
+            if not again:
+                await asyncio.sleep(period)
+            again = False
             sent = self.clock_ms()
             try:
-                self._rev = await asyncio.wait_for(self._kv.update(self.host, value_of(), last=self._rev),
-                                                   self.config.publish_timeout_s)
-                self._renewed(sent)
-            except KeyWrongLastSequenceError:
-                try:
-                    holder = await self._reclaim(value_of())
-                except Exception as exc:  # created by a peer meanwhile
-                    holder = f"another host ({exc or type(exc).__name__})"
-                if holder is not None:
-                    self._stand_down(f"the lease of host {self.host} was claimed by {holder}")
-                    return
-                self._renewed(sent)
-            except Exception as exc:  # out of reach: keep serving (lease_ok)
+                holder = await self._renew()
+            except KeyWrongLastSequenceError:  # the key changed while _reclaim looked: look again
+                again = True
+                continue
+            except Exception as exc:  # out of reach (a timeout, no leader): keep serving (lease_ok)
                 if self.lease_reachable:
-                    log.warning("fleet: lease of %s not renewed: %s", self.host, exc)
+                    log.warning("fleet: lease of %s not renewed: %s", self.host, exc or type(exc).__name__)
                 self.lease_reachable = False
                 self.on_progress()
+                continue
+            if holder is not None:
+                self._stand_down(f"the lease of host {self.host} was claimed by {holder}")
+                return
+            self._renewed(sent)
+
+    async def _renew(self) -> str | None:
+        """One renewal (a compare-and-set on the key's revision); when it is refused, who holds
+        the lease now (:meth:`_reclaim`). Returns that holder, None while it is this daemon's.
+        What cannot be answered (a timeout) raises: nobody is known to hold it."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        value = msgspec.json.encode(S.Lease(self.host, self.epoch, self.pid, int(time.time() * 1000)))
+        try:
+            self._rev = await asyncio.wait_for(self._kv.update(self.host, value, last=self._rev),
+                                               self.config.publish_timeout_s)
+            return None
+        except KeyWrongLastSequenceError:
+            return await self._reclaim(value)
 
     async def _reclaim(self, value: bytes) -> str | None:
         """A renewal refused for its revision: who holds the lease? None when it is still

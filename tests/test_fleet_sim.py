@@ -90,3 +90,20 @@ def test_a_renewal_taken_up_from_a_lost_answer_does_not_outlive_its_key():
     fleet.run(6.0, _never_past_its_key(fleet, replicator, seen))
     assert not seen, f"the lease was used at {seen[0]} ms though its key had lapsed"
     assert replicator.fenced is None
+
+
+def test_a_lease_lookup_that_times_out_is_not_a_fence():
+    """After a renewal refused for its revision, the replicator looks at the key to see who
+    holds it. That lookup timing out says nothing of a holder: the host is out of reach,
+    not fenced. Seeds 1, 195 of the fleet simulation: a host stood down (exit 69) with its
+    lease its own and its stream unfenced, because a get of its key timed out."""
+    fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
+    replicator = fleet.replicator("A")
+    fleet.run(1.0)
+    n = fleet.nth("A", "kv write A")
+    fleet.fates[("A", "kv write A", n + 1)] = "lose answer"
+    fleet.fates[("A", "kv get A", fleet.nth("A", "kv get A") + 1)] = "lose request"
+    fleet.run(6.0)
+    assert replicator.fenced is None, replicator.fenced
+    assert replicator.lease_reachable and fleet.cluster.lease_of("A") == ("A", 1)
+    assert replicator.lease_ok(fleet.world.clock_ms())
