@@ -509,33 +509,36 @@ class Replicator:
             except APIError as exc:
                 if getattr(exc, "err_code", None) != _WRONG_LAST_SEQUENCE:
                     raise
-                mine = await self._mine_at_tail(hdrs)
-                if mine:
-                    return self._last_seq
-                last_rec = await self._last_record()
-                who = f"{last_rec[1]} ({last_rec[0]}, epoch {last_rec[2]})" if last_rec else "another writer"
-                raise Fenced(f"the stream of host {self.host} was written by {who}") from exc
+                error: Exception = exc
+                try:  # (a timeout here: the same message again, below)
+                    tail = await self._tail()
+                except Exception as lookup:
+                    error = lookup
+                else:
+                    h = (tail.headers or {}) if tail is not None else {}
+                    if tail is not None and h.get(S.H_MSG_ID) == hdrs[S.H_MSG_ID]:
+                        self._last_seq = tail.seq  # an earlier attempt stored, its acknowledgement lost
+                        return tail.seq
+                    who = f"{h.get(S.H_HOST)} ({h.get(S.H_KIND)}, epoch {h.get(S.H_EPOCH)})" if h else "another writer"
+                    raise Fenced(f"the stream of host {self.host} was written by {who}") from exc
             except Exception as exc:  # timeout, no responders, reconnecting: the same message again
-                self.retries_total += 1
-                self._set_state("behind")
-                if backoff >= 0.4:
-                    log.warning("fleet: %s lsn %d-%d not stored yet: %s", kind, first, last, exc or type(exc).__name__)
-                await asyncio.sleep(backoff)
-                backoff = min(2.0, backoff * 2)
+                error = exc
+            self.retries_total += 1
+            self._set_state("behind")
+            if backoff >= 0.4:
+                log.warning("fleet: %s lsn %d-%d not stored yet: %s", kind, first, last, error or type(error).__name__)
+            await asyncio.sleep(backoff)
+            backoff = min(2.0, backoff * 2)
 
-    async def _mine_at_tail(self, hdrs: dict[str, str]) -> bool:
-        """After a refused write: is the stream's last message this very one (an earlier
-        attempt stored, its acknowledgement lost)?"""
+    async def _tail(self):
+        """The stream's last message (None: none), to see after a refused write whether it
+        is this very one (an earlier attempt stored, its acknowledgement lost)."""
         from nats.js.errors import NotFoundError
 
         try:
-            msg = await self._js.get_msg(self.stream, subject=self.subject, direct=False)
+            return await self._js.get_msg(self.stream, subject=self.subject, direct=False)
         except NotFoundError:
-            return False
-        if (msg.headers or {}).get(S.H_MSG_ID) == hdrs[S.H_MSG_ID]:
-            self._last_seq = msg.seq
-            return True
-        return False
+            return None
 
     async def _purge_before_snapshot(self) -> None:
         seq = getattr(self, "_snap_first_seq", 0)

@@ -107,3 +107,24 @@ def test_a_lease_lookup_that_times_out_is_not_a_fence():
     assert replicator.fenced is None, replicator.fenced
     assert replicator.lease_reachable and fleet.cluster.lease_of("A") == ("A", 1)
     assert replicator.lease_ok(fleet.world.clock_ms())
+
+
+def test_a_refused_write_whose_tail_cannot_be_read_is_sent_again():
+    """A write stored whose answer was lost is refused when sent again (its expected sequence
+    is behind the stream's): the replicator reads the stream's last message to see whether
+    it is its own. That read timing out stopped the replicator for good ("the replicator
+    stopped"): nothing more was replicated, every flush() under replicated failed. Seeds
+    194 and others of the fleet simulation."""
+    fleet = Fleet(ttl_s=4.0, timeout_s=0.5)
+    replicator = fleet.replicator("A")
+    replicator.snapshotted(0, b"snapshot\n")
+    fleet.run(1.0)
+    assert replicator.replicated_lsn == 0 and replicator.state == "replicating"
+    fleet.fates[("A", "publish batch 1 1", 1)] = "lose answer"
+    fleet.fates[("A", "get last of wheeld.A.journal", fleet.nth("A", "get last of") + 1)] = "lose request"
+    replicator.appended(1, 1, b"line 1\n")
+    fleet.run(5.0)
+    assert replicator.state == "replicating", replicator.state
+    assert replicator.replicated_lsn == 1 and replicator.fenced is None
+    stream = fleet.cluster.streams["WHEELD_A"]
+    assert [m.headers["Wheeld-Lsn"] for m in stream.messages.values()] == ["0 0", "1 1"]  # stored once
