@@ -425,8 +425,8 @@ class Replicator:
         """A renewal refused for its revision: who holds the lease? None when it is still
         this daemon's (an earlier renewal was stored and its answer lost: renewed again on
         its revision, since the key lives from when that one was stored, which is not known;
-        or the key lapsed while the cluster was out of reach and nobody claimed it: created
-        again), else the holder's host id."""
+        or the key lapsed while the cluster was out of reach and nobody took the host over:
+        created again, unless a fence ends the stream), else the holder's host id."""
         from nats.js.errors import KeyNotFoundError
 
         try:
@@ -434,6 +434,10 @@ class Replicator:
         except KeyNotFoundError:
             entry = None
         if entry is None or not entry.value:
+            tail = await self._tail()  # lapsed: a peer may have taken it, fenced, and let it lapse too
+            h = (tail.headers or {}) if tail is not None else {}
+            if h.get(S.H_KIND) == S.FENCE:
+                return f"{h.get(S.H_HOST)} (epoch {h.get(S.H_EPOCH)}), which fenced its stream"
             self._rev = await self._kv.create(self.host, value)  # raises if a peer got there first
             return None
         lease = msgspec.json.decode(entry.value, type=S.Lease)

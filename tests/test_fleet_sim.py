@@ -42,16 +42,16 @@ class Fleet:
                 return fate
         return None
 
-    def replicator(self, host: str, adopt=None, **config) -> Replicator:
+    def replicator(self, host: str, on_adopt=None, **config) -> Replicator:
         loop = SimLoop(self.world.clock_ns)
         cfg = FleetConfig(urls=("nats://sim:4222",), host_id=host, lease_ttl_s=self.ttl_s,
                           publish_timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s, **config)
         replicator = Replicator(cfg, clock_ms=self.world.clock_ms, connect=connector(self.cluster, host),
                                 pid=100 + len(self.loops))
-        if adopt is not None:
+        if on_adopt is not None:
             from wheeld.fleet.adopt import Adopter
 
-            replicator.adopter = Adopter(cfg, adopt)
+            replicator.adopter = Adopter(cfg, on_adopt)
         self.loops.append(loop)
         loop.call(replicator.start)
         return replicator
@@ -128,3 +128,51 @@ def test_a_refused_write_whose_tail_cannot_be_read_is_sent_again():
     assert replicator.replicated_lsn == 1 and replicator.fenced is None
     stream = fleet.cluster.streams["WHEELD_A"]
     assert [m.headers["Wheeld-Lsn"] for m in stream.messages.values()] == ["0 0", "1 1"]  # stored once
+
+
+def _journal(tmp_path, replicator, host: str):
+    """A journal whose appends and snapshots go to ``replicator`` (as the daemon's do)."""
+    from wheeld.journal.files import Journal
+
+    journal = Journal(tmp_path / host, fsync="off", host=host, wall_ms=lambda: T0, mono_ms=lambda: 0)
+    journal.tap = replicator
+    journal.write_snapshot(0, [], [])
+    return journal
+
+
+T0 = 1_700_000_000_000
+
+
+def test_a_host_cut_off_past_its_lease_does_not_take_it_back_over_a_fence(tmp_path):
+    """A host cut off from the cluster past its TTL is adopted: a peer claims its key, fences
+    its stream, adopts, and its claim lapses in turn. Back in reach, the host's renewal finds
+    no key: it created one again, counted its lease good and delivered timers the peer had
+    taken over, until a write of its own was refused. A key that lapsed is this host's again
+    only if nobody fenced its stream (seeds 7, 22, 48 of the fleet simulation)."""
+    from wheeld.protocol.journal import Add
+
+    fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
+    a = fleet.replicator("A")
+    journal = _journal(tmp_path, a, "A")
+    adopted = []
+    fleet.replicator("B", on_adopt=lambda host, state: adopted.append((host, state)) or (0, 0, 0), adopt=("*",))
+    fleet.run(1.0)
+    journal.append([Add(t=T0, g="g", k="k1", d=T0 + 60_000, s=1)])
+    fleet.run(1.0)
+    assert a.replicated_lsn == 1
+    fleet.cluster.cut_off.add("A")
+    fleet.run(4.0)
+    assert adopted and adopted[0][0] == "A" and ("g", "k1") in adopted[0][1].pending
+    fleet.run(2.5)  # the peer's claim of A's key lapses too
+    assert fleet.cluster.lease_of("A") is None
+    fleet.cluster.cut_off.discard("A")
+    seen: list = []
+
+    def check():
+        now = fleet.world.clock_ms()
+        if a.fenced is None and a.lease_reachable and a.lease_ok(now):
+            seen.append(now)
+    fleet.run(3.0, check)
+    assert a.fenced is not None and "B" in a.fenced, a.fenced
+    assert not seen, f"host A could deliver at {seen[0]} ms, after B adopted it"
+    assert fleet.cluster.lease_of("A") is None  # not created again
