@@ -405,7 +405,10 @@ class Replicator:
             if holder is not None:
                 self._stand_down(f"the lease of host {self.host} was claimed by {holder}")
                 return
+            waited = not self.lease_ok(self.clock_ms())
             self._renewed(sent)
+            if waited:  # timers held back while the lease could not be used go out now
+                self.on_progress()
 
     async def _renew(self) -> str | None:
         """One renewal (a compare-and-set on the key's revision); when it is refused, who holds
@@ -419,6 +422,9 @@ class Replicator:
                                                self.config.publish_timeout_s)
             return None
         except KeyWrongLastSequenceError:
+            # answered: the cluster is in reach, and until the lease is this daemon's again
+            # its validity alone says whether timers may go out (lease_ok)
+            self.lease_reachable = True
             return await self._reclaim(value)
 
     async def _reclaim(self, value: bytes) -> str | None:
