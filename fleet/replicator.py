@@ -156,6 +156,7 @@ class Replicator:
         self.on_fenced = on_fenced
         self.clock_ms = clock_ms
         self.replicated_lsn = 0  # every event up to it is stored by the stream
+        self.journal_lsn = 0  # the last event the journal told (appended or snapshotted)
         self.epoch = 0
         self.state = "connecting"  # connecting | replicating | behind | fenced | stopped
         self.fenced: str | None = None
@@ -182,12 +183,14 @@ class Replicator:
     def appended(self, first: int, last: int, data: bytes) -> None:
         if not self.outbox.items:
             self._waiting_since_ms = self.clock_ms()
+        self.journal_lsn = max(self.journal_lsn, last)
         self.outbox.appended(first, last, data)
         self._wake.set()
 
     def snapshotted(self, lsn: int, data: bytes) -> None:
         if not self.outbox.items:
             self._waiting_since_ms = self.clock_ms()
+        self.journal_lsn = max(self.journal_lsn, lsn)
         self.outbox.snapshotted(lsn, data)
         self._wake.set()
 

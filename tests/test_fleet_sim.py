@@ -33,6 +33,8 @@ class Fleet:
         self.requests: list[tuple[str, str]] = []  # (host, request) of every request sent
         self.fates: dict[tuple[str, str, int], object] = {}  # (host, request prefix, nth) -> its fate
         self.cluster.script = self._fate
+        self.connections: dict[str, list] = {}  # host -> its replicator's connections
+        self.loop_of: dict[str, SimLoop] = {}
 
     def _fate(self, host: str, what: str):
         self.requests.append((host, what))
@@ -46,15 +48,23 @@ class Fleet:
         loop = SimLoop(self.world.clock_ns)
         cfg = FleetConfig(urls=("nats://sim:4222",), host_id=host, lease_ttl_s=self.ttl_s,
                           publish_timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s, **config)
-        replicator = Replicator(cfg, clock_ms=self.world.clock_ms, connect=connector(self.cluster, host),
-                                pid=100 + len(self.loops))
+        replicator = Replicator(cfg, clock_ms=self.world.clock_ms, pid=100 + len(self.loops),
+                                connect=connector(self.cluster, host,
+                                                  on_connection=self.connections.setdefault(host, []).append))
         if on_adopt is not None:
             from wheeld.fleet.adopt import Adopter
 
             replicator.adopter = Adopter(cfg, on_adopt)
         self.loops.append(loop)
+        self.loop_of[host] = loop
         loop.call(replicator.start)
         return replicator
+
+    def kill(self, host: str) -> None:
+        """SIGKILL of ``host``'s daemon: its loop never runs again, its connection is gone."""
+        for conn in self.connections.get(host, ()):
+            conn.dead = True
+        self.loops.remove(self.loop_of[host])
 
     def run(self, seconds: float, check=None) -> None:
         run_world(self.world, self.loops, self.world.now_ns + int(seconds * S), check, every_ns=10 * MS)
@@ -203,3 +213,47 @@ def test_a_host_back_in_reach_does_not_deliver_while_it_takes_its_lapsed_lease_b
     fleet.run(3.0, check)
     assert refused and fleet.cluster.lease_of("A") == ("A", 1) and a.lease_ok(fleet.world.clock_ms())
     assert not seen, f"host A could deliver at {seen[0]} ms: back in reach, its key lapsed"
+
+
+class Killed(BaseException):
+    """The process died here (a SIGKILL in the middle of a call)."""
+
+
+def test_a_takeover_that_stopped_after_its_fence_is_taken_up_by_another_peer(tmp_path):
+    """A peer killed between fencing a lost host's stream and adopting its timers leaves the
+    stream whole behind the fence. Another peer must adopt it: the adopters took a stream
+    ending with a fence for one adopted already, and nobody ever adopted those timers (seeds
+    40, 69, 71, 74, 105 of the fleet simulation: flush-acknowledged armings never delivered)."""
+    from wheeld.protocol.journal import Add
+
+    fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
+    a = fleet.replicator("A")
+    journal = _journal(tmp_path, a, "A")
+    adopted: dict[str, list] = {"B": [], "C": []}
+
+    def adopt_as(peer):
+        def adopt(host, state):
+            adopted[peer].append((host, state))
+            if peer == "B":
+                fleet.kill("B")  # B dies before the timers are in its arena
+                raise Killed()
+            return len(state.pending), 0, 0
+        return adopt
+    fleet.replicator("B", on_adopt=adopt_as("B"), adopt=("A",))
+    fleet.run(1.0)
+    journal.append([Add(t=T0, g="g", k="k1", d=T0 + 60_000, s=1)])
+    fleet.run(1.0)
+    assert a.replicated_lsn == 1
+    fleet.kill("A")  # A is lost
+    fleet.run(5.0)
+    assert [h for h, _ in adopted["B"]] == ["A"]  # B fenced A's stream, then died
+    stream = fleet.cluster.streams["WHEELD_A"]
+    assert list(stream.messages.values())[-1].headers["Wheeld-Kind"] == "fence"
+    fleet.replicator("C", on_adopt=adopt_as("C"), adopt=("*",))
+    fleet.run(12.0)
+    assert [h for h, _ in adopted["C"]] == ["A"], "nobody took over what B left behind its fence"
+    assert ("g", "k1") in adopted["C"][0][1].pending
+    kinds = [m.headers["Wheeld-Kind"] for m in stream.messages.values()]
+    assert kinds == ["fence"], kinds  # purged behind C's fence, C's claim let go
+    fleet.run(5.0)
+    assert fleet.cluster.lease_of("A") is None and len(adopted["C"]) == 1
