@@ -174,6 +174,7 @@ class Replicator:
         self._js = None
         self._kv = None
         self._rev = 0
+        self._renew_answered = False  # the last renewal was answered (refused), whatever followed
         self._last_seq = 0
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -402,8 +403,9 @@ class Replicator:
             except Exception as exc:  # out of reach (a timeout, no leader): keep serving (lease_ok)
                 if self.lease_reachable:
                     log.warning("fleet: lease of %s not renewed: %s", self.host, exc or type(exc).__name__)
-                self.lease_reachable = False
-                self.on_progress()
+                if not self._renew_answered:  # (refused, then a look-up failed: not cut off, the lease lapsed)
+                    self.lease_reachable = False
+                    self.on_progress()
                 continue
             if holder is not None:
                 self._stand_down(f"the lease of host {self.host} was claimed by {holder}")
@@ -420,14 +422,16 @@ class Replicator:
         from nats.js.errors import KeyWrongLastSequenceError
 
         value = msgspec.json.encode(S.Lease(self.host, self.epoch, self.pid, int(time.time() * 1000)))
+        self._renew_answered = False
         try:
             self._rev = await asyncio.wait_for(self._kv.update(self.host, value, last=self._rev),
                                                self.config.publish_timeout_s)
             return None
         except KeyWrongLastSequenceError:
             # answered: the cluster is in reach, and until the lease is this daemon's again
-            # its validity alone says whether timers may go out (lease_ok)
-            self.lease_reachable = True
+            # its validity alone says whether timers may go out (lease_ok), also when a
+            # look-up of the take-back fails
+            self._renew_answered = self.lease_reachable = True
             return await self._reclaim(value)
 
     async def _reclaim(self, value: bytes) -> str | None:

@@ -188,12 +188,14 @@ def test_a_host_cut_off_past_its_lease_does_not_take_it_back_over_a_fence(tmp_pa
     assert fleet.cluster.lease_of("A") is None  # not created again
 
 
-def test_a_host_back_in_reach_does_not_deliver_while_it_takes_its_lapsed_lease_back():
+@pytest.mark.parametrize("request_, fate", [("kv get A", 300.0), ("get last of wheeld.A.journal", "lose request")])
+def test_a_host_back_in_reach_does_not_deliver_while_it_takes_its_lapsed_lease_back(request_, fate):
     """A host that could not reach the cluster keeps delivering (the documented window). Once
     a renewal is answered (refused: the key lapsed meanwhile), the cluster is in reach again:
     until its lease is its own again, the host must wait, as any host whose lease may have
-    lapsed. It went on counting itself cut off for the round trips of the take-back, and
-    delivered while a peer could have claimed its key (seeds 35, 65, 79)."""
+    lapsed. It went on counting itself cut off for the round trips of the take-back (seeds
+    35, 65, 79), and counted itself cut off again when one of them timed out (seeds 58, 145,
+    154, 190), delivering while a peer could claim its key."""
     fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
     a = fleet.replicator("A")
     fleet.run(1.0)
@@ -202,7 +204,7 @@ def test_a_host_back_in_reach_does_not_deliver_while_it_takes_its_lapsed_lease_b
     assert fleet.cluster.lease_of("A") is None and not a.lease_reachable
     refused: list = []
     fleet.cluster.on_note = lambda text: refused.append(text) if "kv write A" in text and "WrongLast" in text else None
-    fleet.fates[("A", "kv get A", fleet.nth("A", "kv get A") + 1)] = 300.0  # the take-back's look-up is slow
+    fleet.fates[("A", request_, fleet.nth("A", request_) + 1)] = fate  # a look-up of the take-back slow, or lost
     fleet.cluster.cut_off.discard("A")
     seen: list = []
 
@@ -210,7 +212,7 @@ def test_a_host_back_in_reach_does_not_deliver_while_it_takes_its_lapsed_lease_b
         now = fleet.world.clock_ms()
         if refused and fleet.cluster.lease_of("A") is None and a.lease_ok(now):
             seen.append(now)
-    fleet.run(3.0, check)
+    fleet.run(4.0, check)
     assert refused and fleet.cluster.lease_of("A") == ("A", 1) and a.lease_ok(fleet.world.clock_ms())
     assert not seen, f"host A could deliver at {seen[0]} ms: back in reach, its key lapsed"
 
