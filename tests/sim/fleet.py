@@ -77,7 +77,7 @@ MS = 1_000_000
 JOURNAL_DIR = "/var/lib/wheeld/fleet"
 GROUPS = ("g0", "g1")
 WORKER_UID = 1000
-HOST_IDS = ("A", "B", "C", "D", "E")
+HOST_IDS = tuple("ABCDEFGHIJKLMNOP")
 
 
 @dataclass
@@ -166,6 +166,7 @@ class _Process:
         self.watch = watch
         self.connections: list[Connection] = []
         self.dead = False
+        self.started_ns = 0
         self.loop_wake_ns: int | None = None
         self.loop_generation = 0
 
@@ -265,6 +266,7 @@ class FleetSimulation:
                                self.faults)
         if trace:
             self.cluster.on_note = self.note
+        self.cluster.on_claim = self._claimed
         self.hosts = [SimHost(self, HOST_IDS[i]) for i in range(self.profile.hosts)]
         self.workers: list[FleetWorker] = []
         self.next_ident = 0
@@ -272,6 +274,7 @@ class FleetSimulation:
         # (lost host, peer, epoch claimed, peer process, when)
         self.adoptions: list[tuple[str, str, int, _Process, int]] = []
         self._net_due = False
+        self._joining = False  # a new host is about to join (every other one gone)
         self._log: _LogCollector | None = None
         p = self.profile
         self.config = Config(
@@ -333,6 +336,7 @@ class FleetSimulation:
             world.after_ms(1000, lambda: self.start_daemon(host))
             return
         host.proc = proc
+        proc.started_ns = world.now_ns
         host.sessions = {}
         host.listener.listening = True
         original_send = core.delivery._send
@@ -418,6 +422,7 @@ class FleetSimulation:
         proc.loop.run_ready()
         self._end_process(host, proc)
         host.state = "stood down"
+        self._ensure_serving()
 
     # ------------------------------------------------------------------ the rules checked as the run goes
     def _sent(self, host: SimHost, proc: _Process, entries) -> None:
@@ -479,6 +484,25 @@ class FleetSimulation:
             raise Crash("killed in the middle of a takeover")
         return result
 
+    def _claimed(self, peer: str, lost: str) -> None:
+        """``peer`` created ``lost``'s lease key (a takeover begins). A host that was up and in
+        reach of the cluster all along, whose lease lapsed only because the cluster itself had
+        no leader for a while (every host's renewals failed alike), must not be taken over:
+        docs/fleet.md, "two of three down: ... the host serves and fires locally; sent when the
+        quorum is back", not fenced when it is back."""
+        host = next((h for h in self.hosts if h.id == lost), None)
+        proc = host.proc if host is not None else None
+        now, ttl_ns = self.world.now_ns, int(self.profile.ttl_s * 1e9)
+        if proc is None or proc.dead or host.paused or host.state != "up":
+            return
+        window = now - 3 * ttl_ns // 2
+        if proc.started_ns > window or host.trouble_ns >= window or self.cluster.unavailable_ns < window:
+            return
+        self.flag("outage-takeover", lost, f"host {peer} claimed host {lost}'s lease though {lost} ran and was in "
+                                           f"reach of the cluster for the last {1.5 * self.profile.ttl_s:.1f} s: its "
+                                           f"lease lapsed while the cluster had no leader (last at "
+                                           f"{self.cluster.unavailable_ns / MS:.3f} ms), as every host's did")
+
     def _troubled(self, proc: _Process, since_ns: int) -> bool:
         """Whether ``proc`` was paused, cut off, or saw a request go unanswered since ``since_ns``."""
         host = next(h for h in self.hosts if h.id == proc.host_id)
@@ -539,6 +563,30 @@ class FleetSimulation:
             connection.discard()
         host.connections = []
         host.shm.reboot()
+        self._ensure_serving()
+
+    def _ensure_serving(self, at_once: bool = False) -> None:
+        """With every host lost or stood down, a new one joins the fleet (``--adopt '*'``, a
+        member in every group) a moment later: the fleet's timers need a peer to adopt them."""
+        if self.serving() or self._joining or len(self.hosts) >= len(HOST_IDS):
+            return
+        self._joining = True
+
+        def join() -> None:
+            self._joining = False
+            if self.serving():
+                return
+            host = SimHost(self, HOST_IDS[len(self.hosts)])
+            self.hosts.append(host)
+            self.faults["a new host joined (every other one gone)"] += 1
+            self.note(f"host {host.id} joins the fleet")
+            self.start_daemon(host)
+            for index in range(self.profile.workers):
+                self.spawn(host, GROUPS[index % len(GROUPS)])
+        if at_once:
+            join()
+        else:
+            self.world.after_ms(self.rng.uniform(1000, 5000), join)
 
     def pause(self, host: SimHost) -> None:
         """SIGSTOP of the daemon (or a VM stall) for up to three lease TTLs."""
@@ -852,6 +900,7 @@ class FleetSimulation:
         """The faults stop; the fleet settles (module docstring)."""
         world, cluster, p = self.world, self.cluster, self.profile
         self.fault_free = True
+        self.ops_target = self.ops  # (a run that stopped short: its workers make no more calls)
         net = cluster.net
         net.spike = net.lose_request = net.lose_answer = net.no_responders = 0.0
         for index, node in enumerate(cluster.nodes):
@@ -863,11 +912,7 @@ class FleetSimulation:
         for host in self.serving():
             if (host.proc is None or host.proc.dead) and not host.restart_due:
                 self.start_daemon(host)
-        if not self.serving():  # every host lost or stood down: a new one joins the fleet
-            host = SimHost(self, HOST_IDS[len(self.hosts)])
-            self.hosts.append(host)
-            self.faults["a new host joined (every other one gone)"] += 1
-            self.start_daemon(host)
+        self._ensure_serving(at_once=True)
         for host in self.serving():
             for group in GROUPS[: max(1, min(len(GROUPS), p.workers))]:
                 if not any(w.alive and w.host is host and w.group == group for w in self.workers):

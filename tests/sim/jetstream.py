@@ -229,6 +229,8 @@ class Cluster:
         self.lost: list[str] = []  # messages no server holds any more (a disk loss took the last copy)
         self.on_note: Callable[[str], None] | None = None
         self.script: Callable[[str, str], object] | None = None  # (host, request) -> its fate (a test's)
+        self.unavailable_ns = -1  # the last moment a request found no leader (no quorum, an election)
+        self.on_claim: Callable[[str, str], None] | None = None  # (claimer, host): a host's lease key created
 
     def note(self, text: str) -> None:
         if self.on_note is not None:
@@ -316,6 +318,7 @@ class Cluster:
         if not self.reachable(conn.host):
             return
         if not self.available():
+            self.unavailable_ns = self.world.now_ns
             if publish and self.net.no_responders and self.rng.random() < self.net.no_responders:
                 self._answer(conn, fut, None, jse.NoStreamResponseError())
             return  # no leader: nothing answers, the client times out
@@ -368,6 +371,11 @@ class Cluster:
         ack = stream.publish(subject, data, headers, now_ns, self.up_nodes())
         if not ack.duplicate:
             self._watch_fence(stream, headers, ack.seq)
+            if headers.get(EXPECT) == "0" and stream.name.startswith(KV_PREFIX) and self.on_claim is not None:
+                holder = msgspec.json.decode(data).get("holder", "") if data else ""
+                key = subject.rsplit(".", 1)[1]
+                if holder != key:
+                    self.on_claim(holder, key)
         return ack
 
     def _watch_fence(self, stream: Stream, headers: dict[str, str], seq: int) -> None:
