@@ -3,7 +3,12 @@
 ``wheeld --replicate ... --adopt HOST`` (repeatable, or ``--adopt '*'`` for any host
 of the fleet) runs an :class:`Adopter` beside the daemon's replicator. Every half lease
 TTL it looks at the hosts it may adopt; one whose lease key is gone (lapsed: the host
-did not renew it for ``--lease-ttl-s``) and whose stream holds timers is taken over:
+did not renew it for ``--lease-ttl-s``) and whose stream holds timers is taken over, if
+this daemon itself has held its own lease without a break for a whole TTL
+(:meth:`~wheeld.fleet.replicator.Replicator.in_reach`: when the cluster was out of
+reach for everyone, every lease lapsed alike, and each host gets a TTL to take its own
+back; without that, hosts that all served on through a cluster outage took each other
+over, and fenced each other, as the cluster came back):
 
 1. **claim** the lease key with a create (a compare-and-set: of several peers, one wins),
    at the epoch after the host's last one (or after the last fence's);
@@ -73,7 +78,7 @@ class Adopter:
             try:
                 await self._keep_claims(replicator)
                 for host in await self._candidates(replicator):
-                    if host not in self.held:
+                    if host not in self.held and replicator.in_reach(replicator.clock_ms()):
                         await self._maybe_adopt(replicator, host)
             except asyncio.CancelledError:
                 raise

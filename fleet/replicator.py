@@ -163,7 +163,8 @@ class Replicator:
         self.lease_valid_until_ms = 0
         # the last renewal reached the cluster (until the first claim: assumed, so that a
         # host does not deliver before it knows it still owns its timers)
-        self.lease_reachable = True
+        self._lease_reachable = True
+        self.unreachable_ms = clock_ms()  # when it last was not (or the start): see in_reach()
         self.last_ack_ms = 0
         self._waiting_since_ms = 0  # when the journal's oldest event not stored began waiting
         self.published_total = 0
@@ -207,6 +208,24 @@ class Replicator:
         if self.fenced is not None:
             return False
         return now_ms < self.lease_valid_until_ms or not self.lease_reachable
+
+    @property
+    def lease_reachable(self) -> bool:
+        return self._lease_reachable
+
+    @lease_reachable.setter
+    def lease_reachable(self, reachable: bool) -> None:
+        if not reachable:
+            self.unreachable_ms = self.clock_ms()
+        self._lease_reachable = reachable
+
+    def in_reach(self, now_ms: int) -> bool:
+        """Has this host held its lease, renewal after renewal, for a whole TTL? A peer takes
+        another host over only then (wheeld.fleet.adopt): after the cluster itself was out of
+        reach (no quorum, a partition of this host), every host's lease may have lapsed alike,
+        and each gets a TTL to take its own back before a peer takes it over."""
+        return self._lease_reachable and self.fenced is None and now_ms < self.lease_valid_until_ms and \
+            now_ms - self.unreachable_ms >= int(self.config.lease_ttl_s * 1000)
 
     def stats(self) -> dict[str, int | str]:
         queued = self.outbox.queued_lsn()

@@ -259,3 +259,36 @@ def test_a_takeover_that_stopped_after_its_fence_is_taken_up_by_another_peer(tmp
     assert kinds == ["fence"], kinds  # purged behind C's fence, C's claim let go
     fleet.run(5.0)
     assert fleet.cluster.lease_of("A") is None and len(adopted["C"]) == 1
+
+
+def test_hosts_that_served_through_a_cluster_outage_do_not_take_each_other_over(tmp_path):
+    """Two of three servers down for longer than the lease TTL: every host keeps serving
+    locally (docs/fleet.md, failure modes), and every lease lapses alike. When the quorum was
+    back, each host's adopter found the other's key lapsed, claimed it and fenced it: both
+    hosts stood down and nobody served their timers (seed 1527 of the fleet simulation: B
+    and C fenced each other 140 ms apart). A peer now adopts only once it has held its own
+    lease for a whole TTL, which leaves every host that time to take its own lease back."""
+    from wheeld.protocol.journal import Add
+
+    fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
+    hosts = {}
+    for name in ("A", "B"):
+        hosts[name] = fleet.replicator(name, on_adopt=lambda host, state: (0, 0, 0), adopt=("*",))
+        journal = _journal(tmp_path, hosts[name], name)
+        journal.append([Add(t=T0, g="g", k=f"{name}-1", d=T0 + 60_000, s=1)])
+    fleet.run(3.0)
+    assert all(r.replicated_lsn == 1 and r.fenced is None for r in hosts.values())
+    fleet.cluster.crash_node(1)
+    fleet.cluster.crash_node(2)
+    fleet.run(5.0)
+    assert fleet.cluster.lease_of("A") is None and fleet.cluster.lease_of("B") is None
+    claims: list = []
+    fleet.cluster.on_claim = lambda holder, host: claims.append((holder, host))
+    # A's first renewal after the outage is lost: it takes its lease back a renewal late
+    fleet.fates[("A", "kv write A", fleet.nth("A", "kv write A") + 1)] = "lose request"
+    fleet.cluster.restart_node(1)
+    fleet.cluster.restart_node(2)
+    fleet.run(8.0)
+    assert not claims, f"a host was taken over after the outage: {claims}"
+    assert all(r.fenced is None and r.lease_ok(fleet.world.clock_ms()) for r in hosts.values())
+    assert fleet.cluster.lease_of("A") == ("A", 1) and fleet.cluster.lease_of("B") == ("B", 1)
