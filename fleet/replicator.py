@@ -175,7 +175,7 @@ class Replicator:
         self._js = None
         self._kv = None
         self._rev = 0
-        self._renew_answered = False  # the last renewal was answered (refused), whatever followed
+        self._renew_answered = False  # the last renewal (or claim) was answered, whatever followed
         self._last_seq = 0
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -270,7 +270,8 @@ class Replicator:
                 except (Fenced, asyncio.CancelledError):
                     raise
                 except Exception as exc:  # no quorum, a timeout: serve locally, try again
-                    self.lease_reachable = False
+                    if not self._renew_answered:  # (answered, then a step failed: in reach, no lease yet)
+                        self.lease_reachable = False
                     self._set_state("behind")
                     log.warning("fleet: the lease of %s cannot be claimed yet: %s", self.host,
                                 exc or type(exc).__name__)
@@ -365,7 +366,11 @@ class Replicator:
         or a lease held by another host, means this host was adopted: Fenced."""
         from nats.js.errors import KeyNotFoundError
 
+        self._renew_answered = False
         last = await self._last_record()
+        # answered: the cluster is in reach; until the claim succeeds nothing goes out (lease_ok),
+        # the key may be a peer's
+        self._renew_answered = self.lease_reachable = True
         if last is not None and last[0] == S.FENCE:
             raise Fenced(f"host {self.host} was taken over by {last[1]} (epoch {last[2]}); its timers are "
                          f"that host's now: `wheelctl fleet forget {self.host}` lets it join again, empty")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 pytest.importorskip("nats")
@@ -292,3 +293,36 @@ def test_hosts_that_served_through_a_cluster_outage_do_not_take_each_other_over(
     assert not claims, f"a host was taken over after the outage: {claims}"
     assert all(r.fenced is None and r.lease_ok(fleet.world.clock_ms()) for r in hosts.values())
     assert fleet.cluster.lease_of("A") == ("A", 1) and fleet.cluster.lease_of("B") == ("B", 1)
+
+
+def test_a_restarted_daemon_back_in_reach_does_not_deliver_before_its_claim():
+    """A daemon that starts while the cluster is out of reach serves locally (lease_reachable
+    false: the documented window). Once the claim's first look-up is answered, the cluster is
+    in reach: until the claim succeeds nothing may go out, since the key may be a peer's. The
+    claim's failed first attempt left the host counting itself cut off through the second,
+    whose look-ups were answered (seed 1808 of the fleet simulation: a restarted daemon
+    delivered at epoch 0, before its claim's compare-and-set was answered)."""
+    fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
+    first = fleet.replicator("A")
+    fleet.run(1.0)
+    fleet.kill("A")
+    fleet.run(3.0)  # A's key lapsed: a peer takes it (and has not fenced the stream yet)
+    peer = {"holder": "B", "epoch": 2, "pid": 7}
+    fleet.cluster.publish("$KV.WHEELD_LEASES.A", msgspec.json.encode(peer),
+                          {"Nats-Expected-Last-Subject-Sequence": "0"}, fleet.world.now_ns)
+    assert fleet.cluster.lease_of("A") == ("B", 2) and first.epoch == 1
+    fleet.fates[("A", "get last of wheeld.A.journal", fleet.nth("A", "get last of wheeld.A.journal") + 1)] = \
+        "lose request"  # the restarted daemon's first claim fails: the cluster seems out of reach
+    fleet.fates[("A", "kv get A", fleet.nth("A", "kv get A") + 1)] = 300.0
+    second = fleet.replicator("A")
+    seen: list = []
+
+    def check():
+        now = fleet.world.clock_ms()
+        if second.lease_ok(now) and second.lease_reachable:
+            seen.append(now)
+        if second.lease_ok(now) and fleet.cluster.lease_of("A") == ("B", 2) and fleet.nth("A", "kv get A") > 1:
+            seen.append(now)  # the look-up that names the peer was sent: the cluster was in reach
+    fleet.run(4.0, check)
+    assert second.fenced is not None and "B" in second.fenced, second.fenced
+    assert not seen, f"the restarted daemon could deliver at {seen[0]} ms while B held its key"
