@@ -486,8 +486,9 @@ class FleetSimulation:
 
     def _claimed(self, peer: str, lost: str) -> None:
         """``peer`` created ``lost``'s lease key (a takeover begins). A host that was up and in
-        reach of the cluster all along, whose lease lapsed only because the cluster itself had
-        no leader for a while (every host's renewals failed alike), must not be taken over:
+        reach of the cluster all along (not paused, not cut off, none of its requests lost or
+        delayed by the network), whose lease lapsed only because the cluster itself had no
+        leader for a while (every host's renewals failed alike), must not be taken over:
         docs/fleet.md, "two of three down: ... the host serves and fires locally; sent when the
         quorum is back", not fenced when it is back."""
         host = next((h for h in self.hosts if h.id == lost), None)
@@ -498,6 +499,8 @@ class FleetSimulation:
         window = now - 3 * ttl_ns // 2
         if proc.started_ns > window or host.trouble_ns >= window or self.cluster.unavailable_ns < window:
             return
+        if any(conn.net_trouble_ns >= window for conn in proc.connections):
+            return  # its own requests were lost or delayed: it could not reach the cluster either
         self.flag("outage-takeover", lost, f"host {peer} claimed host {lost}'s lease though {lost} ran and was in "
                                            f"reach of the cluster for the last {1.5 * self.profile.ttl_s:.1f} s: its "
                                            f"lease lapsed while the cluster had no leader (last at "

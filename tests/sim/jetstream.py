@@ -207,6 +207,7 @@ class Connection:
         self.dead = False
         self.closed = False
         self.failed_ns = -1  # when a request last went unanswered (timed out, or no leader answered)
+        self.net_trouble_ns = -1  # when the network last lost or delayed (a spike) one of its requests
         self.arrive_ns = 0  # the last request's arrival at the cluster (requests keep their order)
         self.answer_ns = 0  # the last answer's arrival back (answers keep theirs)
 
@@ -308,8 +309,11 @@ class Cluster:
         if fate == "lose request" or (fate is None and self.net.lose_request and
                                       self.rng.random() < self.net.lose_request):
             self.faults["nats request lost"] += 1
+            conn.net_trouble_ns = self.world.now_ns
             return
         latency = int(fate * MS) if isinstance(fate, (int, float)) else self._latency_ns()
+        if latency >= 100 * MS:
+            conn.net_trouble_ns = self.world.now_ns + latency
         at = max(self.world.now_ns + latency, conn.arrive_ns)
         conn.arrive_ns = at
         self.world.at(at, lambda: self._arrive(conn, apply, fut, publish, fate == "lose answer"))
@@ -328,11 +332,15 @@ class Cluster:
             result, error = None, exc
         if lose_answer or (self.net.lose_answer and self.rng.random() < self.net.lose_answer):
             self.faults["nats answer lost (request applied)"] += 1
+            conn.net_trouble_ns = self.world.now_ns
             return
         self._answer(conn, fut, result, error)
 
     def _answer(self, conn: Connection, fut, result, error) -> None:
-        at = max(self.world.now_ns + self._latency_ns(), conn.answer_ns)
+        latency = self._latency_ns()
+        if latency >= 100 * MS:
+            conn.net_trouble_ns = self.world.now_ns + latency
+        at = max(self.world.now_ns + latency, conn.answer_ns)
         conn.answer_ns = at
 
         def deliver() -> None:
