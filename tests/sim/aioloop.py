@@ -116,10 +116,10 @@ class SimLoop(asyncio.BaseEventLoop):
 
 
 def run_world(world, loops: list[SimLoop], until_ns: int, check: Callable[[], None] | None = None,
-              every_ns: int = 0) -> None:
-    """Run ``world``'s events and ``loops`` together up to ``until_ns`` (a test's driver: the
-    fleet's simulation schedules the loops as world events itself). ``check()`` runs after
-    each step, and every ``every_ns`` of simulated time when given."""
+              every_ns: int = 0, done: Callable[[], bool] | None = None) -> None:
+    """Run ``world``'s events and ``loops`` together up to ``until_ns``, or until ``done()`` (a
+    test's driver: the fleet's simulation schedules the loops as world events itself).
+    ``check()`` runs after each step, and every ``every_ns`` of simulated time when given."""
     if every_ns:
         at = world.now_ns
         while at < until_ns:
@@ -130,6 +130,8 @@ def run_world(world, loops: list[SimLoop], until_ns: int, check: Callable[[], No
             loop.run_ready()
         if check is not None:
             check()
+        if done is not None and done():
+            return
         times = [t for t in [world.next_time(), *(loop.next_ns() for loop in loops)] if t is not None]
         if not times or min(times) > until_ns:
             world.now_ns = max(world.now_ns, until_ns)

@@ -497,7 +497,8 @@ class FleetSimulation:
         if proc is None or proc.dead or host.paused or host.state != "up":
             return
         window = now - 3 * ttl_ns // 2
-        if proc.started_ns > window or host.trouble_ns >= window or self.cluster.unavailable_ns < window:
+        if proc.started_ns > window or host.trouble_ns >= window or host.id in self.cluster.cut_off or \
+                self.cluster.unavailable_ns < window:
             return
         if any(conn.net_trouble_ns >= window for conn in proc.connections):
             return  # its own requests were lost or delayed: it could not reach the cluster either
