@@ -332,6 +332,8 @@ class FleetSimulation:
         except WheeldError as exc:
             self.faults["daemon start refused"] += 1
             self.note(f"host {host.id}: daemon start refused: {exc}")
+            host.shm.crash(port.shm)
+            _release_fds(core)
             host.restart_due = True
             world.after_ms(1000, lambda: self.start_daemon(host))
             return
@@ -421,8 +423,23 @@ class FleetSimulation:
         proc.loop.call(asyncio.ensure_future, proc.replicator.close())
         proc.loop.run_ready()
         self._end_process(host, proc)
+        host.shm.exit(proc.daemon.host.shm)  # the process exits: its files and locks are closed
+        _release_fds(proc.daemon.core)
         host.state = "stood down"
+        if not self.fault_free and self.rng.random() < 0.25:  # its journal and arena kept: it must stand down again
+            self.world.after_ms(self.rng.uniform(1.0, 3.0) * self.profile.ttl_s * 1000, lambda: self._restart(host))
         self._ensure_serving()
+
+    def _restart(self, host: SimHost) -> None:
+        """An operator starts a daemon that stood down again, without ``wheelctl fleet forget``:
+        it finds the fence (or its lease taken) and stands down once more, delivering nothing
+        (docs/fleet.md: "Started again with the old journal, it finds the fence and refuses
+        to start")."""
+        if host.state != "stood down" or self.fault_free:
+            return
+        self.faults["a stood-down daemon started again (an operator)"] += 1
+        host.state = "up"
+        self.start_daemon(host)
 
     # ------------------------------------------------------------------ the rules checked as the run goes
     def _sent(self, host: SimHost, proc: _Process, entries) -> None:
