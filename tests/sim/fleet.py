@@ -927,7 +927,8 @@ class FleetSimulation:
         for index, node in enumerate(cluster.nodes):
             if not node.up:
                 cluster.restart_node(index)
-        cluster.cut_off.clear()
+        for host in self.hosts:
+            self.heal(host)
         for host in self.hosts:
             self.resume(host)
         for host in self.serving():
