@@ -238,10 +238,12 @@ class DaemonCore:
     def adopt(self, host: str, state) -> tuple[int, int, int]:
         """A lost host's timers into this arena (:func:`wheeld.daemon.replication.adopt_timers`);
         the journal (and so this host's stream) records them as this host's own."""
+        from .recovery import host_clocks
         from .replication import adopt_timers
 
         self.arena_busy()
-        result = adopt_timers(self.wheel, self.recorder, self.clock, host, state, self.delivery.late_marks)
+        result = adopt_timers(self.wheel, self.recorder, self.clock, host, state, self.delivery.late_marks,
+                              clocks=host_clocks(self.host))
         self.wake()
         return result
 

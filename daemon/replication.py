@@ -76,19 +76,22 @@ class Replication:
 
 
 def adopt_timers(wheel, recorder, clock: Callable[[], int], host: str, state,
-                 late_marks: set | None = None) -> tuple[int, int, int]:
+                 late_marks: set | None = None,
+                 clocks: Callable[[], tuple[int, int]] | None = None) -> tuple[int, int, int]:
     """Put a lost host's timers (``state``: a :class:`~wheeld.journal.recovery.RecoveredState`
     read from its stream) into this daemon's arena and journal: each in the group of the
     same name, at its wall-clock deadline (one already past is due at once and fires
     late); a fired one its host had not seen acknowledged is due at once. A key the group
     already holds here keeps its timer; the adopted one goes in as ``<key>@<host>``. Those
     due at once go into ``late_marks`` (slot, generation): they fire marked late.
+    ``clocks``: the (wall ns, monotonic ns) reading of the host whose ``clock`` this is
+    (:func:`wheeld.daemon.recovery.host_clocks`; the real clocks by default).
     Returns (timers adopted, keys renamed, timers that did not fit)."""
     from wheeld.journal.files import read_clocks, wall_to_monotonic_ns
     from wheeld.protocol.errors import InvalidRequest, WheeldError
     from wheeld.shm.wheel import MAX_DELAY_MS
 
-    wall_ns, mono_ns = read_clocks()
+    wall_ns, mono_ns = (clocks or read_clocks)()
     now = clock()
     adopted = renamed = lost = 0
     recorder.begin()

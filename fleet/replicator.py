@@ -138,12 +138,16 @@ class Fenced(Exception):
 class Replicator:
     """Sends the journal (see the module docstring). ``on_progress()``: the replicated lsn
     moved (or the state changed); ``on_fenced(reason)``: stand down. Both are called in the
-    daemon's loop."""
+    daemon's loop. ``connect``: ``nats.connect`` unless another is given (the simulator's,
+    tests/sim/jetstream.py); ``pid``: the process id its leases name."""
 
     def __init__(self, config: FleetConfig, on_progress: Callable[[], None] = lambda: None,
                  on_fenced: Callable[[str], None] = lambda reason: None,
-                 clock_ms: Callable[[], int] = lambda: time.monotonic_ns() // 1_000_000):
+                 clock_ms: Callable[[], int] = lambda: time.monotonic_ns() // 1_000_000,
+                 connect: Callable | None = None, pid: int | None = None):
         self.config = config
+        self.connect = connect
+        self.pid = os.getpid() if pid is None else pid
         self.host = config.host_id
         self.subject = S.subject(self.host)
         self.stream = S.stream_name(self.host)
@@ -152,13 +156,15 @@ class Replicator:
         self.on_fenced = on_fenced
         self.clock_ms = clock_ms
         self.replicated_lsn = 0  # every event up to it is stored by the stream
+        self.journal_lsn = 0  # the last event the journal told (appended or snapshotted)
         self.epoch = 0
         self.state = "connecting"  # connecting | replicating | behind | fenced | stopped
         self.fenced: str | None = None
         self.lease_valid_until_ms = 0
         # the last renewal reached the cluster (until the first claim: assumed, so that a
         # host does not deliver before it knows it still owns its timers)
-        self.lease_reachable = True
+        self._lease_reachable = True
+        self.unreachable_ms = clock_ms()  # when it last was not (or the start): see in_reach()
         self.last_ack_ms = 0
         self._waiting_since_ms = 0  # when the journal's oldest event not stored began waiting
         self.published_total = 0
@@ -169,6 +175,7 @@ class Replicator:
         self._js = None
         self._kv = None
         self._rev = 0
+        self._renew_answered = False  # the last renewal (or claim) was answered, whatever followed
         self._last_seq = 0
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -178,12 +185,14 @@ class Replicator:
     def appended(self, first: int, last: int, data: bytes) -> None:
         if not self.outbox.items:
             self._waiting_since_ms = self.clock_ms()
+        self.journal_lsn = max(self.journal_lsn, last)
         self.outbox.appended(first, last, data)
         self._wake.set()
 
     def snapshotted(self, lsn: int, data: bytes) -> None:
         if not self.outbox.items:
             self._waiting_since_ms = self.clock_ms()
+        self.journal_lsn = max(self.journal_lsn, lsn)
         self.outbox.snapshotted(lsn, data)
         self._wake.set()
 
@@ -199,6 +208,24 @@ class Replicator:
         if self.fenced is not None:
             return False
         return now_ms < self.lease_valid_until_ms or not self.lease_reachable
+
+    @property
+    def lease_reachable(self) -> bool:
+        return self._lease_reachable
+
+    @lease_reachable.setter
+    def lease_reachable(self, reachable: bool) -> None:
+        if not reachable:
+            self.unreachable_ms = self.clock_ms()
+        self._lease_reachable = reachable
+
+    def in_reach(self, now_ms: int) -> bool:
+        """Has this host held its lease, renewal after renewal, for a whole TTL? A peer takes
+        another host over only then (wheeld.fleet.adopt): after the cluster itself was out of
+        reach (no quorum, a partition of this host), every host's lease may have lapsed alike,
+        and each gets a TTL to take its own back before a peer takes it over."""
+        return self._lease_reachable and self.fenced is None and now_ms < self.lease_valid_until_ms and \
+            now_ms - self.unreachable_ms >= int(self.config.lease_ttl_s * 1000)
 
     def stats(self) -> dict[str, int | str]:
         queued = self.outbox.queued_lsn()
@@ -243,7 +270,8 @@ class Replicator:
                 except (Fenced, asyncio.CancelledError):
                     raise
                 except Exception as exc:  # no quorum, a timeout: serve locally, try again
-                    self.lease_reachable = False
+                    if not self._renew_answered:  # (answered, then a step failed: in reach, no lease yet)
+                        self.lease_reachable = False
                     self._set_state("behind")
                     log.warning("fleet: the lease of %s cannot be claimed yet: %s", self.host,
                                 exc or type(exc).__name__)
@@ -262,8 +290,11 @@ class Replicator:
             self.on_progress()
 
     async def _connect(self) -> None:
-        import nats
+        connect = self.connect
+        if connect is None:
+            import nats
 
+            connect = nats.connect
         cfg = self.config
         options = dict(servers=list(cfg.urls), connect_timeout=cfg.connect_timeout_s, allow_reconnect=True,
                        max_reconnect_attempts=-1, reconnect_time_wait=0.25, name=f"wheeld-{self.host}",
@@ -274,7 +305,7 @@ class Replicator:
             options["user"], options["password"] = cfg.user, cfg.password or ""
         while True:
             try:
-                self._nc = await nats.connect(**options)
+                self._nc = await connect(**options)
                 break
             except Exception as exc:  # no server reachable yet: keep serving locally, try again
                 self.lease_reachable = False
@@ -335,7 +366,11 @@ class Replicator:
         or a lease held by another host, means this host was adopted: Fenced."""
         from nats.js.errors import KeyNotFoundError
 
+        self._renew_answered = False
         last = await self._last_record()
+        # answered: the cluster is in reach; until the claim succeeds nothing goes out (lease_ok),
+        # the key may be a peer's
+        self._renew_answered = self.lease_reachable = True
         if last is not None and last[0] == S.FENCE:
             raise Fenced(f"host {self.host} was taken over by {last[1]} (epoch {last[2]}); its timers are "
                          f"that host's now: `wheelctl fleet forget {self.host}` lets it join again, empty")
@@ -351,14 +386,14 @@ class Replicator:
                 if lease.holder != self.host:
                     raise Fenced(f"the lease of host {self.host} is held by {lease.holder} (epoch {lease.epoch})")
                 epoch = max(lease.epoch, stream_epoch) + 1
-                value = msgspec.json.encode(S.Lease(self.host, epoch, os.getpid(), int(time.time() * 1000)))
+                value = msgspec.json.encode(S.Lease(self.host, epoch, self.pid, int(time.time() * 1000)))
                 try:
                     self._rev = await self._kv.update(self.host, value, last=entry.revision)
                 except Exception:
                     continue  # changed meanwhile: read again
             else:
                 epoch = stream_epoch + 1
-                value = msgspec.json.encode(S.Lease(self.host, epoch, os.getpid(), int(time.time() * 1000)))
+                value = msgspec.json.encode(S.Lease(self.host, epoch, self.pid, int(time.time() * 1000)))
                 try:
                     self._rev = await self._kv.create(self.host, value)
                 except Exception:
@@ -378,34 +413,57 @@ class Replicator:
         from nats.js.errors import KeyWrongLastSequenceError
 
         period = self.config.lease_ttl_s / 3
-        value_of = lambda: msgspec.json.encode(S.Lease(self.host, self.epoch, os.getpid(), int(time.time() * 1000)))  # noqa: E731
+        again = False
         while self.fenced is None:
-            await asyncio.sleep(period)
+            if not again:
+                await asyncio.sleep(period)
+            again = False
             sent = self.clock_ms()
             try:
-                self._rev = await asyncio.wait_for(self._kv.update(self.host, value_of(), last=self._rev),
-                                                   self.config.publish_timeout_s)
-                self._renewed(sent)
-            except KeyWrongLastSequenceError:
-                try:
-                    holder = await self._reclaim(value_of())
-                except Exception as exc:  # created by a peer meanwhile
-                    holder = f"another host ({exc or type(exc).__name__})"
-                if holder is not None:
-                    self._stand_down(f"the lease of host {self.host} was claimed by {holder}")
-                    return
-                self._renewed(sent)
-            except Exception as exc:  # out of reach: keep serving (lease_ok)
+                holder = await self._renew()
+            except KeyWrongLastSequenceError:  # the key changed while _reclaim looked: look again
+                again = True
+                continue
+            except Exception as exc:  # out of reach (a timeout, no leader): keep serving (lease_ok)
                 if self.lease_reachable:
-                    log.warning("fleet: lease of %s not renewed: %s", self.host, exc)
-                self.lease_reachable = False
+                    log.warning("fleet: lease of %s not renewed: %s", self.host, exc or type(exc).__name__)
+                if not self._renew_answered:  # (refused, then a look-up failed: not cut off, the lease lapsed)
+                    self.lease_reachable = False
+                    self.on_progress()
+                continue
+            if holder is not None:
+                self._stand_down(f"the lease of host {self.host} was claimed by {holder}")
+                return
+            waited = not self.lease_ok(self.clock_ms())
+            self._renewed(sent)
+            if waited:  # timers held back while the lease could not be used go out now
                 self.on_progress()
+
+    async def _renew(self) -> str | None:
+        """One renewal (a compare-and-set on the key's revision); when it is refused, who holds
+        the lease now (:meth:`_reclaim`). Returns that holder, None while it is this daemon's.
+        What cannot be answered (a timeout) raises: nobody is known to hold it."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        value = msgspec.json.encode(S.Lease(self.host, self.epoch, self.pid, int(time.time() * 1000)))
+        self._renew_answered = False
+        try:
+            self._rev = await asyncio.wait_for(self._kv.update(self.host, value, last=self._rev),
+                                               self.config.publish_timeout_s)
+            return None
+        except KeyWrongLastSequenceError:
+            # answered: the cluster is in reach, and until the lease is this daemon's again
+            # its validity alone says whether timers may go out (lease_ok), also when a
+            # look-up of the take-back fails
+            self._renew_answered = self.lease_reachable = True
+            return await self._reclaim(value)
 
     async def _reclaim(self, value: bytes) -> str | None:
         """A renewal refused for its revision: who holds the lease? None when it is still
-        this daemon's (an earlier renewal was stored and its answer lost: its revision is
-        taken up; or the key lapsed while the cluster was out of reach and nobody claimed
-        it: created again), else the holder's host id."""
+        this daemon's (an earlier renewal was stored and its answer lost: renewed again on
+        its revision, since the key lives from when that one was stored, which is not known;
+        or the key lapsed while the cluster was out of reach and nobody took the host over:
+        created again, unless a fence ends the stream), else the holder's host id."""
         from nats.js.errors import KeyNotFoundError
 
         try:
@@ -413,11 +471,15 @@ class Replicator:
         except KeyNotFoundError:
             entry = None
         if entry is None or not entry.value:
+            tail = await self._tail()  # lapsed: a peer may have taken it, fenced, and let it lapse too
+            h = (tail.headers or {}) if tail is not None else {}
+            if h.get(S.H_KIND) == S.FENCE:
+                return f"{h.get(S.H_HOST)} (epoch {h.get(S.H_EPOCH)}), which fenced its stream"
             self._rev = await self._kv.create(self.host, value)  # raises if a peer got there first
             return None
         lease = msgspec.json.decode(entry.value, type=S.Lease)
-        if lease.holder == self.host and lease.epoch == self.epoch and lease.pid == os.getpid():
-            self._rev = entry.revision
+        if lease.holder == self.host and lease.epoch == self.epoch and lease.pid == self.pid:
+            self._rev = await self._kv.update(self.host, value, last=entry.revision)
             return None
         return lease.holder if lease.holder != self.host else f"{self.host} (epoch {lease.epoch}, another daemon)"
 
@@ -488,33 +550,36 @@ class Replicator:
             except APIError as exc:
                 if getattr(exc, "err_code", None) != _WRONG_LAST_SEQUENCE:
                     raise
-                mine = await self._mine_at_tail(hdrs)
-                if mine:
-                    return self._last_seq
-                last_rec = await self._last_record()
-                who = f"{last_rec[1]} ({last_rec[0]}, epoch {last_rec[2]})" if last_rec else "another writer"
-                raise Fenced(f"the stream of host {self.host} was written by {who}") from exc
+                error: Exception = exc
+                try:  # (a timeout here: the same message again, below)
+                    tail = await self._tail()
+                except Exception as lookup:
+                    error = lookup
+                else:
+                    h = (tail.headers or {}) if tail is not None else {}
+                    if tail is not None and h.get(S.H_MSG_ID) == hdrs[S.H_MSG_ID]:
+                        self._last_seq = tail.seq  # an earlier attempt stored, its acknowledgement lost
+                        return tail.seq
+                    who = f"{h.get(S.H_HOST)} ({h.get(S.H_KIND)}, epoch {h.get(S.H_EPOCH)})" if h else "another writer"
+                    raise Fenced(f"the stream of host {self.host} was written by {who}") from exc
             except Exception as exc:  # timeout, no responders, reconnecting: the same message again
-                self.retries_total += 1
-                self._set_state("behind")
-                if backoff >= 0.4:
-                    log.warning("fleet: %s lsn %d-%d not stored yet: %s", kind, first, last, exc or type(exc).__name__)
-                await asyncio.sleep(backoff)
-                backoff = min(2.0, backoff * 2)
+                error = exc
+            self.retries_total += 1
+            self._set_state("behind")
+            if backoff >= 0.4:
+                log.warning("fleet: %s lsn %d-%d not stored yet: %s", kind, first, last, error or type(error).__name__)
+            await asyncio.sleep(backoff)
+            backoff = min(2.0, backoff * 2)
 
-    async def _mine_at_tail(self, hdrs: dict[str, str]) -> bool:
-        """After a refused write: is the stream's last message this very one (an earlier
-        attempt stored, its acknowledgement lost)?"""
+    async def _tail(self):
+        """The stream's last message (None: none), to see after a refused write whether it
+        is this very one (an earlier attempt stored, its acknowledgement lost)."""
         from nats.js.errors import NotFoundError
 
         try:
-            msg = await self._js.get_msg(self.stream, subject=self.subject, direct=False)
+            return await self._js.get_msg(self.stream, subject=self.subject, direct=False)
         except NotFoundError:
-            return False
-        if (msg.headers or {}).get(S.H_MSG_ID) == hdrs[S.H_MSG_ID]:
-            self._last_seq = msg.seq
-            return True
-        return False
+            return None
 
     async def _purge_before_snapshot(self) -> None:
         seq = getattr(self, "_snap_first_seq", 0)

@@ -6,6 +6,8 @@
     python -m sim --regressions              # every seed in sim/regressions.txt
     python -m sim --seed 6 --ops 300 --plain # without the newer workloads and faults
     python -m sim --seed 40 --unheld         # without the groups held at their quota
+    python -m sim --fleet --seeds 500        # the fleet: hosts, a simulated NATS cluster (sim/fleet.py)
+    python -m sim --fleet --seed 77 --trace  # replay one fleet seed
 
 A failing seed prints the command that replays it. The totals say how often
 each fault was injected across the run.
@@ -19,19 +21,23 @@ import multiprocessing
 import os
 import sys
 import time
+import traceback
 from collections import Counter
 
+from .fleet import run_fleet_seed
 from .run import run_seed
 
 REGRESSIONS = os.path.join(os.path.dirname(__file__), "regressions.txt")
+FLEET_REGRESSIONS = os.path.join(os.path.dirname(__file__), "fleet_regressions.txt")
 
 
-def regression_cases() -> list[tuple[int, int, bool, bool]]:
+def regression_cases(path: str = REGRESSIONS) -> list[tuple[int, int, bool, bool]]:
     """(seed, ops, extra, hold) of every seed that ever failed (sim/regressions.txt: ``seed ops
     [plain] [unheld] # why``; ``plain``: found before the newer workloads and faults, run
-    without them; ``unheld``: found before the groups held at their quota, run without those)."""
+    without them; ``unheld``: found before the groups held at their quota, run without those;
+    sim/fleet_regressions.txt: the fleet's, ``seed ops # why``)."""
     cases = []
-    with open(REGRESSIONS) as f:
+    with open(path) as f:
         for line in f:
             line = line.split("#", 1)[0].split()
             if line:
@@ -40,32 +46,38 @@ def regression_cases() -> list[tuple[int, int, bool, bool]]:
     return cases
 
 
-def _one(args: tuple[int, int, bool, bool]):
-    seed, ops, extra, hold = args
+def _one(args: tuple):
+    """One case: (seed, ops, extra, hold), and ``fleet`` fifth for the fleet's simulation."""
+    seed, ops, extra, hold = args[:4]
+    fleet = len(args) > 4 and args[4]
     started = time.perf_counter()
     try:
-        result = run_seed(seed, ops, extra=extra, hold=hold)
+        result = run_fleet_seed(seed, ops) if fleet else run_seed(seed, ops, extra=extra, hold=hold)
     except BaseException as exc:  # noqa: BLE001 - the simulator itself failed: report the seed
-        violations, faults = [f"[simulator] {type(exc).__name__}: {exc}"], Counter()
+        text = "".join(traceback.format_exception(exc))[-2000:] if fleet else f"{type(exc).__name__}: {exc}"
+        violations, faults = [f"[simulator] {text}"], Counter()
     else:
         violations, faults = [str(v) for v in result.violations], result.faults
-    return seed, ops, violations, faults, time.perf_counter() - started, extra, hold
+    return seed, ops, violations, faults, time.perf_counter() - started, extra, hold, fleet
 
 
-def shrink(seed: int, ops: int, extra: bool = True, hold: bool = True) -> int:
+def shrink(seed: int, ops: int, extra: bool = True, hold: bool = True, fleet: bool = False) -> int:
     """The fewest operations with which ``seed`` still fails (the run is a prefix of the
     longer one: the seed decides every choice, ``ops`` only where the faults stop)."""
     low, high = 1, ops
     while low < high:
         middle = (low + high) // 2
-        if run_seed(seed, middle, extra=extra, hold=hold).violations:
+        result = run_fleet_seed(seed, middle) if fleet else run_seed(seed, middle, extra=extra, hold=hold)
+        if result.violations:
             high = middle
         else:
             low = middle + 1
     return high
 
 
-def replay_command(seed: int, ops: int, extra: bool = True, hold: bool = True) -> str:
+def replay_command(seed: int, ops: int, extra: bool = True, hold: bool = True, fleet: bool = False) -> str:
+    if fleet:
+        return f"cd tests && python -m sim --fleet --seed {seed} --ops {ops} --trace"
     if not extra:
         return f"cd tests && python -m sim --seed {seed} --ops {ops} --plain --trace"
     if not hold:
@@ -90,12 +102,12 @@ def run_many(cases: list[tuple[int, int, bool, bool]], jobs: int, out=sys.stdout
 
 
 def _collect(item, failures, faults, out) -> float:
-    seed, ops, violations, seed_faults, seconds, extra, hold = item
+    seed, ops, violations, seed_faults, seconds, extra, hold, fleet = item
     faults.update(seed_faults)
     if violations:
         failures.append((seed, ops, violations))
-        print(f"FAILED seed {seed} ({ops} ops): {violations[0][:500]}", file=out)
-        print(f"  replay: {replay_command(seed, ops, extra, hold)}", file=out, flush=True)
+        print(f"FAILED {'fleet ' if fleet else ''}seed {seed} ({ops} ops): {violations[0][:500]}", file=out)
+        print(f"  replay: {replay_command(seed, ops, extra, hold, fleet)}", file=out, flush=True)
     return seconds
 
 
@@ -117,13 +129,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unheld", action="store_true",
                         help="without the groups held at their quota (Profile.draw_quota_hold), as the unheld "
                              "regression seeds")
+    parser.add_argument("--fleet", action="store_true", help="the fleet's simulation: hosts replicating to a "
+                                                             "simulated NATS JetStream cluster (sim/fleet.py)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
 
     if args.seed is not None:
         _quiet()
         started = time.perf_counter()
-        result = run_seed(args.seed, args.ops, trace=args.trace, extra=not args.plain, hold=not args.unheld)
+        if args.fleet:
+            result = run_fleet_seed(args.seed, args.ops, trace=args.trace)
+        else:
+            result = run_seed(args.seed, args.ops, trace=args.trace, extra=not args.plain, hold=not args.unheld)
         took = time.perf_counter() - started
         if args.trace:
             print("\n".join(result.trace))
@@ -133,16 +150,18 @@ def main(argv: list[str] | None = None) -> int:
         for violation in result.violations:
             print(violation)
         if result.violations and args.shrink:
-            fewest = shrink(args.seed, args.ops, extra=not args.plain, hold=not args.unheld)
+            fewest = shrink(args.seed, args.ops, extra=not args.plain, hold=not args.unheld, fleet=args.fleet)
             print(f"fails with as few as {fewest} operations: "
-                  f"{replay_command(args.seed, fewest, not args.plain, not args.unheld)}")
+                  f"{replay_command(args.seed, fewest, not args.plain, not args.unheld, args.fleet)}")
         return 1 if result.violations else 0
 
-    cases = regression_cases() if args.regressions else []
+    cases = regression_cases(FLEET_REGRESSIONS if args.fleet else REGRESSIONS) if args.regressions else []
     if args.seeds:
         first = args.first if args.first is not None else int(time.time() * 1000) % 10**12
-        print(f"seeds {first}..{first + args.seeds - 1}, {args.ops} operations each, {args.jobs} jobs", flush=True)
+        print(f"{'fleet ' if args.fleet else ''}seeds {first}..{first + args.seeds - 1}, {args.ops} operations each, "
+              f"{args.jobs} jobs", flush=True)
         cases += [(seed, args.ops, not args.plain, not args.unheld) for seed in range(first, first + args.seeds)]
+    cases = [(*case, args.fleet) for case in cases]
     if not cases:
         parser.error("nothing to run: --seeds N, --seed S or --regressions")
     started = time.perf_counter()
