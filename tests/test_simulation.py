@@ -130,6 +130,9 @@ def _twice_history(**faults):
         h.daemon_started(faults["arena_loss"] * ms + ms)
     if "ring_back" in faults:  # client 1's ring handed to the rebuilt arena's daemon, replayed
         h.new_arena_welcomes = {1: [faults["ring_back"] * ms]}
+    if "hello_welcome" in faults:  # the same, between a Hello it sent and the Welcome it took (ms)
+        hello, welcome = faults["hello_welcome"]
+        h.new_arena_welcomes = {1: [(hello * ms, welcome * ms)]}
     h.ack_marks = {1: [(faults.get("acked_at", 21) * ms, 1)] if faults.get("acked_at", 21) is not None else [],
                    2: [(41_001 * ms, 1)]}
     if "session_end" in faults:
@@ -167,6 +170,12 @@ def _twice_history(**faults):
     # ... unless the ring came back after the grace, or a daemon died after the copy was acknowledged
     ({"flushed_at": 5, "arena_loss": 3, "ring_back": 40_500, "resume_grace": 30_000}, False),
     ({"flushed_at": 5, "arena_loss": 3, "ring_back": 40_500, "daemon_deaths": [30_000]}, False),
+    # the daemon replays the ring when it reads the Hello: what it armed again may fire and be
+    # handed to another member before client 1 reads its Welcome (seed 127670) ...
+    ({"flushed_at": 5, "arena_loss": 3, "hello_welcome": (40_500, 41_040), "resume_grace": 30_000}, False),
+    # ... but not before the Hello, nor within the grace
+    ({"flushed_at": 5, "arena_loss": 3, "hello_welcome": (41_010, 41_040), "resume_grace": 30_000}, True),
+    ({"flushed_at": 5, "arena_loss": 3, "hello_welcome": (40_500, 41_040)}, True),
 ])
 def test_the_checker_allows_a_second_hand_over_only_in_the_at_least_once_windows(faults, twice):
     """Rule 4 (sim/checker.py): a second hand-over of one arming is allowed only where the

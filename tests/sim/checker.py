@@ -117,7 +117,10 @@ class History:
         # connection ended under it; and the daemon's --ack-timeout-s (ns)
         self.ack_marks: dict[int, list[tuple[int, int]]] = {}
         self.session_ends: dict[int, list[int]] = {}
-        self.new_arena_welcomes: dict[int, list[int]] = {}  # client -> when it handed its ring to a new arena
+        # client -> when it handed its ring to a new arena: per such hand-over, (the first Hello
+        # it sent since its previous Welcome, the Welcome it took); the daemon replays the ring
+        # when it reads a Hello, at some moment in between (a bare int: that moment)
+        self.new_arena_welcomes: dict[int, list[tuple[int, int] | int]] = {}
         self.ack_timeout_ns = 0
         self.touch_tables_lost: set[int] = set()  # departed clients whose touches a reboot took
         self.left_ns: dict[int, int] = {}  # client -> when it left with a Bye
@@ -472,12 +475,20 @@ class History:
         the arena was rebuilt; so the replay arms it again only when the ring came back
         later than that, or when the copy was acknowledged before the daemon that took
         the ring started (a daemon died in between: the arming was gone from the arena
-        that daemon found). Anything else the guard must have skipped."""
+        that daemon found). Anything else the guard must have skipped.
+
+        The client knows only that its ring went back between a Hello it sent and the
+        Welcome it took: the daemon replays the ring when it reads the Hello, and may fire
+        what it armed again and send it to another member, which may hand it, before the
+        client reads its Welcome. So a replay counts when it may have come in that range
+        after the copy was sent and by the last hand-over, at the latest moment it may."""
         client, number, sent = copy
         acked = next((at for at, n in self.ack_marks.get(client, ()) if n > number), None)
-        for at in self.new_arena_welcomes.get(arming.client, ()):
-            if not sent <= at <= last_hand_ns:
+        for welcome in self.new_arena_welcomes.get(arming.client, ()):
+            hello, welcomed = welcome if isinstance(welcome, tuple) else (welcome, welcome)
+            if hello > last_hand_ns or welcomed < sent:
                 continue
+            at = min(welcomed, last_hand_ns)  # the latest moment the replay may have come
             for loss in self.arena_losses:
                 if not (arming.called_ns <= loss <= at and (not arming.acked or arming.acked_ns > loss)):
                     continue

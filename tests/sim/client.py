@@ -360,8 +360,14 @@ class SimClient(ClientCore):
         self.ack_marks: list[tuple[int, int]] = []
         self.session_ends: list[int] = []
         # when its ring was handed to a daemon of another arena (its Welcome's arena epoch
-        # changed): the ring is then replayed from the last flush the old arena acknowledged
-        self.new_arena_welcomes: list[int] = []
+        # changed): the ring is then replayed from the last flush the old arena acknowledged.
+        # Per such Welcome (the first Hello sent since the previous Welcome, the Welcome taken):
+        # the daemon adopts and replays the ring when it reads a Hello, before the client reads
+        # the Welcome, and may fire and send what it replays to another member meanwhile; the
+        # Hello it read may be an earlier attempt's, answered by a daemon that died before its
+        # Welcome was read
+        self.new_arena_welcomes: list[tuple[int, int]] = []
+        self._hello_since_welcome_ns: int | None = None
 
     def _now(self) -> float:
         return self._clock_ns() / 1e9
@@ -410,6 +416,8 @@ class SimClient(ClientCore):
             self._attempt_failed(exc, now)
             return
         self._end, self._attempt = end, attempt
+        if self._hello_since_welcome_ns is None:
+            self._hello_since_welcome_ns = self._clock_ns()
         # the answer is waited for until the connect's deadline (the first connect's, or when
         # reconnecting gives up), and at least _MIN_HANDSHAKE_S, as the real clients do
         until = self._first_until if self._first_until is not None else self._reconnection.lost(now)
@@ -450,8 +458,11 @@ class SimClient(ClientCore):
             if not attempt.received(data, fds):
                 return
             self._reader = attempt.open()
+            now_ns = self._clock_ns()
             if before is not None and self._welcome is not None and self._welcome.arena_epoch != before.arena_epoch:
-                self.new_arena_welcomes.append(self._clock_ns())
+                hello_ns = self._hello_since_welcome_ns
+                self.new_arena_welcomes.append((now_ns if hello_ns is None else hello_ns, now_ns))
+            self._hello_since_welcome_ns = None
         except (OSError, BrokenPeer) as exc:
             self._drop_connection()
             self._attempt_failed(exc, self._now())
