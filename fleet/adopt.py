@@ -126,11 +126,19 @@ class Adopter:
         log.warning("fleet: host %s's lease lapsed; %s claimed it (epoch %d) and takes its timers over%s",
                     host, replicator.host, epoch, " again (a takeover stopped short)" if h.get(S.H_KIND) == S.FENCE
                     else "")
-        fence_seq = await self._fence(replicator, host, epoch, last.seq)
-        state = await self._read(replicator, host, fence_seq)
-        revision = await kv.update(host, value, last=revision)  # raises: the claim lapsed meanwhile
+        claim = _Claim(epoch, revision, 0, 0, value)
+        keeper = asyncio.ensure_future(self._hold(replicator, host, claim))  # a read may outlast the TTL
+        try:
+            claim.fence_seq = await self._fence(replicator, host, epoch, last.seq)
+            state = await self._read(replicator, host, claim.fence_seq)
+        finally:
+            keeper.cancel()
+        if not await self._renew_claim(replicator, host, claim):  # raises: not known; False: lost meanwhile
+            log.warning("fleet: the claim of host %s lapsed during its takeover; not adopted", host)
+            return
         adopted, renamed, lost = self.adopt(host, state)
-        self.held[host] = _Claim(epoch, revision, fence_seq, replicator.journal_lsn, value)
+        claim.lsn = replicator.journal_lsn
+        self.held[host] = claim
         took = loop.time() - started
         self.adopted[host] = {"epoch": epoch, "adopted": adopted, "renamed": renamed, "lost": lost,
                               "seconds": round(took, 3), "t": int(time.time() * 1000)}
@@ -139,23 +147,32 @@ class Adopter:
                     len(state.unacked), renamed, host, lost, took)
         await self._keep_claims(replicator)
 
+    async def _hold(self, replicator, host: str, claim: _Claim) -> None:
+        """Renew ``claim`` every third of a TTL while a takeover fences and reads (cancelled
+        after); one that fails leaves it to the compare-and-set before the adoption."""
+        while True:
+            await asyncio.sleep(self.config.lease_ttl_s / 3)
+            try:
+                if not await self._renew_claim(replicator, host, claim):
+                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                pass  # out of reach: the next renewal, or the check before the adoption, tells
+
     async def _keep_claims(self, replicator) -> None:
         """For each host adopted and not purged yet: renew the claim of its key (a
         compare-and-set), and purge its stream behind the fence once this host's stream
         stored the adopted timers (only then are they safe from this host's loss). A claim
         found lost (it lapsed while this host was out of reach) is given up unpurged: another
         peer may be adopting the host again."""
-        from nats.js.errors import KeyWrongLastSequenceError
-
         for host, claim in list(self.held.items()):
             try:
-                claim.revision = await replicator._kv.update(host, claim.value, last=claim.revision)
-            except KeyWrongLastSequenceError:
-                if not await self._reclaim(replicator, host, claim):
+                if not await self._renew_claim(replicator, host, claim):
                     log.warning("fleet: the claim of adopted host %s lapsed before its stream was purged; "
                                 "another peer may adopt its timers again", host)
                     del self.held[host]
-                continue
+                    continue
             except Exception as exc:
                 log.warning("fleet: the claim of adopted host %s not renewed: %s", host, exc or type(exc).__name__)
                 continue
@@ -167,6 +184,17 @@ class Adopter:
                 log.warning("fleet: stream of %s not purged behind its fence yet: %s", host, exc or type(exc).__name__)
                 continue
             del self.held[host]
+
+    async def _renew_claim(self, replicator, host: str, claim: _Claim) -> bool:
+        """Renew the claim of ``host``'s key (a compare-and-set on its revision): True while it
+        is this peer's, False once it is not; raises when that cannot be told (a timeout)."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        try:
+            claim.revision = await replicator._kv.update(host, claim.value, last=claim.revision)
+            return True
+        except KeyWrongLastSequenceError:
+            return await self._reclaim(replicator, host, claim)
 
     async def _reclaim(self, replicator, host: str, claim: _Claim) -> bool:
         """A renewal of a claim refused for its revision: still this peer's (an earlier renewal

@@ -326,3 +326,33 @@ def test_a_restarted_daemon_back_in_reach_does_not_deliver_before_its_claim():
     fleet.run(4.0, check)
     assert second.fenced is not None and "B" in second.fenced, second.fenced
     assert not seen, f"the restarted daemon could deliver at {seen[0]} ms while B held its key"
+
+
+def test_a_takeover_whose_read_outlasts_the_lease_ttl_completes(tmp_path):
+    """The adopter checks that its claim of the lost host's key is still its own before it
+    adopts (a claim that lapsed during the read may be another peer's by then). A read that
+    took longer than the TTL (a long stream, a slow network) then always found its claim
+    lapsed: the takeover started again, fenced again, read again, for ever, and the host's
+    timers were never delivered (seed 3921 of the fleet simulation: 30 takeovers of one
+    host, none finished). The claim is renewed while the takeover reads."""
+    from wheeld.protocol.journal import Add
+
+    fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
+    a = fleet.replicator("A")
+    journal = _journal(tmp_path, a, "A")
+    adopted: list = []
+    fleet.replicator("B", on_adopt=lambda host, state: adopted.append(state) or (len(state.pending), 0, 0),
+                     adopt=("A",))
+    fleet.run(1.0)
+    for i in range(30):
+        journal.append([Add(t=T0, g="g", k=f"k{i}", d=T0 + 60_000, s=i + 1)])
+        fleet.run(0.05)
+    fleet.run(1.0)
+    assert a.replicated_lsn == 30
+    fleet.kill("A")
+    slow = fleet.fates
+    for nth in range(1, 200):
+        slow[("B", "next message of WHEELD_A", nth)] = 150.0  # 30 messages: 4.5 s, past the TTL
+    fleet.run(20.0)
+    assert len(adopted) == 1, "the takeover never finished"
+    assert len(adopted[0].pending) == 30
