@@ -136,6 +136,9 @@ EXIT_INSTANCE_RUNNING = 75
               help="Copies of the stream (and of the lease bucket) the cluster keeps.")
 @click.option("--replicate-timeout-s", type=click.FloatRange(0.1, 3600.0), default=5.0, show_default=True,
               help="Under --durability replicated, a flush() the cluster has not stored this long fails.")
+@click.option("--replicate-linger-ms", type=click.IntRange(0, 1000), default=10, show_default=True,
+              help="Journal appends wait up to this long to go to the cluster in one message (a flush() under "
+                   "--durability replicated sends at once); what a host loss may take beyond the local journal.")
 @click.option("--adopt", "adopt", multiple=True, metavar="HOST|*",
               help="Take over this host's timers when its lease lapses (repeatable; '*': any host of the "
                    "fleet). Its timers go to the groups of the same names here.")
@@ -144,7 +147,8 @@ EXIT_INSTANCE_RUNNING = 75
 def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_capacity, metrics, journal_dir, fsync,
          journal_damage, allow_uids, allow_groups, socket_mode, socket_group, monitor_group, group_owners, group_quota,
          max_groups, groups_per_uid, max_clients, clients_per_uid, resume_grace_s, ack_timeout_s, frame_timeout_s,
-         coalesce_us, replicate, durability, host_id, lease_ttl_s, replicas, replicate_timeout_s, adopt, log_level):
+         coalesce_us, replicate, durability, host_id, lease_ttl_s, replicas, replicate_timeout_s, replicate_linger_ms,
+         adopt, log_level):
     """Run the wheeld timer daemon in the foreground."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s wheeld[%(process)d] %(levelname)s %(message)s",
                         stream=sys.stderr)
@@ -170,7 +174,7 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
             group_quota=group_quota, max_groups=max_groups, ack_timeout_s=ack_timeout_s,
             frame_timeout_s=frame_timeout_s, groups_per_uid=groups_per_uid, max_clients=max_clients,
             clients_per_uid=clients_per_uid, resume_grace_s=resume_grace_s,
-            fleet=_fleet(replicate, journal_dir, host_id, lease_ttl_s, replicas, adopt),
+            fleet=_fleet(replicate, journal_dir, host_id, lease_ttl_s, replicas, adopt, replicate_linger_ms),
             durability=durability, replicate_timeout_s=replicate_timeout_s,
         )
         if durability == "replicated" and config.fleet is None:
@@ -189,7 +193,7 @@ def main(socket_path, name, tick_ms, wheel_size, capacity, ring_capacity, touch_
         sys.exit(EXIT_CANNOT_START)
 
 
-def _fleet(replicate, journal_dir, host_id, lease_ttl_s, replicas, adopt):
+def _fleet(replicate, journal_dir, host_id, lease_ttl_s, replicas, adopt, linger_ms=10):
     """The FleetConfig of ``--replicate`` (None without it)."""
     if not replicate:
         if adopt:
@@ -209,7 +213,7 @@ def _fleet(replicate, journal_dir, host_id, lease_ttl_s, replicas, adopt):
     env = os.environ
     return FleetConfig(urls=urls, host_id=host, lease_ttl_s=lease_ttl_s, replicas=replicas,
                        user=env.get("WHEELD_NATS_USER"), password=env.get("WHEELD_NATS_PASSWORD"),
-                       creds=env.get("WHEELD_NATS_CREDS"), adopt=adopted)
+                       creds=env.get("WHEELD_NATS_CREDS"), adopt=adopted, linger_ms=linger_ms)
 
 
 def _uid(name: str) -> int:

@@ -51,6 +51,8 @@ class Replication:
             return
         self.held.append((lsn, self.clock(), cs, flushes, rejects, cuts, unsynced))
         self._held_by[cs.slot] += 1
+        if self.replicated and flushes and not unsynced:
+            self.replicator.hurry(lsn)  # (a flush waits for it: the outbox does not linger)
 
     def release(self, now: int) -> None:
         """Answer what the stream now holds, and what waited past the timeout (refused)."""

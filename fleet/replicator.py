@@ -47,6 +47,8 @@ log = logging.getLogger("wheeld.fleet")
 
 #: bytes of journal the outbox holds while the cluster is out of reach (then: a snapshot)
 OUTBOX_BYTES = 64 << 20
+#: the outbox sends at once, linger or not, once it holds this much
+LINGER_BYTES = 256 << 10
 #: a renewal starts every third of the TTL; the lease counts as lapsed this share early
 LEASE_MARGIN = 0.2
 _WRONG_LAST_SEQUENCE = 10071
@@ -66,6 +68,8 @@ class FleetConfig:
     creds: str | None = None  # a NATS credentials file
     adopt: tuple[str, ...] = ()  # host ids this daemon takes over when their lease lapses ("*": any)
     connect_timeout_s: float = 2.0
+    #: journal appends wait this long (ms) to go out together, unless a flush() waits for them
+    linger_ms: int = 10
 
 
 @dataclass
@@ -178,16 +182,28 @@ class Replicator:
         self._renew_answered = False  # the last renewal (or claim) was answered, whatever followed
         self._last_seq = 0
         self._wake = asyncio.Event()
+        self._hurry_lsn = 0  # a flush() waits for the stream to hold this lsn: no lingering
         self._tasks: list[asyncio.Task] = []
         self.adopter = None  # an Adopter (wheeld.fleet.adopt) when --adopt is given
 
     # ------------------------------------------------------------------ from the core
     def appended(self, first: int, last: int, data: bytes) -> None:
-        if not self.outbox.items:
+        outbox = self.outbox
+        was_empty = not outbox.items
+        if was_empty:
             self._waiting_since_ms = self.clock_ms()
         self.journal_lsn = max(self.journal_lsn, last)
-        self.outbox.appended(first, last, data)
-        self._wake.set()
+        outbox.appended(first, last, data)
+        # the publish loop lingers on a first append; later ones wake it only when it must not
+        if was_empty or outbox.size >= LINGER_BYTES or self._hurry_lsn > self.replicated_lsn:
+            self._wake.set()
+
+    def hurry(self, lsn: int) -> None:
+        """A flush() waits for the stream to hold ``lsn``: what is queued goes out without
+        lingering (:attr:`FleetConfig.linger_ms`)."""
+        if lsn > self._hurry_lsn:
+            self._hurry_lsn = lsn
+            self._wake.set()
 
     def snapshotted(self, lsn: int, data: bytes) -> None:
         if not self.outbox.items:
@@ -245,7 +261,15 @@ class Replicator:
     def start(self) -> None:
         self._tasks.append(asyncio.ensure_future(self._run()))
 
-    async def close(self) -> None:
+    async def close(self, drain_s: float = 2.0) -> None:
+        """Stop; what the outbox still holds is sent first, for up to ``drain_s`` while the
+        cluster stores it (a stop does not wait out the linger, nor an unreachable cluster)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + drain_s
+        if self.outbox.items and self.fenced is None and self.state == "replicating":
+            self.hurry(self.journal_lsn)
+            while self.outbox.items and self.state == "replicating" and loop.time() < end:
+                await asyncio.sleep(0.005)
         self.state = "stopped" if self.fenced is None else self.state
         for task in self._tasks:
             task.cancel()
@@ -514,6 +538,8 @@ class Replicator:
                 if not outbox.items:
                     await self._wake.wait()
                 continue
+            if await self._linger():
+                continue
             kind, first, last, payload, taken = outbox.next_message()
             await self._send(kind, first, last, payload)
             outbox.sent(kind, first, taken)
@@ -523,6 +549,26 @@ class Replicator:
                 await self._purge_before_snapshot()
             self._set_state("replicating")
             self.on_progress()
+
+    async def _linger(self) -> bool:
+        """Wait for more appends to go in the same message: until the queue's oldest event
+        waited :attr:`FleetConfig.linger_ms`, the outbox holds :data:`LINGER_BYTES`, or a
+        flush() waits (:meth:`hurry`). Each message costs the cluster a round of its Raft
+        log and this loop a request, whatever it carries: with timers firing every
+        millisecond, one message per wake-up would take the CPU the wheel's own lateness
+        needs. Snapshots go at once. True: it waited (look again)."""
+        outbox = self.outbox
+        wait_ms = self._waiting_since_ms + self.config.linger_ms - self.clock_ms()
+        if (wait_ms <= 0 or outbox.size >= LINGER_BYTES or self._hurry_lsn > self.replicated_lsn
+                or outbox.items[0][0] != S.BATCH):
+            return False
+        self._wake.clear()
+        timer = asyncio.get_running_loop().call_later(wait_ms / 1000, self._wake.set)
+        try:
+            await self._wake.wait()
+        finally:
+            timer.cancel()
+        return True
 
     async def _send(self, kind: str, first: int, last: int, payload: bytes) -> None:
         parts = S.split(payload)

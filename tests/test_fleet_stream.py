@@ -4,6 +4,7 @@ the outbox's bounds; flush answers held until the stream stored what they cover.
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -141,6 +142,10 @@ class FakeReplicator:
         self.replicated_lsn = 0
         self.state = "behind"
         self.config = SimpleNamespace(urls=("nats://127.0.0.1:1",))
+        self.hurried: list[int] = []
+
+    def hurry(self, lsn):
+        self.hurried.append(lsn)
 
 
 def _replication(durability="replicated", timeout_ms=1000):
@@ -159,6 +164,7 @@ def test_a_flush_is_answered_once_the_stream_stored_what_it_covers():
     r.answer(b, 11, [], ["refusal"], None, None)  # b has nothing held: at once
     r.answer(a, 12, [], ["refusal"], None, None)  # behind a's held flush: in order
     assert sent == [(1, [], None)]
+    assert rep.hurried == [10]  # a flush waits: the outbox sends without lingering (not for a's refusal)
     rep.replicated_lsn = 10
     r.release(now[0])
     assert sent[1:] == [(0, [1], None), (0, [], None)]
@@ -293,3 +299,82 @@ def test_lag_counts_from_when_the_oldest_waiting_event_was_queued():
     now[0] += 20
     stats = r.stats()
     assert stats["fleet_lag_records"] == 8 and stats["fleet_lag_ms"] == 50
+
+
+class _FakeJetStream:
+    """Stores what a Replicator publishes (its stream's sequence numbers, at once)."""
+
+    def __init__(self):
+        self.messages: list[tuple[str, str, bytes]] = []
+
+    async def publish(self, subject, data, headers=None, stream=None):
+        self.messages.append((headers[S.H_KIND], headers[S.H_LSN], data))
+        return SimpleNamespace(seq=len(self.messages))
+
+
+def _publishing(linger_ms: int):
+    from wheeld.fleet.replicator import FleetConfig, Replicator
+
+    r = Replicator(FleetConfig(urls=("nats://127.0.0.1:1",), host_id="h", linger_ms=linger_ms))
+    r._js = _FakeJetStream()
+    return r
+
+
+async def _until(predicate, timeout_s: float = 5.0) -> None:
+    end = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < end, "timed out"
+        await asyncio.sleep(0.002)
+
+
+def test_appends_linger_into_one_message_until_a_flush_hurries_them():
+    async def scenario():
+        r = _publishing(linger_ms=60_000)
+        sent = r._js.messages
+        loop_task = asyncio.ensure_future(r._publish_loop())
+        r.snapshotted(0, b"s")
+        await _until(lambda: len(sent) == 1)  # a snapshot goes at once
+        for lsn in (1, 2, 3):
+            r.appended(lsn, lsn, b"%d" % lsn)
+            await asyncio.sleep(0.01)  # the publish loop runs in between
+        assert len(sent) == 1 and r.replicated_lsn == 0  # lingering
+        r.hurry(2)  # a flush waits for lsn 2: everything queued goes, in one message
+        await _until(lambda: len(sent) == 2)
+        assert sent[1] == (S.BATCH, "1 3", b"123") and r.replicated_lsn == 3
+        r.appended(4, 4, b"4")
+        await asyncio.sleep(0.02)
+        assert len(sent) == 2  # the hurry was for lsn 2, stored: lingering again
+        loop_task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_linger_ends_on_time():
+    async def scenario():
+        r = _publishing(linger_ms=40)
+        sent = r._js.messages
+        loop_task = asyncio.ensure_future(r._publish_loop())
+        r.snapshotted(0, b"s")
+        await _until(lambda: len(sent) == 1)
+        t0 = asyncio.get_running_loop().time()
+        r.appended(1, 1, b"1")
+        await _until(lambda: len(sent) == 2)
+        assert asyncio.get_running_loop().time() - t0 >= 0.035  # not sooner than the linger (a ms of slack)
+        assert sent[1] == (S.BATCH, "1 1", b"1")
+        loop_task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_stop_sends_what_lingers():
+    async def scenario():
+        r = _publishing(linger_ms=60_000)
+        sent = r._js.messages
+        r._tasks.append(asyncio.ensure_future(r._publish_loop()))
+        r.snapshotted(0, b"s")
+        await _until(lambda: r.state == "replicating")
+        r.appended(1, 2, b"ab")
+        await r.close()
+        assert sent[-1] == (S.BATCH, "1 2", b"ab") and r.state == "stopped"
+
+    asyncio.run(scenario())
