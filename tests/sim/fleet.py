@@ -513,6 +513,8 @@ class FleetSimulation:
         now, ttl_ns = self.world.now_ns, int(self.profile.ttl_s * 1e9)
         if proc is None or proc.dead or host.paused or host.state != "up":
             return
+        if f"WHEELD_{lost}" in self.cluster.fences:
+            return  # taken over before (its stream fenced): a takeover that stopped short, taken up again
         window = now - 3 * ttl_ns // 2
         if proc.started_ns > window or host.trouble_ns >= window or host.id in self.cluster.cut_off or \
                 self.cluster.unavailable_ns < window:
