@@ -479,9 +479,9 @@ def run_wheeld_failover(connect: dict, args: argparse.Namespace) -> dict:
     if cluster is None:
         return {"skipped": "needs a cluster started here (no --urls)"}
 
-    def fault() -> dict:
+    def fault(host: str) -> dict:
         time.sleep(args.fault_after_s)
-        victim = _stream_leader(cluster, connect)
+        victim = _stream_leader(cluster, connect, host)
         began = time.monotonic()
         cluster.kill(victim)
         time.sleep(args.fault_after_s)
@@ -495,18 +495,21 @@ def run_wheeld_failover(connect: dict, args: argparse.Namespace) -> dict:
     return row
 
 
-def _stream_leader(cluster, connect: dict) -> int:
-    """The node leading the (one) wheeld stream in the cluster (node 0 if none is found)."""
+def _stream_leader(cluster, connect: dict, host: str) -> int:
+    """The node leading ``host``'s stream (the cluster also holds the streams of the kinds
+    run before, each daemon's own)."""
     import nats
+
+    from wheeld.fleet.stream import stream_name
 
     async def leader():
         nc = await nats.connect(**connect)
         try:
             js = nc.jetstream(timeout=5)
-            for info in await js.streams_info():
-                if info.config.name.startswith("WHEELD_") and info.cluster and info.cluster.leader:
-                    return cluster.index_of(info.cluster.leader)
-            return 0
+            info = await js.stream_info(stream_name(host))
+            if not (info.cluster and info.cluster.leader):
+                raise RuntimeError(f"stream {stream_name(host)} has no leader")
+            return cluster.index_of(info.cluster.leader)
         finally:
             await nc.close()
 

@@ -43,7 +43,9 @@ def _daemon(workdir: str, mode: str, urls: list[str]) -> DaemonProcess:
     if mode == "replicated":
         extra += ["--replicate", ",".join(urls), "--host-id", host, "--durability", "replicated",
                   "--replicate-timeout-s", "30"]
-    return DaemonProcess(workdir, capacity=2_000_000, extra=extra, log_level="WARNING")
+    daemon = DaemonProcess(workdir, capacity=2_000_000, extra=extra, log_level="WARNING")
+    daemon.fleet_host = host  # (its stream: WHEELD_<host>)
+    return daemon
 
 
 def _worker(socket_path: str, index: int, ops: int, flush_every: int, start, out) -> None:
@@ -76,9 +78,9 @@ def _worker(socket_path: str, index: int, ops: int, flush_every: int, start, out
 
 def throughput(urls: list[str], mode: str, clients: int = 2, ops: int = 200_000, flush_every: int = 1_000,
                fault=None, connect: dict | None = None) -> dict:
-    """ops/s and flush latency of one daemon in ``mode`` (module docstring). ``fault``: called
-    in a thread once the clients start (a server killed and restarted meanwhile, say); what
-    it returns is reported as ``fault``."""
+    """ops/s and flush latency of one daemon in ``mode`` (module docstring). ``fault(host)``:
+    called in a thread once the clients start, with the daemon's host id (a server killed and
+    restarted meanwhile, say); what it returns is reported as ``fault``."""
     workdir = tempfile.mkdtemp(prefix=f"wheeld-bench-fleet-{mode}-")
     daemon = _daemon(workdir, mode, urls)
     try:
@@ -98,7 +100,8 @@ def throughput(urls: list[str], mode: str, clients: int = 2, ops: int = 200_000,
         if fault is not None:
             import threading
 
-            thread = threading.Thread(target=lambda: fault_result.update(fault() or {}), daemon=True)
+            thread = threading.Thread(target=lambda: fault_result.update(fault(daemon.fleet_host) or {}),
+                                      daemon=True)
             thread.start()
         results = [out.get(timeout=600) for _ in procs]
         elapsed = time.perf_counter() - t0
