@@ -61,7 +61,10 @@ included); another kind (wheeld's replicated mode, say) is one more entry:
 * ``wheeld-failover``: replicated, the node leading the daemon's stream killed
   and restarted mid-run: flush latency, flushes refused, the stream caught up.
 
-A ``comparison`` section puts wheeld beside the baseline where both ran.
+Each kind runs ``--repeat`` times (3; the kinds interleaved, round after round), and its
+section is its median run with every run's figures in ``runs``; wheeld-failover runs
+once. A ``comparison`` section puts wheeld beside the baseline where both ran: the
+ratios of the medians, every run's value beside.
 
 Writes bench/runs/fleet.json (``--out``; ``--save``: bench/results/) and prints a table.
 """
@@ -526,17 +529,62 @@ KINDS: dict[str, Callable[[dict, argparse.Namespace], dict]] = {
 }
 
 
+#: kind -> the figure its repeats are ranked by (the median run is the one reported)
+MEDIAN_OF: dict[str, Callable[[dict], float]] = {
+    "nats-schedules": lambda r: r["scheduling"]["schedules_per_s"],
+    "wheeld-schedules": lambda r: r["schedules_per_s"],
+    "wheeld-throughput": lambda r: r["replicated_over_local"],
+    "wheeld-flush-latency": lambda r: r["modes"]["replicated"]["flush_ms_p99"],
+}
+#: kinds run once whatever --repeat says (a leader killed and restarted: seconds of stall)
+ONCE = {"wheeld-failover"}
+
+
+def run_kinds(connect: dict, args: argparse.Namespace) -> dict:
+    """Every kind ``--repeat`` times, the kinds interleaved (one round of each, then the next
+    round: a machine that slows down mid-run slows both sides alike). Each kind's section is
+    its median run by :data:`MEDIAN_OF`, with ``runs``: every run's figures."""
+    runs: dict[str, list[dict]] = {kind: [] for kind in args.kinds}
+    for round_ in range(args.repeat):
+        for kind in args.kinds:
+            if kind in ONCE and round_:
+                continue
+            runs[kind].append(KINDS[kind](connect, args))
+    results = {}
+    for kind, done in runs.items():
+        rank = MEDIAN_OF.get(kind)
+        ordered = sorted(done, key=rank) if rank else done
+        median = ordered[(len(ordered) - 1) // 2]
+        results[kind] = {**median, "runs": [{k: v for k, v in r.items() if k != "table"} for r in done],
+                         "table": [row for r in done for row in r.get("table", [])]}
+    return results
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
 def comparison(results: dict) -> dict:
-    """wheeld against the baseline, where both ran."""
+    """wheeld against the baseline, where both ran: medians over the runs (``--repeat``),
+    with every run's value beside."""
     out: dict = {}
     nats, wheeld = results.get("nats-schedules"), results.get("wheeld-schedules")
     if nats and wheeld:
-        n_rate = nats["scheduling"]["schedules_per_s"]
-        out["schedules_per_s_ratio"] = round(wheeld["schedules_per_s"] / n_rate, 1) if n_rate else None
-        out["lateness_p99_ms"] = {"wheeld": wheeld["lateness_ms_p99"],
-                                  "nats": nats["lateness_ms"]["received"]["p99"]}
+        n_rates = [r["scheduling"]["schedules_per_s"] for r in nats["runs"]]
+        w_rates = [r["schedules_per_s"] for r in wheeld["runs"]]
+        n_rate = _median(n_rates)
+        out["schedules_per_s_ratio"] = round(_median(w_rates) / n_rate, 1) if n_rate else None
+        out["schedules_per_s"] = {"wheeld": w_rates, "nats": n_rates}
+        w_p99 = [r["lateness_ms_p99"] for r in wheeld["runs"]]
+        n_p99 = [r["lateness_ms"]["received"]["p99"] for r in nats["runs"]]
+        out["lateness_p99_ms"] = {"wheeld": _median(w_p99), "nats": _median(n_p99),
+                                  "wheeld_runs": w_p99, "nats_runs": n_p99}
     if results.get("wheeld-throughput"):
-        out["replicated_over_local"] = results["wheeld-throughput"]["replicated_over_local"]
+        ratios = [r["replicated_over_local"] for r in results["wheeld-throughput"]["runs"]]
+        out["replicated_over_local"] = round(_median(ratios), 3)
+        out["replicated_over_local_runs"] = ratios
     return out
 
 
@@ -585,6 +633,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cancel-every", type=int, default=10, help="cancel every k-th timer (0: none)")
     parser.add_argument("--grace-s", type=float, default=3.0, help="wait this long after the last intended time")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs of each kind, interleaved; the median run is reported, every run beside "
+                             "(wheeld-failover runs once)")
     parser.add_argument("--clients", type=int, default=2, help="wheeld-throughput: client processes")
     parser.add_argument("--ops", type=int, default=200_000, help="wheeld-throughput: ops per client")
     parser.add_argument("--flush-every", type=int, default=1_000, help="wheeld-throughput: a flush() every N ops")
@@ -634,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({'started here' if cluster else args.urls}); load average {os.getloadavg()[0]:.2f} on "
               f"{os.cpu_count()} CPUs", flush=True)
         args.cluster = cluster
-        results = {kind: KINDS[kind](connect, args) for kind in args.kinds}
+        results = run_kinds(connect, args)
         if cluster is not None:
             info["server_warnings"] = server_warnings(cluster, started_logs)
     finally:
