@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
@@ -46,6 +47,35 @@ def _daemon(workdir: str, mode: str, urls: list[str]) -> DaemonProcess:
     daemon = DaemonProcess(workdir, capacity=2_000_000, extra=extra, log_level="WARNING")
     daemon.fleet_host = host  # (its stream: WHEELD_<host>)
     return daemon
+
+
+def _forget(urls: list[str], host: str, connect: dict | None) -> None:
+    """Delete a finished daemon's stream and lease (as ``wheelctl fleet forget``): every R3
+    stream left behind keeps a Raft group beating on the cluster, which would slow every
+    later run of the benchmark on this machine."""
+    import asyncio
+
+    import nats
+    from nats.js.errors import NotFoundError
+
+    from wheeld.fleet import stream as S
+
+    async def forget() -> None:
+        options = {"servers": list(urls), "connect_timeout": 5, "allow_reconnect": False}
+        if connect and connect.get("user") is not None:
+            options.update(user=connect["user"], password=connect.get("password") or "")
+        nc = await nats.connect(**options)
+        try:
+            js = nc.jetstream(timeout=5)
+            await js.delete_stream(S.stream_name(host))
+            with contextlib.suppress(Exception):  # (a local-only daemon has neither)
+                await (await js.key_value(S.LEASE_BUCKET)).purge(host)
+        except NotFoundError:
+            pass
+        finally:
+            await nc.close()
+
+    asyncio.run(forget())
 
 
 def _worker(socket_path: str, index: int, ops: int, flush_every: int, start, out) -> None:
@@ -120,6 +150,7 @@ def throughput(urls: list[str], mode: str, clients: int = 2, ops: int = 200_000,
     finally:
         daemon.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
+        _forget(urls, daemon.fleet_host, connect)
 
 
 def _caught_up(daemon: DaemonProcess, timeout_s: float = 60.0) -> int:
@@ -200,6 +231,7 @@ def schedules(urls: list[str], timers: int = 10_000, ahead_s: tuple[float, float
     finally:
         daemon.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
+        _forget(urls, daemon.fleet_host, connect)
 
 
 def flush_latency(urls: list[str], mode: str, rounds: int = 1_000, ops_per_flush: int = 10,
@@ -229,3 +261,4 @@ def flush_latency(urls: list[str], mode: str, rounds: int = 1_000, ops_per_flush
     finally:
         daemon.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
+        _forget(urls, daemon.fleet_host, connect)
