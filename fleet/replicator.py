@@ -437,11 +437,16 @@ class Replicator:
         from nats.js.errors import KeyWrongLastSequenceError
 
         period = self.config.lease_ttl_s / 3
-        again = False
+        # after a renewal that went unanswered (a leader election, a lost request) the lease
+        # is at risk: the next try comes this soon, not a period later, so that a host whose
+        # tries happened to fall in the cluster's leaderless moments does not let its key
+        # lapse while its peers, renewing in between, find the cluster fine
+        retry = min(period, max(0.1, self.config.lease_ttl_s / 20))
+        delay, again = period, False
         while self.fenced is None:
             if not again:
-                await asyncio.sleep(period)
-            again = False
+                await asyncio.sleep(delay)
+            again, delay = False, period
             sent = self.clock_ms()
             try:
                 holder = await self._renew()
@@ -454,6 +459,7 @@ class Replicator:
                 if not self._renew_answered:  # (refused, then a look-up failed: not cut off, the lease lapsed)
                     self.lease_reachable = False
                     self.on_progress()
+                delay = retry
                 continue
             if holder is not None:
                 self._stand_down(f"the lease of host {self.host} was claimed by {holder}")

@@ -356,3 +356,27 @@ def test_a_takeover_whose_read_outlasts_the_lease_ttl_completes(tmp_path):
     fleet.run(20.0)
     assert len(adopted) == 1, "the takeover never finished"
     assert len(adopted[0].pending) == 30
+
+
+def test_a_renewal_that_went_unanswered_is_tried_again_soon():
+    """Renewals whose requests were lost (a leader election) are tried again within a
+    twentieth of the TTL, not a third: a host whose two renewals in a row fell in the
+    cluster's leaderless moments let its key lapse while its peers, renewing in between,
+    found the cluster fine, and a peer took it over (fleet seed 11432, [outage-takeover])."""
+    fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
+    replicator = fleet.replicator("A")
+    fleet.run(1.0)
+    assert fleet.cluster.lease_of("A") == ("A", 1)
+    n = fleet.nth("A", "kv write A")
+    fleet.fates[("A", "kv write A", n + 1)] = "lose request"
+    fleet.fates[("A", "kv write A", n + 2)] = "lose request"
+    lapsed: list = []
+
+    def check():
+        if fleet.cluster.lease_of("A") != ("A", replicator.epoch):
+            lapsed.append(fleet.world.clock_ms())
+
+    fleet.run(4.0, check)
+    assert fleet.nth("A", "kv write A") >= n + 3  # tried a third time, and that one was stored
+    assert not lapsed, f"the key lapsed at {lapsed[0]} ms"
+    assert replicator.fenced is None and replicator.epoch == 1
