@@ -129,7 +129,10 @@ class Adopter:
         claim = _Claim(epoch, revision, 0, 0, value)
         keeper = asyncio.ensure_future(self._hold(replicator, host, claim))  # a read may outlast the TTL
         try:
-            claim.fence_seq = await self._fence(replicator, host, epoch, last.seq)
+            claim.fence_seq = await self._fence(replicator, host, claim, last.seq)
+            if not claim.fence_seq:
+                log.warning("fleet: the claim of host %s lapsed before its stream was fenced; not adopted", host)
+                return
             state = await self._read(replicator, host, claim.fence_seq)
         finally:
             keeper.cancel()
@@ -211,13 +214,24 @@ class Adopter:
         claim.revision = await replicator._kv.update(host, claim.value, last=entry.revision)
         return True
 
-    async def _fence(self, replicator, host: str, epoch: int, after: int) -> int:
-        """The fence after the stream's last message; returns its sequence."""
+    async def _fence(self, replicator, host: str, claim: _Claim, after: int) -> int:
+        """The fence after the stream's last message; returns its sequence, 0 when the claim
+        was found lost first. Every attempt after the first renews the claim before it (a
+        compare-and-set): a fence retried once the claim had lapsed would fence a host that
+        had taken its own lease back meanwhile, and written since (fleet seed 11439)."""
         from nats.js.errors import APIError
 
-        js, subj, name = replicator._js, S.subject(host), S.stream_name(host)
+        js, subj, name, epoch = replicator._js, S.subject(host), S.stream_name(host), claim.epoch
         error: Exception | None = None
-        for _ in range(20):
+        for attempt in range(20):
+            if attempt:
+                try:
+                    if not await self._renew_claim(replicator, host, claim):
+                        return 0
+                except Exception as exc:  # not known (out of reach): no fence until it is
+                    error = exc
+                    await asyncio.sleep(0.2)
+                    continue
             hdrs = S.headers(S.FENCE, replicator.host, epoch, 0, 0, after)
             hdrs[S.H_MSG_ID] = f"fence:{host}:{epoch}"
             try:

@@ -380,3 +380,38 @@ def test_a_renewal_that_went_unanswered_is_tried_again_soon():
     assert fleet.nth("A", "kv write A") >= n + 3  # tried a third time, and that one was stored
     assert not lapsed, f"the key lapsed at {lapsed[0]} ms"
     assert replicator.fenced is None and replicator.epoch == 1
+
+
+def test_a_fence_is_not_retried_once_the_claim_is_lost(tmp_path):
+    """A peer's fence refused because the host wrote after the peer looked is tried again
+    after the new tail only while the claim is still the peer's. The peer's claim had
+    lapsed during its fence's timeouts; the host took its own lease back (its stream had no
+    fence), wrote, and the peer's retry fenced it after those writes: the host, its lease
+    valid, delivered while its stream was fenced (fleet seed 11439, [lease])."""
+    import asyncio
+
+    import msgspec
+
+    from wheeld.fleet import stream as S
+    from wheeld.fleet.adopt import Adopter, _Claim
+    from wheeld.protocol.journal import Add
+
+    fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
+    a = fleet.replicator("A")
+    journal = _journal(tmp_path, a, "A")
+    b = fleet.replicator("B")
+    fleet.run(1.0)
+    stream = fleet.cluster.streams["WHEELD_A"]
+    looked = max(stream.messages)  # where B looked before A wrote again
+    journal.append([Add(t=T0, g="g", k="k1", d=T0 + 60_000, s=1)])
+    fleet.run(1.0)
+    assert max(stream.messages) > looked and fleet.cluster.lease_of("A") == ("A", 1)
+    value = msgspec.json.encode(S.Lease("B", 2, b.pid, T0))
+    lost = _Claim(2, 1, 0, 0, value)  # a claim whose key is A's again (its revision long gone)
+    adopter, result = Adopter(b.config, lambda host, state: (0, 0, 0)), []
+    fleet.loop_of["B"].call(lambda: asyncio.ensure_future(adopter._fence(b, "A", lost, looked))
+                            .add_done_callback(lambda f: result.append(f.result())))
+    fleet.run(3.0)
+    assert result == [0]  # the claim was found lost: no fence
+    assert [m.headers["Wheeld-Kind"] for m in stream.messages.values()].count("fence") == 0
+    assert a.fenced is None and fleet.cluster.lease_of("A") == ("A", 1)
