@@ -68,6 +68,13 @@ wheel_module = load_source("wheeld.shm.wheel")  # the traced writers run the sou
 #: the files whose lines a traced writer counts: wheel.py and its rooms (every module that writes the arena)
 WHEEL_FILES = frozenset([wheel_module.__file__] + [m.__file__ for m in (wheel_attach, wheel_batch, wheel_groups)])
 
+# The writers are forked children that attach to the arena, run the wheel's code and are
+# SIGKILLed; they touch no lock another thread of the test process may hold (pytest's
+# timeout and xdist threads), so Python 3.12's warning about fork() in a multi-threaded
+# process (one per writer: ~1,800 a run) says nothing here.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded, use of fork\\(\\) may lead to deadlocks:DeprecationWarning")
+
 CAPACITY = 48
 SHAPE = {"tick_ms": 1, "wheel_size": 4, "levels": 3}  # 64 ms range: cascades and clamping all the time
 KEYS = [f"k{i}" for i in range(40)] + list(range(-5, 5)) + [b"b%d" % i for i in range(10)]
