@@ -327,13 +327,19 @@ async def _until(predicate, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.002)
 
 
+async def _replicating(linger_ms: int):
+    """A replicator publishing to a :class:`_FakeJetStream`, its first snapshot stored."""
+    r = _publishing(linger_ms)
+    r._tasks.append(asyncio.ensure_future(r._publish_loop()))
+    r.snapshotted(0, b"s")
+    await _until(lambda: len(r._js.messages) == 1 and r.state == "replicating")  # a snapshot goes at once
+    return r
+
+
 def test_appends_linger_into_one_message_until_a_flush_hurries_them():
     async def scenario():
-        r = _publishing(linger_ms=60_000)
+        r = await _replicating(linger_ms=60_000)
         sent = r._js.messages
-        loop_task = asyncio.ensure_future(r._publish_loop())
-        r.snapshotted(0, b"s")
-        await _until(lambda: len(sent) == 1)  # a snapshot goes at once
         for lsn in (1, 2, 3):
             r.appended(lsn, lsn, b"%d" % lsn)
             await asyncio.sleep(0.01)  # the publish loop runs in between
@@ -344,37 +350,30 @@ def test_appends_linger_into_one_message_until_a_flush_hurries_them():
         r.appended(4, 4, b"4")
         await asyncio.sleep(0.02)
         assert len(sent) == 2  # the hurry was for lsn 2, stored: lingering again
-        loop_task.cancel()
+        r._tasks[0].cancel()
 
     asyncio.run(scenario())
 
 
 def test_a_linger_ends_on_time():
     async def scenario():
-        r = _publishing(linger_ms=40)
+        r = await _replicating(linger_ms=40)
         sent = r._js.messages
-        loop_task = asyncio.ensure_future(r._publish_loop())
-        r.snapshotted(0, b"s")
-        await _until(lambda: len(sent) == 1)
         t0 = asyncio.get_running_loop().time()
         r.appended(1, 1, b"1")
         await _until(lambda: len(sent) == 2)
         assert asyncio.get_running_loop().time() - t0 >= 0.035  # not sooner than the linger (a ms of slack)
         assert sent[1] == (S.BATCH, "1 1", b"1")
-        loop_task.cancel()
+        r._tasks[0].cancel()
 
     asyncio.run(scenario())
 
 
 def test_a_stop_sends_what_lingers():
     async def scenario():
-        r = _publishing(linger_ms=60_000)
-        sent = r._js.messages
-        r._tasks.append(asyncio.ensure_future(r._publish_loop()))
-        r.snapshotted(0, b"s")
-        await _until(lambda: r.state == "replicating")
+        r = await _replicating(linger_ms=60_000)
         r.appended(1, 2, b"ab")
         await r.close()
-        assert sent[-1] == (S.BATCH, "1 2", b"ab") and r.state == "stopped"
+        assert r._js.messages[-1] == (S.BATCH, "1 2", b"ab") and r.state == "stopped"
 
     asyncio.run(scenario())
