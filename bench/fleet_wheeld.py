@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import shutil
@@ -50,15 +49,14 @@ def _daemon(workdir: str, mode: str, urls: list[str]) -> DaemonProcess:
 
 
 def _forget(urls: list[str], host: str, connect: dict | None) -> None:
-    """Delete a finished daemon's stream and lease (as ``wheelctl fleet forget``): every R3
+    """Delete a finished daemon's stream and lease (``wheelctl fleet forget``): every R3
     stream left behind keeps a Raft group beating on the cluster, which would slow every
     later run of the benchmark on this machine."""
     import asyncio
 
     import nats
-    from nats.js.errors import NotFoundError
 
-    from wheeld.fleet import stream as S
+    from wheeld.ctl_fleet import forget_on
 
     async def forget() -> None:
         options = {"servers": list(urls), "connect_timeout": 5, "allow_reconnect": False}
@@ -66,12 +64,7 @@ def _forget(urls: list[str], host: str, connect: dict | None) -> None:
             options.update(user=connect["user"], password=connect.get("password") or "")
         nc = await nats.connect(**options)
         try:
-            js = nc.jetstream(timeout=5)
-            await js.delete_stream(S.stream_name(host))
-            with contextlib.suppress(Exception):  # (a local-only daemon has neither)
-                await (await js.key_value(S.LEASE_BUCKET)).purge(host)
-        except NotFoundError:
-            pass
+            await forget_on(nc, host)  # (a local-only daemon has neither: nothing deleted)
         finally:
             await nc.close()
 

@@ -90,23 +90,28 @@ async def fleet_rows(urls: str) -> list[dict]:
 async def forget_host(urls: str, host: str) -> list[str]:
     """Delete a host's stream and lease; returns what was deleted."""
     nc = await _connect(urls)
-    deleted = []
     try:
-        js = nc.jetstream(timeout=3)
-        try:
-            await js.delete_stream(S.stream_name(host))
-            deleted.append(f"stream {S.stream_name(host)}")
-        except Exception:
-            pass
-        try:
-            kv = await js.key_value(S.LEASE_BUCKET)
-            await kv.purge(host)
-            deleted.append(f"lease {host}")
-        except Exception:
-            pass
-        return deleted
+        return await forget_on(nc, host)
     finally:
         await nc.close()
+
+
+async def forget_on(nc, host: str) -> list[str]:
+    """:func:`forget_host` on a connection of the caller's (``nats.connect``)."""
+    deleted = []
+    js = nc.jetstream(timeout=3)
+    try:
+        await js.delete_stream(S.stream_name(host))
+        deleted.append(f"stream {S.stream_name(host)}")
+    except Exception:
+        pass
+    try:
+        kv = await js.key_value(S.LEASE_BUCKET)
+        await kv.purge(host)
+        deleted.append(f"lease {host}")
+    except Exception:
+        pass
+    return deleted
 
 
 @click.group(invoke_without_command=True)
