@@ -433,7 +433,7 @@ def run_wheeld_schedules(connect: dict, args: argparse.Namespace) -> dict:
     from bench.fleet_wheeld import schedules
 
     r = schedules(connect["servers"], timers=args.n, ahead_s=args.ahead_s,
-                  cancel_every=args.cancel_every, connect=connect)
+                  cancel_every=args.cancel_every, connect=connect, linger_ms=args.linger_ms)
     r["table"] = [{"kind": "wheeld-schedules", "timers": r["timers"], "failed": 0, "per_s": r["schedules_per_s"],
                    "ack_p99": None, "late_p50": r["lateness_ms_p50"], "late_p99": r["lateness_ms_p99"],
                    "late_max": r["lateness_ms_max"], "early": r["early"], "stored_p50": None, "stored_p99": None,
@@ -452,7 +452,7 @@ def run_wheeld_throughput(connect: dict, args: argparse.Namespace) -> dict:
     from bench.fleet_wheeld import MODES, throughput
 
     rows = [throughput(connect["servers"], mode, clients=args.clients, ops=args.ops, flush_every=args.flush_every,
-                       connect=connect) for mode in MODES]
+                       connect=connect, linger_ms=args.linger_ms) for mode in MODES]
     print(format_table(rows, [c for c, _ in THROUGHPUT_TABLE], [h for _, h in THROUGHPUT_TABLE]), flush=True)
     by_mode = {r["mode"]: r for r in rows}
     return {"modes": by_mode,
@@ -467,7 +467,8 @@ def run_wheeld_flush_latency(connect: dict, args: argparse.Namespace) -> dict:
     """What a flush() waits for beyond the work it covers: small flushes, local and replicated."""
     from bench.fleet_wheeld import MODES, flush_latency
 
-    rows = [flush_latency(connect["servers"], mode, rounds=args.latency_rounds, connect=connect) for mode in MODES]
+    rows = [flush_latency(connect["servers"], mode, rounds=args.latency_rounds, connect=connect,
+                          linger_ms=args.linger_ms) for mode in MODES]
     print(format_table(rows, [c for c, _ in LATENCY_TABLE], [h for _, h in LATENCY_TABLE]), flush=True)
     return {"modes": {r["mode"]: r for r in rows}}
 
@@ -492,7 +493,7 @@ def run_wheeld_failover(connect: dict, args: argparse.Namespace) -> dict:
         return {"killed_node": victim, "down_s": round(time.monotonic() - began, 2)}
 
     row = throughput(connect["servers"], "replicated", clients=args.clients, ops=args.failover_ops,
-                     flush_every=args.flush_every, fault=fault, connect=connect)
+                     flush_every=args.flush_every, fault=fault, connect=connect, linger_ms=args.linger_ms)
     row["mode"] = "replicated, leader killed"
     print(format_table([row], [c for c, _ in THROUGHPUT_TABLE], [h for _, h in THROUGHPUT_TABLE]), flush=True)
     return row
@@ -633,6 +634,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cancel-every", type=int, default=10, help="cancel every k-th timer (0: none)")
     parser.add_argument("--grace-s", type=float, default=3.0, help="wait this long after the last intended time")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--linger-ms", type=int, default=None,
+                        help="wheeld's --replicate-linger-ms for its replicating daemons (default: the daemon's)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs of each kind, interleaved; the median run is reported, every run beside "
                              "(wheeld-failover runs once)")

@@ -37,12 +37,14 @@ def _credentials(connect: dict | None) -> dict:
     return {"WHEELD_NATS_USER": connect["user"], "WHEELD_NATS_PASSWORD": connect.get("password") or ""}
 
 
-def _daemon(workdir: str, mode: str, urls: list[str]) -> DaemonProcess:
+def _daemon(workdir: str, mode: str, urls: list[str], linger_ms: int | None = None) -> DaemonProcess:
     host = f"bench{unique_name()[-8:]}"
     extra = ["--journal", os.path.join(workdir, f"journal-{host}"), "--fsync", "interval=10"]
     if mode == "replicated":
         extra += ["--replicate", ",".join(urls), "--host-id", host, "--durability", "replicated",
                   "--replicate-timeout-s", "30"]
+        if linger_ms is not None:  # (else the daemon's default)
+            extra += ["--replicate-linger-ms", str(linger_ms)]
     daemon = DaemonProcess(workdir, capacity=2_000_000, extra=extra, log_level="WARNING")
     daemon.fleet_host = host  # (its stream: WHEELD_<host>)
     return daemon
@@ -100,12 +102,12 @@ def _worker(socket_path: str, index: int, ops: int, flush_every: int, start, out
 
 
 def throughput(urls: list[str], mode: str, clients: int = 2, ops: int = 200_000, flush_every: int = 1_000,
-               fault=None, connect: dict | None = None) -> dict:
+               fault=None, connect: dict | None = None, linger_ms: int | None = None) -> dict:
     """ops/s and flush latency of one daemon in ``mode`` (module docstring). ``fault(host)``:
     called in a thread once the clients start, with the daemon's host id (a server killed and
     restarted meanwhile, say); what it returns is reported as ``fault``."""
     workdir = tempfile.mkdtemp(prefix=f"wheeld-bench-fleet-{mode}-")
-    daemon = _daemon(workdir, mode, urls)
+    daemon = _daemon(workdir, mode, urls, linger_ms)
     try:
         daemon.start(timeout_s=60, env=_credentials(connect))
         if mode == "replicated":
@@ -177,11 +179,11 @@ def _pct(sorted_s: list[float], p: float) -> float | None:
 
 
 def schedules(urls: list[str], timers: int = 10_000, ahead_s: tuple[float, float] = (1.0, 3.0),
-              cancel_every: int = 10, connect: dict | None = None) -> dict:
+              cancel_every: int = 10, connect: dict | None = None, linger_ms: int | None = None) -> dict:
     """wheeld's answer to the message-schedule baseline (module docstring), replicated."""
     import wheeld
     workdir = tempfile.mkdtemp(prefix="wheeld-bench-fleet-sched-")
-    daemon = _daemon(workdir, "replicated", urls)
+    daemon = _daemon(workdir, "replicated", urls, linger_ms)
     try:
         daemon.start(timeout_s=60, env=_credentials(connect))
         _wait_replicating(daemon)
@@ -228,13 +230,13 @@ def schedules(urls: list[str], timers: int = 10_000, ahead_s: tuple[float, float
 
 
 def flush_latency(urls: list[str], mode: str, rounds: int = 1_000, ops_per_flush: int = 10,
-                  connect: dict | None = None) -> dict:
+                  connect: dict | None = None, linger_ms: int | None = None) -> dict:
     """What a flush() waits for, apart from the work it covers: one client, ``ops_per_flush``
     adds then a flush(), ``rounds`` times; p50/p99/max of the flush, local and replicated."""
     import wheeld
 
     workdir = tempfile.mkdtemp(prefix=f"wheeld-bench-fleet-lat-{mode}-")
-    daemon = _daemon(workdir, mode, urls)
+    daemon = _daemon(workdir, mode, urls, linger_ms)
     try:
         daemon.start(timeout_s=60, env=_credentials(connect))
         if mode == "replicated":
