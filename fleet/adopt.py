@@ -75,8 +75,9 @@ class Adopter:
 
     async def run(self, replicator) -> None:
         while replicator.fenced is None:
+            unanswered = False
             try:
-                await self._keep_claims(replicator)
+                unanswered = await self._keep_claims(replicator)
                 for host in await self._candidates(replicator):
                     if host not in self.held and replicator.in_reach(replicator.clock_ms()):
                         await self._maybe_adopt(replicator, host)
@@ -84,8 +85,10 @@ class Adopter:
                 raise
             except Exception as exc:
                 log.warning("fleet: looking for hosts to adopt: %s", exc or type(exc).__name__)
-            # every half TTL; every third while a claim is held (renewed here)
-            await asyncio.sleep(max(0.25, self.config.lease_ttl_s / (3 if self.held else 2)))
+            # every half TTL; every third while a claim is held (renewed here), and soon after
+            # a renewal of one went unanswered
+            ttl = self.config.lease_ttl_s
+            await asyncio.sleep(S.renewal_retry_s(ttl) if unanswered else max(0.25, ttl / (3 if self.held else 2)))
 
     async def _candidates(self, replicator) -> list[str]:
         wanted = set(self.config.adopt)
@@ -152,23 +155,27 @@ class Adopter:
 
     async def _hold(self, replicator, host: str, claim: _Claim) -> None:
         """Renew ``claim`` every third of a TTL while a takeover fences and reads (cancelled
-        after); one that fails leaves it to the compare-and-set before the adoption."""
+        after), soon again after one that went unanswered; one found lost leaves it to the
+        compare-and-set before the adoption."""
+        delay = self.config.lease_ttl_s / 3
         while True:
-            await asyncio.sleep(self.config.lease_ttl_s / 3)
+            await asyncio.sleep(delay)
+            delay = self.config.lease_ttl_s / 3
             try:
                 if not await self._renew_claim(replicator, host, claim):
                     return
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                pass  # out of reach: the next renewal, or the check before the adoption, tells
+            except Exception:  # out of reach: tried again soon, or the check before the adoption tells
+                delay = S.renewal_retry_s(self.config.lease_ttl_s)
 
-    async def _keep_claims(self, replicator) -> None:
+    async def _keep_claims(self, replicator) -> bool:
         """For each host adopted and not purged yet: renew the claim of its key (a
         compare-and-set), and purge its stream behind the fence once this host's stream
         stored the adopted timers (only then are they safe from this host's loss). A claim
         found lost (it lapsed while this host was out of reach) is given up unpurged: another
-        peer may be adopting the host again."""
+        peer may be adopting the host again. True: a renewal went unanswered."""
+        unanswered = False
         for host, claim in list(self.held.items()):
             try:
                 if not await self._renew_claim(replicator, host, claim):
@@ -178,6 +185,7 @@ class Adopter:
                     continue
             except Exception as exc:
                 log.warning("fleet: the claim of adopted host %s not renewed: %s", host, exc or type(exc).__name__)
+                unanswered = True
                 continue
             if replicator.replicated_lsn < claim.lsn:
                 continue
@@ -187,6 +195,7 @@ class Adopter:
                 log.warning("fleet: stream of %s not purged behind its fence yet: %s", host, exc or type(exc).__name__)
                 continue
             del self.held[host]
+        return unanswered
 
     async def _renew_claim(self, replicator, host: str, claim: _Claim) -> bool:
         """Renew the claim of ``host``'s key (a compare-and-set on its revision): True while it

@@ -464,11 +464,7 @@ class Replicator:
         from nats.js.errors import KeyWrongLastSequenceError
 
         period = self.config.lease_ttl_s / 3
-        # after a renewal that went unanswered (a leader election, a lost request) the lease
-        # is at risk: the next try comes this soon, not a period later, so that a host whose
-        # tries happened to fall in the cluster's leaderless moments does not let its key
-        # lapse while its peers, renewing in between, find the cluster fine
-        retry = min(period, max(0.1, self.config.lease_ttl_s / 20))
+        retry = S.renewal_retry_s(self.config.lease_ttl_s)  # after a renewal that went unanswered
         delay, again = period, False
         while self.fenced is None:
             if not again:

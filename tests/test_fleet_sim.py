@@ -415,3 +415,102 @@ def test_a_fence_is_not_retried_once_the_claim_is_lost(tmp_path):
     assert result == [0]  # the claim was found lost: no fence
     assert [m.headers["Wheeld-Kind"] for m in stream.messages.values()].count("fence") == 0
     assert a.fenced is None and fleet.cluster.lease_of("A") == ("A", 1)
+
+
+def _two_batches_in_flight(fleet: Fleet, replicator: Replicator) -> None:
+    """Batches 1 and 2 sent one after the other, each as a flush() waits for it."""
+    replicator.snapshotted(0, b"snapshot\n")
+    fleet.run(1.0)
+    assert replicator.state == "replicating"
+    replicator.appended(1, 1, b"line 1\n")
+    replicator.hurry(1)
+    fleet.run(0.002)
+    replicator.appended(2, 2, b"line 2\n")
+    replicator.hurry(2)
+    fleet.run(0.002)
+
+
+def _lsns(fleet: Fleet, host: str) -> list[str]:
+    return [m.headers["Wheeld-Lsn"] for m in fleet.cluster.streams[f"WHEELD_{host}"].messages.values()]
+
+
+def test_a_flush_does_not_wait_for_the_batch_in_flight_before_its_own_is_sent():
+    """A flush() that waits for batch 2 while batch 1 is in flight: batch 2 is sent at once,
+    behind batch 1 (it used to wait for batch 1's answer, a round trip of nothing)."""
+    fleet = Fleet(ttl_s=4.0, timeout_s=0.5)
+    replicator = fleet.replicator("A")
+    fleet.fates[("A", "publish batch 1 1", 1)] = 50  # ms on the way
+    _two_batches_in_flight(fleet, replicator)
+    assert fleet.nth("A", "publish batch") == 2 and replicator.replicated_lsn == 0
+    fleet.run(0.2)
+    assert replicator.replicated_lsn == 2 and replicator.retries_total == 0
+    assert _lsns(fleet, "A") == ["0 0", "1 1", "2 2"]
+
+
+def test_batches_in_flight_behind_one_whose_answer_was_lost_are_stored_once():
+    """Batch 1 stored, its answer lost; batch 2 behind it stored and answered. Batch 1 times
+    out: the stream's last message (batch 2) says both are stored; neither is sent again."""
+    fleet = Fleet(ttl_s=4.0, timeout_s=0.5)
+    replicator = fleet.replicator("A")
+    fleet.fates[("A", "publish batch 1 1", 1)] = "lose answer"
+    _two_batches_in_flight(fleet, replicator)
+    fleet.run(2.0)
+    assert replicator.replicated_lsn == 2 and replicator.state == "replicating" and replicator.fenced is None
+    assert _lsns(fleet, "A") == ["0 0", "1 1", "2 2"]
+    assert fleet.nth("A", "publish batch") == 2
+
+
+def test_a_batch_in_flight_behind_a_lost_one_does_not_land_after_a_fence():
+    """Batch 1 is lost on the way; a peer's fence is stored; then batch 2 arrives, expecting
+    the sequence batch 1 would have had, which the fence has now. It is refused all the same,
+    for the msg id it names (batch 1's), and the host stands down. A sequence alone let it
+    land after the fence (fleet simulation, [after-fence])."""
+    from wheeld.fleet import stream as S
+
+    fleet = Fleet(ttl_s=4.0, timeout_s=0.5)
+    replicator = fleet.replicator("A")
+    fleet.fates[("A", "publish batch 1 1", 1)] = "lose request"
+    fleet.fates[("A", "publish batch 2 2", 1)] = 30  # ms on the way: the fence is stored before it
+
+    def fence() -> None:
+        stream = fleet.cluster.streams["WHEELD_A"]
+        fleet.cluster.publish(S.subject("A"), b"", S.headers(S.FENCE, "B", 2, 0, 0, stream.last_seq),
+                              fleet.world.now_ns, "WHEELD_A")
+    fleet.world.at(fleet.world.now_ns + 1_010 * MS, fence)
+    _two_batches_in_flight(fleet, replicator)
+    fleet.run(2.0)
+    assert replicator.fenced is not None and "B" in replicator.fenced
+    assert not fleet.cluster.after_fence, fleet.cluster.after_fence
+    assert _lsns(fleet, "A")[-1] == "0 0"  # the fence (lsn 0 0) is the last message
+    assert fleet.cluster.streams["WHEELD_A"].messages[fleet.cluster.streams["WHEELD_A"].last_seq].headers[
+        S.H_KIND] == S.FENCE
+
+
+def test_a_claim_renewal_that_went_unanswered_during_a_takeover_is_tried_again_soon(tmp_path):
+    """While a takeover reads the lost host's stream, the peer renews its claim every third
+    of the TTL. Two renewals in a row lost (a leader election) let the claim lapse: the
+    takeover stopped short and started over with a second fence. A renewal that goes
+    unanswered is now tried again within a twentieth of the TTL, as the host's own lease is
+    (the class of fleet seed 11432)."""
+    from wheeld.protocol.journal import Add
+
+    fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
+    a = fleet.replicator("A")
+    journal = _journal(tmp_path, a, "A")
+    adopted: list = []
+    fleet.replicator("B", on_adopt=lambda host, state: adopted.append(state) or (len(state.pending), 0, 0),
+                     adopt=("A",))
+    fleet.run(1.0)
+    for i in range(30):
+        journal.append([Add(t=T0, g="g", k=f"k{i}", d=T0 + 60_000, s=i + 1)])
+        fleet.run(0.05)
+    fleet.run(1.0)
+    assert a.replicated_lsn == 30
+    fleet.kill("A")
+    for nth in range(1, 200):
+        fleet.fates[("B", "next message of WHEELD_A", nth)] = 100.0  # 30 messages: 3 s, past the TTL
+    fleet.fates[("B", "kv write A", 2)] = "lose request"  # the claim is the first; two renewals lost
+    fleet.fates[("B", "kv write A", 3)] = "lose request"
+    fleet.run(20.0)
+    assert len(adopted) == 1 and len(adopted[0].pending) == 30
+    assert fleet.nth("B", "publish fence") == 1, "the takeover stopped short and started over"
