@@ -51,13 +51,7 @@ OUTBOX_BYTES = 64 << 20
 LINGER_BYTES = 256 << 10
 #: a renewal starts every third of the TTL; the lease counts as lapsed this share early
 LEASE_MARGIN = 0.2
-#: journal batches in flight to the stream at once while a flush() waits (one otherwise)
-PIPELINE = 4
 _WRONG_LAST_SEQUENCE = 10071
-#: a subject's expected sequence refused while a message to it is in flight (a clustered stream)
-_WRONG_LAST_SEQUENCE_IN_FLIGHT = 10164
-_WRONG_LAST_MSG_ID = 10070
-_REFUSED_FOR_ORDER = (_WRONG_LAST_SEQUENCE, _WRONG_LAST_SEQUENCE_IN_FLIGHT, _WRONG_LAST_MSG_ID)
 
 
 @dataclass(frozen=True)
@@ -87,7 +81,6 @@ class Outbox:
     size: int = 0
     want_snapshot: bool = True  # nothing is sent before a first snapshot
     dropped: int = 0  # batches dropped for a snapshot to replace
-    generation: int = 0  # grows whenever items are replaced, not only appended or sent
 
     def appended(self, first: int, last: int, data: bytes) -> None:
         if self.want_snapshot:
@@ -101,7 +94,6 @@ class Outbox:
             self.items = deque(it for it in self.items if it[0] != S.BATCH)
             self.size = sum(len(it[3]) for it in self.items)
             self.want_snapshot = True
-            self.generation += 1
 
     def snapshotted(self, lsn: int, data: bytes) -> None:
         kept = deque(it for it in self.items if it[2] > lsn)  # what a snapshot covers, older snapshots too
@@ -109,21 +101,19 @@ class Outbox:
         self.items = kept
         self.size = sum(len(it[3]) for it in kept)
         self.want_snapshot = False
-        self.generation += 1
 
-    def next_message(self, skip: int = 0) -> tuple[str, int, int, bytes, int]:
-        """The next message to send: the item after the first ``skip`` (those in flight),
-        and the batches right after a batch joined to it (contiguous lsns, up to
-        :data:`~wheeld.fleet.stream.MAX_PART` bytes): while a message is in flight the
-        appends gather, and the next carries them all.
+    def next_message(self) -> tuple[str, int, int, bytes, int]:
+        """The next message to send: the first item, and the batches right after a batch
+        joined to it (contiguous lsns, up to :data:`~wheeld.fleet.stream.MAX_PART` bytes):
+        while one message is in flight the appends gather, and the next carries them all.
         Returns (kind, first lsn, last lsn, payload, items taken)."""
         items = self.items
-        kind, first, last, payload = items[skip]
+        kind, first, last, payload = items[0]
         if kind != S.BATCH:
             return kind, first, last, payload, 1
-        parts, size, taken, end = [payload], len(payload), 1, len(items) - skip
-        while taken < end:
-            k, f, la, p = items[skip + taken]
+        parts, size, taken = [payload], len(payload), 1
+        while taken < len(items):
+            k, f, la, p = items[taken]
             if k != S.BATCH or f != last + 1 or size + len(p) > S.MAX_PART:
                 break
             parts.append(p)
@@ -143,21 +133,6 @@ class Outbox:
 
     def queued_lsn(self) -> int:
         return self.items[-1][2] if self.items else 0
-
-
-@dataclass(eq=False)
-class _Flight:
-    """A batch sent and not answered yet (it follows stream sequence ``expect``)."""
-
-    kind: str
-    first: int
-    last: int
-    taken: int  # outbox items it carries
-    data: bytes
-    generation: int  # the outbox's when it was taken
-    expect: int
-    msg_id: str
-    task: asyncio.Future | None = None
 
 
 class Fenced(Exception):
@@ -206,8 +181,6 @@ class Replicator:
         self._rev = 0
         self._renew_answered = False  # the last renewal (or claim) was answered, whatever followed
         self._last_seq = 0
-        self._flight: deque[_Flight] = deque()  # sent, in order, not answered yet
-        self._backoff = 0.1  # before the next attempt after one that failed
         self._wake = asyncio.Event()
         self._hurry_lsn = 0  # a flush() waits for the stream to hold this lsn: no lingering
         self._tasks: list[asyncio.Task] = []
@@ -298,9 +271,9 @@ class Replicator:
             while self.outbox.items and self.state == "replicating" and loop.time() < end:
                 await asyncio.sleep(0.005)
         self.state = "stopped" if self.fenced is None else self.state
-        for task in self._tasks + [f.task for f in self._flight if f.task is not None]:
+        for task in self._tasks:
             task.cancel()
-        for task in self._tasks + [f.task for f in self._flight if f.task is not None]:
+        for task in self._tasks:
             try:
                 await task
             except (asyncio.CancelledError, Exception):
@@ -560,126 +533,24 @@ class Replicator:
         return h.get(S.H_KIND, ""), h.get(S.H_HOST, ""), int(h.get(S.H_EPOCH, "0")), last
 
     async def _publish_loop(self) -> None:
-        """Send the outbox, one message at a time unless a flush() waits: then batches go out
-        behind the one in flight (up to :data:`PIPELINE`), each naming the sequence the one
-        before it gets, so that a flush does not wait a round trip for a message it does not
-        need before its own is even sent. Snapshots and batches of more than one part go
-        alone (:meth:`_send`)."""
-        outbox, flight = self.outbox, self._flight
+        outbox = self.outbox
         while self.fenced is None:
-            if flight and flight[0].task.done():
-                await self._land()
+            if not outbox.items:
+                self._wake.clear()
+                if not outbox.items:
+                    await self._wake.wait()
                 continue
-            if not flight and outbox.items:
-                if await self._linger():
-                    continue
-                kind, first, last, payload, taken = outbox.next_message()
-                if kind == S.BATCH and len(payload) <= S.MAX_PART:
-                    self._launch(kind, first, last, payload, taken)
-                else:
-                    await self._send(kind, first, last, payload)
-                    self._stored(kind, first, last, taken)
-                    if kind == S.SNAP:
-                        await self._purge_before_snapshot()
+            if await self._linger():
                 continue
-            if self._may_pipeline():
-                self._launch(*self.outbox.next_message(sum(f.taken for f in flight)))
-                continue
-            self._wake.clear()
-            if not (flight and flight[0].task.done()) and not (not flight and outbox.items):
-                await self._wake.wait()
-
-    def _may_pipeline(self) -> bool:
-        """Send another batch while one is in flight? Only when a flush() waits for an event
-        not in flight yet, the items in flight are still the outbox's first (no snapshot
-        replaced them), and the next is a batch that fits one message."""
-        flight, outbox = self._flight, self.outbox
-        if not flight or len(flight) >= PIPELINE or self._hurry_lsn <= flight[-1].last \
-                or outbox.generation != flight[-1].generation:
-            return False
-        skip = sum(f.taken for f in flight)
-        return skip < len(outbox.items) and outbox.items[skip][0] == S.BATCH and \
-            len(outbox.items[skip][3]) <= S.MAX_PART
-
-    def _launch(self, kind: str, first: int, last: int, payload: bytes, taken: int) -> None:
-        flight = self._flight
-        expect = flight[-1].expect + 1 if flight else self._last_seq
-        f = _Flight(kind, first, last, taken, payload, self.outbox.generation, expect,
-                    S.headers(kind, self.host, self.epoch, first, last, expect)[S.H_MSG_ID])
-        self._attempt(f, flight[-1] if flight else None)
-        flight.append(f)
-
-    def _attempt(self, f: _Flight, after: _Flight | None) -> None:
-        """Send ``f`` (again); ``after``: the message in flight before it."""
-        hdrs = S.headers(f.kind, self.host, self.epoch, f.first, f.last, f.expect,
-                         after=after.msg_id if after is not None else None)
-        f.task = asyncio.ensure_future(self._js.publish(self.subject, f.data, headers=hdrs, stream=self.stream))
-        f.task.add_done_callback(lambda _task: self._wake.set())
-
-    async def _land(self) -> None:
-        """The first message in flight was answered: stored, or see :meth:`_recover`."""
-        from nats.js.errors import APIError
-
-        f = self._flight[0]
-        exc = f.task.exception()
-        if exc is not None:
-            if isinstance(exc, APIError) and getattr(exc, "err_code", None) not in _REFUSED_FOR_ORDER:
-                raise exc
-            await self._recover(exc)
-            return
-        self._flight.popleft()
-        self._last_seq = f.task.result().seq
-        self._backoff = 0.1
-        self.published_total += 1
-        self.published_bytes += len(f.data)
-        self._stored(f.kind, f.first, f.last, f.taken)
-
-    async def _recover(self, error: BaseException) -> None:
-        """A message in flight was refused for its sequence, or not answered (a timeout, a
-        reconnect). Once every attempt in flight ended, the stream's last message says which
-        of them it stored: one of them (an acknowledgement lost: it and those before it are
-        stored), the last one stored before them (none), or another writer's (a fence:
-        Fenced). What is not stored is sent again, as the same messages (their msg ids), after
-        a back-off."""
-        flight = self._flight
-        await asyncio.wait([f.task for f in flight if f.task is not None])
-        while True:
-            self.retries_total += 1
-            self._set_state("behind")
-            if self._backoff >= 0.4:
-                log.warning("fleet: lsn %d-%d not stored yet: %s", flight[0].first, flight[-1].last,
-                            error or type(error).__name__)
-            await asyncio.sleep(self._backoff)
-            self._backoff = min(2.0, self._backoff * 2)
-            try:
-                tail = await self._tail()
-                break
-            except Exception as exc:  # not answered either: look again
-                error = exc
-        h = (tail.headers or {}) if tail is not None else {}
-        ids = [f.msg_id for f in flight]
-        if tail is not None and h.get(S.H_MSG_ID) in ids:
-            for _ in range(ids.index(h[S.H_MSG_ID]) + 1):
-                f = flight.popleft()
-                self.published_total += 1
-                self.published_bytes += len(f.data)
-                self._stored(f.kind, f.first, f.last, f.taken)
-            self._last_seq = tail.seq
-        elif (tail.seq if tail is not None else 0) != self._last_seq:
-            who = f"{h.get(S.H_HOST)} ({h.get(S.H_KIND)}, epoch {h.get(S.H_EPOCH)})" if h else "another writer"
-            raise Fenced(f"the stream of host {self.host} was written by {who}") from error
-        expect, before = self._last_seq, None
-        for f in flight:
-            f.expect, expect = expect, expect + 1
-            self._attempt(f, before)
-            before = f
-
-    def _stored(self, kind: str, first: int, last: int, taken: int) -> None:
-        self.outbox.sent(kind, first, taken)
-        self.replicated_lsn = max(self.replicated_lsn, last)
-        self.last_ack_ms = self._waiting_since_ms = self.clock_ms()  # what is left waits from now
-        self._set_state("replicating")
-        self.on_progress()
+            kind, first, last, payload, taken = outbox.next_message()
+            await self._send(kind, first, last, payload)
+            outbox.sent(kind, first, taken)
+            self.replicated_lsn = max(self.replicated_lsn, last)
+            self.last_ack_ms = self._waiting_since_ms = self.clock_ms()  # what is left waits from now
+            if kind == S.SNAP:
+                await self._purge_before_snapshot()
+            self._set_state("replicating")
+            self.on_progress()
 
     async def _linger(self) -> bool:
         """Wait for more appends to go in the same message: until the queue's oldest event

@@ -47,13 +47,6 @@ H_PART = "Wheeld-Part"
 H_EPOCH = "Wheeld-Epoch"
 H_HOST = "Wheeld-Host"
 H_EXPECT = "Nats-Expected-Last-Subject-Sequence"
-#: the same check on the whole stream (its one subject): unlike the subject's, a clustered
-#: stream checks it also while earlier messages are in flight, so batches can be pipelined
-H_EXPECT_STREAM = "Nats-Expected-Last-Sequence"
-#: the msg id of the stream's last message: a batch sent behind another one in flight names
-#: it, so that it cannot land after a write that came between (a peer's fence) whatever its
-#: sequence
-H_EXPECT_MSG_ID = "Nats-Expected-Last-Msg-Id"
 H_MSG_ID = "Nats-Msg-Id"
 
 BATCH, SNAP, FENCE = "batch", "snap", "fence"
@@ -106,17 +99,9 @@ def subject(host: str) -> str:
 
 
 def headers(kind: str, host: str, epoch: int, first: int, last: int, expect: int,
-            part: tuple[int, int] | None = None, after: str | None = None) -> dict[str, str]:
-    """The headers of one message (``expect``: the stream sequence it must follow). ``after``:
-    it is sent while the message of that msg id is in flight (and must follow it): then the
-    sequence is checked as the stream's (a clustered stream refuses to check a subject's
-    while a message to it is in flight) and the message before it by its msg id."""
-    h = {H_KIND: kind, H_HOST: host, H_EPOCH: str(epoch), H_LSN: f"{first} {last}"}
-    if after is None:
-        h[H_EXPECT] = str(expect)
-    else:
-        h[H_EXPECT_STREAM] = str(expect)
-        h[H_EXPECT_MSG_ID] = after
+            part: tuple[int, int] | None = None) -> dict[str, str]:
+    """The headers of one message (``expect``: the stream sequence it must follow)."""
+    h = {H_KIND: kind, H_HOST: host, H_EPOCH: str(epoch), H_LSN: f"{first} {last}", H_EXPECT: str(expect)}
     if part is not None:
         h[H_PART] = f"{part[0]} {part[1]}"
         h[H_MSG_ID] = f"{host}:{epoch}:{kind}:{first}:{last}:{part[0]}"

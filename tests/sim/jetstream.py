@@ -61,8 +61,6 @@ QUORUM = 2
 NODES = 3
 MS = 1_000_000
 EXPECT = "Nats-Expected-Last-Subject-Sequence"
-EXPECT_STREAM = "Nats-Expected-Last-Sequence"
-EXPECT_MSG_ID = "Nats-Expected-Last-Msg-Id"
 MSG_ID = "Nats-Msg-Id"
 KV_PREFIX = "KV_"
 
@@ -100,7 +98,6 @@ class Stream:
         self.window_ns = int((config.duplicate_window or 120.0) * 1e9)
         self.messages: dict[int, Message] = {}  # by sequence, in order
         self.last_seq = 0
-        self.last_msg_id = ""  # of the last message stored (purged or not)
         self.last_of: dict[str, int] = {}  # subject -> sequence of its last message
         self.dedupe: dict[str, tuple[int, int]] = {}  # msg id -> (sequence, when stored)
         self.created_ns = created_ns
@@ -123,7 +120,7 @@ class Stream:
 
     def publish(self, subject: str, data: bytes, headers: dict[str, str], now_ns: int,
                 holders: set[int]) -> api.PubAck:
-        """Store one message: the expected last subject (or stream) sequence first, then the msg id."""
+        """Store one message: the expected last subject sequence first, then the msg id."""
         self.expire(now_ns)
         expected = headers.get(EXPECT)
         if expected is not None:
@@ -131,14 +128,6 @@ class Stream:
             if last != int(expected):
                 raise jse.BadRequestError(code=400, err_code=10071, description=f"wrong last sequence: {last}",
                                           stream=self.name)
-        expected = headers.get(EXPECT_STREAM)
-        if expected is not None and self.last_seq != int(expected):
-            raise jse.BadRequestError(code=400, err_code=10071, description=f"wrong last sequence: {self.last_seq}",
-                                      stream=self.name)
-        expected = headers.get(EXPECT_MSG_ID)
-        if expected is not None and self.last_msg_id != expected:
-            raise jse.BadRequestError(code=400, err_code=10070, description=f"wrong last msg ID: {self.last_msg_id}",
-                                      stream=self.name)
         msg_id = headers.get(MSG_ID)
         if msg_id:
             dedupe = self.dedupe  # (in the order stored: the oldest first)
@@ -150,7 +139,6 @@ class Stream:
         seq = self.last_seq
         self.messages[seq] = Message(seq, subject, dict(headers), bytes(data), now_ns, set(holders))
         self.last_of[subject] = seq
-        self.last_msg_id = msg_id or ""
         if msg_id:
             self.dedupe[msg_id] = (seq, now_ns)
         if self.per_subject:
