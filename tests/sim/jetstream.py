@@ -8,9 +8,10 @@ ordered consumer have the same methods, answers and exceptions as ``nats-py``'s,
 
 * **Streams** (:class:`Stream`): messages numbered by sequence, per-subject last
   sequence, ``Nats-Expected-Last-Subject-Sequence`` checked first and then
-  ``Nats-Msg-Id`` de-duplicated within the duplicate window (the order of a
-  clustered stream: a retry whose first attempt was stored is refused with err_code
-  10071, not answered as a duplicate), purge of a subject below a sequence, ``max_age``
+  ``Nats-Msg-Id`` de-duplicated within the duplicate window (the stricter order: a
+  retry whose first attempt was stored is refused with err_code 10071; nats-server
+  2.15 de-duplicates first and answers it as a duplicate with the first attempt's
+  sequence, which the replicator takes as stored all the same), purge of a subject below a sequence, ``max_age``
   expiring messages on the simulated clock, and one message per subject for a
   key-value bucket (``history=1``).
 * **The key-value bucket** is such a stream (``KV_<bucket>``, subjects
