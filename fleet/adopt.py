@@ -72,12 +72,14 @@ class Adopter:
         self.adopt = adopt
         self.adopted: dict[str, dict] = {}  # host -> what its takeover did (wheelctl fleet)
         self.held: dict[str, _Claim] = {}  # hosts adopted, their streams not purged yet
+        self.unanswered = False  # the last renewal of a claim held went unanswered
 
     async def run(self, replicator) -> None:
+        loop = asyncio.get_running_loop()
         while replicator.fenced is None:
-            unanswered = False
+            started = loop.time()
             try:
-                unanswered = await self._keep_claims(replicator)
+                await self._keep_claims(replicator)
                 for host in await self._candidates(replicator):
                     if host not in self.held and replicator.in_reach(replicator.clock_ms()):
                         await self._maybe_adopt(replicator, host)
@@ -86,9 +88,12 @@ class Adopter:
             except Exception as exc:
                 log.warning("fleet: looking for hosts to adopt: %s", exc or type(exc).__name__)
             # every half TTL; every third while a claim is held (renewed here), and soon after
-            # a renewal of one went unanswered
+            # a renewal of one went unanswered; counted from this round's start, so that what
+            # the round waited for (a purge or a renewal timing out) does not push the next
+            # renewal past the claim's TTL
             ttl = self.config.lease_ttl_s
-            await asyncio.sleep(S.renewal_retry_s(ttl) if unanswered else max(0.25, ttl / (3 if self.held else 2)))
+            period = S.renewal_retry_s(ttl) if self.unanswered else max(0.25, ttl / (3 if self.held else 2))
+            await asyncio.sleep(max(0.0, period - (loop.time() - started)))
 
     async def _candidates(self, replicator) -> list[str]:
         wanted = set(self.config.adopt)
@@ -169,13 +174,13 @@ class Adopter:
             except Exception:  # out of reach: tried again soon, or the check before the adoption tells
                 delay = S.renewal_retry_s(self.config.lease_ttl_s)
 
-    async def _keep_claims(self, replicator) -> bool:
+    async def _keep_claims(self, replicator) -> None:
         """For each host adopted and not purged yet: renew the claim of its key (a
         compare-and-set), and purge its stream behind the fence once this host's stream
         stored the adopted timers (only then are they safe from this host's loss). A claim
         found lost (it lapsed while this host was out of reach) is given up unpurged: another
-        peer may be adopting the host again. True: a renewal went unanswered."""
-        unanswered = False
+        peer may be adopting the host again. :attr:`unanswered`: a renewal went unanswered."""
+        self.unanswered = False
         for host, claim in list(self.held.items()):
             try:
                 if not await self._renew_claim(replicator, host, claim):
@@ -185,7 +190,7 @@ class Adopter:
                     continue
             except Exception as exc:
                 log.warning("fleet: the claim of adopted host %s not renewed: %s", host, exc or type(exc).__name__)
-                unanswered = True
+                self.unanswered = True
                 continue
             if replicator.replicated_lsn < claim.lsn:
                 continue
@@ -195,7 +200,6 @@ class Adopter:
                 log.warning("fleet: stream of %s not purged behind its fence yet: %s", host, exc or type(exc).__name__)
                 continue
             del self.held[host]
-        return unanswered
 
     async def _renew_claim(self, replicator, host: str, claim: _Claim) -> bool:
         """Renew the claim of ``host``'s key (a compare-and-set on its revision): True while it

@@ -445,3 +445,34 @@ def test_a_claim_renewal_that_went_unanswered_during_a_takeover_is_tried_again_s
     fleet.run(20.0)
     assert len(adopted) == 1 and len(adopted[0].pending) == 30
     assert fleet.nth("B", "publish fence") == 1, "the takeover stopped short and started over"
+
+
+def test_a_claim_renewal_that_went_unanswered_before_the_purge_is_tried_again_soon(tmp_path):
+    """After a takeover the peer renews its claim until its purge of the lost host's stream
+    succeeds. Two renewals in a row lost while the purge could not be done let the claim
+    lapse, and the host was adopted a second time (a second fence). As during the takeover,
+    a renewal that goes unanswered is tried again within a twentieth of the TTL."""
+    from wheeld.protocol.journal import Add
+
+    fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
+    a = fleet.replicator("A")
+    journal = _journal(tmp_path, a, "A")
+    adopted: list = []
+    fleet.replicator("B", on_adopt=lambda host, state: adopted.append(state) or (len(state.pending), 0, 0),
+                     adopt=("A",))
+    fleet.run(1.0)
+    journal.append([Add(t=T0, g="g", k="k", d=T0 + 60_000, s=1)])
+    fleet.run(1.0)
+    assert a.replicated_lsn == 1
+    fleet.kill("A")
+    for nth in range(1, 30):
+        fleet.fates[("B", "purge WHEELD_A", nth)] = "lose request"  # the purge waits (and the claim is kept)
+    fleet.run(6.0)
+    assert len(adopted) == 1
+    n = fleet.nth("B", "kv write A")
+    fleet.fates[("B", "kv write A", n + 1)] = "lose request"
+    fleet.fates[("B", "kv write A", n + 2)] = "lose request"
+    fleet.run(10.0)
+    assert fleet.nth("B", "kv write A") >= n + 3
+    assert fleet.nth("B", "publish fence") == 1, "the claim lapsed and the host was adopted again"
+    assert len(adopted) == 1
