@@ -25,8 +25,9 @@ over, and fenced each other, as the cluster came back):
 5. **purge** the host's stream below the fence once this host's stream stored them:
    the timers are this host's now, and only the fence is left (a host that comes back
    with its old journal finds it and refuses to start: docs/fleet.md). Until then the
-   peer keeps renewing its claim of the host's key (every third of a TTL), so no other
-   peer adopts the same timers again.
+   peer keeps renewing its claim of the host's key (every third of a TTL, and a twentieth
+   after a renewal that went unanswered: :func:`~wheeld.fleet.stream.renewal_retry_s`),
+   so no other peer adopts the same timers again.
 
 A takeover that stops between 2 and 5 (the peer killed, or cut off long enough for its
 claim to lapse) leaves the host's stream whole behind the fence: a host whose stream ends
