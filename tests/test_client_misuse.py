@@ -25,6 +25,11 @@ def collect(client, want: int, timeout_s: float = 10.0) -> list:
     return got
 
 
+# A fork is what this test is about; the child uses nothing another thread of the test
+# process (pytest's timeout, xdist) may hold, so Python 3.12's warning about fork() in a
+# multi-threaded process says nothing here.
+@pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded, use of fork\\(\\) may lead to deadlocks:DeprecationWarning")
 def test_a_forked_child_gets_a_clear_error_and_leaves_the_parents_session_alone(daemon):
     with wheeld.connect(daemon.socket_path, group="forked") as w:
         w.add("before", 300)

@@ -331,6 +331,12 @@ def test_asyncio_client(daemon):
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
+# The client that is refused is a fork of this process that becomes nobody (a new
+# interpreter run as nobody could not read this checkout). pytest's timeout and xdist
+# threads hold none of the locks it takes, so Python 3.12's warning about fork() in a
+# multi-threaded process says nothing here.
+@pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded, use of fork\\(\\) may lead to deadlocks:DeprecationWarning")
 def test_disallowed_uid_is_refused_with_a_reason(daemon_factory):
     import shutil
     import tempfile
