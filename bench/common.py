@@ -17,6 +17,8 @@ given.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import platform
@@ -35,6 +37,24 @@ __all__ = ["DaemonProcess", "add_save_option", "compile_c", "format_table", "mac
 RESULTS_DIR = Path(__file__).resolve().parent / "results"  # the recorded figures (tracked): written with --save
 RUNS_DIR = Path(__file__).resolve().parent / "runs"  # every other run's files (ignored by git)
 RUNS_ENV = "WHEELD_BENCH_RUNS"  # another folder for them
+
+
+@contextlib.contextmanager
+def no_collector_pauses():
+    """While a benchmark's application receives what it times (expirations, scheduled
+    messages), its own garbage collector stays out: everything allocated before is frozen
+    and collection is off until the block ends. A full collection of the benchmark process
+    (its clients, results, nats-py) takes tens of ms, and inside a receive window it shows
+    as the timer service's lateness: in one wheeld-schedules run of bench/fleet.py a gen2
+    collection started in the very millisecond its burst of late expirations began."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
 
 
 def runs_dir() -> Path:

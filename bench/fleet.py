@@ -92,7 +92,7 @@ from typing import Any
 if __package__ in (None, ""):  # python bench/fleet.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import add_save_option, format_table, machine_info, results_path  # noqa: E402
+from bench.common import add_save_option, format_table, machine_info, no_collector_pauses, results_path  # noqa: E402
 
 SCHEDULE, TARGET, SCHEDULER = "Nats-Schedule", "Nats-Schedule-Target", "Nats-Scheduler"
 CONSUMER_ENV = "WHEELD_BENCH_FLEET_CONSUMER"
@@ -168,10 +168,11 @@ async def _consume(spec: dict) -> int:
 
     await nc.jetstream().subscribe(spec["subject"], cb=on_fired, ordered_consumer=True)
     await nc.flush()
-    print("ready", flush=True)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_reader(sys.stdin.fileno(), stop.set)
-    await stop.wait()
+    with no_collector_pauses():  # as wheeld's receiver (bench/fleet_wheeld.py)
+        print("ready", flush=True)
+        await stop.wait()
     await nc.close()
     print(json.dumps({"rows": rows, "errors": errors[:20]}), flush=True)
     return 0
