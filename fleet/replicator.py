@@ -238,8 +238,9 @@ class Replicator:
     def in_reach(self, now_ms: int) -> bool:
         """Has this host held its lease, renewal after renewal, for a whole TTL? A peer takes
         another host over only then (wheeld.fleet.adopt): after the cluster itself was out of
-        reach (no quorum, a partition of this host), every host's lease may have lapsed alike,
-        and each gets a TTL to take its own back before a peer takes it over."""
+        reach (no quorum, a partition of this host), or this host's own lease lapsed (a pause
+        through an outage), every host's lease may have lapsed alike, and each gets a TTL to
+        take its own back before a peer takes it over."""
         return self._lease_reachable and self.fenced is None and now_ms < self.lease_valid_until_ms and \
             now_ms - self.unreachable_ms >= int(self.config.lease_ttl_s * 1000)
 
@@ -502,6 +503,10 @@ class Replicator:
             if h.get(S.H_KIND) == S.FENCE:
                 return f"{h.get(S.H_HOST)} (epoch {h.get(S.H_EPOCH)}), which fenced its stream"
             self._rev = await self._kv.create(self.host, value)  # raises if a peer got there first
+            # the lease lapsed (a pause, an outage): held again only from now, so this host
+            # takes no other over for a TTL (in_reach), as the hosts whose leases lapsed with
+            # its own take theirs back (fleet seed 39218)
+            self.unreachable_ms = self.clock_ms()
             return None
         lease = msgspec.json.decode(entry.value, type=S.Lease)
         if lease.holder == self.host and lease.epoch == self.epoch and lease.pid == self.pid:
