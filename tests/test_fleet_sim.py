@@ -328,13 +328,9 @@ def test_a_restarted_daemon_back_in_reach_does_not_deliver_before_its_claim():
     assert not seen, f"the restarted daemon could deliver at {seen[0]} ms while B held its key"
 
 
-def test_a_takeover_whose_read_outlasts_the_lease_ttl_completes(tmp_path):
-    """The adopter checks that its claim of the lost host's key is still its own before it
-    adopts (a claim that lapsed during the read may be another peer's by then). A read that
-    took longer than the TTL (a long stream, a slow network) then always found its claim
-    lapsed: the takeover started again, fenced again, read again, for ever, and the host's
-    timers were never delivered (seed 3921 of the fleet simulation: 30 takeovers of one
-    host, none finished). The claim is renewed while the takeover reads."""
+def _host_lost_to_an_adopter(tmp_path, timers: int) -> tuple[Fleet, list]:
+    """Host A with ``timers`` timers replicated, then killed; host B adopts A (the states it
+    adopted are appended to the list returned)."""
     from wheeld.protocol.journal import Add
 
     fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
@@ -344,12 +340,23 @@ def test_a_takeover_whose_read_outlasts_the_lease_ttl_completes(tmp_path):
     fleet.replicator("B", on_adopt=lambda host, state: adopted.append(state) or (len(state.pending), 0, 0),
                      adopt=("A",))
     fleet.run(1.0)
-    for i in range(30):
+    for i in range(timers):
         journal.append([Add(t=T0, g="g", k=f"k{i}", d=T0 + 60_000, s=i + 1)])
         fleet.run(0.05)
     fleet.run(1.0)
-    assert a.replicated_lsn == 30
+    assert a.replicated_lsn == timers
     fleet.kill("A")
+    return fleet, adopted
+
+
+def test_a_takeover_whose_read_outlasts_the_lease_ttl_completes(tmp_path):
+    """The adopter checks that its claim of the lost host's key is still its own before it
+    adopts (a claim that lapsed during the read may be another peer's by then). A read that
+    took longer than the TTL (a long stream, a slow network) then always found its claim
+    lapsed: the takeover started again, fenced again, read again, for ever, and the host's
+    timers were never delivered (seed 3921 of the fleet simulation: 30 takeovers of one
+    host, none finished). The claim is renewed while the takeover reads."""
+    fleet, adopted = _host_lost_to_an_adopter(tmp_path, timers=30)
     slow = fleet.fates
     for nth in range(1, 200):
         slow[("B", "next message of WHEELD_A", nth)] = 150.0  # 30 messages: 4.5 s, past the TTL
@@ -423,21 +430,7 @@ def test_a_claim_renewal_that_went_unanswered_during_a_takeover_is_tried_again_s
     takeover stopped short and started over with a second fence. A renewal that goes
     unanswered is now tried again within a twentieth of the TTL, as the host's own lease is
     (the class of fleet seed 11432)."""
-    from wheeld.protocol.journal import Add
-
-    fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
-    a = fleet.replicator("A")
-    journal = _journal(tmp_path, a, "A")
-    adopted: list = []
-    fleet.replicator("B", on_adopt=lambda host, state: adopted.append(state) or (len(state.pending), 0, 0),
-                     adopt=("A",))
-    fleet.run(1.0)
-    for i in range(30):
-        journal.append([Add(t=T0, g="g", k=f"k{i}", d=T0 + 60_000, s=i + 1)])
-        fleet.run(0.05)
-    fleet.run(1.0)
-    assert a.replicated_lsn == 30
-    fleet.kill("A")
+    fleet, adopted = _host_lost_to_an_adopter(tmp_path, timers=30)
     for nth in range(1, 200):
         fleet.fates[("B", "next message of WHEELD_A", nth)] = 100.0  # 30 messages: 3 s, past the TTL
     fleet.fates[("B", "kv write A", 2)] = "lose request"  # the claim is the first; two renewals lost
@@ -452,19 +445,7 @@ def test_a_claim_renewal_that_went_unanswered_before_the_purge_is_tried_again_so
     succeeds. Two renewals in a row lost while the purge could not be done let the claim
     lapse, and the host was adopted a second time (a second fence). As during the takeover,
     a renewal that goes unanswered is tried again within a twentieth of the TTL."""
-    from wheeld.protocol.journal import Add
-
-    fleet = Fleet(ttl_s=2.0, timeout_s=0.5)
-    a = fleet.replicator("A")
-    journal = _journal(tmp_path, a, "A")
-    adopted: list = []
-    fleet.replicator("B", on_adopt=lambda host, state: adopted.append(state) or (len(state.pending), 0, 0),
-                     adopt=("A",))
-    fleet.run(1.0)
-    journal.append([Add(t=T0, g="g", k="k", d=T0 + 60_000, s=1)])
-    fleet.run(1.0)
-    assert a.replicated_lsn == 1
-    fleet.kill("A")
+    fleet, adopted = _host_lost_to_an_adopter(tmp_path, timers=1)
     for nth in range(1, 30):
         fleet.fates[("B", "purge WHEELD_A", nth)] = "lose request"  # the purge waits (and the claim is kept)
     fleet.run(6.0)
