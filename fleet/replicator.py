@@ -52,6 +52,8 @@ LINGER_BYTES = 256 << 10
 #: a renewal starts every third of the TTL; the lease counts as lapsed this share early
 LEASE_MARGIN = 0.2
 _WRONG_LAST_SEQUENCE = 10071
+#: a payload this long is deflated in a worker thread (zlib lets go of the GIL meanwhile)
+DEFLATE_OFF_LOOP = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ class Replicator:
         self.last_ack_ms = 0
         self._waiting_since_ms = 0  # when the journal's oldest event not stored began waiting
         self.published_total = 0
-        self.published_bytes = 0
+        self.published_bytes = 0  # as sent (deflated)
         self.retries_total = 0
         self.flush_waits: list[float] = []
         self._nc = None
@@ -578,22 +580,26 @@ class Replicator:
         return True
 
     async def _send(self, kind: str, first: int, last: int, payload: bytes) -> None:
-        parts = S.split(payload)
+        if len(payload) >= DEFLATE_OFF_LOOP:  # a snapshot of many timers: not on the daemon's loop
+            data, encoding = await asyncio.get_running_loop().run_in_executor(None, S.deflate, payload)
+        else:
+            data, encoding = S.deflate(payload)
+        parts = S.split(data)
         n = len(parts)
         for i, part in enumerate(parts, 1):
             label = (i, n) if n > 1 else None
             if kind == S.SNAP and i == 1:
                 self._snap_first_seq = 0
-            seq = await self._publish_one(kind, first, last, part, label)
+            seq = await self._publish_one(kind, first, last, part, label, encoding)
             if kind == S.SNAP and i == 1:
                 self._snap_first_seq = seq
 
-    async def _publish_one(self, kind, first, last, data, part) -> int:
+    async def _publish_one(self, kind, first, last, data, part, encoding=None) -> int:
         from nats.js.errors import APIError
 
         backoff = 0.1
         while True:
-            hdrs = S.headers(kind, self.host, self.epoch, first, last, self._last_seq, part)
+            hdrs = S.headers(kind, self.host, self.epoch, first, last, self._last_seq, part, encoding)
             try:
                 ack = await self._js.publish(self.subject, data, headers=hdrs, stream=self.stream)
                 self._last_seq = ack.seq

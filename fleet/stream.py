@@ -17,7 +17,9 @@ journal (:mod:`wheeld.protocol.journal`), in order:
            it follows, ``Nats-Expected-Last-Subject-Sequence``)
 =========  ==================================================================
 
-A message larger than :data:`MAX_PART` is split into parts (``Wheeld-Part: i n``),
+A payload of :data:`DEFLATE_MIN` bytes or more is sent deflated (zlib, header
+``Wheeld-Encoding: deflate``), then split: a message larger than :data:`MAX_PART` is
+split into parts (``Wheeld-Part: i n``),
 sent one after the other; a reader ignores a message whose parts are not all there (a
 writer killed between them: nothing covered by it was acknowledged as replicated).
 
@@ -28,8 +30,10 @@ to claim with a create (a compare-and-set).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import zlib
 from pathlib import Path
 
 import msgspec
@@ -48,8 +52,19 @@ H_EPOCH = "Wheeld-Epoch"
 H_HOST = "Wheeld-Host"
 H_EXPECT = "Nats-Expected-Last-Subject-Sequence"
 H_MSG_ID = "Nats-Msg-Id"
+H_ENCODING = "Wheeld-Encoding"
+
+#: a payload at least this long is sent deflated (``Wheeld-Encoding: deflate``)
+DEFLATE_MIN = 2048
+#: the zlib level: the fastest, since the journal's JSON lines shrink ~4x even so
+DEFLATE_LEVEL = 1
+#: the most a deflated message may grow to when read back (a hostile or damaged stream)
+INFLATE_MAX = 4 << 30
 
 BATCH, SNAP, FENCE = "batch", "snap", "fence"
+DEFLATE = "deflate"
+
+log = logging.getLogger("wheeld.fleet")
 
 _HOST_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -99,15 +114,48 @@ def subject(host: str) -> str:
 
 
 def headers(kind: str, host: str, epoch: int, first: int, last: int, expect: int,
-            part: tuple[int, int] | None = None) -> dict[str, str]:
-    """The headers of one message (``expect``: the stream sequence it must follow)."""
+            part: tuple[int, int] | None = None, encoding: str | None = None) -> dict[str, str]:
+    """The headers of one message (``expect``: the stream sequence it must follow;
+    ``encoding``: :data:`DEFLATE` when the whole payload, all parts joined, is deflated)."""
     h = {H_KIND: kind, H_HOST: host, H_EPOCH: str(epoch), H_LSN: f"{first} {last}", H_EXPECT: str(expect)}
+    if encoding is not None:
+        h[H_ENCODING] = encoding
     if part is not None:
         h[H_PART] = f"{part[0]} {part[1]}"
         h[H_MSG_ID] = f"{host}:{epoch}:{kind}:{first}:{last}:{part[0]}"
     else:
         h[H_MSG_ID] = f"{host}:{epoch}:{kind}:{first}:{last}"
     return h
+
+
+def deflate(payload: bytes) -> tuple[bytes, str | None]:
+    """What goes on the wire for ``payload``, and its encoding (None: as it is).
+
+    The journal's lines are JSON with a checksum, ~110 bytes per event; zlib's fastest
+    level takes them to about a quarter at ~0.5 µs per event. Every byte sent is stored
+    by three servers and carried twice by their Raft log, and a publish's round trip
+    grows with its size, so a flush() of 1,000 ops waits for ~26 KB, not ~110 KB.
+    Short payloads (a flush of a few ops) go as they are."""
+    if len(payload) < DEFLATE_MIN:
+        return payload, None
+    return zlib.compress(payload, DEFLATE_LEVEL), DEFLATE
+
+
+def inflate(data: bytes, encoding: str | None) -> bytes:
+    """The payload a message carried (:func:`deflate` undone); ValueError if it cannot be
+    read: an unknown encoding, damaged data, or more than :data:`INFLATE_MAX` bytes."""
+    if encoding is None:
+        return data
+    if encoding != DEFLATE:
+        raise ValueError(f"unknown {H_ENCODING} {encoding!r}")
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(data, INFLATE_MAX)
+    except zlib.error as exc:
+        raise ValueError(f"damaged deflate data: {exc}") from None
+    if d.unconsumed_tail or not d.eof:
+        raise ValueError("deflate data truncated or inflating past the limit")
+    return out
 
 
 def split(payload: bytes) -> list[bytes]:
@@ -144,9 +192,10 @@ class Reassembler:
         first, last = (int(x) for x in hdrs.get(H_LSN, "0 0").split())
         ident = (kind, hdrs.get(H_HOST, ""), int(hdrs.get(H_EPOCH, "0")), first, last)
         part = hdrs.get(H_PART)
+        encoding = hdrs.get(H_ENCODING)
         if part is None:
             self._parts, self._want = [], None
-            return Record(kind, ident[1], ident[2], first, last, seq, data)
+            return self._record(ident, seq, data, encoding)
         i, n = (int(x) for x in part.split())
         if i == 1:
             self._parts, self._want = [data], ident
@@ -157,8 +206,19 @@ class Reassembler:
             return None
         if i == n:
             payload, self._parts, self._want = b"".join(self._parts), [], None
-            return Record(kind, ident[1], ident[2], first, last, seq, payload)
+            return self._record(ident, seq, payload, encoding)
         return None
+
+    @staticmethod
+    def _record(ident: tuple, seq: int, data: bytes, encoding: str | None) -> Record | None:
+        kind, host, epoch, first, last = ident
+        try:
+            payload = inflate(data, encoding)
+        except ValueError as exc:  # dropped: recovery reports the lsns it is missing
+            log.error("fleet: %s lsn %d-%d of host %s (stream sequence %d) cannot be read: %s",
+                      kind, first, last, host, seq, exc)
+            return None
+        return Record(kind, host, epoch, first, last, seq, payload)
 
 
 def tail(records: list[Record]) -> tuple[list[Record], Record | None]:

@@ -22,14 +22,15 @@ T0 = 1_700_000_000_000
 class Tap:
     """What a replicator is told, as the messages it would publish (split into parts)."""
 
-    def __init__(self, host="h1", epoch=1):
-        self.host, self.epoch, self.messages = host, epoch, []
+    def __init__(self, host="h1", epoch=1, deflate=True):
+        self.host, self.epoch, self.messages, self.deflate = host, epoch, [], deflate
 
     def _publish(self, kind, first, last, payload):
-        parts = S.split(payload)
+        data, encoding = S.deflate(payload) if self.deflate else (payload, None)
+        parts = S.split(data)
         for i, part in enumerate(parts, 1):
             label = (i, len(parts)) if len(parts) > 1 else None
-            hdrs = S.headers(kind, self.host, self.epoch, first, last, len(self.messages), label)
+            hdrs = S.headers(kind, self.host, self.epoch, first, last, len(self.messages), label, encoding)
             self.messages.append((hdrs, part, len(self.messages) + 1))
 
     def appended(self, first, last, data):
@@ -59,10 +60,12 @@ def _same(a, b):
         sorted((t.group, str(t.key), t.seq) for t in b.unacked)
 
 
+@pytest.mark.parametrize("deflate_min", [1, 10**9], ids=["deflated", "plain"])
 @pytest.mark.parametrize("part", [None, 97])
-def test_the_stream_recovers_the_timers_the_journal_does(tmp_path, monkeypatch, part):
+def test_the_stream_recovers_the_timers_the_journal_does(tmp_path, monkeypatch, part, deflate_min):
     if part:
         monkeypatch.setattr(S, "MAX_PART", part)  # every message in many parts
+    monkeypatch.setattr(S, "DEFLATE_MIN", deflate_min)
     tap = Tap()
     journal = Journal(tmp_path / "j", fsync="off", host="h1", wall_ms=lambda: T0, mono_ms=lambda: 0)
     journal.tap = tap
@@ -71,6 +74,8 @@ def test_the_stream_recovers_the_timers_the_journal_does(tmp_path, monkeypatch, 
     journal.write_snapshot(journal.last_lsn, state.pending.values(), state.unacked)
     journal.append([Add(t=T0, g="g2", k=7, d=T0 + 5, s=70, i=300), Ack(t=T0, g="g", k="k5", s=5)])
     journal.close()
+    deflated = [h.get(S.H_ENCODING) == S.DEFLATE for h, _, _ in tap.messages]
+    assert all(deflated) if deflate_min == 1 else not any(deflated)
     kept, fence = S.tail(tap.records())
     assert fence is None and kept[0].kind == S.SNAP and [r.kind for r in kept[1:]] == [S.BATCH]
     last = S.write_directory(kept, tmp_path / "copy", "h1")
@@ -97,6 +102,37 @@ def test_a_message_whose_parts_stop_short_is_dropped(tmp_path, monkeypatch):
     assert [r.kind for r in kept] == [S.SNAP, S.BATCH] and kept[-1].last == 1
     S.write_directory(kept, tmp_path / "copy", "h1")
     assert set(recover(tmp_path / "copy", repair=False, quiet=True).pending) == {("g", "a")}
+
+
+def test_journal_lines_are_deflated_and_short_payloads_go_as_they_are():
+    lines = b"".join(b'{"ev":"add","v":1,"n":%d,"t":1,"g":"g","k":"k%d","d":9,"s":%d,"crc":1}\n' % (i, i, i)
+                     for i in range(200))
+    data, encoding = S.deflate(lines)
+    assert encoding == S.DEFLATE and len(data) < len(lines) / 3
+    assert S.inflate(data, encoding) == lines
+    assert S.deflate(lines[:100]) == (lines[:100], None)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "cut", "unknown", "too-large"])
+def test_a_deflated_message_that_cannot_be_read_is_dropped_and_named(monkeypatch, caplog, damage):
+    monkeypatch.setattr(S, "DEFLATE_MIN", 1)
+    tap = Tap()
+    tap.snapshotted(0, b"s" * 50)
+    tap.appended(1, 2, b"x" * 5000)
+    tap.appended(3, 3, b"y" * 4000)
+    hdrs, data, seq = tap.messages[1]
+    if damage == "flipped":
+        data = data[:4] + bytes([data[4] ^ 0xFF]) + data[5:]
+    elif damage == "cut":
+        data = data[:len(data) // 2]
+    elif damage == "unknown":
+        hdrs = dict(hdrs, **{S.H_ENCODING: "zstd"})
+    else:
+        monkeypatch.setattr(S, "INFLATE_MAX", 4999)  # a bomb: more than the reader takes
+    tap.messages[1] = (hdrs, data, seq)
+    records = tap.records()
+    assert [(r.kind, r.first, r.payload[:1]) for r in records] == [(S.SNAP, 0, b"s"), (S.BATCH, 3, b"y")]
+    assert "batch lsn 1-2 of host h1 (stream sequence 2) cannot be read" in caplog.text
 
 
 def test_a_fence_ends_the_stream_and_a_snapshot_replaces_what_came_before():

@@ -198,6 +198,25 @@ def test_a_slice_of_fresh_fleet_seeds_keeps_the_contract(index):
     assert handed > 0
 
 
+def test_fleet_seeds_keep_the_contract_with_every_message_deflated_off_the_loop(monkeypatch):
+    """Every message deflated, each in the (simulated) worker thread that big snapshots use:
+    takeovers read it all back (two seeds whose takeovers hand acknowledged timers over:
+    each breaks the contract when the reader ignores the encoding)."""
+    from wheeld.fleet import replicator, stream
+
+    monkeypatch.setattr(stream, "DEFLATE_MIN", 1)
+    monkeypatch.setattr(replicator, "DEFLATE_OFF_LOOP", 0)
+    calls = []
+    plain = SimLoop.run_in_executor
+    monkeypatch.setattr(SimLoop, "run_in_executor", lambda self, *a: calls.append(a[1]) or plain(self, *a))
+    takeovers = 0
+    for seed in (60_001, 60_022):
+        result = run_fleet_seed(seed, 1000)
+        assert not result.violations, _failure(seed, 1000, result.violations)
+        takeovers += result.faults["takeovers"]
+    assert takeovers > 0 and calls and set(calls) == {stream.deflate}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(4))
 def test_a_long_run_of_fresh_fleet_seeds_keeps_the_contract(index):

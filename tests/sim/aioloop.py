@@ -63,6 +63,16 @@ class SimLoop(asyncio.BaseEventLoop):
     def _write_to_self(self) -> None:
         pass
 
+    def run_in_executor(self, executor, func, *args) -> asyncio.Future:
+        """``func(*args)`` at once, in this thread: no real thread ever runs in the
+        simulated world (its timing would not be the seed's)."""
+        future = self.create_future()
+        try:
+            future.set_result(func(*args))
+        except BaseException as exc:  # as a worker thread's future would hold it
+            future.set_exception(exc)
+        return future
+
     # ------------------------------------------------------------------ stepping
     def _due(self) -> bool:
         scheduled = self._scheduled
