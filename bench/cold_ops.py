@@ -26,6 +26,7 @@ bench/results/) and prints a table.
 from __future__ import annotations
 
 import argparse
+import mmap
 import random
 import sys
 import time
@@ -38,16 +39,34 @@ if __package__ in (None, ""):
 
 from bench.common import add_save_option, format_table, write_json  # noqa: E402
 from wheeld.protocol import accel  # noqa: E402
+from wheeld.shm.arena import Segment  # noqa: E402
 from wheeld.shm.wheel import TimerWheel  # noqa: E402
 
 OPS = ("rearm", "add", "cancel", "fire", "ack")
+
+
+def _huge_segment(size: int) -> Segment:
+    """Private memory for the arena, asking the kernel for transparent huge pages before
+    any page is touched (``--huge-pages``): whether the cold cost is TLB misses."""
+    # private: a shared anonymous mapping is shmem, whose huge pages the kernel's
+    # shmem_enabled governs (commonly "never"), not the madvise
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    return Segment(buf, None, size)
+
+
+def _huge_kb() -> int:
+    """This process's memory in transparent huge pages, in kB."""
+    with open("/proc/self/smaps_rollup") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
 
 
 class _Bench:
     def __init__(self, args):
         self.args = args
         self.rng = random.Random(args.seed)
-        self.wheel = TimerWheel.create(args.capacity, tick_ms=1, wheel_size=256, start_ms=0)
+        self.wheel = TimerWheel.create(args.capacity, tick_ms=1, wheel_size=256, start_ms=0,
+                                       segment_factory=_huge_segment if args.huge_pages else None)
         self.now = 0
         self.keys = list(range(args.pending))
         for key in self.keys:
@@ -140,6 +159,8 @@ def main(argv=None) -> int:
     parser.add_argument("--delay-lo-ms", type=int, default=5_000)
     parser.add_argument("--delay-hi-ms", type=int, default=9_500)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="the arena in private memory advised for transparent huge pages (MADV_HUGEPAGE)")
     parser.add_argument("--out", help="JSON path (default: bench/runs/cold_ops.json)")
     add_save_option(parser)
     args = parser.parse_args(argv)
@@ -148,14 +169,17 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             bench.round()
         rows = bench.rows()
+        huge_kb = _huge_kb()
     finally:
         bench.wheel.close()
     print(f"cold_ops: {accel.implementation()} wheel, {args.pending:,} pending in {args.capacity:,} records, "
-          f"batches of {args.batch}, {args.evict_mb} MB written between cold batches\n")
+          f"batches of {args.batch}, {args.evict_mb} MB written between cold batches; "
+          f"{huge_kb:,} kB in huge pages\n")
     print(format_table(rows, ["op", "operations", "cold_ns", "warm_ns", "cold_over_warm"],
                        ["op", "ops", "cold ns/op", "warm ns/op", "cold/warm"]))
     payload = {"implementation": accel.implementation(), "capacity": args.capacity, "pending": args.pending,
-               "batch": args.batch, "rounds": args.rounds, "evict_mb": args.evict_mb, "results": rows}
+               "batch": args.batch, "rounds": args.rounds, "evict_mb": args.evict_mb,
+               "huge_pages": args.huge_pages, "huge_pages_kb": huge_kb, "results": rows}
     if args.out:
         path = Path(args.out)
         path.write_text(__import__("json").dumps(payload, indent=2) + "\n")

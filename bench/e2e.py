@@ -724,6 +724,11 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
         "steady_daemon_cpu_us_per_op": round(
             ((steady_cpu1.user + steady_cpu1.system) - (steady_cpu0.user + steady_cpu0.system)) * 1e6
             / max(1, sum(c["steady"]["ops"] for c in clients)), 3),
+        # of it, in the kernel (system time: the wake-ups, the socket sends) and in the process
+        "steady_daemon_cpu_split_us_per_op": {
+            "user": round((steady_cpu1.user - steady_cpu0.user) * 1e6 / max(1, sum(c["steady"]["ops"] for c in clients)), 3),
+            "system": round((steady_cpu1.system - steady_cpu0.system) * 1e6
+                            / max(1, sum(c["steady"]["ops"] for c in clients)), 3)},
         "steady_daemon_cpu_us_per_wakeup": round(
             ((steady_cpu1.user + steady_cpu1.system) - (steady_cpu0.user + steady_cpu0.system)) * 1e6
             / max(1, steady_counters1["wakeups_total"] - steady_counters0["wakeups_total"]), 1),
