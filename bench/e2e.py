@@ -692,6 +692,7 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
     t0_ms = t0_ns // 1_000_000
     steady_ms = steady_ns // 1_000_000
     steady_window_s = (touch_ns - steady_ns) / 1e9
+    steady_ops = max(1, sum(c["steady"]["ops"] for c in clients))
     windows = {"burst": (t0_ms, end_ns // 1_000_000),
                "steady": (steady_ms, steady_ms + int(sizes.steady_s * 1000))}
     out.update({
@@ -726,9 +727,8 @@ def run_wheeld(sizes: Sizes, seed: int, name_prefix: str = "bench", profile_dir:
             / max(1, sum(c["steady"]["ops"] for c in clients)), 3),
         # of it, in the kernel (system time: the wake-ups, the socket sends) and in the process
         "steady_daemon_cpu_split_us_per_op": {
-            "user": round((steady_cpu1.user - steady_cpu0.user) * 1e6 / max(1, sum(c["steady"]["ops"] for c in clients)), 3),
-            "system": round((steady_cpu1.system - steady_cpu0.system) * 1e6
-                            / max(1, sum(c["steady"]["ops"] for c in clients)), 3)},
+            "user": round((steady_cpu1.user - steady_cpu0.user) * 1e6 / steady_ops, 3),
+            "system": round((steady_cpu1.system - steady_cpu0.system) * 1e6 / steady_ops, 3)},
         "steady_daemon_cpu_us_per_wakeup": round(
             ((steady_cpu1.user + steady_cpu1.system) - (steady_cpu0.user + steady_cpu0.system)) * 1e6
             / max(1, steady_counters1["wakeups_total"] - steady_counters0["wakeups_total"]), 1),
