@@ -58,8 +58,10 @@ H_ENCODING = "Wheeld-Encoding"
 DEFLATE_MIN = 2048
 #: the zlib level: the fastest, since the journal's JSON lines shrink ~4x even so
 DEFLATE_LEVEL = 1
-#: the most a deflated message may grow to when read back (a hostile or damaged stream)
-INFLATE_MAX = 4 << 30
+#: a deflated message read back may grow to this many times its size (journal lines
+#: deflate ~4x; a crafted "deflate bomb" ~1000x), or to INFLATE_FLOOR, whichever is more
+INFLATE_RATIO = 64
+INFLATE_FLOOR = 16 << 20
 
 BATCH, SNAP, FENCE = "batch", "snap", "fence"
 DEFLATE = "deflate"
@@ -143,18 +145,23 @@ def deflate(payload: bytes) -> tuple[bytes, str | None]:
 
 def inflate(data: bytes, encoding: str | None) -> bytes:
     """The payload a message carried (:func:`deflate` undone); ValueError if it cannot be
-    read: an unknown encoding, damaged data, or more than :data:`INFLATE_MAX` bytes."""
+    read: an unknown encoding, damaged data, or more than :data:`INFLATE_RATIO` times its
+    size (at least :data:`INFLATE_FLOOR` bytes): a reader's memory is not the writer's to
+    multiply."""
     if encoding is None:
         return data
     if encoding != DEFLATE:
         raise ValueError(f"unknown {H_ENCODING} {encoding!r}")
+    limit = max(INFLATE_FLOOR, len(data) * INFLATE_RATIO)
     d = zlib.decompressobj()
     try:
-        out = d.decompress(data, INFLATE_MAX)
+        out = d.decompress(data, limit)
     except zlib.error as exc:
         raise ValueError(f"damaged deflate data: {exc}") from None
-    if d.unconsumed_tail or not d.eof:
-        raise ValueError("deflate data truncated or inflating past the limit")
+    if d.unconsumed_tail:
+        raise ValueError(f"deflate data of {len(data)} bytes inflates past {limit} bytes")
+    if not d.eof:
+        raise ValueError("deflate data cut short")
     return out
 
 
