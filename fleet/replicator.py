@@ -52,8 +52,11 @@ LINGER_BYTES = 256 << 10
 #: a renewal starts every third of the TTL; the lease counts as lapsed this share early
 LEASE_MARGIN = 0.2
 _WRONG_LAST_SEQUENCE = 10071
-#: a payload this long is deflated in a worker thread (zlib lets go of the GIL meanwhile)
-DEFLATE_OFF_LOOP = 1 << 20
+#: a payload this long is deflated in a worker thread (zlib lets go of the GIL meanwhile):
+#: ~1 ms of the loop at most (zlib level 1 takes ~4 ms per MiB here), as when the outbox
+#: catches up after an outage with messages of up to MAX_PART; shorter ones, a flush()'s
+#: usual batch among them, go faster inline than through a thread
+DEFLATE_OFF_LOOP = LINGER_BYTES
 
 
 @dataclass(frozen=True)
@@ -580,7 +583,7 @@ class Replicator:
         return True
 
     async def _send(self, kind: str, first: int, last: int, payload: bytes) -> None:
-        if len(payload) >= DEFLATE_OFF_LOOP:  # a snapshot of many timers: not on the daemon's loop
+        if len(payload) >= DEFLATE_OFF_LOOP:  # a snapshot, a catch-up: not on the daemon's loop
             data, encoding = await asyncio.get_running_loop().run_in_executor(None, S.deflate, payload)
         else:
             data, encoding = S.deflate(payload)
