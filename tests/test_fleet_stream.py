@@ -343,9 +343,11 @@ class _FakeJetStream:
 
     def __init__(self):
         self.messages: list[tuple[str, str, bytes]] = []
+        self.encodings: list[str | None] = []
 
     async def publish(self, subject, data, headers=None, stream=None):
         self.messages.append((headers[S.H_KIND], headers[S.H_LSN], data))
+        self.encodings.append(headers.get(S.H_ENCODING))
         return SimpleNamespace(seq=len(self.messages))
 
 
@@ -390,6 +392,30 @@ def test_appends_linger_into_one_message_until_a_flush_hurries_them():
         r._tasks[0].cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_large_message_is_deflated_in_a_worker_thread_and_a_short_one_is_sent_as_it_is(monkeypatch):
+    import threading
+
+    from wheeld.fleet import replicator
+
+    threads = []
+    plain = S.deflate
+    monkeypatch.setattr(S, "deflate", lambda payload: threads.append(threading.current_thread()) or plain(payload))
+    lines = b"".join(b'{"ev":"pending","g":"g","k":"k%d","d":%d,"s":%d,"crc":7}\n' % (i, 10**12 + i, i)
+                     for i in range(replicator.DEFLATE_OFF_LOOP // 40))
+
+    async def scenario():
+        r = await _replicating(linger_ms=0)  # its first snapshot, b"s": as it is, on the loop
+        r.snapshotted(1, lines)
+        await _until(lambda: len(r._js.messages) == 2)
+        r._tasks[0].cancel()
+        return r._js
+
+    js = asyncio.run(scenario())
+    assert js.encodings == [None, S.DEFLATE] and js.messages[0][2] == b"s"
+    assert S.inflate(js.messages[1][2], S.DEFLATE) == lines and len(js.messages[1][2]) < len(lines) / 3
+    assert threads[0] is threading.main_thread() and threads[1] is not threading.main_thread()
 
 
 def test_a_linger_ends_on_time():
