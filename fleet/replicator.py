@@ -185,6 +185,9 @@ class Replicator:
         self._kv = None
         self._rev = 0
         self._renew_answered = False  # the last renewal (or claim) was answered, whatever followed
+        # the lease was claimed (or created again) and no write of this daemon has been stored
+        # in the stream since: a peer's fence sent before may still land (see lease_ok)
+        self._unconfirmed = False
         self._last_seq = 0
         self._wake = asyncio.Event()
         self._hurry_lsn = 0  # a flush() waits for the stream to hold this lsn: no lingering
@@ -225,10 +228,21 @@ class Replicator:
         """May this host deliver its timers now? Yes while its lease is valid by its own
         clock, or while the cluster is out of reach (no peer can claim a lease without a
         quorum, and a host cut off from the cluster keeps firing: docs/fleet.md); no while a
-        renewal is due and not answered, and never once fenced."""
+        renewal is due and not answered, and never once fenced.
+
+        Nor, in reach, from a claim of the lease (at start, or the key created again after
+        it lapsed) until a write of this daemon is stored in its stream: a peer that
+        claimed the lapsed key before, and lost it again, may have a fence in flight, which
+        the cluster can still store after this daemon found the stream's tail unfenced (a
+        Raft entry committed once a quorum is back). The fence names the sequence it
+        follows; once a write of this daemon follows that sequence instead, the fence is
+        refused, and if the fence landed first, that write is, and the daemon stands down
+        (fleet seed 43017)."""
         if self.fenced is not None:
             return False
-        return now_ms < self.lease_valid_until_ms or not self.lease_reachable
+        if not self.lease_reachable:
+            return True
+        return now_ms < self.lease_valid_until_ms and not self._unconfirmed
 
     @property
     def lease_reachable(self) -> bool:
@@ -429,6 +443,7 @@ class Replicator:
                 except Exception:
                     continue
             self.epoch = epoch
+            self._unconfirmed = True  # the first snapshot, sent once claimed, confirms it
             self._renewed(sent)
             log.info("fleet: host %s holds its lease (epoch %d); stream %s at sequence %d", self.host, epoch,
                      self.stream, self._last_seq)
@@ -508,6 +523,10 @@ class Replicator:
             if h.get(S.H_KIND) == S.FENCE:
                 return f"{h.get(S.H_HOST)} (epoch {h.get(S.H_EPOCH)}), which fenced its stream"
             self._rev = await self._kv.create(self.host, value)  # raises if a peer got there first
+            # nothing goes out until a write of this daemon is stored (lease_ok): one is asked for
+            self._unconfirmed = True
+            if not self.outbox.items:
+                self.outbox.want_snapshot = True
             # the lease lapsed (a pause, an outage): held again only from now, so this host
             # takes no other over for a TTL (in_reach), as the hosts whose leases lapsed with
             # its own take theirs back (fleet seed 39218)
@@ -554,6 +573,7 @@ class Replicator:
                 continue
             kind, first, last, payload, taken = outbox.next_message()
             await self._send(kind, first, last, payload)
+            self._unconfirmed = False  # stored: no fence sent before it can land now (lease_ok)
             outbox.sent(kind, first, taken)
             self.replicated_lsn = max(self.replicated_lsn, last)
             self.last_ack_ms = self._waiting_since_ms = self.clock_ms()  # what is left waits from now
