@@ -188,6 +188,7 @@ class Replicator:
         # the lease was claimed (or created again) and no write of this daemon has been stored
         # in the stream since: a peer's fence sent before may still land (see lease_ok)
         self._unconfirmed = False
+        self._marks = 0  # marks written (their message ids' nonce)
         self._last_seq = 0
         self._wake = asyncio.Event()
         self._hurry_lsn = 0  # a flush() waits for the stream to hold this lsn: no lingering
@@ -443,7 +444,7 @@ class Replicator:
                 except Exception:
                     continue
             self.epoch = epoch
-            self._unconfirmed = True  # the first snapshot, sent once claimed, confirms it
+            self._unconfirmed = True  # until a write of this daemon is stored (a mark: _publish_loop)
             self._renewed(sent)
             log.info("fleet: host %s holds its lease (epoch %d); stream %s at sequence %d", self.host, epoch,
                      self.stream, self._last_seq)
@@ -523,10 +524,10 @@ class Replicator:
             if h.get(S.H_KIND) == S.FENCE:
                 return f"{h.get(S.H_HOST)} (epoch {h.get(S.H_EPOCH)}), which fenced its stream"
             self._rev = await self._kv.create(self.host, value)  # raises if a peer got there first
-            # nothing goes out until a write of this daemon is stored (lease_ok): one is asked for
+            # nothing goes out until a write of this daemon is stored (lease_ok): the publish
+            # loop writes a mark unless it has something to send
             self._unconfirmed = True
-            if not self.outbox.items:
-                self.outbox.want_snapshot = True
+            self._wake.set()
             # the lease lapsed (a pause, an outage): held again only from now, so this host
             # takes no other over for a TTL (in_reach), as the hosts whose leases lapsed with
             # its own take theirs back (fleet seed 39218)
@@ -564,9 +565,12 @@ class Replicator:
     async def _publish_loop(self) -> None:
         outbox = self.outbox
         while self.fenced is None:
+            if self._unconfirmed and not outbox.items:
+                await self._mark()
+                continue
             if not outbox.items:
                 self._wake.clear()
-                if not outbox.items:
+                if not outbox.items and not self._unconfirmed:
                     await self._wake.wait()
                 continue
             if await self._linger():
@@ -581,6 +585,16 @@ class Replicator:
                 await self._purge_before_snapshot()
             self._set_state("replicating")
             self.on_progress()
+
+    async def _mark(self) -> None:
+        """Write a ``mark`` (see :meth:`lease_ok`): once it is stored, no fence sent before can
+        be; a fence stored first refuses it (Fenced)."""
+        self._marks += 1
+        lsn = self.replicated_lsn
+        await self._publish_one(S.MARK, lsn, lsn, b"", None, None, self._marks)
+        self._unconfirmed = False
+        self._set_state("replicating")
+        self.on_progress()
 
     async def _linger(self) -> bool:
         """Wait for more appends to go in the same message: until the queue's oldest event
@@ -617,12 +631,12 @@ class Replicator:
             if kind == S.SNAP and i == 1:
                 self._snap_first_seq = seq
 
-    async def _publish_one(self, kind, first, last, data, part, encoding=None) -> int:
+    async def _publish_one(self, kind, first, last, data, part, encoding=None, nonce=None) -> int:
         from nats.js.errors import APIError
 
         backoff = 0.1
         while True:
-            hdrs = S.headers(kind, self.host, self.epoch, first, last, self._last_seq, part, encoding)
+            hdrs = S.headers(kind, self.host, self.epoch, first, last, self._last_seq, part, encoding, nonce)
             try:
                 ack = await self._js.publish(self.subject, data, headers=hdrs, stream=self.stream)
                 self._last_seq = ack.seq

@@ -15,6 +15,10 @@ journal (:mod:`wheeld.protocol.journal`), in order:
 ``fence``  written by a peer that took the host's timers over: nothing the host
            writes after it is accepted (every write names the stream sequence
            it follows, ``Nats-Expected-Last-Subject-Sequence``)
+``mark``   no payload: written by a host that claimed its lease (at start, or
+           its lapsed key created again) before it delivers, so that a peer's
+           fence still in flight is refused (``Replicator.lease_ok``); readers
+           skip it
 =========  ==================================================================
 
 A payload of :data:`DEFLATE_MIN` bytes or more is sent deflated (zlib, header
@@ -63,7 +67,7 @@ DEFLATE_LEVEL = 1
 INFLATE_RATIO = 64
 INFLATE_FLOOR = 16 << 20
 
-BATCH, SNAP, FENCE = "batch", "snap", "fence"
+BATCH, SNAP, FENCE, MARK = "batch", "snap", "fence", "mark"
 DEFLATE = "deflate"
 
 log = logging.getLogger("wheeld.fleet")
@@ -116,9 +120,12 @@ def subject(host: str) -> str:
 
 
 def headers(kind: str, host: str, epoch: int, first: int, last: int, expect: int,
-            part: tuple[int, int] | None = None, encoding: str | None = None) -> dict[str, str]:
+            part: tuple[int, int] | None = None, encoding: str | None = None,
+            nonce: int | None = None) -> dict[str, str]:
     """The headers of one message (``expect``: the stream sequence it must follow;
-    ``encoding``: :data:`DEFLATE` when the whole payload, all parts joined, is deflated)."""
+    ``encoding``: :data:`DEFLATE` when the whole payload, all parts joined, is deflated;
+    ``nonce``: what makes a :data:`MARK`'s message id its own, as the stream drops a
+    message whose id it has seen in its duplicate window without storing it)."""
     h = {H_KIND: kind, H_HOST: host, H_EPOCH: str(epoch), H_LSN: f"{first} {last}", H_EXPECT: str(expect)}
     if encoding is not None:
         h[H_ENCODING] = encoding
@@ -127,6 +134,8 @@ def headers(kind: str, host: str, epoch: int, first: int, last: int, expect: int
         h[H_MSG_ID] = f"{host}:{epoch}:{kind}:{first}:{last}:{part[0]}"
     else:
         h[H_MSG_ID] = f"{host}:{epoch}:{kind}:{first}:{last}"
+    if nonce is not None:
+        h[H_MSG_ID] += f":{nonce}"
     return h
 
 

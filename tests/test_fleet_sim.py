@@ -268,9 +268,8 @@ def test_a_host_that_took_its_lapsed_lease_back_waits_for_a_write_of_its_own_pas
     fleet.replicator("P", on_adopt=lambda host, state: (0, 0, 0), adopt=("H",))
     fleet.run(2.5)  # both hold their leases; P for a whole TTL (it may take others over)
     fleet.fates[("P", "publish fence", 1)] = 3000.0  # stored 3 s after it is sent
-    snaps = fleet.nth("H", "publish snap")
-    for n in (1, 2):  # H's next write (the snapshot it asks for once it took its key back), twice
-        fleet.fates[("H", "publish snap", snaps + n)] = "lose request"
+    for n in (1, 2):  # H's next write (the mark it writes once it took its key back), twice
+        fleet.fates[("H", "publish mark", fleet.nth("H", "publish mark") + n)] = "lose request"
     fleet.loops.remove(fleet.loop_of["H"])  # H paused
     for _ in range(800):
         fleet.run(0.01)
