@@ -445,6 +445,9 @@ class Replicator:
                     continue
             self.epoch = epoch
             self._unconfirmed = True  # until a write of this daemon is stored (a mark: _publish_loop)
+            # held from now: no other host is taken over for a TTL (in_reach), however long
+            # the claim took (a daemon paused before it, or through an outage: fleet seed 43299)
+            self.unreachable_ms = self.clock_ms()
             self._renewed(sent)
             log.info("fleet: host %s holds its lease (epoch %d); stream %s at sequence %d", self.host, epoch,
                      self.stream, self._last_seq)
