@@ -444,14 +444,20 @@ class Replicator:
                 except Exception:
                     continue
             self.epoch = epoch
-            self._unconfirmed = True  # until a write of this daemon is stored (a mark: _publish_loop)
-            # held from now: no other host is taken over for a TTL (in_reach), however long
-            # the claim took (a daemon paused before it, or through an outage: fleet seed 43299)
-            self.unreachable_ms = self.clock_ms()
+            self._held_from_now()  # however long the claim took (a pause in it: fleet seed 43299)
             self._renewed(sent)
             log.info("fleet: host %s holds its lease (epoch %d); stream %s at sequence %d", self.host, epoch,
                      self.stream, self._last_seq)
             return
+
+    def _held_from_now(self) -> None:
+        """The lease became this daemon's (claimed at start, or its lapsed key created again):
+        nothing goes out until a write of this daemon is stored (lease_ok; the publish loop
+        writes a mark unless it has something to send), and no other host is taken over for
+        a TTL (in_reach)."""
+        self._unconfirmed = True
+        self.unreachable_ms = self.clock_ms()
+        self._wake.set()
 
     def _renewed(self, sent_ms: int) -> None:
         ttl_ms = int(self.config.lease_ttl_s * 1000)
@@ -527,14 +533,9 @@ class Replicator:
             if h.get(S.H_KIND) == S.FENCE:
                 return f"{h.get(S.H_HOST)} (epoch {h.get(S.H_EPOCH)}), which fenced its stream"
             self._rev = await self._kv.create(self.host, value)  # raises if a peer got there first
-            # nothing goes out until a write of this daemon is stored (lease_ok): the publish
-            # loop writes a mark unless it has something to send
-            self._unconfirmed = True
-            self._wake.set()
-            # the lease lapsed (a pause, an outage): held again only from now, so this host
-            # takes no other over for a TTL (in_reach), as the hosts whose leases lapsed with
-            # its own take theirs back (fleet seed 39218)
-            self.unreachable_ms = self.clock_ms()
+            # the lease lapsed (a pause, an outage): held again only from now, as the hosts
+            # whose leases lapsed with its own take theirs back (fleet seed 39218)
+            self._held_from_now()
             return None
         lease = msgspec.json.decode(entry.value, type=S.Lease)
         if lease.holder == self.host and lease.epoch == self.epoch and lease.pid == self.pid:
