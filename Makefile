@@ -77,7 +77,8 @@ PURE_TESTS := tests/test_wheel_unit.py tests/test_wheel_model.py tests/test_whee
 	tests/test_placement.py tests/test_ring.py tests/test_ring_multiprocess.py tests/test_client_misuse.py \
 	tests/test_cancel_contract.py tests/test_planner.py tests/test_delivery.py tests/test_e2e.py \
 	tests/test_hostile.py tests/test_fuzz_daemon.py tests/test_never_early.py tests/test_daemon_clock.py tests/test_accel.py \
-	tests/test_purgatory.py tests/test_hostile_values.py tests/test_arena_damage.py tests/test_simulation.py
+	tests/test_purgatory.py tests/test_hostile_values.py tests/test_arena_damage.py tests/test_simulation.py \
+	tests/test_frames.py
 test-pure: $(TEST_STAMP)
 	WHEELD_PURE_PYTHON=1 $(BIN)/python -m pytest -n 4 -q $(PURE_TESTS)
 

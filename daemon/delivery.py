@@ -28,10 +28,12 @@
   back, so no value a client can choose, and no damaged word a restart reads, can
   overflow them.
 * **Dispatch** (:meth:`Delivery.dispatch`): queues go to live members round robin,
-  one ``Expirations`` frame per ``--delivery-batch``, built straight from record
-  fields (:func:`wheeld.protocol.messages.encode_expirations_frame`). A queued entry
-  no longer FIRED with its generation (acknowledged meanwhile, e.g. by an ack left
-  in a ring across a restart) is dropped.
+  one ``Expirations`` frame per ``--delivery-batch``, written straight from the
+  records (:func:`wheeld.daemon.frames.expirations_frame`, in C when compiled; a
+  frame with an item its client might refuse, or a large batch, is built from item
+  tuples by :func:`wheeld.protocol.messages.encode_expirations_frame` and checked). A
+  queued entry no longer FIRED with its generation (acknowledged meanwhile, e.g. by an
+  ack left in a ring across a restart) is dropped.
 * **Recipients**: before a frame is sent, each of its records gets the client slot
   it goes to in its aux word (:meth:`TimerWheel.mark_fired
   <wheeld.shm.wheel.TimerWheel.mark_fired>`, ``arena_layout.recipient_aux``). A
@@ -63,9 +65,11 @@ from wheeld.protocol import arena_layout as AL
 from wheeld.protocol import clients_layout as CL
 from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ProtocolError
-from wheeld.protocol.keys import TYPE_STR, VALID_KEY_METAS, decode_key, key_length, key_type
+from wheeld.protocol.keys import VALID_KEY_METAS, decode_key, key_length
 from wheeld.shm.ring import MAX_IDLE_MS
 from wheeld.shm.wheel import TimerWheel
+
+from .frames import expirations_frame, suspect
 
 log = logging.getLogger("wheeld")
 
@@ -108,27 +112,6 @@ def lateness_us_array(now: int, deadlines: np.ndarray) -> np.ndarray:
     """:func:`lateness_us` of many deadlines (int64), without int64 overflow: the deadlines
     are clipped into ``now - LATENESS_CAP_MS .. now`` before anything is subtracted."""
     return (now - np.clip(deadlines, now - LATENESS_CAP_MS, now)) * 1000
-
-
-# Per key meta byte, what an Expirations item's key needs before its client takes it: 0
-# nothing (bytes and int keys of a valid meta), 1 a str key (UTF-8: ASCII is), 2 never (no
-# key has this meta). With a generation within 31 bits, an item built from an arena record
-# (its other fields fit their types by the record's layout) decodes at the client unless
-# _suspect says so: tests/test_arena_damage.py holds the two to that.
-_KEY_CHECK = tuple(0 if VALID_KEY_METAS[meta] and key_type(meta) != TYPE_STR else 1 if VALID_KEY_METAS[meta] else 2
-                   for meta in range(256))
-_GEN_MAX = (1 << 31) - 1
-
-
-def _suspect(items: list[tuple]) -> bool:
-    """May one of these Expirations items (``M.ExpiryFields`` order) be refused by the
-    client? False only when each surely decodes (see _KEY_CHECK)."""
-    check = _KEY_CHECK
-    for key, meta, _deadline, _fired, _seq, _slot, gen, _late in items:
-        c = check[meta]
-        if gen > _GEN_MAX or c == 2 or (c and not key.isascii()):
-            return True
-    return False
 
 
 class Lateness:
@@ -528,13 +511,25 @@ class Delivery:
 
     def _send(self, member, taken: list) -> None:
         """One ``Expirations`` frame of queue entries to ``member`` (a session): the entries
-        still FIRED with their generation, each record marked as sent to its client first."""
+        still FIRED with their generation, each record marked as sent to its client first.
+        A few at a time, the usual frame is written from the arena by
+        :func:`~wheeld.daemon.frames.expirations_frame` (in C, compiled); one it does not
+        take, or a large batch, is built here from the records' items, and checked."""
+        if len(taken) < COLUMNS_MIN:
+            client = member.client
+            built = expirations_frame(self.wheel, taken, AL.recipient_aux(client.slot), client.unacked)
+            if built is not None:
+                frame, count = built
+                if count:
+                    member.send(frame)
+                    self.totals["delivered_total"] += count
+                return
         items = self._items_from_columns(taken) if len(taken) >= COLUMNS_MIN else self._items_from_rows(taken)
         if items:
             frame = M.encode_expirations_frame(items)
             # never a frame the client refuses: one with an item that may not decode
             # is checked with the client's own decoder
-            if _suspect(items) and M.expirations_frame_problem(frame) is not None:
+            if suspect(items) and M.expirations_frame_problem(frame) is not None:
                 items = self._receivable(items)
                 frame = M.encode_expirations_frame(items)
         if items:

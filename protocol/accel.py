@@ -48,6 +48,7 @@ COMPILED_MODULES = {
     "wheeld.shm.keyindex": "shm/keyindex.py",
     "wheeld.shm.wheel": "shm/wheel.py",
     "wheeld.daemon.executor": "daemon/executor.py",
+    "wheeld.daemon.frames": "daemon/frames.py",
     "wheeld.shm.ring": "shm/ring.py",
     "wheeld.core": "client/core.py",
     "wheeld.purgatory": "client/purgatory.py",

@@ -346,6 +346,8 @@ class ExpirationRows(_Message, frozen=True, tag=Expirations.__struct_config__.ta
 _expiration_rows_decoder = msgspec.msgpack.Decoder(ExpirationRows)
 _EXPIRATIONS_PREFIX = msgspec.msgpack.encode(Expirations([]))[:-1]  # array header + tag
 _EXPIRATIONS_TAG = Expirations.__struct_config__.tag
+#: an Expirations frame's body up to its items (the daemon's frame writer, wheeld.daemon.frames)
+EXPIRATIONS_PREFIX = _EXPIRATIONS_PREFIX
 
 
 def encode_expirations_frame(items: list[tuple]) -> bytearray:

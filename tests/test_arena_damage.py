@@ -287,10 +287,11 @@ def test_every_frame_the_daemon_builds_decodes_at_its_client_at_the_extremes_of_
        late=st.booleans())
 def test_an_item_the_daemon_sends_without_the_decoder_check_always_decodes(meta, raw, deadline, fired, tag, slot,
                                                                           gen, late):
-    """Delivery checks a frame with the client's decoder only when ``_suspect`` says one of
+    """Delivery checks a frame with the client's decoder only when ``frames.suspect`` says one of
     its items may be refused (the cheap test it runs on every frame). Over every value an
     arena record's fields can hold, an item it lets through decodes at the client."""
-    from wheeld.daemon.delivery import _KEY_LEN_MASK, _suspect
+    from wheeld.daemon.frames import _KEY_LEN_MASK
+    from wheeld.daemon.frames import suspect as _suspect
 
     item = (raw[: meta & _KEY_LEN_MASK], meta, deadline, fired, tag, slot, gen, late)
     if not _suspect([item]):
@@ -301,7 +302,7 @@ def test_an_item_the_daemon_sends_without_the_decoder_check_always_decodes(meta,
 @given(text=st.text(min_size=1, max_size=8))
 def test_str_keys_that_are_not_ascii_are_checked_and_sent(text):
     """A valid non-ASCII str key makes a frame suspect; the decoder then takes it whole."""
-    from wheeld.daemon.delivery import _suspect
+    from wheeld.daemon.frames import suspect as _suspect
 
     kb, meta = encode_key(text)
     item = (kb, meta, 0, 0, 0, 0, 0, False)

@@ -1,0 +1,82 @@
+"""Expirations frames built from the arena's FIRED records, for the daemon's delivery.
+
+:func:`expirations_frame` is the delivery's usual send (``Delivery._send``): queue
+entries (slot, generation, fired_ms, late) in, one length-prefixed ``Expirations``
+frame out, its records marked with the client they go to (``TimerWheel.mark_fired``)
+and noted in that client's in-flight table. Compiled (``frames.pxd``), it reads the
+records and writes the MessagePack bytes in C, in one buffer: no record tuple, item
+tuple or msgspec call per expiration. This source is its reference: both give the bytes
+``M.encode_expirations_frame`` gives for the same items (``tests/test_frames.py``).
+
+It takes the usual case only. An item the client might refuse (a generation beyond 31
+bits, a key meta byte no key has, a str key that is not ASCII: ``_suspect``), or an
+entry of another shape, makes it return None before anything is written: the caller
+then builds the frame the checked way (``Delivery._send``), which repairs or drops
+such records one by one.
+"""
+
+from __future__ import annotations
+
+from wheeld.protocol import arena_layout as AL
+from wheeld.protocol import framing
+from wheeld.protocol import messages as M
+from wheeld.protocol.keys import TYPE_STR, VALID_KEY_METAS, key_length, key_type
+
+__all__ = ["expirations_frame", "suspect"]
+
+_COMPILED = not __file__.endswith(".py")
+_KEY_LEN_MASK = key_length(0xFF)
+_GEN_MAX = (1 << 31) - 1
+# Per key meta byte, what an item's key needs before its client takes it: 0 nothing (bytes
+# and int keys of a valid meta), 1 a str key (UTF-8: ASCII is), 2 never (no key has this
+# meta). With a generation within 31 bits, an item built from an arena record (its other
+# fields fit their types by the record's layout) decodes at the client unless suspect()
+# says so: tests/test_arena_damage.py holds the two to that.
+KEY_CHECK = bytes(0 if VALID_KEY_METAS[meta] and key_type(meta) != TYPE_STR else 1 if VALID_KEY_METAS[meta] else 2
+                  for meta in range(256))
+# the frame body up to its items: the array header of an Expirations message and its tag
+_PREFIX = M.EXPIRATIONS_PREFIX
+if _COMPILED and _f_layout() != (  # noqa: F821 - frames.pxd: its C constants are this layout's
+        AL.RECORD_BYTES, AL.R_DEADLINE, AL.R_GEN, AL.R_TAG, AL.R_AUX, AL.R_STATE, AL.R_KEY_META, AL.R_KEY,
+        AL.KEY_BYTES, _KEY_LEN_MASK, AL.FIRED):
+    raise ImportError("frames.pxd's record layout constants are not those of wheeld.protocol.arena_layout")
+
+
+def suspect(items: list[tuple]) -> bool:
+    """May one of these Expirations items (``M.ExpiryFields`` order) be refused by the
+    client? False only when each surely decodes (see KEY_CHECK)."""
+    check = KEY_CHECK
+    for key, meta, _deadline, _fired, _seq, _slot, gen, _late in items:
+        c = check[meta]
+        if gen > _GEN_MAX or c == 2 or (c and not key.isascii()):
+            return True
+    return False
+
+
+def expirations_frame(wheel, taken: list, aux: int, unacked: dict):
+    """The ``Expirations`` frame of the queue entries ``taken`` (slot, generation,
+    fired_ms, late) whose records are still FIRED with that generation, as
+    ``(frame, items)``; ``(None, 0)`` when none is. Before it returns, each record in the
+    frame has ``aux`` in its aux word (``TimerWheel.mark_fired``: the client it is sent
+    to) and its ``slot: generation`` in ``unacked``.
+
+    None, with nothing written, when an item might be refused by the client (see the
+    module docstring): the caller builds that frame the checked way."""
+    if _COMPILED:
+        return _c_expirations_frame(wheel, taken, aux, unacked, KEY_CHECK, _PREFIX, framing.MAX_FRAME)  # noqa: F821
+    rows = wheel.record_rows([entry[0] for entry in taken])
+    fired, length = AL.FIRED, _KEY_LEN_MASK
+    items = [
+        (key[: meta & length], meta, deadline, fired_ms, tag, s, gen, late)
+        for (s, gen, fired_ms, late), (deadline, _p, _n, rgen, tag, _aux, _g, state, meta, key) in zip(taken, rows)
+        if state == fired and rgen == gen
+    ]
+    if suspect(items):
+        return None
+    if not items:
+        return None, 0
+    frame = M.encode_expirations_frame(items)
+    pairs = [(item[5], item[6]) for item in items]
+    wheel.mark_fired([slot for slot, _gen in pairs], aux)
+    unacked.update(pairs)
+    return frame, len(items)
