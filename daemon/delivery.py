@@ -69,7 +69,7 @@ from wheeld.protocol.keys import VALID_KEY_METAS, decode_key, key_length
 from wheeld.shm.ring import MAX_IDLE_MS
 from wheeld.shm.wheel import TimerWheel
 
-from .frames import expirations_frame, suspect
+from .frames import LATENESS_CAP_MS, expirations_frame, lateness_us, queue_usual, suspect
 
 log = logging.getLogger("wheeld")
 
@@ -95,17 +95,8 @@ IDLE_AHEAD_EVERY_MS = 32  # ... looked for at most this often (each timer is loo
 # 1.6-3.8; at 50,000, 1024 gave 0.15 us, 256 0.50 (six passes cover the horizon's ~1,600).
 IDLE_AHEAD_ENTRIES = 256
 IDLE_WAIT_MS = 100  # an idle timer whose client has not come back after a restart waits this long
-#: the most lateness one expiration counts for (see "Deadlines in the past" above)
-LATENESS_CAP_MS = 86_400_000
 _LATENESS_BOUNDS_US = np.array(AL.LATENESS_BOUNDS_US, dtype=np.int64)
 _VALID_META = np.array(VALID_KEY_METAS, dtype=bool)
-
-
-def lateness_us(now: int, deadline: int) -> int:
-    """How late an expiration fired at ``now`` for ``deadline`` counts, in us: 0 ..
-    ``LATENESS_CAP_MS`` ms, whatever the deadline."""
-    late_ms = now - deadline
-    return (0 if late_ms < 0 else min(late_ms, LATENESS_CAP_MS)) * 1000
 
 
 def lateness_us_array(now: int, deadlines: np.ndarray) -> np.ndarray:
@@ -222,7 +213,10 @@ class Delivery:
                 fired = np.array(slots, dtype=np.int64)
                 self._queue_columns(fired, wheel.records_of(fired), now)
             elif slots:
-                self._queue_rows(slots, self._rows(slots), now)
+                if recorder is None and not self.late_marks:
+                    self._queue_usual(slots, now)
+                else:
+                    self._queue_rows(slots, self._rows(slots), now)
         else:
             slots = wheel.expire_many(now)
             self._last_expired = slots.size
@@ -259,6 +253,19 @@ class Delivery:
         for (_slot, deadline, rearm_at, idle_ms), row in zip(rearmed, rows):
             _d, _prev, _next, _gen, tag, _aux, group, _state, meta, key = row
             recorder.idle_rearmed(group, decode_key(key, meta), deadline, rearm_at, tag, idle_ms)
+
+    def _queue_usual(self, slots: list, now: int) -> None:
+        """:meth:`_queue_rows` without a journal or late marks: the usual records queued by
+        :func:`~wheeld.daemon.frames.queue_usual` (in C, compiled), each other one (an idle
+        timer, a damaged record) here, in the wheel's order."""
+        i, end = 0, len(slots)
+        wheel, started, lateness, queues = self.wheel, self.started_ms, self.lateness, self.queues
+        while True:
+            i = queue_usual(wheel, slots, i, now, started, lateness, queues)
+            if i >= end:
+                return
+            self._queue_rows(slots[i : i + 1], self._rows(slots[i : i + 1]), now)
+            i += 1
 
     def _queue_rows(self, slots: list, rows: list, now: int) -> None:
         """Expired timers as record tuples: idle re-arms, queues, lateness, journal."""

@@ -6,11 +6,14 @@ from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndS
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_SetItem
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 from wheeld.shm.wheel cimport TimerWheel
 
 cdef bint _COMPILED
+cdef bytes _VALID_META  # per key meta byte: 1 when some key has it (frames.py sets it)
+cdef long long _CAP_MS  # LATENESS_CAP_MS (frames.py sets it)
+cdef long long _BOUNDS[18]  # the lateness histogram's bucket bounds (frames.py sets them)
 
 cdef extern from "Python.h":
     long long PyLong_AsLongLongAndOverflow(object, int *) except? -1
@@ -91,11 +94,14 @@ cdef enum:
     _F_GEN_MAX = 0x7FFFFFFF
     _F_ITEM_MAX = 70  # bytes of one item at most: array header, bin8 of 32, 5 ints, a bool
     _F_AHEAD = 4  # records prefetched ahead
+    _F_GROUP = 28  # uint16
+    _F_BUCKETS = 19  # lateness buckets: the bounds, and one beyond
 
 
 cdef inline tuple _f_layout():
     """The constants above, in the order frames.py compares them with arena_layout."""
-    return (_F_RB, _F_DEADLINE, _F_GEN, _F_TAG, _F_AUX, _F_ST, _F_KM, _F_KEY, _F_KEY_BYTES, _F_LEN_MASK, _F_FIRED)
+    return (_F_RB, _F_DEADLINE, _F_GEN, _F_TAG, _F_AUX, _F_ST, _F_KM, _F_KEY, _F_KEY_BYTES, _F_LEN_MASK, _F_FIRED, _F_GROUP,
+            _F_BUCKETS)
 
 
 @cython.boundscheck(False)
@@ -234,3 +240,68 @@ cdef inline object _c_expirations_frame(TimerWheel w, list taken, object aux_obj
         return frame, kept
     finally:
         free(keep)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef inline Py_ssize_t _c_queue_usual(TimerWheel w, list slots, Py_ssize_t start, long long now, long long started,
+                                      object lateness, object queues) except -1:
+    """frames.queue_usual in C (its docstring says what): the lateness of the records queued
+    is counted in C and added to ``lateness`` once, as ``Lateness.add`` adds a list."""
+    cdef Py_ssize_t end = len(slots), i, k, records = w.n_records, max_groups = w.max_groups
+    cdef long long counts[_F_BUCKETS]
+    cdef long long sum_ms = 0, beyond = 0, late_ms, tick_us = lateness._tick_us, deadline, slot
+    cdef long long floor_ms = now - _CAP_MS
+    cdef unsigned char *b = &w._b[0]
+    cdef const unsigned char *r
+    cdef const unsigned char *valid = <const unsigned char *>PyBytes_AS_STRING(_VALID_META)
+    cdef unsigned int gen
+    cdef int aux, overflow = 0
+    cdef unsigned short group
+    cdef Py_ssize_t last_group = -1
+    cdef object queue = None, now_object = now, slot_object
+    cdef list bucket_counts
+    memset(counts, 0, sizeof(counts))
+    i = start
+    while i < end:
+        slot_object = slots[i]
+        if type(slot_object) is not int:
+            break
+        slot = PyLong_AsLongLongAndOverflow(slot_object, &overflow)
+        if overflow or not 0 <= slot < records:
+            break
+        if i + _F_AHEAD < end and type(slots[i + _F_AHEAD]) is int:
+            k = PyLong_AsLongLongAndOverflow(slots[i + _F_AHEAD], &overflow)
+            if not overflow and 0 <= k < records:
+                _prefetch(b + k * _F_RB)
+        r = b + slot * _F_RB
+        memcpy(&group, r + _F_GROUP, 2)
+        memcpy(&aux, r + _F_AUX, 4)
+        if group >= max_groups or not valid[r[_F_KM]] or aux >= 0:
+            break
+        memcpy(&deadline, r + _F_DEADLINE, 8)
+        memcpy(&gen, r + _F_GEN, 4)
+        # lateness_us without int64 overflow: 0 .. LATENESS_CAP_MS ms, whatever the deadline
+        late_ms = 0 if deadline >= now else _CAP_MS if deadline < floor_ms else now - deadline
+        sum_ms += late_ms
+        if late_ms * 1000 > tick_us:
+            beyond += 1
+        k = 0  # bisect_left of the bounds
+        while k < _F_BUCKETS - 1 and _BOUNDS[k] < late_ms * 1000:
+            k += 1
+        counts[k] += 1
+        if group != last_group:
+            queue = queues[group]
+            last_group = group
+        queue.append((slot_object, gen, now_object, deadline < started))
+        i += 1
+    if i > start:
+        bucket_counts = lateness.counts
+        for k in range(_F_BUCKETS):
+            if counts[k]:
+                bucket_counts[k] += counts[k]
+        if beyond:
+            lateness.beyond_tick += beyond
+        if sum_ms:
+            lateness.sum_us += sum_ms * 1000
+    return i

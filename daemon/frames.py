@@ -1,4 +1,10 @@
-"""Expirations frames built from the arena's FIRED records, for the daemon's delivery.
+"""What fired, from the arena's records to the daemon's queues and frames.
+
+:func:`queue_usual` is the delivery's usual expiry (``Delivery.expire``): the slots the
+wheel just fired go to their groups' queues as (slot, generation, fired_ms, late)
+entries, their lateness counted; it stops at the first record it leaves to the caller
+(an idle timer, whose touch word decides whether it fires, or a damaged record).
+Compiled (``frames.pxd``), it reads the records in C: no record tuple per expiration.
 
 :func:`expirations_frame` is the delivery's usual send (``Delivery._send``): queue
 entries (slot, generation, fired_ms, late) in, one length-prefixed ``Expirations``
@@ -22,7 +28,7 @@ from wheeld.protocol import framing
 from wheeld.protocol import messages as M
 from wheeld.protocol.keys import TYPE_STR, VALID_KEY_METAS, key_length, key_type
 
-__all__ = ["expirations_frame", "suspect"]
+__all__ = ["LATENESS_CAP_MS", "expirations_frame", "lateness_us", "queue_usual", "suspect"]
 
 _COMPILED = not __file__.endswith(".py")
 _KEY_LEN_MASK = key_length(0xFF)
@@ -34,12 +40,52 @@ _GEN_MAX = (1 << 31) - 1
 # says so: tests/test_arena_damage.py holds the two to that.
 KEY_CHECK = bytes(0 if VALID_KEY_METAS[meta] and key_type(meta) != TYPE_STR else 1 if VALID_KEY_METAS[meta] else 2
                   for meta in range(256))
+#: the most lateness one expiration counts for (see wheeld.daemon.delivery, "Deadlines in the past")
+LATENESS_CAP_MS = 86_400_000
+_CAP_MS = LATENESS_CAP_MS  # (a C constant in the compiled build)
+# the bounds of the lateness histogram's buckets; compiled, a C array (frames.pxd)
+_BOUNDS = list(AL.LATENESS_BOUNDS_US)
+_VALID_META = bytes(VALID_KEY_METAS)
 # the frame body up to its items: the array header of an Expirations message and its tag
 _PREFIX = M.EXPIRATIONS_PREFIX
 if _COMPILED and _f_layout() != (  # noqa: F821 - frames.pxd: its C constants are this layout's
         AL.RECORD_BYTES, AL.R_DEADLINE, AL.R_GEN, AL.R_TAG, AL.R_AUX, AL.R_STATE, AL.R_KEY_META, AL.R_KEY,
-        AL.KEY_BYTES, _KEY_LEN_MASK, AL.FIRED):
+        AL.KEY_BYTES, _KEY_LEN_MASK, AL.FIRED, AL.R_GROUP, AL.LATENESS_BUCKETS):
     raise ImportError("frames.pxd's record layout constants are not those of wheeld.protocol.arena_layout")
+
+
+def lateness_us(now: int, deadline: int) -> int:
+    """How late an expiration fired at ``now`` for ``deadline`` counts, in us: 0 ..
+    ``LATENESS_CAP_MS`` ms, whatever the deadline."""
+    late_ms = now - deadline
+    return (0 if late_ms < 0 else min(late_ms, LATENESS_CAP_MS)) * 1000
+
+
+def queue_usual(wheel, slots: list, start: int, now: int, started_ms: int, lateness, queues) -> int:
+    """Queue the records the wheel fired at ``now``, ``slots[start:]`` in order, up to the
+    first one that is not usual, and return its index (``len(slots)`` when each was).
+
+    Usual: a group id below the wheel's ``max_groups``, a key meta byte some key has, and
+    no touch reference (aux < 0: not an idle timer). Each goes to ``queues[group]`` as
+    (slot, generation, now, late), late when its deadline is before ``started_ms``, and
+    its lateness is counted (``lateness.add``). The caller handles the one it stops at
+    (``Delivery._queue_rows``) and calls again after it: the queues keep the wheel's
+    order."""
+    if _COMPILED:
+        return _c_queue_usual(wheel, slots, start, now, started_ms, lateness, queues)  # noqa: F821 - frames.pxd
+    end, max_groups, valid = len(slots), wheel.max_groups, VALID_KEY_METAS
+    late_us = []
+    i = start
+    for row in wheel.record_rows(slots[start:]) if start < end else ():
+        deadline, _prev, _next, gen, _tag, aux, group, _state, meta, _key = row
+        if group >= max_groups or not valid[meta] or aux >= 0:
+            break
+        late_us.append(lateness_us(now, deadline))
+        queues[group].append((slots[i], gen, now, deadline < started_ms))
+        i += 1
+    if late_us:
+        lateness.add(late_us)
+    return i
 
 
 def suspect(items: list[tuple]) -> bool:
