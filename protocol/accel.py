@@ -49,6 +49,8 @@ COMPILED_MODULES = {
     "wheeld.shm.wheel": "shm/wheel.py",
     "wheeld.daemon.executor": "daemon/executor.py",
     "wheeld.daemon.frames": "daemon/frames.py",
+    "wheeld.daemon.delivery": "daemon/delivery.py",
+    "wheeld.daemon.core": "daemon/core.py",
     "wheeld.shm.ring": "shm/ring.py",
     "wheeld.core": "client/core.py",
     "wheeld.purgatory": "client/purgatory.py",
