@@ -225,3 +225,52 @@ def test_an_ack_applied_and_not_journaled_leaves_its_restored_copy_to_the_client
         executor.recorder = None
         assert executor.apply_ring(cs) == 2
         assert wheel.fired_slots() == [restored] and wheel.lookup("y", gid) == start + 60_000
+
+
+class _Killed(BaseException):
+    """The daemon killed while it answers (a SIGKILL there: nothing after it runs)."""
+
+
+class _Session:
+    """What the executor answers a chunk on; ``dies`` while answering, or records the answers."""
+
+    closed = held_back = False
+
+    def __init__(self, dies: bool):
+        self.dies = dies
+        self.answers: list = []
+
+    def answer(self, rejects, flush_answers, cuts=None):
+        if self.dies:
+            raise _Killed()
+        self.answers.append(([(r.seq, r.code) for r in rejects], len(flush_answers)))
+
+
+def test_a_refusal_goes_out_before_the_head_moves_so_the_next_daemon_answers_it_if_it_was_lost():
+    """A refusal exists only in its answer. The chunk's head moves only once its answers
+    have gone out: a daemon killed while answering leaves the whole chunk to the next one,
+    which refuses the same commands again (they are not in the arena), applies nothing
+    twice, and answers the refusals and the FLUSH. With the head moved first, the next
+    daemon would answer the client's next FLUSH as if the refused adds had been applied."""
+    with ring_executor(8) as r:
+        wheel, cs, producer, executor = r.wheel, r.cs, r.producer, r.executor
+        room = wheel.free_slots
+        chunk = [(C.ADD, *encode_key(f"k{i}"), 5000 + i, i + 1) for i in range(room + 2)]
+        chunk.append((C.FLUSH, b"", 0, 0, len(chunk) + 1))
+        for command in chunk:
+            assert producer.try_push_record(C.encode_command(*command))
+        cs.session = _Session(dies=True)
+        with pytest.raises(_Killed):
+            executor.apply_ring(cs)
+        assert cs.segment.depth() == len(chunk), "the head moved before the refusals went out"
+        armed = _pending(wheel)
+        assert len(armed) == room
+        # the next daemon, on the same arena: the client hands its ring back
+        cs.replay_guard = ArmingsAtStart(wheel, {r.gid})
+        cs.session = session = _Session(dies=False)
+        assert executor.apply_ring(cs) == len(chunk)
+        assert cs.segment.depth() == 0
+        assert _pending(wheel) == armed, "an arming applied twice, or one lost"
+        (refused, flushes), = session.answers
+        assert [seq for seq, _code in refused] == [room + 1, room + 2] and flushes == 1
+        assert {code for _seq, code in refused} == {"arena_full"}
