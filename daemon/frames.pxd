@@ -92,7 +92,9 @@ cdef enum:
     _F_LEN_MASK = 0x3F
     _F_FIRED = 2
     _F_GEN_MAX = 0x7FFFFFFF
-    _F_ITEM_MAX = 70  # bytes of one item at most: array header, bin8 of 32, 5 ints, a bool
+    # bytes of one item at most: array header 1, bin 8 of 32 bytes 34, meta 2, deadline and
+    # fired_ms 9 each, tag, slot and generation 5 each (all below 2**32), bool 1: 71
+    _F_ITEM_MAX = 80
     _F_AHEAD = 4  # records prefetched ahead
     _F_GROUP = 28  # uint16
     _F_BUCKETS = 19  # lateness buckets: the bounds, and one beyond
