@@ -478,10 +478,17 @@ class Simulation:
         if self._interleaving and self.irng.random() < 0.5:
             self._interleaving -= 1
             self.world.now_ns += self.irng.randint(100_000, 1_900_000)  # the daemon's work takes time
-            if self.profile.pushes and self.prng.random() < self.profile.pushes:
-                self._push_meanwhile()
-            else:
-                self._touch_meanwhile()
+            # the worker is another process: a kill of the daemon (_Tracer) counts none of its
+            # lines and cannot stop it halfway (its ring and protocol code are traced modules)
+            tracer = sys.gettrace()
+            sys.settrace(None)
+            try:
+                if self.profile.pushes and self.prng.random() < self.profile.pushes:
+                    self._push_meanwhile()
+                else:
+                    self._touch_meanwhile()
+            finally:
+                sys.settrace(tracer)
         return now
 
     def _push_meanwhile(self) -> None:
