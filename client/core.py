@@ -522,6 +522,8 @@ class ClientCore(ClientBase, ClientSession):
             # (the key's earlier arming would fire by the new idle time), nor taken a row.
             self._wait_for_room()
         ident = _META[meta] + kb
+        if self._rearms_pending:  # a re-arm of ours still to push: this arming wins
+            self._supersede_rearms(ident)
         index = self._touch_index.get(ident)
         if index is None:
             index = self._new_touch_index()
@@ -569,6 +571,8 @@ class ClientCore(ClientBase, ClientSession):
             self._free_touch.append(index)
             if self._rearmed:
                 self._rearmed.pop(ident, None)
+            if self._rearms_pending:  # a re-arm of ours still to push: the application's command wins
+                self._supersede_rearms(ident)
 
     def touch(self, key) -> None:
         """Record activity on an idle timer's key: one 8-byte store, no message."""

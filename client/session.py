@@ -284,6 +284,20 @@ class ClientSession:
             del pending[:done]
             self._after_push()
 
+    def _supersede_rearms(self, ident: bytes) -> None:
+        """The application armed or cancelled ``ident`` while a re-arm of it (:meth:`_stale_idle`)
+        still waits for room in the ring: pushed after the application's command, the re-arm
+        would put the older arming back over it (and name a touch row released since, for
+        another key to take). The re-arm is dropped; the acknowledgement of its copy is
+        still pushed."""
+        keep = []
+        for rearm in self._rearms_pending:
+            if _META[rearm[1]] + rearm[0] == ident:
+                self._acks_pending.append(rearm[6])
+            else:
+                keep.append(rearm)
+        self._rearms_pending[:] = keep
+
     def _rearm_again(self, ident: bytes, e, bkey, handle, latest: int) -> bool:
         """A copy of an arming whose key was armed since (``latest``): True when that is our
         re-arm of this very copy (:meth:`_stale_idle`), which is then done again.

@@ -293,6 +293,39 @@ def _rebuilt_from(directory, clock: Clock) -> TimerWheel:
     return wheel
 
 
+def test_an_arming_of_the_application_supersedes_a_rearm_of_ours_still_waiting_for_room(world):
+    """A copy of an idle timer touched after it fired is armed again by the library
+    (``_stale_idle``), the acknowledgement and the ADD_IDLE pushed together once the ring
+    has room for both. When the application arms the key meanwhile, the re-arm must not
+    follow its command: pushed later, it put the older arming back over the application's,
+    whose timer was then never handed (simulator seed 703434, ``[lost]``). It is dropped;
+    the copy is still acknowledged."""
+    clock, daemon, client = world
+    c = client()
+    open_session(daemon, c)
+    deadline = c.add_idle("idle", 5000)
+    clock.advance(2.0)
+    c.touch("idle")
+    daemon.records()
+    filler = 0
+    while c._segment.free_slots() > 1:  # room for one record: not for a re-arm's two
+        c.add(f"filler-{filler}", 60_000)
+        filler += 1
+    tag = latest_tag(c, "idle")
+    daemon.send(M.Expirations([M.Expiry.for_key("idle", deadline, deadline, tag, 9, 1)]))
+    assert c.poll().expired == []
+    assert len(c._rearms_pending) == 1, "the re-arm waits for room"
+    armed = c.add("idle", 0)  # the application's arming takes the last slot
+    assert c._rearms_pending == []
+    pushed = daemon.records()
+    assert pushed[-1] == (C.ADD, latest_tag(c, "idle"))
+    assert not any(op == C.ADD_IDLE for op, _seq in pushed)
+    c.poll()  # the copy's acknowledgement, and nothing else for the key
+    assert daemon.records() == [(C.ACK, EPOCH)]
+    daemon.send(M.Expirations([M.Expiry.for_key("idle", armed, armed, latest_tag(c, "idle"), 10, 1)]))
+    assert [e.key for e in c.poll().expired] == ["idle"]
+
+
 @pytest.mark.parametrize("order", ["copy-first", "refusal-first"])
 @pytest.mark.parametrize("at_quota", [True, False], ids=["at-quota", "below-quota"])
 def test_a_rearm_whose_ack_named_a_lost_arena_is_pushed_again_with_the_copy(world, tmp_path, at_quota, order):
