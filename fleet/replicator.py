@@ -660,6 +660,14 @@ class Replicator:
                     if tail is not None and h.get(S.H_MSG_ID) == hdrs[S.H_MSG_ID]:
                         self._last_seq = tail.seq  # an earlier attempt stored, its acknowledgement lost
                         return tail.seq
+                    if tail is not None and self._own_late_write(h):
+                        # this host's earlier daemon's write, stored after this one's claim
+                        # read the stream: no fence. Nothing can follow it but this host's
+                        # own writes (each names the sequence it follows): go on after it
+                        log.info("fleet: stream %s: a write of this host's epoch %s stored late (sequence %d)",
+                                 self.stream, h.get(S.H_EPOCH), tail.seq)
+                        self._last_seq = tail.seq
+                        continue
                     who = f"{h.get(S.H_HOST)} ({h.get(S.H_KIND)}, epoch {h.get(S.H_EPOCH)})" if h else "another writer"
                     raise Fenced(f"the stream of host {self.host} was written by {who}") from exc
             except Exception as exc:  # timeout, no responders, reconnecting: the same message again
@@ -670,6 +678,17 @@ class Replicator:
                 log.warning("fleet: %s lsn %d-%d not stored yet: %s", kind, first, last, error or type(error).__name__)
             await asyncio.sleep(backoff)
             backoff = min(2.0, backoff * 2)
+
+    def _own_late_write(self, h: dict) -> bool:
+        """Is a stream message with headers ``h`` one this host wrote under an earlier epoch
+        (a publish of its previous daemon, in flight when that daemon died)? Such a write
+        is stored only if it follows the stream's last message at the time, so no fence
+        of a peer can come before it unseen: it is not one."""
+        try:
+            epoch = int(h.get(S.H_EPOCH, ""))
+        except ValueError:
+            return False
+        return h.get(S.H_HOST) == self.host and h.get(S.H_KIND) != S.FENCE and 0 <= epoch < self.epoch
 
     async def _tail(self):
         """The stream's last message (None: none), to see after a refused write whether it
