@@ -15,9 +15,7 @@ Then the chunk is committed: journal appended (fsynced under ``--fsync always``)
 ring head published (a daemon killed before it re-applies the chunk: every
 command is idempotent), FLUSHes answered with ``Applied`` and refusals with
 ``Rejected``, in ring order: a refusal goes before the ``Applied`` of the first
-FLUSH after its command (:func:`answer_order`). A chunk with refusals is answered
-before its head is published: a refusal exists only in its answer, and a daemon
-killed before the answer leaves must leave the chunk to the next one.
+FLUSH after its command (:func:`answer_order`).
 """
 
 from __future__ import annotations
@@ -224,22 +222,13 @@ class Executor:
             unsynced = self.recorder.unavailable  # not on disk (the journal cannot be written): no flush succeeds
             if unsynced and flushes:
                 self.totals["journal_flushes_refused_total"] += len(flushes)
-        if rejects and self.replication is None:
-            # A refusal exists only in its answer: it goes out before the head moves. A daemon
-            # killed before it leaves has the chunk applied again by the next one (the refused
-            # commands are not in the arena: refused again, or applied, and answered then);
-            # with the head moved first, the next daemon would answer the client's next
-            # FLUSH as if the refused command had been applied.
-            _answer(cs, flushes, rejects, cuts, unsynced)
-            segment.commit(good)
-        else:
-            segment.commit(good)  # only now may the client reuse the slots: a crash above re-applies the chunk
-            if self.replication is None:
-                _answer(cs, flushes, rejects, cuts, unsynced)
-            else:
-                self.replication.answer(cs, self.recorder.journal.last_lsn, flushes, rejects, cuts, unsynced)
+        segment.commit(good)  # only now may the client reuse the slots: a crash above re-applies the chunk
         self.totals["commands_total"] += good
         self.totals["rejected_total"] += len(rejects)
+        if self.replication is None:
+            _answer(cs, flushes, rejects, cuts, unsynced)
+        else:
+            self.replication.answer(cs, self.recorder.journal.last_lsn, flushes, rejects, cuts, unsynced)
         if good < n:
             self.poison(cs, f"invalid command record (op {raw[good * _RECORD_SIZE]}) at ring position {good}")
         return good
