@@ -97,6 +97,9 @@ cdef class ClientCore(ClientBase):
     cdef public object _former_slots
     cdef public object _replay_from
     cdef public object _flush_positions
+    cdef public object _answered_at
+    cdef public set _answered
+    cdef public dict _answer_positions
     cdef public object max_delay_ms
     # _encode's outputs beside the key bytes it returns
     cdef long long _key_meta

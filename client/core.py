@@ -293,6 +293,13 @@ class ClientCore(ClientBase, ClientSession):
         # it re-applies our ring from here (see _hello_frame).
         self._replay_from = 0
         self._flush_positions: dict[int, int] = {}
+        # Answers read back from the ring (ClientSession._recover_answers): the position after
+        # the last FLUSH whose Applied came (every command before it has been answered), the
+        # answers received since (a Rejected's seq, ~seq for an Applied), and where each FLUSH
+        # still unanswered ends (seq -> position; the library's own FLUSHes too)
+        self._answered_at = 0
+        self._answered: set[int] = set()
+        self._answer_positions: dict[int, int] = {}
         self.max_delay_ms = 0
         self._key_meta = 0  # _encode's outputs beside the key bytes it returns
         self._key_name: str | bytes | int | None = None
@@ -647,6 +654,9 @@ class ClientCore(ClientBase, ClientSession):
         by the daemon that comes back, says they were applied."""
         seq = self._next_tag()
         self._push(C.FLUSH, b"", 0, 0, seq)
+        seg = self._segment
+        assert seg is not None  # (_push raised otherwise)
+        self._answer_positions[seq] = seg._tail
         cancelled = self._cancelled_since_mark
         self._marks.append((seq, cancelled))
         index = self._cancel_index

@@ -32,6 +32,7 @@ from wheeld.protocol.errors import (
     QuotaExceeded,
     RingFull,
 )
+from wheeld.protocol.keys import key_length
 from wheeld.shm.ring import ClientSegment
 from wheeld.shm.status import StatusPage
 
@@ -44,6 +45,7 @@ SHARDS = 64
 _SEQ_BITS = SEQ_BITS
 _SHARD_MASK = SHARDS - 1
 _META = [bytes((m,)) for m in range(256)]
+_SEQ_AT, _MARK_AT, _KEY_AT = C.SEQ_OFFSET, C.PAD_OFFSET, C.KEY_OFFSET  # in a ring record
 
 class ForkedTouches(dict):
     """Stands in for the touch index in a forked child: every touch raises ForkedClient."""
@@ -104,6 +106,9 @@ class ClientSession:
         _former_slots: set[int]
         _replay_from: int
         _flush_positions: dict[int, int]
+        _answered_at: int
+        _answered: set[int]
+        _answer_positions: dict[int, int]
         _latest: list[dict]
         _acks_pending: list[tuple[int, int, int]]
         _rearms_pending: list[tuple]
@@ -168,12 +173,15 @@ class ClientSession:
                 old.name = welcome.segment_name  # its label in this daemon (a reboot relabels it)
                 old.limit_head(None)  # the head word holds any rewind now (hello_frame)
                 segment = old
-                backlog = []
+                backlog = None
             else:
                 segment = ClientSegment.attach(ring_fd, welcome.segment_name)  # takes ring_fd
                 backlog = old.unapplied_records(self._replay_from) if old is not None else []
                 self._replay_from = 0
                 self._flush_positions.clear()
+                self._answered_at = 0  # the new ring's positions; the backlog is answered on it
+                self._answered.clear()
+                self._answer_positions.clear()
                 if old is not None:  # the daemon could not take our ring back: start afresh
                     self._touch_table = None
                     self._group_words = None
@@ -206,8 +214,56 @@ class ClientSession:
         self._tag_base = welcome.client_id << _SEQ_BITS
         self._rang_epoch = 0
         self.max_delay_ms = welcome.max_delay_ms
-        for record in backlog:  # pushed before, never applied: they go into the new ring
+        if backlog is None:
+            self._recover_answers(segment, welcome.head)
+        else:
+            self._push_backlog(backlog, segment)
+
+    def _push_backlog(self, backlog: list[bytes], segment: ClientSegment) -> None:
+        """Push into the new ring the records pushed before and never applied (a daemon that
+        could not take the ring back); their FLUSHes end at new positions."""
+        for record in backlog:
             self._push_record(record)
+            if record[0] == C.FLUSH:
+                self._answer_positions[int.from_bytes(record[_SEQ_AT : _SEQ_AT + 4], "little")] = segment._tail
+
+    def _recover_answers(self, seg: ClientSegment, head: int) -> None:
+        """Our ring was kept, and the commands before ``head`` were applied by a daemon: the
+        answers to those we did not receive (the daemon killed after it moved the head, the
+        session closed, answers queued for a socket that broke) will never come. Read them
+        back from the ring: every FLUSH there is ``Applied``, every record with an answer
+        mark was refused with its code (:mod:`wheeld.shm.ring`, "Answers kept in the ring").
+        Each is handled as if received, in ring order, unless it was received."""
+        start = self._answered_at
+        records = [entry for entry in seg.overwritten_marks if start <= entry[0] < head]
+        seg.overwritten_marks = []  # (every overwritten record is before the head)
+        if head <= start:
+            return
+        records += seg.consumed_records(start, head)
+        answered = self._answered
+        for _position, record in records:
+            op = record[0]
+            if op == C.ACK:
+                continue  # not answered
+            seq = int.from_bytes(record[_SEQ_AT : _SEQ_AT + 4], "little")
+            mark = int.from_bytes(record[_MARK_AT : _MARK_AT + 4], "little")
+            if 0 < mark <= len(C.ANSWER_MARKS) and seq not in answered:
+                code = C.ANSWER_MARKS[mark - 1]
+                meta = record[1] if op != C.FLUSH else 0
+                key_bytes = record[_KEY_AT : _KEY_AT + key_length(meta)] if meta else b""
+                try:
+                    refusal = M.Rejected(seq, key_bytes, meta, f"{code}: the daemon's answer did not reach this "
+                                                                f"client (its session ended); read back from the ring",
+                                         code)
+                except (InvalidRequest, ValueError):
+                    refusal = None  # not a record this client wrote: nothing to tell
+                if refusal is not None:
+                    self._on_message(refusal)
+            if op == C.FLUSH and ~seq not in answered:
+                self._on_message(M.Applied(seq))
+        if head > self._answered_at:
+            self._answered_at = head
+            answered.clear()
 
     def _push_record(self, record: bytes) -> None:
         seg = self._segment
@@ -223,6 +279,11 @@ class ClientSession:
             self._on_expirations(message.items)
         elif kind is M.Applied:
             self._applied = message.seq
+            at = self._answer_positions.pop(message.seq, None)
+            if at is None:
+                self._answered.add(~message.seq)  # (a FLUSH whose position we do not know)
+            else:
+                self._answered_through(at)
             position = self._flush_positions.get(message.seq)
             rejected = self._rejected
             if rejected and rejected[-1].seq == message.seq and rejected[-1].code in M.Rejected.NOT_DURABLE:
@@ -248,12 +309,25 @@ class ClientSession:
                         del latest[bkey]
                         self._remember_done(bkey, ~tag)
         elif kind is M.Rejected:
+            self._answered.add(message.seq)
             if not (self._rearmed and self._rearm_comes_again(message)):
                 self._rejected.append(message)
         elif kind is M.Goodbye:
             raise BrokenPeer(f"the daemon ended the session: {message.reason}")
         elif kind is M.Refused:
             raise refusal_error(message)
+
+    def _answered_through(self, position: int) -> None:
+        """The Applied of the FLUSH that ends at ring ``position`` came: every command before
+        it has been answered (the daemon answers in ring order)."""
+        self._answered_at = position
+        self._answered.clear()
+        positions = self._answer_positions
+        while positions and next(iter(positions.values())) <= position:  # (pushed in ring order)
+            del positions[next(iter(positions))]
+        seg = self._segment
+        if seg is not None and seg.overwritten_marks:
+            seg.overwritten_marks = [entry for entry in seg.overwritten_marks if entry[0] >= position]
 
     # ------------------------------------------------------------------ idle re-arms
     # (the core's _stale_idle makes them: an idle timer's copy touched after it fired)
@@ -351,6 +425,7 @@ class ClientSession:
         seq = self._next_tag()
         self._push(C.FLUSH, b"", 0, 0, seq)
         self._flush_positions[seq] = seg._tail
+        self._answer_positions[seq] = seg._tail
         self._ring_doorbell()
         return seq
 

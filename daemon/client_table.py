@@ -45,7 +45,7 @@ class ClientSlot:
     again (to any member) and the newer one becomes the older."""
 
     __slots__ = ("slot", "segment", "label", "group", "group_name", "session", "unacked", "unacked_old", "poisoned",
-                 "pid", "uid", "orphan_since", "unanswered", "said_bye",
+                 "pid", "uid", "orphan_since", "said_bye",
                  "apply_ns", "replay_guard", "replay_left")
 
     def __init__(self, slot: int, segment: ClientSegment | None, label: str, group: int, group_name: str, pid: int,
@@ -62,7 +62,6 @@ class ClientSlot:
         self.pid = pid
         self.uid = uid
         self.orphan_since = 0
-        self.unanswered = None  # connection.KeptAnswers: answers to commands applied while no session was open
         self.said_bye = False  # its client ended its last session with Bye: it will not come back for it
         self.apply_ns = 0  # what applying one of its commands costs the daemon (Executor.drain), ns; 0 unknown
         # A slot found in the table at start, or a ring handed back to a daemon with another

@@ -20,7 +20,6 @@ from wheeld.protocol import messages as M
 from wheeld.protocol.errors import ProtocolError
 from wheeld.protocol.framing import FrameReader
 
-from .planner import Rejection
 
 log = logging.getLogger("wheeld")
 
@@ -31,9 +30,6 @@ HIGH_WATER = 8 << 20  # bytes queued to one client before we stop sending it exp
 # is counted rather than sent (one summary per code follows once the client reads).
 ANSWER_HIGH_WATER = 1 << 20
 REJECT_DETAIL_BYTES = 256 << 10
-# The answers to commands applied while a client has no session wait for its next one
-# (KeptAnswers): KEPT_REJECTIONS rejections one by one, the rest counted per code.
-KEPT_REJECTIONS = 4096
 CLIENT_MAX_FRAME = 4096  # the largest client -> daemon frame (a Hello is a few hundred bytes)
 RECV_BYTES = 65536  # the most the shell reads from one connection at a time
 MAX_PASSED_FDS = 4  # descriptors the shell takes from one read (a Hello passes one)
@@ -277,65 +273,3 @@ class Session:
                     return
         except ProtocolError as exc:
             self.owner.close(self, f"protocol error: {exc}", goodbye=True)
-
-
-class KeptAnswers:
-    """The answers to a client's commands applied while it had no session, kept for the
-    session it opens next (:meth:`send`), in ring order: the rejections of the commands
-    before the last FLUSH applied, that FLUSH's answer (the earlier ones' are not kept:
-    the last covers them), then the rejections of the commands after it.
-
-    Bounded: ``KEPT_REJECTIONS`` rejections are kept one by one, those past it are counted
-    per code on their side of the FLUSH, and sent as one summary per code (``seq`` 0, no
-    key, the reason beginning with the count, as :meth:`Session._summaries`)."""
-
-    __slots__ = ("flush_frames", "before", "after", "more_before", "more_after")
-
-    def __init__(self):
-        self.flush_frames: bytes | None = None  # the frames that answer the last FLUSH applied
-        self.before: list = []  # Rejections of the commands before that FLUSH, in ring order
-        self.after: list = []  # ...and after it
-        self.more_before: dict[str, list] = {}  # code -> [count, last reason] of those not kept one by one
-        self.more_after: dict[str, list] = {}
-
-    def add(self, rejects: list, flush_answers: list, cuts: list | None) -> None:
-        """A chunk's answers, as :meth:`Session.answer` takes them."""
-        if flush_answers:
-            self.before += self.after
-            for code, (count, reason) in self.more_after.items():
-                _count(self.more_before, code, count, reason)
-            self.after, self.more_after = [], {}
-            cut = cuts[-1] if rejects else 0
-            self._keep(rejects[:cut], self.before, self.more_before)
-            self.flush_frames = flush_answers[-1]
-            rejects = rejects[cut:]
-        self._keep(rejects, self.after, self.more_after)
-
-    def _keep(self, rejects: list, kept: list, more: dict) -> None:
-        room = max(0, KEPT_REJECTIONS - len(self.before) - len(self.after))
-        kept += rejects[:room]
-        for reject in rejects[room:]:
-            _count(more, reject.code, 1, reject.reason)
-
-    def send(self, session: Session) -> None:
-        """Answer them on ``session`` (the client's new one, right after its Welcome)."""
-        before = self.before + _summary_rejections(self.more_before)
-        flushes = [self.flush_frames] if self.flush_frames is not None else []
-        session.answer(before + self.after + _summary_rejections(self.more_after), flushes,
-                       [len(before)] if flushes else None)
-
-
-def _count(more: dict, code: str, count: int, reason: str) -> None:
-    entry = more.get(code)
-    if entry is None:
-        more[code] = [count, reason]
-    else:
-        entry[0] += count
-        entry[1] = reason
-
-
-def _summary_rejections(more: dict) -> list:
-    """One summary rejection per code of ``more`` (code -> [count, last reason])."""
-    return [Rejection(0, b"", 0, f"{count} more command(s) refused, not listed one by one (the client had no "
-                                 f"session when they were applied): {reason}"[:1000], code, -1)
-            for code, (count, reason) in more.items()]

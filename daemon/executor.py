@@ -36,7 +36,6 @@ from wheeld.protocol.errors import ArenaFull, InvalidRequest, ProtocolError
 from wheeld.protocol.keys import TYPE_STR
 from wheeld.shm.wheel import MAX_DELAY_MS, TimerWheel, deadline_reason
 
-from .connection import KeptAnswers
 from .planner import CommandLog, Plan, Rejection, plan_batch, rejection
 
 log = logging.getLogger("wheeld")
@@ -206,6 +205,7 @@ class Executor:
         self.ring_depth += n
         good = valid_prefix(raw, segment.touch_capacity)
         chunk = raw if good == n else raw[: good * _RECORD_SIZE]
+        kept = None  # the indices (in raw) of the records applied, when the replay guard skipped some
         if guard is not None and good:
             records = C.records_from_buffer(chunk)
             skip = replayed_commands(records, cs.group, guard)
@@ -213,7 +213,8 @@ class Executor:
                 log.info("client slot %d: %d commands of its ring were applied by the daemon before this one "
                          "(killed before it published the ring's head); not applied again", cs.slot,
                          int(np.count_nonzero(skip)))
-                chunk = records[~skip].tobytes()
+                kept = np.flatnonzero(~skip)
+                chunk = records[kept].tobytes()
         flushes, rejects = self._apply(cs, chunk, None) if chunk else ([], [])
         cuts = answer_order(C.records_from_buffer(chunk), rejects) if rejects and flushes else None
         unsynced = None
@@ -222,6 +223,11 @@ class Executor:
             unsynced = self.recorder.unavailable  # not on disk (the journal cannot be written): no flush succeeds
             if unsynced and flushes:
                 self.totals["journal_flushes_refused_total"] += len(flushes)
+        flush_code = None  # how the chunk's FLUSHes are answered, when not as durable
+        if flushes and (unsynced or self._held_for_stream()):
+            flush_code = M.Rejected.JOURNAL_UNAVAILABLE if unsynced else M.Rejected.REPLICATION_BEHIND
+        if rejects or flush_code is not None:
+            _mark_answers(segment, chunk, kept, rejects, flush_code)
         segment.commit(good)  # only now may the client reuse the slots: a crash above re-applies the chunk
         self.totals["commands_total"] += good
         self.totals["rejected_total"] += len(rejects)
@@ -232,6 +238,12 @@ class Executor:
         if good < n:
             self.poison(cs, f"invalid command record (op {raw[good * _RECORD_SIZE]}) at ring position {good}")
         return good
+
+    def _held_for_stream(self) -> bool:
+        """Are this chunk's FLUSHes answered only once the replication stream holds them?"""
+        replication = self.replication
+        return (replication is not None and replication.replicated
+                and self.recorder.journal.last_lsn > replication.replicator.replicated_lsn)
 
     def apply(self, cs, records: np.ndarray) -> tuple[list, list]:
         """Apply valid records (planned, or in order when few or near the group's quota);
@@ -603,19 +615,32 @@ def answer_chunk(cs, flushes: list, rejects: list, cuts, unsynced=None, code=Non
     _answer(cs, flushes, rejects, cuts, unsynced, code)
 
 
+def _mark_answers(segment, chunk: bytes, kept, rejects: list, flush_code: str | None) -> None:
+    """Store the chunk's decisions that exist only in their answers in the ring's records
+    (:meth:`ClientSegment.mark_answer <wheeld.shm.ring.ClientSegment.mark_answer>`), before
+    its head moves: each refused command's code, and ``flush_code`` on each FLUSH when the
+    chunk's FLUSHes are not answered as durable (the journal could not be written, or their
+    answers wait for the replication stream). An answer lost after the head moved (the
+    daemon killed, the session closed, a socket never read) is then read back from the ring
+    by the client. ``kept``: the records of the peek that ``chunk`` holds (None: all)."""
+    for reject in rejects:
+        at = reject.at if kept is None else int(kept[reject.at])
+        segment.mark_answer(at, C.ANSWER_MARK[reject.code])
+    if flush_code is not None:
+        mark = C.ANSWER_MARK[flush_code]
+        for at in np.flatnonzero(C.records_from_buffer(chunk)["op"] == C.FLUSH).tolist():
+            segment.mark_answer(at if kept is None else int(kept[at]), mark)
+
+
 def _answer(cs, flushes: list, rejects: list, cuts: list | None, unsynced=None, code=None) -> None:
     """Send a chunk's answers, each rejection before the ``Applied`` of the first FLUSH after
     its command (``cuts``: :func:`answer_order`; bounded: :meth:`Session.answer
-    <wheeld.daemon.connection.Session.answer>`). Those of a chunk applied while the client's
-    session was closed are kept for the session it opens next (its Hello)."""
+    <wheeld.daemon.connection.Session.answer>`). A client with no open session is not
+    answered: the ring holds the decisions its answers carry (:func:`_mark_answers`), and
+    the client reads them back when its next session opens."""
     session = cs.session
-    flush_answers = [flush_answer(seq, unsynced, code) for seq in flushes]
-    if session is not None and not session.closed:
-        session.answer(rejects, flush_answers, cuts)
-    elif flushes or rejects:
-        if cs.unanswered is None:
-            cs.unanswered = KeptAnswers()
-        cs.unanswered.add(rejects, flush_answers, cuts)
+    if session is not None and not session.closed and (flushes or rejects):
+        session.answer(rejects, [flush_answer(seq, unsynced, code) for seq in flushes], cuts)
 
 
 def _held_back(cs) -> bool:

@@ -274,13 +274,10 @@ class Sessions:
         welcome = M.Welcome(
             M.PROTOCOL_VERSION, cs.slot, cs.label, cs.segment.ring_capacity, cs.segment.touch_capacity,
             self.wheel.name or "", self.wheel.tick_ms, CLIENT_MAX_DELAY_MS, self._token(cs.slot, cs.label),
-            self.arena_epoch, status is not None, resumed,
+            self.arena_epoch, status is not None, resumed, cs.segment.consumer_head,
         )
         session.send_with_fds(M.encode_daemon_frame(welcome),
                               [cs.segment.fd] + ([status] if status is not None else []))
-        if cs.unanswered is not None:  # a client whose session the daemon closed may be waiting for them
-            unanswered, cs.unanswered = cs.unanswered, None
-            unanswered.send(session)
 
     def _admit(self, session: Session, hello: M.Hello, passed: _Passed) -> tuple[ClientSlot, bool] | None:
         """The checks of a Hello and (the client slot it gets, whether the ring it handed

@@ -21,7 +21,14 @@ Layout (little-endian, 64 bytes, one record per ring slot)::
 
 ``check`` is ``zlib.crc32`` of bytes 0..23 followed by the whole 32-byte key
 field (bytes 32..63, zero padding included): the 56 bytes that carry meaning.
-``reserved`` and ``pad`` are zero. ``kmeta`` is the key meta byte of
+``reserved`` and ``pad`` are zero when the client writes the record. ``pad`` is
+outside the check: it is the record's *answer mark*, the one field the daemon
+writes. Before it publishes the ring's head past a record it refused (or a FLUSH
+it answers as not durable), the daemon stores there ``1 +`` the index of the
+answer's code in :data:`ANSWER_MARKS`. An answer that never reaches the client (the
+daemon killed between the head and the answer, a session closed or its socket
+full) is then still in the ring; the client library reads it back when its next
+session opens (see :mod:`wheeld.shm.ring`). ``kmeta`` is the key meta byte of
 :mod:`wheeld.protocol.keys` (length in bits 0-5, type in bits 6-7).
 
 Operations and the fields each one uses (every field an op does not use is zero;
@@ -88,6 +95,13 @@ KEY_FIELD_SIZE = KEY_BYTES
 #: bytes 0..CHECKED_HEAD_SIZE-1 and the key field are covered by the check word
 CHECKED_HEAD_SIZE = CHECK_OFFSET
 CHECKED_SIZE = CHECKED_HEAD_SIZE + KEY_FIELD_SIZE
+
+#: the codes an answer mark (``pad``) names, 1-based: mark ``i + 1`` is ``ANSWER_MARKS[i]``
+#: (the ``Rejected`` codes of :mod:`wheeld.protocol.messages`)
+ANSWER_MARKS = ("arena_full", "quota_exceeded", "invalid_deadline", "invalid_touch_index", "unknown_key",
+                "journal_unavailable", "replication_behind")
+#: code -> its mark
+ANSWER_MARK = {code: i + 1 for i, code in enumerate(ANSWER_MARKS)}
 
 #: the full record (reserved and pad written as zero)
 RECORD = struct.Struct("<BB2xIqiiI4x32s")

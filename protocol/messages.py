@@ -146,7 +146,11 @@ class Welcome(_Message, frozen=True, tag="welcome"):
 
     ``SCM_RIGHTS`` data with this frame: the ring's memfd, then (``status_page``)
     the read-only status page. ``resumed``: the ring the client handed back is the
-    one it keeps (its unapplied commands will be applied)."""
+    one it keeps (its unapplied commands will be applied). ``head``: the ring's head as
+    this session starts. The commands before it were applied by a daemon, and the
+    answers to them that the client did not receive will not come: the client reads
+    them back from the ring's answer marks (:mod:`wheeld.shm.ring`). Those from
+    ``head`` on are answered on this session."""
 
     protocol_version: U32
     client_id: NonNegativeI64
@@ -164,6 +168,7 @@ class Welcome(_Message, frozen=True, tag="welcome"):
     arena_epoch: U32 = 0
     status_page: bool = False
     resumed: bool = False
+    head: NonNegativeI64 = 0
 
     def __post_init__(self) -> None:
         if self.ring_capacity & (self.ring_capacity - 1):

@@ -20,6 +20,8 @@ Who writes what:
 word                          written by                    read by
 ============================  ============================  =======================
 ring records                  producer (client) only        consumer (daemon)
+a record's answer mark (pad)  consumer, before the head     producer, when its session
+                              moves past the record         breaks (answers lost)
 tail (own cache line)         producer only                 consumer
 head (own cache line)         consumer only                 producer
 closed (head's line)          consumer only                 producer
@@ -100,6 +102,27 @@ segment can only break its own timers. It cannot resize the segment either: the
 memfd is sealed (``F_SEAL_SHRINK | F_SEAL_GROW``), so the daemon can never take
 SIGBUS from pages a client truncated away.
 
+Answers kept in the ring
+========================
+
+A refusal (``Rejected``) exists only in its answer, and answers travel on the
+socket after the head has moved: a daemon killed in between, a session closed, or
+answers queued for a socket the client stopped reading would lose it, and the
+client's next flush would be answered as if the refused command had been applied.
+So the consumer writes each such decision into the record itself, in its ``pad``
+word (the *answer mark*, :data:`~wheeld.protocol.commands.ANSWER_MARKS`), before it
+publishes the head past it (:meth:`ClientSegment.mark_answer`): the refused
+commands, and the FLUSHes answered as not durable (journal unavailable, or held
+for a replication stream). The producer never writes a slot the head has not
+passed, so the mark is stored before the producer can overwrite the record, and
+when the producer does overwrite a marked record it keeps a copy first
+(:attr:`ClientSegment.overwritten_marks`). When the client's next session opens,
+the library reads the records between its last answered FLUSH and the head the
+new session starts from (:meth:`ClientSegment.consumed_records`): every FLUSH there
+was applied, every mark is a refusal, and those it did not receive are answered
+from the ring. A consumer that adopts a ring clears the marks of the records it is
+to apply (a daemon killed between the mark and the head leaves some).
+
 Daemon restart
 ==============
 
@@ -137,6 +160,7 @@ from wheeld.protocol.commands import (
     ADD_RECORD,
     CHECKED,
     KEY_FIELD_SIZE,
+    PAD_OFFSET,
     RECORD,
     RECORD_DTYPE,
     RECORD_SHIFT,
@@ -161,6 +185,7 @@ _pack_add_into = ADD_RECORD.pack_into
 _TAIL_WORD = layout.TAIL_WORD
 _HEAD_WORD = layout.HEAD_WORD
 _EMPTY = np.zeros(0, dtype=RECORD_DTYPE)
+_MARK = struct.Struct("<I")  # a record's answer mark (its pad word; protocol.commands.ANSWER_MARKS)
 #: the longest idle timeout (about 24.8 days): an ADD_IDLE's aux0 is a signed 32-bit field
 MAX_IDLE_MS = (1 << 31) - 1
 
@@ -260,6 +285,9 @@ class ClientSegment:
         self._tail = self._words[_TAIL_WORD]
         self._head_cache = self._words[_HEAD_WORD]
         self._head_limit = None
+        # copies of marked records the producer overwrote (position, 64 bytes): their answers
+        # may not have reached the client yet (see "Answers kept in the ring")
+        self.overwritten_marks = []
         # consumer state: private head (never read back from the untrusted segment, except by adopt)
         self._head = 0
         self._peeked = 0  # records returned by the last peek and not yet committed
@@ -333,6 +361,7 @@ class ClientSegment:
                 # overwriting them before it sees this store)
                 self._head = rewind_to
                 self._words[_HEAD_WORD] = rewind_to
+            self._clear_marks(self._head, tail)
         except BaseException:
             self.close()
             raise
@@ -441,6 +470,8 @@ class ClientSegment:
         if tail >= self._head_cache + self._capacity and not self._has_room(tail):
             return False
         if not (_COMPILED and self._store_record(tail & self._mask, ADD, key_meta, seq, deadline_ms, 0, 0, key_bytes)):
+            if not self._closed and self._ring_view[((tail & self._mask) << 3) + 3] >> 32:  # an answer mark
+                self._keep_marked(tail & self._mask)
             try:
                 check = _crc32(_pack_add_checked(ADD, key_meta, seq, deadline_ms, key_bytes))
                 _pack_add_into(
@@ -473,6 +504,8 @@ class ClientSegment:
             return False
         if not (_COMPILED and self._store_record(tail & self._mask, op, key_meta, seq, deadline_ms, aux0, aux1,
                                                  key_bytes)):
+            if not self._closed and self._ring_view[((tail & self._mask) << 3) + 3] >> 32:  # an answer mark
+                self._keep_marked(tail & self._mask)
             try:
                 check = _crc32(_pack_checked(op, key_meta, seq, deadline_ms, aux0, aux1, key_bytes))
                 _pack_record_into(
@@ -492,6 +525,8 @@ class ClientSegment:
         if tail >= self._head_cache + self._capacity and not self._has_room(tail):
             return False
         start = self._ring_offset + ((tail & self._mask) << RECORD_SHIFT)
+        if not self._closed and self._ring_view[((tail & self._mask) << 3) + 3] >> 32:  # an answer mark
+            self._keep_marked(tail & self._mask)
         self._mm[start : start + RECORD.size] = record
         self._publish(tail + 1)
         return True
@@ -540,6 +575,8 @@ class ClientSegment:
         crc = _crc32_word(crc, key2)
         crc = _crc32_word(crc, key3)
         base = slot * _WORDS_PER_RECORD
+        if self._ring_words[base + 3] >> 32:  # the record there carries an answer mark
+            self._keep_marked(slot)
         self._ring_words[base] = head  # (through self: a typed-view local costs two locked instructions)
         self._ring_words[base + 1] = deadline
         self._ring_words[base + 2] = aux
@@ -563,8 +600,34 @@ class ClientSegment:
         out = []
         for position in range(start, self._tail):
             offset = self._ring_offset + ((position & self._mask) << RECORD_SHIFT)
-            out.append(bytes(self._mm[offset : offset + RECORD.size]))
+            # without its answer mark: pushed again, the record is the client's as it wrote it
+            out.append(bytes(self._mm[offset : offset + PAD_OFFSET]) + b"\0\0\0\0"
+                       + bytes(self._mm[offset + PAD_OFFSET + 4 : offset + RECORD.size]))
         return out
+
+    def consumed_records(self, start: int, end: int) -> list[tuple[int, bytes]]:
+        """Producer: (position, the 64 bytes) of each record from ``start`` up to ``end``
+        (positions the head has passed) that the ring still holds, oldest first. Those a
+        whole ring behind the tail were overwritten; the marked ones among them are in
+        :attr:`overwritten_marks`."""
+        self._check_open()
+        tail = int(self._tail)  # (compiled, an unsigned C integer: no negative differences)
+        first = max(start, tail - self._capacity, 0)
+        last = min(end, tail)
+        out = []
+        for position in range(first, last):
+            offset = self._ring_offset + ((position & self._mask) << RECORD_SHIFT)
+            out.append((position, bytes(self._mm[offset : offset + RECORD.size])))
+        return out
+
+    def _keep_marked(self, slot: int) -> None:
+        """Producer, about to overwrite ``slot``: its record carries an answer mark, which
+        may not have reached the client as an answer yet; keep a copy (its position is a
+        ring behind the tail)."""
+        offset = self._ring_offset + (slot << RECORD_SHIFT)
+        position = int(self._tail) - self._capacity
+        if position >= 0:
+            self.overwritten_marks.append((position, bytes(self._mm[offset : offset + RECORD.size])))
 
     def _has_room(self, tail: int) -> bool:
         """Slow path of a push that found the cached head too old: reload head."""
@@ -704,6 +767,28 @@ class ClientSegment:
         if count:
             self._head += count
             self._words[_HEAD_WORD] = self._head  # only after the records were copied (and applied)
+
+    @property
+    def consumer_head(self) -> int:  # (every record before it was applied)
+        return self._head
+
+    def mark_answer(self, index: int, mark: int) -> None:
+        """Store answer mark ``mark`` (:data:`~wheeld.protocol.commands.ANSWER_MARKS`) in
+        record ``index`` of the last peek, which the daemon refused (or answered as not
+        durable): before the :meth:`commit` that hands its slot back, so that the decision
+        outlives a daemon killed before its answer left (see "Answers kept in the ring")."""
+        if not 0 <= index < self._peeked:
+            raise InvalidRequest(f"mark_answer({index}) after a peek of {self._peeked}")
+        offset = self._ring_offset + (((self._head + index) & self._mask) << RECORD_SHIFT)
+        _MARK.pack_into(self._mm, offset + PAD_OFFSET, mark)
+
+    def _clear_marks(self, start: int, end: int) -> None:
+        """Consumer, adopting the ring: clear the answer marks of the records from ``start``
+        up to ``end`` (those it is to apply: a daemon killed between a mark and its commit
+        leaves one, and a marked record is garbage to the validator)."""
+        if end - start > 0:
+            slots = np.arange(start, end, dtype=np.int64) & self._mask
+            self._ring["pad"][slots] = 0
 
     def read_touch(self, index: int) -> int:
         """The last-touch monotonic ms the client stored at ``index``; ProtocolError if out of range."""

@@ -8,9 +8,9 @@ while another adds, a ring replayed in one chunk after a daemon restart), a refu
 answered with an earlier flush would make that flush raise for a command it did not
 cover, and the flush that does cover it return as if the command had been applied.
 
-In process: the ordering (``Session.answer``, ``KeptAnswers``, ``answer_order``,
-``Executor.apply_ring`` on both of its paths) and the client's attribution
-(``ClientCore``). Against a real daemon: pipelined flushes around refused commands
+In process: the ordering (``Session.answer``, ``answer_order``, ``Executor.apply_ring``
+on both of its paths, the answers read back from the ring) and the client's
+attribution (``ClientCore``). Against a real daemon: pipelined flushes around refused commands
 (a group quota, a deadline out of range), with the daemon stopped, restarted, or
 after it closed the session.
 """
@@ -143,27 +143,6 @@ def test_refusals_counted_instead_of_sent_are_summarised_before_the_next_flush_o
     assert len(one_by_one) + held == len(flood)
 
 
-def test_answers_kept_for_a_client_without_a_session_keep_their_order(monkeypatch):
-    kept = CN.KeptAnswers()
-    kept.add([_refusal(1, 0), _refusal(3, 2)], [_applied(2)], [1])  # refused 1, FLUSH 2, refused 3
-    kept.add([_refusal(4, 0), _refusal(6, 2)], [_applied(5)], [1])  # refused 4, FLUSH 5, refused 6
-    kept.add([_refusal(7, 0)], [], None)  # refused 7, no flush
-    session, transport = _session()
-    kept.send(session)
-    assert _told(transport.data) == [("rejected", 1, QUOTA), ("rejected", 3, QUOTA), ("rejected", 4, QUOTA),
-                                     ("applied", 5), ("rejected", 6, QUOTA), ("rejected", 7, QUOTA)]
-    # bounded: past KEPT_REJECTIONS they are counted per code, on their side of the flush
-    monkeypatch.setattr(CN, "KEPT_REJECTIONS", 2)
-    kept = CN.KeptAnswers()
-    kept.add([_refusal(1, 0), _refusal(3, 2)], [_applied(2)], [1])
-    kept.add([_refusal(4, 0), _refusal(6, 2)], [_applied(5)], [1])
-    kept.add([_refusal(7, 0)], [], None)
-    session, transport = _session()
-    kept.send(session)
-    assert _told(transport.data) == [("rejected", 1, QUOTA), ("rejected", 3, QUOTA), ("summary", QUOTA, 1),
-                                     ("applied", 5), ("summary", QUOTA, 2)]
-
-
 def test_answer_order_puts_refusals_in_ring_order_and_cuts_them_at_each_flush():
     x, y, z, w = (encode_key(k) for k in "xyzw")
     records = _records([(C.ADD, *x, 2000, 1), (C.FLUSH, b"", 0, 0, 2), (C.ADD, *y, 2000, 3), (C.ADD, *z, 2000, 4),
@@ -185,13 +164,29 @@ def _chunk_commands():
     return commands, answers
 
 
+class _ReadBack(ClientCore):
+    """A client library that notes the answers it handles (received or read back)."""
+
+    def __init__(self, segment):
+        super().__init__("/nonexistent.sock", "g", 1.0, 1.0, "")
+        self._segment = segment
+        self.told: list[tuple] = []
+
+    def _on_message(self, message) -> None:
+        if type(message) is M.Applied:
+            self.told.append(("applied", message.seq))
+        else:
+            self.told.append(("rejected", message.seq, message.code))
+        super()._on_message(message)
+
+
 @pytest.mark.parametrize("planned", [False, True], ids=["in-order", "planned"])
 @pytest.mark.parametrize("connected", [True, False], ids=["session", "no-session"])
 def test_the_executor_answers_a_chunk_in_ring_order(monkeypatch, planned, connected):
     """``apply_ring``, applying in order and planned: the refusals are answered in ring order
     (a plan finds the deadlines out of range before the arms the arena has no room for).
-    Without a session they wait for the next one, each on its side of the last flush's
-    Applied (the earlier flushes are not answered: the last covers them)."""
+    Without a session nothing is sent: the client library reads the same answers back from
+    the ring when its next session opens (the answer marks, shm.ring)."""
     monkeypatch.setattr(E, "BATCH_MIN", 1 if planned else None)
     with ring_executor(2) as r:
         cs, producer, executor = r.cs, r.producer, r.executor
@@ -203,12 +198,16 @@ def test_the_executor_answers_a_chunk_in_ring_order(monkeypatch, planned, connec
             cs.session = session
             session.client = cs
         assert executor.apply_ring(cs) == len(commands)
-        if not connected:  # the last flush's answer only, after every refusal before it
-            assert not transport.data
-            cs.unanswered.send(session)  # what the next session is told after its Welcome
-            answers = [("rejected", 3, INVALID), ("rejected", 5, FULL), ("rejected", 7, INVALID), ("applied", 8),
-                       ("rejected", 9, INVALID)]
-        assert _told(transport.data) == answers
+        if connected:
+            assert _told(transport.data) == answers
+            return
+        assert not transport.data
+        client = _ReadBack(producer)
+        client._recover_answers(producer, cs.segment.consumer_head)  # its next Welcome's head
+        assert client.told == answers
+        client.told.clear()
+        client._recover_answers(producer, cs.segment.consumer_head)  # read back once
+        assert client.told == []
 
 
 # ---------------------------------------------------------------------------- the client's attribution
@@ -389,7 +388,8 @@ def test_refusals_applied_while_the_session_was_closed_reach_the_flush_after_the
         with pytest.raises(wheeld.InvalidRequest, match="far2") as raised:
             client.flush(timeout_s=10)  # reconnects, hands the ring back, is answered
         assert "far1" not in str(raised.value)
-        assert [r.key for r in client._flush_answers.pop(between)] == ["far1"]
+        got = client._flush_answers.pop(between)
+        assert [r.key for r in got] == ["far1"]
         client.flush()
         assert client.cancel("before")
         client.flush()
