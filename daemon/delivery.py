@@ -69,7 +69,7 @@ from wheeld.protocol.keys import VALID_KEY_METAS, decode_key, key_length
 from wheeld.shm.ring import MAX_IDLE_MS
 from wheeld.shm.wheel import TimerWheel
 
-from .frames import LATENESS_CAP_MS, expirations_frame, lateness_us, queue_usual, suspect
+from .frames import LATENESS_CAP_MS, expirations_frame, fired_items, lateness_us, queue_usual, suspect
 
 log = logging.getLogger("wheeld")
 
@@ -80,7 +80,6 @@ SCALAR_EXPIRE = accel.compiled("wheeld.shm.wheel")
 # Record tuples of a few expired timers: compiled, record_rows reads them from the arena in C
 # (no numpy call); the Python path takes numpy's records_of(...).tolist() (one call for all).
 ROWS_FROM_ARENA = SCALAR_EXPIRE
-_KEY_LEN_MASK = key_length(0xFF)  # a meta byte's length bits: key_length, inlined
 COLUMNS_MIN = 256  # expirations handled per column (numpy) from this many on, per row below
 # Idle timers due this soon are re-armed ahead when touched (Delivery.rearm_ahead). A
 # daemon that only idle timers wake sleeps about this long between wake-ups, each of
@@ -552,13 +551,7 @@ class Delivery:
     def _items_from_rows(self, taken: list) -> list[tuple]:
         """``Expirations`` items (``M.ExpiryFields`` order) for queued (slot, gen, fired_ms, late)
         entries still FIRED with that generation; a few at a time, from record tuples."""
-        rows = self._rows([entry[0] for entry in taken])
-        fired, length = AL.FIRED, _KEY_LEN_MASK
-        return [
-            (key[: meta & length], meta, deadline, fired_ms, tag, s, gen, late)
-            for (s, gen, fired_ms, late), (deadline, _p, _n, rgen, tag, _aux, _g, state, meta, key) in zip(taken, rows)
-            if state == fired and rgen == gen
-        ]
+        return fired_items(taken, self._rows([entry[0] for entry in taken]))
 
     def _rows(self, slots: list) -> list[tuple]:
         """The record tuples of ``slots`` (:meth:`TimerWheel.record_rows`)."""

@@ -12,8 +12,10 @@ the same way: the keyed commands applied as a :class:`~wheeld.daemon.planner.Com
 each released ACK as it is released.
 
 Then the chunk is committed: journal appended (fsynced under ``--fsync always``),
-ring head published (a daemon killed before it re-applies the chunk: every
-command is idempotent), FLUSHes answered with ``Applied`` and refusals with
+each refusal, and each FLUSH not answered as durable, marked in its ring record
+(:func:`_mark_answers`: an answer lost after this point is read back from the ring
+by the client), ring head published (a daemon killed before it re-applies the
+chunk: every command is idempotent), FLUSHes answered with ``Applied`` and refusals with
 ``Rejected``, in ring order: a refusal goes before the ``Applied`` of the first
 FLUSH after its command (:func:`answer_order`).
 """

@@ -99,6 +99,18 @@ def suspect(items: list[tuple]) -> bool:
     return False
 
 
+def fired_items(taken: list, rows: list) -> list[tuple]:
+    """``Expirations`` items (``M.ExpiryFields`` order) of the queue entries ``taken`` (slot,
+    generation, fired_ms, late) whose record tuples ``rows`` (``TimerWheel.record_rows``, in
+    the same order) are still FIRED with that generation."""
+    fired, length = AL.FIRED, _KEY_LEN_MASK
+    return [
+        (key[: meta & length], meta, deadline, fired_ms, tag, s, gen, late)
+        for (s, gen, fired_ms, late), (deadline, _p, _n, rgen, tag, _aux, _g, state, meta, key) in zip(taken, rows)
+        if state == fired and rgen == gen
+    ]
+
+
 def expirations_frame(wheel, taken: list, aux: int, unacked: dict):
     """The ``Expirations`` frame of the queue entries ``taken`` (slot, generation,
     fired_ms, late) whose records are still FIRED with that generation, as
@@ -110,13 +122,7 @@ def expirations_frame(wheel, taken: list, aux: int, unacked: dict):
     module docstring): the caller builds that frame the checked way."""
     if _COMPILED:
         return _c_expirations_frame(wheel, taken, aux, unacked, KEY_CHECK, _PREFIX, framing.MAX_FRAME)  # noqa: F821
-    rows = wheel.record_rows([entry[0] for entry in taken])
-    fired, length = AL.FIRED, _KEY_LEN_MASK
-    items = [
-        (key[: meta & length], meta, deadline, fired_ms, tag, s, gen, late)
-        for (s, gen, fired_ms, late), (deadline, _p, _n, rgen, tag, _aux, _g, state, meta, key) in zip(taken, rows)
-        if state == fired and rgen == gen
-    ]
+    items = fired_items(taken, wheel.record_rows([entry[0] for entry in taken]))
     if suspect(items):
         return None
     if not items:
