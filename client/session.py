@@ -235,11 +235,13 @@ class ClientSession:
         mark was refused with its code (:mod:`wheeld.shm.ring`, "Answers kept in the ring").
         Each is handled as if received, in ring order, unless it was received."""
         start = self._answered_at
-        records = [entry for entry in seg.overwritten_marks if start <= entry[0] < head]
-        seg.overwritten_marks = []  # (every overwritten record is before the head)
+        kept = seg.kept_marks
+        seg.kept_marks = []  # (every record kept is before the head)
         if head <= start:
             return
-        records += seg.consumed_records(start, head)
+        records = seg.consumed_records(start, head)  # those still in the ring, and before them:
+        first = records[0][0] if records else head
+        records[:0] = [entry for entry in kept if start <= entry[0] < first]
         answered = self._answered
         for _position, record in records:
             op = record[0]
@@ -326,8 +328,8 @@ class ClientSession:
         while positions and next(iter(positions.values())) <= position:  # (pushed in ring order)
             del positions[next(iter(positions))]
         seg = self._segment
-        if seg is not None and seg.overwritten_marks:
-            seg.overwritten_marks = [entry for entry in seg.overwritten_marks if entry[0] >= position]
+        if seg is not None and seg.kept_marks:
+            seg.kept_marks = [entry for entry in seg.kept_marks if entry[0] >= position]
 
     # ------------------------------------------------------------------ idle re-arms
     # (the core's _stale_idle makes them: an idle timer's copy touched after it fired)

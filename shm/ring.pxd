@@ -58,7 +58,8 @@ cdef class ClientSegment:
     cdef public unsigned long long _tail
     cdef public unsigned long long _head_cache
     cdef public object _head_limit
-    cdef public list overwritten_marks
+    cdef public list kept_marks
+    cdef public object _marks_scanned
     cdef unsigned long long[::1] _counters
     cdef unsigned long long[::1] _ring_words
     cdef public object _head

@@ -114,9 +114,11 @@ word (the *answer mark*, :data:`~wheeld.protocol.commands.ANSWER_MARKS`), before
 publishes the head past it (:meth:`ClientSegment.mark_answer`): the refused
 commands, and the FLUSHes answered as not durable (journal unavailable, or held
 for a replication stream). The producer never writes a slot the head has not
-passed, so the mark is stored before the producer can overwrite the record, and
-when the producer does overwrite a marked record it keeps a copy first
-(:attr:`ClientSegment.overwritten_marks`). When the client's next session opens,
+passed, so the mark is stored before the producer can overwrite the record. Each
+time the producer reads a new head (the slow path of a push that found the ring
+full by its cached head), it keeps a copy of every marked record the head has
+passed since the last one it read (:attr:`ClientSegment.kept_marks`): those are
+the records it may overwrite next, and a push pays nothing for the marks. When the client's next session opens,
 the library reads the records between its last answered FLUSH and the head the
 new session starts from (:meth:`ClientSegment.consumed_records`): every FLUSH there
 was applied, every mark is a refusal, and those it did not receive are answered
@@ -285,9 +287,11 @@ class ClientSegment:
         self._tail = self._words[_TAIL_WORD]
         self._head_cache = self._words[_HEAD_WORD]
         self._head_limit = None
-        # copies of marked records the producer overwrote (position, 64 bytes): their answers
-        # may not have reached the client yet (see "Answers kept in the ring")
-        self.overwritten_marks = []
+        # copies of the marked records the producer may overwrite (position, 64 bytes): their
+        # answers may not have reached the client yet (see "Answers kept in the ring"), and
+        # the position up to which it looked for them (each head it reads: _reload_head)
+        self.kept_marks = []
+        self._marks_scanned = self._head_cache
         # consumer state: private head (never read back from the untrusted segment, except by adopt)
         self._head = 0
         self._peeked = 0  # records returned by the last peek and not yet committed
@@ -470,8 +474,6 @@ class ClientSegment:
         if tail >= self._head_cache + self._capacity and not self._has_room(tail):
             return False
         if not (_COMPILED and self._store_record(tail & self._mask, ADD, key_meta, seq, deadline_ms, 0, 0, key_bytes)):
-            if not self._closed and self._ring_view[((tail & self._mask) << 3) + 3] >> 32:  # an answer mark
-                self._keep_marked(tail & self._mask)
             try:
                 check = _crc32(_pack_add_checked(ADD, key_meta, seq, deadline_ms, key_bytes))
                 _pack_add_into(
@@ -504,8 +506,6 @@ class ClientSegment:
             return False
         if not (_COMPILED and self._store_record(tail & self._mask, op, key_meta, seq, deadline_ms, aux0, aux1,
                                                  key_bytes)):
-            if not self._closed and self._ring_view[((tail & self._mask) << 3) + 3] >> 32:  # an answer mark
-                self._keep_marked(tail & self._mask)
             try:
                 check = _crc32(_pack_checked(op, key_meta, seq, deadline_ms, aux0, aux1, key_bytes))
                 _pack_record_into(
@@ -525,8 +525,6 @@ class ClientSegment:
         if tail >= self._head_cache + self._capacity and not self._has_room(tail):
             return False
         start = self._ring_offset + ((tail & self._mask) << RECORD_SHIFT)
-        if not self._closed and self._ring_view[((tail & self._mask) << 3) + 3] >> 32:  # an answer mark
-            self._keep_marked(tail & self._mask)
         self._mm[start : start + RECORD.size] = record
         self._publish(tail + 1)
         return True
@@ -575,8 +573,6 @@ class ClientSegment:
         crc = _crc32_word(crc, key2)
         crc = _crc32_word(crc, key3)
         base = slot * _WORDS_PER_RECORD
-        if self._ring_words[base + 3] >> 32:  # the record there carries an answer mark
-            self._keep_marked(slot)
         self._ring_words[base] = head  # (through self: a typed-view local costs two locked instructions)
         self._ring_words[base + 1] = deadline
         self._ring_words[base + 2] = aux
@@ -609,7 +605,7 @@ class ClientSegment:
         """Producer: (position, the 64 bytes) of each record from ``start`` up to ``end``
         (positions the head has passed) that the ring still holds, oldest first. Those a
         whole ring behind the tail were overwritten; the marked ones among them are in
-        :attr:`overwritten_marks`."""
+        :attr:`kept_marks`."""
         self._check_open()
         tail = int(self._tail)  # (compiled, an unsigned C integer: no negative differences)
         first = max(start, tail - self._capacity, 0)
@@ -620,14 +616,21 @@ class ClientSegment:
             out.append((position, bytes(self._mm[offset : offset + RECORD.size])))
         return out
 
-    def _keep_marked(self, slot: int) -> None:
-        """Producer, about to overwrite ``slot``: its record carries an answer mark, which
-        may not have reached the client as an answer yet; keep a copy (its position is a
-        ring behind the tail)."""
-        offset = self._ring_offset + (slot << RECORD_SHIFT)
-        position = int(self._tail) - self._capacity
-        if position >= 0:
-            self.overwritten_marks.append((position, bytes(self._mm[offset : offset + RECORD.size])))
+    def _keep_marks(self, head: int) -> None:
+        """Producer, reading a new ``head``: the records from the last head it read up to
+        this one become its to overwrite. Keep a copy of each one with an answer mark
+        (:attr:`kept_marks`): its answer may not have reached the client yet. The marks
+        are final: the consumer stores them before it publishes a head past them."""
+        scanned = self._marks_scanned
+        if head <= scanned or head - scanned > self._capacity:  # rewound (or impossible): from here on
+            self._marks_scanned = head
+            return
+        slots = np.arange(scanned, head, dtype=np.int64) & self._mask
+        marked = np.flatnonzero(self._ring["pad"][slots])
+        for i in marked.tolist():
+            offset = self._ring_offset + (int(slots[i]) << RECORD_SHIFT)
+            self.kept_marks.append((scanned + i, bytes(self._mm[offset : offset + RECORD.size])))
+        self._marks_scanned = head
 
     def _has_room(self, tail: int) -> bool:
         """Slow path of a push that found the cached head too old: reload head."""
@@ -641,6 +644,8 @@ class ClientSegment:
         """Producer side: the head word into the cached head, no later than the limit
         :meth:`limit_head` set; returns it."""
         head = self._words[_HEAD_WORD]
+        if head != self._marks_scanned:
+            self._keep_marks(head)
         limit = self._head_limit
         if limit is not None and head > limit:
             head = limit

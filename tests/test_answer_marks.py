@@ -125,22 +125,24 @@ def test_answers_received_before_the_session_ended_are_not_told_twice():
         assert client.told == []
 
 
-def test_a_marked_record_the_client_overwrote_is_read_back_from_its_copy():
+@pytest.mark.parametrize("pushed", [3, 4], ids=["still-in-the-ring", "overwritten"])
+def test_a_marked_record_the_client_may_overwrite_is_read_back_once_from_its_copy(pushed):
     """While no daemon answers, the producer may fill the ring and overwrite records whose
-    answers it never received: it keeps a copy of each marked one first."""
+    answers it never received: when it reads a head past a marked record it keeps a copy
+    (a push costs nothing more). Read back once, whether the ring still holds it or not."""
     with ring_executor(1, ring=4) as r:
         cs, producer, executor = r.cs, r.producer, r.executor
         client = _Client(producer)
         for command in _adds(["a", "b"], 1):  # "b" refused: the arena holds one
             client.push(command)
         assert executor.apply_ring(cs) == 2  # no session: nothing sent
-        for command in _adds(["c", "d", "e", "f"], 3, deadline=6000):  # the ring again, over "a" and "b"
+        for command in _adds(["c", "d", "e", "f"][:pushed], 3, deadline=6000):  # over "a" (and "b")
             client.push(command)
-        assert [position for position, _record in producer.overwritten_marks] == [1]
-        assert not any(_marks(producer))
+        assert [position for position, _record in producer.kept_marks] == [1]
+        assert _marks(producer)[1] == (0 if pushed == 4 else C.ANSWER_MARK[M.Rejected.ARENA_FULL])
         client._recover_answers(producer, cs.segment.consumer_head)
         assert client.told == [("rejected", 2, M.Rejected.ARENA_FULL)]
-        assert producer.overwritten_marks == []
+        assert producer.kept_marks == []
 
 
 def test_a_daemon_that_adopts_a_ring_clears_the_marks_of_what_it_is_to_apply():
