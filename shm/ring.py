@@ -602,10 +602,8 @@ class ClientSegment:
         return out
 
     def consumed_records(self, start: int, end: int) -> list[tuple[int, bytes]]:
-        """Producer: (position, the 64 bytes) of each record from ``start`` up to ``end``
-        (positions the head has passed) that the ring still holds, oldest first. Those a
-        whole ring behind the tail were overwritten; the marked ones among them are in
-        :attr:`kept_marks`."""
+        """Producer: (position, 64 bytes) of each record from ``start`` up to ``end`` (before the
+        head) the ring still holds, oldest first (a ring behind the tail: :attr:`kept_marks`)."""
         self._check_open()
         tail = int(self._tail)  # (compiled, an unsigned C integer: no negative differences)
         first = max(start, tail - self._capacity, 0)
@@ -619,8 +617,8 @@ class ClientSegment:
     def _keep_marks(self, head: int) -> None:
         """Producer, reading a new ``head``: the records from the last head it read up to
         this one become its to overwrite. Keep a copy of each one with an answer mark
-        (:attr:`kept_marks`): its answer may not have reached the client yet. The marks
-        are final: the consumer stores them before it publishes a head past them."""
+        (:attr:`kept_marks`): its answer may not have reached the client yet (the marks are
+        final: stored before the head passed them)."""
         scanned = self._marks_scanned
         if head <= scanned or head - scanned > self._capacity:  # rewound (or impossible): from here on
             self._marks_scanned = head
@@ -778,19 +776,17 @@ class ClientSegment:
         return self._head
 
     def mark_answer(self, index: int, mark: int) -> None:
-        """Store answer mark ``mark`` (:data:`~wheeld.protocol.commands.ANSWER_MARKS`) in
-        record ``index`` of the last peek, which the daemon refused (or answered as not
-        durable): before the :meth:`commit` that hands its slot back, so that the decision
-        outlives a daemon killed before its answer left (see "Answers kept in the ring")."""
+        """Store answer mark ``mark`` (:data:`~wheeld.protocol.commands.ANSWER_MARKS`) in record
+        ``index`` of the last peek, before the :meth:`commit` past it: the decision outlives
+        a daemon killed before its answer left (see "Answers kept in the ring")."""
         if not 0 <= index < self._peeked:
             raise InvalidRequest(f"mark_answer({index}) after a peek of {self._peeked}")
         offset = self._ring_offset + (((self._head + index) & self._mask) << RECORD_SHIFT)
         _MARK.pack_into(self._mm, offset + PAD_OFFSET, mark)
 
     def _clear_marks(self, start: int, end: int) -> None:
-        """Consumer, adopting the ring: clear the answer marks of the records from ``start``
-        up to ``end`` (those it is to apply: a daemon killed between a mark and its commit
-        leaves one, and a marked record is garbage to the validator)."""
+        """Consumer, adopting the ring: clear the marks of the records it is to apply (a daemon
+        killed between a mark and its commit leaves some; the validator rejects them)."""
         if end - start > 0:
             slots = np.arange(start, end, dtype=np.int64) & self._mask
             self._ring["pad"][slots] = 0
