@@ -55,8 +55,11 @@ from .keys import KEY_BYTES, TYPE_STR, Key, decode_key, encode_key, key_length, 
 from .ring_layout import MAX_RING_CAPACITY, MAX_TOUCH_CAPACITY, MIN_RING_CAPACITY
 
 #: 2: rings are sealed memfds passed with SCM_RIGHTS alongside Hello/Welcome, a
-#: read-only status page replaces reading the arena, Refused carries a code
-PROTOCOL_VERSION = 2
+#: read-only status page replaces reading the arena, Refused carries a code.
+#: 3: the answers a client did not receive before its session ended are read back from
+#: its ring (answer marks; ``Welcome.head``): the daemon no longer sends them on the next
+#: session, so a client library of version 2 would miss them and is refused
+PROTOCOL_VERSION = 3
 
 U8 = Annotated[int, msgspec.Meta(ge=0, le=0xFF)]
 U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
