@@ -10,6 +10,10 @@ is good (``lease_ok``). The decisions are here:
   stream has not stored after ``--replicate-timeout-s`` is answered with
   ``Rejected(code "replication_behind")`` then ``Applied``: the client raises
   ``ReplicationBehind`` and keeps its replay position, as for a stalled journal.
+  Held answers go to the session they were made for, or to none: a client whose
+  session ended reads them back from its ring when its next one opens (the executor
+  marks a held chunk's FLUSHes ``replication_behind`` before the ring's head moves),
+  and answered again on the next session they would be told twice.
 * Delivery waits while the lease may have lapsed by this host's clock and a renewal is
   not answered yet (a host resumed after a pause must not fire what a peer may have
   taken over); once fenced, nothing goes out again.
@@ -40,7 +44,7 @@ class Replication:
         self.clock = clock
         self.totals = totals
         self.send = send
-        self.held: deque = deque()  # (lsn, since_ms, cs, flushes, rejects, cuts, unsynced)
+        self.held: deque = deque()  # (lsn, since_ms, cs, its session then, flushes, rejects, cuts, unsynced)
         self._held_by: Counter = Counter()  # client slot -> answers held
 
     def answer(self, cs, lsn: int, flushes: list, rejects: list, cuts, unsynced) -> None:
@@ -49,7 +53,7 @@ class Replication:
                                            or lsn <= self.replicator.replicated_lsn):
             self.send(cs, flushes, rejects, cuts, unsynced, None)
             return
-        self.held.append((lsn, self.clock(), cs, flushes, rejects, cuts, unsynced))
+        self.held.append((lsn, self.clock(), cs, cs.session, flushes, rejects, cuts, unsynced))
         self._held_by[cs.slot] += 1
         if self.replicated and flushes and not unsynced:
             self.replicator.hurry(lsn)  # (a flush waits for it: the outbox does not linger)
@@ -58,7 +62,7 @@ class Replication:
         """Answer what the stream now holds, and what waited past the timeout (refused)."""
         held, stored = self.held, self.replicator.replicated_lsn
         while held:
-            lsn, since, cs, flushes, rejects, cuts, unsynced = held[0]
+            lsn, since, cs, session, flushes, rejects, cuts, unsynced = held[0]
             late = now - since >= self.timeout_ms
             if flushes and lsn > stored and not late:
                 break  # (answers with no FLUSH only keep their place behind a client's held ones)
@@ -70,7 +74,8 @@ class Replication:
                 unsynced = REASON.format(urls=",".join(r.config.urls), timeout=self.timeout_ms / 1000, state=r.state)
                 code = "replication_behind"
                 self.totals["journal_flushes_refused_total"] += len(flushes)
-            self.send(cs, flushes, rejects, cuts, unsynced, code)
+            if cs.session is session:  # (else read back from the ring: see the module docstring)
+                self.send(cs, flushes, rejects, cuts, unsynced, code)
 
     def next_timeout_ms(self) -> int | None:
         """When the oldest held answer times out (None: none held)."""

@@ -196,7 +196,7 @@ def _replication(durability="replicated", timeout_ms=1000):
 
 def test_a_flush_is_answered_once_the_stream_stored_what_it_covers():
     r, rep, now, sent = _replication()
-    a, b = SimpleNamespace(slot=0), SimpleNamespace(slot=1)
+    a, b = SimpleNamespace(slot=0, session="a1"), SimpleNamespace(slot=1, session="b1")
     r.answer(a, 10, [1], [], None, None)
     r.answer(b, 11, [], ["refusal"], None, None)  # b has nothing held: at once
     r.answer(a, 12, [], ["refusal"], None, None)  # behind a's held flush: in order
@@ -212,7 +212,7 @@ def test_a_flush_is_answered_once_the_stream_stored_what_it_covers():
 
 def test_a_flush_the_stream_does_not_store_in_time_fails_as_replication_behind():
     r, rep, now, sent = _replication(timeout_ms=500)
-    a = SimpleNamespace(slot=0)
+    a = SimpleNamespace(slot=0, session="a1")
     r.answer(a, 5, [1], [], None, None)
     assert r.next_timeout_ms() == 500
     now[0] = 499
@@ -223,9 +223,23 @@ def test_a_flush_the_stream_does_not_store_in_time_fails_as_replication_behind()
     assert sent == [(0, [1], "replication_behind")] and r.totals["journal_flushes_refused_total"] == 1
 
 
+def test_held_answers_go_to_the_session_they_were_made_for_or_to_none():
+    """A client whose session ended while its answers were held reads them back from its
+    ring when its next session opens (the FLUSHes are marked replication_behind): sent on
+    that session as well, they would be told twice (a refusal raised by a later flush)."""
+    r, rep, now, sent = _replication()
+    a = SimpleNamespace(slot=0, session="a1")
+    r.answer(a, 10, [1], ["refusal"], [0], None)
+    a.session = "a2"  # the session ended, the client opened another
+    r.answer(a, 11, [2], [], None, None)  # behind the held one, for the new session
+    rep.replicated_lsn = 11
+    r.release(now[0])
+    assert sent == [(0, [2], None)] and not r.held
+
+
 def test_local_durability_answers_at_once():
     r, rep, now, sent = _replication(durability="local")
-    r.answer(SimpleNamespace(slot=0), 99, [1], [], None, None)
+    r.answer(SimpleNamespace(slot=0, session="a1"), 99, [1], [], None, None)
     assert sent == [(0, [1], None)]
 
 
