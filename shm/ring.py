@@ -188,6 +188,7 @@ _TAIL_WORD = layout.TAIL_WORD
 _HEAD_WORD = layout.HEAD_WORD
 _EMPTY = np.zeros(0, dtype=RECORD_DTYPE)
 _MARK = struct.Struct("<I")  # a record's answer mark (its pad word; protocol.commands.ANSWER_MARKS)
+_MARKS_ONE_BY_ONE = 32  # _keep_marks: fewer new records than this are read one at a time
 #: the longest idle timeout (about 24.8 days): an ADD_IDLE's aux0 is a signed 32-bit field
 MAX_IDLE_MS = (1 << 31) - 1
 
@@ -614,22 +615,6 @@ class ClientSegment:
             out.append((position, bytes(self._mm[offset : offset + RECORD.size])))
         return out
 
-    def _keep_marks(self, head: int) -> None:
-        """Producer, reading a new ``head``: the records from the last head it read up to
-        this one become its to overwrite. Keep a copy of each one with an answer mark
-        (:attr:`kept_marks`): its answer may not have reached the client yet (the marks are
-        final: stored before the head passed them)."""
-        scanned = self._marks_scanned
-        if head <= scanned or head - scanned > self._capacity:  # rewound (or impossible): from here on
-            self._marks_scanned = head
-            return
-        slots = np.arange(scanned, head, dtype=np.int64) & self._mask
-        marked = np.flatnonzero(self._ring["pad"][slots])
-        for i in marked.tolist():
-            offset = self._ring_offset + (int(slots[i]) << RECORD_SHIFT)
-            self.kept_marks.append((scanned + i, bytes(self._mm[offset : offset + RECORD.size])))
-        self._marks_scanned = head
-
     def _has_room(self, tail: int) -> bool:
         """Slow path of a push that found the cached head too old: reload head."""
         self._check_open()
@@ -643,7 +628,7 @@ class ClientSegment:
         :meth:`limit_head` set; returns it."""
         head = self._words[_HEAD_WORD]
         if head != self._marks_scanned:
-            self._keep_marks(head)
+            _keep_marks(self, head)
         limit = self._head_limit
         if limit is not None and head > limit:
             head = limit
@@ -847,3 +832,23 @@ class ClientSegment:
         role = "consumer" if self.is_consumer else "producer"
         state = "closed" if self._closed else f"ring_capacity={self.ring_capacity}"
         return f"<ClientSegment {self.name!r} {role} {state}>"
+
+
+def _keep_marks(self: ClientSegment, head: int) -> None:
+    """The producer ``self`` read a new ``head``: the records from the last head it read up
+    to this one become its to overwrite. Keep a copy of each one with an answer mark
+    (:attr:`ClientSegment.kept_marks`): its answer may not have reached the client yet
+    (the marks are final: stored before the head passed them)."""
+    scanned = self._marks_scanned
+    if head <= scanned or head - scanned > self._capacity:  # rewound (or impossible): from here on
+        self._marks_scanned = head
+        return
+    if head - scanned <= _MARKS_ONE_BY_ONE:  # a few: each pad word (numpy's fixed cost is ~5 us)
+        marked = [p for p in range(scanned, head) if self._ring_view[((p & self._mask) << 3) + 3] >> 32]
+    else:
+        positions = np.arange(scanned, head, dtype=np.int64)
+        marked = (positions[np.flatnonzero(self._ring["pad"][positions & self._mask])]).tolist()
+    for position in marked:
+        offset = self._ring_offset + ((position & self._mask) << RECORD_SHIFT)
+        self.kept_marks.append((position, bytes(self._mm[offset : offset + RECORD.size])))
+    self._marks_scanned = head

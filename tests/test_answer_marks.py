@@ -145,6 +145,23 @@ def test_a_marked_record_the_client_may_overwrite_is_read_back_once_from_its_cop
         assert producer.kept_marks == []
 
 
+def test_copies_of_many_marked_records_are_kept_at_once_and_read_back_in_ring_order():
+    """A head that passed many records at once (more than are read one by one): the copies
+    are found with one vectorised pass over the pad words."""
+    with ring_executor(1, ring=64) as r:
+        cs, producer, executor = r.cs, r.producer, r.executor
+        client = _Client(producer)
+        names = [f"k{i}" for i in range(40)]
+        for command in _adds(names, 1):  # the arena holds one: 39 refused
+            client.push(command)
+        assert executor.apply_ring(cs) == 40
+        for command in _adds([f"n{i}" for i in range(25)], 41, deadline=6000):  # the 25th reads the head
+            client.push(command)
+        assert [position for position, _record in producer.kept_marks] == list(range(1, 40))
+        client._recover_answers(producer, cs.segment.consumer_head)
+        assert client.told == [("rejected", seq, M.Rejected.ARENA_FULL) for seq in range(2, 41)]
+
+
 def test_a_daemon_that_adopts_a_ring_clears_the_marks_of_what_it_is_to_apply():
     """Killed between a mark and the head's move, a daemon leaves marked records to the next
     one, which applies them again: a marked record would be garbage to the validator."""
