@@ -116,9 +116,9 @@ commands, and the FLUSHes answered as not durable (journal unavailable, or held
 for a replication stream). The producer never writes a slot the head has not
 passed, so the mark is stored before the producer can overwrite the record. Each
 time the producer reads a new head (the slow path of a push that found the ring
-full by its cached head), it keeps a copy of every marked record the head has
-passed since the last one it read (:attr:`ClientSegment.kept_marks`): those are
-the records it may overwrite next, and a push pays nothing for the marks. When the client's next session opens,
+full by its cached head), it keeps a copy of every marked record and every FLUSH
+the head has passed since the last one it read (:attr:`ClientSegment.kept_marks`):
+those are the records it may overwrite next, and a push pays nothing for them. When the client's next session opens,
 the library reads the records between its last answered FLUSH and the head the
 new session starts from (:meth:`ClientSegment.consumed_records`): every FLUSH there
 was applied, every mark is a refusal, and those it did not receive are answered
@@ -161,6 +161,7 @@ from wheeld.protocol.commands import (
     ADD_CHECKED,
     ADD_RECORD,
     CHECKED,
+    FLUSH,
     KEY_FIELD_SIZE,
     PAD_OFFSET,
     RECORD,
@@ -288,7 +289,7 @@ class ClientSegment:
         self._tail = self._words[_TAIL_WORD]
         self._head_cache = self._words[_HEAD_WORD]
         self._head_limit = None
-        # copies of the marked records the producer may overwrite (position, 64 bytes): their
+        # copies of the marked records and FLUSHes the producer may overwrite (position, 64 bytes): their
         # answers may not have reached the client yet (see "Answers kept in the ring"), and
         # the position up to which it looked for them (each head it reads: _reload_head)
         self.kept_marks = []
@@ -836,18 +837,21 @@ class ClientSegment:
 
 def _keep_marks(self: ClientSegment, head: int) -> None:
     """The producer ``self`` read a new ``head``: the records from the last head it read up
-    to this one become its to overwrite. Keep a copy of each one with an answer mark
-    (:attr:`ClientSegment.kept_marks`): its answer may not have reached the client yet
-    (the marks are final: stored before the head passed them)."""
+    to this one become its to overwrite. Keep a copy of each one with an answer mark, and
+    of each FLUSH (:attr:`ClientSegment.kept_marks`): its answer may not have reached the
+    client yet (the marks are final: stored before the head passed them)."""
     scanned = self._marks_scanned
     if head <= scanned or head - scanned > self._capacity:  # rewound (or impossible): from here on
         self._marks_scanned = head
         return
-    if head - scanned <= _MARKS_ONE_BY_ONE:  # a few: each pad word (numpy's fixed cost is ~5 us)
-        marked = [p for p in range(scanned, head) if self._ring_view[((p & self._mask) << 3) + 3] >> 32]
+    words, mask = self._ring_view, self._mask
+    if head - scanned <= _MARKS_ONE_BY_ONE:  # a few: each one's words (numpy's fixed cost is ~5 us)
+        marked = [p for p in range(scanned, head)
+                  if words[((p & mask) << 3) + 3] >> 32 or words[(p & mask) << 3] & 0xFF == FLUSH]
     else:
         positions = np.arange(scanned, head, dtype=np.int64)
-        marked = (positions[np.flatnonzero(self._ring["pad"][positions & self._mask])]).tolist()
+        records = self._ring[positions & mask]
+        marked = positions[np.flatnonzero((records["pad"] != 0) | (records["op"] == FLUSH))].tolist()
     for position in marked:
         offset = self._ring_offset + ((position & self._mask) << RECORD_SHIFT)
         self.kept_marks.append((position, bytes(self._mm[offset : offset + RECORD.size])))

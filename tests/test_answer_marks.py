@@ -17,14 +17,19 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from ring_harness import ring_executor
 
 import wheeld
 from wheeld.core import ClientCore
+from wheeld.daemon import connection as CN
 from wheeld.daemon import executor as E
 from wheeld.protocol import commands as C
+from wheeld.protocol import framing
 from wheeld.protocol import messages as M
 from wheeld.protocol.keys import encode_key
+from wheeld.shm.wheel import MAX_DELAY_MS
 from wheeld.shm.ring import ClientSegment
 
 
@@ -189,3 +194,77 @@ def test_every_refusal_code_has_a_mark():
     codes = {value for name, value in vars(M.Rejected).items() if name.isupper() and isinstance(value, str)}
     assert codes == set(C.ANSWER_MARKS)
     assert M.REJECT_CODES <= set(C.ANSWER_MARKS)
+
+
+class _Wire:
+    """The daemon's end of a connection that takes everything (the answers, as bytes)."""
+
+    def __init__(self):
+        self.data = bytearray()
+
+    def send(self, data) -> int:
+        self.data += data
+        return len(data)
+
+    def want_writable(self, wanted: bool) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Owner:
+    def close(self, session, reason, goodbye=False):
+        raise AssertionError(f"session closed: {reason}")
+
+    def now_s(self) -> float:
+        return 0.0
+
+    def wake(self) -> None:
+        pass
+
+
+# a command: ("add", key index, deadline in range) or ("flush",)
+_COMMANDS = st.lists(st.one_of(st.tuples(st.just("add"), st.integers(0, 7), st.booleans()),
+                               st.tuples(st.just("flush"))), min_size=1, max_size=40)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(commands=_COMMANDS, chunk=st.integers(1, 40), received=st.one_of(st.just(0), st.integers(0, 80)),
+       pushed_after=st.one_of(st.just(64), st.integers(0, 64)), planned=st.booleans())
+def test_answers_lost_at_any_point_are_read_back_exactly_once_in_ring_order(
+        commands, chunk, received, pushed_after, planned):
+    """The class of the bug, not its instance: whatever the chunk sizes, however many of a
+    session's answers reached the client before it ended, and however far the producer went
+    on pushing (over the records of the lost answers) before its next session opened, the
+    client handles every answer the daemon made once, in the order the daemon made them.
+    Refusals come from a full arena (3 records) and from deadlines out of range."""
+    saved = E.BATCH_MIN
+    E.BATCH_MIN = 1 if planned else None
+    try:
+        with ring_executor(3, ring=64) as r:
+            cs, producer, executor = r.cs, r.producer, r.executor
+            client = _Client(producer)
+            seq = 0
+            for command in commands:
+                seq += 1
+                if command[0] == "flush":
+                    client.push((C.FLUSH, b"", 0, 0, seq))
+                else:
+                    deadline = 5000 if command[2] else 1000 + MAX_DELAY_MS + 1
+                    client.push((C.ADD, *encode_key(f"k{command[1]}"), deadline, seq))
+            wire = _Wire()
+            cs.session = session = CN.Session(_Owner(), wire, os.getpid(), os.getuid(), os.getgid())
+            session.client = cs
+            while cs.segment.depth():
+                assert executor.apply_ring(cs, chunk) > 0
+            made = [M.decode_daemon_message(body) for body in framing.FrameReader().feed(bytes(wire.data))]
+            truth = [("applied", m.seq) if type(m) is M.Applied else ("rejected", m.seq, m.code) for m in made]
+            for message in made[:received]:  # what reached the client before its session ended
+                client._on_message(message)
+            for i in range(pushed_after):  # pushed while no session, never applied: 64 overwrites them all
+                assert producer.try_push_record(C.encode_command(C.ADD, *encode_key(f"n{i}"), 6000, 1000 + i))
+            client._recover_answers(producer, cs.segment.consumer_head)  # its next Welcome
+            assert client.told == truth
+    finally:
+        E.BATCH_MIN = saved
