@@ -218,7 +218,12 @@ class Executor:
                 kept = np.flatnonzero(~skip)
                 chunk = records[kept].tobytes()
         flushes, rejects = self._apply(cs, chunk, None) if chunk else ([], [])
-        cuts = answer_order(C.records_from_buffer(chunk), rejects) if rejects and flushes else None
+        cuts = None
+        if rejects:  # answered in ring order (a plan reports them by kind)
+            if flushes:
+                cuts = answer_order(C.records_from_buffer(chunk), rejects)
+            else:
+                rejects.sort(key=_position)
         unsynced = None
         if self.recorder is not None:
             self.recorder.commit(self.clock())  # on disk before the head moves and before Applied (fsync=always)

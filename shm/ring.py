@@ -20,8 +20,8 @@ Who writes what:
 word                          written by                    read by
 ============================  ============================  =======================
 ring records                  producer (client) only        consumer (daemon)
-a record's answer mark (pad)  consumer, before the head     producer, when its session
-                              moves past the record         breaks (answers lost)
+a record's answer mark (pad)  consumer, before the head     producer, at a head read
+                              moves past the record         and when a session opens
 tail (own cache line)         producer only                 consumer
 head (own cache line)         consumer only                 producer
 closed (head's line)          consumer only                 producer
@@ -118,12 +118,13 @@ passed, so the mark is stored before the producer can overwrite the record. Each
 time the producer reads a new head (the slow path of a push that found the ring
 full by its cached head), it keeps a copy of every marked record and every FLUSH
 the head has passed since the last one it read (:attr:`ClientSegment.kept_marks`):
-those are the records it may overwrite next, and a push pays nothing for them. When the client's next session opens,
-the library reads the records between its last answered FLUSH and the head the
-new session starts from (:meth:`ClientSegment.consumed_records`): every FLUSH there
-was applied, every mark is a refusal, and those it did not receive are answered
-from the ring. A consumer that adopts a ring clears the marks of the records it is
-to apply (a daemon killed between the mark and the head leaves some).
+those are the records it may overwrite next, and a push pays nothing for them.
+When the client's next session opens, the library reads the records between its
+last answered FLUSH and the head the new session starts from
+(:meth:`ClientSegment.consumed_records`): every FLUSH there was applied, every mark
+is a refusal, and those it did not receive are answered from the ring. A consumer
+that adopts a ring clears the marks of the records it is to apply (a daemon killed
+between the mark and the head leaves some).
 
 Daemon restart
 ==============
@@ -772,8 +773,9 @@ class ClientSegment:
 
     def _clear_marks(self, start: int, end: int) -> None:
         """Consumer, adopting the ring: clear the marks of the records it is to apply (a daemon
-        killed between a mark and its commit leaves some; the validator rejects them)."""
-        if end - start > 0:
+        killed between a mark and its commit leaves some; the validator rejects them). ``end``
+        is the client's tail word: more than a ring ahead, it is not believed (no clearing)."""
+        if 0 < end - start <= self._capacity:
             slots = np.arange(start, end, dtype=np.int64) & self._mask
             self._ring["pad"][slots] = 0
 

@@ -190,6 +190,17 @@ def test_a_daemon_that_adopts_a_ring_clears_the_marks_of_what_it_is_to_apply():
         assert [record[C.PAD_OFFSET] for record in producer.unapplied_records(0)] == [0, 0]
 
 
+def test_a_tail_word_moved_far_ahead_during_the_adoption_is_not_believed():
+    """The client may rewrite its tail word between the adoption's check of the counters
+    and the clearing of the marks: a tail far ahead clears nothing (and makes no array of
+    its size); the first peek then reports the impossible counters."""
+    with ring_executor(1) as r:
+        segment = r.cs.segment
+        segment._clear_marks(0, 1 << 62)
+        segment._clear_marks(5, 0)
+        assert not any(_marks(segment))
+
+
 def test_every_refusal_code_has_a_mark():
     codes = {value for name, value in vars(M.Rejected).items() if name.isupper() and isinstance(value, str)}
     assert codes == set(C.ANSWER_MARKS)
