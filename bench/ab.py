@@ -29,6 +29,8 @@ from .common import results_path
 FIELDS = {
     "ops_per_s": lambda w: w["ops_per_s"],
     "burst daemon us/op": lambda w: w["cpu_us_per_op"]["daemon"],
+    "burst clients us/op": lambda w: w["cpu_us_per_op"]["clients"],
+    "steady daemon us/op": lambda w: w["steady_daemon_cpu_us_per_op"],
     "steady daemon CPU share": lambda w: w["steady_cpu_share"]["daemon"],
     "steady recv p99 ms": lambda w: w["lateness"]["steady"]["recv"]["p99"],
 }
