@@ -361,10 +361,17 @@ class DaemonCore:
             if coalesce_ns and timeout_ms > 0 else 0
         self._park_epoch += 1  # a new epoch: each client rings at most once per park
         hq[AL.H_WAKE_SEQ // 8] = status_words[SL.PARKED_WORD] = self._park_epoch
-        try:
-            self._park_fence()  # membarrier: the clients' fences too (wheeld.shm.membarrier)
-        except OSError as e:
-            self._barrier_failed(e)
+        if coalesce_ns and timeout_ms * 1_000_000 <= coalesce_ns:
+            # A park that ends within the window: its quiet_from is already past, so no client
+            # rings into it, fenced or not, and a push the re-check misses waits for its end
+            # either way. The clients' side needs no barrier (a membarrier costs ~10 us when a
+            # client runs on the other core: an interrupt to it).
+            _full_fence()
+        else:
+            try:
+                self._park_fence()  # membarrier: the clients' fences too (wheeld.shm.membarrier)
+            except OSError as e:
+                self._barrier_failed(e)
         gather = self.executor.rings_pending()
         if gather and not coalesce_ns:
             status_words[SL.PARKED_WORD] = 0

@@ -32,7 +32,8 @@ reads 0 (ring) or that park's value, never an older park's. A daemon that does
 not write it leaves 0: the clients ring as before.
 
 ``barrier`` is 1 when the daemon issues ``membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)``
-between each store of ``parked`` and its re-check of the rings
+between its store of ``parked`` and its re-check of the rings, whenever a client may
+ring into the park
 (:mod:`wheeld.shm.membarrier`): a client registered for it may then skip its own
 store-load fence after a push. 0 (a daemon without it, or a kernel that refuses
 the call): the client fences every push.

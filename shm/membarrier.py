@@ -25,9 +25,13 @@ needs only to keep the compiler from reordering its tail store and its load of
 * if it comes before the tail store, the client's later load of ``parked`` comes after
   it too, and so after the daemon's store: the client sees the new epoch and rings.
 
-The daemon issues it once per park (about a microsecond with the interrupt), and says
-so in its status page (:data:`wheeld.protocol.status_layout.BARRIER_OFFSET`); a client
-drops its own fence only when the page says so and its registration succeeded. A
+The daemon issues it at each park a client may ring into, and says so in its status
+page (:data:`wheeld.protocol.status_layout.BARRIER_OFFSET`); a client drops its own
+fence only when the page says so and its registration succeeded. The call is not
+free: about 0.5 us alone, ~10 us when a registered client runs on another core of a
+virtual machine (the interrupt), so a park that ends within ``--coalesce-us`` takes
+the plain fence instead: its ``quiet_from`` is already past, no client rings into it
+whatever it reads, and a push its re-check misses is applied at its end either way. A
 kernel without the command (before Linux 4.16) or a seccomp profile that refuses the
 system call leaves both sides with their fences, as before.
 """

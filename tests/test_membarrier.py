@@ -80,6 +80,23 @@ def test_every_park_issues_the_hosts_barrier_once_and_the_page_says_so(core_with
         assert len(calls) == n
 
 
+def test_a_park_that_ends_within_the_coalescing_window_needs_no_barrier(core_with):
+    """No client rings into such a park (its quiet_from is past): the barrier would buy nothing."""
+    calls = []
+    core = core_with(lambda: calls.append(1))
+    clock = core.clock
+    gid = core.wheel.group_id("g")
+    core.wheel.schedule("soon", clock.ms + 1, gid)  # a 1 ms park: within the 1000 us window
+    assert core.park() == (clock.ms + 1) * 1_000_000
+    core.unpark()
+    assert calls == [] and core.status.words[SL.QUIET_FROM_WORD] <= clock.ms * 1_000_000
+    assert core.wheel.cancel("soon", gid)
+    core.wheel.schedule("later", clock.ms + 5, gid)  # a 5 ms park: a client may ring into it
+    assert core.park() == (clock.ms + 5) * 1_000_000
+    core.unpark()
+    assert calls == [1]
+
+
 def test_without_a_barrier_the_daemon_fences_and_the_page_tells_clients_to(core_with):
     core = core_with(None)
     assert not core.status.barrier and core.status.words[SL.BARRIER_WORD] == 0
