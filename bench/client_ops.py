@@ -15,10 +15,7 @@ client's own ``_on_welcome`` (what a real ``Welcome`` does), publishes an arena
 with room to spare and leaves the ``parked`` word at 0 (a daemon that is awake),
 so no call rings the doorbell (the bench checks that none did: a doorbell is a
 ``send`` system call, the daemon's business, not the client's own cost). Between
-timed rounds the child drains the ring, untimed, so the ring never fills. The page
-says what a real daemon's says on this kernel: where membarrier is offered, the
-daemon fences for its clients and a push has no fence of its own
-(:mod:`wheeld.shm.membarrier`; the JSON's ``fenceless``).
+timed rounds the child drains the ring, untimed, so the ring never fills.
 
 Why not a live daemon: on a 2-core machine shared with other work, a daemon
 draining and parking concurrently turns a 0.2 us figure into a measure of the
@@ -66,7 +63,6 @@ def _child(rounds: int, batch: int) -> dict:
     from wheeld.protocol import accel
     from wheeld.protocol import messages as M
     from wheeld.shm.ring import ClientSegment
-    from wheeld.shm import membarrier
     from wheeld.shm.status import StatusPage
 
     class BenchClient(ClientCore):
@@ -81,7 +77,7 @@ def _child(rounds: int, batch: int) -> dict:
 
     name = f"wheeld-bench-client-ops-{os.getpid()}"
     consumer = ClientSegment.create(name, RING_CAPACITY, TOUCH_CAPACITY)
-    status = StatusPage.create(name + "-status", barrier=membarrier.supported())
+    status = StatusPage.create(name + "-status")
     status.publish(1 << 40, 0, 0)
     client = BenchClient()
     welcome = M.Welcome(M.PROTOCOL_VERSION, 1, name, RING_CAPACITY, TOUCH_CAPACITY, "bench", 1, 1 << 40,
@@ -168,7 +164,6 @@ def _child(rounds: int, batch: int) -> dict:
         "wheeld": wheeld.__name__,
         "module_paths": paths,
         "doorbells": doorbells,
-        "fenceless": client._fenceless,
         "records_drained": drained,
         "us_per_call": {k: {"best": min(v), "median": statistics.median(v)} for k, v in samples.items()},
     }

@@ -16,12 +16,9 @@ cdef extern from *:
     }
     /* a full fence (a locked instruction on x86-64): a later load is not done before an earlier store */
     static inline void wheeld_full_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-    /* no instruction: the C compiler keeps the accesses on each side in program order */
-    static inline void wheeld_compiler_fence(void) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
     """
     long long _clock_ns "wheeld_clock_ns" () nogil
     void _full_fence "wheeld_full_fence" () nogil
-    void _compiler_fence "wheeld_compiler_fence" () nogil
 
 cdef bint _COMPILED
 # _set_clock: a simulation's clock replaces CLOCK_MONOTONIC (tested before each clock read)
@@ -63,7 +60,6 @@ cdef class ClientCore(ClientBase):
     cdef public const long long[::1] _page
     cdef public const unsigned long long[::1] _group_words
     cdef public long long _rang_epoch
-    cdef public bint _fenceless
     cdef public object _welcome
     cdef public long long _seq
     cdef public long long _tag_base

@@ -125,8 +125,7 @@ _KEY_BYTES = KEY_BYTES
 # This module is compiled by Cython (wheeld.protocol.accel, core.pxd). Compiled, the hot
 # calls read the clock and fence with core.pxd's C functions (_clock_ns: the same
 # CLOCK_MONOTONIC as wheeld.protocol.clock.mono_ns; _full_fence: one locked instruction,
-# what the uncontended lock's acquire/release gives the Python source; _compiler_fence:
-# none, only the C compiler kept from moving the tail's store past the load of parked).
+# what the uncontended lock's acquire/release gives the Python source).
 _COMPILED = not __file__.endswith(".py")
 if _COMPILED and _kc_layout() != c_layout():  # type: ignore[name-defined]  # noqa: F821 - protocol/keycodec.pxd
     raise ImportError("protocol/keycodec.pxd's key format constants are not those of wheeld.protocol.keys")
@@ -277,7 +276,6 @@ class ClientCore(ClientBase, ClientSession):
         self._page: memoryview | None = None  # the same words for the hot path (compiled: a typed view)
         self._group_words: memoryview | None = None  # our ring's header words: the daemon's group_full flag
         self._rang_epoch = 0
-        self._fenceless = False  # the daemon's park issues a membarrier for us (shm.membarrier)
         self._welcome: M.Welcome | None = None
         self._seq = 0
         self._tag_base = 0
@@ -438,10 +436,7 @@ class ClientCore(ClientBase, ClientSession):
         # `parked`. x86-64 may let a load pass an earlier store; the locked
         # instruction inside an uncontended lock's acquire/release forbids it, so
         # either we see parked=1 and ring, or the daemon's re-check sees our tail.
-        if self._fenceless:  # the daemon's membarrier fences for us (wheeld.shm.membarrier)
-            if _COMPILED:
-                _compiler_fence()  # type: ignore[name-defined]  # noqa: F821 - core.pxd
-        elif _COMPILED:
+        if _COMPILED:
             _full_fence()  # type: ignore[name-defined]  # noqa: F821 - core.pxd
         else:
             _fence_acquire()
@@ -494,10 +489,7 @@ class ClientCore(ClientBase, ClientSession):
         if self._touch_index:
             self._release_touch(_META[meta] + kb, key)
         # _after_push, inlined (see there for the ordering argument)
-        if self._fenceless:  # the daemon's membarrier fences for us (wheeld.shm.membarrier)
-            if _COMPILED:
-                _compiler_fence()  # type: ignore[name-defined]  # noqa: F821 - core.pxd
-        elif _COMPILED:
+        if _COMPILED:
             _full_fence()  # type: ignore[name-defined]  # noqa: F821 - core.pxd
         else:
             _fence_acquire()
@@ -633,10 +625,7 @@ class ClientCore(ClientBase, ClientSession):
             if self._cancels_since_mark >= _CANCEL_MARK_EVERY:
                 self._mark()
         # _after_push, inlined (see there for the ordering argument)
-        if self._fenceless:  # the daemon's membarrier fences for us (wheeld.shm.membarrier)
-            if _COMPILED:
-                _compiler_fence()  # type: ignore[name-defined]  # noqa: F821 - core.pxd
-        elif _COMPILED:
+        if _COMPILED:
             _full_fence()  # type: ignore[name-defined]  # noqa: F821 - core.pxd
         else:
             _fence_acquire()

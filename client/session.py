@@ -33,7 +33,6 @@ from wheeld.protocol.errors import (
     RingFull,
 )
 from wheeld.protocol.keys import key_length
-from wheeld.shm import membarrier
 from wheeld.shm.ring import ClientSegment
 from wheeld.shm.status import StatusPage
 
@@ -101,7 +100,6 @@ class ClientSession:
         _welcome: M.Welcome | None
         _tag_base: int
         _rang_epoch: int
-        _fenceless: bool
         _closed: bool
         _forked: bool
         _owner_pid: int
@@ -158,7 +156,6 @@ class ClientSession:
             self._segment.close()
         if self._status is not None:
             self._parked = self._page = None
-            self._fenceless = False
             self._status.close()
             self._status = None
 
@@ -205,12 +202,9 @@ class ClientSession:
                 self._parked = self._page = None
                 self._status.close()
                 self._status = None
-            self._fenceless = False
             if welcome.status_page and fds:
                 self._status = StatusPage.attach(fds.pop(0))
                 self._parked = self._page = self._status.words
-                # the daemon's park fences for us when it says so and the kernel registers us
-                self._fenceless = self._status.barrier and membarrier.register()
         finally:
             for fd in fds:
                 os.close(fd)

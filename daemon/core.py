@@ -45,11 +45,7 @@ epoch it has not rung for rings the doorbell (one small frame); a client that
 sees the daemon awake (0), or an epoch it already rang, rings nothing, so a
 burst of commands costs one doorbell. A full fence sits between the store of
 ``parked`` and the re-check (and, in the client, between publishing the tail and
-reading ``parked``); a missed wake-up is still bounded by ``max_park_ms``. Where the
-kernel offers it, the daemon's fence is ``membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)``,
-which is a fence in every registered client as well, and the clients skip theirs
-(:mod:`wheeld.shm.membarrier`): one system call per park instead of a store-buffer
-drain on every push.
+reading ``parked``); a missed wake-up is still bounded by ``max_park_ms``.
 
 Delivery: a fired timer stays in the arena (state FIRED) until the client it was
 sent to acknowledges it through its ring (``ACK slot generation``), after the
@@ -139,7 +135,6 @@ class DaemonCore:
         self._parked = False  # between park() returning a time and unpark()
         self._park_until_ns = 0  # when the current park ends (the host's clock_ns)
         self._park_epoch = 0
-        self._park_fence = _full_fence  # the membarrier when the host offers one (open)
         self._last_ahead = 0
         self._last_publish = -(1 << 62)  # the first iteration publishes
         self._published = False  # the counters were published after everything this iteration wrote
@@ -204,8 +199,7 @@ class DaemonCore:
         self.held.append(HeldSegment("client table", table.segment_name, table.identity, self.host.shm))
         self._open_replication()
         self._redeliver_fired(now)
-        self._park_fence = self.host.barrier or _full_fence
-        self.status = StatusPage.create(f"wheeld-{cfg.name}-status", barrier=self.host.barrier is not None)
+        self.status = StatusPage.create(f"wheeld-{cfg.name}-status")
         self.sessions.serve(self.status, self.lock.secret)
         self._park_epoch = wheel.header_words()[AL.H_WAKE_SEQ // 8]
 
@@ -361,17 +355,7 @@ class DaemonCore:
             if coalesce_ns and timeout_ms > 0 else 0
         self._park_epoch += 1  # a new epoch: each client rings at most once per park
         hq[AL.H_WAKE_SEQ // 8] = status_words[SL.PARKED_WORD] = self._park_epoch
-        if coalesce_ns and timeout_ms * 1_000_000 <= coalesce_ns:
-            # A park that ends within the window: its quiet_from is already past, so no client
-            # rings into it, fenced or not, and a push the re-check misses waits for its end
-            # either way. The clients' side needs no barrier (a membarrier costs ~10 us when a
-            # client runs on the other core: an interrupt to it).
-            _full_fence()
-        else:
-            try:
-                self._park_fence()  # membarrier: the clients' fences too (wheeld.shm.membarrier)
-            except OSError as e:
-                self._barrier_failed(e)
+        _full_fence()
         gather = self.executor.rings_pending()
         if gather and not coalesce_ns:
             status_words[SL.PARKED_WORD] = 0
@@ -395,16 +379,6 @@ class DaemonCore:
         self._parked = True
         self._park_until_ns = wake_ns
         return wake_ns
-
-    def _barrier_failed(self, error: OSError) -> None:
-        """The kernel refused a membarrier it offered at start: fence alone from now on, and
-        tell the clients to fence again (each reads the page's word when its next session
-        opens; until then a push of theirs may find the daemon asleep: it wakes at its next
-        deadline, at most ``--max-park-ms`` later)."""
-        log.error("membarrier failed (%s); clients fence again from their next session", error)
-        self._park_fence = _full_fence
-        self.status.words[SL.BARRIER_WORD] = 0
-        _full_fence()
 
     def unpark(self) -> None:
         """The park is over (its time came, or the shell was woken)."""

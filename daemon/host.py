@@ -195,12 +195,6 @@ def _real_shm() -> SharedMemory:
     return RealShm()
 
 
-def _real_barrier() -> Callable[[], None] | None:
-    from wheeld.shm.membarrier import daemon_barrier
-
-    return daemon_barrier()
-
-
 def process_alive(pid: int) -> bool:
     """Does process ``pid`` exist? ``kill(pid, 0)``: ESRCH says it does not; EPERM (another
     uid's process) says it does. A pid this daemon cannot name (0: the client is in a pid
@@ -233,9 +227,7 @@ class Host:
     shared-memory segments and takes their locks (:class:`SharedMemory`). ``rng``
     makes labels and secrets. ``pid`` and ``euid`` are the daemon's, as its marks
     and its ownership checks use them. ``process_alive(pid)`` says whether a client's
-    process still exists (:func:`process_alive`). ``barrier`` is the park's fence when
-    the clients are to skip theirs (:func:`wheeld.shm.membarrier.barrier`), or None: the
-    daemon fences alone and the clients fence every push."""
+    process still exists (:func:`process_alive`)."""
 
     clock_ms: Callable[[], int] = clock.mono_ms
     clock_ns: Callable[[], int] = clock.mono_ns
@@ -250,7 +242,6 @@ class Host:
     euid: int = field(default_factory=os.geteuid)
     hostname: str = field(default_factory=socket.gethostname)
     process_alive: Callable[[int], bool] = process_alive
-    barrier: Callable[[], None] | None = field(default_factory=_real_barrier)
 
 
 def real_host(clock_ms: Callable[[], int] = clock.mono_ms) -> Host:

@@ -8,7 +8,7 @@ can refuse at once), and must not be able to read other groups' keys::
 
       0                               8               12                              64
       +-------------------------------+---------------+-------------------------------+
-      | magic u64 "WHLDSTAT"          | layout ver u32| barrier u64 @16 | zero        |  line 0: written once
+      | magic u64 "WHLDSTAT"          | layout ver u32| zero                          |  line 0: written once
       +-------------------------------+---------------+-------------------------------+
      64                               72                                            128
       | parked u64: park epoch, 0 awake| quiet_from u64: ns, 0 unknown | zero          |  line 1: every park
@@ -30,13 +30,6 @@ daemon zeroes it before it stores a new epoch and sets it once it knows the
 park's end (a park made shorter sets it again): a client that reads the new epoch
 reads 0 (ring) or that park's value, never an older park's. A daemon that does
 not write it leaves 0: the clients ring as before.
-
-``barrier`` is 1 when the daemon issues ``membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)``
-between its store of ``parked`` and its re-check of the rings, whenever a client may
-ring into the park
-(:mod:`wheeld.shm.membarrier`): a client registered for it may then skip its own
-store-load fence after a push. 0 (a daemon without it, or a kernel that refuses
-the call): the client fences every push.
 """
 
 from __future__ import annotations
@@ -50,7 +43,6 @@ WORD = 8
 
 HEADER = struct.Struct("<QI")
 MAGIC_OFFSET = 0
-BARRIER_OFFSET = 16
 PARKED_OFFSET = 64
 QUIET_FROM_OFFSET = 72
 CAPACITY_OFFSET = 128
@@ -58,12 +50,11 @@ PENDING_OFFSET = 136
 FIRED_UNACKED_OFFSET = 144
 
 # indices in a memoryview of the page cast to 8-byte words
-BARRIER_WORD = BARRIER_OFFSET // WORD
 PARKED_WORD = PARKED_OFFSET // WORD
 QUIET_FROM_WORD = QUIET_FROM_OFFSET // WORD
 CAPACITY_WORD = CAPACITY_OFFSET // WORD
 PENDING_WORD = PENDING_OFFSET // WORD
 FIRED_UNACKED_WORD = FIRED_UNACKED_OFFSET // WORD
 
-assert HEADER.size <= BARRIER_OFFSET < PARKED_OFFSET and PARKED_OFFSET % 64 == 0 and CAPACITY_OFFSET % 64 == 0
+assert HEADER.size <= PARKED_OFFSET and PARKED_OFFSET % 64 == 0 and CAPACITY_OFFSET % 64 == 0
 assert FIRED_UNACKED_OFFSET + WORD <= PAGE_BYTES

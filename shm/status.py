@@ -28,13 +28,11 @@ class StatusPage:
         self.words = memoryview(buf).cast("q")
 
     @classmethod
-    def create(cls, name: str, barrier: bool = False) -> StatusPage:
-        """Daemon side: a sealed page and a read-only descriptor of it to hand to clients.
-        ``barrier``: the daemon issues a membarrier at every park (``layout.BARRIER_WORD``)."""
+    def create(cls, name: str) -> StatusPage:
+        """Daemon side: a sealed page and a read-only descriptor of it to hand to clients."""
         fd = memfd.create_sealed(name, layout.PAGE_BYTES, final=False)
         buf = mmap.mmap(fd, layout.PAGE_BYTES)
         layout.HEADER.pack_into(buf, 0, layout.MAGIC, layout.LAYOUT_VERSION)
-        buf[layout.BARRIER_OFFSET : layout.BARRIER_OFFSET + layout.WORD] = int(barrier).to_bytes(layout.WORD, "little")
         memfd.seal_writes(fd)  # a client re-opening its descriptor O_RDWR still cannot write
         try:
             readonly_fd = memfd.reopen_readonly(fd)
@@ -56,11 +54,6 @@ class StatusPage:
             buf.close()
             raise ProtocolError(f"not a wheeld status page of layout {layout.LAYOUT_VERSION}")
         return cls(buf, None, None)
-
-    @property
-    def barrier(self) -> bool:
-        """Does the daemon that wrote this page issue a membarrier at every park?"""
-        return self.words[layout.BARRIER_WORD] == 1
 
     def publish(self, capacity: int, pending: int, fired_unacked: int) -> None:
         words = self.words

@@ -316,7 +316,7 @@ class FleetSimulation:
         port = Host(clock_ms=world.clock_ms, clock_ns=world.clock_ns, wall_ms=world.wall_ms,
                     wall_ns=lambda: world.wall_ms() * MS, fs=host.disk, runner=SimRunner(inline=True),
                     shm=host.shm.port(pid, 0, ()), users=SimUsers(), rng=SimRandom(host.rng), pid=pid, euid=0,
-                    hostname=host.id, process_alive=lambda p, h=host: self._process_alive(h, p), barrier=None)
+                    hostname=host.id, process_alive=lambda p, h=host: self._process_alive(h, p))
         config = dataclasses.replace(self.config, name=f"simf{self.seed}{host.id}", fleet=self._fleet_config(host))
         daemon = SimDaemon(world, port, config)
         core = daemon.core

@@ -463,8 +463,7 @@ class Simulation:
         host = Host(clock_ms=self._daemon_clock_ms, clock_ns=self.world.clock_ns, wall_ms=self.world.wall_ms,
                     wall_ns=lambda: self.world.wall_ms() * MS, fs=fs, runner=self.runner,
                     shm=self.shm.port(self.pid, DAEMON_UID, ()), users=SimUsers(), rng=SimRandom(self.rng),
-                    pid=self.pid, euid=DAEMON_UID, hostname="sim", process_alive=self._process_alive,
-                    barrier=None)  # one thread: no membarrier (the clients fence, as they may)
+                    pid=self.pid, euid=DAEMON_UID, hostname="sim", process_alive=self._process_alive)
         if self.extra:  # (plain runs, as before: the unwound code ran on)
             life.shm = host.shm
         return host
