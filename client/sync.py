@@ -277,6 +277,7 @@ def connect(socket_path: str | None = None, group: str = "default", *, ring_time
     ``socket_path``: None finds the daemon by itself (``$WHEELD_SOCKET``, else the
     default path of instance ``$WHEELD_NAME``, see :func:`wheeld.protocol.naming.default_socket_path`).
     ``ring_timeout_s``: how long a command waits for room in a full ring (then RingFull).
+    It waits asleep, until an eighth of the ring is free (or some room at the timeout).
     ``reconnect_timeout_s``: how long a lost daemon is waited for before BrokenPeer.
     ``connect_timeout_s``: how long the first handshake may take (a daemon busy starting).
     ``client_name``: shown in the daemon's log and ``wheelctl``.
