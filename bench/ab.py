@@ -31,6 +31,7 @@ FIELDS = {
     "burst daemon us/op": lambda w: w["cpu_us_per_op"]["daemon"],
     "burst clients us/op": lambda w: w["cpu_us_per_op"]["clients"],
     "steady daemon us/op": lambda w: w["steady_daemon_cpu_us_per_op"],
+    "preload adds/s": lambda w: w["preload_adds_per_s"],
     "steady daemon CPU share": lambda w: w["steady_cpu_share"]["daemon"],
     "steady recv p99 ms": lambda w: w["lateness"]["steady"]["recv"]["p99"],
 }
