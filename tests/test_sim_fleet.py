@@ -176,8 +176,8 @@ def test_the_fleet_checker_catches_what_it_is_for():
 # ---------------------------------------------------------------------- whole runs
 
 
-@pytest.mark.parametrize("seed,ops,extra,hold", regression_cases(FLEET_REGRESSIONS))
-def test_every_fleet_seed_that_ever_failed_passes(seed, ops, extra, hold):
+@pytest.mark.parametrize("seed,ops,extra,hold,cut", regression_cases(FLEET_REGRESSIONS))
+def test_every_fleet_seed_that_ever_failed_passes(seed, ops, extra, hold, cut):
     result = run_fleet_seed(seed, ops)
     assert not result.violations, _failure(seed, ops, result.violations)
     assert result.acked > 0

@@ -33,15 +33,16 @@ def _quiet():
     logging.disable(logging.NOTSET)
 
 
-def _failure(seed: int, ops: int, violations, extra: bool = True, hold: bool = True) -> str:
+def _failure(seed: int, ops: int, violations, extra: bool = True, hold: bool = True, cut: bool = True) -> str:
     shown = "\n".join(str(v)[:2000] for v in violations[:5])
-    return f"seed {seed} ({ops} ops) broke the contract:\n{shown}\nreplay: {replay_command(seed, ops, extra, hold)}"
+    return (f"seed {seed} ({ops} ops) broke the contract:\n{shown}\n"
+            f"replay: {replay_command(seed, ops, extra, hold, cut=cut)}")
 
 
-@pytest.mark.parametrize("seed,ops,extra,hold", regression_cases())
-def test_every_seed_that_ever_failed_passes(seed, ops, extra, hold):
-    result = run_seed(seed, ops, extra=extra, hold=hold)
-    assert not result.violations, _failure(seed, ops, result.violations, extra, hold)
+@pytest.mark.parametrize("seed,ops,extra,hold,cut", regression_cases())
+def test_every_seed_that_ever_failed_passes(seed, ops, extra, hold, cut):
+    result = run_seed(seed, ops, extra=extra, hold=hold, cut=cut)
+    assert not result.violations, _failure(seed, ops, result.violations, extra, hold, cut)
     assert result.acked > 0, "the seed's workers had no acknowledged arming: it checks nothing"
 
 

@@ -138,6 +138,8 @@ class Profile:
     arena_loss: float = 0.0  # per daemon crash: /dev/shm's segments removed before the restart, workers alive
     # And this one (draw_quota_hold):
     quota_hold: float = 0.0  # per honest operation: its group topped up to --group-quota with far-off timers
+    # And this one (draw_cut):
+    cut: float = 0.0  # per operation: the daemon closes an honest worker's session and runs on
 
     @classmethod
     def draw(cls, rng: random.Random) -> Profile:
@@ -192,6 +194,13 @@ class Profile:
         working = self.journal and not self.disk_fault and not self.disk_full
         self.arena_loss = rng.choice([0.0, 0.5]) if working and self.daemon_crash else 0.0
 
+    def draw_cut(self, rng: random.Random) -> None:
+        """How often the daemon closes a live honest worker's session while it runs on, from
+        ``rng``: as it does a client that stopped reading its socket (a Goodbye, its ring
+        applied without a session, what was sent to it back to its group), so that the
+        answers of that ring are made with no session to send them to."""
+        self.cut = rng.choice([0.0, 0.0, 0.003, 0.01])
+
     def draw_quota_hold(self, rng: random.Random) -> None:
         """How often a worker keeps its group at its --group-quota, from ``rng``, with arena
         losses right after library re-arms: the daemon that rebuilds the arena from the
@@ -217,7 +226,8 @@ class Profile:
                         ("shrink", self.shrink), ("disk full", self.disk_full), ("churn", self.churn),
                         ("recovery kill", self.recovery_kill), ("interleave", self.interleave),
                         ("pushes", self.pushes), ("arena loss", self.arena_loss),
-                        ("group quota", self.group_quota), ("quota hold", self.quota_hold)) if value))
+                        ("group quota", self.group_quota), ("quota hold", self.quota_hold),
+                        ("cut", self.cut)) if value))
 
 
 @dataclass
@@ -365,7 +375,7 @@ class Simulation:
     """A run of one seed (module docstring)."""
 
     def __init__(self, seed: int, ops: int = 1000, profile: Profile | None = None, trace: bool = False,
-                 extra: bool = True, hold: bool = True):
+                 extra: bool = True, hold: bool = True, cut: bool = True):
         self.seed = seed
         self.world = World(seed)
         rng = self.rng = self.world.rng
@@ -375,6 +385,7 @@ class Simulation:
         self.prng = random.Random(seed * 11_000_003 + 37)  # and which of those stores are ring records
         self.arng = random.Random(seed * 13_000_003 + 41)  # and whether a crashed daemon's arena is lost
         self.qrng = random.Random(seed * 17_000_003 + 43)  # and the groups held at their quota
+        self.crng = random.Random(seed * 19_000_003 + 47)  # and the sessions the daemon cuts
         self.extra = extra
         if profile is None:
             profile = Profile.draw(rng)
@@ -385,6 +396,8 @@ class Simulation:
                 profile.draw_arena_loss(self.arng)
                 if hold:  # (hold=False: the run as it was before draw_quota_hold)
                     profile.draw_quota_hold(self.qrng)
+                if cut:  # (cut=False: the run as it was before draw_cut)
+                    profile.draw_cut(self.crng)
         self._interleaving = 0  # clock reads of the current daemon event that may still let time pass
         self.profile = profile
         self.ops_target = ops
@@ -407,6 +420,9 @@ class Simulation:
         # the honest workers in self.workers that may still be alive, in the same order (a
         # dead worker never lives again: _prune_honest drops those found dead)
         self._honest: list[Worker] = []
+        # worker ident -> when the daemon cut its session (the client may notice only later, or
+        # never: an acknowledgement it pushes meanwhile reaches a ring the daemon already left)
+        self._cuts: dict[int, list[int]] = {}
         self._by_ident: dict[int, Worker] = {}  # every worker ever spawned, by ident
         self.next_ident = 0
         self.ops = 0
@@ -1423,6 +1439,28 @@ class Simulation:
             groups = GROUPS[: max(1, min(len(GROUPS), p.workers))]
             self.spawn(x.choice(groups), kind="churn")
             self.faults["short-lived worker started"] += 1
+        if p.cut and self.crng.random() < p.cut:
+            self._cut_session()
+
+    def _cut_session(self) -> None:
+        """The daemon closes a live honest worker's session, as it closes one that stopped
+        reading its socket (Sessions.maintain), and runs on: the worker reconnects."""
+        daemon = self.daemon
+        if daemon is None or not daemon.alive:
+            return
+        open_ones = []
+        for worker in self._honest:
+            session = self.sessions.get(id(worker.connection)) if worker.connection is not None else None
+            if worker.alive and session is not None and not session.closed and session.client is not None:
+                open_ones.append((worker, session))
+        if not open_ones:
+            return
+        worker, session = self.crng.choice(open_ones)
+        self.faults["session cut by the daemon"] += 1
+        self.note(f"the daemon cuts worker {worker.ident}'s session")
+        self._cuts.setdefault(worker.ident, []).append(self.world.now_ns)
+        self._core_call(daemon.core.sessions.close, session, "cut by the simulator (as a client that stopped reading)",
+                        True)
 
     def _disk_freed(self) -> None:
         self.disk.capacity = None
@@ -1602,7 +1640,8 @@ class Simulation:
         for worker in self.workers:
             if not worker.hostile:
                 history.ack_marks[worker.ident] = worker.client.ack_marks
-                history.session_ends[worker.ident] = worker.client.session_ends
+                history.session_ends[worker.ident] = sorted(worker.client.session_ends
+                                                            + self._cuts.get(worker.ident, []))
                 history.new_arena_welcomes[worker.ident] = worker.client.new_arena_welcomes
         self.violations += check(self.history,
                                  end - int((self.config.ack_timeout_s + self.config.resume_grace_s) * 1000) * MS,
@@ -1736,8 +1775,9 @@ def _release_fds(core) -> None:
 
 
 def run_seed(seed: int, ops: int = 1000, trace: bool = False, profile: Profile | None = None,
-             extra: bool = True, hold: bool = True) -> Result:
+             extra: bool = True, hold: bool = True, cut: bool = True) -> Result:
     """One seed's run; ``extra=False`` leaves out the newer workloads and faults (Profile.draw_extra),
     as the regression seeds found before them ran; ``hold=False`` only the groups held at their
-    quota (Profile.draw_quota_hold), likewise."""
-    return Simulation(seed, ops, profile=profile, trace=trace, extra=extra, hold=hold).run()
+    quota (Profile.draw_quota_hold), likewise; ``cut=False`` only the sessions the daemon cuts
+    (Profile.draw_cut)."""
+    return Simulation(seed, ops, profile=profile, trace=trace, extra=extra, hold=hold, cut=cut).run()
