@@ -611,11 +611,7 @@ class ClientSegment:
         tail = int(self._tail)  # (compiled, an unsigned C integer: no negative differences)
         first = max(start, tail - self._capacity, 0)
         last = min(end, tail)
-        out = []
-        for position in range(first, last):
-            offset = self._ring_offset + ((position & self._mask) << RECORD_SHIFT)
-            out.append((position, bytes(self._mm[offset : offset + RECORD.size])))
-        return out
+        return [(position, _record_bytes(self, position)) for position in range(first, last)]
 
     def _has_room(self, tail: int) -> bool:
         """Slow path of a push that found the cached head too old: reload head."""
@@ -854,7 +850,11 @@ def _keep_marks(self: ClientSegment, head: int) -> None:
         positions = np.arange(scanned, head, dtype=np.int64)
         records = self._ring[positions & mask]
         marked = positions[np.flatnonzero((records["pad"] != 0) | (records["op"] == FLUSH))].tolist()
-    for position in marked:
-        offset = self._ring_offset + ((position & self._mask) << RECORD_SHIFT)
-        self.kept_marks.append((position, bytes(self._mm[offset : offset + RECORD.size])))
+    self.kept_marks.extend((position, _record_bytes(self, position)) for position in marked)
     self._marks_scanned = head
+
+
+def _record_bytes(seg: ClientSegment, position: int) -> bytes:
+    """The 64 bytes of the record at ring ``position`` of ``seg`` (its slot, as stored now)."""
+    offset = seg._ring_offset + ((position & seg._mask) << RECORD_SHIFT)
+    return bytes(seg._mm[offset : offset + RECORD.size])

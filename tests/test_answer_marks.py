@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ring_harness import ring_executor
+from test_flush_answers import _session
 
 import wheeld
 from wheeld.core import ClientCore
-from wheeld.daemon import connection as CN
 from wheeld.daemon import executor as E
 from wheeld.protocol import commands as C
 from wheeld.protocol import framing
@@ -207,34 +207,6 @@ def test_every_refusal_code_has_a_mark():
     assert M.REJECT_CODES <= set(C.ANSWER_MARKS)
 
 
-class _Wire:
-    """The daemon's end of a connection that takes everything (the answers, as bytes)."""
-
-    def __init__(self):
-        self.data = bytearray()
-
-    def send(self, data) -> int:
-        self.data += data
-        return len(data)
-
-    def want_writable(self, wanted: bool) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _Owner:
-    def close(self, session, reason, goodbye=False):
-        raise AssertionError(f"session closed: {reason}")
-
-    def now_s(self) -> float:
-        return 0.0
-
-    def wake(self) -> None:
-        pass
-
-
 # a command: ("add", key index, deadline in range) or ("flush",)
 _COMMANDS = st.lists(st.one_of(st.tuples(st.just("add"), st.integers(0, 7), st.booleans()),
                                st.tuples(st.just("flush"))), min_size=1, max_size=40)
@@ -264,8 +236,8 @@ def test_answers_lost_at_any_point_are_read_back_exactly_once_in_ring_order(
                 else:
                     deadline = 5000 if command[2] else 1000 + MAX_DELAY_MS + 1
                     client.push((C.ADD, *encode_key(f"k{command[1]}"), deadline, seq))
-            wire = _Wire()
-            cs.session = session = CN.Session(_Owner(), wire, os.getpid(), os.getuid(), os.getgid())
+            session, wire = _session()  # a connection that takes every answer
+            cs.session = session
             session.client = cs
             while cs.segment.depth():
                 assert executor.apply_ring(cs, chunk) > 0
