@@ -34,6 +34,16 @@ same loop calling a function that does nothing, ~20-30 ns).
 * ``touch``: one idle timer's activity (keys armed with ``add_idle`` first);
 * ``add_idle``: arms an idle timer on a key that has its touch slot already.
 
+With ``--live N`` (N keys armed and left pending: ``python -m bench.client_ops --live
+200000``), the same calls on keys drawn at random among the N, as an application with N
+open connections makes them (bench/e2e.py's clients hold 100k-180k): ``add, live``
+re-arms an armed key, ``cancel, live`` cancels one (re-armed after the round, untimed),
+``loop, live`` is the empty loop over such a draw. Each row draws its own keys, so no
+row finds the keys the row before it brought into the caches; the baseline's dict holds
+the same N keys. What these rows add to the ones above is the cost of reaching a key's
+objects in memory (its ``str``, the dict slots that name it), which an in-process timer
+pays as well.
+
 Baseline, in the same child (plain Python, the same on both paths): what an
 in-process timer costs per call: a dict store of the deadline plus
 ``heapq.heappush`` of ``(deadline, key)`` (``add``), a dict pop (``cancel``),
@@ -47,6 +57,7 @@ import argparse
 import heapq
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -57,7 +68,7 @@ TOUCH_CAPACITY = 1 << 14
 DELAY_MS = 60_000
 
 
-def _child(rounds: int, batch: int) -> dict:
+def _child(rounds: int, batch: int, live: int = 0) -> dict:
     import wheeld
     from wheeld.core import ClientCore
     from wheeld.protocol import accel
@@ -154,6 +165,10 @@ def _child(rounds: int, batch: int) -> dict:
         samples["baseline touch"].append(timed(base_touch, keys))
         samples["baseline cancel"].append(timed(base_cancel, keys))
 
+    if live:
+        drained += _live_rounds(samples, rounds, batch, live, client, drain, timed, timed2, nothing,
+                                (deadlines, heap, base_add, base_cancel))
+
     doorbells = client.doorbells
     paths = accel.module_paths()
     client._closed = True
@@ -169,13 +184,52 @@ def _child(rounds: int, batch: int) -> dict:
     }
 
 
-def _run_child(pure: bool, rounds: int, batch: int) -> dict:
+def _live_rounds(samples: dict, rounds: int, batch: int, live: int, client, drain, timed, timed2, nothing,
+                 baseline: tuple) -> int:
+    """The ``--live`` rows (see the module's doc): ``live`` keys armed, then per round
+    calls on keys drawn at random among them, a fresh draw for every timed row. Returns
+    the records drained."""
+    deadlines, heap, base_add, base_cancel = baseline
+    add, cancel = client.add, client.cancel
+    rng = random.Random(7)
+    keys = [f"live-{i:07d}" for i in range(live)]
+    drained = 0
+    for start in range(0, live, batch):
+        for key in keys[start: start + batch]:
+            add(key, DELAY_MS)
+        drained += len(drain())
+    deadlines.clear()
+    heap.clear()
+    for key in keys:
+        base_add(key, DELAY_MS)
+    for name in ("loop, live", "add, live", "cancel, live", "baseline add, live", "baseline cancel, live"):
+        samples[name] = []
+    for _ in range(rounds):
+        samples["loop, live"].append(timed2(nothing, rng.sample(keys, batch), DELAY_MS))
+        samples["add, live"].append(timed2(add, rng.sample(keys, batch), DELAY_MS))
+        drained += len(drain())
+        drawn = rng.sample(keys, batch)
+        samples["cancel, live"].append(timed(cancel, drawn))
+        drained += len(drain())
+        for key in drawn:  # armed again: N live keys for the next round
+            add(key, DELAY_MS)
+        drained += len(drain())
+        samples["baseline add, live"].append(timed2(base_add, rng.sample(keys, batch), DELAY_MS))
+        drawn = rng.sample(keys, batch)
+        samples["baseline cancel, live"].append(timed(base_cancel, drawn))
+        for key in drawn:
+            base_add(key, DELAY_MS)
+    return drained
+
+
+def _run_child(pure: bool, rounds: int, batch: int, live: int = 0) -> dict:
     env = dict(os.environ)
     env.pop("WHEELD_PURE_PYTHON", None)
     if pure:
         env["WHEELD_PURE_PYTHON"] = "1"
-    out = subprocess.run([sys.executable, "-m", "bench.client_ops", "--child", "--rounds", str(rounds),
-                          "--batch", str(batch)], env=env, check=True, capture_output=True, text=True)
+    command = [sys.executable, "-m", "bench.client_ops", "--child", "--rounds", str(rounds), "--batch", str(batch),
+               "--live", str(live)]
+    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -185,19 +239,23 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--batch", type=int, default=8192)
+    parser.add_argument("--live", type=int, default=0, metavar="N",
+                        help="also time calls on keys drawn at random among N armed ones (e.g. 200000)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--out", default="client_ops", metavar="NAME", help="result name: writes NAME.json")
     add_save_option(parser)
     args = parser.parse_args(argv)
     if args.batch * 2 > RING_CAPACITY:
         parser.error(f"--batch must be at most {RING_CAPACITY // 2} (a round must fit the ring)")
     if args.child:
-        print(json.dumps(_child(args.rounds, args.batch)))
+        print(json.dumps(_child(args.rounds, args.batch, args.live)))
         return
 
     from bench.common import format_table, write_json
 
-    runs = {"compiled": _run_child(False, args.rounds, args.batch), "python": _run_child(True, args.rounds, args.batch)}
+    runs = {"compiled": _run_child(False, args.rounds, args.batch, args.live),
+            "python": _run_child(True, args.rounds, args.batch, args.live)}
     for label, run in runs.items():
         kinds = set(run["module_paths"].values())
         if kinds != {label}:
@@ -205,7 +263,10 @@ def main(argv: list[str] | None = None) -> None:
         if run["doorbells"]:
             print(f"warning: the {label} child rang the doorbell {run['doorbells']} times", file=sys.stderr)
     rows = []
-    for op in ("add", "cancel", "touch", "add_idle", "loop", "baseline add", "baseline cancel", "baseline touch"):
+    ops = ["add", "cancel", "touch", "add_idle", "loop", "baseline add", "baseline cancel", "baseline touch"]
+    if args.live:
+        ops += ["add, live", "cancel, live", "loop, live", "baseline add, live", "baseline cancel, live"]
+    for op in ops:
         row = {"op": op}
         for label, run in runs.items():
             figures = run["us_per_call"][op]
@@ -221,10 +282,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"us per call ({args.rounds} rounds of {args.batch} calls; best round, median round)")
     print(format_table(printable, columns))
     if not args.no_write:
-        path = write_json("client_ops", {
+        path = write_json(args.out, {
             "command": "python -m bench.client_ops " + " ".join(argv if argv is not None else sys.argv[1:]),
             "rounds": args.rounds,
             "batch": args.batch,
+            "live": args.live,
             "ring_capacity": RING_CAPACITY,
             "rows_us_per_call": rows,
             "runs": runs,
