@@ -37,7 +37,7 @@ def regression_cases(path: str = REGRESSIONS) -> list[tuple[int, int, bool, bool
     ops [plain] [unheld] [uncut] # why``; ``plain``: found before the newer workloads and
     faults, run without them; ``unheld``: found before the groups held at their quota, run
     without those; ``uncut``: found before the sessions the daemon cuts, run without those;
-    sim/fleet_regressions.txt: the fleet's, ``seed ops # why``)."""
+    sim/fleet_regressions.txt: the fleet's, ``seed ops [uncut] # why``)."""
     cases = []
     with open(path) as f:
         for line in f:
@@ -54,7 +54,7 @@ def _one(args: tuple):
     fleet = len(args) > 5 and args[5]
     started = time.perf_counter()
     try:
-        result = run_fleet_seed(seed, ops) if fleet else run_seed(seed, ops, extra=extra, hold=hold, cut=cut)
+        result = run_fleet_seed(seed, ops, cut=cut) if fleet else run_seed(seed, ops, extra=extra, hold=hold, cut=cut)
     except BaseException as exc:  # noqa: BLE001 - the simulator itself failed: report the seed
         text = "".join(traceback.format_exception(exc))[-2000:] if fleet else f"{type(exc).__name__}: {exc}"
         violations, faults = [f"[simulator] {text}"], Counter()
@@ -69,7 +69,8 @@ def shrink(seed: int, ops: int, extra: bool = True, hold: bool = True, fleet: bo
     low, high = 1, ops
     while low < high:
         middle = (low + high) // 2
-        result = run_fleet_seed(seed, middle) if fleet else run_seed(seed, middle, extra=extra, hold=hold, cut=cut)
+        result = (run_fleet_seed(seed, middle, cut=cut) if fleet
+                  else run_seed(seed, middle, extra=extra, hold=hold, cut=cut))
         if result.violations:
             high = middle
         else:
@@ -80,7 +81,7 @@ def shrink(seed: int, ops: int, extra: bool = True, hold: bool = True, fleet: bo
 def replay_command(seed: int, ops: int, extra: bool = True, hold: bool = True, fleet: bool = False,
                    cut: bool = True) -> str:
     if fleet:
-        return f"cd tests && python -m sim --fleet --seed {seed} --ops {ops} --trace"
+        return f"cd tests && python -m sim --fleet --seed {seed} --ops {ops}{'' if cut else ' --uncut'} --trace"
     if not extra:
         return f"cd tests && python -m sim --seed {seed} --ops {ops} --plain --trace"
     if not hold or not cut:
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         _quiet()
         started = time.perf_counter()
         if args.fleet:
-            result = run_fleet_seed(args.seed, args.ops, trace=args.trace)
+            result = run_fleet_seed(args.seed, args.ops, trace=args.trace, cut=not args.uncut)
         else:
             result = run_seed(args.seed, args.ops, trace=args.trace, extra=not args.plain, hold=not args.unheld,
                               cut=not args.uncut)

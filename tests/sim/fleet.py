@@ -101,6 +101,9 @@ class FleetProfile:
     node_crash: float = 0.0
     disk_loss: float = 0.0
     worker_crash: float = 0.0
+    # drawn apart (draw_cut), from a generator of its own: the fleet seeds found before it
+    # run as they did with cut=False
+    cut: float = 0.0  # per operation: a host's daemon closes a live worker's session and runs on
 
     @classmethod
     def draw(cls, rng: random.Random) -> FleetProfile:
@@ -124,13 +127,19 @@ class FleetProfile:
         p.worker_crash = rng.choice([0.0, 0.002])
         return p
 
+    def draw_cut(self, rng: random.Random) -> None:
+        """The rate of sessions a daemon cuts (sim/run.py's Profile.draw_cut): it closes a
+        live worker's session as it closes a client that stopped reading its socket."""
+        self.cut = rng.choice([0.0, 0.0, 0.003, 0.01])
+
     def describe(self) -> str:
         n = self.net
         rates = [(name, value) for name, value in (
             ("host loss", self.host_loss), ("pause", self.pause), ("partition", self.partition),
             ("daemon kill", self.daemon_kill), ("takeover kill", self.takeover_kill),
             ("server crash", self.node_crash), ("server disk loss", self.disk_loss),
-            ("worker crash", self.worker_crash), ("latency spike", n.spike), ("request lost", n.lose_request),
+            ("worker crash", self.worker_crash), ("session cut", self.cut),
+            ("latency spike", n.spike), ("request lost", n.lose_request),
             ("answer lost", n.lose_answer), ("no responders", n.no_responders)) if value]
         return (f"{self.hosts} hosts x {self.workers} workers, lease TTL {self.ttl_s} s, publish timeout "
                 f"{self.publish_timeout_s} s, flush timeout {self.replicate_timeout_s} s, delays <= "
@@ -251,11 +260,17 @@ class _LogCollector(logging.Handler):
 class FleetSimulation:
     """A run of one seed (module docstring)."""
 
-    def __init__(self, seed: int, ops: int = 1000, profile: FleetProfile | None = None, trace: bool = False):
+    def __init__(self, seed: int, ops: int = 1000, profile: FleetProfile | None = None, trace: bool = False,
+                 cut: bool = True):
         self.seed = seed
         self.world = World(seed)
         self.rng = self.world.rng
-        self.profile = profile or FleetProfile.draw(self.rng)
+        self.crng = random.Random(seed * 19_000_003 + 47)  # the sessions the daemons cut
+        if profile is None:
+            profile = FleetProfile.draw(self.rng)
+            if cut:  # (cut=False: the run as it was before draw_cut)
+                profile.draw_cut(self.crng)
+        self.profile = profile
         self.ops_target = ops
         self.ops = 0
         self.faults: Counter = Counter()
@@ -692,6 +707,27 @@ class FleetSimulation:
             live = [w for w in self.workers if w.alive]
             if live:
                 self.kill_worker(rng.choice(live))
+        if p.cut and self.crng.random() < p.cut:
+            self._cut_session()
+
+    def _cut_session(self) -> None:
+        """A host's daemon closes a live worker's session, as it closes one that stopped
+        reading its socket (Sessions.maintain), and runs on: the worker reconnects. What
+        the closed session held goes back to its group, as at any session's end."""
+        open_ones = []
+        for worker in self.workers:
+            host = worker.host
+            proc = self._running(host)
+            session = host.sessions.get(id(worker.connection)) if proc is not None and worker.connection else None
+            if worker.alive and session is not None and not session.closed and session.client is not None:
+                open_ones.append((worker, host, proc, session))
+        if not open_ones:
+            return
+        worker, host, proc, session = self.crng.choice(open_ones)
+        self.faults["session cut by the daemon"] += 1
+        self.note(f"host {host.id}: the daemon cuts worker {worker.ident}'s session")
+        self._core_call(host, proc, proc.daemon.core.sessions.close, session,
+                        "cut by the simulator (as a client that stopped reading)", True)
 
     # ------------------------------------------------------------------ workers
     def spawn(self, host: SimHost, group: str) -> FleetWorker:
@@ -1017,9 +1053,10 @@ class _captured_log:
         return False
 
 
-def run_fleet_seed(seed: int, ops: int = 1000, trace: bool = False, profile: FleetProfile | None = None) -> FleetResult:
-    """One seed's fleet run."""
-    sim = FleetSimulation(seed, ops, profile=profile, trace=trace)
+def run_fleet_seed(seed: int, ops: int = 1000, trace: bool = False, profile: FleetProfile | None = None,
+                   cut: bool = True) -> FleetResult:
+    """One seed's fleet run (``cut``: with the sessions the daemons cut, FleetProfile.draw_cut)."""
+    sim = FleetSimulation(seed, ops, profile=profile, trace=trace, cut=cut)
     try:
         return sim.run()
     finally:
