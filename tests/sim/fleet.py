@@ -29,7 +29,10 @@ Faults, per operation (their rates are the seed's :class:`FleetProfile`):
   costs;
 * the network: requests lost, answers lost after the request was applied, latency
   spikes of seconds (a request applied after its client gave up);
-* a worker killed (replaced by a new one).
+* a worker killed (replaced by a new one);
+* a live worker's session cut by its host's daemon, which runs on (as it cuts a client
+  that stopped reading its socket); its rate from a generator of its own
+  (:meth:`FleetProfile.draw_cut`), so ``cut=False`` runs a seed as before.
 
 Then the faults stop: the cluster is whole, partitions heal, paused daemons resume,
 every host that still serves has a live member in every group, and the clock runs past
