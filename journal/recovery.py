@@ -338,10 +338,9 @@ def _salvage_snapshot(data: bytes, path: str) -> tuple[list, list, list[BadLines
             if run is not None:
                 bad.append(BadLines(path, run[0], offset, run[1], run[2], run[3], run[4]))
                 run = None
-            kind = type(item)
-            if kind is PendingTimer:
+            if isinstance(item, PendingTimer):
                 pending.append(item)
-            elif kind is FiredTimer:
+            elif isinstance(item, FiredTimer):
                 unacked.append(item)
             elif held is None:  # the header or the end line
                 held = item.count + item.unacked
