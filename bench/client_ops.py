@@ -41,9 +41,9 @@ re-arms an armed key, ``cancel, live`` cancels one (re-armed after the round, un
 ``loop, live`` is the empty loop over such a draw. Each row draws its own keys, and
 every draw is made before the first timed round (a draw reads the keys it takes), so no
 row finds its keys in the caches because of its own draw or the row before it; the
-baseline's dict holds the same N keys. What these rows add to the ones above is the cost of reaching a key's
-objects in memory (its ``str``, the dict slots that name it), which an in-process timer
-pays as well.
+baseline's dict holds the same N keys. What these rows add to the ones above is the
+cost of reaching a key's objects in memory (its ``str``, the dict slots that name it),
+which an in-process timer pays as well.
 
 Baseline, in the same child (plain Python, the same on both paths): what an
 in-process timer costs per call: a dict store of the deadline plus
@@ -67,6 +67,7 @@ import time
 RING_CAPACITY = 1 << 16
 TOUCH_CAPACITY = 1 << 14
 DELAY_MS = 60_000
+LIVE_ROWS = ("add, live", "cancel, live", "loop, live", "baseline add, live", "baseline cancel, live")  # --live
 
 
 def _child(rounds: int, batch: int, live: int = 0) -> dict:
@@ -203,13 +204,12 @@ def _live_rounds(samples: dict, rounds: int, batch: int, live: int, client, drai
     heap.clear()
     for key in keys:
         base_add(key, DELAY_MS)
-    rows = ("loop, live", "add, live", "cancel, live", "baseline add, live", "baseline cancel, live")
-    for name in rows:
+    for name in LIVE_ROWS:
         samples[name] = []
     # Every draw made before any is timed: a draw reads the keys it takes (their reference
     # counts), so a row timed right after its own draw would find them in the caches.
-    draws = [[rng.sample(keys, batch) for _ in rows] for _ in range(rounds)]
-    for loop_keys, add_keys, cancel_keys, base_add_keys, base_cancel_keys in draws:
+    draws = [[rng.sample(keys, batch) for _ in LIVE_ROWS] for _ in range(rounds)]
+    for add_keys, cancel_keys, loop_keys, base_add_keys, base_cancel_keys in draws:
         samples["loop, live"].append(timed2(nothing, loop_keys, DELAY_MS))
         samples["add, live"].append(timed2(add, add_keys, DELAY_MS))
         drained += len(drain())
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     ops = ["add", "cancel", "touch", "add_idle", "loop", "baseline add", "baseline cancel", "baseline touch"]
     if args.live:
-        ops += ["add, live", "cancel, live", "loop, live", "baseline add, live", "baseline cancel, live"]
+        ops += LIVE_ROWS
     for op in ops:
         row = {"op": op}
         for label, run in runs.items():
